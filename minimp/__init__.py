@@ -1,0 +1,9 @@
+"""minimp: a small autograd engine with mixed precision, data and pipeline parallelism, for learning."""
+
+from minimp import functional, nn, optim
+from minimp.function import no_grad
+from minimp.precision import DynamicLossScaler, StaticLossScaler
+from minimp.tensor import Tensor
+
+__version__ = "0.1.0"
+__all__ = ["DynamicLossScaler", "StaticLossScaler", "Tensor", "functional", "nn", "no_grad", "optim"]

@@ -1,0 +1,86 @@
+"""The only place that chooses the array module: NumPy on the CPU, CuPy on a GPU (called `xp`).
+
+Every other file asks this one for `xp` instead of importing numpy or cupy for array work, so one code
+path serves both devices. The device is chosen once per process: `use_device("gpu")`, the train flag
+`--device gpu`, or the environment variable MINIMP_DEVICE=gpu.
+"""
+
+import os
+
+import numpy
+
+DEVICE_ENVIRONMENT_VARIABLE = "MINIMP_DEVICE"
+DEVICES = ("cpu", "gpu")
+
+# The one process-wide choice (like torch's default device); everything else is passed as arguments.
+_selected_device = None
+
+
+class DeviceError(RuntimeError):
+    """The requested device cannot be used (unknown name, CuPy missing, no GPU visible)."""
+
+
+def _import_cupy():
+    try:
+        import cupy
+    except ImportError as error:
+        raise DeviceError(
+            "device 'gpu' needs CuPy: pip install 'minimp[gpu]' (or the cupy build for your CUDA)"
+        ) from error
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # CuPy raises its own CUDARuntimeError without a driver
+        raise DeviceError(f"device 'gpu': CuPy is installed but CUDA is not usable ({error})") from error
+    if count < 1:
+        raise DeviceError("device 'gpu': CuPy is installed but no GPU is visible")
+    return cupy
+
+
+def use_device(name):
+    """Select 'cpu' (NumPy) or 'gpu' (CuPy) for this process; raises DeviceError when impossible."""
+    global _selected_device
+    if name not in DEVICES:
+        raise DeviceError(f"unknown device {name!r}: use one of {', '.join(DEVICES)}")
+    if name == "gpu":
+        _import_cupy()
+    _selected_device = name
+
+
+def device():
+    """The selected device: 'cpu' unless use_device('gpu') or MINIMP_DEVICE=gpu said otherwise."""
+    if _selected_device is None:
+        use_device(os.environ.get(DEVICE_ENVIRONMENT_VARIABLE, "cpu").strip().lower() or "cpu")
+    return _selected_device
+
+
+def default_xp():
+    """The array module for new arrays on the selected device."""
+    return _import_cupy() if device() == "gpu" else numpy
+
+
+def array_module(*arrays):
+    """The array module that owns these arrays: operations follow their inputs, not a global switch."""
+    for array in arrays:
+        if type(array).__module__.startswith("cupy"):
+            import cupy
+
+            return cupy
+    return numpy
+
+
+def to_device(array):
+    """Copy a host array to the selected device (a no-op on the CPU)."""
+    return default_xp().asarray(array)
+
+
+def to_numpy(array):
+    """A NumPy copy (or the array itself) on the host, whatever device holds it."""
+    if type(array).__module__.startswith("cupy"):
+        return array.get()
+    return numpy.asarray(array)
+
+
+def synchronize():
+    """Wait for queued GPU work; needed before timing or handing a buffer to MPI. No-op on the CPU."""
+    if _selected_device == "gpu":
+        _import_cupy().cuda.get_current_stream().synchronize()

@@ -1,0 +1,13 @@
+"""The op list: one Function per differentiable operation, forward and backward side by side."""
+
+from minimp.ops.elementwise import Add, Cast, Div, Exp, Log, Mul, Neg, ReLU, Sub, Tanh
+from minimp.ops.linalg import Linear, MatMul
+from minimp.ops.loss import CrossEntropy, LogSoftmax, Softmax
+from minimp.ops.normalization import LayerNorm
+from minimp.ops.reduce import Mean, Sum
+from minimp.ops.shape import Reshape, Transpose
+
+__all__ = [
+    "Add", "Cast", "CrossEntropy", "Div", "Exp", "LayerNorm", "Linear", "Log", "LogSoftmax", "MatMul",
+    "Mean", "Mul", "Neg", "ReLU", "Reshape", "Softmax", "Sub", "Sum", "Tanh", "Transpose",
+]

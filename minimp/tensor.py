@@ -1,0 +1,219 @@
+"""Tensor: an array plus the graph that made it; `backward()` walks that graph in reverse topological order."""
+
+import numpy as np
+
+from minimp import backend
+from minimp.function import no_grad  # noqa: F401  (re-exported as minimp.no_grad)
+from minimp.precision import casting
+
+
+def _as_array(data):
+    """Arrays keep their dtype; Python numbers and lists of floats become float32 (as in PyTorch)."""
+    if isinstance(data, np.generic):
+        return np.asarray(data)
+    if hasattr(data, "dtype") and hasattr(data, "shape") and hasattr(data, "view"):
+        return data  # a NumPy or CuPy array: keep it, dtype and device included
+    array = np.asarray(data)
+    if array.dtype == np.float64:
+        array = array.astype(np.float32)
+    return backend.to_device(array)
+
+
+class Tensor:
+    """An n-dimensional array that remembers how it was computed, so gradients can flow back to it."""
+
+    __array_priority__ = 100  # so `numpy_array * tensor` calls Tensor.__rmul__
+
+    def __init__(self, data, requires_grad=False):
+        self.data = _as_array(data)
+        self.grad = None
+        self.requires_grad = requires_grad
+        self.node = None  # the Function application that produced this tensor; None for leaves
+
+    # ----- array facts -------------------------------------------------------------------------------
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def ndim(self):
+        return self.data.ndim
+
+    @property
+    def size(self):
+        return self.data.size
+
+    def __len__(self):
+        return len(self.data)
+
+    def __repr__(self):
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"Tensor({backend.to_numpy(self.data)!r}, dtype={self.dtype}{grad})"
+
+    def numpy(self):
+        """The values as a NumPy array on the host."""
+        return backend.to_numpy(self.data)
+
+    def item(self):
+        return self.numpy().item()
+
+    def detach(self):
+        """The same array, cut from the graph."""
+        return Tensor(self.data)
+
+    # ----- backward ----------------------------------------------------------------------------------
+    def backward(self, grad=None):
+        """Accumulate d(self)/d(leaf) into `.grad` of every leaf that requires grad.
+
+        Reverse-mode autodiff: order the graph so each tensor comes after everything it depends on,
+        then walk it backwards, handing each node the summed gradient of its output. Intermediate
+        gradients live only in a local dict; saved arrays are released as each node finishes.
+        """
+        if not self.requires_grad:
+            raise RuntimeError("backward() on a tensor that does not require grad (no graph to walk)")
+        if grad is None:
+            if self.size != 1:
+                raise RuntimeError("backward() without a gradient needs a scalar; pass grad= for others")
+            grad = backend.array_module(self.data).ones_like(self.data)
+        grads = {id(self): grad}
+        for tensor in reversed(_topological_order(self)):
+            grad_output = grads.pop(id(tensor), None)
+            if grad_output is None:
+                continue
+            if tensor.node is None:
+                tensor.grad = grad_output if tensor.grad is None else _add(tensor.grad, grad_output)
+                continue
+            node = tensor.node
+            if node.context.saved_arrays is None:
+                raise RuntimeError("backward() through a graph already freed by an earlier backward()")
+            input_grads = node.function.backward(node.context, grad_output)
+            node.context.saved_arrays = None  # release what forward kept, as soon as it is used
+            if not isinstance(input_grads, tuple):
+                input_grads = (input_grads,)
+            for parent, parent_grad in zip(node.inputs, input_grads):
+                if parent_grad is None or not parent.requires_grad:
+                    continue
+                assert parent_grad.shape == parent.shape, (node.function.__name__, parent_grad.shape)
+                previous = grads.get(id(parent))
+                grads[id(parent)] = parent_grad if previous is None else _add(previous, parent_grad)
+
+    # ----- operators (each one a Function in minimp.ops) ---------------------------------------------
+    def _lift(self, other):
+        """A Python number takes this tensor's dtype, so `x16 * 0.5` stays float16 (as in PyTorch)."""
+        if isinstance(other, Tensor):
+            return other
+        xp = backend.array_module(self.data)
+        return Tensor(xp.asarray(other, dtype=self.dtype))
+
+    def __add__(self, other):
+        return ops.Add.apply(self, self._lift(other))
+
+    def __radd__(self, other):
+        return ops.Add.apply(self._lift(other), self)
+
+    def __sub__(self, other):
+        return ops.Sub.apply(self, self._lift(other))
+
+    def __rsub__(self, other):
+        return ops.Sub.apply(self._lift(other), self)
+
+    def __mul__(self, other):
+        return ops.Mul.apply(self, self._lift(other))
+
+    def __rmul__(self, other):
+        return ops.Mul.apply(self._lift(other), self)
+
+    def __truediv__(self, other):
+        return ops.Div.apply(self, self._lift(other))
+
+    def __rtruediv__(self, other):
+        return ops.Div.apply(self._lift(other), self)
+
+    def __matmul__(self, other):
+        return ops.MatMul.apply(self, self._lift(other))
+
+    def __rmatmul__(self, other):
+        return ops.MatMul.apply(self._lift(other), self)
+
+    def __neg__(self):
+        return ops.Neg.apply(self)
+
+    def relu(self):
+        return ops.ReLU.apply(self)
+
+    def tanh(self):
+        return ops.Tanh.apply(self)
+
+    def exp(self):
+        return ops.Exp.apply(self)
+
+    def log(self):
+        return ops.Log.apply(self)
+
+    def sum(self, axis=None, keepdims=False):
+        return ops.Sum.apply(self, axis=axis, keepdims=keepdims)
+
+    def mean(self, axis=None, keepdims=False):
+        return ops.Mean.apply(self, axis=axis, keepdims=keepdims)
+
+    def reshape(self, *shape):
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        return ops.Reshape.apply(self, shape=shape)
+
+    def transpose(self, *axes):
+        return ops.Transpose.apply(self, axes=axes or None)
+
+    @property
+    def T(self):
+        return ops.Transpose.apply(self, axes=None)
+
+    def astype(self, dtype):
+        """A differentiable cast: the gradient comes back in this tensor's dtype."""
+        return ops.Cast.apply(self, dtype=np.dtype(dtype))
+
+
+def _add(a, b):
+    """Sum two gradients, in float32 when they are stored in 16 bits."""
+    return casting.round_to(casting.widen(a) + casting.widen(b), a.dtype)
+
+
+def _topological_order(root):
+    """Every tensor reachable from root, each after all of its inputs (iterative DFS: no recursion limit)."""
+    order, visited, stack = [], set(), [(root, False)]
+    while stack:
+        tensor, inputs_done = stack.pop()
+        if inputs_done:
+            order.append(tensor)
+            continue
+        if id(tensor) in visited:
+            continue
+        visited.add(id(tensor))
+        stack.append((tensor, True))
+        if tensor.node is not None:
+            stack.extend((parent, False) for parent in tensor.node.inputs if parent.requires_grad)
+    return order
+
+
+def saved_bytes(root, exclude=()):
+    """Bytes of the arrays the graph behind root keeps for backward, each array counted once.
+
+    `exclude` lists arrays not to count (say, the parameters, which exist whether or not we train).
+    """
+    excluded = {id(array) for array in exclude}
+    seen, total = set(), 0
+    for tensor in _topological_order(root):
+        if tensor.node is None or tensor.node.context.saved_arrays is None:
+            continue
+        for array in tensor.node.context.saved_arrays:
+            if hasattr(array, "nbytes") and id(array) not in seen and id(array) not in excluded:
+                seen.add(id(array))
+                total += array.nbytes
+    return total
+
+
+from minimp import ops  # noqa: E402  (ops import Function, which imports Tensor lazily)

@@ -1,0 +1,98 @@
+"""Checkpoints: one .npz with fp32 masters under stable names, optimizer and scaler state, step and seed.
+
+Layout (readable with plain `numpy.load`, no pickle):
+  meta                        JSON text: format, step, seed, model shape, optimizer and scaler state
+  master/<parameter name>     float32 master weights, e.g. master/0.weight
+  optimizer/<name>/<slot>     float32 optimizer slots, e.g. optimizer/0.weight/exp_avg
+The batch order is a pure function of (seed, step) (minimp.data.global_batch_indices), so seed and step
+are all the random state a resume needs.
+"""
+
+import json
+import os
+import tempfile
+import zipfile
+
+import numpy as np
+
+from minimp import backend
+
+FORMAT = "minimp-checkpoint-1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, unreadable, or written for another model or run."""
+
+
+def save(path, *, step, seed, model_shape, names, optimizer, scaler):
+    """Write the checkpoint atomically: a temporary file in the same folder, then a rename."""
+    optimizer_state = optimizer.state_dict()
+    meta = {"format": FORMAT, "step": step, "seed": seed, "model": model_shape,
+            "optimizer": {"kind": type(optimizer).__name__, "step_count": optimizer_state["step_count"],
+                          "lr": optimizer_state["lr"]},
+            "scaler": scaler.state_dict()}
+    arrays = {"meta": np.array(json.dumps(meta))}
+    for name, master in zip(names, optimizer.master_weights):
+        arrays[f"master/{name}"] = backend.to_numpy(master)
+    for name, slots in zip(names, optimizer_state["slots"]):
+        for slot, value in slots.items():
+            arrays[f"optimizer/{name}/{slot}"] = backend.to_numpy(value)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            np.savez(file, **arrays)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def read(path):
+    """(meta dict, {array name: array}) from a checkpoint file, or CheckpointError saying what is wrong."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path} does not exist (check the --resume path)")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+        meta = json.loads(str(arrays.pop("meta")))
+    except (zipfile.BadZipFile, ValueError, KeyError, OSError, EOFError) as error:
+        raise CheckpointError(f"checkpoint {path} is not a readable minimp checkpoint ({error}); "
+                              "it may be truncated or not an .npz written by --save") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta, arrays
+
+
+def restore(path, *, seed, model_shape, names, optimizer, scaler):
+    """Load masters, optimizer and scaler state; returns the step the checkpoint was written after."""
+    meta, arrays = read(path)
+    if meta["model"] != model_shape:
+        saved = " ".join(f"--{k} {v}" for k, v in meta["model"].items())
+        raise CheckpointError(f"checkpoint {path} was written for a different model ({saved}); "
+                              "run with the same flags to resume it")
+    if meta["seed"] != seed:
+        raise CheckpointError(f"checkpoint {path} was trained with --seed {meta['seed']}; resume with "
+                              "the same --seed so the batch order continues")
+    kind = type(optimizer).__name__
+    if meta["optimizer"]["kind"] != kind:
+        raise CheckpointError(f"checkpoint {path} holds {meta['optimizer']['kind']} state but this run "
+                              f"uses {kind} (pass the same --optimizer)")
+    missing = [name for name in names if f"master/{name}" not in arrays]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks master weights {missing}")
+    for name, master in zip(names, optimizer.master_weights):
+        if arrays[f"master/{name}"].shape != master.shape:
+            raise CheckpointError(f"checkpoint {path}: {name} has shape {arrays[f'master/{name}'].shape}, "
+                                  f"the model expects {master.shape}")
+    optimizer.load_master_weights([backend.to_device(arrays[f"master/{name}"]) for name in names])
+    slots = [{slot: backend.to_device(arrays[f"optimizer/{name}/{slot}"])
+              for slot in optimizer.slot_names if f"optimizer/{name}/{slot}" in arrays} for name in names]
+    optimizer.load_state_dict({"step_count": meta["optimizer"]["step_count"],
+                               "lr": optimizer.lr, "slots": slots})
+    if meta["scaler"]["kind"] == scaler.state_dict()["kind"]:
+        scaler.load_state_dict(meta["scaler"])
+    return int(meta["step"])

@@ -1,0 +1,115 @@
+"""The training configuration: one dataclass, and the argparse CLI generated from it field by field."""
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A flag value that cannot work; the message says what to change."""
+
+
+def _flag(default, help, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class TrainConfig:
+    precision: str = _flag("fp16", "activation dtype; masters are always fp32",
+                           choices=("fp32", "fp16", "bf16"))
+    loss_scale: str = _flag("auto", "'dynamic', 'none' or a number; auto = dynamic for fp16, none otherwise")
+    loss_scale_growth_interval: int = _flag(2000, "clean steps before the dynamic scale doubles")
+    steps: int = _flag(500, "total number of optimizer steps (numbered from 1; a resume continues to it)")
+    batch_size: int = _flag(64, "global batch size (samples per optimizer step, over all ranks)")
+    micro_batches: int = _flag(1, "split each batch into this many micro-batches (gradient accumulation)")
+    lr: float = _flag(1e-3, "learning rate")
+    optimizer: str = _flag("adam", "optimizer updating the fp32 masters", choices=("sgd", "adam", "adamw"))
+    momentum: float = _flag(0.9, "SGD momentum")
+    weight_decay: float = _flag(0.0, "weight decay (L2 for sgd/adam, decoupled for adamw)")
+    max_grad_norm: float = _flag(0.0, "clip the unscaled gradient norm to this (0 = no clipping)")
+    seed: int = _flag(0, "seed of the initial weights and of the batch order")
+    layers: int = _flag(4, "number of hidden layers (Linear + ReLU each)")
+    hidden: int = _flag(128, "width of every hidden layer")
+    dataset: str = _flag("digits", "dataset shipped with minimp", choices=("digits",))
+    device: str = _flag("", "cpu or gpu (default: $MINIMP_DEVICE, else cpu)", choices=("", "cpu", "gpu"))
+    save: str = _flag("", "write a checkpoint (.npz) here at the end")
+    resume: str = _flag("", "continue from this checkpoint (.npz)")
+    metrics: str = _flag("", "write one JSON object per step to this .jsonl file")
+    plot: str = _flag("", "draw loss and loss scale to this .png (needs matplotlib)")
+    log_every: int = _flag(50, "print a progress line every this many steps")
+    inject_overflow: str = _flag("", "STEP:RANK: make that rank's gradients non-finite at that step")
+
+    def validate(self, world_size=1):
+        """Raise ConfigError naming the flag and the fix for the first value that cannot work."""
+        for name in ("steps", "batch_size", "micro_batches", "layers", "hidden", "log_every",
+                     "loss_scale_growth_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{_dashed(name)} must be a positive integer, got {getattr(self, name)}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"--lr must be a positive number, got {self.lr}")
+        if self.weight_decay < 0 or self.max_grad_norm < 0 or self.momentum < 0:
+            raise ConfigError("--weight-decay, --max-grad-norm and --momentum cannot be negative")
+        if self.batch_size % self.micro_batches:
+            raise ConfigError(f"--batch-size {self.batch_size} is not divisible by --micro-batches "
+                              f"{self.micro_batches} (pick a batch size that is a multiple of it)")
+        self.loss_scale_kind()
+        self.overflow_injection(world_size)
+
+    def loss_scale_kind(self):
+        """('dynamic'|'none'|'static', value) after resolving 'auto' by precision."""
+        text = self.loss_scale.strip().lower()
+        if text == "auto":
+            return ("dynamic", None) if self.precision == "fp16" else ("none", None)
+        if text in ("dynamic", "none"):
+            return text, None
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigError(f"--loss-scale must be 'dynamic', 'none' or a number, got {self.loss_scale!r}")
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"--loss-scale must be a positive finite number, got {self.loss_scale}")
+        return "static", value
+
+    def overflow_injection(self, world_size=1):
+        """(step, rank) from --inject-overflow STEP:RANK, or None."""
+        if not self.inject_overflow:
+            return None
+        try:
+            step, rank = (int(part) for part in self.inject_overflow.split(":"))
+        except ValueError:
+            raise ConfigError(f"--inject-overflow takes STEP:RANK (e.g. 5:0), got {self.inject_overflow!r}")
+        if step < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"--inject-overflow {self.inject_overflow}: step must be >= 1 and rank in "
+                              f"0..{world_size - 1}")
+        return step, rank
+
+
+def _dashed(name):
+    return name.replace("_", "-")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but its errors read `minimp.train: error: ...` like every other error of the command."""
+
+    def error(self, message):
+        self.exit(2, f"minimp.train: error: {message} (see --help)\n")
+
+
+def build_parser(prog="python -m minimp.train"):
+    """An argparse parser with one flag per TrainConfig field, its default and help shown."""
+    parser = _Parser(prog=prog, description="Train an MLP with minimp (mixed precision).",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for config_field in dataclasses.fields(TrainConfig):
+        metadata = config_field.metadata
+        parser.add_argument(f"--{_dashed(config_field.name)}", dest=config_field.name,
+                            type=config_field.type if config_field.type in (int, float) else str,
+                            default=config_field.default, help=metadata["help"],
+                            choices=metadata.get("choices"))
+    return parser
+
+
+def parse_config(argv=None):
+    """TrainConfig from command-line arguments (argparse itself rejects unknown flags and bad types)."""
+    namespace = build_parser().parse_args(argv)
+    return TrainConfig(**vars(namespace))

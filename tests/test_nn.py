@@ -1,0 +1,44 @@
+"""Modules: parameter names and order, state_dict round trips, clear errors on mismatched state."""
+
+import numpy as np
+import pytest
+
+from minimp import nn
+
+
+def mlp(rng):
+    return nn.Sequential(nn.Linear(4, 8, rng=rng), nn.ReLU(), nn.LayerNorm(8), nn.Linear(8, 2, rng=rng))
+
+
+def test_parameter_names_are_stable_and_ordered():
+    names = [name for name, _ in mlp(np.random.default_rng(0)).named_parameters()]
+    assert names == ["0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"]
+
+
+def test_linear_weight_layout_and_init_follow_pytorch():
+    layer = nn.Linear(16, 3, rng=np.random.default_rng(0))
+    assert layer.weight.shape == (3, 16) and np.abs(layer.weight.data).max() <= 1 / 4
+
+
+def test_state_dict_round_trip_and_cast():
+    source, target = mlp(np.random.default_rng(0)), mlp(np.random.default_rng(1)).to(np.float16)
+    target.load_state_dict(source.state_dict())
+    for (name, a), (_, b) in zip(source.named_parameters(), target.named_parameters()):
+        assert b.dtype == np.float16
+        np.testing.assert_array_equal(a.data.astype(np.float16), b.data, err_msg=name)
+
+
+def test_load_state_dict_names_what_does_not_fit():
+    model = mlp(np.random.default_rng(0))
+    state = dict(model.state_dict())
+    state.pop("0.bias")
+    with pytest.raises(KeyError, match=r"missing \['0.bias'\]"):
+        model.load_state_dict(state)
+    state = dict(model.state_dict(), **{"0.bias": np.zeros(5)})
+    with pytest.raises(ValueError, match="0.bias has shape"):
+        model.load_state_dict(state)
+
+
+def test_sequential_indexing_and_length():
+    model = mlp(np.random.default_rng(0))
+    assert len(model) == 4 and isinstance(model[1], nn.ReLU) and len(list(model)) == 4

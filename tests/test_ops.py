@@ -1,0 +1,113 @@
+"""Every op's backward against float64 central differences, as one table (broadcasting included)."""
+
+import numpy as np
+import pytest
+
+from minimp import Tensor
+from minimp import functional as F
+
+# (name, function of tensors, input shapes, positive inputs only)
+OPS = [
+    ("add", lambda a, b: a + b, [(3, 4), (3, 4)], False),
+    ("add broadcast row", lambda a, b: a + b, [(3, 4), (4,)], False),
+    ("add broadcast column", lambda a, b: a + b, [(3, 1), (1, 4)], False),
+    ("sub broadcast", lambda a, b: a - b, [(2, 3, 4), (3, 1)], False),
+    ("mul broadcast", lambda a, b: a * b, [(3, 4), (1, 4)], False),
+    ("div", lambda a, b: a / b, [(3, 4), (3, 4)], True),
+    ("div broadcast", lambda a, b: a / b, [(3, 4), (4,)], True),
+    ("scalar ops", lambda a: (2.0 - a) * 3.0 / 4.0 + 1.0, [(3, 4)], False),
+    ("neg", lambda a: -a, [(3, 4)], False),
+    ("exp", lambda a: a.exp(), [(3, 4)], False),
+    ("log", lambda a: a.log(), [(3, 4)], True),
+    ("tanh", lambda a: a.tanh(), [(3, 4)], False),
+    ("relu", lambda a: a.relu(), [(3, 4)], False),
+    ("sum all", lambda a: a.sum(), [(3, 4)], False),
+    ("sum axis", lambda a: a.sum(axis=0), [(3, 4)], False),
+    ("sum keepdims", lambda a: a.sum(axis=1, keepdims=True), [(3, 4)], False),
+    ("mean all", lambda a: a.mean(), [(3, 4)], False),
+    ("mean axes", lambda a: a.mean(axis=(0, 2)), [(2, 3, 4)], False),
+    ("reshape", lambda a: a.reshape(4, 3), [(3, 4)], False),
+    ("transpose", lambda a: a.T, [(3, 4)], False),
+    ("transpose axes", lambda a: a.transpose(1, 2, 0), [(2, 3, 4)], False),
+    ("matmul", lambda a, b: a @ b, [(3, 4), (4, 5)], False),
+    ("matmul batched broadcast", lambda a, b: a @ b, [(2, 3, 4), (4, 5)], False),
+    ("linear", lambda x, w, b: F.linear(x, w, b), [(5, 4), (3, 4), (3,)], False),
+    ("linear 3d input", lambda x, w, b: F.linear(x, w, b), [(2, 5, 4), (3, 4), (3,)], False),
+    ("softmax", lambda a: F.softmax(a), [(3, 5)], False),
+    ("log_softmax", lambda a: F.log_softmax(a, axis=0), [(3, 5)], False),
+    ("cross_entropy", lambda a: F.cross_entropy(a, np.array([0, 4, 2])), [(3, 5)], False),
+    ("layer_norm", lambda x, w, b: F.layer_norm(x, w, b), [(3, 6), (6,), (6,)], False),
+    ("shared input", lambda a: a * a + a, [(3, 4)], False),
+]
+
+
+def numerical_gradient(function, arrays, index, epsilon=1e-6):
+    """d(sum(function * weights))/d(arrays[index]) by central differences, in float64."""
+    grad = np.zeros_like(arrays[index])
+    for position in np.ndindex(arrays[index].shape):
+        values = []
+        for sign in (1, -1):
+            shifted = [a.copy() for a in arrays]
+            shifted[index][position] += sign * epsilon
+            values.append(function(shifted))
+        grad[position] = (values[0] - values[1]) / (2 * epsilon)
+    return grad
+
+
+@pytest.mark.parametrize("name, op, shapes, positive", OPS, ids=[row[0] for row in OPS])
+def test_backward_matches_central_differences(name, op, shapes, positive, rng):
+    arrays = [rng.standard_normal(shape) for shape in shapes]
+    if positive:
+        arrays = [np.abs(a) + 0.5 for a in arrays]
+    if name == "relu":
+        arrays[0][np.abs(arrays[0]) < 1e-3] = 0.5  # keep clear of the kink, where no derivative exists
+    weights = rng.standard_normal(op(*[Tensor(a) for a in arrays]).shape)
+
+    def scalar(values):
+        return float((op(*[Tensor(v) for v in values]).data * weights).sum())
+
+    tensors = [Tensor(a, requires_grad=True) for a in arrays]
+    output = op(*tensors)
+    assert output.dtype == np.float64, f"{name} must keep float64 in, float64 out"
+    output.backward(weights)
+    for index, tensor in enumerate(tensors):
+        expected = numerical_gradient(scalar, arrays, index)
+        assert tensor.grad is not None, f"{name}: no gradient reached input {index}"
+        assert tensor.grad.shape == tensor.shape
+        np.testing.assert_allclose(tensor.grad, expected, rtol=1e-5, atol=1e-7,
+                                   err_msg=f"{name}: input {index} gradient differs from central differences")
+
+
+@pytest.mark.parametrize("name, op, shapes, positive", OPS, ids=[row[0] for row in OPS])
+def test_float16_inputs_give_float16_outputs_and_gradients(name, op, shapes, positive, rng):
+    """A float16 graph stores float16 and hands back float16 gradients (losses excepted: float32)."""
+    arrays = [rng.standard_normal(shape).astype(np.float16) for shape in shapes]
+    if positive:
+        arrays = [(np.abs(a) + 0.5).astype(np.float16) for a in arrays]
+    tensors = [Tensor(a, requires_grad=True) for a in arrays]
+    output = op(*tensors)
+    expected_dtype = np.float32 if name == "cross_entropy" else np.float16
+    assert output.dtype == expected_dtype
+    output.backward(np.ones(output.shape, output.dtype))
+    for tensor in tensors:
+        assert tensor.grad.dtype == np.float16
+
+
+def test_matmul_rejects_vectors_with_a_clear_message():
+    with pytest.raises(ValueError, match="2 or more axes"):
+        Tensor(np.ones(3)) @ Tensor(np.ones((3, 2)))
+
+
+def test_cross_entropy_rejects_out_of_range_targets():
+    with pytest.raises(ValueError, match="targets must lie in 0..4"):
+        F.cross_entropy(Tensor(np.zeros((2, 5))), np.array([0, 5]))
+
+
+def test_cast_gradient_returns_in_the_source_dtype():
+    """x32 -> float16 copy: the float16 gradient comes back as float32, rounded values unchanged."""
+    x = Tensor(np.array([1.0, 2.0, 3.0], np.float32), requires_grad=True)
+    y = x.astype(np.float16)
+    assert y.dtype == np.float16
+    (y * 2.0).sum().backward()
+    assert x.grad.dtype == np.float32
+    np.testing.assert_array_equal(x.grad, [2.0, 2.0, 2.0])

@@ -1,0 +1,93 @@
+"""Loss scalers: the dynamic scaler's trajectory rules, hysteresis, min_scale, and state round trips."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minimp import DynamicLossScaler, StaticLossScaler
+
+
+def gradscaler_reference(found_infs, scale, growth_factor, backoff_factor, growth_interval):
+    """torch.amp.GradScaler's update rule (aten _amp_update_scale_), written out independently:
+    on inf/NaN scale *= backoff and the tracker resets; else tracker += 1 and at growth_interval the
+    scale grows (only if the grown float32 value is finite) and the tracker resets."""
+    scale, tracker, trajectory = np.float32(scale), 0, []
+    for found_inf in found_infs:
+        if found_inf:
+            scale, tracker = np.float32(scale * np.float32(backoff_factor)), 0
+        else:
+            tracker += 1
+            if tracker == growth_interval:
+                grown = np.float32(scale * np.float32(growth_factor))
+                scale = grown if np.isfinite(grown) else scale
+                tracker = 0
+        trajectory.append(float(scale))
+    return trajectory
+
+
+@given(st.lists(st.booleans(), max_size=200), st.sampled_from([2.0, 3.0, 1.5]),
+       st.sampled_from([0.5, 0.25, 0.7]), st.integers(1, 6))
+def test_dynamic_scaler_follows_gradscaler_above_min_scale(found_infs, growth, backoff, interval):
+    init = 2.0**20
+    scaler = DynamicLossScaler(init_scale=init, growth_factor=growth, backoff_factor=backoff,
+                               growth_interval=interval, min_scale=1e-30)
+    ours = []
+    for found_inf in found_infs:
+        scaler.update(found_inf)
+        ours.append(scaler.loss_scale)
+    assert ours == gradscaler_reference(found_infs, init, growth, backoff, interval)
+
+
+def test_scale_never_grows_to_a_non_finite_float32():
+    scaler = DynamicLossScaler(init_scale=2.0**127, growth_interval=1)
+    for _ in range(5):
+        scaler.update(False)
+    assert scaler.loss_scale == 2.0**127
+
+
+def test_hysteresis_tolerates_overflows_until_the_allowance_is_spent():
+    scaler = DynamicLossScaler(init_scale=1024.0, hysteresis=3, growth_interval=2)
+    scaler.update(True)
+    scaler.update(True)
+    assert scaler.loss_scale == 1024.0  # two overflows tolerated
+    scaler.update(True)
+    assert scaler.loss_scale == 512.0  # the third backs off
+    scaler.update(True)
+    assert scaler.loss_scale == 256.0  # allowance spent: every overflow backs off until a growth
+    scaler.update(False)
+    scaler.update(False)
+    assert scaler.loss_scale == 512.0  # grew, and the allowance refilled
+    scaler.update(True)
+    assert scaler.loss_scale == 512.0
+
+
+def test_min_scale_stops_shrinking_and_says_so():
+    scaler = DynamicLossScaler(init_scale=4.0, min_scale=1.0)
+    scaler.update(True)
+    scaler.update(True)
+    assert scaler.loss_scale == 1.0 and not scaler.hit_min_scale
+    scaler.update(True)
+    assert scaler.loss_scale == 1.0 and scaler.hit_min_scale
+    scaler.update(False)
+    assert not scaler.hit_min_scale
+
+
+def test_state_dict_round_trip_continues_the_same_trajectory():
+    a = DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2)
+    for flag in [False, True, False, True, True, False]:
+        a.update(flag)
+    b = DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2)
+    b.load_state_dict(a.state_dict())
+    for flag in [False, False, False, True, True]:
+        a.update(flag)
+        b.update(flag)
+        assert a.loss_scale == b.loss_scale
+
+
+def test_static_scaler_scales_and_never_changes():
+    scaler = StaticLossScaler(128.0)
+    scaler.update(True)
+    assert scaler.loss_scale == 128.0
+    with pytest.raises(ValueError):
+        StaticLossScaler(0.0)

@@ -1,0 +1,114 @@
+"""The mixed-precision step: skipped steps change nothing, unscaling is exact, masters stay float32."""
+
+import copy
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minimp import DynamicLossScaler, Tensor, nn, optim
+from minimp import functional as F
+from minimp.precision import mixed_precision_step
+
+
+def fp16_model_and_optimizer(kind, seed=0):
+    rng = np.random.default_rng(seed)
+    model = nn.Sequential(nn.Linear(6, 8, rng=rng), nn.ReLU(), nn.Linear(8, 3, rng=rng))
+    optimizer = {"sgd": lambda p: optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3),
+                 "adam": lambda p: optim.Adam(p, lr=0.01),
+                 "adamw": lambda p: optim.AdamW(p, lr=0.01)}[kind](model.parameters())
+    model.to(np.float16)
+    return model, optimizer, rng
+
+
+def backward_once(model, scaler, rng):
+    x = Tensor(rng.standard_normal((5, 6)).astype(np.float16))
+    loss = F.cross_entropy(model(x), rng.integers(0, 3, 5))
+    scaler.scale(loss).backward()
+
+
+def snapshot(model, optimizer):
+    return (copy.deepcopy([m.copy() for m in optimizer.master_weights]),
+            copy.deepcopy(optimizer.state_dict()), [p.data.copy() for p in model.parameters()])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(["sgd", "adam", "adamw"]), st.integers(0, 3), st.integers(0, 20),
+       st.sampled_from([np.inf, -np.inf, np.nan]))
+def test_a_step_with_any_non_finite_gradient_changes_nothing(kind, parameter, position, bad):
+    model, optimizer, rng = fp16_model_and_optimizer(kind)
+    scaler = DynamicLossScaler(init_scale=256.0)
+    backward_once(model, scaler, rng)
+    mixed_precision_step(optimizer, scaler)  # one real step first, so optimizer state is non-trivial
+    before = snapshot(model, optimizer)
+    backward_once(model, scaler, rng)
+    grad = model.parameters()[parameter].grad
+    grad.reshape(-1)[position % grad.size] = bad
+    result = mixed_precision_step(optimizer, scaler)
+    assert result.skipped and scaler.loss_scale == 128.0
+    after = snapshot(model, optimizer)
+    for a, b in zip(before[0], after[0]):
+        np.testing.assert_array_equal(a, b)
+    assert before[1]["step_count"] == after[1]["step_count"]
+    for slots_a, slots_b in zip(before[1]["slots"], after[1]["slots"]):
+        for name in slots_a:
+            np.testing.assert_array_equal(slots_a[name], slots_b[name])
+    for a, b in zip(before[2], after[2]):
+        np.testing.assert_array_equal(a, b)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_masters_are_float32_and_copies_are_their_rounding():
+    model, optimizer, rng = fp16_model_and_optimizer("adam")
+    scaler = DynamicLossScaler(init_scale=1024.0)
+    for _ in range(3):
+        backward_once(model, scaler, rng)
+        assert not mixed_precision_step(optimizer, scaler).skipped
+    for parameter, master in zip(model.parameters(), optimizer.master_weights):
+        assert master.dtype == np.float32 and parameter.dtype == np.float16
+        np.testing.assert_array_equal(parameter.data, master.astype(np.float16))
+
+
+def test_scaled_and_unscaled_steps_agree_in_float32():
+    """In float32 nothing underflows, so the scale must cancel exactly (it is a power of two)."""
+    results = []
+    for scale in (1.0, 2.0**12):
+        rng = np.random.default_rng(3)
+        model = nn.Sequential(nn.Linear(6, 4, rng=rng), nn.ReLU(), nn.Linear(4, 3, rng=rng))
+        optimizer = optim.SGD(model.parameters(), lr=0.1)
+        scaler = DynamicLossScaler(init_scale=scale)
+        backward_once(model, scaler, rng)
+        mixed_precision_step(optimizer, scaler)
+        results.append([m.copy() for m in optimizer.master_weights])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_gradient_clipping_bounds_the_norm():
+    rng = np.random.default_rng(0)
+    model = nn.Sequential(nn.Linear(6, 3, rng=rng))
+    optimizer = optim.SGD(model.parameters(), lr=1.0)
+    before = [m.copy() for m in optimizer.master_weights]
+    scaler = DynamicLossScaler(init_scale=1.0)
+    backward_once(model, scaler, rng)
+    result = mixed_precision_step(optimizer, scaler, max_grad_norm=1e-3)
+    moved = np.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(before, optimizer.master_weights)))
+    assert result.grad_norm > 1e-3 and moved == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_sgd_and_adam_match_their_formulas():
+    w0, g = np.float32(0.5), np.float32(0.25)
+    parameter = nn.Parameter(np.array([w0], np.float32))
+    sgd = optim.SGD([parameter], lr=0.1, momentum=0.9)
+    for _ in range(2):
+        parameter.grad = np.array([g], np.float32)
+        sgd.step()
+    # v1 = g, w1 = w0 - lr g; v2 = 0.9 g + g, w2 = w1 - lr v2
+    assert parameter.data[0] == pytest.approx(w0 - 0.1 * g - 0.1 * 1.9 * g, rel=1e-6)
+    parameter = nn.Parameter(np.array([w0], np.float32))
+    adam = optim.Adam([parameter], lr=0.01)
+    parameter.grad = np.array([g], np.float32)
+    adam.step()
+    # the first Adam step moves every weight by lr * sign(g) (bias correction makes m/sqrt(v) = 1)
+    assert parameter.data[0] == pytest.approx(w0 - 0.01, rel=1e-5)

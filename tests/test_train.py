@@ -1,0 +1,131 @@
+"""The training command end to end: accuracy, resume bit-identity, micro-batches, overflow, bad input."""
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+from conftest import MPIRUN, PYTHON
+
+from minimp.train import TrainConfig, train
+
+
+def run_command(*flags, timeout=120):
+    return subprocess.run([PYTHON, "-m", "minimp.train", *flags], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def quiet_train(**overrides):
+    config = TrainConfig(log_every=1000, **overrides)
+    config.validate()
+    return train(config, log=lambda line: None)
+
+
+def test_default_run_reaches_90_percent_test_accuracy(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    result = run_command("--metrics", str(metrics))
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r["step"] for r in records[:-1]]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) == TrainConfig().steps
+    assert set(records[0]) == {"step", "loss", "loss_scale", "skipped"}
+    assert records[-1]["test_accuracy"] >= 0.90
+    assert "test accuracy" in result.stdout
+
+
+@pytest.mark.parametrize("precision, optimizer", [("fp16", "adam"), ("fp32", "sgd"), ("bf16", "adamw")])
+def test_resume_continues_bit_identically(tmp_path, precision, optimizer):
+    common = dict(precision=precision, optimizer=optimizer, hidden=32, layers=2, batch_size=32,
+                  loss_scale_growth_interval=3, inject_overflow="4:0")
+    straight = quiet_train(steps=20, save=str(tmp_path / "straight.npz"), **common)
+    quiet_train(steps=10, save=str(tmp_path / "half.npz"), **common)
+    resumed = quiet_train(steps=20, resume=str(tmp_path / "half.npz"), save=str(tmp_path / "resumed.npz"),
+                          **common)
+    assert [r["step"] for r in resumed["history"]] == list(range(11, 21))
+    assert [r["loss"] for r in resumed["history"]] == [r["loss"] for r in straight["history"][10:]]
+    with np.load(tmp_path / "straight.npz") as a, np.load(tmp_path / "resumed.npz") as b:
+        assert sorted(a.files) == sorted(b.files)
+        for name in a.files:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_micro_batches_give_the_big_batch_result_in_fp32():
+    common = dict(precision="fp32", steps=20, hidden=32, layers=2, batch_size=64)
+    one = quiet_train(micro_batches=1, **common)["master_weights"]
+    four = quiet_train(micro_batches=4, **common)["master_weights"]
+    for name in one:
+        np.testing.assert_allclose(four[name], one[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_injected_overflow_skips_that_step_and_halves_the_scale():
+    history = quiet_train(steps=8, hidden=32, layers=2, inject_overflow="5:0")["history"]
+    assert [r["skipped"] for r in history] == [False] * 4 + [True] + [False] * 3
+    assert history[5]["loss_scale"] == history[4]["loss_scale"] / 2
+
+
+def test_bf16_trains_without_loss_scaling():
+    result = quiet_train(precision="bf16", steps=200)
+    assert all(r["loss_scale"] == 1.0 for r in result["history"])
+    assert result["test_accuracy"] >= 0.85
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the 'lessons' extra)")
+    quiet_train(steps=6, hidden=16, layers=1, inject_overflow="3:0", plot=str(tmp_path / "run.png"))
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "small.npz"
+    quiet_train(steps=2, hidden=16, layers=1, save=str(path))
+    return path
+
+
+BAD_INPUTS = [
+    (["--steps", "0"], "--steps must be a positive integer"),
+    (["--steps", "-3"], "--steps must be a positive integer"),
+    (["--lr", "0"], "--lr must be a positive number"),
+    (["--lr", "-1"], "--lr must be a positive number"),
+    (["--batch-size", "0"], "--batch-size must be a positive integer"),
+    (["--batch-size", "100000"], "larger than the training set"),
+    (["--precision", "fp8"], "invalid choice"),
+    (["--steps", "ten"], "invalid int value"),
+    (["--batch-size", "60", "--micro-batches", "7"], "not divisible by --micro-batches"),
+    (["--loss-scale", "huge"], "--loss-scale must be"),
+    (["--inject-overflow", "5"], "--inject-overflow takes STEP:RANK"),
+    (["--inject-overflow", "5:1"], "rank in 0..0"),
+    (["--resume", "/nonexistent/checkpoint.npz"], "does not exist"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_INPUTS, ids=[" ".join(f) for f, _ in BAD_INPUTS])
+def test_bad_input_is_one_clear_line_and_exit_2(flags, message):
+    result = run_command(*flags)
+    assert result.returncode == 2
+    assert result.stderr.startswith("minimp.train: error:") and message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path, small_checkpoint):
+    corrupt = tmp_path / "corrupt.npz"
+    corrupt.write_bytes(small_checkpoint.read_bytes()[:200])
+    result = run_command("--resume", str(corrupt))
+    assert result.returncode == 2 and "not a readable minimp checkpoint" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_checkpoint_of_another_model_shape_is_a_clear_error(small_checkpoint):
+    result = run_command("--resume", str(small_checkpoint), "--hidden", "16", "--layers", "2")
+    assert result.returncode == 2 and "different model (--dataset digits --layers 1 --hidden 16)" in \
+        result.stderr
+
+
+@pytest.mark.mpi
+def test_mpirun_with_several_ranks_fails_clearly_instead_of_hanging():
+    if MPIRUN is None:
+        pytest.skip("no mpirun on PATH (pip install 'minimp[mpi]')")
+    result = subprocess.run([MPIRUN, "-n", "2", PYTHON, "-m", "minimp.train"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode != 0
+    assert "trains on one process; it was started on 2 ranks" in result.stderr
