@@ -63,6 +63,16 @@ def test_injected_overflow_skips_that_step_and_halves_the_scale():
     assert history[5]["loss_scale"] == history[4]["loss_scale"] / 2
 
 
+def test_the_trainer_says_when_the_scale_is_stuck_at_its_minimum():
+    """lr 1e4 throws the fp16 weights so far that every later step overflows: the scale falls from 2^16
+    to 1 in 16 skipped steps, and the 17th overflow is reported."""
+    lines = []
+    config = TrainConfig(steps=20, lr=1e4, hidden=16, layers=2, log_every=1000)
+    result = train(config, log=lines.append)
+    assert result["history"][-1]["loss_scale"] == 1.0
+    assert any("minimum loss scale 1" in line for line in lines)
+
+
 def test_bf16_trains_without_loss_scaling():
     result = quiet_train(precision="bf16", steps=200)
     assert all(r["loss_scale"] == 1.0 for r in result["history"])

@@ -28,7 +28,7 @@ def main(argv=None):
         config.validate(world_size)
         if config.plot:
             require_matplotlib()
-        print(f"{PROGRAM}: config {config}", flush=True)
+        print(f"{PROGRAM}: {config.describe()}", flush=True)
         train(config, log=lambda line: print(line, flush=True))
     except (ConfigError, CheckpointError, DeviceError, ImportError, ValueError) as error:
         print(f"{PROGRAM}: error: {error}", file=sys.stderr, flush=True)

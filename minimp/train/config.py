@@ -56,6 +56,13 @@ class TrainConfig:
         self.loss_scale_kind()
         self.overflow_injection(world_size)
 
+    def describe(self):
+        """The resolved configuration on one line, as rank 0 prints it at start."""
+        kind, value = self.loss_scale_kind()
+        settings = dataclasses.asdict(self)
+        settings["loss_scale"] = f"{kind}" if value is None else f"static {value:g}"
+        return "config " + " ".join(f"{key}={value}" for key, value in settings.items() if value != "")
+
     def loss_scale_kind(self):
         """('dynamic'|'none'|'static', value) after resolving 'auto' by precision."""
         text = self.loss_scale.strip().lower()
