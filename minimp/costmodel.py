@@ -1,0 +1,129 @@
+"""The alpha-beta(-gamma) cost model of collectives and pipelines: predict before you measure.
+
+A message of n bytes costs alpha + n * beta (Hockney's model: alpha is the latency, 1/beta the
+bandwidth); reducing n bytes costs n * gamma. The all-reduce formulas are those of Thakur, Rabenseifner
+& Gropp, "Optimization of Collective Communication Operations in MPICH" (IJHPCA 2005), with p ranks:
+
+  ring                2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
+  naive (to root)     2(p-1) (alpha + n beta) + (p-1) n gamma
+  binomial tree       2 ceil(log2 p) (alpha + n beta) + ceil(log2 p) n gamma     (reduce + broadcast)
+  recursive doubling  ceil(log2 p) (alpha + n beta + n gamma)  (+ 2 (alpha + n beta) when p is not 2^k)
+  Rabenseifner        2 log2(p) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
+
+Bus bandwidth is nccl-tests' figure of merit: busbw = algbw * 2(p-1)/p with algbw = n / time, so a
+bandwidth-optimal all-reduce shows the link's speed whatever p is.
+"""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Network:
+    alpha: float  # seconds per message
+    beta: float  # seconds per byte on the wire
+    gamma: float = 0.0  # seconds per byte reduced
+    name: str = ""
+
+
+# Fitted on this project's 2-core machine (MPICH wheel, shared memory, minimp's Python collectives, 4
+# ranks oversubscribed on 2 cores): `mpirun -n 4 python mpirun_examples/allreduce_bench.py` prints them
+# on its "fitted:" line. alpha includes Python's per-message overhead (~10 us here).
+THIS_MACHINE = Network(alpha=50e-6, beta=1 / 4.0e9, gamma=1 / 10.5e9, name="2-core VM, MPICH shared memory")
+# A stated network for predictions at scale: 200 Gb/s InfiniBand-class links, 5 us latency, GPU reduce.
+DATACENTER = Network(alpha=5e-6, beta=1 / 25e9, gamma=1 / 1e12, name="200 Gb/s links, 5 us latency")
+
+
+def _log2_ceil(p):
+    return math.ceil(math.log2(p)) if p > 1 else 0
+
+
+def ring_allreduce_time(nbytes, p, net):
+    if p == 1:
+        return 0.0
+    share = (p - 1) / p
+    return 2 * (p - 1) * net.alpha + 2 * share * nbytes * net.beta + share * nbytes * net.gamma
+
+
+def naive_allreduce_time(nbytes, p, net):
+    return 2 * (p - 1) * (net.alpha + nbytes * net.beta) + (p - 1) * nbytes * net.gamma
+
+
+def binomial_tree_allreduce_time(nbytes, p, net):
+    rounds = _log2_ceil(p)
+    return 2 * rounds * (net.alpha + nbytes * net.beta) + rounds * nbytes * net.gamma
+
+
+def recursive_doubling_allreduce_time(nbytes, p, net):
+    rounds = int(math.floor(math.log2(p))) if p > 1 else 0
+    fold = 0.0 if p & (p - 1) == 0 else 2 * (net.alpha + nbytes * net.beta) + nbytes * net.gamma
+    return rounds * (net.alpha + nbytes * (net.beta + net.gamma)) + fold
+
+
+def rabenseifner_allreduce_time(nbytes, p, net):
+    if p == 1:
+        return 0.0
+    share = (p - 1) / p
+    return 2 * math.log2(p) * net.alpha + 2 * share * nbytes * net.beta + share * nbytes * net.gamma
+
+
+ALLREDUCE_MODELS = {
+    "ring": ring_allreduce_time,
+    "naive": naive_allreduce_time,
+    "binomial_tree": binomial_tree_allreduce_time,
+    "recursive_doubling": recursive_doubling_allreduce_time,
+    "rabenseifner": rabenseifner_allreduce_time,
+}
+
+
+def allreduce_time(algorithm, nbytes, p, network=None):
+    """Predicted seconds for one all-reduce of nbytes over p ranks."""
+    return ALLREDUCE_MODELS[algorithm](nbytes, p, network or THIS_MACHINE)
+
+
+def fastest_allreduce(nbytes, p, network=None, candidates=None):
+    """The candidate with the smallest predicted time (ties go to the earlier name)."""
+    names = candidates or tuple(ALLREDUCE_MODELS)
+    return min(names, key=lambda name: allreduce_time(name, nbytes, p, network))
+
+
+def algorithm_bandwidth(nbytes, seconds):
+    """algbw: bytes of the array divided by the time of the collective."""
+    return nbytes / seconds
+
+
+def bus_bandwidth(nbytes, seconds, p):
+    """busbw = algbw * 2(p-1)/p, as nccl-tests define it for all-reduce."""
+    return algorithm_bandwidth(nbytes, seconds) * 2 * (p - 1) / p
+
+
+def fit_alpha_beta(nbytes, seconds):
+    """(alpha, beta) of seconds = alpha + nbytes * beta by least squares on the *relative* error, so
+    a 1 KiB message and a 16 MiB one count alike; both are clipped at 0."""
+    seconds = np.asarray(seconds, float)
+    design = np.stack([np.ones(len(nbytes)), np.asarray(nbytes, float)], axis=1) / seconds[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(design, np.ones(len(seconds)), rcond=None)
+    return max(float(alpha), 0.0), max(float(beta), 0.0)
+
+
+def fit_latency_bandwidth(nbytes, seconds):
+    """(alpha, beta) from the two ends of a sweep: alpha is the time of the smallest message, beta the
+    slope to the largest. Cache effects make per-byte cost grow with size, so a straight line through
+    every point fits neither end; this one is right where each term dominates."""
+    order = np.argsort(nbytes)
+    small, large = order[0], order[-1]
+    beta = (seconds[large] - seconds[small]) / (nbytes[large] - nbytes[small])
+    return max(float(seconds[small]), 0.0), max(float(beta), 0.0)
+
+
+def prediction_table(nbytes, world_sizes, network=None):
+    """{p: {algorithm: seconds}} for one message size over many world sizes (p up to 4,096 and more)."""
+    return {p: {name: allreduce_time(name, nbytes, p, network) for name in ALLREDUCE_MODELS}
+            for p in world_sizes}
+
+
+def pipeline_bubble_fraction(stages, micro_batches):
+    """Idle share of a GPipe or 1F1B step with equal stages: (P - 1) / (M + P - 1) (Huang et al. 2019)."""
+    return (stages - 1) / (micro_batches + stages - 1)

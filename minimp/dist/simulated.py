@@ -1,0 +1,238 @@
+"""An in-process simulated MPI world: ranks are threads, every message is recorded, deadlocks are caught.
+
+`simulate(n, fn, *args)` runs fn(comm, *args) on n ranks and returns their results. The communicator has
+the same API as the real one (minimp/dist/comm.py), so the very same collective runs here, in a notebook,
+message by message, and under `mpirun`. Like MPI, a message up to `eager_limit` bytes is buffered and the
+sender goes on; a larger one waits until the receiver takes it (the rendezvous protocol). That is why a
+ring written as Send-then-Recv works for small arrays and deadlocks for large ones; here the deadlock
+raises DeadlockError saying who waits on whom, instead of hanging.
+"""
+
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from minimp.dist.comm import byte_view
+
+DEFAULT_EAGER_LIMIT = 64 * 1024  # bytes; MPICH's shared-memory eager threshold is of this order
+
+
+class DeadlockError(RuntimeError):
+    """Every live rank is blocked on a message that no rank can send."""
+
+
+@dataclass
+class Message:
+    """One point-to-point message, as recorded in the trace (ranks are world ranks)."""
+
+    sequence: int  # global order in which messages were sent
+    step: int  # the sender's own count of messages sent before this one
+    source: int
+    dest: int
+    tag: int
+    nbytes: int
+
+
+class _Envelope:
+    __slots__ = ("payload", "taken", "record")
+
+    def __init__(self, payload, record):
+        self.payload, self.taken, self.record = payload, False, record
+
+
+class SimulatedWorld:
+    """The shared state of n simulated ranks: mailboxes, the trace, who is blocked on what."""
+
+    def __init__(self, size, eager_limit=DEFAULT_EAGER_LIMIT, timeout=60.0):
+        if size < 1:
+            raise ValueError(f"a world needs at least one rank, got {size}")
+        self.size, self.eager_limit, self.timeout = size, eager_limit, timeout
+        self.condition = threading.Condition()
+        self.mailboxes = defaultdict(deque)  # (context, source, dest, tag) -> envelopes in send order
+        self.collectives = {}  # (context, call number) -> {rank: contribution}
+        self.waiting = {}  # world rank -> (description, predicate)
+        self.finished = {}  # world rank -> "returned" or "raised ..."
+        self.trace = []
+        self.sends_by_rank = [0] * size
+        self.deadlock = None
+
+    # Called with the condition held by every blocking operation.
+    def block_until(self, rank, predicate, description):
+        deadline = time.monotonic() + self.timeout
+        while not predicate():
+            if self.deadlock:
+                raise DeadlockError(self.deadlock)
+            self.waiting[rank] = (description, predicate)
+            self._detect_deadlock()
+            if self.deadlock:
+                self.waiting.pop(rank, None)
+                raise DeadlockError(self.deadlock)
+            if time.monotonic() > deadline:
+                self.waiting.pop(rank, None)
+                raise TimeoutError(f"rank {rank} waited {self.timeout:g} s to {description}")
+            self.condition.wait(timeout=0.2)
+        self.waiting.pop(rank, None)
+
+    def _detect_deadlock(self):
+        if self.deadlock:
+            return  # keep the first diagnosis: later ones only list ranks that died of it
+        live = [rank for rank in range(self.size) if rank not in self.finished]
+        if not all(rank in self.waiting for rank in live):
+            return
+        if any(predicate() for _, predicate in (self.waiting[rank] for rank in live)):
+            return
+        lines = [f"rank {rank} waits to {self.waiting[rank][0]}" for rank in live]
+        lines += [f"rank {rank} has {how}" for rank, how in sorted(self.finished.items())]
+        self.deadlock = "deadlock: " + "; ".join(lines)
+        self.condition.notify_all()
+
+    def run(self, fn, *args):
+        """Run fn(comm, *args) on every rank; results in rank order, or the first rank's exception."""
+        results, errors = [None] * self.size, {}
+
+        def body(rank):
+            try:
+                results[rank] = fn(SimulatedCommunicator(self, rank, list(range(self.size)), ()), *args)
+                how = "returned"
+            except BaseException as error:  # noqa: BLE001 - reported to the caller below
+                errors[rank] = error
+                how = f"exited with {type(error).__name__}: {error}"
+            with self.condition:
+                self.finished[rank] = how
+                self._detect_deadlock()
+                self.condition.notify_all()
+
+        threads = [threading.Thread(target=body, args=(rank,), name=f"rank{rank}", daemon=True)
+                   for rank in range(self.size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            # Report a rank's own failure before the deadlocks it caused in the others.
+            first = min(errors, key=lambda r: (isinstance(errors[r], DeadlockError), r))
+            raise errors[first]
+        return results
+
+
+class SimulationResults(list):
+    """The ranks' return values, in rank order, with the message trace attached as `.trace`."""
+
+    trace = ()
+
+
+def simulate(size, fn, *args, eager_limit=DEFAULT_EAGER_LIMIT, timeout=60.0):
+    """Run fn(comm, *args) on `size` in-process ranks; returns their results (with `.trace`)."""
+    world = SimulatedWorld(size, eager_limit=eager_limit, timeout=timeout)
+    results = SimulationResults(world.run(fn, *args))
+    results.trace = world.trace
+    return results
+
+
+class SimulatedCommunicator:
+    """A rank's view of a SimulatedWorld, or of a group split from it; same API as MPICommunicator."""
+
+    def __init__(self, world, rank, members, context):
+        self.world, self.members, self.context = world, members, context
+        self.rank, self.size = rank, len(members)  # rank within this group
+        self.world_rank = members[rank]
+        self.bytes_sent = 0
+        self.messages_sent = 0
+        self._collective_calls = 0
+
+    def __repr__(self):
+        return f"SimulatedCommunicator(rank={self.rank}, size={self.size})"
+
+    def _post(self, array, dest, tag):
+        """Put a copy of the bytes in dest's mailbox (under the lock); returns the envelope."""
+        world, payload = self.world, byte_view(np.ascontiguousarray(array)).copy()
+        source, target = self.world_rank, self.members[dest]
+        record = Message(len(world.trace), world.sends_by_rank[source], source, target, tag, payload.nbytes)
+        world.sends_by_rank[source] += 1
+        world.trace.append(record)
+        envelope = _Envelope(payload, record)
+        world.mailboxes[(self.context, source, target, tag)].append(envelope)
+        world.condition.notify_all()
+        self.bytes_sent += payload.nbytes
+        self.messages_sent += 1
+        return envelope
+
+    def _await_delivery(self, envelope, dest):
+        """Large messages wait for the receiver (rendezvous); small ones were buffered (eager)."""
+        if envelope.payload.nbytes > self.world.eager_limit:
+            self.world.block_until(self.world_rank, lambda: envelope.taken,
+                                   f"send {envelope.payload.nbytes} bytes to rank {self.members[dest]} "
+                                   "(rendezvous: needs a matching receive)")
+
+    def _take(self, array, source, tag):
+        box = self.world.mailboxes[(self.context, self.members[source], self.world_rank, tag)]
+        self.world.block_until(self.world_rank, lambda: bool(box),
+                               f"receive from rank {self.members[source]} (tag {tag})")
+        envelope = box.popleft()
+        envelope.taken = True
+        self.world.condition.notify_all()
+        target = byte_view(array)
+        if envelope.payload.nbytes != target.nbytes:
+            raise ValueError(f"received {envelope.payload.nbytes} bytes from rank {self.members[source]} "
+                             f"into a {target.nbytes}-byte buffer: the ranks disagree on the array's "
+                             "length or dtype")
+        target[...] = envelope.payload
+
+    def send(self, array, dest, tag=0):
+        with self.world.condition:
+            self._await_delivery(self._post(array, dest, tag), dest)
+
+    def recv(self, array, source, tag=0):
+        with self.world.condition:
+            self._take(array, source, tag)
+
+    def sendrecv(self, send_array, dest, recv_array, source, tag=0):
+        with self.world.condition:
+            envelope = self._post(send_array, dest, tag)
+            self._take(recv_array, source, tag)
+            self._await_delivery(envelope, dest)
+
+    def bcast(self, array, root=0):
+        """Root sends to every other rank (a linear broadcast: simple to read in a trace)."""
+        if self.rank == root:
+            for dest in range(self.size):
+                if dest != root:
+                    self.send(array, dest, tag=-1)
+        else:
+            self.recv(array, root, tag=-1)
+
+    def _collective(self, contribution):
+        """Every rank of the group hands in a contribution; all get the dict of all of them."""
+        world = self.world
+        key = (self.context, self._collective_calls)
+        self._collective_calls += 1
+        with world.condition:
+            entry = world.collectives.setdefault(key, {})
+            entry[self.rank] = contribution
+            world.condition.notify_all()
+            world.block_until(self.world_rank, lambda: len(entry) == self.size,
+                              f"join a collective of {self.size} ranks")
+            return dict(entry)
+
+    def allreduce_scalars(self, values, op="max"):
+        reducer = {"max": np.max, "min": np.min, "sum": np.sum}[op]
+        contributions = self._collective(np.asarray(values, dtype=np.float64).copy())
+        return reducer(np.stack([contributions[r] for r in range(self.size)]), axis=0)
+
+    def barrier(self):
+        self._collective(None)
+
+    def split(self, color, key=0):
+        """Same semantics as MPI_Comm_split: one group per color, ranked by (key, old rank)."""
+        contributions = self._collective((color, key))
+        group = sorted((k, r) for r, (c, k) in contributions.items() if c == color)
+        members = [self.members[r] for _, r in group]
+        rank = [r for _, r in group].index(self.rank)
+        return SimulatedCommunicator(self.world, rank, members, self.context + ((self._collective_calls,
+                                                                                color),))
+
+    def abort(self, code=1):
+        raise SystemExit(code)

@@ -1,0 +1,105 @@
+"""Benchmark: minimp's all-reduce algorithms against MPI.Allreduce on the same buffers, in the same run.
+
+    mpirun -n 4 python mpirun_examples/allreduce_bench.py            # table, 4 KiB .. 64 MiB
+    mpirun -n 2 python mpirun_examples/allreduce_bench.py --json     # one JSON object for machines
+    mpirun -n 4 python mpirun_examples/allreduce_bench.py --max-mib 4 --repeats 5
+
+Each time is the slowest rank's, median of --repeats runs after a warm-up. It also fits the cost model's
+alpha and beta from timed Sendrecv steps and gamma from timed reductions on this machine, then prints the
+model's ring prediction beside the measured ring time.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from minimp import costmodel, dist
+from minimp.dist.ring import reduce_into
+
+ALGORITHMS = ("ring", "naive", "recursive_doubling", "auto")
+
+
+def timed(comm, function, repeats):
+    """Median over repeats of the slowest rank's seconds for function()."""
+    function()
+    samples = []
+    for _ in range(repeats):
+        MPI.COMM_WORLD.Barrier()
+        start = MPI.Wtime()
+        function()
+        elapsed = MPI.Wtime() - start
+        samples.append(comm.allreduce_scalars([elapsed], op="max")[0])
+    return statistics.median(samples)
+
+
+def fit_network(comm, sizes, repeats):
+    """alpha and beta from ring-neighbour Sendrecv steps, gamma from in-place float32 reductions, both
+    timed at the chunk sizes (bytes / p) that the ring all-reduce moves for the benchmark's sizes."""
+    chunks = sorted({max(nbytes // comm.size // 4 * 4, 4) for nbytes in sizes})
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    message_seconds, reduce_seconds = [], []
+    for nbytes in chunks:
+        outgoing, incoming = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
+        message_seconds.append(timed(comm, lambda: comm.sendrecv(outgoing, right, incoming, left), repeats))
+        reduce_seconds.append(timed(comm, lambda: reduce_into(incoming, outgoing, "sum"), repeats))
+    alpha, beta = costmodel.fit_latency_bandwidth(chunks, message_seconds)
+    reduce_overhead, gamma = costmodel.fit_latency_bandwidth(chunks, reduce_seconds)
+    # The ring reduces in half of its 2(p - 1) steps: that fixed cost joins the per-message latency.
+    return costmodel.Network(alpha=alpha + reduce_overhead / 2, beta=beta, gamma=gamma,
+                             name="fitted in this run")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="minimp all-reduce vs MPI.Allreduce")
+    parser.add_argument("--min-kib", type=int, default=4)
+    parser.add_argument("--max-mib", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    comm = dist.world()
+    p = comm.size
+    sizes, nbytes = [], args.min_kib * 1024
+    while nbytes <= args.max_mib * 2**20:
+        sizes.append(nbytes)
+        nbytes *= 4
+    network = fit_network(comm, sizes, args.repeats) if p > 1 else costmodel.THIS_MACHINE
+    rows = []
+    for nbytes in sizes:
+        x = np.random.default_rng(comm.rank).uniform(-1, 1, nbytes // 4).astype(np.float32)
+        out = np.empty_like(x)
+        repeats = max(3, args.repeats if nbytes <= 2**22 else args.repeats // 2)
+        row = {"bytes": nbytes, "mpi": timed(comm, lambda: MPI.COMM_WORLD.Allreduce(x, out, op=MPI.SUM),
+                                             repeats)}
+        for algorithm in ALGORITHMS:  # the same reused output buffer that MPI gets
+            row[algorithm] = timed(comm, lambda: dist.allreduce(comm, x, algorithm=algorithm, out=out),
+                                   repeats)
+        row["auto_choice"] = dist.choose_algorithm(nbytes, p)
+        row["ring_predicted"] = costmodel.ring_allreduce_time(nbytes, p, network)
+        row["ring_predicted_default"] = costmodel.ring_allreduce_time(nbytes, p, costmodel.THIS_MACHINE)
+        rows.append(row)
+    if comm.rank != 0:
+        return 0
+    report = {"ranks": p, "network": vars(network), "rows": rows}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"all-reduce of float32 on {p} ranks (slowest rank, median); times in ms; ratio = time / MPI's")
+    print(f"fitted: alpha {network.alpha * 1e6:.1f} us, 1/beta {1 / max(network.beta, 1e-30) / 1e9:.2f} GB/s, "
+          f"1/gamma {1 / max(network.gamma, 1e-30) / 1e9:.2f} GB/s")
+    header = f"{'size':>9} {'MPI':>8}" + "".join(f" {a:>19}" for a in ALGORITHMS)
+    print(header + f" {'busbw ring':>11} {'model/ring':>10}")
+    for row in rows:
+        size = f"{row['bytes'] // 1024} KiB" if row["bytes"] < 2**20 else f"{row['bytes'] // 2**20} MiB"
+        cells = "".join(f" {row[a] * 1e3:8.3f} ({row[a] / row['mpi']:5.2f}x)" for a in ALGORITHMS)
+        busbw = costmodel.bus_bandwidth(row["bytes"], row["ring"], p) / 1e9 if p > 1 else float("nan")
+        print(f"{size:>9} {row['mpi'] * 1e3:8.3f}{cells} {busbw:8.2f} GB/s "
+              f"{row['ring_predicted'] / row['ring']:9.2f}  auto={row['auto_choice']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(dist.run_or_abort(main))

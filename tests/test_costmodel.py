@@ -1,0 +1,55 @@
+"""The cost model: formulas at their limits, the algorithm switch, bus bandwidth, and fitting."""
+
+import numpy as np
+import pytest
+
+from minimp import costmodel
+from minimp.costmodel import Network
+
+NET = Network(alpha=1e-5, beta=1e-9, gamma=5e-10)
+
+
+def test_one_rank_costs_nothing_for_bandwidth_optimal_algorithms():
+    assert costmodel.ring_allreduce_time(1e6, 1, NET) == 0.0
+
+
+def test_ring_bandwidth_term_tends_to_twice_the_message():
+    big = 1e9
+    for p in (2, 64, 4096):
+        time = costmodel.ring_allreduce_time(big, p, Network(alpha=0.0, beta=1e-9))
+        assert time == pytest.approx(2 * (p - 1) / p * big * 1e-9)
+
+
+def test_small_messages_prefer_recursive_doubling_and_large_ones_the_ring():
+    assert costmodel.fastest_allreduce(8, 64, NET, ("ring", "recursive_doubling")) == "recursive_doubling"
+    assert costmodel.fastest_allreduce(1e9, 64, NET, ("ring", "recursive_doubling")) == "ring"
+
+
+def test_rabenseifner_beats_ring_latency_at_scale():
+    assert costmodel.rabenseifner_allreduce_time(1e6, 4096, NET) < costmodel.ring_allreduce_time(1e6, 4096, NET)
+
+
+def test_bus_bandwidth_follows_nccl_tests():
+    assert costmodel.bus_bandwidth(1e9, 1.0, 4) == pytest.approx(1.5e9)
+
+
+def test_fit_recovers_alpha_and_beta():
+    sizes = np.array([1e3, 1e4, 1e5, 1e6])
+    alpha, beta = costmodel.fit_alpha_beta(sizes, 2e-5 + sizes * 3e-10)
+    assert alpha == pytest.approx(2e-5) and beta == pytest.approx(3e-10)
+
+
+def test_predictions_reach_4096_ranks():
+    table = costmodel.prediction_table(64 * 2**20, [2, 1024, 4096], costmodel.DATACENTER)
+    assert set(table) == {2, 1024, 4096} and set(table[4096]) == set(costmodel.ALLREDUCE_MODELS)
+
+
+def test_bubble_fraction():
+    assert costmodel.pipeline_bubble_fraction(4, 1) == 0.75
+    assert costmodel.pipeline_bubble_fraction(1, 8) == 0.0
+
+
+def test_two_point_fit_takes_latency_from_the_smallest_and_slope_to_the_largest():
+    sizes = np.array([1e3, 1e5, 1e7])
+    alpha, beta = costmodel.fit_latency_bandwidth(sizes, np.array([1e-5, 5e-5, 4e-3]))
+    assert alpha == 1e-5 and beta == pytest.approx((4e-3 - 1e-5) / (1e7 - 1e3))

@@ -1,0 +1,50 @@
+"""minimp.dist under real MPI: mpirun subprocesses with a timeout (each launch takes a few seconds)."""
+
+import os
+import subprocess
+import time
+
+import pytest
+from conftest import MPIRUN, PYTHON
+
+pytestmark = [pytest.mark.mpi,
+              pytest.mark.skipif(MPIRUN is None, reason="no mpirun on PATH (pip install 'minimp[mpi]')")]
+PROGRAMS = os.path.join(os.path.dirname(__file__), "mpi_programs")
+
+
+def mpirun(ranks, program, *args, timeout=120):
+    command = [MPIRUN, "-n", str(ranks), PYTHON, os.path.join(PROGRAMS, program), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_every_algorithm_agrees_with_mpi_allreduce(ranks):
+    result = mpirun(ranks, "check_allreduce.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("agree with MPI.Allreduce") == ranks
+
+
+def test_a_rank_that_raises_aborts_the_job_within_seconds():
+    start = time.monotonic()
+    result = mpirun(3, "one_rank_raises.py", timeout=60)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 30
+    assert "[rank 1]" in result.stderr and "injected failure on rank 1" in result.stderr
+
+
+def test_mismatched_lengths_are_reported_on_every_rank():
+    result = mpirun(3, "mismatched_lengths.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("ranks disagree on the array") == 3
+
+
+def test_the_examples_run(tmp_path):
+    examples = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples")
+    ring = subprocess.run([MPIRUN, "-n", "3", PYTHON, os.path.join(examples, "ring_allreduce.py")],
+                          capture_output=True, text=True, timeout=120)
+    assert ring.returncode == 0 and ring.stdout.count("-> [3.0, 3.0, 3.0, 3.0, 3.0, 3.0]") == 3
+    bench = subprocess.run([MPIRUN, "-n", "2", PYTHON, os.path.join(examples, "allreduce_bench.py"),
+                            "--max-mib", "1", "--repeats", "3", "--json"],
+                           capture_output=True, text=True, timeout=120)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    assert '"ranks": 2' in bench.stdout and '"ring_predicted"' in bench.stdout
