@@ -84,3 +84,19 @@ def synchronize():
     """Wait for queued GPU work; needed before timing or handing a buffer to MPI. No-op on the CPU."""
     if _selected_device == "gpu":
         _import_cupy().cuda.get_current_stream().synchronize()
+
+
+def available_cores():
+    """CPU cores this process may run on (the affinity mask, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def limit_cpu_threads(threads):
+    """Cap BLAS/OpenMP threads of this process (threadpoolctl). Several MPI ranks on one machine each
+    starting a thread per core would fight over the cores; returns the limiter (keep it alive)."""
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=max(1, int(threads)))

@@ -98,9 +98,13 @@ class Optimizer:
     def load_master_weights(self, arrays):
         """Set the masters (float32) and round them into the parameters."""
         for index, array in enumerate(arrays):
-            master = self.master_weights[index]
+            self.load_master_weights_at(index, array)
+
+    def load_master_weights_at(self, index, array):
+        master = self.master_weights[index]
+        if array is not master:
             master[...] = array
-            self._write_back(index)
+        self._write_back(index)
 
 
 def _owned(array):

@@ -28,7 +28,8 @@ def test_default_run_reaches_90_percent_test_accuracy(tmp_path):
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r["step"] for r in records[:-1]]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) == TrainConfig().steps
-    assert set(records[0]) == {"step", "loss", "loss_scale", "skipped"}
+    assert {"step", "loss", "loss_scale", "skipped", "compute_seconds", "communication_seconds",
+            "bytes_sent"} <= set(records[0])
     assert records[-1]["test_accuracy"] >= 0.90
     assert "test accuracy" in result.stdout
 
@@ -129,13 +130,3 @@ def test_checkpoint_of_another_model_shape_is_a_clear_error(small_checkpoint):
     result = run_command("--resume", str(small_checkpoint), "--hidden", "16", "--layers", "2")
     assert result.returncode == 2 and "different model (--dataset digits --layers 1 --hidden 16)" in \
         result.stderr
-
-
-@pytest.mark.mpi
-def test_mpirun_with_several_ranks_fails_clearly_instead_of_hanging():
-    if MPIRUN is None:
-        pytest.skip("no mpirun on PATH (pip install 'minimp[mpi]')")
-    result = subprocess.run([MPIRUN, "-n", "2", PYTHON, "-m", "minimp.train"], capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode != 0
-    assert "trains on one process; it was started on 2 ranks" in result.stderr

@@ -106,6 +106,16 @@ class MPICommunicator:
     def barrier(self):
         self._comm.Barrier()
 
+    def ranks_on_this_node(self):
+        """How many ranks of this communicator share this machine (MPI_COMM_TYPE_SHARED)."""
+        from mpi4py import MPI
+
+        local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            return local.Get_size()
+        finally:
+            local.Free()
+
     def split(self, color, key=0):
         """Sub-communicators: ranks with the same color form one, ordered by key (then old rank)."""
         return MPICommunicator(self._comm.Split(color, key))

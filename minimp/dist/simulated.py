@@ -225,6 +225,10 @@ class SimulatedCommunicator:
     def barrier(self):
         self._collective(None)
 
+    def ranks_on_this_node(self):
+        """Simulated ranks are threads sharing one process (and its BLAS thread pool): count one."""
+        return 1
+
     def split(self, color, key=0):
         """Same semantics as MPI_Comm_split: one group per color, ranked by (key, old rank)."""
         contributions = self._collective((color, key))

@@ -38,16 +38,20 @@ def mixed_precision_step(optimizer, loss_scaler, max_grad_norm=None, reduce_grad
                          reduce_found_inf=None):
     """Finish a step whose (scaled) backward passes are done; returns a StepResult.
 
-    reduce_gradients(list of float32 arrays) and reduce_found_inf(bool) -> bool are the hooks data and
-    pipeline parallelism use to sum gradients and to make the skip decision the same on every rank.
+    reduce_found_inf(bool) -> bool and reduce_gradients(list of float32 arrays) are the hooks data and
+    pipeline parallelism use: first every rank learns whether any rank overflowed (then all skip, and
+    no gradient is sent), else the gradients are averaged across replicas.
     """
     optimizer.accumulate_gradients()
     gradients = optimizer.master_gradients
-    if reduce_gradients is not None:
-        reduce_gradients(gradients)
     found_inf = not all_finite(gradients)
     if reduce_found_inf is not None:
         found_inf = bool(reduce_found_inf(found_inf))
+    if not found_inf and reduce_gradients is not None:
+        reduce_gradients(gradients)
+        # A float16 wire can overflow in the sum. The reduced gradients are bit-identical on every
+        # rank, so this second check is the same decision everywhere without another message.
+        found_inf = not all_finite(gradients)
     loss_scale = loss_scaler.loss_scale
     if found_inf:
         optimizer.zero_grad()

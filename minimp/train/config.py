@@ -39,6 +39,18 @@ class TrainConfig:
     plot: str = _flag("", "draw loss and loss scale to this .png (needs matplotlib)")
     log_every: int = _flag(50, "print a progress line every this many steps")
     inject_overflow: str = _flag("", "STEP:RANK: make that rank's gradients non-finite at that step")
+    threads: int = _flag(0, "BLAS threads per rank (0 = this machine's cores / its ranks)")
+    dp: int = _flag(0, "data-parallel replicas (0 = every rank of the job)")
+    bucket_mb: float = _flag(25.0, "gradient bucket size in MiB for the data-parallel all-reduce")
+    grad_comm_dtype: str = _flag("fp32", "dtype of gradients on the wire", choices=("fp32", "fp16"))
+    grad_average: str = _flag("before", "divide by the number of replicas before or after the all-reduce",
+                              choices=("before", "after"))
+    check_replicas: int = _flag(0, "every this many steps, compare the replicas' weights (0 = never)")
+    inject_fault: str = _flag("", "STEP:RANK: raise an error on that rank at that step (see a failure)")
+
+    def replicas(self, world_size):
+        """The resolved --dp: every rank of the job unless given."""
+        return self.dp or world_size
 
     def validate(self, world_size=1):
         """Raise ConfigError naming the flag and the fix for the first value that cannot work."""
@@ -50,11 +62,23 @@ class TrainConfig:
             raise ConfigError(f"--lr must be a positive number, got {self.lr}")
         if self.weight_decay < 0 or self.max_grad_norm < 0 or self.momentum < 0:
             raise ConfigError("--weight-decay, --max-grad-norm and --momentum cannot be negative")
-        if self.batch_size % self.micro_batches:
-            raise ConfigError(f"--batch-size {self.batch_size} is not divisible by --micro-batches "
-                              f"{self.micro_batches} (pick a batch size that is a multiple of it)")
+        if self.dp < 0 or self.threads < 0 or self.check_replicas < 0 or not self.bucket_mb > 0:
+            raise ConfigError("--dp, --threads and --check-replicas cannot be negative, --bucket-mb must be positive")
+        dp = self.replicas(world_size)
+        if dp != world_size:
+            raise ConfigError(f"--dp {dp} does not match the {world_size} ranks of this job "
+                              f"(use --dp {world_size}, or start {dp} ranks with mpirun -n {dp})")
+        if self.batch_size % dp:
+            raise ConfigError(f"--batch-size {self.batch_size} is not divisible by the {dp} data-parallel "
+                              f"replicas (use a multiple of {dp})")
+        local = self.batch_size // dp
+        if local % self.micro_batches:
+            raise ConfigError(f"each replica's batch of {local} is not divisible by --micro-batches "
+                              f"{self.micro_batches} (pick a batch size that is a multiple of "
+                              f"{dp * self.micro_batches})")
         self.loss_scale_kind()
         self.overflow_injection(world_size)
+        self.fault_injection(world_size)
 
     def describe(self):
         """The resolved configuration on one line, as rank 0 prints it at start."""
@@ -80,16 +104,23 @@ class TrainConfig:
 
     def overflow_injection(self, world_size=1):
         """(step, rank) from --inject-overflow STEP:RANK, or None."""
-        if not self.inject_overflow:
-            return None
-        try:
-            step, rank = (int(part) for part in self.inject_overflow.split(":"))
-        except ValueError:
-            raise ConfigError(f"--inject-overflow takes STEP:RANK (e.g. 5:0), got {self.inject_overflow!r}")
-        if step < 1 or not 0 <= rank < world_size:
-            raise ConfigError(f"--inject-overflow {self.inject_overflow}: step must be >= 1 and rank in "
-                              f"0..{world_size - 1}")
-        return step, rank
+        return _step_and_rank("--inject-overflow", self.inject_overflow, world_size)
+
+    def fault_injection(self, world_size=1):
+        """(step, rank) from --inject-fault STEP:RANK, or None."""
+        return _step_and_rank("--inject-fault", self.inject_fault, world_size)
+
+
+def _step_and_rank(flag, text, world_size):
+    if not text:
+        return None
+    try:
+        step, rank = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"{flag} takes STEP:RANK (e.g. 5:0), got {text!r}") from None
+    if step < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"{flag} {text}: step must be >= 1 and rank in 0..{world_size - 1}")
+    return step, rank
 
 
 def _dashed(name):
@@ -97,15 +128,20 @@ def _dashed(name):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but its errors read `minimp.train: error: ...` like every other error of the command."""
+    """argparse, but its errors read `minimp.train: error: ...` like every other error of the command,
+    and under mpirun only rank 0 prints them (every rank still exits with status 2)."""
+
+    def __init__(self, *args, quiet=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.quiet = quiet
 
     def error(self, message):
-        self.exit(2, f"minimp.train: error: {message} (see --help)\n")
+        self.exit(2, None if self.quiet else f"minimp.train: error: {message} (see --help)\n")
 
 
-def build_parser(prog="python -m minimp.train"):
+def build_parser(prog="python -m minimp.train", quiet=False):
     """An argparse parser with one flag per TrainConfig field, its default and help shown."""
-    parser = _Parser(prog=prog, description="Train an MLP with minimp (mixed precision).",
+    parser = _Parser(prog=prog, quiet=quiet, description="Train an MLP with minimp (mixed precision).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for config_field in dataclasses.fields(TrainConfig):
         metadata = config_field.metadata
@@ -116,7 +152,7 @@ def build_parser(prog="python -m minimp.train"):
     return parser
 
 
-def parse_config(argv=None):
+def parse_config(argv=None, quiet=False):
     """TrainConfig from command-line arguments (argparse itself rejects unknown flags and bad types)."""
-    namespace = build_parser().parse_args(argv)
+    namespace = build_parser(quiet=quiet).parse_args(argv)
     return TrainConfig(**vars(namespace))

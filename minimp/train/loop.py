@@ -6,6 +6,9 @@ import numpy as np
 
 from minimp import backend, functional, nn, optim
 from minimp.data import DATASETS, global_batch_indices
+from minimp.dist.comm import world
+from minimp.dist.data_parallel import DataParallel, shard
+from minimp.dist.topology import Topology
 from minimp.function import no_grad
 from minimp.precision import (ACTIVATION_DTYPES, DynamicLossScaler, NoLossScaler, StaticLossScaler,
                               mixed_precision_step)
@@ -52,16 +55,39 @@ def evaluate(model, images, labels, batch_size=512):
     return correct / len(labels)
 
 
-def train(config, log=print, rank=0, world_size=1):
-    """Run the configured training; returns a dict with history, skipped count and test accuracy."""
+class _Timer:
+    """Seconds spent inside wrapped calls (the communication hooks), summed."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, function):
+        def timed(*args):
+            start = time.perf_counter()
+            try:
+                return function(*args)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
+def train(config, log=print, comm=None):
+    """Run the configured training on this process's rank; returns a dict with history, skipped count,
+    test accuracy and the final masters. `comm` defaults to the MPI world (size 1 under plain python)."""
+    comm = comm or world()
+    threads = config.threads or max(1, backend.available_cores() // comm.ranks_on_this_node())
     # Overflow to inf in float16 is expected and handled (skipped steps): no NumPy warning per cast.
-    with np.errstate(over="ignore", invalid="ignore"):
-        return _train(config, log, rank, world_size)
+    with backend.limit_cpu_threads(threads), np.errstate(over="ignore", invalid="ignore"):
+        return _train(config, log, comm)
 
 
-def _train(config, log, rank, world_size):
+def _train(config, log, comm):
     if config.device:
         backend.use_device(config.device)
+    rank, dp = comm.rank, config.replicas(comm.size)
+    log = log if rank == 0 else (lambda line: None)
+    topology = Topology(comm, dp=dp, pp=1)
     dataset = DATASETS[config.dataset]()
     if config.batch_size > len(dataset.train_labels):
         raise ValueError(f"--batch-size {config.batch_size} is larger than the training set "
@@ -79,38 +105,58 @@ def _train(config, log, rank, world_size):
         start_step = checkpoint.restore(config.resume, seed=config.seed, model_shape=model_shape,
                                         names=names, optimizer=optimizer, scaler=scaler)
         log(f"resumed from {config.resume} after step {start_step}")
+    replicas = DataParallel(topology.dp_group, optimizer, bucket_mb=config.bucket_mb,
+                            comm_dtype=ACTIVATION_DTYPES[config.grad_comm_dtype],
+                            average=config.grad_average)
+    replicas.broadcast_parameters()
     # The whole (small) training set lives on the device in the compute dtype: no per-step casts.
     train_images = backend.to_device(dataset.train_images).astype(dtype)
     train_labels = backend.to_device(dataset.train_labels)
-    injection = config.overflow_injection(world_size)
-    metrics = report.MetricsWriter(config.metrics, append=bool(config.resume))
+    overflow_at, fault_at = config.overflow_injection(comm.size), config.fault_injection(comm.size)
+    metrics = report.MetricsWriter(config.metrics if rank == 0 else "", append=bool(config.resume))
+    communication = _Timer()
+    reduce_gradients = communication.wrap(replicas.reduce_gradients)
+    reduce_found_inf = communication.wrap(replicas.reduce_found_inf)
+    mean_over_replicas = communication.wrap(lambda value: comm.allreduce_scalars([value], "sum")[0] / dp)
     history, skipped_total, window_start, window_samples = [], 0, time.perf_counter(), 0
-    micro_size = config.batch_size // config.micro_batches
+    micro_size = config.batch_size // dp // config.micro_batches
     for step in range(start_step + 1, config.steps + 1):
+        step_start, communication.seconds = time.perf_counter(), 0.0
+        bytes_before = topology.dp_group.bytes_sent
         indices = global_batch_indices(config.seed, step, config.batch_size, len(dataset.train_labels))
+        local = shard(indices, topology.dp_rank, dp)
         loss_sum = 0.0
         for micro in range(config.micro_batches):
-            rows = backend.to_device(indices[micro * micro_size:(micro + 1) * micro_size])
+            rows = backend.to_device(local[micro * micro_size:(micro + 1) * micro_size])
             loss = functional.cross_entropy(model(Tensor(train_images[rows])), Tensor(train_labels[rows]))
             loss_sum += loss.item()
             # Each micro-batch contributes 1/M of the batch-mean gradient; the scale makes fp16 grads big.
             (scaler.scale(loss) * (1.0 / config.micro_batches)).backward()
             optimizer.accumulate_gradients()
-        if injection == (step, rank):
+        if fault_at == (step, rank):
+            raise RuntimeError(f"injected fault at step {step} on rank {rank} (--inject-fault)")
+        if overflow_at == (step, rank):
             optimizer.master_gradients[0].reshape(-1)[0] = np.inf  # as if backward had overflowed
-        result = mixed_precision_step(optimizer, scaler, max_grad_norm=config.max_grad_norm or None)
+        result = mixed_precision_step(optimizer, scaler, max_grad_norm=config.max_grad_norm or None,
+                                      reduce_gradients=reduce_gradients, reduce_found_inf=reduce_found_inf)
         skipped_total += result.skipped
         if scaler.hit_min_scale:
             log(f"step {step}: gradients overflow at the minimum loss scale {scaler.loss_scale:g}; "
                 "training is diverging in fp16 (lower --lr, clip with --max-grad-norm, or use bf16)")
-        record = {"step": step, "loss": loss_sum / config.micro_batches,
-                  "loss_scale": result.loss_scale, "skipped": result.skipped}
+        if config.check_replicas and step % config.check_replicas == 0:
+            communication.wrap(replicas.check_replicas)()
+        step_loss = mean_over_replicas(loss_sum / config.micro_batches)
+        record = {"step": step, "loss": step_loss, "loss_scale": result.loss_scale,
+                  "skipped": result.skipped,
+                  "compute_seconds": time.perf_counter() - step_start - communication.seconds,
+                  "communication_seconds": communication.seconds,
+                  "bytes_sent": topology.dp_group.bytes_sent - bytes_before}
         history.append(record)
         metrics.write(record)
         window_samples += config.batch_size
         if step % config.log_every == 0 or step == config.steps:
             elapsed = time.perf_counter() - window_start
-            log(report.progress_line(step, config.steps, record["loss"], scaler.loss_scale, skipped_total,
+            log(report.progress_line(step, config.steps, step_loss, scaler.loss_scale, skipped_total,
                                      window_samples / max(elapsed, 1e-9)))
             window_start, window_samples = time.perf_counter(), 0
     test_images = backend.to_device(dataset.test_images).astype(dtype)
@@ -119,10 +165,12 @@ def _train(config, log, rank, world_size):
     metrics.close()
     log(f"done: {config.steps} steps, {skipped_total} skipped, test accuracy {accuracy:.4f}")
     if config.save:
-        checkpoint.save(config.save, step=config.steps, seed=config.seed, model_shape=model_shape,
-                        names=names, optimizer=optimizer, scaler=scaler)
-        log(f"saved checkpoint {config.save}")
-    if config.plot:
+        if rank == 0:
+            checkpoint.save(config.save, step=config.steps, seed=config.seed, model_shape=model_shape,
+                            names=names, optimizer=optimizer, scaler=scaler)
+            log(f"saved checkpoint {config.save}")
+        comm.barrier()  # nobody leaves before the file is complete
+    if config.plot and rank == 0:
         report.plot_history(config.plot, history)
         log(f"saved plot {config.plot}")
     return {"history": history, "skipped": skipped_total, "test_accuracy": accuracy,

@@ -1,0 +1,124 @@
+"""Data parallelism: every replica holds the whole model, sees its own shard of each global batch, and
+the replicas sum their gradients with minimp's ring all-reduce before anyone steps.
+
+Data parallelism does not split the parameters: each rank stores all of them (and all optimizer state);
+only the batch is split. (ZeRO is what shards optimizer state and gradients, using reduce_scatter and
+all_gather.)
+
+Averaging by the world size p can happen before or after the all-reduce:
+  before  each rank sends g_r / p and the sum is the mean. The values on the wire never exceed the
+          largest single gradient, so a float16 wire cannot overflow where one rank's gradient did not.
+          What PyTorch DDP does today.
+  after   each rank sends g_r and divides the sum by p. The sum of p float16 gradients can overflow
+          65504 even when every g_r is finite (with loss scaling this is the common case), and tiny
+          g_r / p could underflow the other way; in float32 both orders are equally fine.
+"""
+
+import zlib
+
+import numpy as np
+
+from minimp.backend import array_module, to_numpy
+from minimp.dist.collectives import ring_allreduce
+from minimp.precision.casting import round_to
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Replicas that should be bit-identical are not."""
+
+
+class DataParallel:
+    """Gradient buckets and the collective decisions of one data-parallel group."""
+
+    def __init__(self, comm, optimizer, bucket_mb=25.0, comm_dtype=np.float32, average="before"):
+        if average not in ("before", "after"):
+            raise ValueError(f"average must be 'before' or 'after', got {average!r}")
+        self.comm, self.optimizer, self.average = comm, optimizer, average
+        self.comm_dtype = np.dtype(comm_dtype)
+        self.buckets = self._plan_buckets(bucket_mb * 2**20)
+        xp = array_module(optimizer.master_weights[0]) if optimizer.master_weights else np
+        # One send and one receive buffer per bucket, reused every step (no allocations, no page faults).
+        self.buffers = [(xp.empty(size, self.comm_dtype), xp.empty(size, self.comm_dtype))
+                        for _, size in self.buckets]
+
+    def _plan_buckets(self, bucket_bytes):
+        """[(parameter indices, elements)]; parameters are taken last to first, the order in which
+        backward produces their gradients (so a real overlap of communication with backward could
+        start on a full bucket early, as PyTorch DDP does)."""
+        buckets, current, size = [], [], 0
+        for index in reversed(range(len(self.optimizer.params))):
+            elements = self.optimizer.master_weights[index].size
+            if current and (size + elements) * self.comm_dtype.itemsize > bucket_bytes:
+                buckets.append((current, size))
+                current, size = [], 0
+            current.append(index)
+            size += elements
+        if current:
+            buckets.append((current, size))
+        return buckets
+
+    def broadcast_parameters(self, root=0):
+        """Make every replica start from root's float32 masters, bit for bit."""
+        for index, master in enumerate(self.optimizer.master_weights):
+            self.comm.bcast(master, root=root)
+            self.optimizer.load_master_weights_at(index, master)
+
+    def reduce_gradients(self, gradients):
+        """Replace each float32 gradient (in place) by the mean over the replicas."""
+        if self.comm.size == 1:
+            return
+        inverse = 1.0 / self.comm.size
+        for (indices, _), (send, receive) in zip(self.buckets, self.buffers):
+            offset = 0
+            for index in indices:
+                grad = _gradient_or_zeros(gradients, index, self.optimizer)
+                flat = grad.reshape(-1)
+                part = send[offset:offset + flat.size]
+                if self.average == "before":
+                    # Scale in float32, round once into the wire dtype.
+                    part[...] = round_to(flat * np.float32(inverse), self.comm_dtype)
+                else:
+                    part[...] = round_to(flat, self.comm_dtype)
+                offset += flat.size
+            ring_allreduce(self.comm, send, out=receive)
+            offset = 0
+            for index in indices:
+                grad = gradients[index]
+                flat = grad.reshape(-1)
+                flat[...] = receive[offset:offset + flat.size]
+                if self.average == "after":
+                    flat *= np.float32(inverse)
+                offset += flat.size
+
+    def reduce_found_inf(self, found_inf):
+        """One decision for all: True on every rank when any rank saw a non-finite gradient."""
+        if self.comm.size == 1:
+            return found_inf
+        return bool(self.comm.allreduce_scalars([1.0 if found_inf else 0.0], op="max")[0])
+
+    def check_replicas(self):
+        """Raise ReplicaMismatchError naming the ranks whose masters differ from rank 0's."""
+        checksum = 0
+        for master in self.optimizer.master_weights:
+            checksum = zlib.crc32(to_numpy(master).tobytes(), checksum)
+        table = np.zeros(self.comm.size)
+        table[self.comm.rank] = checksum  # a 32-bit integer: exact in float64
+        table = self.comm.allreduce_scalars(table, op="sum")
+        differing = [rank for rank in range(self.comm.size) if table[rank] != table[0]]
+        if differing:
+            raise ReplicaMismatchError(f"master weights of rank(s) {differing} differ from rank 0's "
+                                       "(replicas drifted apart)")
+
+
+def _gradient_or_zeros(gradients, index, optimizer):
+    """A parameter no loss reached still takes part in the all-reduce, with zeros."""
+    if gradients[index] is None:
+        gradients[index] = array_module(optimizer.master_weights[index]).zeros_like(
+            optimizer.master_weights[index])
+    return gradients[index]
+
+
+def shard(indices, rank, world_size):
+    """This replica's contiguous slice of a global batch (the batch size must divide evenly)."""
+    size = len(indices) // world_size
+    return indices[rank * size:(rank + 1) * size]

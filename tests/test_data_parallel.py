@@ -1,0 +1,99 @@
+"""Data parallelism on the simulated world: gradient averaging, the float16 wire, one skip decision,
+replica checks, and the trainer's equivalence with one process."""
+
+import numpy as np
+import pytest
+
+from minimp import dist, nn, optim
+from minimp.dist.data_parallel import DataParallel, ReplicaMismatchError, shard
+from minimp.train import TrainConfig, train
+
+
+def replica_optimizer(sizes=(3, 5)):
+    parameters = [nn.Parameter(np.zeros(size, np.float32)) for size in sizes]
+    return optim.SGD(parameters, lr=0.1)
+
+
+@pytest.mark.parametrize("average", ["before", "after"])
+@pytest.mark.parametrize("comm_dtype", [np.float32, np.float16])
+def test_gradients_become_the_mean_over_replicas(average, comm_dtype):
+    def body(comm):
+        optimizer = replica_optimizer()
+        replicas = DataParallel(comm, optimizer, bucket_mb=1e-5, comm_dtype=comm_dtype, average=average)
+        grads = [np.full(3, comm.rank + 1.0, np.float32), np.full(5, 10.0 * (comm.rank + 1), np.float32)]
+        replicas.reduce_gradients(grads)
+        return grads, len(replicas.buckets)
+
+    results = dist.simulate(4, body)
+    for grads, buckets in results:
+        np.testing.assert_allclose(grads[0], 2.5, rtol=1e-3)
+        np.testing.assert_allclose(grads[1], 25.0, rtol=1e-3)
+        assert buckets == 2  # a 10-byte bucket limit puts each parameter in its own bucket
+
+
+def test_a_float16_wire_overflows_when_averaging_after_but_not_before():
+    """Four replicas with gradient 30000 each: the sum 120000 is past float16's 65504."""
+    def body(comm, average):
+        replicas = DataParallel(comm, replica_optimizer((4,)), comm_dtype=np.float16, average=average)
+        grads = [np.full(4, 30000.0, np.float32)]
+        replicas.reduce_gradients(grads)
+        return grads[0]
+
+    after = dist.simulate(4, body, "after")[0]
+    before = dist.simulate(4, body, "before")[0]
+    assert np.all(np.isinf(after))
+    np.testing.assert_array_equal(before, 30000.0)
+
+
+def test_one_rank_overflowing_is_everyone_s_overflow():
+    def body(comm):
+        replicas = DataParallel(comm, replica_optimizer())
+        return replicas.reduce_found_inf(comm.rank == 2)
+
+    assert dist.simulate(4, body) == [True] * 4
+
+
+def test_check_replicas_names_the_rank_that_drifted():
+    def body(comm):
+        optimizer = replica_optimizer()
+        if comm.rank == 1:
+            optimizer.master_weights[1][0] = 1e-7
+        try:
+            DataParallel(comm, optimizer).check_replicas()
+        except ReplicaMismatchError as error:
+            return str(error)
+
+    messages = dist.simulate(3, body)
+    assert all(m == "master weights of rank(s) [1] differ from rank 0's (replicas drifted apart)"
+               for m in messages)
+
+
+def test_broadcast_makes_replicas_identical():
+    def body(comm):
+        optimizer = replica_optimizer()
+        optimizer.master_weights[0][...] = comm.rank
+        DataParallel(comm, optimizer).broadcast_parameters()
+        return optimizer.params[0].data.copy()
+
+    assert all(np.array_equal(r, np.zeros(3)) for r in dist.simulate(3, body))
+
+
+def test_shards_tile_the_global_batch():
+    indices = np.arange(12)
+    assert np.array_equal(np.concatenate([shard(indices, r, 3) for r in range(3)]), indices)
+
+
+def run_simulated(world_size, **overrides):
+    config = TrainConfig(hidden=32, layers=2, batch_size=32, log_every=1000, **overrides)
+    config.validate(world_size)
+    return dist.simulate(world_size, lambda comm: train(config, log=lambda line: None, comm=comm))
+
+
+def test_simulated_data_parallel_training_matches_one_process_in_fp32():
+    one = run_simulated(1, precision="fp32", steps=10)[0]["master_weights"]
+    for world_size, micro_batches in ((2, 1), (4, 2)):
+        results = run_simulated(world_size, precision="fp32", steps=10, micro_batches=micro_batches)
+        for result in results:
+            for name, array in result["master_weights"].items():
+                np.testing.assert_allclose(array, one[name], rtol=1e-5, atol=1e-7, err_msg=name)
+                assert array.tobytes() == results[0]["master_weights"][name].tobytes()
