@@ -65,8 +65,9 @@ class MPICommunicator:
         if staged:
             array[...] = backend.to_device(host)
 
-    def sendrecv(self, send_array, dest, recv_array, source, tag=0):
-        """Send to dest and receive from source at once: no ordering of the two can deadlock."""
+    def sendrecv(self, send_array, dest, recv_array, source, tag=0, recv_tag=None):
+        """Send to dest and receive from source at once: no ordering of the two can deadlock.
+        The receive matches `recv_tag` (default: the same tag as the send)."""
         from mpi4py import MPI
 
         send_host, _ = _on_host(send_array)
@@ -74,7 +75,8 @@ class MPICommunicator:
         send_buffer, recv_buffer = byte_view(send_host), byte_view(recv_host)
         status = self._status
         self._comm.Sendrecv([send_buffer, MPI.BYTE], dest=dest, sendtag=tag,
-                            recvbuf=[recv_buffer, MPI.BYTE], source=source, recvtag=tag, status=status)
+                            recvbuf=[recv_buffer, MPI.BYTE], source=source,
+                            recvtag=tag if recv_tag is None else recv_tag, status=status)
         _check_count(status.Get_count(MPI.BYTE), recv_buffer.nbytes, source)
         self._count(send_buffer)
         if staged:

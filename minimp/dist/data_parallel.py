@@ -30,10 +30,14 @@ class ReplicaMismatchError(RuntimeError):
 class DataParallel:
     """Gradient buckets and the collective decisions of one data-parallel group."""
 
-    def __init__(self, comm, optimizer, bucket_mb=25.0, comm_dtype=np.float32, average="before"):
+    def __init__(self, comm, optimizer, bucket_mb=25.0, comm_dtype=np.float32, average="before",
+                 decision_comm=None):
+        """comm: the replicas of this stage. decision_comm: who shares the skip decision (with pipeline
+        stages, every rank of the job; by default the replicas)."""
         if average not in ("before", "after"):
             raise ValueError(f"average must be 'before' or 'after', got {average!r}")
         self.comm, self.optimizer, self.average = comm, optimizer, average
+        self.decision_comm = decision_comm or comm
         self.comm_dtype = np.dtype(comm_dtype)
         self.buckets = self._plan_buckets(bucket_mb * 2**20)
         xp = array_module(optimizer.master_weights[0]) if optimizer.master_weights else np
@@ -92,9 +96,9 @@ class DataParallel:
 
     def reduce_found_inf(self, found_inf):
         """One decision for all: True on every rank when any rank saw a non-finite gradient."""
-        if self.comm.size == 1:
+        if self.decision_comm.size == 1:
             return found_inf
-        return bool(self.comm.allreduce_scalars([1.0 if found_inf else 0.0], op="max")[0])
+        return bool(self.decision_comm.allreduce_scalars([1.0 if found_inf else 0.0], op="max")[0])
 
     def check_replicas(self):
         """Raise ReplicaMismatchError naming the ranks whose masters differ from rank 0's."""

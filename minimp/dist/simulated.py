@@ -189,10 +189,10 @@ class SimulatedCommunicator:
         with self.world.condition:
             self._take(array, source, tag)
 
-    def sendrecv(self, send_array, dest, recv_array, source, tag=0):
+    def sendrecv(self, send_array, dest, recv_array, source, tag=0, recv_tag=None):
         with self.world.condition:
             envelope = self._post(send_array, dest, tag)
-            self._take(recv_array, source, tag)
+            self._take(recv_array, source, tag if recv_tag is None else recv_tag)
             self._await_delivery(envelope, dest)
 
     def bcast(self, array, root=0):

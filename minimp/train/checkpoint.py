@@ -24,19 +24,26 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, unreadable, or written for another model or run."""
 
 
-def save(path, *, step, seed, model_shape, names, optimizer, scaler):
-    """Write the checkpoint atomically: a temporary file in the same folder, then a rename."""
+def state_arrays(names, optimizer):
+    """{array name: host array} of these parameters' masters and optimizer slots (one stage's share)."""
+    arrays = {}
+    for name, master, slots in zip(names, optimizer.master_weights, optimizer.state_dict()["slots"]):
+        arrays[f"master/{name}"] = backend.to_numpy(master)
+        for slot, value in slots.items():
+            arrays[f"optimizer/{name}/{slot}"] = backend.to_numpy(value)
+    return arrays
+
+
+def save(path, *, step, seed, model_shape, optimizer, scaler, arrays):
+    """Write the checkpoint atomically (a temporary file in the same folder, then a rename).
+    `arrays` holds every stage's state_arrays; optimizer and scaler give the step count and scale,
+    which all stages share."""
     optimizer_state = optimizer.state_dict()
     meta = {"format": FORMAT, "step": step, "seed": seed, "model": model_shape,
             "optimizer": {"kind": type(optimizer).__name__, "step_count": optimizer_state["step_count"],
                           "lr": optimizer_state["lr"]},
             "scaler": scaler.state_dict()}
-    arrays = {"meta": np.array(json.dumps(meta))}
-    for name, master in zip(names, optimizer.master_weights):
-        arrays[f"master/{name}"] = backend.to_numpy(master)
-    for name, slots in zip(names, optimizer_state["slots"]):
-        for slot, value in slots.items():
-            arrays[f"optimizer/{name}/{slot}"] = backend.to_numpy(value)
+    arrays = {"meta": np.array(json.dumps(meta)), **arrays}
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=folder, suffix=".tmp")
@@ -88,7 +95,8 @@ def restore(path, *, seed, model_shape, names, optimizer, scaler):
         if arrays[f"master/{name}"].shape != master.shape:
             raise CheckpointError(f"checkpoint {path}: {name} has shape {arrays[f'master/{name}'].shape}, "
                                   f"the model expects {master.shape}")
-    optimizer.load_master_weights([backend.to_device(arrays[f"master/{name}"]) for name in names])
+    for index, name in enumerate(names):
+        optimizer.load_master_weights_at(index, backend.to_device(arrays[f"master/{name}"]))
     slots = [{slot: backend.to_device(arrays[f"optimizer/{name}/{slot}"])
               for slot in optimizer.slot_names if f"optimizer/{name}/{slot}" in arrays} for name in names]
     optimizer.load_state_dict({"step_count": meta["optimizer"]["step_count"],

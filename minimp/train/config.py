@@ -40,7 +40,10 @@ class TrainConfig:
     log_every: int = _flag(50, "print a progress line every this many steps")
     inject_overflow: str = _flag("", "STEP:RANK: make that rank's gradients non-finite at that step")
     threads: int = _flag(0, "BLAS threads per rank (0 = this machine's cores / its ranks)")
-    dp: int = _flag(0, "data-parallel replicas (0 = every rank of the job)")
+    dp: int = _flag(0, "data-parallel replicas (0 = the job's ranks / --pp)")
+    pp: int = _flag(1, "pipeline stages: the layers are split into this many contiguous stages")
+    schedule: str = _flag("1f1b", "pipeline schedule", choices=("gpipe", "1f1b"))
+    timeline: str = _flag("", "write each stage's forward/backward times to this .json file")
     bucket_mb: float = _flag(25.0, "gradient bucket size in MiB for the data-parallel all-reduce")
     grad_comm_dtype: str = _flag("fp32", "dtype of gradients on the wire", choices=("fp32", "fp16"))
     grad_average: str = _flag("before", "divide by the number of replicas before or after the all-reduce",
@@ -49,8 +52,8 @@ class TrainConfig:
     inject_fault: str = _flag("", "STEP:RANK: raise an error on that rank at that step (see a failure)")
 
     def replicas(self, world_size):
-        """The resolved --dp: every rank of the job unless given."""
-        return self.dp or world_size
+        """The resolved --dp: the job's ranks divided by --pp unless given."""
+        return self.dp or max(1, world_size // max(self.pp, 1))
 
     def validate(self, world_size=1):
         """Raise ConfigError naming the flag and the fix for the first value that cannot work."""
@@ -64,10 +67,18 @@ class TrainConfig:
             raise ConfigError("--weight-decay, --max-grad-norm and --momentum cannot be negative")
         if self.dp < 0 or self.threads < 0 or self.check_replicas < 0 or not self.bucket_mb > 0:
             raise ConfigError("--dp, --threads and --check-replicas cannot be negative, --bucket-mb must be positive")
+        if self.pp < 1:
+            raise ConfigError(f"--pp must be a positive integer, got {self.pp}")
+        if self.pp > self.layers + 1:
+            raise ConfigError(f"--pp {self.pp} needs at least {self.pp} layers with weights, the model has "
+                              f"{self.layers + 1} ({self.layers} hidden + output; use --layers)")
+        if world_size % self.pp:
+            raise ConfigError(f"--pp {self.pp} does not divide the {world_size} ranks of this job "
+                              f"(start a multiple of {self.pp} ranks with mpirun -n)")
         dp = self.replicas(world_size)
-        if dp != world_size:
+        if dp * self.pp != world_size:
             raise ConfigError(f"--dp {dp} does not match the {world_size} ranks of this job "
-                              f"(use --dp {world_size}, or start {dp} ranks with mpirun -n {dp})")
+                              f"(use --dp {world_size // self.pp}, or start {dp * self.pp} ranks with mpirun -n)")
         if self.batch_size % dp:
             raise ConfigError(f"--batch-size {self.batch_size} is not divisible by the {dp} data-parallel "
                               f"replicas (use a multiple of {dp})")

@@ -1,58 +1,27 @@
-"""The training loop of `python -m minimp.train`: build, (resume,) step, log, evaluate, save."""
+"""The training loop of `python -m minimp.train`: build this rank's stage, (resume,) step, log, save.
 
+Every rank builds the whole float32 model from the seed, keeps the layers of its pipeline stage, and
+runs the schedule's actions for that stage each step (with one stage, the schedule is the plain
+micro-batch loop). Data-parallel replicas of a stage then average their gradients; every rank of the
+job takes part in the one decision to skip an overflowing step.
+"""
+
+import json
 import time
 
 import numpy as np
 
-from minimp import backend, functional, nn, optim
+from minimp import backend
 from minimp.data import DATASETS, global_batch_indices
 from minimp.dist.comm import world
 from minimp.dist.data_parallel import DataParallel, shard
+from minimp.dist.gather import gather_named_arrays
+from minimp.dist.pipeline import PipelineStage
+from minimp.dist.schedules import SCHEDULES
 from minimp.dist.topology import Topology
-from minimp.function import no_grad
-from minimp.precision import (ACTIVATION_DTYPES, DynamicLossScaler, NoLossScaler, StaticLossScaler,
-                              mixed_precision_step)
-from minimp.tensor import Tensor
+from minimp.precision import ACTIVATION_DTYPES, mixed_precision_step
 from minimp.train import checkpoint, report
-
-
-def build_model(features, classes, hidden, layers, rng):
-    """MLP: features -> hidden (x layers, each Linear + ReLU) -> classes, float32, weights from rng."""
-    modules, width = [], features
-    for _ in range(layers):
-        modules += [nn.Linear(width, hidden, rng=rng), nn.ReLU()]
-        width = hidden
-    modules.append(nn.Linear(width, classes, rng=rng))
-    return nn.Sequential(*modules)
-
-
-def build_optimizer(config, parameters):
-    if config.optimizer == "sgd":
-        return optim.SGD(parameters, lr=config.lr, momentum=config.momentum,
-                         weight_decay=config.weight_decay)
-    if config.optimizer == "adamw":
-        return optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
-    return optim.Adam(parameters, lr=config.lr, weight_decay=config.weight_decay)
-
-
-def build_scaler(config):
-    kind, value = config.loss_scale_kind()
-    if kind == "dynamic":
-        return DynamicLossScaler(growth_interval=config.loss_scale_growth_interval)
-    if kind == "static":
-        return StaticLossScaler(value)
-    return NoLossScaler()
-
-
-def evaluate(model, images, labels, batch_size=512):
-    """Fraction of correctly classified samples (forward only, in the model's compute dtype)."""
-    correct = 0
-    with no_grad():
-        for start in range(0, len(labels), batch_size):
-            logits = model(Tensor(images[start:start + batch_size])).data
-            predictions = backend.to_numpy(logits.astype(np.float32).argmax(axis=1))
-            correct += int((predictions == labels[start:start + batch_size]).sum())
-    return correct / len(labels)
+from minimp.train.build import build_model, build_optimizer, build_scaler, evaluate, stage_of
 
 
 class _Timer:
@@ -74,7 +43,7 @@ class _Timer:
 
 def train(config, log=print, comm=None):
     """Run the configured training on this process's rank; returns a dict with history, skipped count,
-    test accuracy and the final masters. `comm` defaults to the MPI world (size 1 under plain python)."""
+    test accuracy and the masters (all stages' on rank 0). `comm` defaults to the MPI world."""
     comm = comm or world()
     threads = config.threads or max(1, backend.available_cores() // comm.ranks_on_this_node())
     # Overflow to inf in float16 is expected and handled (skipped steps): no NumPy warning per cast.
@@ -87,7 +56,7 @@ def _train(config, log, comm):
         backend.use_device(config.device)
     rank, dp = comm.rank, config.replicas(comm.size)
     log = log if rank == 0 else (lambda line: None)
-    topology = Topology(comm, dp=dp, pp=1)
+    topology = Topology(comm, dp=dp, pp=config.pp)
     dataset = DATASETS[config.dataset]()
     if config.batch_size > len(dataset.train_labels):
         raise ValueError(f"--batch-size {config.batch_size} is larger than the training set "
@@ -95,10 +64,11 @@ def _train(config, log, comm):
     dtype = ACTIVATION_DTYPES[config.precision]
     model = build_model(dataset.features, dataset.classes, config.hidden, config.layers,
                         np.random.default_rng(config.seed))
-    optimizer = build_optimizer(config, model.parameters())  # masters copied from the fp32 init
+    layers, named, input_width, output_width = stage_of(model, config.pp, topology.stage)
+    names = [name for name, _ in named]
+    optimizer = build_optimizer(config, [p for _, p in named])  # masters copied from the fp32 init
     model.to(dtype)  # the compute copies
     scaler = build_scaler(config)
-    names = [name for name, _ in model.named_parameters()]
     model_shape = {"dataset": config.dataset, "layers": config.layers, "hidden": config.hidden}
     start_step = 0
     if config.resume:
@@ -107,8 +77,13 @@ def _train(config, log, comm):
         log(f"resumed from {config.resume} after step {start_step}")
     replicas = DataParallel(topology.dp_group, optimizer, bucket_mb=config.bucket_mb,
                             comm_dtype=ACTIVATION_DTYPES[config.grad_comm_dtype],
-                            average=config.grad_average)
+                            average=config.grad_average, decision_comm=comm)
     replicas.broadcast_parameters()
+    micro_batches = config.micro_batches
+    micro_rows = config.batch_size // dp // micro_batches
+    stage = PipelineStage(layers, topology.pp_group, topology.stage, config.pp, input_width, output_width,
+                          dtype, micro_rows)
+    actions = SCHEDULES[config.schedule](config.pp, micro_batches)[topology.stage]
     # The whole (small) training set lives on the device in the compute dtype: no per-step casts.
     train_images = backend.to_device(dataset.train_images).astype(dtype)
     train_labels = backend.to_device(dataset.train_labels)
@@ -117,22 +92,27 @@ def _train(config, log, comm):
     communication = _Timer()
     reduce_gradients = communication.wrap(replicas.reduce_gradients)
     reduce_found_inf = communication.wrap(replicas.reduce_found_inf)
-    mean_over_replicas = communication.wrap(lambda value: comm.allreduce_scalars([value], "sum")[0] / dp)
+    sum_over_ranks = communication.wrap(lambda value: comm.allreduce_scalars([value], "sum")[0])
+    timeline = []
     history, skipped_total, window_start, window_samples = [], 0, time.perf_counter(), 0
-    micro_size = config.batch_size // dp // config.micro_batches
+
+    def scale_loss(loss):  # each micro-batch carries 1/M of the batch mean; the scale lifts fp16 grads
+        return scaler.scale(loss) * (1.0 / micro_batches)
+
     for step in range(start_step + 1, config.steps + 1):
+        if config.timeline:
+            comm.barrier()  # a common start, so the stages' clocks line up in the timeline
         step_start, communication.seconds = time.perf_counter(), 0.0
-        bytes_before = topology.dp_group.bytes_sent
+        bytes_before = topology.dp_group.bytes_sent + topology.pp_group.bytes_sent
         indices = global_batch_indices(config.seed, step, config.batch_size, len(dataset.train_labels))
-        local = shard(indices, topology.dp_rank, dp)
-        loss_sum = 0.0
-        for micro in range(config.micro_batches):
-            rows = backend.to_device(local[micro * micro_size:(micro + 1) * micro_size])
-            loss = functional.cross_entropy(model(Tensor(train_images[rows])), Tensor(train_labels[rows]))
-            loss_sum += loss.item()
-            # Each micro-batch contributes 1/M of the batch-mean gradient; the scale makes fp16 grads big.
-            (scaler.scale(loss) * (1.0 / config.micro_batches)).backward()
-            optimizer.accumulate_gradients()
+        rows = [backend.to_device(part) for part in np.split(shard(indices, topology.dp_rank, dp), micro_batches)]
+        record = None
+        if config.timeline and topology.dp_rank == 0:
+            def record(kind, mb, start, end, step=step):
+                timeline.append([step, kind == "backward", mb, start - step_start, end - step_start])
+        loss_sum = stage.run(actions, [train_images[r] for r in rows] if stage.first else None,
+                             [train_labels[r] for r in rows] if stage.last else None, scale_loss,
+                             optimizer.accumulate_gradients, record)
         if fault_at == (step, rank):
             raise RuntimeError(f"injected fault at step {step} on rank {rank} (--inject-fault)")
         if overflow_at == (step, rank):
@@ -145,33 +125,62 @@ def _train(config, log, comm):
                 "training is diverging in fp16 (lower --lr, clip with --max-grad-norm, or use bf16)")
         if config.check_replicas and step % config.check_replicas == 0:
             communication.wrap(replicas.check_replicas)()
-        step_loss = mean_over_replicas(loss_sum / config.micro_batches)
-        record = {"step": step, "loss": step_loss, "loss_scale": result.loss_scale,
-                  "skipped": result.skipped,
-                  "compute_seconds": time.perf_counter() - step_start - communication.seconds,
-                  "communication_seconds": communication.seconds,
-                  "bytes_sent": topology.dp_group.bytes_sent - bytes_before}
-        history.append(record)
-        metrics.write(record)
+        step_loss = sum_over_ranks(loss_sum / micro_batches / dp if stage.last else 0.0)
+        entry = {"step": step, "loss": step_loss, "loss_scale": result.loss_scale, "skipped": result.skipped,
+                 "compute_seconds": time.perf_counter() - step_start - communication.seconds,
+                 "communication_seconds": communication.seconds,
+                 "bytes_sent": topology.dp_group.bytes_sent + topology.pp_group.bytes_sent - bytes_before}
+        history.append(entry)
+        metrics.write(entry)
         window_samples += config.batch_size
         if step % config.log_every == 0 or step == config.steps:
             elapsed = time.perf_counter() - window_start
             log(report.progress_line(step, config.steps, step_loss, scaler.loss_scale, skipped_total,
                                      window_samples / max(elapsed, 1e-9)))
             window_start, window_samples = time.perf_counter(), 0
-    test_images = backend.to_device(dataset.test_images).astype(dtype)
-    accuracy = evaluate(model, test_images, dataset.test_labels)
+    return _finish(config, log, comm, topology, model, names, optimizer, scaler, model_shape, dataset,
+                   dtype, metrics, history, skipped_total, timeline)
+
+
+def _finish(config, log, comm, topology, model, names, optimizer, scaler, model_shape, dataset, dtype,
+            metrics, history, skipped_total, timeline):
+    """Gather every stage onto rank 0; evaluate, save the checkpoint, the timeline and the plot there."""
+    merged = None
+    if topology.dp_rank == 0:  # replicas are identical: replica 0's stages speak for all
+        merged = gather_named_arrays(topology.pp_group, checkpoint.state_arrays(names, optimizer))
+        events = gather_named_arrays(topology.pp_group,
+                                     {f"stage{topology.stage}": np.array(timeline, np.float64).reshape(-1, 5)})
+    accuracy = 0.0
+    if comm.rank == 0:
+        model.load_state_dict({name: merged[f"master/{name}"] for name, _ in model.named_parameters()})
+        accuracy = evaluate(model, backend.to_device(dataset.test_images).astype(dtype), dataset.test_labels)
+    accuracy = comm.allreduce_scalars([accuracy], "sum")[0]
     metrics.write({"test_accuracy": accuracy})
     metrics.close()
     log(f"done: {config.steps} steps, {skipped_total} skipped, test accuracy {accuracy:.4f}")
-    if config.save:
-        if rank == 0:
+    if comm.rank == 0:
+        if config.save:
             checkpoint.save(config.save, step=config.steps, seed=config.seed, model_shape=model_shape,
-                            names=names, optimizer=optimizer, scaler=scaler)
+                            optimizer=optimizer, scaler=scaler, arrays=merged)
             log(f"saved checkpoint {config.save}")
-        comm.barrier()  # nobody leaves before the file is complete
-    if config.plot and rank == 0:
-        report.plot_history(config.plot, history)
-        log(f"saved plot {config.plot}")
-    return {"history": history, "skipped": skipped_total, "test_accuracy": accuracy,
-            "master_weights": {n: backend.to_numpy(m) for n, m in zip(names, optimizer.master_weights)}}
+        if config.timeline:
+            _write_timeline(config, events)
+            log(f"saved timeline {config.timeline}")
+        if config.plot:
+            report.plot_history(config.plot, history)
+            log(f"saved plot {config.plot}")
+    comm.barrier()  # nobody leaves before the files are complete
+    masters = {name[len("master/"):]: array for name, array in (merged or {}).items() if name.startswith("master/")}
+    return {"history": history, "skipped": skipped_total, "test_accuracy": accuracy, "master_weights": masters}
+
+
+def _write_timeline(config, events):
+    """One JSON file: every forward and backward of replica 0, per stage, in seconds from its step's start."""
+    rows = []
+    for key, array in sorted(events.items()):
+        for step, backward, mb, start, end in array.tolist():
+            rows.append({"stage": int(key[len("stage"):]), "step": int(step), "micro_batch": int(mb),
+                         "kind": "backward" if backward else "forward", "start": start, "end": end})
+    with open(config.timeline, "w") as file:
+        json.dump({"schedule": config.schedule, "stages": config.pp, "micro_batches": config.micro_batches,
+                   "events": rows}, file)

@@ -1,0 +1,74 @@
+"""Pipeline parallelism on the simulated world: stage splitting, and training that equals one process
+for both schedules, any number of micro-batches (also fewer than stages), and the dp x pp grid."""
+
+import json
+
+import numpy as np
+import pytest
+
+from minimp import dist, nn
+from minimp.dist.pipeline import PipelineError, split_stages
+from minimp.train import TrainConfig, build_model, train
+
+
+def test_stages_are_balanced_by_parameter_count_and_keep_relus_with_their_linear():
+    model = build_model(64, 10, 128, 4, np.random.default_rng(0))
+    assert split_stages(model.layers, 4) == [(0, 2), (2, 4), (4, 6), (6, 9)]
+    assert split_stages(model.layers, 1) == [(0, 9)]
+    for start, stop in split_stages(model.layers, 5):
+        assert isinstance(model.layers[start], nn.Linear)
+
+
+def test_the_most_expensive_stage_is_as_cheap_as_possible():
+    layers = [nn.Linear(n, 1, bias=False) for n in (5, 1, 1, 1, 5)]
+    assert split_stages(layers, 3) == [(0, 1), (1, 4), (4, 5)]
+
+
+def test_more_stages_than_weighted_layers_is_an_error():
+    with pytest.raises(PipelineError, match="--pp 6 needs at least 6 layers with weights, the model has 5"):
+        split_stages(build_model(64, 10, 16, 4, np.random.default_rng(0)).layers, 6)
+
+
+def run(world_size, eager_limit=0, **overrides):
+    """Train on the simulated world; eager_limit=0 makes every send wait for its receiver, the
+    strictest MPI behaviour, so a schedule that could deadlock on a real MPI raises DeadlockError."""
+    settings = dict(hidden=32, layers=3, batch_size=32, steps=20, precision="fp32", log_every=1000)
+    config = TrainConfig(**{**settings, **overrides})
+    config.validate(world_size)
+    return dist.simulate(world_size, lambda comm: train(config, log=lambda line: None, comm=comm),
+                         eager_limit=eager_limit)[0]
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return run(1)["master_weights"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("micro_batches", [1, 2, 4, 8])
+def test_pipeline_training_equals_one_process(one_process, schedule, stages, micro_batches):
+    result = run(stages, pp=stages, schedule=schedule, micro_batches=micro_batches)
+    assert set(result["master_weights"]) == set(one_process)
+    for name, array in result["master_weights"].items():
+        np.testing.assert_allclose(array, one_process[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_data_and_pipeline_parallel_grid_equals_one_process(one_process, schedule):
+    result = run(4, dp=2, pp=2, schedule=schedule, micro_batches=2)
+    for name, array in result["master_weights"].items():
+        np.testing.assert_allclose(array, one_process[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_an_overflow_on_the_last_stage_makes_every_stage_skip():
+    result = run(4, pp=4, precision="fp16", steps=6, inject_overflow="3:3")
+    assert [r["skipped"] for r in result["history"]] == [False, False, True, False, False, False]
+
+
+def test_timeline_records_every_forward_and_backward(tmp_path):
+    path = tmp_path / "timeline.json"
+    run(2, pp=2, micro_batches=4, steps=2, timeline=str(path))
+    events = json.loads(path.read_text())["events"]
+    assert len(events) == 2 * 2 * 4 * 2  # steps x stages x micro-batches x (forward, backward)
+    assert all(e["end"] >= e["start"] >= 0 for e in events)

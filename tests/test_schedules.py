@@ -1,0 +1,88 @@
+"""Pipeline schedules without MPI: order, pairing of messages (no deadlock), and activation memory."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minimp.dist.schedules import SCHEDULES, format_schedule, gpipe, one_f_one_b, peak_activations
+
+CASES = st.tuples(st.sampled_from(sorted(SCHEDULES)), st.integers(1, 8), st.integers(1, 16))
+
+
+@given(CASES)
+def test_every_micro_batch_is_forwarded_then_backwarded_once_on_every_stage(case):
+    name, stages, micro_batches = case
+    for actions in SCHEDULES[name](stages, micro_batches):
+        forwards = [a[1] for a in actions if a[0] == "forward"]
+        backwards = [a[1] for a in actions if a[0] == "backward"]
+        assert sorted(forwards) == sorted(backwards) == list(range(micro_batches))
+        for mb in range(micro_batches):
+            assert actions.index(("forward", mb)) < actions.index(("backward", mb))
+
+
+def run_abstractly(schedule):
+    """Execute every stage's actions with the strictest MPI semantics: a send completes only together
+    with its matching receive, and a paired exchange only together with its mirror. Returns True when
+    all stages finish; False means the schedule can deadlock."""
+    positions = [0] * len(schedule)
+    mirror = {"send_forward": "recv_forward", "send_backward": "recv_backward",
+              "send_forward_recv_backward": "send_backward_recv_forward"}
+    mirror.update({value: key for key, value in mirror.items()})
+    progress = True
+    while progress:
+        progress = False
+        for stage, actions in enumerate(schedule):
+            if positions[stage] == len(actions):
+                continue
+            action = actions[positions[stage]]
+            if action[0] in ("forward", "backward"):
+                positions[stage] += 1
+                progress = True
+                continue
+            neighbour = stage + 1 if action[0] in ("send_forward", "recv_backward",
+                                                   "send_forward_recv_backward") else stage - 1
+            if not 0 <= neighbour < len(schedule) or positions[neighbour] == len(schedule[neighbour]):
+                return False
+            other = schedule[neighbour][positions[neighbour]]
+            expected = (mirror[action[0]], *(action[1:][::-1] if len(action) == 3 else action[1:]))
+            if other == expected:
+                positions[stage] += 1
+                positions[neighbour] += 1
+                progress = True
+    return all(p == len(a) for p, a in zip(positions, schedule))
+
+
+@given(CASES)
+def test_sends_and_receives_pair_up_so_no_schedule_deadlocks(case):
+    name, stages, micro_batches = case
+    assert run_abstractly(SCHEDULES[name](stages, micro_batches))
+
+
+def test_the_checker_catches_a_deadlocking_schedule():
+    broken = gpipe(2, 2)
+    broken[1] = [a for a in broken[1] if a != ("recv_forward", 1)]
+    assert not run_abstractly(broken)
+
+
+@given(st.integers(1, 8), st.integers(1, 16))
+def test_gpipe_holds_m_activations_and_1f1b_at_most_p_minus_stage(stages, micro_batches):
+    for stage, actions in enumerate(gpipe(stages, micro_batches)):
+        assert peak_activations(actions) == micro_batches
+    for stage, actions in enumerate(one_f_one_b(stages, micro_batches)):
+        assert peak_activations(actions) == min(stages - stage, micro_batches)
+
+
+def test_1f1b_with_fewer_micro_batches_than_stages():
+    schedule = one_f_one_b(4, 2)
+    assert run_abstractly(schedule)
+    assert format_schedule(schedule).splitlines()[0] == "stage 0: F0 F1 B0 B1"
+
+
+def test_format_shows_the_classic_1f1b_picture():
+    assert format_schedule(one_f_one_b(2, 3)).splitlines() == ["stage 0: F0 F1 B0 F2 B1 B2",
+                                                                "stage 1: F0 B0 F1 B1 F2 B2"]
+
+
+def test_bad_sizes_are_rejected():
+    with pytest.raises(ValueError):
+        gpipe(0, 1)
