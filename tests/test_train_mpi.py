@@ -153,3 +153,15 @@ def test_a_checkpoint_moves_between_layouts(tmp_path, one_process_fp32):
     assert_same_masters(tmp_path / "back.npz", one_process_fp32)
     with np.load(tmp_path / "pp4.npz") as a, np.load(tmp_path / "one.npz") as b:
         assert sorted(a.files) == sorted(b.files)  # the same file format, whatever the layout
+
+
+def test_the_pipeline_timeline_example_draws_both_schedules(tmp_path):
+    pytest.importorskip("matplotlib", reason="the Gantt chart needs matplotlib (the 'lessons' extra)")
+    import os
+
+    example = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples", "pipeline_timeline.py")
+    result = subprocess.run([PYTHON, example, "--stages", "2", "--micro-batches", "2", "--steps", "3",
+                             "--png", str(tmp_path / "gantt.png")], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "gpipe: bubble" in result.stdout and "1f1b: bubble" in result.stdout
+    assert (tmp_path / "gantt.png").read_bytes()[:4] == b"\x89PNG"

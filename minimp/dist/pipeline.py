@@ -70,6 +70,7 @@ class PipelineStage:
         self.input_width, self.output_width, self.dtype = input_width, output_width, dtype
         self.micro_batch_rows = micro_batch_rows  # every micro-batch has this many rows
         self.first, self.last = stage == 0, stage == stages - 1
+        self.peak_stored = 0  # the most micro-batches whose activations this stage held at once
 
     def forward(self, x):
         for layer in self.layers:
@@ -111,6 +112,7 @@ class PipelineStage:
             output = functional.cross_entropy(output, Tensor(targets[mb]))
             state["loss"] += output.item()
         state["inputs"][mb], state["outputs"][mb] = x, output
+        self.peak_stored = max(self.peak_stored, len(state["outputs"]))
 
     def _backward(self, state, context, mb):
         _, _, scale_loss, after_backward = context

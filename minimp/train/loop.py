@@ -139,17 +139,18 @@ def _train(config, log, comm):
                                      window_samples / max(elapsed, 1e-9)))
             window_start, window_samples = time.perf_counter(), 0
     return _finish(config, log, comm, topology, model, names, optimizer, scaler, model_shape, dataset,
-                   dtype, metrics, history, skipped_total, timeline)
+                   dtype, metrics, history, skipped_total, timeline, stage.peak_stored)
 
 
 def _finish(config, log, comm, topology, model, names, optimizer, scaler, model_shape, dataset, dtype,
-            metrics, history, skipped_total, timeline):
+            metrics, history, skipped_total, timeline, peak_stored):
     """Gather every stage onto rank 0; evaluate, save the checkpoint, the timeline and the plot there."""
     merged = None
     if topology.dp_rank == 0:  # replicas are identical: replica 0's stages speak for all
         merged = gather_named_arrays(topology.pp_group, checkpoint.state_arrays(names, optimizer))
-        events = gather_named_arrays(topology.pp_group,
-                                     {f"stage{topology.stage}": np.array(timeline, np.float64).reshape(-1, 5)})
+        events = gather_named_arrays(topology.pp_group, {
+            f"stage{topology.stage}": np.array(timeline, np.float64).reshape(-1, 5),
+            f"peak{topology.stage}": np.array([peak_stored], np.int64)})
     accuracy = 0.0
     if comm.rank == 0:
         model.load_state_dict({name: merged[f"master/{name}"] for name, _ in model.named_parameters()})
@@ -176,11 +177,14 @@ def _finish(config, log, comm, topology, model, names, optimizer, scaler, model_
 
 def _write_timeline(config, events):
     """One JSON file: every forward and backward of replica 0, per stage, in seconds from its step's start."""
-    rows = []
+    rows, peaks = [], {}
     for key, array in sorted(events.items()):
+        if key.startswith("peak"):
+            peaks[int(key[len("peak"):])] = int(array[0])
+            continue
         for step, backward, mb, start, end in array.tolist():
             rows.append({"stage": int(key[len("stage"):]), "step": int(step), "micro_batch": int(mb),
                          "kind": "backward" if backward else "forward", "start": start, "end": end})
     with open(config.timeline, "w") as file:
         json.dump({"schedule": config.schedule, "stages": config.pp, "micro_batches": config.micro_batches,
-                   "events": rows}, file)
+                   "peak_stored_micro_batches": [peaks[s] for s in sorted(peaks)], "events": rows}, file)
