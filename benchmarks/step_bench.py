@@ -2,6 +2,7 @@
 
     python benchmarks/step_bench.py            # batch 256, width 512, 4 hidden layers
     python benchmarks/step_bench.py --json     # one JSON object for machines
+    python benchmarks/step_bench.py --device gpu --batch 4096 --width 4096   # CuPy (no NumPy baseline)
 
 Prints ratios measured side by side in this run (targets from the core issue):
   fp32 minimp / hand-written NumPy   <= 1.10
@@ -19,7 +20,7 @@ import time
 import numpy as np
 
 import minimp
-from minimp import Tensor, nn, optim
+from minimp import Tensor, backend, nn, optim
 from minimp import functional as F
 from minimp.precision import ACTIVATION_DTYPES, NoLossScaler, StaticLossScaler, casting, mixed_precision_step
 from minimp.tensor import saved_bytes
@@ -71,8 +72,10 @@ def median_seconds(function, repeats):
     function()  # warm-up
     times = []
     for _ in range(repeats):
+        backend.synchronize()
         start = time.perf_counter()
         function()
+        backend.synchronize()  # GPU work is queued: wait for it before reading the clock
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -120,35 +123,50 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     args = parser.parse_args(argv)
+    backend.use_device(args.device)
+    on_gpu = args.device == "gpu"
     rng = np.random.default_rng(1)
     x32 = rng.standard_normal((args.batch, args.width)).astype(np.float32)
-    targets = rng.integers(0, 10, args.batch)
-    results = {"batch": args.batch, "width": args.width, "layers": args.layers, "seconds": {},
-               "kept_bytes": {}, "minimp": minimp.__version__}
-    for name in ("fp32", "fp16", "bf16"):
+    targets = backend.to_device(rng.integers(0, 10, args.batch))
+    results = {"device": args.device, "batch": args.batch, "width": args.width, "layers": args.layers,
+               "seconds": {}, "kept_bytes": {}, "minimp": minimp.__version__}
+    # CuPy has no ml_dtypes bfloat16, so the GPU run compares fp16 with fp32 only.
+    for name in ("fp32", "fp16") if on_gpu else ("fp32", "fp16", "bf16"):
         dtype = ACTIVATION_DTYPES[name]
         model, optimizer = build(args.width, args.layers, 10, dtype)
         scaler = StaticLossScaler(1024.0) if name == "fp16" else NoLossScaler()
-        x = Tensor(x32.astype(dtype))
+        x = Tensor(backend.to_device(x32.astype(dtype)))
         results["kept_bytes"][name] = minimp_step(model, optimizer, scaler, x, targets, measure_bytes=True)
         results["seconds"][name] = median_seconds(
             lambda: minimp_step(model, optimizer, scaler, x, targets), args.repeats)
-        if name == "fp16":
+        if name == "fp16" and not on_gpu:
             with CastCounter() as counter:
                 minimp_step(model, optimizer, scaler, x, targets)
             results["fp16_casts_per_step"] = {"calls": counter.calls, "elements": counter.elements,
                                               "seconds": counter.seconds}
+    seconds, kept = results["seconds"], results["kept_bytes"]
+    results["ratios"] = {"fp16_over_fp32": seconds["fp16"] / seconds["fp32"],
+                         "kept_bytes_fp16_over_fp32": kept["fp16"] / kept["fp32"]}
+    flops = 6 * args.batch * sum(layer.weight.size for layer in model if isinstance(layer, nn.Linear))
+    results["tflops"] = {name: flops / seconds[name] / 1e12 for name in list(seconds)}
+    if on_gpu:
+        results["ratios"]["fp32_over_fp16_throughput"] = seconds["fp32"] / seconds["fp16"]
+        if args.json:
+            print(json.dumps(results))
+        else:
+            print(f"GPU MLP step, batch {args.batch}, width {args.width}: fp32 {seconds['fp32'] * 1e3:.2f} ms, "
+                  f"fp16 {seconds['fp16'] * 1e3:.2f} ms, fp16 throughput {seconds['fp32'] / seconds['fp16']:.2f}x "
+                  "fp32's (target >= 2)")
+        return
     reference, _ = build(args.width, args.layers, 10, np.float32)
     weights = [layer.weight.data.copy() for layer in reference if isinstance(layer, nn.Linear)]
     biases = [layer.bias.data.copy() for layer in reference if isinstance(layer, nn.Linear)]
     results["seconds"]["numpy"] = median_seconds(lambda: numpy_step(weights, biases, x32, targets),
                                                  args.repeats)
-    seconds, kept = results["seconds"], results["kept_bytes"]
-    results["ratios"] = {"fp32_over_numpy": seconds["fp32"] / seconds["numpy"],
-                         "fp16_over_fp32": seconds["fp16"] / seconds["fp32"],
-                         "bf16_over_fp32": seconds["bf16"] / seconds["fp32"],
-                         "kept_bytes_fp16_over_fp32": kept["fp16"] / kept["fp32"]}
+    results["ratios"].update({"fp32_over_numpy": seconds["fp32"] / seconds["numpy"],
+                              "bf16_over_fp32": seconds["bf16"] / seconds["fp32"]})
     if args.json:
         print(json.dumps(results))
         return

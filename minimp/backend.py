@@ -36,13 +36,16 @@ def _import_cupy():
     return cupy
 
 
-def use_device(name):
-    """Select 'cpu' (NumPy) or 'gpu' (CuPy) for this process; raises DeviceError when impossible."""
+def use_device(name, local_rank=0):
+    """Select 'cpu' (NumPy) or 'gpu' (CuPy) for this process; raises DeviceError when impossible.
+    On a GPU machine, rank `local_rank` of this machine takes GPU local_rank % count, so several
+    ranks may share one GPU."""
     global _selected_device
     if name not in DEVICES:
         raise DeviceError(f"unknown device {name!r}: use one of {', '.join(DEVICES)}")
     if name == "gpu":
-        _import_cupy()
+        cupy = _import_cupy()
+        cupy.cuda.Device(local_rank % cupy.cuda.runtime.getDeviceCount()).use()
     _selected_device = name
 
 

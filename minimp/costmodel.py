@@ -28,10 +28,11 @@ class Network:
     name: str = ""
 
 
-# Fitted on this project's 2-core machine (MPICH wheel, shared memory, minimp's Python collectives, 4
-# ranks oversubscribed on 2 cores): `mpirun -n 4 python mpirun_examples/allreduce_bench.py` prints them
-# on its "fitted:" line. alpha includes Python's per-message overhead (~10 us here).
-THIS_MACHINE = Network(alpha=50e-6, beta=1 / 4.0e9, gamma=1 / 10.5e9, name="2-core VM, MPICH shared memory")
+# Fitted on this project's 2-core machine (MPICH wheel, shared memory, minimp's Python collectives) with
+# `mpirun -n 2 python mpirun_examples/allreduce_bench.py` (its "fitted:" line), at p = 2 where each rank
+# has a core of its own; alpha includes Python's per-message overhead (~10 us here). At p = 4 the
+# ranks are oversubscribed and every term is slower (that run fits alpha ~50 us, 1/beta ~4 GB/s).
+THIS_MACHINE = Network(alpha=15e-6, beta=1 / 8.7e9, gamma=1 / 12.9e9, name="2-core VM, MPICH shared memory")
 # A stated network for predictions at scale: 200 Gb/s InfiniBand-class links, 5 us latency, GPU reduce.
 DATACENTER = Network(alpha=5e-6, beta=1 / 25e9, gamma=1 / 1e12, name="200 Gb/s links, 5 us latency")
 

@@ -110,7 +110,7 @@ class Optimizer:
 def _owned(array):
     """A float32 gradient may be adopted without a copy only when it is a writeable array that owns its
     memory (a broadcast or reshaped view of another gradient is not) and no other parameter got it."""
-    return array.flags.writeable and array.base is None
+    return getattr(array.flags, "writeable", True) and array.base is None  # CuPy flags lack writeable
 
 
 class SGD(Optimizer):

@@ -3,6 +3,7 @@
     mpirun -n 4 python mpirun_examples/allreduce_bench.py            # table, 4 KiB .. 64 MiB
     mpirun -n 2 python mpirun_examples/allreduce_bench.py --json     # one JSON object for machines
     mpirun -n 4 python mpirun_examples/allreduce_bench.py --max-mib 4 --repeats 5
+    mpirun -n 2 python mpirun_examples/allreduce_bench.py --device gpu --json   # CuPy arrays; NCCL baseline
 
 Each time is the slowest rank's, median of --repeats runs after a warm-up. It also fits the cost model's
 alpha and beta from timed Sendrecv steps and gamma from timed reductions on this machine, then prints the
@@ -17,7 +18,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from minimp import costmodel, dist
+from minimp import backend, costmodel, dist
 from minimp.dist.ring import reduce_into
 
 ALGORITHMS = ("ring", "naive", "recursive_doubling", "auto")
@@ -59,9 +60,12 @@ def main(argv=None):
     parser.add_argument("--max-mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     args = parser.parse_args(argv)
     comm = dist.world()
     p = comm.size
+    if args.device == "gpu":
+        return gpu_main(comm, args)
     sizes, nbytes = [], args.min_kib * 1024
     while nbytes <= args.max_mib * 2**20:
         sizes.append(nbytes)
@@ -98,6 +102,60 @@ def main(argv=None):
         busbw = costmodel.bus_bandwidth(row["bytes"], row["ring"], p) / 1e9 if p > 1 else float("nan")
         print(f"{size:>9} {row['mpi'] * 1e3:8.3f}{cells} {busbw:8.2f} GB/s "
               f"{row['ring_predicted'] / row['ring']:9.2f}  auto={row['auto_choice']}")
+    return 0
+
+
+def nccl_allreduce(comm):
+    """A function running NCCL's all-reduce on CuPy float32 arrays, or the reason there is none
+    (no NCCL in this CuPy; or NCCL refusing several ranks on one GPU, which it does)."""
+    try:
+        import cupy
+        from cupy.cuda import nccl
+
+        if not nccl.available:
+            return None, "this CuPy has no NCCL"
+        unique_id = np.zeros(128, np.int8)
+        if comm.rank == 0:
+            unique_id[:] = np.array(nccl.get_unique_id(), np.int8)
+        comm.bcast(unique_id, root=0)
+        communicator = nccl.NcclCommunicator(comm.size, tuple(int(v) for v in unique_id), comm.rank)
+    except Exception as error:  # NCCL's own error types; the benchmark reports them
+        return None, f"{type(error).__name__}: {error}"
+
+    def run(x, out):
+        stream = cupy.cuda.get_current_stream()
+        communicator.allReduce(x.data.ptr, out.data.ptr, x.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)
+        stream.synchronize()
+
+    return run, None
+
+
+def gpu_main(comm, args):
+    """The ring on device arrays (staged through the host unless MPI is CUDA-aware) against MPI's
+    Allreduce on host copies and, where NCCL takes these ranks, against NCCL."""
+    import cupy
+
+    backend.use_device("gpu", comm.node_rank_and_size()[0])
+    nccl_run, nccl_problem = nccl_allreduce(comm) if comm.size > 1 else (None, "one rank")
+    rows, nbytes = [], args.min_kib * 1024
+    while nbytes <= args.max_mib * 2**20:
+        x = cupy.random.default_rng(comm.rank).random(nbytes // 4, dtype=cupy.float32)
+        out, host = cupy.empty_like(x), np.empty(nbytes // 4, np.float32)
+
+        def mpi_host_staged():
+            MPI.COMM_WORLD.Allreduce(x.get(), host, op=MPI.SUM)
+            out.set(host)
+
+        row = {"bytes": nbytes, "mpi_host_staged": timed(comm, mpi_host_staged, args.repeats),
+               "ring": timed(comm, lambda: dist.ring_allreduce(comm, x, out=out), args.repeats)}
+        if nccl_run is not None:
+            row["nccl"] = timed(comm, lambda: nccl_run(x, out), args.repeats)
+        rows.append(row)
+        nbytes *= 4
+    if comm.rank == 0:
+        report = {"ranks": comm.size, "device": "gpu", "cuda_aware_mpi": dist.comm.mpi_is_cuda_aware(),
+                  "nccl": "used" if nccl_run else nccl_problem, "rows": rows}
+        print(json.dumps(report) if args.json else report)
     return 0
 
 

@@ -15,3 +15,16 @@ MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def _gpu_available():
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, or CuPy without a driver or device
+        return False
+
+
+HAS_GPU = _gpu_available()
+requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs CuPy and a CUDA device")

@@ -49,3 +49,14 @@ def test_the_examples_run(tmp_path):
                            capture_output=True, text=True, timeout=120)
     assert bench.returncode == 0, bench.stderr[-2000:]
     assert '"ranks": 2' in bench.stdout and '"ring_predicted"' in bench.stdout
+
+
+def test_cuda_awareness_query_answers_and_can_be_overridden(monkeypatch):
+    from minimp.dist.comm import mpi_is_cuda_aware, world
+
+    world()  # MPI (and so libmpi) is loaded
+    assert mpi_is_cuda_aware() in (True, False)
+    monkeypatch.setenv("MINIMP_CUDA_AWARE_MPI", "1")
+    assert mpi_is_cuda_aware() is True
+    monkeypatch.setenv("MINIMP_CUDA_AWARE_MPI", "0")
+    assert mpi_is_cuda_aware() is False

@@ -7,6 +7,10 @@ reductions of array data happen in minimp's own code; MPI's Allreduce is used on
 through host memory (the GPU issue adds CUDA-aware transfers).
 """
 
+import ctypes
+import os
+import sys
+
 import numpy as np
 
 from minimp import backend
@@ -21,12 +25,31 @@ def byte_view(array):
     return array.reshape(-1).view(np.uint8)
 
 
-def _on_host(array):
-    """(host array to hand MPI, whether it is a staged copy of a device array)."""
-    if type(array).__module__.startswith("cupy"):
-        backend.synchronize()
-        return array.get(), True
-    return array, False
+def mpi_is_cuda_aware():
+    """True when the loaded MPI library accepts GPU memory (MPIX_GPU_query_support in MPICH >= 4,
+    MPIX_Query_cuda_support in Open MPI); MINIMP_CUDA_AWARE_MPI=0/1 overrides. The PyPI mpich
+    wheel answers no."""
+    override = os.environ.get("MINIMP_CUDA_AWARE_MPI")
+    if override in ("0", "1"):
+        return override == "1"
+    try:
+        with open("/proc/self/maps") as maps:
+            libraries = {line.split()[-1] for line in maps if "libmpi" in line.split()[-1]}
+    except OSError:
+        return False
+    for path in sorted(libraries):
+        library = ctypes.CDLL(path)
+        if hasattr(library, "MPIX_GPU_query_support"):
+            supported = ctypes.c_int(0)
+            library.MPIX_GPU_query_support(0, ctypes.byref(supported))  # 0 = MPIX_GPU_SUPPORT_CUDA
+            return bool(supported.value)
+        if hasattr(library, "MPIX_Query_cuda_support"):
+            return bool(library.MPIX_Query_cuda_support())
+    return False
+
+
+def _is_device_array(array):
+    return type(array).__module__.startswith("cupy")
 
 
 class MPICommunicator:
@@ -38,6 +61,7 @@ class MPICommunicator:
         self.size = mpi_comm.Get_size()
         self.bytes_sent = 0  # counted for metrics: what this rank put on the wire
         self.messages_sent = 0
+        self._cuda_aware = None  # asked once, at the first GPU buffer
         from mpi4py import MPI
 
         self._status = MPI.Status()  # reused: one allocation less per message
@@ -45,10 +69,26 @@ class MPICommunicator:
     def __repr__(self):
         return f"MPICommunicator(rank={self.rank}, size={self.size})"
 
+    def _on_host(self, array):
+        """(buffer to hand MPI, whether it is a host copy of a device array). A CUDA-aware MPI reads
+        GPU memory itself (after the stream is synchronised); otherwise the bytes go through host
+        memory, which this rank says once."""
+        if not _is_device_array(array):
+            return array, False
+        backend.synchronize()
+        if self._cuda_aware is None:
+            self._cuda_aware = mpi_is_cuda_aware()
+            if not self._cuda_aware and self.rank == 0:
+                print("minimp.dist: this MPI is not CUDA-aware; GPU buffers are staged through host "
+                      "memory", file=sys.stderr, flush=True)
+        if self._cuda_aware:
+            return array, False
+        return array.get(), True
+
     def send(self, array, dest, tag=0):
         from mpi4py import MPI
 
-        host, _ = _on_host(array)
+        host, _ = self._on_host(array)
         buffer = byte_view(host)
         self._comm.Send([buffer, MPI.BYTE], dest=dest, tag=tag)
         self._count(buffer)
@@ -57,7 +97,7 @@ class MPICommunicator:
         """Receive into `array` (its size must equal the message's)."""
         from mpi4py import MPI
 
-        host, staged = _on_host(array)
+        host, staged = self._on_host(array)
         buffer = byte_view(host)
         status = MPI.Status()
         self._comm.Recv([buffer, MPI.BYTE], source=source, tag=tag, status=status)
@@ -70,8 +110,8 @@ class MPICommunicator:
         The receive matches `recv_tag` (default: the same tag as the send)."""
         from mpi4py import MPI
 
-        send_host, _ = _on_host(send_array)
-        recv_host, staged = _on_host(recv_array)
+        send_host, _ = self._on_host(send_array)
+        recv_host, staged = self._on_host(recv_array)
         send_buffer, recv_buffer = byte_view(send_host), byte_view(recv_host)
         status = self._status
         self._comm.Sendrecv([send_buffer, MPI.BYTE], dest=dest, sendtag=tag,
@@ -80,13 +120,13 @@ class MPICommunicator:
         _check_count(status.Get_count(MPI.BYTE), recv_buffer.nbytes, source)
         self._count(send_buffer)
         if staged:
-            recv_array[...] = backend.to_device(recv_host)
+            recv_array[...] = backend.to_device(recv_host)  # GPU memory of this rank's device
 
     def bcast(self, array, root=0):
         """Overwrite `array` on every rank with root's (in place)."""
         from mpi4py import MPI
 
-        host, staged = _on_host(array)
+        host, staged = self._on_host(array)
         buffer = byte_view(host)
         self._comm.Bcast([buffer, MPI.BYTE], root=root)
         if self.rank == root:
@@ -110,11 +150,15 @@ class MPICommunicator:
 
     def ranks_on_this_node(self):
         """How many ranks of this communicator share this machine (MPI_COMM_TYPE_SHARED)."""
+        return self.node_rank_and_size()[1]
+
+    def node_rank_and_size(self):
+        """(this rank's number among the ranks on its machine, how many there are)."""
         from mpi4py import MPI
 
         local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
         try:
-            return local.Get_size()
+            return local.Get_rank(), local.Get_size()
         finally:
             local.Free()
 

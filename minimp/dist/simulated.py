@@ -229,6 +229,9 @@ class SimulatedCommunicator:
         """Simulated ranks are threads sharing one process (and its BLAS thread pool): count one."""
         return 1
 
+    def node_rank_and_size(self):
+        return 0, 1
+
     def split(self, color, key=0):
         """Same semantics as MPI_Comm_split: one group per color, ranked by (key, old rank)."""
         contributions = self._collective((color, key))

@@ -1,6 +1,13 @@
-"""Matrix products with float32 accumulation: half-precision inputs are widened, multiplied in float32
-and the result is rounded once. That is what tensor cores do (fp16 inputs, fp32 accumulators), and on
-NumPy it is also ~100x faster than its float16 matmul, which has no BLAS behind it."""
+"""Matrix products with float32 accumulation, rounded once: what tensor cores do.
+
+On the CPU, half-precision inputs are widened and multiplied by float32 BLAS, then rounded (NumPy's own
+float16 matmul has no BLAS behind it and is ~100x slower). On a GPU, float16 operands go to cuBLAS as
+they are: CuPy (with CUDA >= 11) calls cublasGemmEx with CUBLAS_COMPUTE_32F for float16 matrices, so
+the tensor cores multiply float16 and accumulate in float32, and cuBLAS rounds the result once.
+Nothing needs to be set for it; tests/test_gpu.py checks that the accumulation really is float32.
+"""
+
+import numpy as np
 
 from minimp.backend import array_module
 from minimp.function import Function, unbroadcast
@@ -12,6 +19,14 @@ def _swap_last_two(array):
     return array_module(array).swapaxes(array, -1, -2)
 
 
+def gemm_operand(array):
+    """What a matrix product should read: float16 as it is on a GPU (tensor cores, float32
+    accumulation inside cuBLAS), float32 everywhere else."""
+    if array.dtype == casting.FLOAT16 and array_module(array) is not np and array.ndim == 2:
+        return array
+    return widen(array)
+
+
 class MatMul(Function):
     """y = a @ b;  dL/da = dL/dy @ b^T,  dL/db = a^T @ dL/dy (batch axes summed where broadcast)."""
 
@@ -21,17 +36,17 @@ class MatMul(Function):
             raise ValueError(f"matmul needs operands with 2 or more axes, got shapes {a.shape} and {b.shape}"
                              " (reshape a vector to (1, n) or (n, 1))")
         ctx.save_for_backward(a, b)
-        return round_to(widen(a) @ widen(b), casting.result_dtype(a.dtype, b.dtype))
+        return round_to(gemm_operand(a) @ gemm_operand(b), casting.result_dtype(a.dtype, b.dtype))
 
     @staticmethod
     def backward(ctx, grad_output):
         a, b = ctx.saved_arrays
-        grad = widen(grad_output)
+        grad = gemm_operand(grad_output)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_a = unbroadcast(grad @ _swap_last_two(widen(b)), a.shape, a.dtype)
+            grad_a = unbroadcast(grad @ _swap_last_two(gemm_operand(b)), a.shape, a.dtype)
         if ctx.needs_input_grad[1]:
-            grad_b = unbroadcast(_swap_last_two(widen(a)) @ grad, b.shape, b.dtype)
+            grad_b = unbroadcast(_swap_last_two(gemm_operand(a)) @ grad, b.shape, b.dtype)
         return grad_a, grad_b
 
 
@@ -49,19 +64,21 @@ class Linear(Function):
         ctx.save_for_backward(x, weight)
         ctx.bias_dtype = bias.dtype
         rows = x.reshape(-1, x.shape[-1])  # (N, in) with N = all leading axes together
-        output = widen(rows) @ widen(weight).T + widen(bias)  # (N, out), float32
+        # CPU: one float32 product, the bias added, one rounding. GPU float16: cuBLAS rounds the
+        # product, the bias add rounds again (as an unfused bias add does in PyTorch).
+        output = widen(gemm_operand(rows) @ gemm_operand(weight).T) + widen(bias)  # (N, out)
         dtype = casting.result_dtype(x.dtype, weight.dtype)
         return round_to(output, dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_arrays
-        grad = widen(grad_output).reshape(-1, weight.shape[0])  # (N, out), float32
+        grad = gemm_operand(grad_output.reshape(-1, weight.shape[0]))  # (N, out)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = round_to(grad @ widen(weight), x.dtype).reshape(x.shape)
+            grad_x = round_to(grad @ gemm_operand(weight), x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1]:
-            grad_weight = round_to(grad.T @ widen(x.reshape(-1, x.shape[-1])), weight.dtype)
+            grad_weight = round_to(grad.T @ gemm_operand(x.reshape(-1, x.shape[-1])), weight.dtype)
         if ctx.needs_input_grad[2]:
-            grad_bias = round_to(grad.sum(axis=0), ctx.bias_dtype)
+            grad_bias = round_to(widen(grad).sum(axis=0), ctx.bias_dtype)
         return grad_x, grad_weight, grad_bias

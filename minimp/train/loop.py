@@ -53,7 +53,7 @@ def train(config, log=print, comm=None):
 
 def _train(config, log, comm):
     if config.device:
-        backend.use_device(config.device)
+        backend.use_device(config.device, local_rank=comm.node_rank_and_size()[0])
     rank, dp = comm.rank, config.replicas(comm.size)
     log = log if rank == 0 else (lambda line: None)
     topology = Topology(comm, dp=dp, pp=config.pp)
