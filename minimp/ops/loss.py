@@ -68,6 +68,7 @@ class CrossEntropy(Function):
             raise ValueError(f"cross_entropy needs logits (B, C) and targets (B,), got {logits.shape}"
                              f" and {targets.shape}")
         xp = array_module(logits)
+        targets = xp.asarray(targets)  # integer labels may come from the host: index on the device
         if targets.size and (int(targets.min()) < 0 or int(targets.max()) >= logits.shape[1]):
             raise ValueError(f"cross_entropy: targets must lie in 0..{logits.shape[1] - 1}")
         ctx.save_for_backward(logits, targets)

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One command on a machine with a GPU: install what is missing from carried wheels, run the GPU tests,
+# then short GPU benchmarks; every figure goes into one JSON file. Finishes within 6 minutes.
+#
+#   bash scripts/gpu_check.sh [OUT.json]        (wheels: .whl/ or $MINIMP_WHEELS; mpich + mpi4py)
+#
+# The machine needs CuPy, NumPy, ml_dtypes, threadpoolctl and pytest; only MPI is installed here, from
+# the wheels, because a GPU machine without a registry rarely has an mpirun.
+set -u
+cd "$(dirname "$0")/.."
+OUT_JSON=${1:-gpu_check.json}
+WHEELS=${MINIMP_WHEELS:-.whl}
+PY=${PYTHON:-python3}
+LOGS=$(mktemp -d)
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+start=$(date +%s)
+stamp() { echo "[gpu_check +$(( $(date +%s) - start ))s] $*"; }
+
+if ! (command -v mpirun >/dev/null 2>&1 && $PY -c "from mpi4py import MPI" >/dev/null 2>&1); then
+  stamp "installing MPI from $WHEELS"
+  $PY -m pip install -q --no-index --no-deps --no-compile --prefix /tmp/minimp-mpi "$WHEELS"/*.whl || exit 1
+  export PATH=/tmp/minimp-mpi/bin:$PATH LD_LIBRARY_PATH=/tmp/minimp-mpi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export PYTHONPATH=$(echo /tmp/minimp-mpi/lib/python3*/site-packages):$PYTHONPATH
+  export MPI4PY_LIBMPI=/tmp/minimp-mpi/lib/libmpi.so.12
+fi
+export MPIEXEC_ALLOW_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+stamp "GPU tests"
+timeout 150 $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rs >"$LOGS/tests.txt" 2>&1
+echo "exit $?" >>"$LOGS/tests.txt"
+tail -5 "$LOGS/tests.txt"
+
+stamp "fp16 vs fp32 training step"
+timeout 90 $PY benchmarks/step_bench.py --device gpu --batch 4096 --width 4096 --layers 4 --repeats 10 \
+  --json >"$LOGS/step.json" 2>"$LOGS/step.err" || tail -5 "$LOGS/step.err"
+
+for ranks in 2 4; do
+  stamp "ring all-reduce on device arrays, $ranks ranks"
+  timeout 75 mpirun -n $ranks $PY mpirun_examples/allreduce_bench.py --device gpu --max-mib 64 --repeats 5 \
+    --json >"$LOGS/allreduce$ranks.json" 2>"$LOGS/allreduce$ranks.err" || tail -5 "$LOGS/allreduce$ranks.err"
+done
+
+stamp "4-rank data-parallel training on the GPU"
+timeout 90 mpirun -n 4 $PY -m minimp.train --device gpu --steps 300 --log-every 100 \
+  --metrics "$LOGS/train.jsonl" >"$LOGS/train.txt" 2>&1 || tail -5 "$LOGS/train.txt"
+tail -3 "$LOGS/train.txt"
+
+stamp "writing $OUT_JSON"
+$PY scripts/gpu_report.py "$LOGS" "$OUT_JSON"
+stamp "done"
