@@ -11,7 +11,9 @@ cd "$(dirname "$0")/.."
 OUT_JSON=${1:-gpu_check.json}
 WHEELS=${MINIMP_WHEELS:-.whl}
 PY=${PYTHON:-python3}
-LOGS=$(mktemp -d)
+LOGS=${MINIMP_GPU_LOGS:-$(mktemp -d)}
+mkdir -p "$LOGS"
+ERRORS=$LOGS/errors.txt
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 start=$(date +%s)
 stamp() { echo "[gpu_check +$(( $(date +%s) - start ))s] $*"; }
@@ -26,22 +28,22 @@ fi
 export MPIEXEC_ALLOW_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 stamp "GPU tests"
-timeout 150 $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rs >"$LOGS/tests.txt" 2>&1
+timeout 120 $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rs >"$LOGS/tests.txt" 2>&1
 echo "exit $?" >>"$LOGS/tests.txt"
 tail -5 "$LOGS/tests.txt"
 
 stamp "fp16 vs fp32 training step"
-timeout 90 $PY benchmarks/step_bench.py --device gpu --batch 4096 --width 4096 --layers 4 --repeats 10 \
-  --json >"$LOGS/step.json" 2>"$LOGS/step.err" || tail -5 "$LOGS/step.err"
+timeout 60 $PY benchmarks/step_bench.py --device gpu --batch 4096 --width 4096 --layers 4 --repeats 10 \
+  --json >"$LOGS/step.json" 2>>"$ERRORS" || tail -5 "$ERRORS"
 
 for ranks in 2 4; do
   stamp "ring all-reduce on device arrays, $ranks ranks"
-  timeout 75 mpirun -n $ranks $PY mpirun_examples/allreduce_bench.py --device gpu --max-mib 64 --repeats 5 \
-    --json >"$LOGS/allreduce$ranks.json" 2>"$LOGS/allreduce$ranks.err" || tail -5 "$LOGS/allreduce$ranks.err"
+  timeout 45 mpirun -n $ranks $PY mpirun_examples/allreduce_bench.py --device gpu --max-mib 64 --repeats 5 \
+    --json >"$LOGS/allreduce$ranks.json" 2>>"$ERRORS" || tail -5 "$ERRORS"
 done
 
 stamp "4-rank data-parallel training on the GPU"
-timeout 90 mpirun -n 4 $PY -m minimp.train --device gpu --steps 300 --log-every 100 \
+timeout 60 mpirun -n 4 $PY -m minimp.train --device gpu --steps 300 --log-every 100 \
   --metrics "$LOGS/train.jsonl" >"$LOGS/train.txt" 2>&1 || tail -5 "$LOGS/train.txt"
 tail -3 "$LOGS/train.txt"
 
