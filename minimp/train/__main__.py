@@ -7,7 +7,7 @@ checkpoint that a rank cannot read) is printed by the rank that hit it, which th
 
 import sys
 
-from minimp.backend import DeviceError
+from minimp.backend import DeviceError, use_device
 from minimp.dist import run_or_abort, world
 from minimp.train.checkpoint import CheckpointError
 from minimp.train.config import ConfigError, parse_config
@@ -40,6 +40,8 @@ def main(argv=None):
     config = parse_config(argv, quiet=comm.rank != 0)
     try:
         config.validate(comm.size)
+        if config.device:
+            use_device(config.device)  # CuPy and a GPU are there, or one clear line from rank 0
         if config.plot:
             require_matplotlib()
     except USER_ERRORS as error:
