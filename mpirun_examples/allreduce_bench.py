@@ -114,6 +114,12 @@ def nccl_allreduce(comm):
 
         if not nccl.available:
             return None, "this CuPy has no NCCL"
+        ranks_here = comm.node_rank_and_size()[1]
+        if ranks_here > cupy.cuda.runtime.getDeviceCount():
+            # NCCL needs a GPU of its own for every rank of a communicator; asked to share one, it
+            # fails or waits in its bootstrap, so it is not asked.
+            return None, (f"NCCL needs one GPU per rank: {ranks_here} ranks share "
+                          f"{cupy.cuda.runtime.getDeviceCount()} GPU(s) here")
         unique_id = np.zeros(128, np.int8)
         if comm.rank == 0:
             unique_id[:] = np.array(nccl.get_unique_id(), np.int8)
