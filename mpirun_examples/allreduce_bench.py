@@ -157,6 +157,8 @@ def gpu_main(comm, args):
         if nccl_run is not None:
             row["nccl"] = timed(comm, lambda: nccl_run(x, out), args.repeats)
         rows.append(row)
+        if comm.rank == 0:
+            print(f"allreduce_bench: {nbytes} bytes done", file=sys.stderr, flush=True)
         nbytes *= 4
     if comm.rank == 0:
         report = {"ranks": comm.size, "device": "gpu", "cuda_aware_mpi": dist.comm.mpi_is_cuda_aware(),
