@@ -1,7 +1,7 @@
 """Optimizers that always update float32 master weights and round them into the model's compute copies.
 
-Why masters: a float16 weight near 1.0 has an ulp of 2^-10, so any update smaller than 2^-11 rounds
-away and the weight never moves (tests/test_precision_facts.py shows it). The optimizer therefore keeps
+Why masters: float16 numbers near 1.0 are 2^-10 apart above it and 2^-11 below, so an update of 2^-12
+rounds away in either direction and the weight never moves (tests/test_casting.py shows it). The optimizer therefore keeps
 a float32 copy of every weight, applies updates there, and writes the rounded result into the float16
 parameter the model computes with. For a float32 model the master *is* the parameter's array.
 

@@ -65,6 +65,11 @@ def test_sequential_float16_accumulation_stalls_at_2048_float32_does_not():
     assert float(running32) == 3000.0
 
 
+def test_numpy_pairwise_sum_hides_the_stall_that_cumsum_shows():
+    ones = np.ones(3000, f16)
+    assert float(np.sum(ones)) == 3000.0 and float(np.cumsum(ones)[-1]) == 2048.0
+
+
 def test_minimp_sum_of_float16_ones_accumulates_in_float32():
     ones = Tensor(np.ones(3000, f16))
     assert ones.sum().item() == 3000.0  # stored in float16: 3000 is representable (multiple of 2)
@@ -107,7 +112,7 @@ def test_loss_scaling_through_the_engine():
 
 def test_an_update_below_half_an_ulp_moves_a_float32_master_but_not_a_float16_weight():
     assert float(np.spacing(f16(1.0))) == 2.0**-10  # the ulp of 1.0 in float16
-    update = 2.0**-12  # a quarter ulp, under the half ulp that would round up
+    update = 2.0**-12  # half the 2^-11 gap below 1.0: 1 - 2^-12 is a tie, and ties go to even (1.0)
     weight16, master32 = f16(1.0), np.float32(1.0)
     for _ in range(1000):
         weight16 = f16(weight16 - f16(update))
@@ -152,3 +157,17 @@ def test_widen_and_round_to():
     assert casting.widen(x).dtype == np.float32
     y = np.array([1.0], np.float32)
     assert casting.widen(y) is y and casting.round_to(y, np.float32) is y
+
+
+def test_a_dot_product_accumulated_in_fp16_is_far_less_accurate_than_in_fp32():
+    """Lesson 9: fp16 is not 'more numerically stable'."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(4096), rng.standard_normal(4096)
+    exact = float(a @ b)
+    errors = {}
+    for dtype in (f16, np.float32):
+        total = dtype(0)
+        for x, y in zip(a.astype(dtype), b.astype(dtype)):
+            total = dtype(total + dtype(x * y))
+        errors[dtype] = abs(float(total) - exact)
+    assert errors[f16] > 100 * errors[np.float32]

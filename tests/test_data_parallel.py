@@ -97,3 +97,17 @@ def test_simulated_data_parallel_training_matches_one_process_in_fp32():
             for name, array in result["master_weights"].items():
                 np.testing.assert_allclose(array, one[name], rtol=1e-5, atol=1e-7, err_msg=name)
                 assert array.tobytes() == results[0]["master_weights"][name].tobytes()
+
+
+def test_every_replica_holds_every_parameter():
+    """Lesson 9: data parallelism replicates the parameters; reduce_scatter is what shards."""
+    from minimp.train import build_model
+
+    def held(comm):
+        model = build_model(64, 10, 32, 2, np.random.default_rng(0))
+        optimizer = optim.Adam(model.parameters())
+        shard_size = dist.reduce_scatter(comm, np.ones(1000, np.float32)).size
+        return sum(m.size for m in optimizer.master_weights), shard_size
+
+    full = sum(p.size for p in build_model(64, 10, 32, 2, np.random.default_rng(0)).parameters())
+    assert dist.simulate(4, held) == [(full, 250)] * 4

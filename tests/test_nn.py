@@ -42,3 +42,10 @@ def test_load_state_dict_names_what_does_not_fit():
 def test_sequential_indexing_and_length():
     model = mlp(np.random.default_rng(0))
     assert len(model) == 4 and isinstance(model[1], nn.ReLU) and len(list(model)) == 4
+
+
+def test_the_optimizer_steps_not_the_model():
+    """Lesson 9: there is no model.step(); optimizers own the update."""
+    from minimp import optim
+
+    assert not hasattr(nn.Module, "step") and hasattr(optim.Optimizer, "step")

@@ -72,3 +72,13 @@ def test_timeline_records_every_forward_and_backward(tmp_path):
     events = json.loads(path.read_text())["events"]
     assert len(events) == 2 * 2 * 4 * 2  # steps x stages x micro-batches x (forward, backward)
     assert all(e["end"] >= e["start"] >= 0 for e in events)
+
+
+def test_pipeline_stages_split_the_parameters():
+    """Lesson 9: with --pp 4 each rank holds one stage, and the stages add up to the model."""
+    from minimp.train.build import stage_of
+
+    model = build_model(64, 10, 128, 4, np.random.default_rng(0))
+    counts = [sum(p.size for _, p in stage_of(model, 4, stage)[1]) for stage in range(4)]
+    assert sum(counts) == sum(p.size for p in model.parameters())
+    assert max(counts) < sum(counts) / 2

@@ -112,3 +112,33 @@ def test_sgd_and_adam_match_their_formulas():
     adam.step()
     # the first Adam step moves every weight by lr * sign(g) (bias correction makes m/sqrt(v) = 1)
     assert parameter.data[0] == pytest.approx(w0 - 0.01, rel=1e-5)
+
+
+def train_tiny_gradients(dtype, scaler, steps=120):
+    """The setup of lesson 4: a loss averaged over 2^16 terms, so every gradient is 2^-16 smaller."""
+    from minimp.data import load_digits
+
+    digits = load_digits()
+    rng = np.random.default_rng(0)
+    model = nn.Sequential(nn.Linear(64, 128, rng=rng), nn.ReLU(), nn.Linear(128, 128, rng=rng), nn.ReLU(),
+                          nn.Linear(128, 10, rng=rng))
+    optimizer = optim.Adam(model.parameters(), lr=1e-3)
+    model.to(dtype)
+    images, labels, losses = digits.train_images.astype(dtype), digits.train_labels, []
+    for step in range(steps):
+        rows = np.random.default_rng([0, step]).choice(len(labels), 256, replace=False)
+        loss = F.cross_entropy(model(Tensor(images[rows])), labels[rows])
+        losses.append(loss.item())
+        scaler.scale(loss * 2.0**-16).backward()
+        mixed_precision_step(optimizer, scaler)
+    return float(np.mean(losses[-10:]))
+
+
+def test_tiny_gradients_fail_in_fp16_without_scaling_and_match_fp32_with_it():
+    from minimp.precision import BFLOAT16, NoLossScaler
+
+    fp32 = train_tiny_gradients(np.float32, NoLossScaler())
+    assert fp32 < 0.5
+    assert train_tiny_gradients(np.float16, NoLossScaler()) > 2.0  # flushed to zero: nothing learned
+    assert train_tiny_gradients(np.float16, DynamicLossScaler()) == pytest.approx(fp32, rel=0.01)
+    assert train_tiny_gradients(BFLOAT16, NoLossScaler()) < 0.5  # bf16's range needs no scaling

@@ -29,7 +29,7 @@ class Sum(Function):
     """y = sum(x, axis);  dL/dx = dL/dy broadcast back over the summed axes.
 
     Why float32: a float16 running sum stops growing once the total's ulp exceeds the terms
-    (a running sum of ones stalls at 2048); tests/test_precision_facts.py shows it.
+    (a running sum of ones stalls at 2048); tests/test_casting.py shows it.
     """
 
     @staticmethod
