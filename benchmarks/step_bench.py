@@ -1,8 +1,10 @@
-"""Benchmark: one MLP training step in minimp (fp32, fp16, bf16) against the same step hand-written in NumPy.
+"""Benchmark: one MLP training step in minimp (fp32, fp16, bf16) against the same step hand-written
+in NumPy.
 
     python benchmarks/step_bench.py            # batch 256, width 512, 4 hidden layers
     python benchmarks/step_bench.py --json     # one JSON object for machines
-    python benchmarks/step_bench.py --device gpu --batch 4096 --width 4096   # CuPy (no NumPy baseline)
+    python benchmarks/step_bench.py --device gpu --batch 4096 --width 4096   # CuPy (no NumPy
+      baseline)
 
 Prints ratios measured side by side in this run (targets from the core issue):
   fp32 minimp / hand-written NumPy   <= 1.10
@@ -22,7 +24,13 @@ import numpy as np
 import minimp
 from minimp import Tensor, backend, nn, optim
 from minimp import functional as F
-from minimp.precision import ACTIVATION_DTYPES, NoLossScaler, StaticLossScaler, casting, mixed_precision_step
+from minimp.precision import (
+    ACTIVATION_DTYPES,
+    NoLossScaler,
+    StaticLossScaler,
+    casting,
+    mixed_precision_step,
+)
 from minimp.tensor import saved_bytes
 
 
@@ -40,7 +48,9 @@ def build(width, layers, classes, dtype, seed=0):
 
 def minimp_step(model, optimizer, scaler, x, targets, measure_bytes=False):
     loss = F.cross_entropy(model(x), targets)
-    kept = saved_bytes(loss, exclude=[p.data for p in model.parameters()]) if measure_bytes else None
+    kept = (
+        saved_bytes(loss, exclude=[p.data for p in model.parameters()]) if measure_bytes else None
+    )
     scaler.scale(loss).backward()
     mixed_precision_step(optimizer, scaler)
     return kept
@@ -130,55 +140,90 @@ def main(argv=None):
     rng = np.random.default_rng(1)
     x32 = rng.standard_normal((args.batch, args.width)).astype(np.float32)
     targets = backend.to_device(rng.integers(0, 10, args.batch))
-    results = {"device": args.device, "batch": args.batch, "width": args.width, "layers": args.layers,
-               "seconds": {}, "kept_bytes": {}, "minimp": minimp.__version__}
+    results = {
+        "device": args.device,
+        "batch": args.batch,
+        "width": args.width,
+        "layers": args.layers,
+        "seconds": {},
+        "kept_bytes": {},
+        "minimp": minimp.__version__,
+    }
     # CuPy has no ml_dtypes bfloat16, so the GPU run compares fp16 with fp32 only.
     for name in ("fp32", "fp16") if on_gpu else ("fp32", "fp16", "bf16"):
         dtype = ACTIVATION_DTYPES[name]
         model, optimizer = build(args.width, args.layers, 10, dtype)
         scaler = StaticLossScaler(1024.0) if name == "fp16" else NoLossScaler()
         x = Tensor(backend.to_device(x32.astype(dtype)))
-        results["kept_bytes"][name] = minimp_step(model, optimizer, scaler, x, targets, measure_bytes=True)
+        results["kept_bytes"][name] = minimp_step(
+            model, optimizer, scaler, x, targets, measure_bytes=True
+        )
         results["seconds"][name] = median_seconds(
-            lambda: minimp_step(model, optimizer, scaler, x, targets), args.repeats)
+            lambda: minimp_step(model, optimizer, scaler, x, targets), args.repeats
+        )
         if name == "fp16" and not on_gpu:
             with CastCounter() as counter:
                 minimp_step(model, optimizer, scaler, x, targets)
-            results["fp16_casts_per_step"] = {"calls": counter.calls, "elements": counter.elements,
-                                              "seconds": counter.seconds}
+            results["fp16_casts_per_step"] = {
+                "calls": counter.calls,
+                "elements": counter.elements,
+                "seconds": counter.seconds,
+            }
     seconds, kept = results["seconds"], results["kept_bytes"]
-    results["ratios"] = {"fp16_over_fp32": seconds["fp16"] / seconds["fp32"],
-                         "kept_bytes_fp16_over_fp32": kept["fp16"] / kept["fp32"]}
-    flops = 6 * args.batch * sum(layer.weight.size for layer in model if isinstance(layer, nn.Linear))
+    results["ratios"] = {
+        "fp16_over_fp32": seconds["fp16"] / seconds["fp32"],
+        "kept_bytes_fp16_over_fp32": kept["fp16"] / kept["fp32"],
+    }
+    flops = (
+        6 * args.batch * sum(layer.weight.size for layer in model if isinstance(layer, nn.Linear))
+    )
     results["tflops"] = {name: flops / seconds[name] / 1e12 for name in list(seconds)}
     if on_gpu:
         results["ratios"]["fp32_over_fp16_throughput"] = seconds["fp32"] / seconds["fp16"]
         if args.json:
             print(json.dumps(results))
         else:
-            print(f"GPU MLP step, batch {args.batch}, width {args.width}: fp32 {seconds['fp32'] * 1e3:.2f} ms, "
-                  f"fp16 {seconds['fp16'] * 1e3:.2f} ms, fp16 throughput {seconds['fp32'] / seconds['fp16']:.2f}x "
-                  "fp32's (target >= 2)")
+            print(
+                f"GPU MLP step, batch {args.batch}, width {args.width}: fp32 "
+                f"{seconds['fp32'] * 1e3:.2f} ms, "
+                f"fp16 {seconds['fp16'] * 1e3:.2f} ms, fp16 throughput "
+                f"{seconds['fp32'] / seconds['fp16']:.2f}x "
+                "fp32's (target >= 2)"
+            )
         return
     reference, _ = build(args.width, args.layers, 10, np.float32)
     weights = [layer.weight.data.copy() for layer in reference if isinstance(layer, nn.Linear)]
     biases = [layer.bias.data.copy() for layer in reference if isinstance(layer, nn.Linear)]
-    results["seconds"]["numpy"] = median_seconds(lambda: numpy_step(weights, biases, x32, targets),
-                                                 args.repeats)
-    results["ratios"].update({"fp32_over_numpy": seconds["fp32"] / seconds["numpy"],
-                              "bf16_over_fp32": seconds["bf16"] / seconds["fp32"]})
+    results["seconds"]["numpy"] = median_seconds(
+        lambda: numpy_step(weights, biases, x32, targets), args.repeats
+    )
+    results["ratios"].update(
+        {
+            "fp32_over_numpy": seconds["fp32"] / seconds["numpy"],
+            "bf16_over_fp32": seconds["bf16"] / seconds["fp32"],
+        }
+    )
     if args.json:
         print(json.dumps(results))
         return
-    print(f"MLP step: batch {args.batch}, width {args.width}, {args.layers} hidden layers, "
-          f"median of {args.repeats}")
+    print(
+        f"MLP step: batch {args.batch}, width {args.width}, {args.layers} hidden layers, "
+        f"median of {args.repeats}"
+    )
     for name in ("numpy", "fp32", "fp16", "bf16"):
         print(f"  {name:>5}: {seconds[name] * 1e3:8.2f} ms")
     casts = results["fp16_casts_per_step"]
-    print(f"  fp16 casts per step: {casts['calls']} calls, {casts['elements'] / 1e6:.2f} M elements, "
-          f"{casts['seconds'] * 1e3:.2f} ms ({casts['seconds'] / casts['elements'] * 1e9:.1f} ns/element)")
+    print(
+        f"  fp16 casts per step: {casts['calls']} calls, {casts['elements'] / 1e6:.2f} M elements, "
+        f"{casts['seconds'] * 1e3:.2f} ms ({casts['seconds'] / casts['elements'] * 1e9:.1f} "
+        "ns/element)"
+    )
     print(f"  fp16 step without its casts: {(seconds['fp16'] - casts['seconds']) * 1e3:.2f} ms")
-    targets_text = {"fp32_over_numpy": 1.10, "fp16_over_fp32": 1.80, "kept_bytes_fp16_over_fp32": 0.52}
+    targets_text = {
+        "fp32_over_numpy": 1.10,
+        "fp16_over_fp32": 1.80,
+        "kept_bytes_fp16_over_fp32": 0.52,
+    }
     for name, value in results["ratios"].items():
         target = f"(target <= {targets_text[name]:.2f})" if name in targets_text else ""
         print(f"  {name:<26} {value:6.3f} {target}")

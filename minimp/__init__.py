@@ -1,4 +1,5 @@
-"""minimp: a small autograd engine with mixed precision, data and pipeline parallelism, for learning."""
+"""minimp: a small autograd engine with mixed precision, data and pipeline parallelism, for
+learning."""
 
 from minimp import functional, nn, optim
 from minimp.function import no_grad
@@ -6,4 +7,12 @@ from minimp.precision import DynamicLossScaler, StaticLossScaler
 from minimp.tensor import Tensor
 
 __version__ = "0.1.0"
-__all__ = ["DynamicLossScaler", "StaticLossScaler", "Tensor", "functional", "nn", "no_grad", "optim"]
+__all__ = [
+    "DynamicLossScaler",
+    "StaticLossScaler",
+    "Tensor",
+    "functional",
+    "nn",
+    "no_grad",
+    "optim",
+]

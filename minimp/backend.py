@@ -1,8 +1,8 @@
 """The only place that chooses the array module: NumPy on the CPU, CuPy on a GPU (called `xp`).
 
-Every other file asks this one for `xp` instead of importing numpy or cupy for array work, so one code
-path serves both devices. The device is chosen once per process: `use_device("gpu")`, the train flag
-`--device gpu`, or the environment variable MINIMP_DEVICE=gpu.
+Every other file asks this one for `xp` instead of importing numpy or cupy for array work, so one
+code path serves both devices. The device is chosen once per process: `use_device("gpu")`, the train
+flag `--device gpu`, or the environment variable MINIMP_DEVICE=gpu.
 """
 
 import os
@@ -30,7 +30,9 @@ def _import_cupy():
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as error:  # CuPy raises its own CUDARuntimeError without a driver
-        raise DeviceError(f"device 'gpu': CuPy is installed but CUDA is not usable ({error})") from error
+        raise DeviceError(
+            f"device 'gpu': CuPy is installed but CUDA is not usable ({error})"
+        ) from error
     if count < 1:
         raise DeviceError("device 'gpu': CuPy is installed but no GPU is visible")
     return cupy
@@ -62,7 +64,8 @@ def default_xp():
 
 
 def array_module(*arrays):
-    """The array module that owns these arrays: operations follow their inputs, not a global switch."""
+    """The array module that owns these arrays: operations follow their inputs, not a global
+    switch."""
     for array in arrays:
         if type(array).__module__.startswith("cupy"):
             import cupy
@@ -84,7 +87,8 @@ def to_numpy(array):
 
 
 def synchronize():
-    """Wait for queued GPU work; needed before timing or handing a buffer to MPI. No-op on the CPU."""
+    """Wait for queued GPU work; needed before timing or handing a buffer to MPI. No-op on the
+    CPU."""
     if _selected_device == "gpu":
         _import_cupy().cuda.get_current_stream().synchronize()
 
@@ -98,8 +102,9 @@ def available_cores():
 
 
 def limit_cpu_threads(threads):
-    """Cap BLAS/OpenMP threads of this process (threadpoolctl). Several MPI ranks on one machine each
-    starting a thread per core would fight over the cores; returns the limiter (keep it alive)."""
+    """Cap BLAS/OpenMP threads of this process (threadpoolctl). Several MPI ranks on one machine
+    each starting a thread per core would fight over the cores; returns the limiter (keep it
+    alive)."""
     from threadpoolctl import threadpool_limits
 
     return threadpool_limits(limits=max(1, int(threads)))

@@ -1,13 +1,16 @@
 """The alpha-beta(-gamma) cost model of collectives and pipelines: predict before you measure.
 
 A message of n bytes costs alpha + n * beta (Hockney's model: alpha is the latency, 1/beta the
-bandwidth); reducing n bytes costs n * gamma. The all-reduce formulas are those of Thakur, Rabenseifner
-& Gropp, "Optimization of Collective Communication Operations in MPICH" (IJHPCA 2005), with p ranks:
+bandwidth); reducing n bytes costs n * gamma. The all-reduce formulas are those of Thakur,
+Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MPICH" (IJHPCA 2005),
+with p ranks:
 
   ring                2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
   naive (to root)     2(p-1) (alpha + n beta) + (p-1) n gamma
-  binomial tree       2 ceil(log2 p) (alpha + n beta) + ceil(log2 p) n gamma     (reduce + broadcast)
-  recursive doubling  ceil(log2 p) (alpha + n beta + n gamma)  (+ 2 (alpha + n beta) when p is not 2^k)
+  binomial tree       2 ceil(log2 p) (alpha + n beta) + ceil(log2 p) n gamma     (reduce +
+    broadcast)
+  recursive doubling  ceil(log2 p) (alpha + n beta + n gamma)  (+ 2 (alpha + n beta) when p is not
+    2^k)
   Rabenseifner        2 log2(p) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
 
 Bus bandwidth is nccl-tests' figure of merit: busbw = algbw * 2(p-1)/p with algbw = n / time, so a
@@ -28,12 +31,17 @@ class Network:
     name: str = ""
 
 
-# Fitted on this project's 2-core machine (MPICH wheel, shared memory, minimp's Python collectives) with
-# `mpirun -n 2 python mpirun_examples/allreduce_bench.py` (its "fitted:" line), at p = 2 where each rank
+# Fitted on this project's 2-core machine (MPICH wheel, shared memory, minimp's Python collectives)
+# with
+# `mpirun -n 2 python mpirun_examples/allreduce_bench.py` (its "fitted:" line), at p = 2 where each
+# rank
 # has a core of its own; alpha includes Python's per-message overhead (~10 us here). At p = 4 the
 # ranks are oversubscribed and every term is slower (that run fits alpha ~50 us, 1/beta ~4 GB/s).
-THIS_MACHINE = Network(alpha=15e-6, beta=1 / 8.7e9, gamma=1 / 12.9e9, name="2-core VM, MPICH shared memory")
-# A stated network for predictions at scale: 200 Gb/s InfiniBand-class links, 5 us latency, GPU reduce.
+THIS_MACHINE = Network(
+    alpha=15e-6, beta=1 / 8.7e9, gamma=1 / 12.9e9, name="2-core VM, MPICH shared memory"
+)
+# A stated network for predictions at scale: 200 Gb/s InfiniBand-class links, 5 us latency, GPU
+# reduce.
 DATACENTER = Network(alpha=5e-6, beta=1 / 25e9, gamma=1 / 1e12, name="200 Gb/s links, 5 us latency")
 
 
@@ -110,9 +118,9 @@ def fit_alpha_beta(nbytes, seconds):
 
 
 def fit_latency_bandwidth(nbytes, seconds):
-    """(alpha, beta) from the two ends of a sweep: alpha is the time of the smallest message, beta the
-    slope to the largest. Cache effects make per-byte cost grow with size, so a straight line through
-    every point fits neither end; this one is right where each term dominates."""
+    """(alpha, beta) from the two ends of a sweep: alpha is the time of the smallest message,
+    beta the slope to the largest. Cache effects make per-byte cost grow with size, so a straight
+    line through every point fits neither end; this one is right where each term dominates."""
     order = np.argsort(nbytes)
     small, large = order[0], order[-1]
     beta = (seconds[large] - seconds[small]) / (nbytes[large] - nbytes[small])
@@ -120,11 +128,15 @@ def fit_latency_bandwidth(nbytes, seconds):
 
 
 def prediction_table(nbytes, world_sizes, network=None):
-    """{p: {algorithm: seconds}} for one message size over many world sizes (p up to 4,096 and more)."""
-    return {p: {name: allreduce_time(name, nbytes, p, network) for name in ALLREDUCE_MODELS}
-            for p in world_sizes}
+    """{p: {algorithm: seconds}} for one message size over many world sizes (p up to 4,096 and
+    more)."""
+    return {
+        p: {name: allreduce_time(name, nbytes, p, network) for name in ALLREDUCE_MODELS}
+        for p in world_sizes
+    }
 
 
 def pipeline_bubble_fraction(stages, micro_batches):
-    """Idle share of a GPipe or 1F1B step with equal stages: (P - 1) / (M + P - 1) (Huang et al. 2019)."""
+    """Idle share of a GPipe or 1F1B step with equal stages: (P - 1) / (M + P - 1) (Huang et al.
+    2019)."""
     return (stages - 1) / (micro_batches + stages - 1)

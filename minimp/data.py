@@ -1,4 +1,5 @@
-"""Datasets that ship with minimp, and the order of global batches (a pure function of seed and step)."""
+"""Datasets that ship with minimp, and the order of global batches (a pure function of seed and
+step)."""
 
 from dataclasses import dataclass
 from importlib import resources
@@ -24,8 +25,8 @@ class Dataset:
 
 
 def load_digits():
-    """The 8x8 handwritten digits (1,797 images; see minimp/datasets/README.md for source and license),
-    pixels scaled from 0..16 to 0..1, with the fixed 1,437 / 360 train/test split."""
+    """The 8x8 handwritten digits (1,797 images; see minimp/datasets/README.md for source and
+    license), pixels scaled from 0..16 to 0..1, with the fixed 1,437 / 360 train/test split."""
     with resources.files("minimp.datasets").joinpath("digits.npz").open("rb") as handle:
         arrays = np.load(handle)
         return Dataset(
@@ -49,8 +50,10 @@ def global_batch_indices(seed, step, batch_size, dataset_size):
     global batches, with no generator state to carry around.
     """
     if not 0 < batch_size <= dataset_size:
-        raise ValueError(f"batch size {batch_size} must lie in 1..{dataset_size} (the training set size)")
+        raise ValueError(
+            f"batch size {batch_size} must lie in 1..{dataset_size} (the training set size)"
+        )
     batches_per_epoch = dataset_size // batch_size
     epoch, index = divmod(step - 1, batches_per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(dataset_size)
-    return order[index * batch_size:(index + 1) * batch_size]
+    return order[index * batch_size : (index + 1) * batch_size]

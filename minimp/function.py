@@ -1,4 +1,5 @@
-"""The base of every differentiable op: a Function with forward and backward, a Context, unbroadcast."""
+"""The base of every differentiable op: a Function with forward and backward, a Context,
+unbroadcast."""
 
 import threading
 
@@ -35,7 +36,8 @@ class Context:
         self.saved_arrays = ()
 
     def save_for_backward(self, *arrays):
-        """Keep these arrays alive until backward. They are stored as they are: float16 stays float16."""
+        """Keep these arrays alive until backward. They are stored as they are: float16 stays
+        float16."""
         self.saved_arrays = arrays
 
 
@@ -62,7 +64,8 @@ class Function:
 
     @classmethod
     def apply(cls, *inputs, **options):
-        """Run forward on the inputs' arrays and, when a gradient is wanted, record the graph node."""
+        """Run forward on the inputs' arrays and, when a gradient is wanted, record the graph
+        node."""
         from minimp.tensor import Tensor
 
         needs_input_grad = tuple(grad_enabled() and t.requires_grad for t in inputs)

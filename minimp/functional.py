@@ -1,4 +1,5 @@
-"""Functions of Tensors that are not methods: softmax, log_softmax, cross_entropy, linear, layer_norm."""
+"""Functions of Tensors that are not methods: softmax, log_softmax, cross_entropy, linear,
+layer_norm."""
 
 from minimp import ops
 from minimp.tensor import Tensor

@@ -1,4 +1,5 @@
-"""Modules: Parameter, Module, and the layers an MLP needs (Linear, ReLU, Tanh, LayerNorm, Sequential)."""
+"""Modules: Parameter, Module, and the layers an MLP needs (Linear, ReLU, Tanh, LayerNorm,
+Sequential)."""
 
 import math
 
@@ -9,8 +10,8 @@ from minimp.tensor import Tensor
 
 
 class Parameter(Tensor):
-    """A tensor the optimizer updates. In mixed precision it holds the compute copy (float16/bfloat16);
-    the float32 master lives in the optimizer."""
+    """A tensor the optimizer updates. In mixed precision it holds the compute copy
+    (float16/bfloat16); the float32 master lives in the optimizer."""
 
     def __init__(self, data):
         super().__init__(data, requires_grad=True)
@@ -37,7 +38,8 @@ class Module:
         raise NotImplementedError
 
     def named_parameters(self, prefix=""):
-        """(name, Parameter) pairs in a stable order: own parameters, then each child's, depth first."""
+        """(name, Parameter) pairs in a stable order: own parameters, then each child's, depth
+        first."""
         for name, parameter in self._parameters.items():
             yield prefix + name, parameter
         for child_name, child in self._modules.items():
@@ -51,27 +53,36 @@ class Module:
         return {name: parameter.data for name, parameter in self.named_parameters()}
 
     def load_state_dict(self, state):
-        """Copy arrays into the parameters (cast to each parameter's dtype); names and shapes must match."""
+        """Copy arrays into the parameters (cast to each parameter's dtype); names and shapes
+        must match."""
         own = dict(self.named_parameters())
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or unexpected:
-            raise KeyError(f"state_dict does not fit this model: missing {missing}, unexpected {unexpected}")
+            raise KeyError(
+                f"state_dict does not fit this model: missing {missing}, unexpected {unexpected}"
+            )
         for name, parameter in own.items():
             if tuple(state[name].shape) != parameter.shape:
-                raise ValueError(f"state_dict: {name} has shape {tuple(state[name].shape)}, "
-                                 f"the model expects {parameter.shape}")
+                raise ValueError(
+                    f"state_dict: {name} has shape {tuple(state[name].shape)}, "
+                    f"the model expects {parameter.shape}"
+                )
         for name, parameter in own.items():
-            parameter.data = backend.to_device(backend.to_numpy(state[name])).astype(parameter.dtype)
+            parameter.data = backend.to_device(backend.to_numpy(state[name])).astype(
+                parameter.dtype
+            )
 
     def to(self, dtype):
-        """Round every parameter into dtype (the compute copies of mixed precision). Returns self."""
+        """Round every parameter into dtype (the compute copies of mixed precision). Returns
+        self."""
         for parameter in self.parameters():
             parameter.data = parameter.data.astype(dtype)
         return self
 
 
 def _uniform(rng, bound, shape):
-    """U(-bound, bound) drawn on the host in float64 (reproducible on any device), stored float32."""
+    """U(-bound, bound) drawn on the host in float64 (reproducible on any device), stored
+    float32."""
     values = rng.uniform(-bound, bound, size=shape).astype(np.float32)
     return backend.to_device(values)
 

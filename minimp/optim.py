@@ -1,9 +1,11 @@
-"""Optimizers that always update float32 master weights and round them into the model's compute copies.
+"""Optimizers that always update float32 master weights and round them into the model's compute
+copies.
 
-Why masters: float16 numbers near 1.0 are 2^-10 apart above it and 2^-11 below, so an update of 2^-12
-rounds away in either direction and the weight never moves (tests/test_casting.py shows it). The optimizer therefore keeps
-a float32 copy of every weight, applies updates there, and writes the rounded result into the float16
-parameter the model computes with. For a float32 model the master *is* the parameter's array.
+Why masters: float16 numbers near 1.0 are 2^-10 apart above it and 2^-11 below, so an update of
+2^-12 rounds away in either direction and the weight never moves (tests/test_casting.py shows it).
+The optimizer therefore keeps a float32 copy of every weight, applies updates there, and writes the
+rounded result into the float16 parameter the model computes with. For a float32 model the master
+*is* the parameter's array.
 
 Build the optimizer before casting the model (`model.to(float16)`), so the masters keep the exact
 float32 initial values.
@@ -22,8 +24,9 @@ class Optimizer:
             raise ValueError(f"learning rate must be positive, got {lr}")
         self.params = list(params)
         self.lr = lr
-        self.master_weights = [p.data if p.dtype == MASTER_DTYPE else p.data.astype(MASTER_DTYPE)
-                               for p in self.params]
+        self.master_weights = [
+            p.data if p.dtype == MASTER_DTYPE else p.data.astype(MASTER_DTYPE) for p in self.params
+        ]
         # float32 sums of each parameter's gradients over micro-batches (None: nothing accumulated).
         self.master_gradients = [None] * len(self.params)
         self.slots = [{name: None for name in self.slot_names} for _ in self.params]
@@ -38,8 +41,9 @@ class Optimizer:
     def accumulate_gradients(self):
         """Move each parameter's gradient into its float32 accumulator and clear it.
 
-        Called after every micro-batch's backward: summing micro-batch gradients in float16 would lose
-        the small ones; summing them in float32 gives the big batch's gradient to float32 rounding.
+        Called after every micro-batch's backward: summing micro-batch gradients in float16 would
+        lose the small ones; summing them in float32 gives the big batch's gradient to float32
+        rounding.
         """
         taken = set()
         for index, parameter in enumerate(self.params):
@@ -86,8 +90,11 @@ class Optimizer:
 
     def state_dict(self):
         """step_count, lr and every slot array, by parameter index (float32 arrays)."""
-        return {"step_count": self.step_count, "lr": self.lr,
-                "slots": [{k: v for k, v in slot.items() if v is not None} for slot in self.slots]}
+        return {
+            "step_count": self.step_count,
+            "lr": self.lr,
+            "slots": [{k: v for k, v in slot.items() if v is not None} for slot in self.slots],
+        }
 
     def load_state_dict(self, state):
         self.step_count, self.lr = int(state["step_count"]), float(state["lr"])
@@ -108,13 +115,17 @@ class Optimizer:
 
 
 def _owned(array):
-    """A float32 gradient may be adopted without a copy only when it is a writeable array that owns its
-    memory (a broadcast or reshaped view of another gradient is not) and no other parameter got it."""
-    return getattr(array.flags, "writeable", True) and array.base is None  # CuPy flags lack writeable
+    """A float32 gradient may be adopted without a copy only when it is a writeable array that
+    owns its memory (a broadcast or reshaped view of another gradient is not) and no other
+    parameter got it."""
+    return (
+        getattr(array.flags, "writeable", True) and array.base is None
+    )  # CuPy flags lack writeable
 
 
 class SGD(Optimizer):
-    """w -= lr * v,  v = momentum * v + (g + weight_decay * w)   (PyTorch's SGD without dampening)."""
+    """w -= lr * v,  v = momentum * v + (g + weight_decay * w)   (PyTorch's SGD without
+    dampening)."""
 
     slot_names = ("momentum_buffer",)
 
@@ -138,12 +149,20 @@ class SGD(Optimizer):
 
 class Adam(Optimizer):
     """Adam (Kingma & Ba 2015) on the masters. `decoupled_weight_decay=True` gives AdamW
-    (Loshchilov & Hutter 2019): the decay shrinks the weight directly instead of joining the gradient."""
+    (Loshchilov & Hutter 2019): the decay shrinks the weight directly instead of joining the
+    gradient."""
 
     slot_names = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 decoupled_weight_decay=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        decoupled_weight_decay=False,
+    ):
         super().__init__(params, lr)
         self.betas, self.eps = betas, eps
         self.weight_decay, self.decoupled_weight_decay = weight_decay, decoupled_weight_decay
@@ -160,8 +179,8 @@ class Adam(Optimizer):
         exp_avg += (1.0 - beta1) * grad
         exp_avg_sq *= beta2
         exp_avg_sq += (1.0 - beta2) * grad * grad
-        correction1 = 1.0 - beta1 ** self.step_count
-        correction2 = 1.0 - beta2 ** self.step_count
+        correction1 = 1.0 - beta1**self.step_count
+        correction2 = 1.0 - beta2**self.step_count
         denominator = (exp_avg_sq / correction2) ** 0.5 + self.eps
         master -= (self.lr / correction1) * exp_avg / denominator
 

@@ -1,4 +1,5 @@
-"""Tensor: an array plus the graph that made it; `backward()` walks that graph in reverse topological order."""
+"""Tensor: an array plus the graph that made it; `backward()` walks that graph in reverse
+topological order."""
 
 import numpy as np
 
@@ -8,7 +9,8 @@ from minimp.precision import casting
 
 
 def _as_array(data):
-    """Arrays keep their dtype; Python numbers and lists of floats become float32 (as in PyTorch)."""
+    """Arrays keep their dtype; Python numbers and lists of floats become float32 (as in
+    PyTorch)."""
     if isinstance(data, np.generic):
         return np.asarray(data)
     if hasattr(data, "dtype") and hasattr(data, "shape") and hasattr(data, "view"):
@@ -20,7 +22,8 @@ def _as_array(data):
 
 
 class Tensor:
-    """An n-dimensional array that remembers how it was computed, so gradients can flow back to it."""
+    """An n-dimensional array that remembers how it was computed, so gradients can flow back to
+    it."""
 
     __array_priority__ = 100  # so `numpy_array * tensor` calls Tensor.__rmul__
 
@@ -30,7 +33,8 @@ class Tensor:
         self.requires_grad = requires_grad
         self.node = None  # the Function application that produced this tensor; None for leaves
 
-    # ----- array facts -------------------------------------------------------------------------------
+    # ----- array facts
+    # -------------------------------------------------------------------------------
     @property
     def dtype(self):
         return self.data.dtype
@@ -65,7 +69,8 @@ class Tensor:
         """The same array, cut from the graph."""
         return Tensor(self.data)
 
-    # ----- backward ----------------------------------------------------------------------------------
+    # ----- backward
+    # ----------------------------------------------------------------------------------
     def backward(self, grad=None):
         """Accumulate d(self)/d(leaf) into `.grad` of every leaf that requires grad.
 
@@ -74,10 +79,14 @@ class Tensor:
         gradients live only in a local dict; saved arrays are released as each node finishes.
         """
         if not self.requires_grad:
-            raise RuntimeError("backward() on a tensor that does not require grad (no graph to walk)")
+            raise RuntimeError(
+                "backward() on a tensor that does not require grad (no graph to walk)"
+            )
         if grad is None:
             if self.size != 1:
-                raise RuntimeError("backward() without a gradient needs a scalar; pass grad= for others")
+                raise RuntimeError(
+                    "backward() without a gradient needs a scalar; pass grad= for others"
+                )
             grad = backend.array_module(self.data).ones_like(self.data)
         grads = {id(self): grad}
         for tensor in reversed(_topological_order(self)):
@@ -89,7 +98,9 @@ class Tensor:
                 continue
             node = tensor.node
             if node.context.saved_arrays is None:
-                raise RuntimeError("backward() through a graph already freed by an earlier backward()")
+                raise RuntimeError(
+                    "backward() through a graph already freed by an earlier backward()"
+                )
             input_grads = node.function.backward(node.context, grad_output)
             node.context.saved_arrays = None  # release what forward kept, as soon as it is used
             if not isinstance(input_grads, tuple):
@@ -97,13 +108,18 @@ class Tensor:
             for parent, parent_grad in zip(node.inputs, input_grads):
                 if parent_grad is None or not parent.requires_grad:
                     continue
-                assert parent_grad.shape == parent.shape, (node.function.__name__, parent_grad.shape)
+                assert parent_grad.shape == parent.shape, (
+                    node.function.__name__,
+                    parent_grad.shape,
+                )
                 previous = grads.get(id(parent))
                 grads[id(parent)] = parent_grad if previous is None else _add(previous, parent_grad)
 
-    # ----- operators (each one a Function in minimp.ops) ---------------------------------------------
+    # ----- operators (each one a Function in minimp.ops)
+    # ---------------------------------------------
     def _lift(self, other):
-        """A Python number takes this tensor's dtype, so `x16 * 0.5` stays float16 (as in PyTorch)."""
+        """A Python number takes this tensor's dtype, so `x16 * 0.5` stays float16 (as in
+        PyTorch)."""
         if isinstance(other, Tensor):
             return other
         xp = backend.array_module(self.data)
@@ -183,7 +199,8 @@ def _add(a, b):
 
 
 def _topological_order(root):
-    """Every tensor reachable from root, each after all of its inputs (iterative DFS: no recursion limit)."""
+    """Every tensor reachable from root, each after all of its inputs (iterative DFS: no
+    recursion limit)."""
     order, visited, stack = [], set(), [(root, False)]
     while stack:
         tensor, inputs_done = stack.pop()

@@ -1,15 +1,18 @@
-"""Pipeline schedules you can see: GPipe and 1F1B as Gantt charts from real timelines, and the bubble.
+"""Pipeline schedules you can see: GPipe and 1F1B as Gantt charts from real timelines, and the
+bubble.
 
-    python mpirun_examples/pipeline_timeline.py                     # P = 4, M = 8: pipeline_timeline.png
+    python mpirun_examples/pipeline_timeline.py                     # P = 4, M = 8:
+      pipeline_timeline.png
     python mpirun_examples/pipeline_timeline.py --stages 2 --micro-batches 4 --png two_stages.png
-    python mpirun_examples/pipeline_timeline.py --sweep             # P = 2, 4 and M = 1..16: the table
+    python mpirun_examples/pipeline_timeline.py --sweep             # P = 2, 4 and M = 1..16: the
+      table
 
 It launches `mpirun -n P python -m minimp.train --pp P --timeline ...` for each schedule, reads each
-stage's forward/backward times, and measures the bubble of a step as 1 - (mean busy time of a stage) /
-(time from the first forward to the last backward), beside the theory (P - 1)/(M + P - 1). The model
-(8 hidden layers of 512) splits into stages of nearly equal parameter count. On a 2-core machine P = 4
-is oversubscribed and waiting MPICH ranks spin, which slows the computing ones: the measured bubble is
-then a property of this machine as much as of the schedule.
+stage's forward/backward times, and measures the bubble of a step as 1 - (mean busy time of a stage)
+/ (time from the first forward to the last backward), beside the theory (P - 1)/(M + P - 1). The
+model (8 hidden layers of 512) splits into stages of nearly equal parameter count. On a 2-core
+machine P = 4 is oversubscribed and waiting MPICH ranks spin, which slows the computing ones: the
+measured bubble is then a property of this machine as much as of the schedule.
 """
 
 import argparse
@@ -29,10 +32,33 @@ MODEL = ["--hidden", "512", "--layers", "8", "--batch-size", "256", "--precision
 def measure(stages, micro_batches, schedule, steps, folder):
     path = os.path.join(folder, f"{schedule}-{stages}-{micro_batches}.json")
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or "mpirun"
-    subprocess.run([mpirun, "-n", str(stages), sys.executable, "-m", "minimp.train", *MODEL, "--pp",
-                    str(stages), "--schedule", schedule, "--micro-batches", str(micro_batches), "--steps",
-                    str(steps), "--log-every", "100000", "--timeline", path],
-                   check=True, capture_output=True, text=True, timeout=600)
+    subprocess.run(
+        [
+            mpirun,
+            "-n",
+            str(stages),
+            sys.executable,
+            "-m",
+            "minimp.train",
+            *MODEL,
+            "--pp",
+            str(stages),
+            "--schedule",
+            schedule,
+            "--micro-batches",
+            str(micro_batches),
+            "--steps",
+            str(steps),
+            "--log-every",
+            "100000",
+            "--timeline",
+            path,
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     with open(path) as file:
         return json.load(file)
 
@@ -45,7 +71,10 @@ def bubble(timeline, skip_steps=2):
     fractions = []
     for step, events in sorted(by_step.items())[skip_steps:]:
         span = max(e["end"] for e in events) - min(e["start"] for e in events)
-        busy = [sum(e["end"] - e["start"] for e in events if e["stage"] == s) for s in range(timeline["stages"])]
+        busy = [
+            sum(e["end"] - e["start"] for e in events if e["stage"] == s)
+            for s in range(timeline["stages"])
+        ]
         fractions.append(1 - statistics.mean(busy) / span)
     return statistics.median(fractions)
 
@@ -56,25 +85,42 @@ def draw(timelines, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as pyplot
 
-    figure, axes = pyplot.subplots(len(timelines), 1, figsize=(11, 1.2 + 0.6 * timelines[0]["stages"] * 2),
-                                   sharex=True)
+    figure, axes = pyplot.subplots(
+        len(timelines), 1, figsize=(11, 1.2 + 0.6 * timelines[0]["stages"] * 2), sharex=True
+    )
     for axis, timeline in zip(axes, timelines):
         last_step = max(e["step"] for e in timeline["events"])
         events = [e for e in timeline["events"] if e["step"] == last_step]
         origin = min(e["start"] for e in events)
         for e in events:
             color = "#4c72b0" if e["kind"] == "forward" else "#dd8452"
-            axis.barh(e["stage"], (e["end"] - e["start"]) * 1e3, left=(e["start"] - origin) * 1e3, color=color,
-                      edgecolor="black", linewidth=0.4)
-            axis.text((e["start"] + e["end"] - 2 * origin) / 2 * 1e3, e["stage"], str(e["micro_batch"]),
-                      ha="center", va="center", fontsize=7, color="white")
+            axis.barh(
+                e["stage"],
+                (e["end"] - e["start"]) * 1e3,
+                left=(e["start"] - origin) * 1e3,
+                color=color,
+                edgecolor="black",
+                linewidth=0.4,
+            )
+            axis.text(
+                (e["start"] + e["end"] - 2 * origin) / 2 * 1e3,
+                e["stage"],
+                str(e["micro_batch"]),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+            )
         axis.set_yticks(range(timeline["stages"]))
         axis.set_yticklabels([f"stage {s}" for s in range(timeline["stages"])])
         axis.invert_yaxis()
         theory = pipeline_bubble_fraction(timeline["stages"], timeline["micro_batches"])
-        axis.set_title(f"{timeline['schedule']}: P={timeline['stages']}, M={timeline['micro_batches']}, "
-                       f"bubble measured {bubble(timeline):.2f}, theory {theory:.2f}, peak stored "
-                       f"micro-batches per stage {timeline['peak_stored_micro_batches']}", fontsize=9)
+        axis.set_title(
+            f"{timeline['schedule']}: P={timeline['stages']}, M={timeline['micro_batches']}, "
+            f"bubble measured {bubble(timeline):.2f}, theory {theory:.2f}, peak stored "
+            f"micro-batches per stage {timeline['peak_stored_micro_batches']}",
+            fontsize=9,
+        )
     axes[-1].set_xlabel("ms since the step's first forward (blue: forward, orange: backward)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -86,26 +132,41 @@ def main(argv=None):
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--png", default="pipeline_timeline.png")
-    parser.add_argument("--sweep", action="store_true", help="P = 2, 4 and M = 1, 2, 4, 8, 16: print the table")
+    parser.add_argument(
+        "--sweep", action="store_true", help="P = 2, 4 and M = 1, 2, 4, 8, 16: print the table"
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         if not args.sweep:
-            timelines = [measure(args.stages, args.micro_batches, s, args.steps, folder) for s in ("gpipe", "1f1b")]
+            timelines = [
+                measure(args.stages, args.micro_batches, s, args.steps, folder)
+                for s in ("gpipe", "1f1b")
+            ]
             draw(timelines, args.png)
             for timeline in timelines:
-                print(f"{timeline['schedule']:>5}: bubble {bubble(timeline):.3f} (theory "
-                      f"{pipeline_bubble_fraction(args.stages, args.micro_batches):.3f}), peak stored "
-                      f"micro-batches per stage {timeline['peak_stored_micro_batches']}")
+                print(
+                    f"{timeline['schedule']:>5}: bubble {bubble(timeline):.3f} (theory "
+                    f"{pipeline_bubble_fraction(args.stages, args.micro_batches):.3f}), peak "
+                    "stored "
+                    f"micro-batches per stage {timeline['peak_stored_micro_batches']}"
+                )
             print(f"saved {args.png}")
             return
-        print(f"{'P':>2} {'M':>3} {'theory':>7} {'gpipe':>7} {'1f1b':>7}   peak stored per stage (gpipe | 1f1b)")
+        print(
+            f"{'P':>2} {'M':>3} {'theory':>7} {'gpipe':>7} {'1f1b':>7}   peak stored per stage "
+            "(gpipe | 1f1b)"
+        )
         for stages in (2, 4):
             for micro_batches in (1, 2, 4, 8, 16):
                 gpipe = measure(stages, micro_batches, "gpipe", args.steps, folder)
                 one = measure(stages, micro_batches, "1f1b", args.steps, folder)
-                print(f"{stages:>2} {micro_batches:>3} {pipeline_bubble_fraction(stages, micro_batches):>7.3f} "
-                      f"{bubble(gpipe):>7.3f} {bubble(one):>7.3f}   {gpipe['peak_stored_micro_batches']} | "
-                      f"{one['peak_stored_micro_batches']}")
+                print(
+                    f"{stages:>2} {micro_batches:>3} "
+                    f"{pipeline_bubble_fraction(stages, micro_batches):>7.3f} "
+                    f"{bubble(gpipe):>7.3f} {bubble(one):>7.3f}   "
+                    f"{gpipe['peak_stored_micro_batches']} | "
+                    f"{one['peak_stored_micro_batches']}"
+                )
 
 
 if __name__ == "__main__":

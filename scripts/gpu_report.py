@@ -1,4 +1,5 @@
-"""Merge the logs of scripts/gpu_check.sh into one JSON file: device, date, tests, benchmarks, training."""
+"""Merge the logs of scripts/gpu_check.sh into one JSON file: device, date, tests, benchmarks,
+training."""
 
 import datetime
 import json
@@ -18,7 +19,9 @@ def main(logs, out_path):
     import cupy
 
     properties = cupy.cuda.runtime.getDeviceProperties(0)
-    name = properties["name"].decode() if isinstance(properties["name"], bytes) else properties["name"]
+    name = (
+        properties["name"].decode() if isinstance(properties["name"], bytes) else properties["name"]
+    )
     tests = open(os.path.join(logs, "tests.txt")).read().strip().splitlines()
     training = []
     if os.path.exists(os.path.join(logs, "train.jsonl")):
@@ -26,7 +29,9 @@ def main(logs, out_path):
     steps = [r for r in training if "step" in r][20:]
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": name, "cupy": cupy.__version__, "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
+        "device": name,
+        "cupy": cupy.__version__,
+        "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
         "command": "bash scripts/gpu_check.sh",
         "tests": tests[-6:],
         "step_benchmark": read_json(os.path.join(logs, "step.json")),
@@ -35,8 +40,11 @@ def main(logs, out_path):
         "train_4_ranks": {
             "test_accuracy": training[-1].get("test_accuracy") if training else None,
             "skipped_steps": sum(r["skipped"] for r in training if "step" in r),
-            "median_step_seconds": sorted(r["compute_seconds"] + r["communication_seconds"]
-                                          for r in steps)[len(steps) // 2] if steps else None,
+            "median_step_seconds": sorted(
+                r["compute_seconds"] + r["communication_seconds"] for r in steps
+            )[len(steps) // 2]
+            if steps
+            else None,
         },
     }
     with open(out_path, "w") as file:

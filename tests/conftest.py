@@ -1,4 +1,5 @@
-"""Shared fixtures: a seeded generator, and the path of the venv's interpreter for subprocess tests."""
+"""Shared fixtures: a seeded generator, and the path of the venv's interpreter for subprocess
+tests."""
 
 import os
 import shutil

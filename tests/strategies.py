@@ -1,4 +1,5 @@
-"""Hypothesis strategies shared by the tests: float16 values including subnormals, infinities and NaN."""
+"""Hypothesis strategies shared by the tests: float16 values including subnormals, infinities and
+NaN."""
 
 import numpy as np
 from hypothesis import strategies as st
@@ -10,7 +11,9 @@ SMALLEST_NORMAL = 2.0**-14
 
 def float16_bits():
     """Every float16 bit pattern: normals, subnormals, zeros, infinities and NaNs alike."""
-    return st.integers(0, 0xFFFF).map(lambda bits: np.array(bits, np.uint16).view(np.float16).item())
+    return st.integers(0, 0xFFFF).map(
+        lambda bits: np.array(bits, np.uint16).view(np.float16).item()
+    )
 
 
 def finite_float16():

@@ -24,8 +24,12 @@ def test_unknown_device_is_a_clear_error():
 
 @pytest.mark.skipif(HAS_CUPY, reason="CuPy is installed here, so asking for the GPU does not fail")
 def test_gpu_without_cupy_names_the_extra_to_install():
-    result = subprocess.run([PYTHON, "-m", "minimp.train", "--device", "gpu", "--steps", "1"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [PYTHON, "-m", "minimp.train", "--device", "gpu", "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "pip install 'minimp[gpu]'" in result.stderr
 
 

@@ -21,12 +21,17 @@ def test_ring_bandwidth_term_tends_to_twice_the_message():
 
 
 def test_small_messages_prefer_recursive_doubling_and_large_ones_the_ring():
-    assert costmodel.fastest_allreduce(8, 64, NET, ("ring", "recursive_doubling")) == "recursive_doubling"
+    assert (
+        costmodel.fastest_allreduce(8, 64, NET, ("ring", "recursive_doubling"))
+        == "recursive_doubling"
+    )
     assert costmodel.fastest_allreduce(1e9, 64, NET, ("ring", "recursive_doubling")) == "ring"
 
 
 def test_rabenseifner_beats_ring_latency_at_scale():
-    assert costmodel.rabenseifner_allreduce_time(1e6, 4096, NET) < costmodel.ring_allreduce_time(1e6, 4096, NET)
+    assert costmodel.rabenseifner_allreduce_time(1e6, 4096, NET) < costmodel.ring_allreduce_time(
+        1e6, 4096, NET
+    )
 
 
 def test_bus_bandwidth_follows_nccl_tests():
@@ -56,11 +61,15 @@ def test_two_point_fit_takes_latency_from_the_smallest_and_slope_to_the_largest(
 
 
 def test_where_the_ring_stops_being_the_right_choice():
-    """Lesson 8: on the stated data-centre network, at 1,024 ranks the ring is within 15% of the best
-    algorithm for a 1 GiB all-reduce, and more than 10x slower for 1 MiB (its 2(p-1) latencies)."""
+    """Lesson 8: on the stated data-centre network, at 1,024 ranks the ring is within 15% of the
+    best algorithm for a 1 GiB all-reduce, and more than 10x slower for 1 MiB (its 2(p-1)
+    latencies)."""
+
     def ring_over_best(nbytes, p):
-        best = min(costmodel.allreduce_time(name, nbytes, p, costmodel.DATACENTER)
-                   for name in costmodel.ALLREDUCE_MODELS)
+        best = min(
+            costmodel.allreduce_time(name, nbytes, p, costmodel.DATACENTER)
+            for name in costmodel.ALLREDUCE_MODELS
+        )
         return costmodel.ring_allreduce_time(nbytes, p, costmodel.DATACENTER) / best
 
     assert ring_over_best(2**30, 1024) < 1.15

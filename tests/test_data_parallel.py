@@ -19,8 +19,13 @@ def replica_optimizer(sizes=(3, 5)):
 def test_gradients_become_the_mean_over_replicas(average, comm_dtype):
     def body(comm):
         optimizer = replica_optimizer()
-        replicas = DataParallel(comm, optimizer, bucket_mb=1e-5, comm_dtype=comm_dtype, average=average)
-        grads = [np.full(3, comm.rank + 1.0, np.float32), np.full(5, 10.0 * (comm.rank + 1), np.float32)]
+        replicas = DataParallel(
+            comm, optimizer, bucket_mb=1e-5, comm_dtype=comm_dtype, average=average
+        )
+        grads = [
+            np.full(3, comm.rank + 1.0, np.float32),
+            np.full(5, 10.0 * (comm.rank + 1), np.float32),
+        ]
         replicas.reduce_gradients(grads)
         return grads, len(replicas.buckets)
 
@@ -33,8 +38,11 @@ def test_gradients_become_the_mean_over_replicas(average, comm_dtype):
 
 def test_a_float16_wire_overflows_when_averaging_after_but_not_before():
     """Four replicas with gradient 30000 each: the sum 120000 is past float16's 65504."""
+
     def body(comm, average):
-        replicas = DataParallel(comm, replica_optimizer((4,)), comm_dtype=np.float16, average=average)
+        replicas = DataParallel(
+            comm, replica_optimizer((4,)), comm_dtype=np.float16, average=average
+        )
         grads = [np.full(4, 30000.0, np.float32)]
         replicas.reduce_gradients(grads)
         return grads[0]
@@ -64,8 +72,10 @@ def test_check_replicas_names_the_rank_that_drifted():
             return str(error)
 
     messages = dist.simulate(3, body)
-    assert all(m == "master weights of rank(s) [1] differ from rank 0's (replicas drifted apart)"
-               for m in messages)
+    assert all(
+        m == "master weights of rank(s) [1] differ from rank 0's (replicas drifted apart)"
+        for m in messages
+    )
 
 
 def test_broadcast_makes_replicas_identical():

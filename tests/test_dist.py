@@ -1,5 +1,5 @@
-"""minimp.dist on the simulated world: all-reduce correctness, bit-identity, bandwidth from the trace,
-deadlock detection, sub-groups, and clear errors for mismatched arrays."""
+"""minimp.dist on the simulated world: all-reduce correctness, bit-identity, bandwidth from the
+trace, deadlock detection, sub-groups, and clear errors for mismatched arrays."""
 
 import ml_dtypes
 import numpy as np
@@ -11,8 +11,12 @@ from minimp import dist
 
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
 # Relative tolerance of a p-rank sum against float64: p - 1 roundings of the storage dtype at most.
-UNIT_ROUNDOFF = {np.float16: 2.0**-11, ml_dtypes.bfloat16: 2.0**-8, np.float32: 2.0**-24,
-                 np.float64: 2.0**-53}
+UNIT_ROUNDOFF = {
+    np.float16: 2.0**-11,
+    ml_dtypes.bfloat16: 2.0**-8,
+    np.float32: 2.0**-24,
+    np.float64: 2.0**-53,
+}
 
 
 def rank_inputs(world_size, length, dtype, seed):
@@ -21,13 +25,22 @@ def rank_inputs(world_size, length, dtype, seed):
 
 
 def all_reduce_on(world_size, inputs, algorithm):
-    return dist.simulate(world_size, lambda comm: dist.allreduce(comm, inputs[comm.rank], algorithm=algorithm))
+    return dist.simulate(
+        world_size, lambda comm: dist.allreduce(comm, inputs[comm.rank], algorithm=algorithm)
+    )
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 8), st.integers(0, 2000), st.sampled_from(DTYPES), st.integers(0, 2**31 - 1),
-       st.sampled_from(["ring", "naive", "recursive_doubling", "auto"]))
-def test_allreduce_matches_the_float64_sum_and_is_bit_identical(world_size, length, dtype, seed, algorithm):
+@given(
+    st.integers(1, 8),
+    st.integers(0, 2000),
+    st.sampled_from(DTYPES),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(["ring", "naive", "recursive_doubling", "auto"]),
+)
+def test_allreduce_matches_the_float64_sum_and_is_bit_identical(
+    world_size, length, dtype, seed, algorithm
+):
     inputs = rank_inputs(world_size, length, dtype, seed)
     results = all_reduce_on(world_size, inputs, algorithm)
     exact = np.sum([x.astype(np.float64) for x in inputs], axis=0)
@@ -35,14 +48,17 @@ def test_allreduce_matches_the_float64_sum_and_is_bit_identical(world_size, leng
     for result in results:
         assert result.dtype == np.dtype(dtype) and result.shape == (length,)
         assert result.tobytes() == results[0].tobytes(), "replicas must agree bit for bit"
-    # each of at most p roundings (p - 1 partial sums and the stored result) errs by u times its value
+    # each of at most p roundings (p - 1 partial sums and the stored result) errs by u times its
+    # value
     bound = world_size * UNIT_ROUNDOFF[dtype] * magnitude * (1 + 1e-9) + 1e-300
     assert np.all(np.abs(results[0].astype(np.float64) - exact) <= bound)
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(2, 8), st.integers(0, 2000), st.sampled_from([np.float16, np.float32]))
-def test_ring_sends_2_p_minus_1_messages_and_2_p_minus_1_over_p_of_the_data(world_size, length, dtype):
+def test_ring_sends_2_p_minus_1_messages_and_2_p_minus_1_over_p_of_the_data(
+    world_size, length, dtype
+):
     inputs = rank_inputs(world_size, length, dtype, seed=0)
     trace = all_reduce_on(world_size, inputs, "ring").trace
     itemsize = np.dtype(dtype).itemsize
@@ -79,8 +95,9 @@ def test_reduce_scatter_and_all_gather_are_the_two_halves():
 
 
 def test_max_and_min_reductions():
-    results = dist.simulate(3, lambda c: dist.ring_allreduce(c, np.array([c.rank, -c.rank], np.float32),
-                                                               op="max"))
+    results = dist.simulate(
+        3, lambda c: dist.ring_allreduce(c, np.array([c.rank, -c.rank], np.float32), op="max")
+    )
     np.testing.assert_array_equal(results[1], [2, 0])
 
 
@@ -121,8 +138,10 @@ def test_a_rank_that_raises_is_reported_not_hung():
 @pytest.mark.parametrize("algorithm", ["ring", "naive", "recursive_doubling"])
 def test_mismatched_lengths_or_dtypes_are_an_error_on_every_rank(algorithm):
     def mismatched(comm, by):
-        x = np.ones(8 + (comm.rank if by == "length" else 0),
-                    np.float16 if (by == "dtype" and comm.rank == 2) else np.float32)
+        x = np.ones(
+            8 + (comm.rank if by == "length" else 0),
+            np.float16 if (by == "dtype" and comm.rank == 2) else np.float32,
+        )
         try:
             dist.allreduce(comm, x, algorithm=algorithm)
         except dist.CollectiveMismatchError as error:
@@ -137,7 +156,11 @@ def test_mismatched_lengths_or_dtypes_are_an_error_on_every_rank(algorithm):
 def test_split_makes_independent_groups():
     def grouped(comm):
         group = comm.split(color=comm.rank % 2, key=comm.rank)
-        return group.rank, group.size, float(dist.ring_allreduce(group, np.array([comm.rank], np.float64))[0])
+        return (
+            group.rank,
+            group.size,
+            float(dist.ring_allreduce(group, np.array([comm.rank], np.float64))[0]),
+        )
 
     assert dist.simulate(4, grouped) == [(0, 2, 2.0), (0, 2, 4.0), (1, 2, 2.0), (1, 2, 4.0)]
 

@@ -1,4 +1,5 @@
-"""minimp.dist under real MPI: mpirun subprocesses with a timeout (each launch takes a few seconds)."""
+"""minimp.dist under real MPI: mpirun subprocesses with a timeout (each launch takes a few
+seconds)."""
 
 import os
 import subprocess
@@ -7,8 +8,10 @@ import time
 import pytest
 from conftest import MPIRUN, PYTHON
 
-pytestmark = [pytest.mark.mpi,
-              pytest.mark.skipif(MPIRUN is None, reason="no mpirun on PATH (pip install 'minimp[mpi]')")]
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(MPIRUN is None, reason="no mpirun on PATH (pip install 'minimp[mpi]')"),
+]
 PROGRAMS = os.path.join(os.path.dirname(__file__), "mpi_programs")
 
 
@@ -41,12 +44,30 @@ def test_mismatched_lengths_are_reported_on_every_rank():
 
 def test_the_examples_run(tmp_path):
     examples = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples")
-    ring = subprocess.run([MPIRUN, "-n", "3", PYTHON, os.path.join(examples, "ring_allreduce.py")],
-                          capture_output=True, text=True, timeout=120)
+    ring = subprocess.run(
+        [MPIRUN, "-n", "3", PYTHON, os.path.join(examples, "ring_allreduce.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ring.returncode == 0 and ring.stdout.count("-> [3.0, 3.0, 3.0, 3.0, 3.0, 3.0]") == 3
-    bench = subprocess.run([MPIRUN, "-n", "2", PYTHON, os.path.join(examples, "allreduce_bench.py"),
-                            "--max-mib", "1", "--repeats", "3", "--json"],
-                           capture_output=True, text=True, timeout=120)
+    bench = subprocess.run(
+        [
+            MPIRUN,
+            "-n",
+            "2",
+            PYTHON,
+            os.path.join(examples, "allreduce_bench.py"),
+            "--max-mib",
+            "1",
+            "--repeats",
+            "3",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bench.returncode == 0, bench.stderr[-2000:]
     assert '"ranks": 2' in bench.stdout and '"ring_predicted"' in bench.stdout
 

@@ -1,5 +1,6 @@
-"""The CuPy path: float32 accumulation in float16 matmuls, ops and training on the GPU against the CPU,
-and GPU buffers over MPI. Every test here skips (with its reason) where CuPy or a device is absent."""
+"""The CuPy path: float32 accumulation in float16 matmuls, ops and training on the GPU against
+the CPU, and GPU buffers over MPI. Every test here skips (with its reason) where CuPy or a device
+is absent."""
 
 import os
 import subprocess
@@ -26,7 +27,8 @@ def on_gpu():
 
 
 def test_float16_matmul_accumulates_in_float32_range():
-    """Rows of +60000 then -60000: a float16 accumulator overflows to inf at 65504, float32 gives 0."""
+    """Rows of +60000 then -60000: a float16 accumulator overflows to inf at 65504, float32 gives
+    0."""
     row = np.concatenate([np.full(2048, 60000.0), np.full(2048, -60000.0)]).astype(np.float16)
     a = cupy.asarray(np.tile(row, (64, 1)))
     b = cupy.ones((4096, 64), cupy.float16)
@@ -36,8 +38,9 @@ def test_float16_matmul_accumulates_in_float32_range():
 
 
 def test_float16_matmul_accumulates_in_float32_precision():
-    """1 + 4096 x 2^-15: each term is a quarter of float16's ulp at 1, so a float16 running sum stays
-    at 1 (even in blocks of 16, 16 x 2^-15 is half an ulp and ties to even); float32 gives 1.125."""
+    """1 + 4096 x 2^-15: each term is a quarter of float16's ulp at 1, so a float16 running sum
+    stays at 1 (even in blocks of 16, 16 x 2^-15 is half an ulp and ties to even); float32 gives
+    1.125."""
     row = np.concatenate([[1.0], np.full(4096, 2.0**-15)]).astype(np.float16)
     a = cupy.asarray(np.tile(row, (64, 1)))
     b = cupy.ones((4097, 64), cupy.float16)
@@ -55,7 +58,9 @@ def test_every_op_on_the_gpu_matches_the_cpu(name, op, shapes, positive):
         tensors = [Tensor(to_array(a), requires_grad=True) for a in arrays]
         output = op(*tensors)
         output.backward(to_array(np.ones(output.shape, output.dtype)))
-        results.append([backend.to_numpy(output.data)] + [backend.to_numpy(t.grad) for t in tensors])
+        results.append(
+            [backend.to_numpy(output.data)] + [backend.to_numpy(t.grad) for t in tensors]
+        )
     for cpu, gpu in zip(*results):
         np.testing.assert_allclose(gpu, cpu, rtol=1e-4, atol=1e-5, err_msg=name)
 
@@ -73,15 +78,22 @@ def test_training_on_the_gpu_matches_the_cpu_in_fp32_and_learns_in_fp16():
 
 @pytest.mark.skipif(MPIRUN is None, reason="no mpirun on PATH")
 def test_gpu_buffers_over_mpi():
-    program = ("import cupy, numpy as np\n"
-               "from minimp import backend, dist\n"
-               "comm = dist.world(); backend.use_device('gpu', comm.rank)\n"
-               "x = cupy.arange(1000, dtype=cupy.float32) * (comm.rank + 1)\n"
-               "y = dist.ring_allreduce(comm, x)\n"
-               "assert type(y).__module__.startswith('cupy')\n"
-               "np.testing.assert_allclose(y.get(), np.arange(1000) * sum(range(1, comm.size + 1)))\n"
-               "print('ok', comm.rank, flush=True)\n")
-    result = subprocess.run([MPIRUN, "-n", "2", PYTHON, "-c", program], capture_output=True, text=True,
-                            timeout=120, env={**os.environ})
+    program = (
+        "import cupy, numpy as np\n"
+        "from minimp import backend, dist\n"
+        "comm = dist.world(); backend.use_device('gpu', comm.rank)\n"
+        "x = cupy.arange(1000, dtype=cupy.float32) * (comm.rank + 1)\n"
+        "y = dist.ring_allreduce(comm, x)\n"
+        "assert type(y).__module__.startswith('cupy')\n"
+        "np.testing.assert_allclose(y.get(), np.arange(1000) * sum(range(1, comm.size + 1)))\n"
+        "print('ok', comm.rank, flush=True)\n"
+    )
+    result = subprocess.run(
+        [MPIRUN, "-n", "2", PYTHON, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("ok") == 2

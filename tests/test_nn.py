@@ -7,7 +7,9 @@ from minimp import nn
 
 
 def mlp(rng):
-    return nn.Sequential(nn.Linear(4, 8, rng=rng), nn.ReLU(), nn.LayerNorm(8), nn.Linear(8, 2, rng=rng))
+    return nn.Sequential(
+        nn.Linear(4, 8, rng=rng), nn.ReLU(), nn.LayerNorm(8), nn.Linear(8, 2, rng=rng)
+    )
 
 
 def test_parameter_names_are_stable_and_ordered():

@@ -60,7 +60,9 @@ def test_backward_matches_central_differences(name, op, shapes, positive, rng):
     if positive:
         arrays = [np.abs(a) + 0.5 for a in arrays]
     if name == "relu":
-        arrays[0][np.abs(arrays[0]) < 1e-3] = 0.5  # keep clear of the kink, where no derivative exists
+        arrays[0][np.abs(arrays[0]) < 1e-3] = (
+            0.5  # keep clear of the kink, where no derivative exists
+        )
     weights = rng.standard_normal(op(*[Tensor(a) for a in arrays]).shape)
 
     def scalar(values):
@@ -74,13 +76,19 @@ def test_backward_matches_central_differences(name, op, shapes, positive, rng):
         expected = numerical_gradient(scalar, arrays, index)
         assert tensor.grad is not None, f"{name}: no gradient reached input {index}"
         assert tensor.grad.shape == tensor.shape
-        np.testing.assert_allclose(tensor.grad, expected, rtol=1e-5, atol=1e-7,
-                                   err_msg=f"{name}: input {index} gradient differs from central differences")
+        np.testing.assert_allclose(
+            tensor.grad,
+            expected,
+            rtol=1e-5,
+            atol=1e-7,
+            err_msg=f"{name}: input {index} gradient differs from central differences",
+        )
 
 
 @pytest.mark.parametrize("name, op, shapes, positive", OPS, ids=[row[0] for row in OPS])
 def test_float16_inputs_give_float16_outputs_and_gradients(name, op, shapes, positive, rng):
-    """A float16 graph stores float16 and hands back float16 gradients (losses excepted: float32)."""
+    """A float16 graph stores float16 and hands back float16 gradients (losses excepted:
+    float32)."""
     arrays = [rng.standard_normal(shape).astype(np.float16) for shape in shapes]
     if positive:
         arrays = [(np.abs(a) + 0.5).astype(np.float16) for a in arrays]

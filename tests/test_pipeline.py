@@ -1,5 +1,6 @@
-"""Pipeline parallelism on the simulated world: stage splitting, and training that equals one process
-for both schedules, any number of micro-batches (also fewer than stages), and the dp x pp grid."""
+"""Pipeline parallelism on the simulated world: stage splitting, and training that equals one
+process for both schedules, any number of micro-batches (also fewer than stages), and the dp x pp
+grid."""
 
 import json
 
@@ -25,18 +26,24 @@ def test_the_most_expensive_stage_is_as_cheap_as_possible():
 
 
 def test_more_stages_than_weighted_layers_is_an_error():
-    with pytest.raises(PipelineError, match="--pp 6 needs at least 6 layers with weights, the model has 5"):
+    with pytest.raises(
+        PipelineError, match="--pp 6 needs at least 6 layers with weights, the model has 5"
+    ):
         split_stages(build_model(64, 10, 16, 4, np.random.default_rng(0)).layers, 6)
 
 
 def run(world_size, eager_limit=0, **overrides):
     """Train on the simulated world; eager_limit=0 makes every send wait for its receiver, the
-    strictest MPI behaviour, so a schedule that could deadlock on a real MPI raises DeadlockError."""
+    strictest MPI behaviour, so a schedule that could deadlock on a real MPI raises
+    DeadlockError."""
     settings = dict(hidden=32, layers=3, batch_size=32, steps=20, precision="fp32", log_every=1000)
     config = TrainConfig(**{**settings, **overrides})
     config.validate(world_size)
-    return dist.simulate(world_size, lambda comm: train(config, log=lambda line: None, comm=comm),
-                         eager_limit=eager_limit)[0]
+    return dist.simulate(
+        world_size,
+        lambda comm: train(config, log=lambda line: None, comm=comm),
+        eager_limit=eager_limit,
+    )[0]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Loss scalers: the dynamic scaler's trajectory rules, hysteresis, min_scale, and state round trips."""
+"""Loss scalers: the dynamic scaler's trajectory rules, hysteresis, min_scale, and state round
+trips."""
 
 import numpy as np
 import pytest
@@ -26,12 +27,21 @@ def gradscaler_reference(found_infs, scale, growth_factor, backoff_factor, growt
     return trajectory
 
 
-@given(st.lists(st.booleans(), max_size=200), st.sampled_from([2.0, 3.0, 1.5]),
-       st.sampled_from([0.5, 0.25, 0.7]), st.integers(1, 6))
+@given(
+    st.lists(st.booleans(), max_size=200),
+    st.sampled_from([2.0, 3.0, 1.5]),
+    st.sampled_from([0.5, 0.25, 0.7]),
+    st.integers(1, 6),
+)
 def test_dynamic_scaler_follows_gradscaler_above_min_scale(found_infs, growth, backoff, interval):
     init = 2.0**20
-    scaler = DynamicLossScaler(init_scale=init, growth_factor=growth, backoff_factor=backoff,
-                               growth_interval=interval, min_scale=1e-30)
+    scaler = DynamicLossScaler(
+        init_scale=init,
+        growth_factor=growth,
+        backoff_factor=backoff,
+        growth_interval=interval,
+        min_scale=1e-30,
+    )
     ours = []
     for found_inf in found_infs:
         scaler.update(found_inf)

@@ -1,4 +1,5 @@
-"""Pipeline schedules without MPI: order, pairing of messages (no deadlock), and activation memory."""
+"""Pipeline schedules without MPI: order, pairing of messages (no deadlock), and activation
+memory."""
 
 import pytest
 from hypothesis import given
@@ -21,12 +22,15 @@ def test_every_micro_batch_is_forwarded_then_backwarded_once_on_every_stage(case
 
 
 def run_abstractly(schedule):
-    """Execute every stage's actions with the strictest MPI semantics: a send completes only together
-    with its matching receive, and a paired exchange only together with its mirror. Returns True when
-    all stages finish; False means the schedule can deadlock."""
+    """Execute every stage's actions with the strictest MPI semantics: a send completes only
+    together with its matching receive, and a paired exchange only together with its mirror.
+    Returns True when all stages finish; False means the schedule can deadlock."""
     positions = [0] * len(schedule)
-    mirror = {"send_forward": "recv_forward", "send_backward": "recv_backward",
-              "send_forward_recv_backward": "send_backward_recv_forward"}
+    mirror = {
+        "send_forward": "recv_forward",
+        "send_backward": "recv_backward",
+        "send_forward_recv_backward": "send_backward_recv_forward",
+    }
     mirror.update({value: key for key, value in mirror.items()})
     progress = True
     while progress:
@@ -39,9 +43,14 @@ def run_abstractly(schedule):
                 positions[stage] += 1
                 progress = True
                 continue
-            neighbour = stage + 1 if action[0] in ("send_forward", "recv_backward",
-                                                   "send_forward_recv_backward") else stage - 1
-            if not 0 <= neighbour < len(schedule) or positions[neighbour] == len(schedule[neighbour]):
+            neighbour = (
+                stage + 1
+                if action[0] in ("send_forward", "recv_backward", "send_forward_recv_backward")
+                else stage - 1
+            )
+            if not 0 <= neighbour < len(schedule) or positions[neighbour] == len(
+                schedule[neighbour]
+            ):
                 return False
             other = schedule[neighbour][positions[neighbour]]
             expected = (mirror[action[0]], *(action[1:][::-1] if len(action) == 3 else action[1:]))
@@ -79,8 +88,10 @@ def test_1f1b_with_fewer_micro_batches_than_stages():
 
 
 def test_format_shows_the_classic_1f1b_picture():
-    assert format_schedule(one_f_one_b(2, 3)).splitlines() == ["stage 0: F0 F1 B0 F2 B1 B2",
-                                                                "stage 1: F0 B0 F1 B1 F2 B2"]
+    assert format_schedule(one_f_one_b(2, 3)).splitlines() == [
+        "stage 0: F0 F1 B0 F2 B1 B2",
+        "stage 1: F0 B0 F1 B1 F2 B2",
+    ]
 
 
 def test_bad_sizes_are_rejected():

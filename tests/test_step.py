@@ -1,4 +1,5 @@
-"""The mixed-precision step: skipped steps change nothing, unscaling is exact, masters stay float32."""
+"""The mixed-precision step: skipped steps change nothing, unscaling is exact, masters stay
+float32."""
 
 import copy
 
@@ -15,9 +16,11 @@ from minimp.precision import mixed_precision_step
 def fp16_model_and_optimizer(kind, seed=0):
     rng = np.random.default_rng(seed)
     model = nn.Sequential(nn.Linear(6, 8, rng=rng), nn.ReLU(), nn.Linear(8, 3, rng=rng))
-    optimizer = {"sgd": lambda p: optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3),
-                 "adam": lambda p: optim.Adam(p, lr=0.01),
-                 "adamw": lambda p: optim.AdamW(p, lr=0.01)}[kind](model.parameters())
+    optimizer = {
+        "sgd": lambda p: optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3),
+        "adam": lambda p: optim.Adam(p, lr=0.01),
+        "adamw": lambda p: optim.AdamW(p, lr=0.01),
+    }[kind](model.parameters())
     model.to(np.float16)
     return model, optimizer, rng
 
@@ -29,18 +32,27 @@ def backward_once(model, scaler, rng):
 
 
 def snapshot(model, optimizer):
-    return (copy.deepcopy([m.copy() for m in optimizer.master_weights]),
-            copy.deepcopy(optimizer.state_dict()), [p.data.copy() for p in model.parameters()])
+    return (
+        copy.deepcopy([m.copy() for m in optimizer.master_weights]),
+        copy.deepcopy(optimizer.state_dict()),
+        [p.data.copy() for p in model.parameters()],
+    )
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.sampled_from(["sgd", "adam", "adamw"]), st.integers(0, 3), st.integers(0, 20),
-       st.sampled_from([np.inf, -np.inf, np.nan]))
+@given(
+    st.sampled_from(["sgd", "adam", "adamw"]),
+    st.integers(0, 3),
+    st.integers(0, 20),
+    st.sampled_from([np.inf, -np.inf, np.nan]),
+)
 def test_a_step_with_any_non_finite_gradient_changes_nothing(kind, parameter, position, bad):
     model, optimizer, rng = fp16_model_and_optimizer(kind)
     scaler = DynamicLossScaler(init_scale=256.0)
     backward_once(model, scaler, rng)
-    mixed_precision_step(optimizer, scaler)  # one real step first, so optimizer state is non-trivial
+    mixed_precision_step(
+        optimizer, scaler
+    )  # one real step first, so optimizer state is non-trivial
     before = snapshot(model, optimizer)
     backward_once(model, scaler, rng)
     grad = model.parameters()[parameter].grad
@@ -115,13 +127,19 @@ def test_sgd_and_adam_match_their_formulas():
 
 
 def train_tiny_gradients(dtype, scaler, steps=120):
-    """The setup of lesson 4: a loss averaged over 2^16 terms, so every gradient is 2^-16 smaller."""
+    """The setup of lesson 4: a loss averaged over 2^16 terms, so every gradient is 2^-16
+    smaller."""
     from minimp.data import load_digits
 
     digits = load_digits()
     rng = np.random.default_rng(0)
-    model = nn.Sequential(nn.Linear(64, 128, rng=rng), nn.ReLU(), nn.Linear(128, 128, rng=rng), nn.ReLU(),
-                          nn.Linear(128, 10, rng=rng))
+    model = nn.Sequential(
+        nn.Linear(64, 128, rng=rng),
+        nn.ReLU(),
+        nn.Linear(128, 128, rng=rng),
+        nn.ReLU(),
+        nn.Linear(128, 10, rng=rng),
+    )
     optimizer = optim.Adam(model.parameters(), lr=1e-3)
     model.to(dtype)
     images, labels, losses = digits.train_images.astype(dtype), digits.train_labels, []
@@ -139,6 +157,8 @@ def test_tiny_gradients_fail_in_fp16_without_scaling_and_match_fp32_with_it():
 
     fp32 = train_tiny_gradients(np.float32, NoLossScaler())
     assert fp32 < 0.5
-    assert train_tiny_gradients(np.float16, NoLossScaler()) > 2.0  # flushed to zero: nothing learned
+    assert (
+        train_tiny_gradients(np.float16, NoLossScaler()) > 2.0
+    )  # flushed to zero: nothing learned
     assert train_tiny_gradients(np.float16, DynamicLossScaler()) == pytest.approx(fp32, rel=0.01)
     assert train_tiny_gradients(BFLOAT16, NoLossScaler()) < 0.5  # bf16's range needs no scaling

@@ -11,7 +11,9 @@ from minimp.tensor import saved_bytes
 def test_python_floats_become_float32_and_arrays_keep_their_dtype():
     assert Tensor([1.0, 2.0]).dtype == np.float32
     assert Tensor(np.zeros(2, np.float16)).dtype == np.float16
-    assert (Tensor(np.ones(2, np.float16)) * 0.5).dtype == np.float16  # scalars take the tensor's dtype
+    assert (
+        Tensor(np.ones(2, np.float16)) * 0.5
+    ).dtype == np.float16  # scalars take the tensor's dtype
 
 
 def test_gradients_accumulate_across_backward_calls():
@@ -61,8 +63,13 @@ def test_float16_graph_keeps_half_the_bytes_of_float32():
     measured = {}
     for dtype in (np.float32, np.float16):
         rng = np.random.default_rng(0)
-        model = nn.Sequential(nn.Linear(32, 64, rng=rng), nn.ReLU(), nn.Linear(64, 64, rng=rng), nn.ReLU(),
-                              nn.Linear(64, 10, rng=rng)).to(dtype)
+        model = nn.Sequential(
+            nn.Linear(32, 64, rng=rng),
+            nn.ReLU(),
+            nn.Linear(64, 64, rng=rng),
+            nn.ReLU(),
+            nn.Linear(64, 10, rng=rng),
+        ).to(dtype)
         x = Tensor(rng.standard_normal((128, 32)).astype(dtype))
         loss = F.cross_entropy(model(x), rng.integers(0, 10, 128))
         measured[dtype] = saved_bytes(loss, exclude=[p.data for p in model.parameters()])

@@ -1,18 +1,20 @@
-"""The training command end to end: accuracy, resume bit-identity, micro-batches, overflow, bad input."""
+"""The training command end to end: accuracy, resume bit-identity, micro-batches, overflow, bad
+input."""
 
 import json
 import subprocess
 
 import numpy as np
 import pytest
-from conftest import MPIRUN, PYTHON
+from conftest import PYTHON
 
 from minimp.train import TrainConfig, train
 
 
 def run_command(*flags, timeout=120):
-    return subprocess.run([PYTHON, "-m", "minimp.train", *flags], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [PYTHON, "-m", "minimp.train", *flags], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def quiet_train(**overrides):
@@ -28,20 +30,37 @@ def test_default_run_reaches_90_percent_test_accuracy(tmp_path):
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r["step"] for r in records[:-1]]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) == TrainConfig().steps
-    assert {"step", "loss", "loss_scale", "skipped", "compute_seconds", "communication_seconds",
-            "bytes_sent"} <= set(records[0])
+    assert {
+        "step",
+        "loss",
+        "loss_scale",
+        "skipped",
+        "compute_seconds",
+        "communication_seconds",
+        "bytes_sent",
+    } <= set(records[0])
     assert records[-1]["test_accuracy"] >= 0.90
     assert "test accuracy" in result.stdout
 
 
-@pytest.mark.parametrize("precision, optimizer", [("fp16", "adam"), ("fp32", "sgd"), ("bf16", "adamw")])
+@pytest.mark.parametrize(
+    "precision, optimizer", [("fp16", "adam"), ("fp32", "sgd"), ("bf16", "adamw")]
+)
 def test_resume_continues_bit_identically(tmp_path, precision, optimizer):
-    common = dict(precision=precision, optimizer=optimizer, hidden=32, layers=2, batch_size=32,
-                  loss_scale_growth_interval=3, inject_overflow="4:0")
+    common = dict(
+        precision=precision,
+        optimizer=optimizer,
+        hidden=32,
+        layers=2,
+        batch_size=32,
+        loss_scale_growth_interval=3,
+        inject_overflow="4:0",
+    )
     straight = quiet_train(steps=20, save=str(tmp_path / "straight.npz"), **common)
     quiet_train(steps=10, save=str(tmp_path / "half.npz"), **common)
-    resumed = quiet_train(steps=20, resume=str(tmp_path / "half.npz"), save=str(tmp_path / "resumed.npz"),
-                          **common)
+    resumed = quiet_train(
+        steps=20, resume=str(tmp_path / "half.npz"), save=str(tmp_path / "resumed.npz"), **common
+    )
     assert [r["step"] for r in resumed["history"]] == list(range(11, 21))
     assert [r["loss"] for r in resumed["history"]] == [r["loss"] for r in straight["history"][10:]]
     with np.load(tmp_path / "straight.npz") as a, np.load(tmp_path / "resumed.npz") as b:
@@ -65,8 +84,8 @@ def test_injected_overflow_skips_that_step_and_halves_the_scale():
 
 
 def test_the_trainer_says_when_the_scale_is_stuck_at_its_minimum():
-    """lr 1e4 throws the fp16 weights so far that every later step overflows: the scale falls from 2^16
-    to 1 in 16 skipped steps, and the 17th overflow is reported."""
+    """lr 1e4 throws the fp16 weights so far that every later step overflows: the scale falls
+    from 2^16 to 1 in 16 skipped steps, and the 17th overflow is reported."""
     lines = []
     config = TrainConfig(steps=20, lr=1e4, hidden=16, layers=2, log_every=1000)
     result = train(config, log=lines.append)
@@ -128,5 +147,7 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path, small_checkpoint):
 
 def test_checkpoint_of_another_model_shape_is_a_clear_error(small_checkpoint):
     result = run_command("--resume", str(small_checkpoint), "--hidden", "16", "--layers", "2")
-    assert result.returncode == 2 and "different model (--dataset digits --layers 1 --hidden 16)" in \
-        result.stderr
+    assert (
+        result.returncode == 2
+        and "different model (--dataset digits --layers 1 --hidden 16)" in result.stderr
+    )

@@ -9,15 +9,21 @@ import numpy as np
 import pytest
 from conftest import MPIRUN, PYTHON
 
-pytestmark = [pytest.mark.mpi,
-              pytest.mark.skipif(MPIRUN is None, reason="no mpirun on PATH (pip install 'minimp[mpi]')")]
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(MPIRUN is None, reason="no mpirun on PATH (pip install 'minimp[mpi]')"),
+]
 SMALL = ["--hidden", "32", "--layers", "3", "--batch-size", "32", "--log-every", "1000"]
 
 
 def train_command(ranks, *flags, timeout=180):
     launcher = [MPIRUN, "-n", str(ranks)] if ranks > 1 else []
-    return subprocess.run([*launcher, PYTHON, "-m", "minimp.train", *SMALL, *flags], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [*launcher, PYTHON, "-m", "minimp.train", *SMALL, *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def masters(path):
@@ -33,23 +39,32 @@ def last_loss(path):
 @pytest.fixture(scope="module")
 def one_process_fp32(tmp_path_factory):
     folder = tmp_path_factory.mktemp("one")
-    result = train_command(1, "--precision", "fp32", "--steps", "20", "--save", str(folder / "one.npz"))
+    result = train_command(
+        1, "--precision", "fp32", "--steps", "20", "--save", str(folder / "one.npz")
+    )
     assert result.returncode == 0, result.stderr
     return masters(folder / "one.npz")
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_fp32_data_parallel_ends_with_the_one_process_weights(tmp_path, one_process_fp32, ranks):
-    result = train_command(ranks, "--precision", "fp32", "--steps", "20", "--save", str(tmp_path / "dp.npz"))
+    result = train_command(
+        ranks, "--precision", "fp32", "--steps", "20", "--save", str(tmp_path / "dp.npz")
+    )
     assert result.returncode == 0, result.stderr
     for name, array in masters(tmp_path / "dp.npz").items():
-        np.testing.assert_allclose(array, one_process_fp32[name], rtol=1e-5, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(
+            array, one_process_fp32[name], rtol=1e-5, atol=1e-7, err_msg=name
+        )
 
 
 def test_fp16_data_parallel_final_loss_within_one_percent(tmp_path):
-    assert train_command(1, "--steps", "60", "--metrics", str(tmp_path / "one.jsonl")).returncode == 0
-    result = train_command(4, "--steps", "60", "--grad-comm-dtype", "fp16",
-                           "--metrics", str(tmp_path / "dp.jsonl"))
+    assert (
+        train_command(1, "--steps", "60", "--metrics", str(tmp_path / "one.jsonl")).returncode == 0
+    )
+    result = train_command(
+        4, "--steps", "60", "--grad-comm-dtype", "fp16", "--metrics", str(tmp_path / "dp.jsonl")
+    )
     assert result.returncode == 0, result.stderr
     one, _ = last_loss(tmp_path / "one.jsonl")
     four, _ = last_loss(tmp_path / "dp.jsonl")
@@ -57,8 +72,17 @@ def test_fp16_data_parallel_final_loss_within_one_percent(tmp_path):
 
 
 def test_one_rank_overflow_makes_every_rank_skip_and_replicas_stay_identical(tmp_path):
-    result = train_command(4, "--steps", "8", "--inject-overflow", "5:2", "--check-replicas", "1",
-                           "--metrics", str(tmp_path / "m.jsonl"))
+    result = train_command(
+        4,
+        "--steps",
+        "8",
+        "--inject-overflow",
+        "5:2",
+        "--check-replicas",
+        "1",
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+    )
     assert result.returncode == 0, result.stderr
     _, records = last_loss(tmp_path / "m.jsonl")
     assert [r["skipped"] for r in records[:8]] == [False] * 4 + [True] + [False] * 3
@@ -74,14 +98,20 @@ def test_an_injected_fault_ends_the_job_fast_with_that_rank_s_message():
     assert "injected fault at step 3 on rank 1" in result.stderr
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--dp", "3"], "--dp 3 does not match the 4 ranks of this job"),
-    (["--batch-size", "66"], "--batch-size 66 is not divisible by the 4 data-parallel replicas"),
-    (["--steps", "0"], "--steps must be a positive integer"),
-    (["--pp", "3"], "--pp 3 does not divide the 4 ranks of this job"),
-    (["--pp", "8"], "--pp 8 needs at least 8 layers with weights, the model has 4"),
-    (["--pp", "2", "--dp", "1"], "--dp 1 does not match the 4 ranks of this job"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dp", "3"], "--dp 3 does not match the 4 ranks of this job"),
+        (
+            ["--batch-size", "66"],
+            "--batch-size 66 is not divisible by the 4 data-parallel replicas",
+        ),
+        (["--steps", "0"], "--steps must be a positive integer"),
+        (["--pp", "3"], "--pp 3 does not divide the 4 ranks of this job"),
+        (["--pp", "8"], "--pp 8 needs at least 8 layers with weights, the model has 4"),
+        (["--pp", "2", "--dp", "1"], "--dp 1 does not match the 4 ranks of this job"),
+    ],
+)
 def test_bad_input_is_one_error_from_rank_0_and_no_hang(flags, message):
     result = train_command(4, *flags, timeout=60)
     assert result.returncode != 0
@@ -91,10 +121,26 @@ def test_bad_input_is_one_error_from_rank_0_and_no_hang(flags, message):
 
 def test_a_checkpoint_resumes_with_another_number_of_replicas(tmp_path):
     common = ["--precision", "fp32"]
-    assert train_command(2, *common, "--steps", "20", "--save", str(tmp_path / "straight.npz")).returncode == 0
-    assert train_command(2, *common, "--steps", "10", "--save", str(tmp_path / "half.npz")).returncode == 0
-    resumed = train_command(1, *common, "--steps", "20", "--resume", str(tmp_path / "half.npz"),
-                            "--save", str(tmp_path / "resumed.npz"))
+    assert (
+        train_command(
+            2, *common, "--steps", "20", "--save", str(tmp_path / "straight.npz")
+        ).returncode
+        == 0
+    )
+    assert (
+        train_command(2, *common, "--steps", "10", "--save", str(tmp_path / "half.npz")).returncode
+        == 0
+    )
+    resumed = train_command(
+        1,
+        *common,
+        "--steps",
+        "20",
+        "--resume",
+        str(tmp_path / "half.npz"),
+        "--save",
+        str(tmp_path / "resumed.npz"),
+    )
     assert resumed.returncode == 0, resumed.stderr
     straight = masters(tmp_path / "straight.npz")
     for name, array in masters(tmp_path / "resumed.npz").items():
@@ -106,22 +152,38 @@ def assert_same_masters(path, reference):
         np.testing.assert_allclose(array, reference[name], rtol=1e-5, atol=1e-7, err_msg=name)
 
 
-@pytest.mark.parametrize("ranks, flags", [
-    (2, ["--pp", "2", "--schedule", "1f1b", "--micro-batches", "4"]),
-    (4, ["--pp", "4", "--schedule", "gpipe", "--micro-batches", "2"]),
-    (4, ["--pp", "4", "--schedule", "1f1b", "--micro-batches", "2"]),  # M < P
-    (4, ["--dp", "2", "--pp", "2", "--micro-batches", "2"]),
-], ids=["pp2-1f1b-m4", "pp4-gpipe-m2", "pp4-1f1b-m2", "dp2-pp2"])
-def test_pipeline_under_mpirun_ends_with_the_one_process_weights(tmp_path, one_process_fp32, ranks, flags):
-    result = train_command(ranks, "--precision", "fp32", "--steps", "20", *flags,
-                           "--save", str(tmp_path / "pp.npz"))
+@pytest.mark.parametrize(
+    "ranks, flags",
+    [
+        (2, ["--pp", "2", "--schedule", "1f1b", "--micro-batches", "4"]),
+        (4, ["--pp", "4", "--schedule", "gpipe", "--micro-batches", "2"]),
+        (4, ["--pp", "4", "--schedule", "1f1b", "--micro-batches", "2"]),  # M < P
+        (4, ["--dp", "2", "--pp", "2", "--micro-batches", "2"]),
+    ],
+    ids=["pp2-1f1b-m4", "pp4-gpipe-m2", "pp4-1f1b-m2", "dp2-pp2"],
+)
+def test_pipeline_under_mpirun_ends_with_the_one_process_weights(
+    tmp_path, one_process_fp32, ranks, flags
+):
+    result = train_command(
+        ranks, "--precision", "fp32", "--steps", "20", *flags, "--save", str(tmp_path / "pp.npz")
+    )
     assert result.returncode == 0, result.stderr
     assert_same_masters(tmp_path / "pp.npz", one_process_fp32)
 
 
 def test_an_overflow_on_the_last_stage_makes_every_stage_skip(tmp_path):
-    result = train_command(4, "--pp", "4", "--steps", "6", "--inject-overflow", "3:3",
-                           "--metrics", str(tmp_path / "m.jsonl"))
+    result = train_command(
+        4,
+        "--pp",
+        "4",
+        "--steps",
+        "6",
+        "--inject-overflow",
+        "3:3",
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+    )
     assert result.returncode == 0, result.stderr
     _, records = last_loss(tmp_path / "m.jsonl")
     assert [r["skipped"] for r in records[:6]] == [False, False, True, False, False, False]
@@ -138,17 +200,41 @@ def test_a_checkpoint_moves_between_layouts(tmp_path, one_process_fp32):
     """Written with --pp 4, resumed with --pp 2, --dp 4 and one process; written by one process,
     resumed with --pp 4: every path ends where 20 straight steps of one process end."""
     fp32 = ["--precision", "fp32"]
-    written = train_command(4, *fp32, "--pp", "4", "--steps", "10", "--save", str(tmp_path / "pp4.npz"))
+    written = train_command(
+        4, *fp32, "--pp", "4", "--steps", "10", "--save", str(tmp_path / "pp4.npz")
+    )
     assert written.returncode == 0, written.stderr
     for ranks, flags in ((2, ["--pp", "2"]), (4, ["--dp", "4"]), (1, [])):
         out = tmp_path / f"from-pp4-{ranks}-{len(flags)}.npz"
-        resumed = train_command(ranks, *fp32, *flags, "--steps", "20", "--resume", str(tmp_path / "pp4.npz"),
-                                "--save", str(out))
+        resumed = train_command(
+            ranks,
+            *fp32,
+            *flags,
+            "--steps",
+            "20",
+            "--resume",
+            str(tmp_path / "pp4.npz"),
+            "--save",
+            str(out),
+        )
         assert resumed.returncode == 0, resumed.stderr
         assert_same_masters(out, one_process_fp32)
-    assert train_command(1, *fp32, "--steps", "10", "--save", str(tmp_path / "one.npz")).returncode == 0
-    back = train_command(4, *fp32, "--pp", "4", "--steps", "20", "--resume", str(tmp_path / "one.npz"),
-                         "--save", str(tmp_path / "back.npz"))
+    assert (
+        train_command(1, *fp32, "--steps", "10", "--save", str(tmp_path / "one.npz")).returncode
+        == 0
+    )
+    back = train_command(
+        4,
+        *fp32,
+        "--pp",
+        "4",
+        "--steps",
+        "20",
+        "--resume",
+        str(tmp_path / "one.npz"),
+        "--save",
+        str(tmp_path / "back.npz"),
+    )
     assert back.returncode == 0, back.stderr
     assert_same_masters(tmp_path / "back.npz", one_process_fp32)
     with np.load(tmp_path / "pp4.npz") as a, np.load(tmp_path / "one.npz") as b:
@@ -156,12 +242,31 @@ def test_a_checkpoint_moves_between_layouts(tmp_path, one_process_fp32):
 
 
 def test_the_pipeline_timeline_example_draws_both_schedules(tmp_path):
-    pytest.importorskip("matplotlib", reason="the Gantt chart needs matplotlib (the 'lessons' extra)")
+    pytest.importorskip(
+        "matplotlib", reason="the Gantt chart needs matplotlib (the 'lessons' extra)"
+    )
     import os
 
-    example = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples", "pipeline_timeline.py")
-    result = subprocess.run([PYTHON, example, "--stages", "2", "--micro-batches", "2", "--steps", "3",
-                             "--png", str(tmp_path / "gantt.png")], capture_output=True, text=True, timeout=180)
+    example = os.path.join(
+        os.path.dirname(__file__), "..", "mpirun_examples", "pipeline_timeline.py"
+    )
+    result = subprocess.run(
+        [
+            PYTHON,
+            example,
+            "--stages",
+            "2",
+            "--micro-batches",
+            "2",
+            "--steps",
+            "3",
+            "--png",
+            str(tmp_path / "gantt.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "gpipe: bubble" in result.stdout and "1f1b: bubble" in result.stdout
     assert (tmp_path / "gantt.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,17 +1,22 @@
 """All-reduce and its halves over any minimp communicator: ring, naive, recursive doubling, auto.
 
-Each function takes the communicator as its first argument, works on a world of size 1, on the simulated
-world and under mpirun, and returns a new array (the input is not modified). Before moving data, the
-ranks agree on the array's length and dtype with one tiny all-reduce, so a mismatch is a clear error on
-every rank instead of a hang or a wrong sum.
+Each function takes the communicator as its first argument, works on a world of size 1, on the
+simulated world and under mpirun, and returns a new array (the input is not modified). Before moving
+data, the ranks agree on the array's length and dtype with one tiny all-reduce, so a mismatch is a
+clear error on every rank instead of a hang or a wrong sum.
 """
 
 import numpy as np
 
 from minimp import costmodel
 from minimp.backend import array_module
-from minimp.dist.ring import (REDUCERS, chunk_bounds, reduce_into, ring_all_gather_inplace,
-                              ring_reduce_scatter)
+from minimp.dist.ring import (
+    REDUCERS,
+    chunk_bounds,
+    reduce_into,
+    ring_all_gather_inplace,
+    ring_reduce_scatter,
+)
 from minimp.precision.casting import round_to, widen
 
 _DTYPE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4, "int32": 5, "int64": 6}
@@ -22,7 +27,8 @@ class CollectiveMismatchError(ValueError):
 
 
 def agree_on_array(comm, array, name):
-    """Raise CollectiveMismatchError on every rank unless all ranks pass the same length and dtype."""
+    """Raise CollectiveMismatchError on every rank unless all ranks pass the same length and
+    dtype."""
     if comm.size == 1:
         return
     code = _DTYPE_CODES.get(np.dtype(array.dtype).name, 99)
@@ -30,8 +36,10 @@ def agree_on_array(comm, array, name):
     if highest[0] != -highest[2] or highest[1] != -highest[3]:
         raise CollectiveMismatchError(
             f"{name}: ranks disagree on the array (lengths {int(-highest[2])}..{int(highest[0])}, "
-            f"dtype codes {int(-highest[3])}..{int(highest[1])}); every rank must pass the same length "
-            "and dtype")
+            f"dtype codes {int(-highest[3])}..{int(highest[1])}); every rank must pass the same "
+            "length "
+            "and dtype"
+        )
 
 
 def _check_op(op):
@@ -99,8 +107,10 @@ def all_gather(comm, chunk, length=None):
     bounds = chunk_bounds(length, comm.size)
     start, stop = bounds[comm.rank]
     if chunk.size != stop - start:
-        raise ValueError(f"all_gather: rank {comm.rank} holds {chunk.size} elements but chunk "
-                         f"{comm.rank} of {length} over {comm.size} ranks has {stop - start}")
+        raise ValueError(
+            f"all_gather: rank {comm.rank} holds {chunk.size} elements but chunk "
+            f"{comm.rank} of {length} over {comm.size} ranks has {stop - start}"
+        )
     flat = array_module(chunk).empty(length, chunk.dtype)
     agree_on_array(comm, flat, "all_gather")
     flat[start:stop] = chunk.reshape(-1)
@@ -132,7 +142,8 @@ def naive_allreduce(comm, x, op="sum", out=None, root=0):
 
 
 def recursive_doubling_allreduce(comm, x, op="sum", out=None):
-    """log2(p) rounds of exchanging the whole array with the partner rank ^ distance (latency-optimal).
+    """log2(p) rounds of exchanging the whole array with the partner rank ^ distance
+    (latency-optimal).
 
     For p not a power of two, the first p - 2^k ranks above 2^k fold their data into a partner first
     and get the result back at the end (Thakur, Rabenseifner & Gropp 2005, section 4.1).
@@ -162,8 +173,11 @@ def recursive_doubling_allreduce(comm, x, op="sum", out=None):
     return flat.reshape(x.shape)
 
 
-ALGORITHMS = {"ring": ring_allreduce, "naive": naive_allreduce,
-              "recursive_doubling": recursive_doubling_allreduce}
+ALGORITHMS = {
+    "ring": ring_allreduce,
+    "naive": naive_allreduce,
+    "recursive_doubling": recursive_doubling_allreduce,
+}
 
 
 def choose_algorithm(nbytes, world_size, network=None):
@@ -172,10 +186,13 @@ def choose_algorithm(nbytes, world_size, network=None):
 
 
 def allreduce(comm, x, op="sum", algorithm="auto", network=None, out=None):
-    """All-reduce with the named algorithm, or with the one the cost model picks ("auto"), the way MPI
-    libraries switch from latency-optimal to bandwidth-optimal algorithms as messages grow."""
+    """All-reduce with the named algorithm, or with the one the cost model picks ("auto"), the
+    way MPI libraries switch from latency-optimal to bandwidth-optimal algorithms as messages
+    grow."""
     if algorithm == "auto":
         algorithm = choose_algorithm(x.size * x.dtype.itemsize, comm.size, network)
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}: use auto or one of {sorted(ALGORITHMS)}")
+        raise ValueError(
+            f"unknown all-reduce algorithm {algorithm!r}: use auto or one of {sorted(ALGORITHMS)}"
+        )
     return ALGORITHMS[algorithm](comm, x, op, out=out)

@@ -1,10 +1,10 @@
 """The communicator over real MPI: the only module that calls mpi4py.
 
-Arrays travel as raw bytes with the uppercase buffer methods (Send, Recv, Sendrecv, Bcast): nothing is
-pickled, and float16/bfloat16 need no MPI datatype (MPI libraries disagree on half precision). All
-reductions of array data happen in minimp's own code; MPI's Allreduce is used only for a few scalars
-(flags, lengths), where it is the simplest correct tool. CuPy arrays are synchronised and staged
-through host memory (the GPU issue adds CUDA-aware transfers).
+Arrays travel as raw bytes with the uppercase buffer methods (Send, Recv, Sendrecv, Bcast): nothing
+is pickled, and float16/bfloat16 need no MPI datatype (MPI libraries disagree on half precision).
+All reductions of array data happen in minimp's own code; MPI's Allreduce is used only for a few
+scalars (flags, lengths), where it is the simplest correct tool. CuPy arrays are synchronised and
+staged through host memory (the GPU issue adds CUDA-aware transfers).
 """
 
 import ctypes
@@ -79,8 +79,12 @@ class MPICommunicator:
         if self._cuda_aware is None:
             self._cuda_aware = mpi_is_cuda_aware()
             if not self._cuda_aware and self.rank == 0:
-                print("minimp.dist: this MPI is not CUDA-aware; GPU buffers are staged through host "
-                      "memory", file=sys.stderr, flush=True)
+                print(
+                    "minimp.dist: this MPI is not CUDA-aware; GPU buffers are staged through host "
+                    "memory",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if self._cuda_aware:
             return array, False
         return array.get(), True
@@ -114,9 +118,15 @@ class MPICommunicator:
         recv_host, staged = self._on_host(recv_array)
         send_buffer, recv_buffer = byte_view(send_host), byte_view(recv_host)
         status = self._status
-        self._comm.Sendrecv([send_buffer, MPI.BYTE], dest=dest, sendtag=tag,
-                            recvbuf=[recv_buffer, MPI.BYTE], source=source,
-                            recvtag=tag if recv_tag is None else recv_tag, status=status)
+        self._comm.Sendrecv(
+            [send_buffer, MPI.BYTE],
+            dest=dest,
+            sendtag=tag,
+            recvbuf=[recv_buffer, MPI.BYTE],
+            source=source,
+            recvtag=tag if recv_tag is None else recv_tag,
+            status=status,
+        )
         _check_count(status.Get_count(MPI.BYTE), recv_buffer.nbytes, source)
         self._count(send_buffer)
         if staged:
@@ -135,14 +145,17 @@ class MPICommunicator:
             array[...] = backend.to_device(host)
 
     def allreduce_scalars(self, values, op="max"):
-        """Reduce a few float64 scalars (flags, lengths) over all ranks; returns a new float64 array."""
+        """Reduce a few float64 scalars (flags, lengths) over all ranks; returns a new float64
+        array."""
         from mpi4py import MPI
 
         if op not in _MPI_OPS:
             raise ValueError(f"op must be one of {_MPI_OPS}, got {op!r}")
         values = np.ascontiguousarray(values, dtype=np.float64)
         result = np.empty_like(values)
-        self._comm.Allreduce(values, result, op={"max": MPI.MAX, "min": MPI.MIN, "sum": MPI.SUM}[op])
+        self._comm.Allreduce(
+            values, result, op={"max": MPI.MAX, "min": MPI.MIN, "sum": MPI.SUM}[op]
+        )
         return result
 
     def barrier(self):
@@ -179,8 +192,10 @@ class MPICommunicator:
 
 def _check_count(received, expected, source):
     if received != expected:
-        raise ValueError(f"received {received} bytes from rank {source} into a {expected}-byte buffer: "
-                         "the ranks disagree on the array's length or dtype")
+        raise ValueError(
+            f"received {received} bytes from rank {source} into a {expected}-byte buffer: "
+            "the ranks disagree on the array's length or dtype"
+        )
 
 
 def world():

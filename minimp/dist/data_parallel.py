@@ -1,13 +1,14 @@
-"""Data parallelism: every replica holds the whole model, sees its own shard of each global batch, and
-the replicas sum their gradients with minimp's ring all-reduce before anyone steps.
+"""Data parallelism: every replica holds the whole model, sees its own shard of each global batch,
+and the replicas sum their gradients with minimp's ring all-reduce before anyone steps.
 
-Data parallelism does not split the parameters: each rank stores all of them (and all optimizer state);
-only the batch is split. (ZeRO is what shards optimizer state and gradients, using reduce_scatter and
-all_gather.)
+Data parallelism does not split the parameters: each rank stores all of them (and all optimizer
+state); only the batch is split. (ZeRO is what shards optimizer state and gradients, using
+reduce_scatter and all_gather.)
 
 Averaging by the world size p can happen before or after the all-reduce:
   before  each rank sends g_r / p and the sum is the mean. The values on the wire never exceed the
-          largest single gradient, so a float16 wire cannot overflow where one rank's gradient did not.
+          largest single gradient, so a float16 wire cannot overflow where one rank's gradient did
+            not.
           What PyTorch DDP does today.
   after   each rank sends g_r and divides the sum by p. The sum of p float16 gradients can overflow
           65504 even when every g_r is finite (with loss scaling this is the common case), and tiny
@@ -30,10 +31,17 @@ class ReplicaMismatchError(RuntimeError):
 class DataParallel:
     """Gradient buckets and the collective decisions of one data-parallel group."""
 
-    def __init__(self, comm, optimizer, bucket_mb=25.0, comm_dtype=np.float32, average="before",
-                 decision_comm=None):
-        """comm: the replicas of this stage. decision_comm: who shares the skip decision (with pipeline
-        stages, every rank of the job; by default the replicas)."""
+    def __init__(
+        self,
+        comm,
+        optimizer,
+        bucket_mb=25.0,
+        comm_dtype=np.float32,
+        average="before",
+        decision_comm=None,
+    ):
+        """comm: the replicas of this stage. decision_comm: who shares the skip decision (with
+        pipeline stages, every rank of the job; by default the replicas)."""
         if average not in ("before", "after"):
             raise ValueError(f"average must be 'before' or 'after', got {average!r}")
         self.comm, self.optimizer, self.average = comm, optimizer, average
@@ -41,9 +49,12 @@ class DataParallel:
         self.comm_dtype = np.dtype(comm_dtype)
         self.buckets = self._plan_buckets(bucket_mb * 2**20)
         xp = array_module(optimizer.master_weights[0]) if optimizer.master_weights else np
-        # One send and one receive buffer per bucket, reused every step (no allocations, no page faults).
-        self.buffers = [(xp.empty(size, self.comm_dtype), xp.empty(size, self.comm_dtype))
-                        for _, size in self.buckets]
+        # One send and one receive buffer per bucket, reused every step (no allocations, no page
+        # faults).
+        self.buffers = [
+            (xp.empty(size, self.comm_dtype), xp.empty(size, self.comm_dtype))
+            for _, size in self.buckets
+        ]
 
     def _plan_buckets(self, bucket_bytes):
         """[(parameter indices, elements)]; parameters are taken last to first, the order in which
@@ -77,7 +88,7 @@ class DataParallel:
             for index in indices:
                 grad = _gradient_or_zeros(gradients, index, self.optimizer)
                 flat = grad.reshape(-1)
-                part = send[offset:offset + flat.size]
+                part = send[offset : offset + flat.size]
                 if self.average == "before":
                     # Scale in float32, round once into the wire dtype.
                     part[...] = round_to(flat * np.float32(inverse), self.comm_dtype)
@@ -89,7 +100,7 @@ class DataParallel:
             for index in indices:
                 grad = gradients[index]
                 flat = grad.reshape(-1)
-                flat[...] = receive[offset:offset + flat.size]
+                flat[...] = receive[offset : offset + flat.size]
                 if self.average == "after":
                     flat *= np.float32(inverse)
                 offset += flat.size
@@ -110,19 +121,22 @@ class DataParallel:
         table = self.comm.allreduce_scalars(table, op="sum")
         differing = [rank for rank in range(self.comm.size) if table[rank] != table[0]]
         if differing:
-            raise ReplicaMismatchError(f"master weights of rank(s) {differing} differ from rank 0's "
-                                       "(replicas drifted apart)")
+            raise ReplicaMismatchError(
+                f"master weights of rank(s) {differing} differ from rank 0's "
+                "(replicas drifted apart)"
+            )
 
 
 def _gradient_or_zeros(gradients, index, optimizer):
     """A parameter no loss reached still takes part in the all-reduce, with zeros."""
     if gradients[index] is None:
         gradients[index] = array_module(optimizer.master_weights[index]).zeros_like(
-            optimizer.master_weights[index])
+            optimizer.master_weights[index]
+        )
     return gradients[index]
 
 
 def shard(indices, rank, world_size):
     """This replica's contiguous slice of a global batch (the batch size must divide evenly)."""
     size = len(indices) // world_size
-    return indices[rank * size:(rank + 1) * size]
+    return indices[rank * size : (rank + 1) * size]

@@ -1,7 +1,7 @@
 """Collect named arrays from every pipeline stage onto stage 0 (checkpoints, evaluation, timelines).
 
-Each stage sends a small JSON header (names, dtypes, shapes) as bytes, then the arrays themselves as raw
-bytes: the receiver learns the shapes first, so nothing is pickled.
+Each stage sends a small JSON header (names, dtypes, shapes) as bytes, then the arrays themselves as
+raw bytes: the receiver learns the shapes first, so nothing is pickled.
 """
 
 import json
@@ -25,7 +25,9 @@ def gather_named_arrays(comm, arrays, root=0):
     """On root: the union of every rank's {name: host array}; on other ranks: None."""
     if comm.rank != root:
         host = {name: np.ascontiguousarray(to_numpy(array)) for name, array in arrays.items()}
-        header = json.dumps([[name, a.dtype.name, list(a.shape)] for name, a in host.items()]).encode()
+        header = json.dumps(
+            [[name, a.dtype.name, list(a.shape)] for name, a in host.items()]
+        ).encode()
         comm.send(np.array([len(header)], np.int64), root, tag=_TAG)
         comm.send(np.frombuffer(header, np.uint8).copy(), root, tag=_TAG)
         for array in host.values():

@@ -1,13 +1,15 @@
-"""The abort rule: under MPI, an exception on one rank ends the whole job instead of leaving the other
-ranks waiting forever in a receive that will never come (plain mpi4py does leave them waiting)."""
+"""The abort rule: under MPI, an exception on one rank ends the whole job instead of leaving the
+other ranks waiting forever in a receive that will never come (plain mpi4py does leave them
+waiting)."""
 
 import sys
 import traceback
 
 
 def run_or_abort(main, *args, comm=None):
-    """Call main(*args). If it raises (or exits non-zero) on a job of several ranks, print this rank's
-    error with its rank number, then MPI_Abort the whole job; on one rank, behave like a plain call."""
+    """Call main(*args). If it raises (or exits non-zero) on a job of several ranks, print this
+    rank's error with its rank number, then MPI_Abort the whole job; on one rank, behave like a
+    plain call."""
     if comm is None:
         from minimp.dist.comm import world
 
@@ -24,9 +26,12 @@ def run_or_abort(main, *args, comm=None):
         if comm.size == 1:
             raise
         lines = traceback.format_exception(type(error), error, error.__traceback__)
-        sys.stderr.write("".join(f"[rank {comm.rank}] {line}" for line in "".join(lines).splitlines(True)))
-        sys.stderr.write(f"[rank {comm.rank}] aborting all {comm.size} ranks: {type(error).__name__}: "
-                         f"{error}\n")
+        sys.stderr.write(
+            "".join(f"[rank {comm.rank}] {line}" for line in "".join(lines).splitlines(True))
+        )
+        sys.stderr.write(
+            f"[rank {comm.rank}] aborting all {comm.size} ranks: {type(error).__name__}: {error}\n"
+        )
         sys.stdout.flush()
         sys.stderr.flush()
         comm.abort(1)

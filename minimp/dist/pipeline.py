@@ -1,9 +1,9 @@
 """Pipeline parallelism by layer-wise splitting: contiguous stages, and the runner of a schedule.
 
-The model's ordered layers are cut into P contiguous stages, one per pipeline rank. Activations travel
-forward and their gradients travel back between neighbouring stages as raw bytes in the compute dtype
-(float16 halves them), micro-batch by micro-batch, with shapes both sides know ahead of time:
-(micro-batch size, width of the layer at the cut). Nothing is pickled.
+The model's ordered layers are cut into P contiguous stages, one per pipeline rank. Activations
+travel forward and their gradients travel back between neighbouring stages as raw bytes in the
+compute dtype (float16 halves them), micro-batch by micro-batch, with shapes both sides know ahead
+of time: (micro-batch size, width of the layer at the cut). Nothing is pickled.
 """
 
 import time
@@ -11,7 +11,10 @@ import time
 from minimp import backend, functional
 from minimp.tensor import Tensor
 
-FORWARD_TAG, BACKWARD_TAG = 0, 1  # one tag per direction: MPI keeps each direction's messages in order
+FORWARD_TAG, BACKWARD_TAG = (
+    0,
+    1,
+)  # one tag per direction: MPI keeps each direction's messages in order
 
 
 class PipelineError(ValueError):
@@ -29,17 +32,23 @@ def split_stages(layers, stages):
     counts = [sum(p.size for p in layer.parameters()) for layer in layers]
     starts = [i for i, count in enumerate(counts) if count > 0]
     if stages > len(starts):
-        raise PipelineError(f"--pp {stages} needs at least {stages} layers with weights, the model has "
-                            f"{len(starts)} (use --layers)")
+        raise PipelineError(
+            f"--pp {stages} needs at least {stages} layers with weights, the model has "
+            f"{len(starts)} (use --layers)"
+        )
     starts[0] = 0
     blocks = [(start, stop) for start, stop in zip(starts, starts[1:] + [len(layers)])]
     costs = [sum(counts[a:b]) for a, b in blocks]
     cuts = _balanced_cuts(costs, stages)
-    return [(blocks[first][0], blocks[last - 1][1]) for first, last in zip([0] + cuts, cuts + [len(blocks)])]
+    return [
+        (blocks[first][0], blocks[last - 1][1])
+        for first, last in zip([0] + cuts, cuts + [len(blocks)])
+    ]
 
 
 def _balanced_cuts(costs, parts):
-    """Cut points splitting costs into `parts` contiguous non-empty groups minimising the largest sum."""
+    """Cut points splitting costs into `parts` contiguous non-empty groups minimising the largest
+    sum."""
     n = len(costs)
     prefix = [0]
     for cost in costs:
@@ -65,7 +74,9 @@ def _balanced_cuts(costs, parts):
 class PipelineStage:
     """One stage's layers and the runner that executes a schedule's actions for one step."""
 
-    def __init__(self, layers, comm, stage, stages, input_width, output_width, dtype, micro_batch_rows):
+    def __init__(
+        self, layers, comm, stage, stages, input_width, output_width, dtype, micro_batch_rows
+    ):
         self.layers, self.comm, self.stage, self.stages = layers, comm, stage, stages
         self.input_width, self.output_width, self.dtype = input_width, output_width, dtype
         self.micro_batch_rows = micro_batch_rows  # every micro-batch has this many rows
@@ -78,18 +89,31 @@ class PipelineStage:
         return x
 
     def run(self, actions, inputs, targets, scale_loss, after_backward, record=None):
-        """Execute one step's actions. inputs / targets: per micro-batch arrays (first / last stage).
-        scale_loss(loss) -> the tensor to call backward on; after_backward() runs after each backward
-        (gradient accumulation). Returns the sum of the micro-batch losses (last stage; else 0).
-        record(kind, micro_batch, start, end) receives every forward and backward's timing."""
+        """Execute one step's actions. inputs / targets: per micro-batch arrays (first / last
+        stage). scale_loss(loss) -> the tensor to call backward on; after_backward() runs after
+        each backward (gradient accumulation). Returns the sum of the micro-batch losses (last
+        stage; else 0). record(kind, micro_batch, start, end) receives every forward and
+        backward's timing."""
         # Per micro-batch: input tensors, outputs (or losses), received activations, received
         # gradients, and input gradients waiting to be sent back.
-        state = {"inputs": {}, "outputs": {}, "received": {}, "grads": {}, "to_send": {}, "loss": 0.0}
-        handlers = {"forward": self._forward, "backward": self._backward,
-                    "recv_forward": self._recv_forward, "send_forward": self._send_forward,
-                    "recv_backward": self._recv_backward, "send_backward": self._send_backward,
-                    "send_forward_recv_backward": self._send_forward_recv_backward,
-                    "send_backward_recv_forward": self._send_backward_recv_forward}
+        state = {
+            "inputs": {},
+            "outputs": {},
+            "received": {},
+            "grads": {},
+            "to_send": {},
+            "loss": 0.0,
+        }
+        handlers = {
+            "forward": self._forward,
+            "backward": self._backward,
+            "recv_forward": self._recv_forward,
+            "send_forward": self._send_forward,
+            "recv_backward": self._recv_backward,
+            "send_backward": self._send_backward,
+            "send_forward_recv_backward": self._send_forward_recv_backward,
+            "send_backward_recv_forward": self._send_backward_recv_forward,
+        }
         context = (inputs, targets, scale_loss, after_backward)
         for action in actions:
             start = time.perf_counter()
@@ -144,12 +168,24 @@ class PipelineStage:
 
     def _send_forward_recv_backward(self, state, context, sent_mb, received_mb):
         buffer = self._buffer(self.output_width)
-        self.comm.sendrecv(state["outputs"][sent_mb].data, self.stage + 1, buffer, self.stage + 1,
-                           tag=FORWARD_TAG, recv_tag=BACKWARD_TAG)
+        self.comm.sendrecv(
+            state["outputs"][sent_mb].data,
+            self.stage + 1,
+            buffer,
+            self.stage + 1,
+            tag=FORWARD_TAG,
+            recv_tag=BACKWARD_TAG,
+        )
         state["grads"][received_mb] = buffer
 
     def _send_backward_recv_forward(self, state, context, sent_mb, received_mb):
         buffer = self._buffer(self.input_width)
-        self.comm.sendrecv(state["to_send"].pop(sent_mb), self.stage - 1, buffer, self.stage - 1,
-                           tag=BACKWARD_TAG, recv_tag=FORWARD_TAG)
+        self.comm.sendrecv(
+            state["to_send"].pop(sent_mb),
+            self.stage - 1,
+            buffer,
+            self.stage - 1,
+            tag=BACKWARD_TAG,
+            recv_tag=FORWARD_TAG,
+        )
         state["received"][received_mb] = buffer

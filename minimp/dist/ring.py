@@ -1,21 +1,24 @@
-"""The ring all-reduce, from scratch: a reduce-scatter, then an all-gather, each p - 1 steps of Sendrecv.
+"""The ring all-reduce, from scratch: a reduce-scatter, then an all-gather, each p - 1 steps of
+Sendrecv.
 
-Rank r sends to r + 1 and receives from r - 1. The array is cut into p chunks. In the reduce-scatter,
-at step s rank r sends its partial sum of chunk (r - s - 1) mod p and adds the incoming chunk
-(r - s - 2) mod p into its own; after p - 1 steps rank r holds chunk r summed over all ranks. The
-all-gather then passes the finished chunks around the ring. Each rank sends 2(p - 1) messages holding
-2(p - 1)/p of the array in all, which no all-reduce can beat in bandwidth (Patarasuk & Yuan 2009).
+Rank r sends to r + 1 and receives from r - 1. The array is cut into p chunks. In the
+reduce-scatter, at step s rank r sends its partial sum of chunk (r - s - 1) mod p and adds the
+incoming chunk (r - s - 2) mod p into its own; after p - 1 steps rank r holds chunk r summed over
+all ranks. The all-gather then passes the finished chunks around the ring. Each rank sends 2(p - 1)
+messages holding 2(p - 1)/p of the array in all, which no all-reduce can beat in bandwidth
+(Patarasuk & Yuan 2009).
 
-Every rank ends bit-identical: each chunk is summed once, on one rank, and then copied byte for byte.
+Every rank ends bit-identical: each chunk is summed once, on one rank, and then copied byte for
+byte.
 
-Accumulation: partial sums travel in the array's own dtype (float16 halves the bytes, which is the point
-of sending float16), but every addition widens both operands to float32 and rounds once, so a float16
-result carries at most p - 1 roundings of 2^-11 relative each, not the swamping of float16 additions.
+Accumulation: partial sums travel in the array's own dtype (float16 halves the bytes, which is the
+point of sending float16), but every addition widens both operands to float32 and rounds once, so a
+float16 result carries at most p - 1 roundings of 2^-11 relative each, not the swamping of float16
+additions.
 """
 
 import numpy as np
 
-from minimp.backend import array_module
 from minimp.precision.casting import round_to, widen
 
 REDUCERS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
@@ -45,11 +48,12 @@ def reduce_into(target, incoming, op):
 
 
 def ring_reduce_scatter(comm, x, out, bounds, op="sum"):
-    """Reduce-scatter around the ring: afterwards out[bounds[rank]] holds that chunk reduced over all
-    ranks. x (flat, contiguous) is only read; out receives the partial sums.
+    """Reduce-scatter around the ring: afterwards out[bounds[rank]] holds that chunk reduced over
+    all ranks. x (flat, contiguous) is only read; out receives the partial sums.
 
     No copy of x is made first: each incoming partial sum is received straight into its place in out
-    and this rank's share is added there, so every byte is read and written as few times as possible.
+    and this rank's share is added there, so every byte is read and written as few times as
+    possible.
     """
     p, r = comm.size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
@@ -71,4 +75,6 @@ def ring_all_gather_inplace(comm, flat, bounds):
     for step in range(p - 1):
         send_start, send_stop = bounds[(r - step) % p]
         recv_start, recv_stop = bounds[(r - step - 1) % p]
-        comm.sendrecv(flat[send_start:send_stop], right, flat[recv_start:recv_stop], left, tag=p + step)
+        comm.sendrecv(
+            flat[send_start:send_stop], right, flat[recv_start:recv_stop], left, tag=p + step
+        )

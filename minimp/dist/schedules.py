@@ -2,9 +2,9 @@
 
 An action is a tuple: ("forward", mb), ("backward", mb), ("recv_forward", mb), ("send_forward", mb),
 ("recv_backward", mb), ("send_backward", mb), or the paired exchanges ("send_forward_recv_backward",
-mb_sent, mb_received) and ("send_backward_recv_forward", mb_sent, mb_received), which stage i and stage
-i + 1 perform at the same moment as one Sendrecv each: a send that waits for its receiver (any message
-past MPI's eager limit does) can then never block both neighbours at once.
+mb_sent, mb_received) and ("send_backward_recv_forward", mb_sent, mb_received), which stage i and
+stage i + 1 perform at the same moment as one Sendrecv each: a send that waits for its receiver (any
+message past MPI's eager limit does) can then never block both neighbours at once.
 
 GPipe (Huang et al. 2019): all M forwards, then all M backwards. Simple; every stage holds the
 activations of all M micro-batches at the peak.
@@ -77,11 +77,14 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 def _check(stages, micro_batches):
     if stages < 1 or micro_batches < 1:
-        raise ValueError(f"a schedule needs stages >= 1 and micro_batches >= 1, got {stages}, {micro_batches}")
+        raise ValueError(
+            f"a schedule needs stages >= 1 and micro_batches >= 1, got {stages}, {micro_batches}"
+        )
 
 
 def peak_activations(actions):
-    """The most micro-batches whose activations a stage holds at once (forwarded, not yet backwarded)."""
+    """The most micro-batches whose activations a stage holds at once (forwarded, not yet
+    backwarded)."""
     alive = peak = 0
     for action in actions:
         if action[0] == "forward":
@@ -93,7 +96,8 @@ def peak_activations(actions):
 
 
 def format_schedule(schedule):
-    """One line per stage, F3 / B3 for compute (communication left out): for printing in a lesson."""
+    """One line per stage, F3 / B3 for compute (communication left out): for printing in a
+    lesson."""
     lines = []
     for stage, actions in enumerate(schedule):
         compute = [f"{a[0][0].upper()}{a[1]}" for a in actions if a[0] in ("forward", "backward")]

@@ -1,11 +1,12 @@
-"""An in-process simulated MPI world: ranks are threads, every message is recorded, deadlocks are caught.
+"""An in-process simulated MPI world: ranks are threads, every message is recorded, deadlocks are
+caught.
 
-`simulate(n, fn, *args)` runs fn(comm, *args) on n ranks and returns their results. The communicator has
-the same API as the real one (minimp/dist/comm.py), so the very same collective runs here, in a notebook,
-message by message, and under `mpirun`. Like MPI, a message up to `eager_limit` bytes is buffered and the
-sender goes on; a larger one waits until the receiver takes it (the rendezvous protocol). That is why a
-ring written as Send-then-Recv works for small arrays and deadlocks for large ones; here the deadlock
-raises DeadlockError saying who waits on whom, instead of hanging.
+`simulate(n, fn, *args)` runs fn(comm, *args) on n ranks and returns their results. The communicator
+has the same API as the real one (minimp/dist/comm.py), so the very same collective runs here, in a
+notebook, message by message, and under `mpirun`. Like MPI, a message up to `eager_limit` bytes is
+buffered and the sender goes on; a larger one waits until the receiver takes it (the rendezvous
+protocol). That is why a ring written as Send-then-Recv works for small arrays and deadlocks for
+large ones; here the deadlock raises DeadlockError saying who waits on whom, instead of hanging.
 """
 
 import threading
@@ -51,7 +52,9 @@ class SimulatedWorld:
             raise ValueError(f"a world needs at least one rank, got {size}")
         self.size, self.eager_limit, self.timeout = size, eager_limit, timeout
         self.condition = threading.Condition()
-        self.mailboxes = defaultdict(deque)  # (context, source, dest, tag) -> envelopes in send order
+        self.mailboxes = defaultdict(
+            deque
+        )  # (context, source, dest, tag) -> envelopes in send order
         self.collectives = {}  # (context, call number) -> {rank: contribution}
         self.waiting = {}  # world rank -> (description, predicate)
         self.finished = {}  # world rank -> "returned" or "raised ..."
@@ -90,12 +93,15 @@ class SimulatedWorld:
         self.condition.notify_all()
 
     def run(self, fn, *args):
-        """Run fn(comm, *args) on every rank; results in rank order, or the first rank's exception."""
+        """Run fn(comm, *args) on every rank; results in rank order, or the first rank's
+        exception."""
         results, errors = [None] * self.size, {}
 
         def body(rank):
             try:
-                results[rank] = fn(SimulatedCommunicator(self, rank, list(range(self.size)), ()), *args)
+                results[rank] = fn(
+                    SimulatedCommunicator(self, rank, list(range(self.size)), ()), *args
+                )
                 how = "returned"
             except BaseException as error:  # noqa: BLE001 - reported to the caller below
                 errors[rank] = error
@@ -105,8 +111,10 @@ class SimulatedWorld:
                 self._detect_deadlock()
                 self.condition.notify_all()
 
-        threads = [threading.Thread(target=body, args=(rank,), name=f"rank{rank}", daemon=True)
-                   for rank in range(self.size)]
+        threads = [
+            threading.Thread(target=body, args=(rank,), name=f"rank{rank}", daemon=True)
+            for rank in range(self.size)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -133,7 +141,8 @@ def simulate(size, fn, *args, eager_limit=DEFAULT_EAGER_LIMIT, timeout=60.0):
 
 
 class SimulatedCommunicator:
-    """A rank's view of a SimulatedWorld, or of a group split from it; same API as MPICommunicator."""
+    """A rank's view of a SimulatedWorld, or of a group split from it; same API as
+    MPICommunicator."""
 
     def __init__(self, world, rank, members, context):
         self.world, self.members, self.context = world, members, context
@@ -150,7 +159,9 @@ class SimulatedCommunicator:
         """Put a copy of the bytes in dest's mailbox (under the lock); returns the envelope."""
         world, payload = self.world, byte_view(np.ascontiguousarray(array)).copy()
         source, target = self.world_rank, self.members[dest]
-        record = Message(len(world.trace), world.sends_by_rank[source], source, target, tag, payload.nbytes)
+        record = Message(
+            len(world.trace), world.sends_by_rank[source], source, target, tag, payload.nbytes
+        )
         world.sends_by_rank[source] += 1
         world.trace.append(record)
         envelope = _Envelope(payload, record)
@@ -163,22 +174,30 @@ class SimulatedCommunicator:
     def _await_delivery(self, envelope, dest):
         """Large messages wait for the receiver (rendezvous); small ones were buffered (eager)."""
         if envelope.payload.nbytes > self.world.eager_limit:
-            self.world.block_until(self.world_rank, lambda: envelope.taken,
-                                   f"send {envelope.payload.nbytes} bytes to rank {self.members[dest]} "
-                                   "(rendezvous: needs a matching receive)")
+            self.world.block_until(
+                self.world_rank,
+                lambda: envelope.taken,
+                f"send {envelope.payload.nbytes} bytes to rank {self.members[dest]} "
+                "(rendezvous: needs a matching receive)",
+            )
 
     def _take(self, array, source, tag):
         box = self.world.mailboxes[(self.context, self.members[source], self.world_rank, tag)]
-        self.world.block_until(self.world_rank, lambda: bool(box),
-                               f"receive from rank {self.members[source]} (tag {tag})")
+        self.world.block_until(
+            self.world_rank,
+            lambda: bool(box),
+            f"receive from rank {self.members[source]} (tag {tag})",
+        )
         envelope = box.popleft()
         envelope.taken = True
         self.world.condition.notify_all()
         target = byte_view(array)
         if envelope.payload.nbytes != target.nbytes:
-            raise ValueError(f"received {envelope.payload.nbytes} bytes from rank {self.members[source]} "
-                             f"into a {target.nbytes}-byte buffer: the ranks disagree on the array's "
-                             "length or dtype")
+            raise ValueError(
+                f"received {envelope.payload.nbytes} bytes from rank {self.members[source]} "
+                f"into a {target.nbytes}-byte buffer: the ranks disagree on the array's "
+                "length or dtype"
+            )
         target[...] = envelope.payload
 
     def send(self, array, dest, tag=0):
@@ -213,8 +232,11 @@ class SimulatedCommunicator:
             entry = world.collectives.setdefault(key, {})
             entry[self.rank] = contribution
             world.condition.notify_all()
-            world.block_until(self.world_rank, lambda: len(entry) == self.size,
-                              f"join a collective of {self.size} ranks")
+            world.block_until(
+                self.world_rank,
+                lambda: len(entry) == self.size,
+                f"join a collective of {self.size} ranks",
+            )
             return dict(entry)
 
     def allreduce_scalars(self, values, op="max"):
@@ -238,8 +260,9 @@ class SimulatedCommunicator:
         group = sorted((k, r) for r, (c, k) in contributions.items() if c == color)
         members = [self.members[r] for _, r in group]
         rank = [r for _, r in group].index(self.rank)
-        return SimulatedCommunicator(self.world, rank, members, self.context + ((self._collective_calls,
-                                                                                color),))
+        return SimulatedCommunicator(
+            self.world, rank, members, self.context + ((self._collective_calls, color),)
+        )
 
     def abort(self, code=1):
         raise SystemExit(code)

@@ -1,8 +1,8 @@
 """The dp x pp grid: which pipeline stage and which data-parallel replica each rank is.
 
 World rank = dp_rank * pp + stage, so the P stages of one replica are neighbouring ranks (on a real
-cluster: activations, sent every micro-batch, stay inside a node; gradients, all-reduced once a step,
-cross nodes). A Topology is passed as an argument; nothing about it is global.
+cluster: activations, sent every micro-batch, stay inside a node; gradients, all-reduced once a
+step, cross nodes). A Topology is passed as an argument; nothing about it is global.
 """
 
 
@@ -15,8 +15,10 @@ class Topology:
 
     def __init__(self, comm, dp, pp=1):
         if dp < 1 or pp < 1 or dp * pp != comm.size:
-            raise TopologyError(f"--dp {dp} x --pp {pp} = {dp * pp} ranks, but the job has {comm.size} "
-                                f"(choose --dp and --pp whose product is {comm.size})")
+            raise TopologyError(
+                f"--dp {dp} x --pp {pp} = {dp * pp} ranks, but the job has {comm.size} "
+                f"(choose --dp and --pp whose product is {comm.size})"
+            )
         self.world, self.dp, self.pp = comm, dp, pp
         self.stage = comm.rank % pp
         self.dp_rank = comm.rank // pp
@@ -43,5 +45,7 @@ class Topology:
         return None if self.is_last_stage else self.stage + 1
 
     def __repr__(self):
-        return (f"Topology(rank {self.world.rank}: stage {self.stage}/{self.pp}, "
-                f"replica {self.dp_rank}/{self.dp})")
+        return (
+            f"Topology(rank {self.world.rank}: stage {self.stage}/{self.pp}, "
+            f"replica {self.dp_rank}/{self.dp})"
+        )

@@ -8,6 +8,24 @@ from minimp.ops.reduce import Mean, Sum
 from minimp.ops.shape import Reshape, Transpose
 
 __all__ = [
-    "Add", "Cast", "CrossEntropy", "Div", "Exp", "LayerNorm", "Linear", "Log", "LogSoftmax", "MatMul",
-    "Mean", "Mul", "Neg", "ReLU", "Reshape", "Softmax", "Sub", "Sum", "Tanh", "Transpose",
+    "Add",
+    "Cast",
+    "CrossEntropy",
+    "Div",
+    "Exp",
+    "LayerNorm",
+    "Linear",
+    "Log",
+    "LogSoftmax",
+    "MatMul",
+    "Mean",
+    "Mul",
+    "Neg",
+    "ReLU",
+    "Reshape",
+    "Softmax",
+    "Sub",
+    "Sum",
+    "Tanh",
+    "Transpose",
 ]

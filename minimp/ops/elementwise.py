@@ -1,4 +1,5 @@
-"""Elementwise ops: each computes in float32 when its inputs are stored in 16 bits, and rounds once."""
+"""Elementwise ops: each computes in float32 when its inputs are stored in 16 bits, and rounds
+once."""
 
 import numpy as np
 
@@ -8,7 +9,8 @@ from minimp.precision.casting import round_to, widen
 
 
 def _binary_forward(ctx, a, b, compute):
-    """Run compute(a, b) in the accumulation dtype; remember what backward needs to undo broadcasting."""
+    """Run compute(a, b) in the accumulation dtype; remember what backward needs to undo
+    broadcasting."""
     ctx.shapes = (a.shape, b.shape)
     ctx.dtypes = (a.dtype, b.dtype)
     return round_to(compute(widen(a), widen(b)), casting.result_dtype(a.dtype, b.dtype))
@@ -24,7 +26,9 @@ class Add(Function):
     @staticmethod
     def backward(ctx, grad_output):
         (shape_a, shape_b), (dtype_a, dtype_b) = ctx.shapes, ctx.dtypes
-        return unbroadcast(grad_output, shape_a, dtype_a), unbroadcast(grad_output, shape_b, dtype_b)
+        return unbroadcast(grad_output, shape_a, dtype_a), unbroadcast(
+            grad_output, shape_b, dtype_b
+        )
 
 
 class Sub(Function):
@@ -139,10 +143,10 @@ class Tanh(Function):
 class ReLU(Function):
     """y = max(x, 0);  dL/dx = dL/dy * (y > 0).
 
-    Backward keeps the output y, not a separate mask: the next layer keeps y anyway, so the mask is free.
-    Neither direction needs arithmetic, so nothing is widened: in every IEEE format a number is negative
-    exactly when its sign bit is set, and both directions select values with a bitwise AND (see
-    `_keep_where`). NaN stays NaN, as with max(x, 0).
+    Backward keeps the output y, not a separate mask: the next layer keeps y anyway, so the mask is
+    free. Neither direction needs arithmetic, so nothing is widened: in every IEEE format a number
+    is negative exactly when its sign bit is set, and both directions select values with a bitwise
+    AND (see `_keep_where`). NaN stays NaN, as with max(x, 0).
     """
 
     @staticmethod
@@ -207,7 +211,8 @@ def _negative_and_not_nan(x):
 
 
 def _negate(x):
-    """-x for every float dtype; 16-bit floats flip their sign bit instead of doing slow arithmetic."""
+    """-x for every float dtype; 16-bit floats flip their sign bit instead of doing slow
+    arithmetic."""
     if casting.is_low_precision(x.dtype):
         return (_signed_bits(x) ^ _xp(x).asarray(-0x8000, dtype=np.int16)).view(x.dtype)
     return -x

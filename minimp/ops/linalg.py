@@ -1,10 +1,11 @@
 """Matrix products with float32 accumulation, rounded once: what tensor cores do.
 
-On the CPU, half-precision inputs are widened and multiplied by float32 BLAS, then rounded (NumPy's own
-float16 matmul has no BLAS behind it and is ~100x slower). On a GPU, float16 operands go to cuBLAS as
-they are: CuPy (with CUDA >= 11) calls cublasGemmEx with CUBLAS_COMPUTE_32F for float16 matrices, so
-the tensor cores multiply float16 and accumulate in float32, and cuBLAS rounds the result once.
-Nothing needs to be set for it; tests/test_gpu.py checks that the accumulation really is float32.
+On the CPU, half-precision inputs are widened and multiplied by float32 BLAS, then rounded (NumPy's
+own float16 matmul has no BLAS behind it and is ~100x slower). On a GPU, float16 operands go to
+cuBLAS as they are: CuPy (with CUDA >= 11) calls cublasGemmEx with CUBLAS_COMPUTE_32F for float16
+matrices, so the tensor cores multiply float16 and accumulate in float32, and cuBLAS rounds the
+result once. Nothing needs to be set for it; tests/test_gpu.py checks that the accumulation really
+is float32.
 """
 
 import numpy as np
@@ -33,8 +34,10 @@ class MatMul(Function):
     @staticmethod
     def forward(ctx, a, b):
         if a.ndim < 2 or b.ndim < 2:
-            raise ValueError(f"matmul needs operands with 2 or more axes, got shapes {a.shape} and {b.shape}"
-                             " (reshape a vector to (1, n) or (n, 1))")
+            raise ValueError(
+                f"matmul needs operands with 2 or more axes, got shapes {a.shape} and {b.shape}"
+                " (reshape a vector to (1, n) or (n, 1))"
+            )
         ctx.save_for_backward(a, b)
         return round_to(gemm_operand(a) @ gemm_operand(b), casting.result_dtype(a.dtype, b.dtype))
 
@@ -60,7 +63,9 @@ class Linear(Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         if x.shape[-1] != weight.shape[1]:
-            raise ValueError(f"linear: input has {x.shape[-1]} features, the layer expects {weight.shape[1]}")
+            raise ValueError(
+                f"linear: input has {x.shape[-1]} features, the layer expects {weight.shape[1]}"
+            )
         ctx.save_for_backward(x, weight)
         ctx.bias_dtype = bias.dtype
         rows = x.reshape(-1, x.shape[-1])  # (N, in) with N = all leading axes together

@@ -1,9 +1,10 @@
 """Softmax, log-softmax and cross-entropy, always computed in float32.
 
-Why float32: exp() overflows float16 at x > 11.09, so a float16 softmax of ordinary logits gives inf/inf;
-log-probabilities of rare classes need more than 11 bits; and the loss is multiplied by the loss scale
-(2^16 by default), which would overflow float16's 65504 for any loss above 1. The loss itself is returned
-in float32; the gradients going back into the network are rounded to the logits' dtype.
+Why float32: exp() overflows float16 at x > 11.09, so a float16 softmax of ordinary logits gives
+inf/inf; log-probabilities of rare classes need more than 11 bits; and the loss is multiplied by the
+loss scale (2^16 by default), which would overflow float16's 65504 for any loss above 1. The loss
+itself is returned in float32; the gradients going back into the network are rounded to the logits'
+dtype.
 """
 
 from minimp.backend import array_module
@@ -34,7 +35,9 @@ class Softmax(Function):
     def backward(ctx, grad_output):
         (y,) = ctx.saved_arrays
         grad, wide_y = widen(grad_output), widen(y)
-        return round_to(wide_y * (grad - (grad * wide_y).sum(axis=ctx.axis, keepdims=True)), y.dtype)
+        return round_to(
+            wide_y * (grad - (grad * wide_y).sum(axis=ctx.axis, keepdims=True)), y.dtype
+        )
 
 
 class LogSoftmax(Function):
@@ -56,7 +59,8 @@ class LogSoftmax(Function):
 
 
 class CrossEntropy(Function):
-    """L = mean over the batch of -log softmax(logits)[target];  dL/dlogits = (softmax - onehot) / B.
+    """L = mean over the batch of -log softmax(logits)[target];  dL/dlogits = (softmax - onehot) /
+      B.
 
     Backward keeps only the logits (already kept by the layer before) and recomputes the softmax,
     so a float16 graph holds no float32 copy of the probabilities.
@@ -65,8 +69,10 @@ class CrossEntropy(Function):
     @staticmethod
     def forward(ctx, logits, targets):
         if logits.ndim != 2 or targets.shape != logits.shape[:1]:
-            raise ValueError(f"cross_entropy needs logits (B, C) and targets (B,), got {logits.shape}"
-                             f" and {targets.shape}")
+            raise ValueError(
+                f"cross_entropy needs logits (B, C) and targets (B,), got {logits.shape}"
+                f" and {targets.shape}"
+            )
         xp = array_module(logits)
         targets = xp.asarray(targets)  # integer labels may come from the host: index on the device
         if targets.size and (int(targets.min()) < 0 or int(targets.max()) >= logits.shape[1]):
@@ -75,7 +81,9 @@ class CrossEntropy(Function):
         log_probabilities = _log_softmax32(logits, axis=1)
         picked = log_probabilities[xp.arange(len(targets)), targets]
         # float32 at least; float64 logits (gradient checks) keep float64.
-        return xp.asarray(-picked.mean(dtype=casting.result_dtype(logits.dtype, casting.ACCUMULATE_DTYPE)))
+        return xp.asarray(
+            -picked.mean(dtype=casting.result_dtype(logits.dtype, casting.ACCUMULATE_DTYPE))
+        )
 
     @staticmethod
     def backward(ctx, grad_output):

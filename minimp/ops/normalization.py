@@ -35,6 +35,8 @@ class LayerNorm(Function):
         grad_bias = round_to(grad.sum(axis=batch_axes), ctx.bias_dtype)
         g = grad * widen(weight)
         grad_x = inverse_std * (
-            g - g.mean(axis=-1, keepdims=True) - normalized * (g * normalized).mean(axis=-1, keepdims=True)
+            g
+            - g.mean(axis=-1, keepdims=True)
+            - normalized * (g * normalized).mean(axis=-1, keepdims=True)
         )
         return round_to(grad_x, x.dtype), grad_weight, grad_bias

@@ -1,8 +1,10 @@
-"""Loss scalers: multiply the loss by S before backward so small float16 gradients do not flush to zero.
+"""Loss scalers: multiply the loss by S before backward so small float16 gradients do not flush to
+zero.
 
-Gradients below 2^-24 are zero in float16 (and below 2^-14 they lose bits as subnormals). Scaling the
-loss by S = 2^k shifts every gradient up by k binades, exactly (a power of two only moves the exponent);
-the optimizer divides by S again in float32 (Micikevicius et al., "Mixed Precision Training", 2018).
+Gradients below 2^-24 are zero in float16 (and below 2^-14 they lose bits as subnormals). Scaling
+the loss by S = 2^k shifts every gradient up by k binades, exactly (a power of two only moves the
+exponent); the optimizer divides by S again in float32 (Micikevicius et al., "Mixed Precision
+Training", 2018).
 """
 
 import numpy as np
@@ -39,22 +41,36 @@ class StaticLossScaler:
 class DynamicLossScaler:
     """A scale that halves on overflow and doubles after `growth_interval` clean steps in a row.
 
-    With hysteresis=1 and above min_scale its trajectory is exactly torch.amp.GradScaler's: on inf/NaN
-    multiply by backoff_factor and reset the clean-step count; after growth_interval clean steps multiply
-    by growth_factor, unless that would leave float32's finite range. hysteresis=h > 1 tolerates h
-    overflows before backing off (Megatron-LM's rule: the allowance refills only when the scale grows).
-    At min_scale it stops shrinking and sets `hit_min_scale`, so the trainer can say so.
+    With hysteresis=1 and above min_scale its trajectory is exactly torch.amp.GradScaler's: on
+    inf/NaN multiply by backoff_factor and reset the clean-step count; after growth_interval clean
+    steps multiply by growth_factor, unless that would leave float32's finite range. hysteresis=h >
+    1 tolerates h overflows before backing off (Megatron-LM's rule: the allowance refills only when
+    the scale grows). At min_scale it stops shrinking and sets `hit_min_scale`, so the trainer can
+    say so.
     """
 
-    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
-                 hysteresis=1, min_scale=1.0):
+    def __init__(
+        self,
+        init_scale=2.0**16,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=2000,
+        hysteresis=1,
+        min_scale=1.0,
+    ):
         if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0):
             raise ValueError("need growth_factor > 1 and 0 < backoff_factor < 1")
         if growth_interval < 1 or hysteresis < 1 or not 0 < min_scale <= init_scale:
-            raise ValueError("need growth_interval >= 1, hysteresis >= 1 and 0 < min_scale <= init_scale")
+            raise ValueError(
+                "need growth_interval >= 1, hysteresis >= 1 and 0 < min_scale <= init_scale"
+            )
         self.loss_scale = float(np.float32(init_scale))
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval, self.hysteresis, self.min_scale = growth_interval, hysteresis, min_scale
+        self.growth_interval, self.hysteresis, self.min_scale = (
+            growth_interval,
+            hysteresis,
+            min_scale,
+        )
         self.growth_tracker = 0  # clean steps since the last change (torch's _growth_tracker)
         self.hysteresis_tracker = hysteresis  # overflows still tolerated before a back-off
         self.hit_min_scale = False
@@ -83,8 +99,12 @@ class DynamicLossScaler:
             self.hysteresis_tracker = self.hysteresis
 
     def state_dict(self):
-        return {"kind": "dynamic", "loss_scale": self.loss_scale, "growth_tracker": self.growth_tracker,
-                "hysteresis_tracker": self.hysteresis_tracker}
+        return {
+            "kind": "dynamic",
+            "loss_scale": self.loss_scale,
+            "growth_tracker": self.growth_tracker,
+            "hysteresis_tracker": self.hysteresis_tracker,
+        }
 
     def load_state_dict(self, state):
         self.loss_scale = float(state["loss_scale"])

@@ -1,7 +1,9 @@
-"""One mixed-precision optimizer step: fp16 grads -> fp32 -> finite check -> unscale -> clip -> update.
+"""One mixed-precision optimizer step: fp16 grads -> fp32 -> finite check -> unscale -> clip ->
+update.
 
-A step whose gradients hold any inf or NaN is skipped whole: masters, optimizer state (Adam's step count
-included) and the compute copies stay exactly as they were; only the loss scaler hears about it.
+A step whose gradients hold any inf or NaN is skipped whole: masters, optimizer state (Adam's step
+count included) and the compute copies stay exactly as they were; only the loss scaler hears about
+it.
 """
 
 from dataclasses import dataclass
@@ -13,7 +15,9 @@ from minimp.backend import array_module
 class StepResult:
     skipped: bool  # True when a non-finite gradient was found (on any rank) and nothing was updated
     loss_scale: float  # the scale this step's gradients were computed with
-    grad_norm: float  # L2 norm of the unscaled gradients when clipping (inf when skipped), else None
+    grad_norm: (
+        float  # L2 norm of the unscaled gradients when clipping (inf when skipped), else None
+    )
 
 
 def all_finite(arrays):
@@ -34,13 +38,14 @@ def global_norm(arrays):
     return total**0.5
 
 
-def mixed_precision_step(optimizer, loss_scaler, max_grad_norm=None, reduce_gradients=None,
-                         reduce_found_inf=None):
+def mixed_precision_step(
+    optimizer, loss_scaler, max_grad_norm=None, reduce_gradients=None, reduce_found_inf=None
+):
     """Finish a step whose (scaled) backward passes are done; returns a StepResult.
 
-    reduce_found_inf(bool) -> bool and reduce_gradients(list of float32 arrays) are the hooks data and
-    pipeline parallelism use: first every rank learns whether any rank overflowed (then all skip, and
-    no gradient is sent), else the gradients are averaged across replicas.
+    reduce_found_inf(bool) -> bool and reduce_gradients(list of float32 arrays) are the hooks data
+    and pipeline parallelism use: first every rank learns whether any rank overflowed (then all
+    skip, and no gradient is sent), else the gradients are averaged across replicas.
     """
     optimizer.accumulate_gradients()
     gradients = optimizer.master_gradients

@@ -1,4 +1,5 @@
-"""What a training run is made of: the model, its split into stages, optimizer, scaler, evaluation."""
+"""What a training run is made of: the model, its split into stages, optimizer, scaler,
+evaluation."""
 
 import numpy as np
 
@@ -10,7 +11,8 @@ from minimp.tensor import Tensor
 
 
 def build_model(features, classes, hidden, layers, rng):
-    """MLP: features -> hidden (x layers, each Linear + ReLU) -> classes, float32, weights from rng."""
+    """MLP: features -> hidden (x layers, each Linear + ReLU) -> classes, float32, weights from
+    rng."""
     modules, width = [], features
     for _ in range(layers):
         modules += [nn.Linear(width, hidden, rng=rng), nn.ReLU()]
@@ -25,15 +27,18 @@ def stage_of(model, stages, stage):
     checkpoint names."""
     start, stop = split_stages(model.layers, stages)[stage]
     layers = model.layers[start:stop]
-    named = [(name, p) for name, p in model.named_parameters() if start <= int(name.split(".")[0]) < stop]
+    named = [
+        (name, p) for name, p in model.named_parameters() if start <= int(name.split(".")[0]) < stop
+    ]
     linears = [layer for layer in layers if isinstance(layer, nn.Linear)]
     return layers, named, linears[0].in_features, linears[-1].out_features
 
 
 def build_optimizer(config, parameters):
     if config.optimizer == "sgd":
-        return optim.SGD(parameters, lr=config.lr, momentum=config.momentum,
-                         weight_decay=config.weight_decay)
+        return optim.SGD(
+            parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        )
     if config.optimizer == "adamw":
         return optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
     return optim.Adam(parameters, lr=config.lr, weight_decay=config.weight_decay)
@@ -53,7 +58,7 @@ def evaluate(model, images, labels, batch_size=512):
     correct = 0
     with no_grad():
         for start in range(0, len(labels), batch_size):
-            logits = model(Tensor(images[start:start + batch_size])).data
+            logits = model(Tensor(images[start : start + batch_size])).data
             predictions = backend.to_numpy(logits.astype(np.float32).argmax(axis=1))
-            correct += int((predictions == labels[start:start + batch_size]).sum())
+            correct += int((predictions == labels[start : start + batch_size]).sum())
     return correct / len(labels)

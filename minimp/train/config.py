@@ -1,4 +1,5 @@
-"""The training configuration: one dataclass, and the argparse CLI generated from it field by field."""
+"""The training configuration: one dataclass, and the argparse CLI generated from it field by
+field."""
 
 import argparse
 import dataclasses
@@ -16,15 +17,24 @@ def _flag(default, help, **extra):
 
 @dataclass
 class TrainConfig:
-    precision: str = _flag("fp16", "activation dtype; masters are always fp32",
-                           choices=("fp32", "fp16", "bf16"))
-    loss_scale: str = _flag("auto", "'dynamic', 'none' or a number; auto = dynamic for fp16, none otherwise")
+    precision: str = _flag(
+        "fp16", "activation dtype; masters are always fp32", choices=("fp32", "fp16", "bf16")
+    )
+    loss_scale: str = _flag(
+        "auto", "'dynamic', 'none' or a number; auto = dynamic for fp16, none otherwise"
+    )
     loss_scale_growth_interval: int = _flag(2000, "clean steps before the dynamic scale doubles")
-    steps: int = _flag(500, "total number of optimizer steps (numbered from 1; a resume continues to it)")
+    steps: int = _flag(
+        500, "total number of optimizer steps (numbered from 1; a resume continues to it)"
+    )
     batch_size: int = _flag(64, "global batch size (samples per optimizer step, over all ranks)")
-    micro_batches: int = _flag(1, "split each batch into this many micro-batches (gradient accumulation)")
+    micro_batches: int = _flag(
+        1, "split each batch into this many micro-batches (gradient accumulation)"
+    )
     lr: float = _flag(1e-3, "learning rate")
-    optimizer: str = _flag("adam", "optimizer updating the fp32 masters", choices=("sgd", "adam", "adamw"))
+    optimizer: str = _flag(
+        "adam", "optimizer updating the fp32 masters", choices=("sgd", "adam", "adamw")
+    )
     momentum: float = _flag(0.9, "SGD momentum")
     weight_decay: float = _flag(0.0, "weight decay (L2 for sgd/adam, decoupled for adamw)")
     max_grad_norm: float = _flag(0.0, "clip the unscaled gradient norm to this (0 = no clipping)")
@@ -32,13 +42,17 @@ class TrainConfig:
     layers: int = _flag(4, "number of hidden layers (Linear + ReLU each)")
     hidden: int = _flag(128, "width of every hidden layer")
     dataset: str = _flag("digits", "dataset shipped with minimp", choices=("digits",))
-    device: str = _flag("", "cpu or gpu (default: $MINIMP_DEVICE, else cpu)", choices=("", "cpu", "gpu"))
+    device: str = _flag(
+        "", "cpu or gpu (default: $MINIMP_DEVICE, else cpu)", choices=("", "cpu", "gpu")
+    )
     save: str = _flag("", "write a checkpoint (.npz) here at the end")
     resume: str = _flag("", "continue from this checkpoint (.npz)")
     metrics: str = _flag("", "write one JSON object per step to this .jsonl file")
     plot: str = _flag("", "draw loss and loss scale to this .png (needs matplotlib)")
     log_every: int = _flag(50, "print a progress line every this many steps")
-    inject_overflow: str = _flag("", "STEP:RANK: make that rank's gradients non-finite at that step")
+    inject_overflow: str = _flag(
+        "", "STEP:RANK: make that rank's gradients non-finite at that step"
+    )
     threads: int = _flag(0, "BLAS threads per rank (0 = this machine's cores / its ranks)")
     dp: int = _flag(0, "data-parallel replicas (0 = the job's ranks / --pp)")
     pp: int = _flag(1, "pipeline stages: the layers are split into this many contiguous stages")
@@ -46,10 +60,17 @@ class TrainConfig:
     timeline: str = _flag("", "write each stage's forward/backward times to this .json file")
     bucket_mb: float = _flag(25.0, "gradient bucket size in MiB for the data-parallel all-reduce")
     grad_comm_dtype: str = _flag("fp32", "dtype of gradients on the wire", choices=("fp32", "fp16"))
-    grad_average: str = _flag("before", "divide by the number of replicas before or after the all-reduce",
-                              choices=("before", "after"))
-    check_replicas: int = _flag(0, "every this many steps, compare the replicas' weights (0 = never)")
-    inject_fault: str = _flag("", "STEP:RANK: raise an error on that rank at that step (see a failure)")
+    grad_average: str = _flag(
+        "before",
+        "divide by the number of replicas before or after the all-reduce",
+        choices=("before", "after"),
+    )
+    check_replicas: int = _flag(
+        0, "every this many steps, compare the replicas' weights (0 = never)"
+    )
+    inject_fault: str = _flag(
+        "", "STEP:RANK: raise an error on that rank at that step (see a failure)"
+    )
 
     def replicas(self, world_size):
         """The resolved --dp: the job's ranks divided by --pp unless given."""
@@ -57,36 +78,58 @@ class TrainConfig:
 
     def validate(self, world_size=1):
         """Raise ConfigError naming the flag and the fix for the first value that cannot work."""
-        for name in ("steps", "batch_size", "micro_batches", "layers", "hidden", "log_every",
-                     "loss_scale_growth_interval"):
+        for name in (
+            "steps",
+            "batch_size",
+            "micro_batches",
+            "layers",
+            "hidden",
+            "log_every",
+            "loss_scale_growth_interval",
+        ):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"--{_dashed(name)} must be a positive integer, got {getattr(self, name)}")
+                raise ConfigError(
+                    f"--{_dashed(name)} must be a positive integer, got {getattr(self, name)}"
+                )
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"--lr must be a positive number, got {self.lr}")
         if self.weight_decay < 0 or self.max_grad_norm < 0 or self.momentum < 0:
             raise ConfigError("--weight-decay, --max-grad-norm and --momentum cannot be negative")
         if self.dp < 0 or self.threads < 0 or self.check_replicas < 0 or not self.bucket_mb > 0:
-            raise ConfigError("--dp, --threads and --check-replicas cannot be negative, --bucket-mb must be positive")
+            raise ConfigError(
+                "--dp, --threads and --check-replicas cannot be negative, --bucket-mb must be "
+                "positive"
+            )
         if self.pp < 1:
             raise ConfigError(f"--pp must be a positive integer, got {self.pp}")
         if self.pp > self.layers + 1:
-            raise ConfigError(f"--pp {self.pp} needs at least {self.pp} layers with weights, the model has "
-                              f"{self.layers + 1} ({self.layers} hidden + output; use --layers)")
+            raise ConfigError(
+                f"--pp {self.pp} needs at least {self.pp} layers with weights, the model has "
+                f"{self.layers + 1} ({self.layers} hidden + output; use --layers)"
+            )
         if world_size % self.pp:
-            raise ConfigError(f"--pp {self.pp} does not divide the {world_size} ranks of this job "
-                              f"(start a multiple of {self.pp} ranks with mpirun -n)")
+            raise ConfigError(
+                f"--pp {self.pp} does not divide the {world_size} ranks of this job "
+                f"(start a multiple of {self.pp} ranks with mpirun -n)"
+            )
         dp = self.replicas(world_size)
         if dp * self.pp != world_size:
-            raise ConfigError(f"--dp {dp} does not match the {world_size} ranks of this job "
-                              f"(use --dp {world_size // self.pp}, or start {dp * self.pp} ranks with mpirun -n)")
+            raise ConfigError(
+                f"--dp {dp} does not match the {world_size} ranks of this job "
+                f"(use --dp {world_size // self.pp}, or start {dp * self.pp} ranks with mpirun -n)"
+            )
         if self.batch_size % dp:
-            raise ConfigError(f"--batch-size {self.batch_size} is not divisible by the {dp} data-parallel "
-                              f"replicas (use a multiple of {dp})")
+            raise ConfigError(
+                f"--batch-size {self.batch_size} is not divisible by the {dp} data-parallel "
+                f"replicas (use a multiple of {dp})"
+            )
         local = self.batch_size // dp
         if local % self.micro_batches:
-            raise ConfigError(f"each replica's batch of {local} is not divisible by --micro-batches "
-                              f"{self.micro_batches} (pick a batch size that is a multiple of "
-                              f"{dp * self.micro_batches})")
+            raise ConfigError(
+                f"each replica's batch of {local} is not divisible by --micro-batches "
+                f"{self.micro_batches} (pick a batch size that is a multiple of "
+                f"{dp * self.micro_batches})"
+            )
         self.loss_scale_kind()
         self.overflow_injection(world_size)
         self.fault_injection(world_size)
@@ -96,7 +139,9 @@ class TrainConfig:
         kind, value = self.loss_scale_kind()
         settings = dataclasses.asdict(self)
         settings["loss_scale"] = f"{kind}" if value is None else f"static {value:g}"
-        return "config " + " ".join(f"{key}={value}" for key, value in settings.items() if value != "")
+        return "config " + " ".join(
+            f"{key}={value}" for key, value in settings.items() if value != ""
+        )
 
     def loss_scale_kind(self):
         """('dynamic'|'none'|'static', value) after resolving 'auto' by precision."""
@@ -108,9 +153,13 @@ class TrainConfig:
         try:
             value = float(text)
         except ValueError:
-            raise ConfigError(f"--loss-scale must be 'dynamic', 'none' or a number, got {self.loss_scale!r}")
+            raise ConfigError(
+                f"--loss-scale must be 'dynamic', 'none' or a number, got {self.loss_scale!r}"
+            )
         if not (value > 0 and math.isfinite(value)):
-            raise ConfigError(f"--loss-scale must be a positive finite number, got {self.loss_scale}")
+            raise ConfigError(
+                f"--loss-scale must be a positive finite number, got {self.loss_scale}"
+            )
         return "static", value
 
     def overflow_injection(self, world_size=1):
@@ -139,8 +188,8 @@ def _dashed(name):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but its errors read `minimp.train: error: ...` like every other error of the command,
-    and under mpirun only rank 0 prints them (every rank still exits with status 2)."""
+    """argparse, but its errors read `minimp.train: error: ...` like every other error of the
+    command, and under mpirun only rank 0 prints them (every rank still exits with status 2)."""
 
     def __init__(self, *args, quiet=False, **kwargs):
         super().__init__(*args, **kwargs)
@@ -152,18 +201,27 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(prog="python -m minimp.train", quiet=False):
     """An argparse parser with one flag per TrainConfig field, its default and help shown."""
-    parser = _Parser(prog=prog, quiet=quiet, description="Train an MLP with minimp (mixed precision).",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _Parser(
+        prog=prog,
+        quiet=quiet,
+        description="Train an MLP with minimp (mixed precision).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     for config_field in dataclasses.fields(TrainConfig):
         metadata = config_field.metadata
-        parser.add_argument(f"--{_dashed(config_field.name)}", dest=config_field.name,
-                            type=config_field.type if config_field.type in (int, float) else str,
-                            default=config_field.default, help=metadata["help"],
-                            choices=metadata.get("choices"))
+        parser.add_argument(
+            f"--{_dashed(config_field.name)}",
+            dest=config_field.name,
+            type=config_field.type if config_field.type in (int, float) else str,
+            default=config_field.default,
+            help=metadata["help"],
+            choices=metadata.get("choices"),
+        )
     return parser
 
 
 def parse_config(argv=None, quiet=False):
-    """TrainConfig from command-line arguments (argparse itself rejects unknown flags and bad types)."""
+    """TrainConfig from command-line arguments (argparse itself rejects unknown flags and bad
+    types)."""
     namespace = build_parser(quiet=quiet).parse_args(argv)
     return TrainConfig(**vars(namespace))

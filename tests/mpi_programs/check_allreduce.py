@@ -1,4 +1,5 @@
-"""Run under mpirun by tests/test_dist_mpi.py: every algorithm against MPI.Allreduce on the same buffers."""
+"""Run under mpirun by tests/test_dist_mpi.py: every algorithm against MPI.Allreduce on the same
+buffers."""
 
 import hashlib
 import sys
@@ -25,12 +26,17 @@ def main():
                 assert len(set(digests)) == 1, f"{algorithm} {dtype} {length}: replicas differ"
                 unit = {np.float16: 2.0**-11, ml_dtypes.bfloat16: 2.0**-8}.get(dtype, 2.0**-23)
                 error = np.abs(result.astype(np.float64) - exact)
-                assert np.all(error <= comm.size * unit * comm.size + 1e-12), (algorithm, dtype, length)
+                assert np.all(error <= comm.size * unit * comm.size + 1e-12), (
+                    algorithm,
+                    dtype,
+                    length,
+                )
                 if dtype in (np.float32, np.float64):
                     reference = np.empty_like(x)
                     MPI.COMM_WORLD.Allreduce(x, reference, op=MPI.SUM)
-                    np.testing.assert_allclose(result, reference, rtol=1e-5 if dtype == np.float32 else 1e-12,
-                                               atol=1e-6)
+                    np.testing.assert_allclose(
+                        result, reference, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6
+                    )
                 checked += 1
     print(f"rank {comm.rank}: {checked} all-reduces agree with MPI.Allreduce", flush=True)
 

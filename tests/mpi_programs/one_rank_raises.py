@@ -1,4 +1,5 @@
-"""Run under mpirun: rank 1 raises while the others wait in a collective; the job must end at once."""
+"""Run under mpirun: rank 1 raises while the others wait in a collective; the job must end at
+once."""
 
 import numpy as np
 
