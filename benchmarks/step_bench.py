@@ -3,8 +3,7 @@ in NumPy.
 
     python benchmarks/step_bench.py            # batch 256, width 512, 4 hidden layers
     python benchmarks/step_bench.py --json     # one JSON object for machines
-    python benchmarks/step_bench.py --device gpu --batch 4096 --width 4096   # CuPy (no NumPy
-      baseline)
+    python benchmarks/step_bench.py --device gpu --batch 4096 --width 4096   # CuPy, no NumPy line
 
 Prints ratios measured side by side in this run (targets from the core issue):
   fp32 minimp / hand-written NumPy   <= 1.10

@@ -4,8 +4,7 @@ run.
     mpirun -n 4 python mpirun_examples/allreduce_bench.py            # table, 4 KiB .. 64 MiB
     mpirun -n 2 python mpirun_examples/allreduce_bench.py --json     # one JSON object for machines
     mpirun -n 4 python mpirun_examples/allreduce_bench.py --max-mib 4 --repeats 5
-    mpirun -n 2 python mpirun_examples/allreduce_bench.py --device gpu --json   # CuPy arrays; NCCL
-      baseline
+    mpirun -n 2 python mpirun_examples/allreduce_bench.py --device gpu --json   # CuPy, NCCL
 
 Each time is the slowest rank's, median of --repeats runs after a warm-up. It also fits the cost
 model's alpha and beta from timed Sendrecv steps and gamma from timed reductions on this machine,

@@ -1,7 +1,6 @@
 """Data-parallel scaling: samples/s and communication share at p = 1, 2, 4, measured and predicted.
 
-    python mpirun_examples/data_parallel_scaling.py            # launches mpirun itself, ~1-2
-      minutes
+    python mpirun_examples/data_parallel_scaling.py          # launches mpirun itself, 1-2 minutes
     python mpirun_examples/data_parallel_scaling.py --json
 
 For two model sizes and both gradient wire dtypes it runs `mpirun -n p python -m minimp.train` (fp16

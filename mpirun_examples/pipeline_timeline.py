@@ -4,8 +4,7 @@ bubble.
     python mpirun_examples/pipeline_timeline.py                     # P = 4, M = 8:
       pipeline_timeline.png
     python mpirun_examples/pipeline_timeline.py --stages 2 --micro-batches 4 --png two_stages.png
-    python mpirun_examples/pipeline_timeline.py --sweep             # P = 2, 4 and M = 1..16: the
-      table
+    python mpirun_examples/pipeline_timeline.py --sweep      # the table: P = 2, 4 and M = 1..16
 
 It launches `mpirun -n P python -m minimp.train --pp P --timeline ...` for each schedule, reads each
 stage's forward/backward times, and measures the bubble of a step as 1 - (mean busy time of a stage)

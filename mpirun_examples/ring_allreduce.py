@@ -1,8 +1,7 @@
 """One idea: the ring all-reduce, run on real MPI ranks, with every message it sends printed.
 
     mpirun -n 4 python mpirun_examples/ring_allreduce.py
-    python mpirun_examples/ring_allreduce.py --simulate 4     # the same function, simulated in-
-      process
+    python mpirun_examples/ring_allreduce.py --simulate 4     # the same function, in-process
 
 Each rank starts with [rank, rank, ..., rank] (p * 2 elements); all end with the sum 0 + 1 + ... +
 p-1.

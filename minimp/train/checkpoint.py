@@ -1,13 +1,11 @@
-"""Checkpoints: one .npz with fp32 masters under stable names, optimizer and scaler state, step and
-seed.
+"""Checkpoints: one .npz of fp32 masters under stable names, optimizer and scaler state, step, seed.
 
 Layout (readable with plain `numpy.load`, no pickle):
   meta                        JSON text: format, step, seed, model shape, optimizer and scaler state
   master/<parameter name>     float32 master weights, e.g. master/0.weight
   optimizer/<name>/<slot>     float32 optimizer slots, e.g. optimizer/0.weight/exp_avg
-The batch order is a pure function of (seed, step) (minimp.data.global_batch_indices), so seed and
-  step
-are all the random state a resume needs.
+The batch order is a pure function of (seed, step) (minimp.data.global_batch_indices), so seed
+and step are all the random state a resume needs.
 """
 
 import json
