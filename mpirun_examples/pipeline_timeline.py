@@ -1,8 +1,6 @@
-"""Pipeline schedules you can see: GPipe and 1F1B as Gantt charts from real timelines, and the
-bubble.
+"""Pipeline schedules you can see: GPipe and 1F1B as Gantt charts from real timelines; the bubble.
 
-    python mpirun_examples/pipeline_timeline.py                     # P = 4, M = 8:
-      pipeline_timeline.png
+    python mpirun_examples/pipeline_timeline.py          # P = 4, M = 8 -> pipeline_timeline.png
     python mpirun_examples/pipeline_timeline.py --stages 2 --micro-batches 4 --png two_stages.png
     python mpirun_examples/pipeline_timeline.py --sweep      # the table: P = 2, 4 and M = 1..16
 
