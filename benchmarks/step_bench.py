@@ -13,6 +13,7 @@ and counts the casts (calls and elements) of one fp16 step, so it is clear where
 """
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -77,16 +78,20 @@ def numpy_step(weights, biases, x, targets, lr=1e-3):
         biases[index] -= lr * grad_b
 
 
-def median_seconds(function, repeats):
-    function()  # warm-up
-    times = []
+def median_seconds(functions, repeats):
+    """{name: median seconds}, timing the functions round-robin (one step of each in turn), so drift
+    on a noisy machine hits every variant alike instead of whichever ran last."""
+    for function in functions.values():
+        function()  # warm-up
+    samples = {name: [] for name in functions}
     for _ in range(repeats):
-        backend.synchronize()
-        start = time.perf_counter()
-        function()
-        backend.synchronize()  # GPU work is queued: wait for it before reading the clock
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, function in functions.items():
+            backend.synchronize()
+            start = time.perf_counter()
+            function()
+            backend.synchronize()  # GPU work is queued: wait for it before reading the clock
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 class CastCounter:
@@ -148,6 +153,7 @@ def main(argv=None):
         "kept_bytes": {},
         "minimp": minimp.__version__,
     }
+    steps = {}
     # CuPy has no ml_dtypes bfloat16, so the GPU run compares fp16 with fp32 only.
     for name in ("fp32", "fp16") if on_gpu else ("fp32", "fp16", "bf16"):
         dtype = ACTIVATION_DTYPES[name]
@@ -157,9 +163,7 @@ def main(argv=None):
         results["kept_bytes"][name] = minimp_step(
             model, optimizer, scaler, x, targets, measure_bytes=True
         )
-        results["seconds"][name] = median_seconds(
-            lambda: minimp_step(model, optimizer, scaler, x, targets), args.repeats
-        )
+        steps[name] = functools.partial(minimp_step, model, optimizer, scaler, x, targets)
         if name == "fp16" and not on_gpu:
             with CastCounter() as counter:
                 minimp_step(model, optimizer, scaler, x, targets)
@@ -168,6 +172,13 @@ def main(argv=None):
                 "elements": counter.elements,
                 "seconds": counter.seconds,
             }
+    if not on_gpu:
+        reference, _ = build(args.width, args.layers, 10, np.float32)
+        linears = [layer for layer in reference if isinstance(layer, nn.Linear)]
+        weights = [layer.weight.data.copy() for layer in linears]
+        biases = [layer.bias.data.copy() for layer in linears]
+        steps["numpy"] = functools.partial(numpy_step, weights, biases, x32, targets)
+    results["seconds"] = median_seconds(steps, args.repeats)
     seconds, kept = results["seconds"], results["kept_bytes"]
     results["ratios"] = {
         "fp16_over_fp32": seconds["fp16"] / seconds["fp32"],
@@ -190,12 +201,6 @@ def main(argv=None):
                 "fp32's (target >= 2)"
             )
         return
-    reference, _ = build(args.width, args.layers, 10, np.float32)
-    weights = [layer.weight.data.copy() for layer in reference if isinstance(layer, nn.Linear)]
-    biases = [layer.bias.data.copy() for layer in reference if isinstance(layer, nn.Linear)]
-    results["seconds"]["numpy"] = median_seconds(
-        lambda: numpy_step(weights, biases, x32, targets), args.repeats
-    )
     results["ratios"].update(
         {
             "fp32_over_numpy": seconds["fp32"] / seconds["numpy"],

@@ -76,7 +76,7 @@ class Module:
         """Round every parameter into dtype (the compute copies of mixed precision). Returns
         self."""
         for parameter in self.parameters():
-            parameter.data = parameter.data.astype(dtype)
+            parameter.data = parameter.data.astype(dtype, copy=False)  # float32 stays the master
         return self
 
 
