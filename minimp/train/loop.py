@@ -7,7 +7,6 @@ micro-batch loop). Data-parallel replicas of a stage then average their gradient
 job takes part in the one decision to skip an overflowing step.
 """
 
-import json
 import time
 
 import numpy as np
@@ -23,23 +22,6 @@ from minimp.dist.topology import Topology
 from minimp.precision import ACTIVATION_DTYPES, mixed_precision_step
 from minimp.train import checkpoint, report
 from minimp.train.build import build_model, build_optimizer, build_scaler, evaluate, stage_of
-
-
-class _Timer:
-    """Seconds spent inside wrapped calls (the communication hooks), summed."""
-
-    def __init__(self):
-        self.seconds = 0.0
-
-    def wrap(self, function):
-        def timed(*args):
-            start = time.perf_counter()
-            try:
-                return function(*args)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        return timed
 
 
 def train(config, log=print, comm=None):
@@ -102,7 +84,7 @@ class Run:
         self.metrics = report.MetricsWriter(
             config.metrics if comm.rank == 0 else "", append=bool(config.resume)
         )
-        self.communication = _Timer()
+        self.communication = report.Stopwatch()
         self.timeline, self.history, self.skipped = [], [], 0
         self.window_start, self.window_samples = time.perf_counter(), 0
 
@@ -296,40 +278,10 @@ class Run:
             )
             self.log(f"saved checkpoint {config.save}")
         if config.timeline:
-            _write_timeline(config, events)
+            report.write_timeline(
+                config.timeline, config.schedule, config.pp, config.micro_batches, events
+            )
             self.log(f"saved timeline {config.timeline}")
         if config.plot:
             report.plot_history(config.plot, self.history)
             self.log(f"saved plot {config.plot}")
-
-
-def _write_timeline(config, events):
-    """One JSON file: every forward and backward of replica 0, per stage, in seconds from its
-    step's start."""
-    rows, peaks = [], {}
-    for key, array in sorted(events.items()):
-        if key.startswith("peak"):
-            peaks[int(key[len("peak") :])] = int(array[0])
-            continue
-        for step, backward, mb, start, end in array.tolist():
-            rows.append(
-                {
-                    "stage": int(key[len("stage") :]),
-                    "step": int(step),
-                    "micro_batch": int(mb),
-                    "kind": "backward" if backward else "forward",
-                    "start": start,
-                    "end": end,
-                }
-            )
-    with open(config.timeline, "w") as file:
-        json.dump(
-            {
-                "schedule": config.schedule,
-                "stages": config.pp,
-                "micro_batches": config.micro_batches,
-                "peak_stored_micro_batches": [peaks[s] for s in sorted(peaks)],
-                "events": rows,
-            },
-            file,
-        )

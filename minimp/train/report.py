@@ -1,6 +1,24 @@
-"""What training tells people: progress lines, the metrics .jsonl file, and the loss/scale plot."""
+"""What training tells people: progress lines, metrics (.jsonl), timings, the timeline and the plot."""
 
 import json
+import time
+
+
+class Stopwatch:
+    """Seconds spent inside wrapped calls, summed (the communication time of a step's metrics)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, function):
+        def timed(*args):
+            start = time.perf_counter()
+            try:
+                return function(*args)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
 
 
 class MetricsWriter:
@@ -65,3 +83,36 @@ def plot_history(path, history):
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     pyplot.close(figure)
+
+
+def write_timeline(path, schedule, stages, micro_batches, events):
+    """One JSON file: every forward and backward of replica 0, per stage, in seconds from its
+    step's start. `events` holds each stage's [step, is_backward, micro-batch, start, end] rows
+    (as "stage<s>") and its peak of stored micro-batches (as "peak<s>")."""
+    rows, peaks = [], {}
+    for key, array in sorted(events.items()):
+        if key.startswith("peak"):
+            peaks[int(key[len("peak") :])] = int(array[0])
+            continue
+        for step, backward, mb, start, end in array.tolist():
+            rows.append(
+                {
+                    "stage": int(key[len("stage") :]),
+                    "step": int(step),
+                    "micro_batch": int(mb),
+                    "kind": "backward" if backward else "forward",
+                    "start": start,
+                    "end": end,
+                }
+            )
+    with open(path, "w") as file:
+        json.dump(
+            {
+                "schedule": schedule,
+                "stages": stages,
+                "micro_batches": micro_batches,
+                "peak_stored_micro_batches": [peaks[s] for s in sorted(peaks)],
+                "events": rows,
+            },
+            file,
+        )
