@@ -1,4 +1,4 @@
-"""What training tells people: progress lines, metrics (.jsonl), timings, the timeline and the plot."""
+"""What training tells people: progress lines, metrics (.jsonl), timings, timelines, the plot."""
 
 import json
 import time
