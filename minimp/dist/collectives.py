@@ -150,24 +150,29 @@ def recursive_doubling_allreduce(comm, x, op="sum", out=None):
     """
     _check_op(op)
     agree_on_array(comm, x, "recursive_doubling_allreduce")
-    flat = _flat_copy(x, out)
+    x_flat, flat = _contiguous_flat(x), _output(x, out)
     p, r = comm.size, comm.rank
     power = 1 << (p.bit_length() - 1)  # the largest power of two <= p
     extra = p - power
-    incoming = array_module(flat).empty_like(flat)
     if r >= power:  # fold into rank r - power, wait for the answer
-        comm.send(flat, r - power, tag=2)
+        comm.send(x_flat, r - power, tag=2)
         comm.recv(flat, r - power, tag=3)
         return flat.reshape(x.shape)
+    # What this rank holds so far: its own input (only read), then the partial result in flat.
+    current, incoming = x_flat, array_module(flat).empty_like(flat)
     if r < extra:
         comm.recv(incoming, r + power, tag=2)
-        reduce_into(flat, incoming, op)
+        reduce_into(flat, incoming, op, first=current)
+        current = flat
     distance = 1
     while distance < power:
         partner = r ^ distance
-        comm.sendrecv(flat, partner, incoming, partner, tag=4)
-        reduce_into(flat, incoming, op)  # a + b == b + a bit for bit: both partners agree
-        distance *= 2
+        comm.sendrecv(current, partner, incoming, partner, tag=4)
+        # a + b == b + a bit for bit: both partners compute the same value
+        reduce_into(flat, incoming, op, first=current)
+        current, distance = flat, distance * 2
+    if current is not flat:  # one rank: nothing was reduced
+        flat[...] = x_flat
     if r < extra:
         comm.send(flat, r + power, tag=3)
     return flat.reshape(x.shape)

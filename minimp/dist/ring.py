@@ -36,15 +36,17 @@ def chunk_bounds(length, parts):
     return bounds
 
 
-def reduce_into(target, incoming, op):
-    """target = op(target, incoming) in place, computed in float32 for 16-bit dtypes."""
+def reduce_into(target, incoming, op, first=None):
+    """target = op(first, incoming) in place (first defaults to target itself), computed in float32
+    for 16-bit dtypes. Reading `first` from another array saves copying it into target beforehand."""
     if target.size == 0:
         return
     reducer = REDUCERS[op]
+    first = target if first is None else first
     if target.dtype == widen(target).dtype:
-        reducer(target, incoming, out=target)  # float32/float64: in place, no temporary
+        reducer(first, incoming, out=target)  # float32/float64: no temporary
     else:
-        target[...] = round_to(reducer(widen(target), widen(incoming)), target.dtype)
+        target[...] = round_to(reducer(widen(first), widen(incoming)), target.dtype)
 
 
 def ring_reduce_scatter(comm, x, out, bounds, op="sum"):
