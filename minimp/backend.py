@@ -63,11 +63,16 @@ def default_xp():
     return _import_cupy() if device() == "gpu" else numpy
 
 
+def is_device_array(array):
+    """True for a CuPy array (GPU memory), without importing CuPy."""
+    return type(array).__module__.startswith("cupy")
+
+
 def array_module(*arrays):
     """The array module that owns these arrays: operations follow their inputs, not a global
     switch."""
     for array in arrays:
-        if type(array).__module__.startswith("cupy"):
+        if is_device_array(array):
             import cupy
 
             return cupy
@@ -81,7 +86,7 @@ def to_device(array):
 
 def to_numpy(array):
     """A NumPy copy (or the array itself) on the host, whatever device holds it."""
-    if type(array).__module__.startswith("cupy"):
+    if is_device_array(array):
         return array.get()
     return numpy.asarray(array)
 

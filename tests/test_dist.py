@@ -195,3 +195,9 @@ def test_out_receives_the_result_and_must_not_overlap_the_input():
 
     results = dist.simulate(3, into_buffer)
     np.testing.assert_allclose(results[0], np.sum(inputs, axis=0), rtol=1e-6)
+
+
+def test_the_simulated_world_forgets_finished_collectives():
+    world = dist.SimulatedWorld(3)
+    world.run(lambda comm: [comm.allreduce_scalars([1.0]) for _ in range(50)])
+    assert world.collectives == {} and world.collective_reads == {}

@@ -48,10 +48,6 @@ def mpi_is_cuda_aware():
     return False
 
 
-def _is_device_array(array):
-    return type(array).__module__.startswith("cupy")
-
-
 class MPICommunicator:
     """A group of MPI processes with the minimp communicator API (see minimp/dist/simulated.py)."""
 
@@ -73,7 +69,7 @@ class MPICommunicator:
         """(buffer to hand MPI, whether it is a host copy of a device array). A CUDA-aware MPI reads
         GPU memory itself (after the stream is synchronised); otherwise the bytes go through host
         memory, which this rank says once."""
-        if not _is_device_array(array):
+        if not backend.is_device_array(array):
             return array, False
         backend.synchronize()
         if self._cuda_aware is None:

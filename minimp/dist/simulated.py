@@ -55,7 +55,8 @@ class SimulatedWorld:
         self.mailboxes = defaultdict(
             deque
         )  # (context, source, dest, tag) -> envelopes in send order
-        self.collectives = {}  # (context, call number) -> {rank: contribution}
+        self.collectives = {}  # (context, call number) -> {rank: contribution}, until all have read
+        self.collective_reads = {}  # (context, call number) -> ranks that have read the entry
         self.waiting = {}  # world rank -> (description, predicate)
         self.finished = {}  # world rank -> "returned" or "raised ..."
         self.trace = []
@@ -237,6 +238,10 @@ class SimulatedCommunicator:
                 lambda: len(entry) == self.size,
                 f"join a collective of {self.size} ranks",
             )
+            readers = world.collective_reads.setdefault(key, set())
+            readers.add(self.rank)
+            if len(readers) == self.size:  # the last reader frees it: long runs do not grow
+                del world.collectives[key], world.collective_reads[key]
             return dict(entry)
 
     def allreduce_scalars(self, values, op="max"):

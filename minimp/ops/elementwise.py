@@ -3,6 +3,7 @@ once."""
 
 import numpy as np
 
+from minimp.backend import array_module
 from minimp.function import Function, unbroadcast
 from minimp.precision import casting
 from minimp.precision.casting import round_to, widen
@@ -100,7 +101,7 @@ class Exp(Function):
 
     @staticmethod
     def forward(ctx, x):
-        y = round_to(_xp(x).exp(widen(x)), x.dtype)
+        y = round_to(array_module(x).exp(widen(x)), x.dtype)
         ctx.save_for_backward(y)
         return y
 
@@ -116,7 +117,7 @@ class Log(Function):
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
-        return round_to(_xp(x).log(widen(x)), x.dtype)
+        return round_to(array_module(x).log(widen(x)), x.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -129,7 +130,7 @@ class Tanh(Function):
 
     @staticmethod
     def forward(ctx, x):
-        y = round_to(_xp(x).tanh(widen(x)), x.dtype)
+        y = round_to(array_module(x).tanh(widen(x)), x.dtype)
         ctx.save_for_backward(y)
         return y
 
@@ -154,7 +155,7 @@ class ReLU(Function):
         if casting.is_low_precision(x.dtype):
             y = _keep_where(x, ~_negative_and_not_nan(x))
         else:
-            y = _xp(x).maximum(x, x.dtype.type(0))  # float32/float64 have fast SIMD max
+            y = array_module(x).maximum(x, x.dtype.type(0))  # float32/float64 have fast SIMD max
         ctx.save_for_backward(y)
         return y
 
@@ -176,12 +177,6 @@ class Cast(Function):
     @staticmethod
     def backward(ctx, grad_output):
         return round_to(grad_output, ctx.input_dtype)
-
-
-def _xp(array):
-    from minimp.backend import array_module
-
-    return array_module(array)
 
 
 def _signed_bits(x):
@@ -206,7 +201,7 @@ def _negative_and_not_nan(x):
     As signed integers, -0.0 .. -inf run from the most negative value up to -inf's pattern; negative
     NaNs (all exponent bits set, mantissa non-zero) lie above it, between -inf and 0.
     """
-    negative_infinity_bits = _signed_bits(_xp(x).asarray([-np.inf], dtype=x.dtype))[0]
+    negative_infinity_bits = int(_signed_bits(np.array([-np.inf], dtype=x.dtype))[0])  # a host int
     return _signed_bits(x) <= negative_infinity_bits
 
 
@@ -214,5 +209,5 @@ def _negate(x):
     """-x for every float dtype; 16-bit floats flip their sign bit instead of doing slow
     arithmetic."""
     if casting.is_low_precision(x.dtype):
-        return (_signed_bits(x) ^ _xp(x).asarray(-0x8000, dtype=np.int16)).view(x.dtype)
+        return (_signed_bits(x) ^ np.int16(-0x8000)).view(x.dtype)
     return -x

@@ -16,7 +16,8 @@ from minimp.train.loop import train
 from minimp.train.report import require_matplotlib
 
 PROGRAM = "minimp.train"
-USER_ERRORS = (ConfigError, CheckpointError, DeviceError, ImportError, ValueError)
+# Errors a user can fix with a flag or a file; anything else is a bug and keeps its traceback.
+USER_ERRORS = (ConfigError, CheckpointError, DeviceError, ImportError)
 
 
 def _say_error(comm, error, every_rank=False):

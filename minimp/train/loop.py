@@ -22,6 +22,7 @@ from minimp.dist.topology import Topology
 from minimp.precision import ACTIVATION_DTYPES, mixed_precision_step
 from minimp.train import checkpoint, report
 from minimp.train.build import build_model, build_optimizer, build_scaler, evaluate, stage_of
+from minimp.train.config import ConfigError
 
 
 def train(config, log=print, comm=None):
@@ -49,7 +50,7 @@ class Run:
         self.topology = Topology(comm, dp=self.dp, pp=config.pp)
         self.dataset = DATASETS[config.dataset]()
         if config.batch_size > len(self.dataset.train_labels):
-            raise ValueError(
+            raise ConfigError(
                 f"--batch-size {config.batch_size} is larger than the training set "
                 f"({len(self.dataset.train_labels)} samples)"
             )
