@@ -2,9 +2,8 @@
 learning."""
 
 from minimp import functional, nn, optim
-from minimp.function import no_grad
 from minimp.precision import DynamicLossScaler, StaticLossScaler
-from minimp.tensor import Tensor
+from minimp.tensor import Tensor, no_grad
 
 __version__ = "0.1.0"
 __all__ = [

@@ -38,13 +38,21 @@ def _import_cupy():
     return cupy
 
 
-def use_device(name, local_rank=0):
+def check_device(name: str) -> None:
+    """Raise DeviceError unless `name` is a device this process could use (for 'gpu': CuPy imports
+    and sees a GPU). Selects nothing: a launcher checks before it starts any work."""
+    if name not in DEVICES:
+        raise DeviceError(f"unknown device {name!r}: use one of {', '.join(DEVICES)}")
+    if name == "gpu":
+        _import_cupy()
+
+
+def use_device(name: str, local_rank: int = 0) -> None:
     """Select 'cpu' (NumPy) or 'gpu' (CuPy) for this process; raises DeviceError when impossible.
     On a GPU machine, rank `local_rank` of this machine takes GPU local_rank % count, so several
     ranks may share one GPU."""
     global _selected_device
-    if name not in DEVICES:
-        raise DeviceError(f"unknown device {name!r}: use one of {', '.join(DEVICES)}")
+    check_device(name)
     if name == "gpu":
         cupy = _import_cupy()
         cupy.cuda.Device(local_rank % cupy.cuda.runtime.getDeviceCount()).use()

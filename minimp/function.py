@@ -1,53 +1,26 @@
-"""The base of every differentiable op: a Function with forward and backward, a Context,
-unbroadcast."""
+"""What an op is: a Function with forward and backward side by side, its Context, unbroadcast.
 
-import threading
+A Function works on raw arrays; `Function.apply` runs it on Tensors and, when a gradient is wanted,
+records a node of the graph (the graph itself, and the walk back through it, live in tensor.py).
+"""
+
+from typing import Any
 
 from minimp.precision import casting
-
-# Grad mode is per thread: the simulated MPI world runs its ranks as threads of one process.
-_grad_mode = threading.local()
-
-
-def grad_enabled():
-    """False inside `minimp.no_grad()`: ops then record no graph and keep nothing for backward."""
-    return getattr(_grad_mode, "enabled", True)
-
-
-class no_grad:
-    """Context manager: no graph is recorded inside (evaluation, optimizer updates)."""
-
-    def __enter__(self):
-        self._previous = grad_enabled()
-        _grad_mode.enabled = False
-        return self
-
-    def __exit__(self, *exc_info):
-        _grad_mode.enabled = self._previous
-        return False
 
 
 class Context:
     """What forward leaves for backward: saved arrays and a few plain attributes."""
 
-    def __init__(self, needs_input_grad):
+    def __init__(self, needs_input_grad: tuple[bool, ...]):
         # One bool per input: backward skips the gradients nobody asked for (data, targets).
         self.needs_input_grad = needs_input_grad
-        self.saved_arrays = ()
+        self.saved_arrays: tuple | None = ()
 
-    def save_for_backward(self, *arrays):
+    def save_for_backward(self, *arrays: Any) -> None:
         """Keep these arrays alive until backward. They are stored as they are: float16 stays
         float16."""
         self.saved_arrays = arrays
-
-
-class Node:
-    """A recorded application of a Function: the op, its context and the input tensors."""
-
-    __slots__ = ("function", "context", "inputs")
-
-    def __init__(self, function, context, inputs):
-        self.function, self.context, self.inputs = function, context, inputs
 
 
 class Function:
@@ -55,19 +28,17 @@ class Function:
     `backward(ctx, grad_output)` -> one gradient (or None) per input, both on raw arrays."""
 
     @staticmethod
-    def forward(ctx, *arrays, **options):
+    def forward(ctx: Context, *arrays: Any, **options: Any) -> Any:
         raise NotImplementedError
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Context, grad_output: Any) -> Any:
         raise NotImplementedError
 
     @classmethod
-    def apply(cls, *inputs, **options):
+    def apply(cls, *inputs: "Tensor", **options: Any) -> "Tensor":
         """Run forward on the inputs' arrays and, when a gradient is wanted, record the graph
         node."""
-        from minimp.tensor import Tensor
-
         needs_input_grad = tuple(grad_enabled() and t.requires_grad for t in inputs)
         ctx = Context(needs_input_grad)
         output = Tensor(cls.forward(ctx, *(t.data for t in inputs), **options))
@@ -77,7 +48,7 @@ class Function:
         return output
 
 
-def unbroadcast(grad, shape, dtype):
+def unbroadcast(grad: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     """Sum a gradient over the axes that broadcasting added or stretched, then round it into dtype.
 
     The sum runs in float32 even for a float16 gradient: many small terms added in float16 swamp.
@@ -91,3 +62,8 @@ def unbroadcast(grad, shape, dtype):
         if stretched:
             grad = grad.sum(axis=stretched, keepdims=True)
     return casting.round_to(grad, dtype)
+
+
+# The one import cycle of every autograd engine: a Tensor's operators are Functions, and a Function
+# makes Tensors. Imported last, so either module may be imported first.
+from minimp.tensor import Node, Tensor, grad_enabled  # noqa: E402

@@ -11,35 +11,42 @@ Build the optimizer before casting the model (`model.to(float16)`), so the maste
 float32 initial values.
 """
 
-from minimp.precision.casting import MASTER_DTYPE, round_to
+from typing import Any, Iterable
+
+from minimp.precision import casting
+from minimp.precision.casting import MASTER_DTYPE
 
 
 class Optimizer:
-    """Masters, float32 gradient accumulators, and the write-back; subclasses supply `_update`."""
+    """Float32 masters and gradient accumulators, and the update; subclasses supply `_update`.
 
-    slot_names = ()
+    Its part of the mixed-precision step (minimp/precision/step.py, which shows the whole):
+    `accumulate_gradients()` after each backward, `step()` to update, `zero_grad()` to forget.
+    """
 
-    def __init__(self, params, lr):
+    slot_names: tuple[str, ...] = ()
+
+    def __init__(self, params: Iterable[Any], lr: float):
         if lr <= 0:
             raise ValueError(f"learning rate must be positive, got {lr}")
         self.params = list(params)
         self.lr = lr
-        self.master_weights = [
-            p.data if p.dtype == MASTER_DTYPE else p.data.astype(MASTER_DTYPE) for p in self.params
-        ]
+        # A float32 parameter is its own master (the same array); others get a float32 copy.
+        self.master_weights = [casting.round_to(p.data, MASTER_DTYPE) for p in self.params]
         # float32 sums of each parameter's gradients over micro-batches (None: nothing accumulated).
-        self.master_gradients = [None] * len(self.params)
-        self.slots = [{name: None for name in self.slot_names} for _ in self.params]
+        self.master_gradients: list[Any] = [None] * len(self.params)
+        self.slots: list[dict[str, Any]] = [dict.fromkeys(self.slot_names) for _ in self.params]
         self.step_count = 0
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         """Forget the gradients: the parameters' and the float32 accumulators."""
         for parameter in self.params:
             parameter.grad = None
         self.master_gradients = [None] * len(self.params)
 
-    def accumulate_gradients(self):
-        """Move each parameter's gradient into its float32 accumulator and clear it.
+    def accumulate_gradients(self) -> list[Any]:
+        """Move each parameter's gradient into its float32 accumulator and clear it; returns the
+        accumulators (None where no gradient arrived).
 
         Called after every micro-batch's backward: summing micro-batch gradients in float16 would
         lose the small ones; summing them in float32 gives the big batch's gradient to float32
@@ -49,46 +56,58 @@ class Optimizer:
         for index, parameter in enumerate(self.params):
             if parameter.grad is None:
                 continue
-            grad = parameter.grad
-            if grad.dtype != MASTER_DTYPE or not _owned(grad) or id(grad) in taken:
-                grad = grad.astype(MASTER_DTYPE, copy=True)  # ours to scale in place
+            grad = casting.round_to(parameter.grad, MASTER_DTYPE)  # 16-bit: a new float32 array
+            if grad is parameter.grad and (not _owned(grad) or id(grad) in taken):
+                grad = grad.copy()  # ours to scale and add into in place
             taken.add(id(grad))
             if self.master_gradients[index] is None:
                 self.master_gradients[index] = grad
             else:
                 self.master_gradients[index] += grad
             parameter.grad = None
+        return self.master_gradients
 
-    def step(self, grad_scale=1.0):
-        """Update every master with its accumulated gradient divided by grad_scale, then round the
-        masters into the parameters. Parameters with no gradient are left alone. The accumulated
-        gradients are consumed (a second step without a new backward changes nothing)."""
-        self.accumulate_gradients()
+    def step(self) -> None:
+        """Update every master with its accumulated float32 gradient, as it is (unscaled and
+        clipped already), then round the masters into the parameters. Parameters without a
+        gradient are left alone; the accumulated gradients are consumed."""
+        pending = sum(parameter.grad is not None for parameter in self.params)
+        if pending:
+            raise RuntimeError(
+                f"optimizer.step(): {pending} parameter(s) hold gradients that were not "
+                "accumulated; call optimizer.accumulate_gradients() first, or let "
+                "minimp.mixed_precision_step(optimizer, scaler) run the whole step"
+            )
         self.step_count += 1
-        inverse_scale = 1.0 / grad_scale
         for index, grad in enumerate(self.master_gradients):
             if grad is None:
                 continue
-            if inverse_scale != 1.0:
-                grad *= inverse_scale  # in float32: unscaling after the fp16 backward is the point
             self._update(self.master_weights[index], grad, self.slots[index])
             self._write_back(index)
         self.master_gradients = [None] * len(self.params)
 
-    def _write_back(self, index):
+    def set_master_weight(self, index: int, array: Any) -> None:
+        """Overwrite master `index` with array (float32) and round it into its parameter."""
+        master = self.master_weights[index]
+        if array is not master:
+            master[...] = array
+        self._write_back(index)
+
+    def _write_back(self, index: int) -> None:
+        """The compute copy = the master rounded once into the parameter's dtype."""
         parameter, master = self.params[index], self.master_weights[index]
         if parameter.data is not master:
-            parameter.data[...] = round_to(master, parameter.dtype)
+            parameter.data[...] = casting.round_to(master, parameter.dtype)
 
-    def _update(self, master, grad, slots):
+    def _update(self, master: Any, grad: Any, slots: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def _slot(self, slots, name, like):
+    def _slot(self, slots: dict[str, Any], name: str, like: Any) -> Any:
         if slots[name] is None:
             slots[name] = like * 0
         return slots[name]
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         """step_count, lr and every slot array, by parameter index (float32 arrays)."""
         return {
             "step_count": self.step_count,
@@ -96,40 +115,33 @@ class Optimizer:
             "slots": [{k: v for k, v in slot.items() if v is not None} for slot in self.slots],
         }
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         self.step_count, self.lr = int(state["step_count"]), float(state["lr"])
         for slots, saved in zip(self.slots, state["slots"]):
             for name in self.slot_names:
+                # astype copies: the loaded state must not alias the caller's arrays
                 slots[name] = saved[name].astype(MASTER_DTYPE) if name in saved else None
 
-    def load_master_weights(self, arrays):
-        """Set the masters (float32) and round them into the parameters."""
-        for index, array in enumerate(arrays):
-            self.load_master_weights_at(index, array)
 
-    def load_master_weights_at(self, index, array):
-        master = self.master_weights[index]
-        if array is not master:
-            master[...] = array
-        self._write_back(index)
-
-
-def _owned(array):
+def _owned(array: Any) -> bool:
     """A float32 gradient may be adopted without a copy only when it is a writeable array that
-    owns its memory (a broadcast or reshaped view of another gradient is not) and no other
-    parameter got it."""
-    return (
-        getattr(array.flags, "writeable", True) and array.base is None
-    )  # CuPy flags lack writeable
+    owns its memory (a broadcast or reshaped view of another gradient is not)."""
+    writeable = getattr(array.flags, "writeable", True)  # CuPy's flags have no `writeable`
+    return writeable and array.base is None
 
 
 class SGD(Optimizer):
-    """w -= lr * v,  v = momentum * v + (g + weight_decay * w)   (PyTorch's SGD without
-    dampening)."""
+    """w -= lr * v,  v = momentum * v + (g + weight_decay * w)   (PyTorch's SGD, no dampening)."""
 
     slot_names = ("momentum_buffer",)
 
-    def __init__(self, params, lr=0.01, momentum=0.0, weight_decay=0.0):
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.01,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+    ):
         super().__init__(params, lr)
         self.momentum, self.weight_decay = momentum, weight_decay
 
@@ -156,12 +168,12 @@ class Adam(Optimizer):
 
     def __init__(
         self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=0.0,
-        decoupled_weight_decay=False,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decoupled_weight_decay: bool = False,
     ):
         super().__init__(params, lr)
         self.betas, self.eps = betas, eps
@@ -188,5 +200,12 @@ class Adam(Optimizer):
 class AdamW(Adam):
     """Adam with decoupled weight decay (default 0.01, as in PyTorch)."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ):
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay=True)

@@ -1,11 +1,57 @@
-"""Tensor: an array plus the graph that made it; `backward()` walks that graph in reverse
-topological order."""
+"""The graph: Tensor (an array and the op that made it), grad mode, topological order, backward.
+
+Ops (minimp/ops, built on minimp/function.py) record one Node per application; `backward()` orders
+the graph so each tensor comes after everything it depends on and walks it in reverse.
+"""
+
+import threading
+from typing import Any, Callable
 
 import numpy as np
 
 from minimp import backend
-from minimp.function import no_grad  # noqa: F401  (re-exported as minimp.no_grad)
 from minimp.precision import casting
+
+# Grad mode is per thread: the simulated MPI world runs its ranks as threads of one process.
+_grad_mode = threading.local()
+
+
+def grad_enabled() -> bool:
+    """False inside `minimp.no_grad()`: ops then record no graph and keep nothing for backward."""
+    return getattr(_grad_mode, "enabled", True)
+
+
+class no_grad:
+    """Context manager: no graph is recorded inside (evaluation, optimizer updates)."""
+
+    def __enter__(self) -> "no_grad":
+        self._previous = grad_enabled()
+        _grad_mode.enabled = False
+        return self
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        _grad_mode.enabled = self._previous
+        return False
+
+
+class Node:
+    """A recorded application of a Function: the op, its context and the input tensors."""
+
+    __slots__ = ("function", "context", "inputs")
+
+    def __init__(self, function: Any, context: Any, inputs: tuple["Tensor", ...]):
+        self.function, self.context, self.inputs = function, context, inputs
+
+
+class RemovableHandle:
+    """What `register_hook` returns: `.remove()` takes the hook away again (as in PyTorch)."""
+
+    def __init__(self, hooks: list, hook: Callable):
+        self._hooks, self._hook = hooks, hook
+
+    def remove(self) -> None:
+        if self._hook in self._hooks:
+            self._hooks.remove(self._hook)
 
 
 def _as_array(data):
@@ -26,15 +72,15 @@ class Tensor:
     it."""
 
     __array_priority__ = 100  # so `numpy_array * tensor` calls Tensor.__rmul__
+    _hooks: tuple | list = ()  # gradient hooks; a tensor gets its own list at its first hook
 
-    def __init__(self, data, requires_grad=False):
-        self.data = _as_array(data)
-        self.grad = None
+    def __init__(self, data: Any, requires_grad: bool = False):
+        self.data = _as_array(data)  # the NumPy or CuPy array
+        self.grad = None  # after backward(): d(output)/d(self), same shape and dtype as data
         self.requires_grad = requires_grad
-        self.node = None  # the Function application that produced this tensor; None for leaves
+        self.node: Node | None = None  # the op application that made this tensor; None for leaves
 
-    # ----- array facts
-    # -------------------------------------------------------------------------------
+    # ----- array facts ------------------------------------------------------------------------
     @property
     def dtype(self):
         return self.data.dtype
@@ -69,8 +115,16 @@ class Tensor:
         """The same array, cut from the graph."""
         return Tensor(self.data)
 
-    # ----- backward
-    # ----------------------------------------------------------------------------------
+    # ----- backward ---------------------------------------------------------------------------
+    def register_hook(self, hook: Callable[[Any], Any]) -> RemovableHandle:
+        """Call hook(grad) when this tensor's gradient is complete during backward; a non-None
+        return value replaces the gradient (as torch.Tensor.register_hook). For a leaf this runs
+        before the gradient is added into `.grad`."""
+        if not self._hooks:
+            self._hooks = []
+        self._hooks.append(hook)
+        return RemovableHandle(self._hooks, hook)
+
     def backward(self, grad=None):
         """Accumulate d(self)/d(leaf) into `.grad` of every leaf that requires grad.
 
@@ -89,10 +143,12 @@ class Tensor:
                 )
             grad = backend.array_module(self.data).ones_like(self.data)
         grads = {id(self): grad}
-        for tensor in reversed(_topological_order(self)):
+        for tensor in reversed(topological_order(self)):
             grad_output = grads.pop(id(tensor), None)
             if grad_output is None:
                 continue
+            if tensor._hooks:
+                grad_output = _run_hooks(tensor._hooks, grad_output)
             if tensor.node is None:
                 tensor.grad = grad_output if tensor.grad is None else _add(tensor.grad, grad_output)
                 continue
@@ -108,15 +164,15 @@ class Tensor:
             for parent, parent_grad in zip(node.inputs, input_grads):
                 if parent_grad is None or not parent.requires_grad:
                     continue
-                assert parent_grad.shape == parent.shape, (
-                    node.function.__name__,
-                    parent_grad.shape,
-                )
+                if parent_grad.shape != parent.shape:  # a bug in that op's backward
+                    raise RuntimeError(
+                        f"{node.function.__name__}.backward returned a gradient of shape "
+                        f"{parent_grad.shape} for an input of shape {parent.shape}"
+                    )
                 previous = grads.get(id(parent))
                 grads[id(parent)] = parent_grad if previous is None else _add(previous, parent_grad)
 
-    # ----- operators (each one a Function in minimp.ops)
-    # ---------------------------------------------
+    # ----- operators (each one a Function in minimp.ops) ----------------------------------------
     def _lift(self, other):
         """A Python number takes this tensor's dtype, so `x16 * 0.5` stays float16 (as in
         PyTorch)."""
@@ -198,9 +254,16 @@ def _add(a, b):
     return casting.round_to(casting.widen(a) + casting.widen(b), a.dtype)
 
 
-def _topological_order(root):
-    """Every tensor reachable from root, each after all of its inputs (iterative DFS: no
-    recursion limit)."""
+def _run_hooks(hooks: list, grad: Any) -> Any:
+    for hook in tuple(hooks):  # a hook may remove itself
+        replaced = hook(grad)
+        grad = grad if replaced is None else replaced
+    return grad
+
+
+def topological_order(root: Tensor) -> list[Tensor]:
+    """Every tensor that requires grad and is reachable from root, each after all of its inputs
+    (iterative depth-first search: no recursion limit on deep graphs)."""
     order, visited, stack = [], set(), [(root, False)]
     while stack:
         tensor, inputs_done = stack.pop()
@@ -216,14 +279,14 @@ def _topological_order(root):
     return order
 
 
-def saved_bytes(root, exclude=()):
+def saved_bytes(root: Tensor, exclude: Any = ()) -> int:
     """Bytes of the arrays the graph behind root keeps for backward, each array counted once.
 
     `exclude` lists arrays not to count (say, the parameters, which exist whether or not we train).
     """
     excluded = {id(array) for array in exclude}
     seen, total = set(), 0
-    for tensor in _topological_order(root):
+    for tensor in topological_order(root):
         if tensor.node is None or tensor.node.context.saved_arrays is None:
             continue
         for array in tensor.node.context.saved_arrays:
@@ -233,4 +296,4 @@ def saved_bytes(root, exclude=()):
     return total
 
 
-from minimp import ops  # noqa: E402  (ops import Function, which imports Tensor lazily)
+from minimp import ops  # noqa: E402  (the ops build on Function, which makes Tensors)

@@ -19,8 +19,9 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from minimp import backend, costmodel, dist
-from minimp.dist.ring import reduce_into
+from minimp import backend, costmodel
+from minimp import distributed as dist
+from minimp.distributed.buffers import reduce_into
 
 ALGORITHMS = ("ring", "naive", "recursive_doubling", "auto")
 
@@ -195,7 +196,7 @@ def gpu_main(comm, args):
         report = {
             "ranks": comm.size,
             "device": "gpu",
-            "cuda_aware_mpi": dist.comm.mpi_is_cuda_aware(),
+            "cuda_aware_mpi": dist.mpi.mpi_is_cuda_aware(),
             "nccl": "used" if nccl_run else nccl_problem,
             "rows": rows,
         }

@@ -11,7 +11,7 @@ import argparse
 
 import numpy as np
 
-from minimp import dist
+from minimp import distributed as dist
 
 
 def show_ring(comm):

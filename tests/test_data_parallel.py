@@ -4,8 +4,9 @@ replica checks, and the trainer's equivalence with one process."""
 import numpy as np
 import pytest
 
-from minimp import dist, nn, optim
-from minimp.dist.data_parallel import DataParallel, ReplicaMismatchError, shard
+from minimp import distributed as dist
+from minimp import nn, optim
+from minimp.parallel.data_parallel import DataParallel, ReplicaMismatchError, shard
 from minimp.train import TrainConfig, train
 
 
@@ -26,7 +27,7 @@ def test_gradients_become_the_mean_over_replicas(average, comm_dtype):
             np.full(3, comm.rank + 1.0, np.float32),
             np.full(5, 10.0 * (comm.rank + 1), np.float32),
         ]
-        replicas.reduce_gradients(grads)
+        replicas.reduce(grads)
         return grads, len(replicas.buckets)
 
     results = dist.simulate(4, body)
@@ -44,7 +45,7 @@ def test_a_float16_wire_overflows_when_averaging_after_but_not_before():
             comm, replica_optimizer((4,)), comm_dtype=np.float16, average=average
         )
         grads = [np.full(4, 30000.0, np.float32)]
-        replicas.reduce_gradients(grads)
+        replicas.reduce(grads)
         return grads[0]
 
     after = dist.simulate(4, body, "after")[0]
@@ -56,7 +57,7 @@ def test_a_float16_wire_overflows_when_averaging_after_but_not_before():
 def test_one_rank_overflowing_is_everyone_s_overflow():
     def body(comm):
         replicas = DataParallel(comm, replica_optimizer())
-        return replicas.reduce_found_inf(comm.rank == 2)
+        return replicas.any_rank(comm.rank == 2)
 
     assert dist.simulate(4, body) == [True] * 4
 

@@ -80,7 +80,7 @@ def test_training_on_the_gpu_matches_the_cpu_in_fp32_and_learns_in_fp16():
 def test_gpu_buffers_over_mpi():
     program = (
         "import cupy, numpy as np\n"
-        "from minimp import backend, dist\n"
+        "from minimp import backend\nfrom minimp import distributed as dist\n"
         "comm = dist.world(); backend.use_device('gpu', comm.rank)\n"
         "x = cupy.arange(1000, dtype=cupy.float32) * (comm.rank + 1)\n"
         "y = dist.ring_allreduce(comm, x)\n"

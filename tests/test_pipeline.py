@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from minimp import dist, nn
-from minimp.dist.pipeline import PipelineError, split_stages
+from minimp import distributed as dist
+from minimp import nn
+from minimp.parallel.pipeline import PipelineError, split_stages, stage_parameters
 from minimp.train import TrainConfig, build_model, train
 
 
@@ -83,9 +84,8 @@ def test_timeline_records_every_forward_and_backward(tmp_path):
 
 def test_pipeline_stages_split_the_parameters():
     """Lesson 9: with --pp 4 each rank holds one stage, and the stages add up to the model."""
-    from minimp.train.build import stage_of
-
     model = build_model(64, 10, 128, 4, np.random.default_rng(0))
-    counts = [sum(p.size for _, p in stage_of(model, 4, stage)[1]) for stage in range(4)]
+    bounds = split_stages(model.layers, 4)
+    counts = [sum(p.size for _, p in stage_parameters(model, bounds[stage])) for stage in range(4)]
     assert sum(counts) == sum(p.size for p in model.parameters())
     assert max(counts) < sum(counts) / 2

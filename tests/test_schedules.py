@@ -5,7 +5,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minimp.dist.schedules import SCHEDULES, format_schedule, gpipe, one_f_one_b, peak_activations
+from minimp.parallel.schedules import (
+    SCHEDULES,
+    Action,
+    format_schedule,
+    gpipe,
+    one_f_one_b,
+    peak_activations,
+)
 
 CASES = st.tuples(st.sampled_from(sorted(SCHEDULES)), st.integers(1, 8), st.integers(1, 16))
 
@@ -14,11 +21,11 @@ CASES = st.tuples(st.sampled_from(sorted(SCHEDULES)), st.integers(1, 8), st.inte
 def test_every_micro_batch_is_forwarded_then_backwarded_once_on_every_stage(case):
     name, stages, micro_batches = case
     for actions in SCHEDULES[name](stages, micro_batches):
-        forwards = [a[1] for a in actions if a[0] == "forward"]
-        backwards = [a[1] for a in actions if a[0] == "backward"]
+        forwards = [a.micro_batch for a in actions if a.op == "forward"]
+        backwards = [a.micro_batch for a in actions if a.op == "backward"]
         assert sorted(forwards) == sorted(backwards) == list(range(micro_batches))
         for mb in range(micro_batches):
-            assert actions.index(("forward", mb)) < actions.index(("backward", mb))
+            assert actions.index(Action("forward", mb)) < actions.index(Action("backward", mb))
 
 
 def run_abstractly(schedule):
@@ -39,13 +46,13 @@ def run_abstractly(schedule):
             if positions[stage] == len(actions):
                 continue
             action = actions[positions[stage]]
-            if action[0] in ("forward", "backward"):
+            if action.op in ("forward", "backward"):
                 positions[stage] += 1
                 progress = True
                 continue
             neighbour = (
                 stage + 1
-                if action[0] in ("send_forward", "recv_backward", "send_forward_recv_backward")
+                if action.op in ("send_forward", "recv_backward", "send_forward_recv_backward")
                 else stage - 1
             )
             if not 0 <= neighbour < len(schedule) or positions[neighbour] == len(
@@ -53,7 +60,10 @@ def run_abstractly(schedule):
             ):
                 return False
             other = schedule[neighbour][positions[neighbour]]
-            expected = (mirror[action[0]], *(action[1:][::-1] if len(action) == 3 else action[1:]))
+            if action.received is None:  # a one-way message: the mirror names the same micro-batch
+                expected = Action(mirror[action.op], action.micro_batch)
+            else:  # a paired exchange: what one side sends, the other receives
+                expected = Action(mirror[action.op], action.received, received=action.micro_batch)
             if other == expected:
                 positions[stage] += 1
                 positions[neighbour] += 1
@@ -69,7 +79,7 @@ def test_sends_and_receives_pair_up_so_no_schedule_deadlocks(case):
 
 def test_the_checker_catches_a_deadlocking_schedule():
     broken = gpipe(2, 2)
-    broken[1] = [a for a in broken[1] if a != ("recv_forward", 1)]
+    broken[1] = [a for a in broken[1] if a != Action("recv_forward", 1)]
     assert not run_abstractly(broken)
 
 

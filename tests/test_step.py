@@ -50,9 +50,7 @@ def test_a_step_with_any_non_finite_gradient_changes_nothing(kind, parameter, po
     model, optimizer, rng = fp16_model_and_optimizer(kind)
     scaler = DynamicLossScaler(init_scale=256.0)
     backward_once(model, scaler, rng)
-    mixed_precision_step(
-        optimizer, scaler
-    )  # one real step first, so optimizer state is non-trivial
+    mixed_precision_step(optimizer, scaler)  # one real step first: non-trivial optimizer state
     before = snapshot(model, optimizer)
     backward_once(model, scaler, rng)
     grad = model.parameters()[parameter].grad
@@ -115,12 +113,14 @@ def test_sgd_and_adam_match_their_formulas():
     sgd = optim.SGD([parameter], lr=0.1, momentum=0.9)
     for _ in range(2):
         parameter.grad = np.array([g], np.float32)
+        sgd.accumulate_gradients()
         sgd.step()
     # v1 = g, w1 = w0 - lr g; v2 = 0.9 g + g, w2 = w1 - lr v2
     assert parameter.data[0] == pytest.approx(w0 - 0.1 * g - 0.1 * 1.9 * g, rel=1e-6)
     parameter = nn.Parameter(np.array([w0], np.float32))
     adam = optim.Adam([parameter], lr=0.01)
     parameter.grad = np.array([g], np.float32)
+    adam.accumulate_gradients()
     adam.step()
     # the first Adam step moves every weight by lr * sign(g) (bias correction makes m/sqrt(v) = 1)
     assert parameter.data[0] == pytest.approx(w0 - 0.01, rel=1e-5)
@@ -157,8 +157,7 @@ def test_tiny_gradients_fail_in_fp16_without_scaling_and_match_fp32_with_it():
 
     fp32 = train_tiny_gradients(np.float32, NoLossScaler())
     assert fp32 < 0.5
-    assert (
-        train_tiny_gradients(np.float16, NoLossScaler()) > 2.0
-    )  # flushed to zero: nothing learned
+    # flushed to zero: nothing learned
+    assert train_tiny_gradients(np.float16, NoLossScaler()) > 2.0
     assert train_tiny_gradients(np.float16, DynamicLossScaler()) == pytest.approx(fp32, rel=0.01)
     assert train_tiny_gradients(BFLOAT16, NoLossScaler()) < 0.5  # bf16's range needs no scaling

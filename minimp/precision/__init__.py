@@ -11,8 +11,23 @@ from minimp.precision.casting import (
     round_to,
     widen,
 )
-from minimp.precision.scaler import DynamicLossScaler, NoLossScaler, StaticLossScaler
-from minimp.precision.step import StepResult, all_finite, global_norm, mixed_precision_step
+from minimp.precision.scaler import (
+    DynamicLossScaler,
+    LossScaler,
+    NoLossScaler,
+    StaticLossScaler,
+)
+from minimp.precision.step import (
+    SINGLE_PROCESS,
+    GradientSync,
+    SingleProcess,
+    StepResult,
+    all_finite,
+    clip_grad_norm_,
+    global_norm,
+    mixed_precision_step,
+    unscale_,
+)
 
 __all__ = [
     "ACCUMULATE_DTYPE",
@@ -21,13 +36,19 @@ __all__ = [
     "FLOAT16",
     "FLOAT32",
     "MASTER_DTYPE",
+    "SINGLE_PROCESS",
     "DynamicLossScaler",
+    "GradientSync",
+    "LossScaler",
     "NoLossScaler",
+    "SingleProcess",
     "StaticLossScaler",
     "StepResult",
     "all_finite",
+    "clip_grad_norm_",
     "global_norm",
     "mixed_precision_step",
     "round_to",
+    "unscale_",
     "widen",
 ]

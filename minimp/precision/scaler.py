@@ -7,7 +7,29 @@ exponent); the optimizer divides by S again in float32 (Micikevicius et al., "Mi
 Training", 2018).
 """
 
+from typing import Any, Protocol, runtime_checkable
+
 import numpy as np
+
+
+@runtime_checkable
+class LossScaler(Protocol):
+    """What the mixed-precision step needs from a scaler (Static, Dynamic and No satisfy it)."""
+
+    loss_scale: float  # S: the loss is multiplied by it before backward
+    hit_min_scale: bool  # True after an update that could not back off any further
+
+    def scale(self, loss: Any) -> Any:
+        """loss * S, the tensor to call backward() on."""
+
+    def update(self, found_inf: bool) -> None:
+        """Adjust S after a step; found_inf must already agree across all ranks."""
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue the same trajectory after a resume."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what state_dict returned."""
 
 
 def _times(scale, factor):
@@ -66,11 +88,8 @@ class DynamicLossScaler:
             )
         self.loss_scale = float(np.float32(init_scale))
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval, self.hysteresis, self.min_scale = (
-            growth_interval,
-            hysteresis,
-            min_scale,
-        )
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self.min_scale = min_scale
         self.growth_tracker = 0  # clean steps since the last change (torch's _growth_tracker)
         self.hysteresis_tracker = hysteresis  # overflows still tolerated before a back-off
         self.hit_min_scale = False

@@ -1,26 +1,62 @@
-"""One mixed-precision optimizer step: fp16 grads -> fp32 -> finite check -> unscale -> clip ->
-update.
+"""THE mixed-precision step, whole in one function: every decision between backward and the update.
 
-A step whose gradients hold any inf or NaN is skipped whole: masters, optimizer state (Adam's step
-count included) and the compute copies stay exactly as they were; only the loss scaler hears about
-it.
+    accumulate (fp16 -> fp32) -> finite? -> agree across ranks -> reduce -> finite again?
+      -> unscale -> clip -> update masters, round into compute copies -> scaler update
+
+A step whose gradients hold any inf or NaN (on any rank) is skipped whole: masters, optimizer state
+(Adam's step count included) and the compute copies stay exactly as they were; only the loss scaler
+hears about it. Other classes each do one part: the optimizer accumulates and updates, the scaler
+picks the scale, a `GradientSync` (data parallelism, pipelines) agrees and reduces across ranks.
 """
 
+import math
 from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
 
 from minimp.backend import array_module
+from minimp.precision.scaler import LossScaler
 
 
 @dataclass
 class StepResult:
     skipped: bool  # True when a non-finite gradient was found (on any rank) and nothing was updated
     loss_scale: float  # the scale this step's gradients were computed with
-    grad_norm: (
-        float  # L2 norm of the unscaled gradients when clipping (inf when skipped), else None
-    )
+    grad_norm: float | None  # norm of the unscaled gradients when clipping (inf if skipped)
 
 
-def all_finite(arrays):
+class GradientSync(Protocol):
+    """How the ranks that share one step agree and reduce; on one process every method is a no-op.
+
+    The order of the decisions is fixed by `mixed_precision_step`; where the bytes move is up to
+    the implementation (all at once after backward today; a reduction that starts during backward,
+    or a reduce-scatter per bucket, can keep this interface: `reduce` then only waits).
+    """
+
+    def any_rank(self, found_inf: bool) -> bool:
+        """True on every rank when it is True on any rank of the job (one decision for all)."""
+
+    def reduce(self, gradients: list) -> None:
+        """Replace each float32 gradient, in place, by its mean over the data-parallel replicas."""
+
+    def total_squared_norm(self, local: float) -> float:
+        """Sum of squared gradient norms over the ranks that hold different parameters (pipeline
+        stages), so every rank clips by the norm of the whole model."""
+
+
+class SingleProcess:
+    """The GradientSync of a one-process run: nothing to agree with, nothing to reduce."""
+
+    def any_rank(self, found_inf: bool) -> bool:
+        return found_inf
+
+    def reduce(self, gradients: list) -> None:
+        pass
+
+    def total_squared_norm(self, local: float) -> float:
+        return local
+
+
+def all_finite(arrays: Sequence[Any]) -> bool:
     """True when no array holds inf or NaN (checked on the float32 gradients: cheap and exact)."""
     for array in arrays:
         if array is not None and not bool(array_module(array).isfinite(array).all()):
@@ -28,52 +64,72 @@ def all_finite(arrays):
     return True
 
 
-def global_norm(arrays):
-    """sqrt(sum of squares) over all arrays, accumulated in float32 per array and float64 across."""
+def squared_norm(arrays: Sequence[Any]) -> float:
+    """Sum of squares over all arrays: float32 dot products per array, added in float64."""
     total = 0.0
     for array in arrays:
         if array is not None:
             flat = array.reshape(-1)
             total += float(flat @ flat)
-    return total**0.5
+    return total
+
+
+def global_norm(arrays: Sequence[Any]) -> float:
+    """sqrt(sum of squares) over all arrays (the L2 norm of them all as one vector)."""
+    return math.sqrt(squared_norm(arrays))
+
+
+def unscale_(gradients: Sequence[Any], loss_scale: float) -> None:
+    """Divide every gradient by the loss scale, in place, in float32: values that were subnormal
+    (or zero) in float16 are normal float32 numbers after the division."""
+    if loss_scale != 1.0:
+        inverse_scale = 1.0 / loss_scale  # exact: the scale is a power of two
+        for grad in gradients:
+            if grad is not None:
+                grad *= inverse_scale
+
+
+def clip_grad_norm_(
+    gradients: Sequence[Any], max_norm: float | None, sync: GradientSync
+) -> float | None:
+    """Scale the gradients so their global norm is at most max_norm (PyTorch's clip_grad_norm_:
+    factor max_norm / (norm + 1e-6) when the norm is larger); returns the norm, or None when not
+    clipping."""
+    if max_norm is None:
+        return None
+    norm = math.sqrt(sync.total_squared_norm(squared_norm(gradients)))
+    if norm > max_norm:
+        factor = max_norm / (norm + 1e-6)
+        for grad in gradients:
+            if grad is not None:
+                grad *= factor
+    return norm
+
+
+SINGLE_PROCESS = SingleProcess()
 
 
 def mixed_precision_step(
-    optimizer, loss_scaler, max_grad_norm=None, reduce_gradients=None, reduce_found_inf=None
-):
-    """Finish a step whose (scaled) backward passes are done; returns a StepResult.
-
-    reduce_found_inf(bool) -> bool and reduce_gradients(list of float32 arrays) are the hooks data
-    and pipeline parallelism use: first every rank learns whether any rank overflowed (then all
-    skip, and no gradient is sent), else the gradients are averaged across replicas.
-    """
-    optimizer.accumulate_gradients()
-    gradients = optimizer.master_gradients
-    found_inf = not all_finite(gradients)
-    if reduce_found_inf is not None:
-        found_inf = bool(reduce_found_inf(found_inf))
-    if not found_inf and reduce_gradients is not None:
-        reduce_gradients(gradients)
-        # A float16 wire can overflow in the sum. The reduced gradients are bit-identical on every
-        # rank, so this second check is the same decision everywhere without another message.
-        found_inf = not all_finite(gradients)
-    loss_scale = loss_scaler.loss_scale
+    optimizer: Any,
+    loss_scaler: LossScaler,
+    max_grad_norm: float | None = None,
+    sync: GradientSync = SINGLE_PROCESS,
+) -> StepResult:
+    """Finish a step whose (scaled) backward passes are done; returns a StepResult."""
+    gradients = optimizer.accumulate_gradients()  # 16-bit .grad -> float32 sums
+    found_inf = sync.any_rank(not all_finite(gradients))  # nobody sends inf; all skip together
+    if not found_inf:
+        sync.reduce(gradients)  # average over the replicas
+        # A float16 wire can overflow in the sum, and a pipeline's other stages must hear of it.
+        found_inf = sync.any_rank(not all_finite(gradients))
+    loss_scale = loss_scaler.loss_scale  # the scale these gradients carry (update may change it)
     if found_inf:
         optimizer.zero_grad()
-        loss_scaler.update(True)
-        return StepResult(skipped=True, loss_scale=loss_scale, grad_norm=float("inf"))
-    inverse_scale = 1.0 / loss_scale
-    for grad in gradients:
-        if grad is not None and inverse_scale != 1.0:
-            grad *= inverse_scale  # float32: values that were subnormal in fp16 are normal here
-    norm = None
-    if max_grad_norm is not None:
-        norm = global_norm(gradients)
-        if norm > max_grad_norm:
-            for grad in gradients:
-                if grad is not None:
-                    grad *= max_grad_norm / (norm + 1e-6)
-    optimizer.step()
+        loss_scaler.update(found_inf=True)
+        return StepResult(skipped=True, loss_scale=loss_scale, grad_norm=math.inf)
+    unscale_(gradients, loss_scale)
+    norm = clip_grad_norm_(gradients, max_grad_norm, sync)
+    optimizer.step()  # update the float32 masters, round them into the compute copies
     optimizer.zero_grad()
-    loss_scaler.update(False)
+    loss_scaler.update(found_inf=False)
     return StepResult(skipped=False, loss_scale=loss_scale, grad_norm=norm)

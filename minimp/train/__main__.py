@@ -8,8 +8,8 @@ the whole job.
 
 import sys
 
-from minimp.backend import DeviceError, use_device
-from minimp.dist import run_or_abort, world
+from minimp.backend import DeviceError, check_device
+from minimp.distributed import run_or_abort, world
 from minimp.train.checkpoint import CheckpointError
 from minimp.train.config import ConfigError, parse_config
 from minimp.train.loop import train
@@ -43,7 +43,7 @@ def main(argv=None):
     try:
         config.validate(comm.size)
         if config.device:
-            use_device(config.device)  # CuPy and a GPU are there, or one clear line from rank 0
+            check_device(config.device)  # CuPy and a GPU are there, or one clear line from rank 0
         if config.plot:
             require_matplotlib()
     except USER_ERRORS as error:

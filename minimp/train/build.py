@@ -1,16 +1,20 @@
-"""What a training run is made of: the model, its split into stages, optimizer, scaler,
-evaluation."""
+"""What a training run is made of: the model, this rank's stage of it, its optimizer and loss
+scaler, and evaluation."""
+
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from minimp import backend, nn, optim
-from minimp.dist.pipeline import split_stages
-from minimp.function import no_grad
-from minimp.precision import DynamicLossScaler, NoLossScaler, StaticLossScaler
-from minimp.tensor import Tensor
+from minimp import backend, functional, nn, optim
+from minimp.parallel import PipelineStage, Topology, cut_shapes, split_stages, stage_parameters
+from minimp.precision import DynamicLossScaler, LossScaler, NoLossScaler, StaticLossScaler
+from minimp.tensor import Tensor, no_grad
 
 
-def build_model(features, classes, hidden, layers, rng):
+def build_model(
+    features: int, classes: int, hidden: int, layers: int, rng: np.random.Generator
+) -> nn.Sequential:
     """MLP: features -> hidden (x layers, each Linear + ReLU) -> classes, float32, weights from
     rng."""
     modules, width = [], features
@@ -21,20 +25,41 @@ def build_model(features, classes, hidden, layers, rng):
     return nn.Sequential(*modules)
 
 
-def stage_of(model, stages, stage):
-    """(layers, [(global name, Parameter)], input width, output width) of one pipeline stage.
-    Parameter names stay those of the whole model ("4.weight"), so every layout writes the same
-    checkpoint names."""
-    start, stop = split_stages(model.layers, stages)[stage]
-    layers = model.layers[start:stop]
-    named = [
-        (name, p) for name, p in model.named_parameters() if start <= int(name.split(".")[0]) < stop
-    ]
-    linears = [layer for layer in layers if isinstance(layer, nn.Linear)]
-    return layers, named, linears[0].in_features, linears[-1].out_features
+@dataclass
+class Stage:
+    """This rank's share of the model: the whole model (for evaluation on rank 0), the names of
+    the parameters this stage trains, their optimizer, and the runner of the stage's layers."""
+
+    model: nn.Sequential
+    names: list[str]
+    optimizer: optim.Optimizer
+    runner: PipelineStage
 
 
-def build_optimizer(config, parameters):
+def build_stage(config: Any, dataset: Any, topology: Topology, dtype: Any) -> Stage:
+    """The whole float32 model from the seed, then this rank's stage of it, its optimizer (masters
+    from the float32 init), the float16/bfloat16 compute copies and the stage's runner."""
+    rng = np.random.default_rng(config.seed)
+    model = build_model(dataset.features, dataset.classes, config.hidden, config.layers, rng)
+    start, stop = split_stages(model.layers, config.pp)[topology.stage]
+    named = stage_parameters(model, (start, stop))
+    optimizer = build_optimizer(config, [parameter for _, parameter in named])
+    model.to(dtype)
+    micro_rows = config.batch_size // topology.dp // config.micro_batches
+    sample = backend.to_device(dataset.train_images[:micro_rows]).astype(dtype)
+    shapes = cut_shapes(model.layers, sample)
+    runner = PipelineStage(
+        model.layers[start:stop],
+        topology,
+        input_shape=shapes[start],
+        output_shape=shapes[stop],
+        dtype=dtype,
+        loss_fn=functional.cross_entropy,
+    )
+    return Stage(model, [name for name, _ in named], optimizer, runner)
+
+
+def build_optimizer(config: Any, parameters: list) -> optim.Optimizer:
     if config.optimizer == "sgd":
         return optim.SGD(
             parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
@@ -44,7 +69,7 @@ def build_optimizer(config, parameters):
     return optim.Adam(parameters, lr=config.lr, weight_decay=config.weight_decay)
 
 
-def build_scaler(config):
+def build_scaler(config: Any) -> LossScaler:
     kind, value = config.loss_scale_kind()
     if kind == "dynamic":
         return DynamicLossScaler(growth_interval=config.loss_scale_growth_interval)
@@ -53,12 +78,12 @@ def build_scaler(config):
     return NoLossScaler()
 
 
-def evaluate(model, images, labels, batch_size=512):
+def evaluate(model: nn.Module, images: Any, labels: np.ndarray, batch_size: int = 512) -> float:
     """Fraction of correctly classified samples (forward only, in the model's compute dtype)."""
     correct = 0
     with no_grad():
         for start in range(0, len(labels), batch_size):
             logits = model(Tensor(images[start : start + batch_size])).data
-            predictions = backend.to_numpy(logits.astype(np.float32).argmax(axis=1))
+            predictions = backend.to_numpy(logits.argmax(axis=1))  # argmax needs no widening
             correct += int((predictions == labels[start : start + batch_size]).sum())
     return correct / len(labels)

@@ -121,7 +121,7 @@ def restore(path, *, seed, model_shape, names, optimizer, scaler):
                 f"the model expects {master.shape}"
             )
     for index, name in enumerate(names):
-        optimizer.load_master_weights_at(index, backend.to_device(arrays[f"master/{name}"]))
+        optimizer.set_master_weight(index, backend.to_device(arrays[f"master/{name}"]))
     slots = [
         {
             slot: backend.to_device(arrays[f"optimizer/{name}/{slot}"])

@@ -3,6 +3,8 @@
 import json
 import time
 
+import numpy as np
+
 
 class Stopwatch:
     """Seconds spent inside wrapped calls, summed (the communication time of a step's metrics)."""
@@ -19,6 +21,64 @@ class Stopwatch:
                 self.seconds += time.perf_counter() - start
 
         return timed
+
+
+class TimedCalls:
+    """Stands in for an object and adds the seconds spent in each of its method calls to a
+    Stopwatch (the trainer times its GradientSync this way: that is the step's communication)."""
+
+    def __init__(self, target, stopwatch):
+        self._target, self._stopwatch = target, stopwatch
+
+    def __getattr__(self, name):
+        return self._stopwatch.wrap(getattr(self._target, name))
+
+
+class History:
+    """The per-step records: kept in memory, written to --metrics, summed up in progress lines."""
+
+    def __init__(self, log, metrics_path, append, steps, log_every, batch_size):
+        self.log, self.steps, self.log_every, self.batch_size = log, steps, log_every, batch_size
+        self.metrics = MetricsWriter(metrics_path, append=append)
+        self.records, self.skipped = [], 0
+        self.window_start, self.window_samples = time.perf_counter(), 0
+
+    def add(self, entry, loss_scale):
+        """Keep and write one step's record; print a progress line every log_every steps."""
+        self.records.append(entry)
+        self.metrics.write(entry)
+        self.skipped += entry["skipped"]
+        self.window_samples += self.batch_size
+        step = entry["step"]
+        if step % self.log_every == 0 or step == self.steps:
+            elapsed = max(time.perf_counter() - self.window_start, 1e-9)
+            rate = self.window_samples / elapsed
+            self.log(progress_line(step, self.steps, entry["loss"], loss_scale, self.skipped, rate))
+            self.window_start, self.window_samples = time.perf_counter(), 0
+
+    def close(self, final_record):
+        self.metrics.write(final_record)
+        self.metrics.close()
+
+
+class Timeline:
+    """Every forward and backward of this rank, as [step, is_backward, micro-batch, start, end]
+    rows in seconds from the step's start (for --timeline)."""
+
+    def __init__(self):
+        self.rows = []
+
+    def recorder(self, step, step_start):
+        """The callback a PipelineStage calls after each compute action of this step."""
+
+        def record(op, micro_batch, start, end):
+            is_backward = op != "forward"
+            self.rows.append([step, is_backward, micro_batch, start - step_start, end - step_start])
+
+        return record
+
+    def array(self):
+        return np.array(self.rows, np.float64).reshape(-1, 5)
 
 
 class MetricsWriter:

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from minimp import dist
+from minimp import distributed as dist
 
 
 def main():

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from minimp import dist
+from minimp import distributed as dist
 
 
 def main():

@@ -3,7 +3,7 @@ once."""
 
 import numpy as np
 
-from minimp import dist
+from minimp import distributed as dist
 
 
 def main():

@@ -1,22 +1,24 @@
 """An in-process simulated MPI world: ranks are threads, every message is recorded, deadlocks are
 caught.
 
-`simulate(n, fn, *args)` runs fn(comm, *args) on n ranks and returns their results. The communicator
-has the same API as the real one (minimp/dist/comm.py), so the very same collective runs here, in a
-notebook, message by message, and under `mpirun`. Like MPI, a message up to `eager_limit` bytes is
-buffered and the sender goes on; a larger one waits until the receiver takes it (the rendezvous
-protocol). That is why a ring written as Send-then-Recv works for small arrays and deadlocks for
-large ones; here the deadlock raises DeadlockError saying who waits on whom, instead of hanging.
+`simulate(n, fn, *args)` runs fn(comm, *args) on n ranks and returns their results. Its communicator
+satisfies the same Protocol as the real one (minimp/distributed/protocol.py), so the very same
+collective runs here, in a notebook, message by message, and under `mpirun`. Like MPI, a message up
+to `eager_limit` bytes is buffered and the sender goes on; a larger one waits until the receiver
+takes it (the rendezvous protocol). That is why a ring written as Send-then-Recv works for small
+arrays and deadlocks for large ones; here the deadlock raises DeadlockError saying who waits on
+whom, instead of hanging.
 """
 
 import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
-from minimp.dist.comm import byte_view
+from minimp.distributed.protocol import REDUCE_OPS, Tag, byte_view, check_byte_count, check_op
 
 DEFAULT_EAGER_LIMIT = 64 * 1024  # bytes; MPICH's shared-memory eager threshold is of this order
 
@@ -47,14 +49,13 @@ class _Envelope:
 class SimulatedWorld:
     """The shared state of n simulated ranks: mailboxes, the trace, who is blocked on what."""
 
-    def __init__(self, size, eager_limit=DEFAULT_EAGER_LIMIT, timeout=60.0):
+    def __init__(self, size: int, eager_limit: int = DEFAULT_EAGER_LIMIT, timeout: float = 60.0):
         if size < 1:
             raise ValueError(f"a world needs at least one rank, got {size}")
         self.size, self.eager_limit, self.timeout = size, eager_limit, timeout
         self.condition = threading.Condition()
-        self.mailboxes = defaultdict(
-            deque
-        )  # (context, source, dest, tag) -> envelopes in send order
+        # (context, source, dest, tag) -> envelopes in send order
+        self.mailboxes = defaultdict(deque)
         self.collectives = {}  # (context, call number) -> {rank: contribution}, until all have read
         self.collective_reads = {}  # (context, call number) -> ranks that have read the entry
         self.waiting = {}  # world rank -> (description, predicate)
@@ -93,7 +94,7 @@ class SimulatedWorld:
         self.deadlock = "deadlock: " + "; ".join(lines)
         self.condition.notify_all()
 
-    def run(self, fn, *args):
+    def run(self, fn: Callable, *args: Any) -> list:
         """Run fn(comm, *args) on every rank; results in rank order, or the first rank's
         exception."""
         results, errors = [None] * self.size, {}
@@ -133,7 +134,13 @@ class SimulationResults(list):
     trace = ()
 
 
-def simulate(size, fn, *args, eager_limit=DEFAULT_EAGER_LIMIT, timeout=60.0):
+def simulate(
+    size: int,
+    fn: Callable,
+    *args: Any,
+    eager_limit: int = DEFAULT_EAGER_LIMIT,
+    timeout: float = 60.0,
+) -> SimulationResults:
     """Run fn(comm, *args) on `size` in-process ranks; returns their results (with `.trace`)."""
     world = SimulatedWorld(size, eager_limit=eager_limit, timeout=timeout)
     results = SimulationResults(world.run(fn, *args))
@@ -145,7 +152,7 @@ class SimulatedCommunicator:
     """A rank's view of a SimulatedWorld, or of a group split from it; same API as
     MPICommunicator."""
 
-    def __init__(self, world, rank, members, context):
+    def __init__(self, world: SimulatedWorld, rank: int, members: list[int], context: tuple):
         self.world, self.members, self.context = world, members, context
         self.rank, self.size = rank, len(members)  # rank within this group
         self.world_rank = members[rank]
@@ -158,7 +165,7 @@ class SimulatedCommunicator:
 
     def _post(self, array, dest, tag):
         """Put a copy of the bytes in dest's mailbox (under the lock); returns the envelope."""
-        world, payload = self.world, byte_view(np.ascontiguousarray(array)).copy()
+        world, payload = self.world, byte_view(array).copy()  # refuses what MPI refuses
         source, target = self.world_rank, self.members[dest]
         record = Message(
             len(world.trace), world.sends_by_rank[source], source, target, tag, payload.nbytes
@@ -193,36 +200,39 @@ class SimulatedCommunicator:
         envelope.taken = True
         self.world.condition.notify_all()
         target = byte_view(array)
-        if envelope.payload.nbytes != target.nbytes:
-            raise ValueError(
-                f"received {envelope.payload.nbytes} bytes from rank {self.members[source]} "
-                f"into a {target.nbytes}-byte buffer: the ranks disagree on the array's "
-                "length or dtype"
-            )
+        check_byte_count(envelope.payload.nbytes, target.nbytes, self.members[source])
         target[...] = envelope.payload
 
-    def send(self, array, dest, tag=0):
+    def send(self, array: Any, dest: int, tag: int = 0) -> None:
         with self.world.condition:
             self._await_delivery(self._post(array, dest, tag), dest)
 
-    def recv(self, array, source, tag=0):
+    def recv(self, array: Any, source: int, tag: int = 0) -> None:
         with self.world.condition:
             self._take(array, source, tag)
 
-    def sendrecv(self, send_array, dest, recv_array, source, tag=0, recv_tag=None):
+    def sendrecv(
+        self,
+        send_array: Any,
+        dest: int,
+        recv_array: Any,
+        source: int,
+        tag: int = 0,
+        recv_tag: int | None = None,
+    ) -> None:
         with self.world.condition:
             envelope = self._post(send_array, dest, tag)
             self._take(recv_array, source, tag if recv_tag is None else recv_tag)
             self._await_delivery(envelope, dest)
 
-    def bcast(self, array, root=0):
+    def bcast(self, array: Any, root: int = 0) -> None:
         """Root sends to every other rank (a linear broadcast: simple to read in a trace)."""
         if self.rank == root:
             for dest in range(self.size):
                 if dest != root:
-                    self.send(array, dest, tag=-1)
+                    self.send(array, dest, tag=Tag.BROADCAST)
         else:
-            self.recv(array, root, tag=-1)
+            self.recv(array, root, tag=Tag.BROADCAST)
 
     def _collective(self, contribution):
         """Every rank of the group hands in a contribution; all get the dict of all of them."""
@@ -244,22 +254,22 @@ class SimulatedCommunicator:
                 del world.collectives[key], world.collective_reads[key]
             return dict(entry)
 
-    def allreduce_scalars(self, values, op="max"):
-        reducer = {"max": np.max, "min": np.min, "sum": np.sum}[op]
+    def allreduce_scalars(self, values: Any, op: str = "max") -> np.ndarray:
+        check_op(op)
         contributions = self._collective(np.asarray(values, dtype=np.float64).copy())
-        return reducer(np.stack([contributions[r] for r in range(self.size)]), axis=0)
+        return REDUCE_OPS[op].reduce(np.stack([contributions[r] for r in range(self.size)]), axis=0)
 
-    def barrier(self):
+    def barrier(self) -> None:
         self._collective(None)
 
-    def ranks_on_this_node(self):
+    def ranks_on_this_node(self) -> int:
         """Simulated ranks are threads sharing one process (and its BLAS thread pool): count one."""
         return 1
 
-    def node_rank_and_size(self):
+    def node_rank_and_size(self) -> tuple[int, int]:
         return 0, 1
 
-    def split(self, color, key=0):
+    def split(self, color: int, key: int = 0) -> "SimulatedCommunicator":
         """Same semantics as MPI_Comm_split: one group per color, ranked by (key, old rank)."""
         contributions = self._collective((color, key))
         group = sorted((k, r) for r, (c, k) in contributions.items() if c == color)
@@ -269,5 +279,5 @@ class SimulatedCommunicator:
             self.world, rank, members, self.context + ((self._collective_calls, color),)
         )
 
-    def abort(self, code=1):
+    def abort(self, code: int = 1) -> None:
         raise SystemExit(code)

@@ -73,7 +73,7 @@ def test_the_examples_run(tmp_path):
 
 
 def test_cuda_awareness_query_answers_and_can_be_overridden(monkeypatch):
-    from minimp.dist.comm import mpi_is_cuda_aware, world
+    from minimp.distributed.mpi import mpi_is_cuda_aware, world
 
     world()  # MPI (and so libmpi) is loaded
     assert mpi_is_cuda_aware() in (True, False)

@@ -5,6 +5,8 @@ cluster: activations, sent every micro-batch, stay inside a node; gradients, all
 step, cross nodes). A Topology is passed as an argument; nothing about it is global.
 """
 
+from minimp.distributed.protocol import Communicator
+
 
 class TopologyError(ValueError):
     """The grid does not fit the number of ranks."""
@@ -13,7 +15,7 @@ class TopologyError(ValueError):
 class Topology:
     """Coordinates of this rank plus the two sub-communicators it talks through."""
 
-    def __init__(self, comm, dp, pp=1):
+    def __init__(self, comm: Communicator, dp: int, pp: int = 1):
         if dp < 1 or pp < 1 or dp * pp != comm.size:
             raise TopologyError(
                 f"--dp {dp} x --pp {pp} = {dp * pp} ranks, but the job has {comm.size} "
@@ -28,20 +30,21 @@ class Topology:
         self.pp_group = comm.split(color=self.dp_rank, key=self.stage)
 
     @property
-    def is_first_stage(self):
+    def is_first_stage(self) -> bool:
         return self.stage == 0
 
     @property
-    def is_last_stage(self):
+    def is_last_stage(self) -> bool:
         return self.stage == self.pp - 1
 
     @property
-    def previous_stage(self):
+    def previous_stage(self) -> int | None:
         """pp_group rank of the stage before this one, or None on the first stage."""
         return None if self.is_first_stage else self.stage - 1
 
     @property
-    def next_stage(self):
+    def next_stage(self) -> int | None:
+        """pp_group rank of the stage after this one, or None on the last stage."""
         return None if self.is_last_stage else self.stage + 1
 
     def __repr__(self):

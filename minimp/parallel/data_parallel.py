@@ -8,19 +8,23 @@ reduce_scatter and all_gather.)
 Averaging by the world size p can happen before or after the all-reduce:
   before  each rank sends g_r / p and the sum is the mean. The values on the wire never exceed the
           largest single gradient, so a float16 wire cannot overflow where one rank's gradient did
-            not.
-          What PyTorch DDP does today.
+          not. What PyTorch DDP does today.
   after   each rank sends g_r and divides the sum by p. The sum of p float16 gradients can overflow
           65504 even when every g_r is finite (with loss scaling this is the common case), and tiny
           g_r / p could underflow the other way; in float32 both orders are equally fine.
+
+`DataParallel` is the `GradientSync` of minimp/precision/step.py: the mixed-precision step calls it
+to agree on overflows, to average the gradients and to add up the gradient norm.
 """
 
 import zlib
+from typing import Any
 
 import numpy as np
 
 from minimp.backend import array_module, to_numpy
-from minimp.dist.collectives import ring_allreduce
+from minimp.distributed.protocol import Communicator
+from minimp.distributed.ring import ring_allreduce
 from minimp.precision.casting import round_to
 
 
@@ -33,19 +37,24 @@ class DataParallel:
 
     def __init__(
         self,
-        comm,
-        optimizer,
-        bucket_mb=25.0,
-        comm_dtype=np.float32,
-        average="before",
-        decision_comm=None,
+        comm: Communicator,
+        optimizer: Any,
+        *,
+        bucket_mb: float = 25.0,
+        comm_dtype: Any = np.float32,
+        average: str = "before",
+        decision_comm: Communicator | None = None,
+        stages_comm: Communicator | None = None,
     ):
         """comm: the replicas of this stage. decision_comm: who shares the skip decision (with
-        pipeline stages, every rank of the job; by default the replicas)."""
+        pipeline stages, every rank of the job; by default the replicas). stages_comm: the ranks
+        that hold the other parts of this replica's model (its pipeline stages), whose gradient
+        norms add up to the model's; by default none."""
         if average not in ("before", "after"):
             raise ValueError(f"average must be 'before' or 'after', got {average!r}")
         self.comm, self.optimizer, self.average = comm, optimizer, average
         self.decision_comm = decision_comm or comm
+        self.stages_comm = stages_comm
         self.comm_dtype = np.dtype(comm_dtype)
         self.buckets = self._plan_buckets(bucket_mb * 2**20)
         xp = array_module(optimizer.master_weights[0]) if optimizer.master_weights else np
@@ -56,7 +65,7 @@ class DataParallel:
             for _, size in self.buckets
         ]
 
-    def _plan_buckets(self, bucket_bytes):
+    def _plan_buckets(self, bucket_bytes: float) -> list[tuple[list[int], int]]:
         """[(parameter indices, elements)]; parameters are taken last to first, the order in which
         backward produces their gradients (so a real overlap of communication with backward could
         start on a full bucket early, as PyTorch DDP does)."""
@@ -72,13 +81,26 @@ class DataParallel:
             buckets.append((current, size))
         return buckets
 
-    def broadcast_parameters(self, root=0):
+    def broadcast_parameters(self, root: int = 0) -> None:
         """Make every replica start from root's float32 masters, bit for bit."""
         for index, master in enumerate(self.optimizer.master_weights):
             self.comm.bcast(master, root=root)
-            self.optimizer.load_master_weights_at(index, master)
+            self.optimizer.set_master_weight(index, master)
 
-    def reduce_gradients(self, gradients):
+    def any_rank(self, found_inf: bool) -> bool:
+        """One decision for all: True on every rank when any rank saw a non-finite gradient."""
+        if self.decision_comm.size == 1:
+            return found_inf
+        return bool(self.decision_comm.allreduce_scalars([float(found_inf)], op="max")[0])
+
+    def total_squared_norm(self, local: float) -> float:
+        """This stage's squared gradient norm plus the other stages' (replicas hold the same
+        averaged gradients, so they are not added again)."""
+        if self.stages_comm is None or self.stages_comm.size == 1:
+            return local
+        return float(self.stages_comm.allreduce_scalars([local], op="sum")[0])
+
+    def reduce(self, gradients: list) -> None:
         """Replace each float32 gradient (in place) by the mean over the replicas."""
         if self.comm.size == 1:
             return
@@ -105,13 +127,7 @@ class DataParallel:
                     flat *= np.float32(inverse)
                 offset += flat.size
 
-    def reduce_found_inf(self, found_inf):
-        """One decision for all: True on every rank when any rank saw a non-finite gradient."""
-        if self.decision_comm.size == 1:
-            return found_inf
-        return bool(self.decision_comm.allreduce_scalars([1.0 if found_inf else 0.0], op="max")[0])
-
-    def check_replicas(self):
+    def check_replicas(self) -> None:
         """Raise ReplicaMismatchError naming the ranks whose masters differ from rank 0's."""
         checksum = 0
         for master in self.optimizer.master_weights:
@@ -127,7 +143,7 @@ class DataParallel:
             )
 
 
-def _gradient_or_zeros(gradients, index, optimizer):
+def _gradient_or_zeros(gradients: list, index: int, optimizer: Any) -> Any:
     """A parameter no loss reached still takes part in the all-reduce, with zeros."""
     if gradients[index] is None:
         gradients[index] = array_module(optimizer.master_weights[index]).zeros_like(
@@ -136,7 +152,7 @@ def _gradient_or_zeros(gradients, index, optimizer):
     return gradients[index]
 
 
-def shard(indices, rank, world_size):
+def shard(indices: Any, rank: int, world_size: int) -> Any:
     """This replica's contiguous slice of a global batch (the batch size must divide evenly)."""
     size = len(indices) // world_size
     return indices[rank * size : (rank + 1) * size]

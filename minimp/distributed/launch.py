@@ -4,14 +4,17 @@ waiting)."""
 
 import sys
 import traceback
+from typing import Any, Callable
+
+from minimp.distributed.protocol import Communicator
 
 
-def run_or_abort(main, *args, comm=None):
+def run_or_abort(main: Callable, *args: Any, comm: Communicator | None = None) -> Any:
     """Call main(*args). If it raises (or exits non-zero) on a job of several ranks, print this
     rank's error with its rank number, then MPI_Abort the whole job; on one rank, behave like a
     plain call."""
     if comm is None:
-        from minimp.dist.comm import world
+        from minimp.distributed.mpi import world
 
         comm = world()
     try:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minimp import dist
+from minimp import distributed as dist
 
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
 # Relative tolerance of a p-rank sum against float64: p - 1 roundings of the storage dtype at most.

@@ -5,44 +5,46 @@ raw bytes: the receiver learns the shapes first, so nothing is pickled.
 """
 
 import json
+from typing import Any
 
 import numpy as np
 
 from minimp.backend import to_numpy
+from minimp.distributed.protocol import Communicator, Tag
 from minimp.precision.casting import ACTIVATION_DTYPES
 
-_TAG = 7
 
-
-def _dtype_from_name(name):
+def _dtype_from_name(name: str) -> np.dtype:
     for dtype in ACTIVATION_DTYPES.values():
         if dtype.name == name:
             return dtype
     return np.dtype(name)
 
 
-def gather_named_arrays(comm, arrays, root=0):
+def gather_named_arrays(
+    comm: Communicator, arrays: dict[str, Any], root: int = 0
+) -> dict[str, np.ndarray] | None:
     """On root: the union of every rank's {name: host array}; on other ranks: None."""
     if comm.rank != root:
         host = {name: np.ascontiguousarray(to_numpy(array)) for name, array in arrays.items()}
         header = json.dumps(
             [[name, a.dtype.name, list(a.shape)] for name, a in host.items()]
         ).encode()
-        comm.send(np.array([len(header)], np.int64), root, tag=_TAG)
-        comm.send(np.frombuffer(header, np.uint8).copy(), root, tag=_TAG)
+        comm.send(np.array([len(header)], np.int64), root, tag=Tag.GATHER_ARRAYS)
+        comm.send(np.frombuffer(header, np.uint8).copy(), root, tag=Tag.GATHER_ARRAYS)
         for array in host.values():
-            comm.send(array, root, tag=_TAG)
+            comm.send(array, root, tag=Tag.GATHER_ARRAYS)
         return None
     merged = {name: to_numpy(array) for name, array in arrays.items()}
     for source in range(comm.size):
         if source == root:
             continue
         length = np.empty(1, np.int64)
-        comm.recv(length, source, tag=_TAG)
+        comm.recv(length, source, tag=Tag.GATHER_ARRAYS)
         header = np.empty(int(length[0]), np.uint8)
-        comm.recv(header, source, tag=_TAG)
+        comm.recv(header, source, tag=Tag.GATHER_ARRAYS)
         for name, dtype, shape in json.loads(header.tobytes().decode()):
             array = np.empty(shape, _dtype_from_name(dtype))
-            comm.recv(array, source, tag=_TAG)
+            comm.recv(array, source, tag=Tag.GATHER_ARRAYS)
             merged[name] = array
     return merged

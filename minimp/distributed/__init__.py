@@ -1,0 +1,53 @@
+"""minimp.distributed: communicators (real MPI and a simulated world) and collectives from scratch.
+
+The transport layer, as `torch.distributed` is PyTorch's: `from minimp import distributed as dist`.
+It knows how to move and reduce bytes between ranks and nothing about models; the strategies that
+use it (data and pipeline parallelism) live in minimp.parallel and import this package, never the
+other way round.
+"""
+
+from minimp.distributed.buffers import CollectiveMismatchError
+from minimp.distributed.collectives import (
+    ALGORITHMS,
+    allreduce,
+    choose_algorithm,
+    naive_allreduce,
+    recursive_doubling_allreduce,
+)
+from minimp.distributed.gather import gather_named_arrays
+from minimp.distributed.launch import run_or_abort
+from minimp.distributed.mpi import MPICommunicator, world
+from minimp.distributed.protocol import REDUCE_OPS, Communicator, Tag
+from minimp.distributed.ring import all_gather, chunk_bounds, reduce_scatter, ring_allreduce
+from minimp.distributed.simulated import (
+    DeadlockError,
+    Message,
+    SimulatedCommunicator,
+    SimulatedWorld,
+    simulate,
+)
+
+__all__ = [
+    "ALGORITHMS",
+    "REDUCE_OPS",
+    "CollectiveMismatchError",
+    "Communicator",
+    "DeadlockError",
+    "MPICommunicator",
+    "Message",
+    "SimulatedCommunicator",
+    "SimulatedWorld",
+    "Tag",
+    "all_gather",
+    "allreduce",
+    "choose_algorithm",
+    "chunk_bounds",
+    "gather_named_arrays",
+    "naive_allreduce",
+    "recursive_doubling_allreduce",
+    "reduce_scatter",
+    "ring_allreduce",
+    "run_or_abort",
+    "simulate",
+    "world",
+]

@@ -1,0 +1,73 @@
+"""What every collective does around moving bytes: agree on the array, lay out flat buffers, reduce.
+
+Before any data moves, the ranks agree on the array's length and dtype with one tiny all-reduce, so
+a mismatch is a clear error on every rank instead of a hang or a wrong sum. Results go into flat
+contiguous buffers (the caller's `out`, reused step after step, or a new one); the caller's input is
+only read. Reductions of 16-bit arrays widen both operands to float32 and round once.
+"""
+
+from typing import Any
+
+import numpy as np
+
+from minimp.backend import array_module
+from minimp.distributed.protocol import REDUCE_OPS, Communicator
+from minimp.precision.casting import round_to, widen
+
+_DTYPE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4, "int32": 5, "int64": 6}
+
+
+class CollectiveMismatchError(ValueError):
+    """Ranks called the same collective with arrays of different lengths or dtypes."""
+
+
+def agree_on_array(comm: Communicator, array: Any, name: str) -> None:
+    """Raise CollectiveMismatchError on every rank unless all ranks pass the same length and
+    dtype. One all-reduce of four numbers: the max of (size, dtype) and of their negatives."""
+    if comm.size == 1:
+        return
+    code = _DTYPE_CODES.get(np.dtype(array.dtype).name, 99)
+    highest = comm.allreduce_scalars([array.size, code, -array.size, -code], op="max")
+    if highest[0] != -highest[2] or highest[1] != -highest[3]:
+        raise CollectiveMismatchError(
+            f"{name}: ranks disagree on the array (lengths {int(-highest[2])}..{int(highest[0])}, "
+            f"dtype codes {int(-highest[3])}..{int(highest[1])}); every rank must pass the same "
+            "length and dtype"
+        )
+
+
+def contiguous_flat(x: Any) -> Any:
+    """x as a flat contiguous array (a view when it already is one; it is only read)."""
+    return array_module(x).ascontiguousarray(x).reshape(-1)
+
+
+def output_buffer(x: Any, out: Any = None) -> Any:
+    """The flat array a result goes into: `out` (reused by callers that all-reduce every step, which
+    saves the page faults of a fresh allocation) or a new array shaped like x."""
+    if out is None:
+        return array_module(x).empty(x.size, x.dtype)
+    if out.shape != x.shape or out.dtype != x.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous {x.dtype} array of shape {x.shape}")
+    if array_module(x).may_share_memory(out, x):
+        raise ValueError("out must not overlap x (x is read while out is written)")
+    return out.reshape(-1)
+
+
+def flat_copy(x: Any, out: Any = None) -> Any:
+    """A contiguous 1-D copy to reduce into (the caller's array is never modified)."""
+    flat = output_buffer(x, out)
+    flat[...] = x.reshape(-1)
+    return flat
+
+
+def reduce_into(target: Any, incoming: Any, op: str, first: Any = None) -> None:
+    """target = op(first, incoming) in place (first defaults to target itself), computed in float32
+    for 16-bit dtypes. Reading `first` from another array saves copying it into target first."""
+    if target.size == 0:
+        return
+    reducer = REDUCE_OPS[op]
+    first = target if first is None else first
+    if target.dtype == widen(target).dtype:
+        reducer(first, incoming, out=target)  # float32/float64: no temporary
+    else:
+        target[...] = round_to(reducer(widen(first), widen(incoming)), target.dtype)

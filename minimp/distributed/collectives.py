@@ -1,0 +1,117 @@
+"""All-reduce algorithms besides the ring, and `allreduce`, which picks one by the cost model.
+
+Each function takes the communicator as its first argument, works on a world of size 1, on the
+simulated world and under mpirun, and returns a new array (the input is not modified). The ring
+itself, with its two halves, lives in minimp/distributed/ring.py.
+"""
+
+from typing import Any
+
+from minimp import costmodel
+from minimp.backend import array_module
+from minimp.costmodel import Network
+from minimp.distributed.buffers import (
+    agree_on_array,
+    contiguous_flat,
+    flat_copy,
+    output_buffer,
+    reduce_into,
+)
+from minimp.distributed.protocol import REDUCE_OPS, Communicator, Tag, check_op
+from minimp.distributed.ring import ring_allreduce
+from minimp.precision.casting import round_to, widen
+
+
+def naive_allreduce(
+    comm: Communicator, x: Any, op: str = "sum", out: Any = None, root: int = 0
+) -> Any:
+    """Every rank sends its whole array to root, root reduces (in float32 for 16-bit dtypes, in rank
+    order) and broadcasts the result: 2(p - 1) full-size messages through one rank."""
+    check_op(op)
+    agree_on_array(comm, x, "naive_allreduce")
+    flat = flat_copy(x, out)
+    if comm.size == 1:
+        return flat.reshape(x.shape)
+    if comm.rank == root:
+        total = widen(flat).copy() if widen(flat) is not flat else flat
+        incoming = array_module(flat).empty_like(flat)
+        for source in range(comm.size):
+            if source != root:
+                comm.recv(incoming, source, tag=Tag.NAIVE_TO_ROOT)
+                REDUCE_OPS[op](total, widen(incoming), out=total)
+        flat[...] = round_to(total, flat.dtype)
+    else:
+        comm.send(flat, root, tag=Tag.NAIVE_TO_ROOT)
+    comm.bcast(flat, root=root)
+    return flat.reshape(x.shape)
+
+
+def recursive_doubling_allreduce(
+    comm: Communicator, x: Any, op: str = "sum", out: Any = None
+) -> Any:
+    """log2(p) rounds of exchanging the whole array with the partner rank ^ distance
+    (latency-optimal).
+
+    For p not a power of two, the first p - 2^k ranks above 2^k fold their data into a partner first
+    and get the result back at the end (Thakur, Rabenseifner & Gropp 2005, section 4.1).
+    """
+    check_op(op)
+    agree_on_array(comm, x, "recursive_doubling_allreduce")
+    x_flat, flat = contiguous_flat(x), output_buffer(x, out)
+    p, r = comm.size, comm.rank
+    power = 1 << (p.bit_length() - 1)  # the largest power of two <= p
+    extra = p - power
+    if r >= power:  # fold into rank r - power, wait for the answer
+        comm.send(x_flat, r - power, tag=Tag.DOUBLING_FOLD)
+        comm.recv(flat, r - power, tag=Tag.DOUBLING_UNFOLD)
+        return flat.reshape(x.shape)
+    # What this rank holds so far: its own input (only read), then the partial result in flat.
+    current, incoming = x_flat, array_module(flat).empty_like(flat)
+    if r < extra:
+        comm.recv(incoming, r + power, tag=Tag.DOUBLING_FOLD)
+        reduce_into(flat, incoming, op, first=current)
+        current = flat
+    distance = 1
+    while distance < power:
+        partner = r ^ distance
+        comm.sendrecv(current, partner, incoming, partner, tag=Tag.DOUBLING_EXCHANGE)
+        # a + b == b + a bit for bit: both partners compute the same value
+        reduce_into(flat, incoming, op, first=current)
+        current, distance = flat, distance * 2
+    if current is not flat:  # one rank: nothing was reduced
+        flat[...] = x_flat
+    if r < extra:
+        comm.send(flat, r + power, tag=Tag.DOUBLING_UNFOLD)
+    return flat.reshape(x.shape)
+
+
+ALGORITHMS = {
+    "ring": ring_allreduce,
+    "naive": naive_allreduce,
+    "recursive_doubling": recursive_doubling_allreduce,
+}
+
+
+def choose_algorithm(nbytes: int, world_size: int, network: Network | None = None) -> str:
+    """The algorithm the cost model predicts fastest for this message size and world size."""
+    return costmodel.fastest_allreduce(nbytes, world_size, network, candidates=tuple(ALGORITHMS))
+
+
+def allreduce(
+    comm: Communicator,
+    x: Any,
+    op: str = "sum",
+    algorithm: str = "auto",
+    network: Network | None = None,
+    out: Any = None,
+) -> Any:
+    """All-reduce with the named algorithm, or with the one the cost model picks ("auto"), the
+    way MPI libraries switch from latency-optimal to bandwidth-optimal algorithms as messages
+    grow."""
+    if algorithm == "auto":
+        algorithm = choose_algorithm(x.size * x.dtype.itemsize, comm.size, network)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"unknown all-reduce algorithm {algorithm!r}: use auto or one of {sorted(ALGORITHMS)}"
+        )
+    return ALGORITHMS[algorithm](comm, x, op, out=out)

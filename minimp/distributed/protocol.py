@@ -1,0 +1,112 @@
+"""The communicator contract: what every communicator offers, its reduce operations, its tags.
+
+Two classes satisfy `Communicator`: `MPICommunicator` (real processes under `mpirun`) and
+`SimulatedCommunicator` (threads of one process). Collectives and strategies are written against
+this Protocol only, so the same code runs in a notebook, in a test and on a cluster.
+"""
+
+from enum import IntEnum
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+# The reductions minimp's collectives and the scalar all-reduce know, by name. Array reductions
+# happen in minimp's own code (float32 for 16-bit inputs); MPI only ever reduces float64 scalars.
+REDUCE_OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+
+
+class Tag(IntEnum):
+    """Message tags, one per purpose. MPI delivers messages of one (source, tag, communicator) in
+    the order they were sent, so a tag only has to tell apart messages that can be in flight at
+    the same time; a named tag also says in a message trace what each message was for."""
+
+    BROADCAST = 1  # the simulated world's linear broadcast
+    RING_REDUCE_SCATTER = 2
+    RING_ALL_GATHER = 3
+    NAIVE_TO_ROOT = 4
+    DOUBLING_FOLD = 5  # recursive doubling, p not a power of two: extra ranks hand in their data
+    DOUBLING_EXCHANGE = 6
+    DOUBLING_UNFOLD = 7  # ... and get the result back
+    GATHER_ARRAYS = 8  # named arrays collected onto one rank (checkpoints, timelines)
+    PIPELINE_FORWARD = 9  # activations, stage s -> s + 1
+    PIPELINE_BACKWARD = 10  # their gradients, stage s + 1 -> s
+
+
+def check_op(op: str) -> None:
+    """Raise ValueError unless op names one of REDUCE_OPS."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
+
+
+def byte_view(array: Any) -> Any:
+    """The array's memory as a flat uint8 array (no copy). Both communicators send through this,
+    so both refuse the same arrays: a non-contiguous one would need a hidden copy."""
+    if not array.flags.c_contiguous:
+        raise ValueError(
+            "communication needs a C-contiguous array (use numpy.ascontiguousarray); "
+            f"got one of shape {array.shape} with strides {array.strides}"
+        )
+    return array.reshape(-1).view(np.uint8)
+
+
+def check_byte_count(received: int, expected: int, source: int) -> None:
+    """A message must fill its receive buffer exactly: anything else means the ranks disagree."""
+    if received != expected:
+        raise ValueError(
+            f"received {received} bytes from rank {source} into a {expected}-byte buffer: "
+            "the ranks disagree on the array's length or dtype"
+        )
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """A group of ranks that exchange raw bytes. Ranks are numbered 0..size-1 within the group.
+
+    Arrays travel as their bytes (`byte_view`): they must be C-contiguous, and a receive buffer
+    must have exactly the size of the message. Large sends may wait for their receiver (MPI's
+    rendezvous protocol), so a pair of ranks that exchange data uses `sendrecv`, never send-then-
+    receive on both sides.
+    """
+
+    rank: int
+    size: int
+    bytes_sent: int  # what this rank put on the wire through this communicator
+    messages_sent: int
+
+    def send(self, array: Any, dest: int, tag: int = 0) -> None:
+        """Send the array's bytes to rank dest."""
+
+    def recv(self, array: Any, source: int, tag: int = 0) -> None:
+        """Receive a message from rank source into array (in place)."""
+
+    def sendrecv(
+        self,
+        send_array: Any,
+        dest: int,
+        recv_array: Any,
+        source: int,
+        tag: int = 0,
+        recv_tag: int | None = None,
+    ) -> None:
+        """Send to dest and receive from source at once (recv_tag defaults to tag)."""
+
+    def bcast(self, array: Any, root: int = 0) -> None:
+        """Overwrite array on every rank with root's."""
+
+    def allreduce_scalars(self, values: Any, op: str = "max") -> np.ndarray:
+        """Reduce a few float64 scalars (flags, lengths) with one of REDUCE_OPS; a new array."""
+
+    def barrier(self) -> None:
+        """Return once every rank of the group has called it."""
+
+    def split(self, color: int, key: int = 0) -> "Communicator":
+        """Sub-groups as MPI_Comm_split: one per color, ranked by (key, old rank)."""
+
+    def ranks_on_this_node(self) -> int:
+        """How many ranks of the group share this machine's cores."""
+
+    def node_rank_and_size(self) -> tuple[int, int]:
+        """(this rank's number among the ranks on its machine, how many there are)."""
+
+    def abort(self, code: int = 1) -> None:
+        """End the whole job (every rank) with this exit status."""

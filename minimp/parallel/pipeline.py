@@ -1,0 +1,242 @@
+"""Pipeline parallelism by layer-wise splitting: contiguous stages, and the runner of a schedule.
+
+The model's ordered layers are cut into P contiguous stages, one per pipeline rank. Activations
+travel forward and their gradients travel back between neighbouring stages as raw bytes in the
+compute dtype (float16 halves them), micro-batch by micro-batch, with shapes both sides know ahead
+of time (`cut_shapes`). Nothing is pickled. The runner knows nothing of the model: it runs the
+stage's layers, and the last stage hands its output to the loss function it was given.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from minimp import backend
+from minimp.distributed.protocol import Tag
+from minimp.parallel import schedules
+from minimp.parallel.schedules import Action
+from minimp.parallel.topology import Topology
+from minimp.tensor import Tensor, no_grad
+
+
+class PipelineError(ValueError):
+    """The model cannot be split as asked."""
+
+
+def split_stages(layers: list, stages: int) -> list[tuple[int, int]]:
+    """[(start, stop)] layer ranges of `stages` contiguous stages, balanced by parameter count.
+
+    Parameter count is the cost because, in an MLP, each weight costs the same multiply-adds per
+    sample forward and backward. Each layer with parameters opens a block that also takes the
+    parameter-free layers after it (a ReLU stays with its Linear); blocks are then cut so that the
+    most expensive stage is as cheap as possible (dynamic programming over the cut points).
+    """
+    counts = [sum(p.size for p in layer.parameters()) for layer in layers]
+    starts = [i for i, count in enumerate(counts) if count > 0]
+    if stages > len(starts):
+        raise PipelineError(
+            f"--pp {stages} needs at least {stages} layers with weights, the model has "
+            f"{len(starts)} (use --layers)"
+        )
+    starts[0] = 0
+    blocks = [(start, stop) for start, stop in zip(starts, starts[1:] + [len(layers)])]
+    costs = [sum(counts[a:b]) for a, b in blocks]
+    cuts = _balanced_cuts(costs, stages)
+    return [
+        (blocks[first][0], blocks[last - 1][1])
+        for first, last in zip([0] + cuts, cuts + [len(blocks)])
+    ]
+
+
+def _balanced_cuts(costs: list[int], parts: int) -> list[int]:
+    """Cut points splitting costs into `parts` contiguous non-empty groups minimising the largest
+    sum."""
+    n = len(costs)
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    infinity = float("inf")
+    # best[k][i]: the smallest possible largest group when the first i blocks form k groups
+    best = [[infinity] * (n + 1) for _ in range(parts + 1)]
+    choice = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], choice[k][i] = value, j
+    cuts, i = [], n
+    for k in range(parts, 1, -1):
+        i = choice[k][i]
+        cuts.append(i)
+    return cuts[::-1]
+
+
+def cut_shapes(layers: list, sample: Any) -> list[tuple[int, ...]]:
+    """shapes[i]: the shape of the activation entering layer i for one micro-batch `sample`
+    (shapes[len(layers)] is the output's). One forward without a graph, on every rank, so both
+    sides of every cut know the shape of the bytes they exchange."""
+    shapes, x = [tuple(sample.shape)], Tensor(sample)
+    with no_grad():
+        for layer in layers:
+            x = layer(x)
+            shapes.append(tuple(x.shape))
+    return shapes
+
+
+def stage_parameters(model: Any, bounds: tuple[int, int]) -> list[tuple[str, Any]]:
+    """(name, Parameter) of the layers in range(*bounds) of a Sequential, named as in the whole
+    model ("4.weight"), so every layout writes the same checkpoint names."""
+    start, stop = bounds
+    return [
+        (name, parameter)
+        for name, parameter in model.named_parameters()
+        if start <= int(name.split(".")[0]) < stop
+    ]
+
+
+@dataclass
+class MicroBatch:
+    """What a stage holds for one micro-batch between its forward and its backward."""
+
+    received: Any = None  # the activation from the previous stage, not yet forwarded
+    input: Tensor | None = None  # the stage's input: a leaf whose gradient is sent back
+    output: Tensor | None = None  # the stage's output (the loss, on the last stage)
+    grad_output: Any = None  # the gradient of output, received from the next stage
+    grad_input: Any = None  # the gradient of input, waiting to be sent back
+
+
+class PipelineStage:
+    """One stage's layers and the runner that executes a schedule's actions for one step."""
+
+    def __init__(
+        self,
+        layers: list,
+        topology: Topology,
+        *,
+        input_shape: tuple[int, ...],
+        output_shape: tuple[int, ...],
+        dtype: Any,
+        loss_fn: Callable[[Tensor, Any], Tensor],
+    ):
+        """input_shape / output_shape: one micro-batch's activation entering / leaving this stage.
+        loss_fn(output, targets) -> scalar loss Tensor, called on the last stage."""
+        self.layers, self.topology, self.comm = layers, topology, topology.pp_group
+        self.input_shape, self.output_shape, self.dtype = input_shape, output_shape, dtype
+        self.loss_fn = loss_fn
+        self.peak_stored = 0  # the most micro-batches whose activations this stage held at once
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def run(
+        self,
+        actions: list[Action],
+        *,
+        inputs: list | None,
+        targets: list | None,
+        scale_loss: Callable[[Tensor], Tensor],
+        after_backward: Callable[[], Any],
+        record: Callable[[str, int, float, float], None] | None = None,
+    ) -> float:
+        """Execute one step's actions and return the sum of the micro-batch losses (last stage;
+        else 0). inputs / targets: per micro-batch arrays (first / last stage). scale_loss(loss)
+        -> the tensor to call backward on; after_backward() runs after each backward (gradient
+        accumulation). record(op, micro_batch, start, end) receives every compute action's
+        timing."""
+        self._micro_batches: dict[int, MicroBatch] = {}
+        self._inputs, self._targets = inputs, targets
+        self._scale_loss, self._after_backward = scale_loss, after_backward
+        self._loss_sum = 0.0
+        for action in actions:
+            start = time.perf_counter()
+            getattr(self, "_" + action.op)(action)
+            if record is not None and action.op in schedules.COMPUTE_LABELS:
+                record(action.op, action.micro_batch, start, time.perf_counter())
+        return self._loss_sum
+
+    def _state(self, micro_batch: int) -> MicroBatch:
+        return self._micro_batches.setdefault(micro_batch, MicroBatch())
+
+    def _buffer(self, shape: tuple[int, ...]) -> Any:
+        return backend.default_xp().empty(shape, self.dtype)
+
+    # ----- compute ----------------------------------------------------------------------------
+    def _forward(self, action: Action) -> None:
+        state, topology = self._state(action.micro_batch), self.topology
+        if topology.is_first_stage:
+            state.input = Tensor(self._inputs[action.micro_batch])
+        else:  # a leaf that wants its gradient: that gradient is what we send back
+            state.input = Tensor(state.received, requires_grad=True)
+            state.received = None
+        output = self.forward(state.input)
+        if topology.is_last_stage:
+            output = self.loss_fn(output, self._targets[action.micro_batch])
+            self._loss_sum += output.item()
+        state.output = output
+        alive = sum(s.output is not None for s in self._micro_batches.values())
+        self.peak_stored = max(self.peak_stored, alive)
+
+    def _backward(self, action: Action) -> None:
+        state = self._micro_batches[action.micro_batch]
+        if self.topology.is_last_stage:
+            self._scale_loss(state.output).backward()
+        else:
+            state.output.backward(state.grad_output)
+        self._after_backward()
+        if self.topology.is_first_stage:  # nothing to send back: done with this micro-batch
+            del self._micro_batches[action.micro_batch]
+            return
+        state.grad_input = state.input.grad
+        state.input = state.output = state.grad_output = None
+
+    # ----- messages ---------------------------------------------------------------------------
+    def _recv_forward(self, action: Action) -> None:
+        buffer = self._buffer(self.input_shape)
+        self.comm.recv(buffer, self.topology.previous_stage, tag=Tag.PIPELINE_FORWARD)
+        self._state(action.micro_batch).received = buffer
+
+    def _send_forward(self, action: Action) -> None:
+        output = self._micro_batches[action.micro_batch].output
+        self.comm.send(output.data, self.topology.next_stage, tag=Tag.PIPELINE_FORWARD)
+
+    def _recv_backward(self, action: Action) -> None:
+        buffer = self._buffer(self.output_shape)
+        self.comm.recv(buffer, self.topology.next_stage, tag=Tag.PIPELINE_BACKWARD)
+        self._state(action.micro_batch).grad_output = buffer
+
+    def _send_backward(self, action: Action) -> None:
+        grad = self._pop_grad_input(action.micro_batch)
+        self.comm.send(grad, self.topology.previous_stage, tag=Tag.PIPELINE_BACKWARD)
+
+    def _send_forward_recv_backward(self, action: Action) -> None:
+        buffer, next_stage = self._buffer(self.output_shape), self.topology.next_stage
+        output = self._micro_batches[action.micro_batch].output
+        self.comm.sendrecv(
+            output.data,
+            next_stage,
+            buffer,
+            next_stage,
+            tag=Tag.PIPELINE_FORWARD,
+            recv_tag=Tag.PIPELINE_BACKWARD,
+        )
+        self._state(action.received).grad_output = buffer
+
+    def _send_backward_recv_forward(self, action: Action) -> None:
+        buffer, previous_stage = self._buffer(self.input_shape), self.topology.previous_stage
+        self.comm.sendrecv(
+            self._pop_grad_input(action.micro_batch),
+            previous_stage,
+            buffer,
+            previous_stage,
+            tag=Tag.PIPELINE_BACKWARD,
+            recv_tag=Tag.PIPELINE_FORWARD,
+        )
+        self._state(action.received).received = buffer
+
+    def _pop_grad_input(self, micro_batch: int) -> Any:
+        """The input gradient to send back; the micro-batch is then finished on this stage."""
+        return self._micro_batches.pop(micro_batch).grad_input
