@@ -1,5 +1,4 @@
-"""Benchmark: one MLP training step in minimp (fp32, fp16, bf16) against the same step hand-written
-in NumPy.
+"""Benchmark: one MLP training step in minimp (fp32, fp16, bf16) against hand-written NumPy.
 
     python benchmarks/step_bench.py            # batch 256, width 512, 4 hidden layers
     python benchmarks/step_bench.py --json     # one JSON object for machines
@@ -194,11 +193,9 @@ def main(argv=None):
             print(json.dumps(results))
         else:
             print(
-                f"GPU MLP step, batch {args.batch}, width {args.width}: fp32 "
-                f"{seconds['fp32'] * 1e3:.2f} ms, "
-                f"fp16 {seconds['fp16'] * 1e3:.2f} ms, fp16 throughput "
-                f"{seconds['fp32'] / seconds['fp16']:.2f}x "
-                "fp32's (target >= 2)"
+                f"GPU MLP step, batch {args.batch}, width {args.width}: "
+                f"fp32 {seconds['fp32'] * 1e3:.2f} ms, fp16 {seconds['fp16'] * 1e3:.2f} ms, "
+                f"fp16 throughput {seconds['fp32'] / seconds['fp16']:.2f}x fp32's (target >= 2)"
             )
         return
     results["ratios"].update(
@@ -219,8 +216,8 @@ def main(argv=None):
     casts = results["fp16_casts_per_step"]
     print(
         f"  fp16 casts per step: {casts['calls']} calls, {casts['elements'] / 1e6:.2f} M elements, "
-        f"{casts['seconds'] * 1e3:.2f} ms ({casts['seconds'] / casts['elements'] * 1e9:.1f} "
-        "ns/element)"
+        f"{casts['seconds'] * 1e3:.2f} ms "
+        f"({casts['seconds'] / casts['elements'] * 1e9:.1f} ns/element)"
     )
     print(f"  fp16 step without its casts: {(seconds['fp16'] - casts['seconds']) * 1e3:.2f} ms")
     targets_text = {

@@ -1,5 +1,4 @@
-"""minimp: a small autograd engine with mixed precision, data and pipeline parallelism, for
-learning."""
+"""minimp: a small teaching autograd engine with mixed precision, data and pipeline parallelism."""
 
 from minimp import functional, nn, optim
 from minimp.precision import DynamicLossScaler, StaticLossScaler

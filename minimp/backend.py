@@ -6,6 +6,8 @@ flag `--device gpu`, or the environment variable MINIMP_DEVICE=gpu.
 """
 
 import os
+from types import ModuleType
+from typing import Any
 
 import numpy
 
@@ -59,26 +61,25 @@ def use_device(name: str, local_rank: int = 0) -> None:
     _selected_device = name
 
 
-def device():
+def device() -> str:
     """The selected device: 'cpu' unless use_device('gpu') or MINIMP_DEVICE=gpu said otherwise."""
     if _selected_device is None:
         use_device(os.environ.get(DEVICE_ENVIRONMENT_VARIABLE, "cpu").strip().lower() or "cpu")
     return _selected_device
 
 
-def default_xp():
+def default_xp() -> ModuleType:
     """The array module for new arrays on the selected device."""
     return _import_cupy() if device() == "gpu" else numpy
 
 
-def is_device_array(array):
+def is_device_array(array: Any) -> bool:
     """True for a CuPy array (GPU memory), without importing CuPy."""
     return type(array).__module__.startswith("cupy")
 
 
-def array_module(*arrays):
-    """The array module that owns these arrays: operations follow their inputs, not a global
-    switch."""
+def array_module(*arrays: Any) -> ModuleType:
+    """The array module owning these arrays: operations follow their inputs, not a global switch."""
     for array in arrays:
         if is_device_array(array):
             import cupy
@@ -87,26 +88,26 @@ def array_module(*arrays):
     return numpy
 
 
-def to_device(array):
+def to_device(array: Any) -> Any:
     """Copy a host array to the selected device (a no-op on the CPU)."""
     return default_xp().asarray(array)
 
 
-def to_numpy(array):
+def to_numpy(array: Any) -> numpy.ndarray:
     """A NumPy copy (or the array itself) on the host, whatever device holds it."""
     if is_device_array(array):
         return array.get()
     return numpy.asarray(array)
 
 
-def synchronize():
-    """Wait for queued GPU work; needed before timing or handing a buffer to MPI. No-op on the
-    CPU."""
+def synchronize() -> None:
+    """Wait for queued GPU work; needed before timing or handing a buffer to MPI.
+    No-op on the CPU."""
     if _selected_device == "gpu":
         _import_cupy().cuda.get_current_stream().synchronize()
 
 
-def available_cores():
+def available_cores() -> int:
     """CPU cores this process may run on (the affinity mask, not the host's count)."""
     try:
         return len(os.sched_getaffinity(0))
@@ -114,10 +115,9 @@ def available_cores():
         return os.cpu_count() or 1
 
 
-def limit_cpu_threads(threads):
-    """Cap BLAS/OpenMP threads of this process (threadpoolctl). Several MPI ranks on one machine
-    each starting a thread per core would fight over the cores; returns the limiter (keep it
-    alive)."""
+def limit_cpu_threads(threads: int) -> Any:
+    """Cap BLAS/OpenMP threads of this process (threadpoolctl); returns the limiter (keep it alive).
+    Several MPI ranks on one machine each starting a thread per core would fight over the cores."""
     from threadpoolctl import threadpool_limits
 
     return threadpool_limits(limits=max(1, int(threads)))

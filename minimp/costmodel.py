@@ -1,9 +1,9 @@
 """The alpha-beta(-gamma) cost model of collectives and pipelines: predict before you measure.
 
-A message of n bytes costs alpha + n * beta (Hockney's model: alpha is the latency, 1/beta the
-bandwidth); reducing n bytes costs n * gamma. The all-reduce formulas are those of Thakur,
-Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MPICH" (IJHPCA 2005),
-with p ranks:
+A message of n bytes costs alpha + n * beta (Hockney's model: alpha is the latency, 1/beta
+the bandwidth); reducing n bytes costs n * gamma. The all-reduce formulas are those of
+Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MPICH"
+(IJHPCA 2005), with p ranks:
 
   ring                2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
   naive (to root)     2(p-1) (alpha + n beta) + (p-1) n gamma
@@ -17,6 +17,7 @@ bandwidth-optimal all-reduce shows the link's speed whatever p is.
 
 import math
 from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -29,17 +30,16 @@ class Network:
     name: str = ""
 
 
-# Fitted on this project's 2-core machine (MPICH wheel, shared memory, minimp's Python collectives)
-# with
-# `mpirun -n 2 python mpirun_examples/allreduce_bench.py` (its "fitted:" line), at p = 2 where each
-# rank
-# has a core of its own; alpha includes Python's per-message overhead (~10 us here). At p = 4 the
-# ranks are oversubscribed and every term is slower (that run fits alpha ~50 us, 1/beta ~4 GB/s).
+# Fitted on this project's 2-core machine (MPICH wheel, shared memory, minimp's Python
+# collectives) with `mpirun -n 2 python mpirun_examples/allreduce_bench.py` (its "fitted:"
+# line), at p = 2 where each rank has a core of its own; alpha includes Python's per-message
+# overhead (~10 us here). At p = 4 the ranks are oversubscribed and every term is slower
+# (that run fits alpha ~50 us, 1/beta ~4 GB/s).
 THIS_MACHINE = Network(
     alpha=15e-6, beta=1 / 8.7e9, gamma=1 / 12.9e9, name="2-core VM, MPICH shared memory"
 )
-# A stated network for predictions at scale: 200 Gb/s InfiniBand-class links, 5 us latency, GPU
-# reduce.
+# A stated network for predictions at scale:
+# 200 Gb/s InfiniBand-class links, 5 us latency, GPU reduce.
 DATACENTER = Network(alpha=5e-6, beta=1 / 25e9, gamma=1 / 1e12, name="200 Gb/s links, 5 us latency")
 
 
@@ -47,29 +47,29 @@ def _log2_ceil(p):
     return math.ceil(math.log2(p)) if p > 1 else 0
 
 
-def ring_allreduce_time(nbytes, p, net):
+def ring_allreduce_time(nbytes: float, p: int, net: Network) -> float:
     if p == 1:
         return 0.0
     share = (p - 1) / p
     return 2 * (p - 1) * net.alpha + 2 * share * nbytes * net.beta + share * nbytes * net.gamma
 
 
-def naive_allreduce_time(nbytes, p, net):
+def naive_allreduce_time(nbytes: float, p: int, net: Network) -> float:
     return 2 * (p - 1) * (net.alpha + nbytes * net.beta) + (p - 1) * nbytes * net.gamma
 
 
-def binomial_tree_allreduce_time(nbytes, p, net):
+def binomial_tree_allreduce_time(nbytes: float, p: int, net: Network) -> float:
     rounds = _log2_ceil(p)
     return 2 * rounds * (net.alpha + nbytes * net.beta) + rounds * nbytes * net.gamma
 
 
-def recursive_doubling_allreduce_time(nbytes, p, net):
+def recursive_doubling_allreduce_time(nbytes: float, p: int, net: Network) -> float:
     rounds = int(math.floor(math.log2(p))) if p > 1 else 0
     fold = 0.0 if p & (p - 1) == 0 else 2 * (net.alpha + nbytes * net.beta) + nbytes * net.gamma
     return rounds * (net.alpha + nbytes * (net.beta + net.gamma)) + fold
 
 
-def rabenseifner_allreduce_time(nbytes, p, net):
+def rabenseifner_allreduce_time(nbytes: float, p: int, net: Network) -> float:
     if p == 1:
         return 0.0
     share = (p - 1) / p
@@ -85,28 +85,35 @@ ALLREDUCE_MODELS = {
 }
 
 
-def allreduce_time(algorithm, nbytes, p, network=None):
+def allreduce_time(algorithm: str, nbytes: float, p: int, network: Network | None = None) -> float:
     """Predicted seconds for one all-reduce of nbytes over p ranks."""
     return ALLREDUCE_MODELS[algorithm](nbytes, p, network or THIS_MACHINE)
 
 
-def fastest_allreduce(nbytes, p, network=None, candidates=None):
+def fastest_allreduce(
+    nbytes: float,
+    p: int,
+    network: Network | None = None,
+    candidates: Sequence[str] | None = None,
+) -> str:
     """The candidate with the smallest predicted time (ties go to the earlier name)."""
     names = candidates or tuple(ALLREDUCE_MODELS)
     return min(names, key=lambda name: allreduce_time(name, nbytes, p, network))
 
 
-def algorithm_bandwidth(nbytes, seconds):
+def algorithm_bandwidth(nbytes: float, seconds: float) -> float:
     """algbw: bytes of the array divided by the time of the collective."""
     return nbytes / seconds
 
 
-def bus_bandwidth(nbytes, seconds, p):
+def bus_bandwidth(nbytes: float, seconds: float, p: int) -> float:
     """busbw = algbw * 2(p-1)/p, as nccl-tests define it for all-reduce."""
     return algorithm_bandwidth(nbytes, seconds) * 2 * (p - 1) / p
 
 
-def fit_alpha_beta(nbytes, seconds):
+def fit_alpha_beta(
+    nbytes: Sequence[float] | np.ndarray, seconds: Sequence[float] | np.ndarray
+) -> tuple[float, float]:
     """(alpha, beta) of seconds = alpha + nbytes * beta by least squares on the *relative* error, so
     a 1 KiB message and a 16 MiB one count alike; both are clipped at 0."""
     seconds = np.asarray(seconds, float)
@@ -115,26 +122,17 @@ def fit_alpha_beta(nbytes, seconds):
     return max(float(alpha), 0.0), max(float(beta), 0.0)
 
 
-def fit_latency_bandwidth(nbytes, seconds):
-    """(alpha, beta) from the two ends of a sweep: alpha is the time of the smallest message,
-    beta the slope to the largest. Cache effects make per-byte cost grow with size, so a straight
-    line through every point fits neither end; this one is right where each term dominates."""
-    order = np.argsort(nbytes)
-    small, large = order[0], order[-1]
-    beta = (seconds[large] - seconds[small]) / (nbytes[large] - nbytes[small])
-    return max(float(seconds[small]), 0.0), max(float(beta), 0.0)
-
-
-def prediction_table(nbytes, world_sizes, network=None):
-    """{p: {algorithm: seconds}} for one message size over many world sizes (p up to 4,096 and
-    more)."""
+def prediction_table(
+    nbytes: float, world_sizes: Iterable[int], network: Network | None = None
+) -> dict[int, dict[str, float]]:
+    """{p: {algorithm: seconds}} for one message size over world sizes (p up to 4,096 and more)."""
     return {
         p: {name: allreduce_time(name, nbytes, p, network) for name in ALLREDUCE_MODELS}
         for p in world_sizes
     }
 
 
-def pipeline_bubble_fraction(stages, micro_batches):
-    """Idle share of a GPipe or 1F1B step with equal stages: (P - 1) / (M + P - 1) (Huang et al.
-    2019)."""
+def pipeline_bubble_fraction(stages: int, micro_batches: int) -> float:
+    """Idle share of a GPipe or 1F1B step with P equal stages and M micro-batches:
+    (P - 1) / (M + P - 1) (Huang et al. 2019)."""
     return (stages - 1) / (micro_batches + stages - 1)

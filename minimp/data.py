@@ -1,5 +1,4 @@
-"""Datasets that ship with minimp, and the order of global batches (a pure function of seed and
-step)."""
+"""Datasets shipped with minimp, and the global batch order (a pure function of seed and step)."""
 
 from dataclasses import dataclass
 from importlib import resources
@@ -16,15 +15,15 @@ class Dataset:
     test_labels: np.ndarray
 
     @property
-    def features(self):
+    def features(self) -> int:
         return self.train_images.shape[1]
 
     @property
-    def classes(self):
+    def classes(self) -> int:
         return int(max(self.train_labels.max(), self.test_labels.max())) + 1
 
 
-def load_digits():
+def load_digits() -> Dataset:
     """The 8x8 handwritten digits (1,797 images; see minimp/datasets/README.md for source and
     license), pixels scaled from 0..16 to 0..1, with the fixed 1,437 / 360 train/test split."""
     with resources.files("minimp.datasets").joinpath("digits.npz").open("rb") as handle:
@@ -41,7 +40,7 @@ def load_digits():
 DATASETS = {"digits": load_digits}
 
 
-def global_batch_indices(seed, step, batch_size, dataset_size):
+def global_batch_indices(seed: int, step: int, batch_size: int, dataset_size: int) -> np.ndarray:
     """Indices of the global batch of `step` (numbered from 1).
 
     Each epoch is a fresh permutation drawn from default_rng([seed, epoch]); batches are consecutive

@@ -18,8 +18,7 @@ class Context:
         self.saved_arrays: tuple | None = ()
 
     def save_for_backward(self, *arrays: Any) -> None:
-        """Keep these arrays alive until backward. They are stored as they are: float16 stays
-        float16."""
+        """Keep these arrays alive until backward, stored as they are: float16 stays float16."""
         self.saved_arrays = arrays
 
 
@@ -37,8 +36,7 @@ class Function:
 
     @classmethod
     def apply(cls, *inputs: "Tensor", **options: Any) -> "Tensor":
-        """Run forward on the inputs' arrays and, when a gradient is wanted, record the graph
-        node."""
+        """Run forward on the inputs' arrays; when a gradient is wanted, record the graph node."""
         needs_input_grad = tuple(grad_enabled() and t.requires_grad for t in inputs)
         ctx = Context(needs_input_grad)
         output = Tensor(cls.forward(ctx, *(t.data for t in inputs), **options))

@@ -1,5 +1,4 @@
-"""Optimizers that always update float32 master weights and round them into the model's compute
-copies.
+"""Optimizers that always update float32 master weights and round them into the compute copies.
 
 Why masters: float16 numbers near 1.0 are 2^-10 apart above it and 2^-11 below, so an update of
 2^-12 rounds away in either direction and the weight never moves (tests/test_casting.py shows it).
@@ -7,8 +6,8 @@ The optimizer therefore keeps a float32 copy of every weight, applies updates th
 rounded result into the float16 parameter the model computes with. For a float32 model the master
 *is* the parameter's array.
 
-Build the optimizer before casting the model (`model.to(float16)`), so the masters keep the exact
-float32 initial values.
+Build the optimizer before casting the model (`model.to(float16)`), so the masters keep
+the exact float32 initial values.
 """
 
 from typing import Any, Iterable
@@ -48,9 +47,9 @@ class Optimizer:
         """Move each parameter's gradient into its float32 accumulator and clear it; returns the
         accumulators (None where no gradient arrived).
 
-        Called after every micro-batch's backward: summing micro-batch gradients in float16 would
-        lose the small ones; summing them in float32 gives the big batch's gradient to float32
-        rounding.
+        Called after every micro-batch's backward: summing micro-batch gradients in
+        float16 would lose the small ones; summing them in float32 gives the big
+        batch's gradient to float32 rounding.
         """
         taken = set()
         for index, parameter in enumerate(self.params):
@@ -160,9 +159,9 @@ class SGD(Optimizer):
 
 
 class Adam(Optimizer):
-    """Adam (Kingma & Ba 2015) on the masters. `decoupled_weight_decay=True` gives AdamW
-    (Loshchilov & Hutter 2019): the decay shrinks the weight directly instead of joining the
-    gradient."""
+    """Adam (Kingma & Ba 2015) on the masters.
+    `decoupled_weight_decay=True` gives AdamW (Loshchilov & Hutter 2019): the decay shrinks the
+    weight directly instead of joining the gradient."""
 
     slot_names = ("exp_avg", "exp_avg_sq")
 

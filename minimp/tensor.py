@@ -5,7 +5,7 @@ the graph so each tensor comes after everything it depends on and walks it in re
 """
 
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -29,9 +29,8 @@ class no_grad:
         _grad_mode.enabled = False
         return self
 
-    def __exit__(self, *exc_info: Any) -> bool:
+    def __exit__(self, *exc_info: Any) -> None:
         _grad_mode.enabled = self._previous
-        return False
 
 
 class Node:
@@ -55,8 +54,7 @@ class RemovableHandle:
 
 
 def _as_array(data):
-    """Arrays keep their dtype; Python numbers and lists of floats become float32 (as in
-    PyTorch)."""
+    """Arrays keep their dtype; Python numbers and float lists become float32 (as in PyTorch)."""
     if isinstance(data, np.generic):
         return np.asarray(data)
     if hasattr(data, "dtype") and hasattr(data, "shape") and hasattr(data, "view"):
@@ -68,8 +66,7 @@ def _as_array(data):
 
 
 class Tensor:
-    """An n-dimensional array that remembers how it was computed, so gradients can flow back to
-    it."""
+    """An n-dimensional array that records how it was computed, so gradients can flow back to it."""
 
     __array_priority__ = 100  # so `numpy_array * tensor` calls Tensor.__rmul__
     _hooks: tuple | list = ()  # gradient hooks; a tensor gets its own list at its first hook
@@ -82,36 +79,36 @@ class Tensor:
 
     # ----- array facts ------------------------------------------------------------------------
     @property
-    def dtype(self):
+    def dtype(self) -> Any:
         return self.data.dtype
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, ...]:
         return self.data.shape
 
     @property
-    def ndim(self):
+    def ndim(self) -> int:
         return self.data.ndim
 
     @property
-    def size(self):
+    def size(self) -> int:
         return self.data.size
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.data)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         grad = ", requires_grad=True" if self.requires_grad else ""
         return f"Tensor({backend.to_numpy(self.data)!r}, dtype={self.dtype}{grad})"
 
-    def numpy(self):
+    def numpy(self) -> np.ndarray:
         """The values as a NumPy array on the host."""
         return backend.to_numpy(self.data)
 
-    def item(self):
+    def item(self) -> float:
         return self.numpy().item()
 
-    def detach(self):
+    def detach(self) -> "Tensor":
         """The same array, cut from the graph."""
         return Tensor(self.data)
 
@@ -120,12 +117,12 @@ class Tensor:
         """Call hook(grad) when this tensor's gradient is complete during backward; a non-None
         return value replaces the gradient (as torch.Tensor.register_hook). For a leaf this runs
         before the gradient is added into `.grad`."""
-        if not self._hooks:
-            self._hooks = []
-        self._hooks.append(hook)
-        return RemovableHandle(self._hooks, hook)
+        hooks = self._hooks if isinstance(self._hooks, list) else []
+        hooks.append(hook)
+        self._hooks = hooks
+        return RemovableHandle(hooks, hook)
 
-    def backward(self, grad=None):
+    def backward(self, grad: Any = None) -> None:
         """Accumulate d(self)/d(leaf) into `.grad` of every leaf that requires grad.
 
         Reverse-mode autodiff: order the graph so each tensor comes after everything it depends on,
@@ -174,77 +171,76 @@ class Tensor:
 
     # ----- operators (each one a Function in minimp.ops) ----------------------------------------
     def _lift(self, other):
-        """A Python number takes this tensor's dtype, so `x16 * 0.5` stays float16 (as in
-        PyTorch)."""
+        """A Python number takes this tensor's dtype: `x16 * 0.5` stays float16 (as in PyTorch)."""
         if isinstance(other, Tensor):
             return other
         xp = backend.array_module(self.data)
         return Tensor(xp.asarray(other, dtype=self.dtype))
 
-    def __add__(self, other):
+    def __add__(self, other: Any) -> "Tensor":
         return ops.Add.apply(self, self._lift(other))
 
-    def __radd__(self, other):
+    def __radd__(self, other: Any) -> "Tensor":
         return ops.Add.apply(self._lift(other), self)
 
-    def __sub__(self, other):
+    def __sub__(self, other: Any) -> "Tensor":
         return ops.Sub.apply(self, self._lift(other))
 
-    def __rsub__(self, other):
+    def __rsub__(self, other: Any) -> "Tensor":
         return ops.Sub.apply(self._lift(other), self)
 
-    def __mul__(self, other):
+    def __mul__(self, other: Any) -> "Tensor":
         return ops.Mul.apply(self, self._lift(other))
 
-    def __rmul__(self, other):
+    def __rmul__(self, other: Any) -> "Tensor":
         return ops.Mul.apply(self._lift(other), self)
 
-    def __truediv__(self, other):
+    def __truediv__(self, other: Any) -> "Tensor":
         return ops.Div.apply(self, self._lift(other))
 
-    def __rtruediv__(self, other):
+    def __rtruediv__(self, other: Any) -> "Tensor":
         return ops.Div.apply(self._lift(other), self)
 
-    def __matmul__(self, other):
+    def __matmul__(self, other: Any) -> "Tensor":
         return ops.MatMul.apply(self, self._lift(other))
 
-    def __rmatmul__(self, other):
+    def __rmatmul__(self, other: Any) -> "Tensor":
         return ops.MatMul.apply(self._lift(other), self)
 
-    def __neg__(self):
+    def __neg__(self) -> "Tensor":
         return ops.Neg.apply(self)
 
-    def relu(self):
+    def relu(self) -> "Tensor":
         return ops.ReLU.apply(self)
 
-    def tanh(self):
+    def tanh(self) -> "Tensor":
         return ops.Tanh.apply(self)
 
-    def exp(self):
+    def exp(self) -> "Tensor":
         return ops.Exp.apply(self)
 
-    def log(self):
+    def log(self) -> "Tensor":
         return ops.Log.apply(self)
 
-    def sum(self, axis=None, keepdims=False):
+    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Tensor":
         return ops.Sum.apply(self, axis=axis, keepdims=keepdims)
 
-    def mean(self, axis=None, keepdims=False):
+    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Tensor":
         return ops.Mean.apply(self, axis=axis, keepdims=keepdims)
 
-    def reshape(self, *shape):
+    def reshape(self, *shape: int | Sequence[int]) -> "Tensor":
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         return ops.Reshape.apply(self, shape=shape)
 
-    def transpose(self, *axes):
+    def transpose(self, *axes: int) -> "Tensor":
         return ops.Transpose.apply(self, axes=axes or None)
 
     @property
-    def T(self):
+    def T(self) -> "Tensor":
         return ops.Transpose.apply(self, axes=None)
 
-    def astype(self, dtype):
+    def astype(self, dtype: Any) -> "Tensor":
         """A differentiable cast: the gradient comes back in this tensor's dtype."""
         return ops.Cast.apply(self, dtype=np.dtype(dtype))
 
@@ -254,7 +250,7 @@ def _add(a, b):
     return casting.round_to(casting.widen(a) + casting.widen(b), a.dtype)
 
 
-def _run_hooks(hooks: list, grad: Any) -> Any:
+def _run_hooks(hooks: Sequence, grad: Any) -> Any:
     for hook in tuple(hooks):  # a hook may remove itself
         replaced = hook(grad)
         grad = grad if replaced is None else replaced

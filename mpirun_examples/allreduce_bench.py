@@ -1,5 +1,4 @@
-"""Benchmark: minimp's all-reduce algorithms against MPI.Allreduce on the same buffers, in the same
-run.
+"""Benchmark: minimp's all-reduce algorithms against MPI.Allreduce, same buffers, same run.
 
     mpirun -n 4 python mpirun_examples/allreduce_bench.py            # table, 4 KiB .. 64 MiB
     mpirun -n 2 python mpirun_examples/allreduce_bench.py --json     # one JSON object for machines
@@ -40,9 +39,9 @@ def timed(comm, function, repeats):
 
 
 def fit_network(comm, sizes, repeats):
-    """alpha and beta from ring-neighbour Sendrecv steps, gamma from in-place float32 reductions,
-    both timed at the chunk sizes (bytes / p) that the ring all-reduce moves for the benchmark's
-    sizes."""
+    """alpha and beta from ring-neighbour Sendrecv steps, gamma from in-place float32
+    reductions, both timed at the chunk sizes (bytes / p) that the ring all-reduce moves
+    for the benchmark's sizes."""
     chunks = sorted({max(nbytes // comm.size // 4 * 4, 4) for nbytes in sizes})
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     message_seconds, reduce_seconds = [], []
@@ -52,8 +51,8 @@ def fit_network(comm, sizes, repeats):
             timed(comm, lambda: comm.sendrecv(outgoing, right, incoming, left), repeats)
         )
         reduce_seconds.append(timed(comm, lambda: reduce_into(incoming, outgoing, "sum"), repeats))
-    alpha, beta = costmodel.fit_latency_bandwidth(chunks, message_seconds)
-    reduce_overhead, gamma = costmodel.fit_latency_bandwidth(chunks, reduce_seconds)
+    alpha, beta = costmodel.fit_alpha_beta(chunks, message_seconds)
+    reduce_overhead, gamma = costmodel.fit_alpha_beta(chunks, reduce_seconds)
     # The ring reduces in half of its 2(p - 1) steps: that fixed cost joins the per-message latency.
     return costmodel.Network(
         alpha=alpha + reduce_overhead / 2, beta=beta, gamma=gamma, name="fitted in this run"
@@ -103,12 +102,12 @@ def main(argv=None):
         print(json.dumps(report))
         return 0
     print(
-        f"all-reduce of float32 on {p} ranks (slowest rank, median); times in ms; ratio = time / "
-        "MPI's"
+        f"all-reduce of float32 on {p} ranks (slowest rank, median); "
+        "times in ms; ratio = time / MPI's"
     )
     print(
-        f"fitted: alpha {network.alpha * 1e6:.1f} us, 1/beta "
-        f"{1 / max(network.beta, 1e-30) / 1e9:.2f} GB/s, "
+        f"fitted: alpha {network.alpha * 1e6:.1f} us, "
+        f"1/beta {1 / max(network.beta, 1e-30) / 1e9:.2f} GB/s, "
         f"1/gamma {1 / max(network.gamma, 1e-30) / 1e9:.2f} GB/s"
     )
     header = f"{'size':>9} {'MPI':>8}" + "".join(f" {a:>19}" for a in ALGORITHMS)

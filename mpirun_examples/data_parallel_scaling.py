@@ -62,9 +62,8 @@ def run(ranks, model, wire, steps, folder):
         metrics,
     ]
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
-    records = [json.loads(line) for line in open(metrics)][
-        5:-1
-    ]  # drop warm-up steps and the summary
+    # drop warm-up steps and the summary
+    records = [json.loads(line) for line in open(metrics)][5:-1]
     compute = statistics.median(r["compute_seconds"] for r in records)
     communication = statistics.median(r["communication_seconds"] for r in records)
     return {
@@ -98,9 +97,8 @@ def main(argv=None):
                     row["predicted_communication_s"] = costmodel.ring_allreduce_time(
                         gradient_bytes, ranks, costmodel.THIS_MACHINE
                     )
-                    local_compute = row[
-                        "compute_s"
-                    ]  # per replica, with the local batch of this run
+                    # per replica, with the local batch of this run
+                    local_compute = row["compute_s"]
                     at_scale = costmodel.ring_allreduce_time(
                         gradient_bytes, 1024, costmodel.DATACENTER
                     )
@@ -128,8 +126,8 @@ def main(argv=None):
             f"{r['predicted_1024_communication_s'] * 1e3:>15.2f}"
         )
     print(
-        f"p=1024 network: {costmodel.DATACENTER.name} (alpha {costmodel.DATACENTER.alpha * 1e6:g} "
-        "us, "
+        f"p=1024 network: {costmodel.DATACENTER.name} "
+        f"(alpha {costmodel.DATACENTER.alpha * 1e6:g} us, "
         f"{1 / costmodel.DATACENTER.beta / 1e9:g} GB/s)"
     )
 

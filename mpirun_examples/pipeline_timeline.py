@@ -4,12 +4,13 @@
     python mpirun_examples/pipeline_timeline.py --stages 2 --micro-batches 4 --png two_stages.png
     python mpirun_examples/pipeline_timeline.py --sweep      # the table: P = 2, 4 and M = 1..16
 
-It launches `mpirun -n P python -m minimp.train --pp P --timeline ...` for each schedule, reads each
-stage's forward/backward times, and measures the bubble of a step as 1 - (mean busy time of a stage)
-/ (time from the first forward to the last backward), beside the theory (P - 1)/(M + P - 1). The
-model (8 hidden layers of 512) splits into stages of nearly equal parameter count. On a 2-core
-machine P = 4 is oversubscribed and waiting MPICH ranks spin, which slows the computing ones: the
-measured bubble is then a property of this machine as much as of the schedule.
+It launches `mpirun -n P python -m minimp.train --pp P --timeline ...` for each
+schedule, reads each stage's forward/backward times, and measures the bubble of a step
+as 1 - (mean busy time of a stage) / (time from the first forward to the last backward),
+beside the theory (P - 1)/(M + P - 1). The model (8 hidden layers of 512) splits into
+stages of nearly equal parameter count. On a 2-core machine P = 4 is oversubscribed and
+waiting MPICH ranks spin, which slows the computing ones: the measured bubble is then a
+property of this machine as much as of the schedule.
 """
 
 import argparse
@@ -114,8 +115,8 @@ def draw(timelines, path):
         theory = pipeline_bubble_fraction(timeline["stages"], timeline["micro_batches"])
         axis.set_title(
             f"{timeline['schedule']}: P={timeline['stages']}, M={timeline['micro_batches']}, "
-            f"bubble measured {bubble(timeline):.2f}, theory {theory:.2f}, peak stored "
-            f"micro-batches per stage {timeline['peak_stored_micro_batches']}",
+            f"bubble measured {bubble(timeline):.2f}, theory {theory:.2f}, "
+            f"peak stored micro-batches per stage {timeline['peak_stored_micro_batches']}",
             fontsize=9,
         )
     axes[-1].set_xlabel("ms since the step's first forward (blue: forward, orange: backward)")
@@ -143,15 +144,14 @@ def main(argv=None):
             for timeline in timelines:
                 print(
                     f"{timeline['schedule']:>5}: bubble {bubble(timeline):.3f} (theory "
-                    f"{pipeline_bubble_fraction(args.stages, args.micro_batches):.3f}), peak "
-                    "stored "
-                    f"micro-batches per stage {timeline['peak_stored_micro_batches']}"
+                    f"{pipeline_bubble_fraction(args.stages, args.micro_batches):.3f}), "
+                    f"peak stored micro-batches per stage {timeline['peak_stored_micro_batches']}"
                 )
             print(f"saved {args.png}")
             return
         print(
-            f"{'P':>2} {'M':>3} {'theory':>7} {'gpipe':>7} {'1f1b':>7}   peak stored per stage "
-            "(gpipe | 1f1b)"
+            f"{'P':>2} {'M':>3} {'theory':>7} {'gpipe':>7} {'1f1b':>7}   "
+            "peak stored per stage (gpipe | 1f1b)"
         )
         for stages in (2, 4):
             for micro_batches in (1, 2, 4, 8, 16):

@@ -3,8 +3,8 @@
     mpirun -n 4 python mpirun_examples/ring_allreduce.py
     python mpirun_examples/ring_allreduce.py --simulate 4     # the same function, in-process
 
-Each rank starts with [rank, rank, ..., rank] (p * 2 elements); all end with the sum 0 + 1 + ... +
-p-1.
+Each rank starts with [rank, rank, ..., rank] (p * 2 elements);
+all end with the sum 0 + 1 + ... + p-1.
 """
 
 import argparse

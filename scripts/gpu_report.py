@@ -1,5 +1,5 @@
-"""Merge the logs of scripts/gpu_check.sh into one JSON file: device, date, tests, benchmarks,
-training."""
+"""Merge the logs of scripts/gpu_check.sh into one JSON file
+(device, date, tests, benchmarks, training)."""
 
 import datetime
 import json

@@ -1,5 +1,4 @@
-"""Shared fixtures: a seeded generator, and the path of the venv's interpreter for subprocess
-tests."""
+"""Shared fixtures: a seeded generator, and the venv's interpreter path for subprocess tests."""
 
 import os
 import shutil

@@ -1,5 +1,4 @@
-"""Hypothesis strategies shared by the tests: float16 values including subnormals, infinities and
-NaN."""
+"""Shared hypothesis strategies: float16 values including subnormals, infinities and NaN."""
 
 import numpy as np
 from hypothesis import strategies as st

@@ -1,5 +1,4 @@
-"""Float16 facts, each stated as a property test: the numbers every lesson and docstring relies
-on."""
+"""Float16 facts, each a property test: the numbers every lesson and docstring relies on."""
 
 import math
 
@@ -29,9 +28,8 @@ def test_cast_round_trip_error_is_at_most_2_to_the_minus_11_relative(value):
 
 def test_largest_float16_and_where_overflow_starts():
     assert float(f16(65504)) == FLOAT16_MAX == float(np.finfo(f16).max)
-    assert (
-        float(f16(65519)) == 65504.0
-    )  # below the midpoint to the next (missing) step: rounds down
+    # below the midpoint to the next (missing) step: rounds down
+    assert float(f16(65519)) == 65504.0
     assert np.isinf(f16(65520))  # the midpoint 65520 rounds to even, which is the overflow to inf
 
 
@@ -49,8 +47,7 @@ def test_subnormals_keep_an_absolute_spacing_of_2_to_the_minus_24(value):
 
 @given(st.integers(-1000, 1000), st.integers(-14, 15))
 def test_ties_round_to_even(mantissa_step, exponent):
-    """A value exactly halfway between two neighbouring float16 numbers goes to the even
-    mantissa."""
+    """A value exactly halfway between neighbouring float16 numbers goes to the even mantissa."""
     lower = float(f16(2.0**exponent * (1 + (abs(mantissa_step) % 1023) / 1024)))
     upper = float(np.nextafter(f16(lower), f16(np.inf)))
     if not math.isfinite(upper):
@@ -87,10 +84,9 @@ def test_minimp_sum_of_float16_ones_accumulates_in_float32():
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 64), st.integers(1, 300), st.integers(1, 16), st.integers(0, 2**31 - 1))
 def test_float16_matmul_with_float32_accumulation_meets_the_classic_error_bound(m, k, n, seed):
-    """|fl(A @ B) - A @ B| <= u16 |A @ B| + gamma_k(fp32) |A| @ |B|  (Higham, Accuracy and
-      Stability,
-    eq. 3.13), where u16 = 2^-11 is the final rounding to float16 and gamma_k = k u / (1 - k u), u =
-      2^-24."""
+    """|fl(A @ B) - A @ B| <= u16 |A @ B| + gamma_k(fp32) |A| @ |B|
+    (Higham, Accuracy and Stability, eq. 3.13), where u16 = 2^-11 is the final rounding to float16
+    and gamma_k = k u / (1 - k u), u = 2^-24."""
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((m, k)).astype(f16)
     b = rng.standard_normal((k, n)).astype(f16)
@@ -114,8 +110,8 @@ def test_loss_scaling_by_a_power_of_two_recovers_gradients_float16_flushes(gradi
 
 
 def test_loss_scaling_through_the_engine():
-    """A real backward pass: gradient 2^-26 per weight vanishes in float16 and survives a 2^16
-    scale."""
+    """A real backward pass: gradient 2^-26 per weight vanishes in float16
+    and survives a 2^16 scale."""
     weight = Tensor(np.ones(4, f16), requires_grad=True)
     (weight * 2.0**-13).sum().astype(np.float32).__mul__(2.0**-13).backward()
     assert np.all(weight.grad == 0)  # 2^-26 flushed to zero

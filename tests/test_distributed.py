@@ -1,5 +1,5 @@
-"""minimp.dist on the simulated world: all-reduce correctness, bit-identity, bandwidth from the
-trace, deadlock detection, sub-groups, and clear errors for mismatched arrays."""
+"""minimp.distributed on the simulated world: all-reduce correctness, bit-identity, bandwidth
+from the trace, deadlock detection, sub-groups, and clear errors for mismatched arrays."""
 
 import ml_dtypes
 import numpy as np
@@ -48,8 +48,8 @@ def test_allreduce_matches_the_float64_sum_and_is_bit_identical(
     for result in results:
         assert result.dtype == np.dtype(dtype) and result.shape == (length,)
         assert result.tobytes() == results[0].tobytes(), "replicas must agree bit for bit"
-    # each of at most p roundings (p - 1 partial sums and the stored result) errs by u times its
-    # value
+    # each of at most p roundings (p - 1 partial sums and the stored result)
+    # errs by u times its value
     bound = world_size * UNIT_ROUNDOFF[dtype] * magnitude * (1 + 1e-9) + 1e-300
     assert np.all(np.abs(results[0].astype(np.float64) - exact) <= bound)
 

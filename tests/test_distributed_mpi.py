@@ -1,5 +1,4 @@
-"""minimp.dist under real MPI: mpirun subprocesses with a timeout (each launch takes a few
-seconds)."""
+"""minimp.distributed under real MPI: mpirun subprocesses, each with a timeout."""
 
 import os
 import subprocess

@@ -1,6 +1,8 @@
 """The CuPy path: float32 accumulation in float16 matmuls, ops and training on the GPU against
-the CPU, and GPU buffers over MPI. Every test here skips (with its reason) where CuPy or a device
-is absent."""
+the CPU, and GPU buffers over MPI.
+
+Every test here skips (with its reason) where CuPy or a device is absent.
+"""
 
 import os
 import subprocess
@@ -27,8 +29,8 @@ def on_gpu():
 
 
 def test_float16_matmul_accumulates_in_float32_range():
-    """Rows of +60000 then -60000: a float16 accumulator overflows to inf at 65504, float32 gives
-    0."""
+    """Rows of +60000 then -60000: a float16 accumulator overflows to inf at 65504;
+    float32 gives 0."""
     row = np.concatenate([np.full(2048, 60000.0), np.full(2048, -60000.0)]).astype(np.float16)
     a = cupy.asarray(np.tile(row, (64, 1)))
     b = cupy.ones((4096, 64), cupy.float16)
@@ -39,8 +41,8 @@ def test_float16_matmul_accumulates_in_float32_range():
 
 def test_float16_matmul_accumulates_in_float32_precision():
     """1 + 4096 x 2^-15: each term is a quarter of float16's ulp at 1, so a float16 running sum
-    stays at 1 (even in blocks of 16, 16 x 2^-15 is half an ulp and ties to even); float32 gives
-    1.125."""
+    stays at 1 (even in blocks of 16, 16 x 2^-15 is half an ulp and ties to even);
+    float32 gives 1.125."""
     row = np.concatenate([[1.0], np.full(4096, 2.0**-15)]).astype(np.float16)
     a = cupy.asarray(np.tile(row, (64, 1)))
     b = cupy.ones((4097, 64), cupy.float16)

@@ -60,9 +60,8 @@ def test_backward_matches_central_differences(name, op, shapes, positive, rng):
     if positive:
         arrays = [np.abs(a) + 0.5 for a in arrays]
     if name == "relu":
-        arrays[0][np.abs(arrays[0]) < 1e-3] = (
-            0.5  # keep clear of the kink, where no derivative exists
-        )
+        # keep clear of the kink, where no derivative exists
+        arrays[0][np.abs(arrays[0]) < 1e-3] = 0.5
     weights = rng.standard_normal(op(*[Tensor(a) for a in arrays]).shape)
 
     def scalar(values):
@@ -87,8 +86,7 @@ def test_backward_matches_central_differences(name, op, shapes, positive, rng):
 
 @pytest.mark.parametrize("name, op, shapes, positive", OPS, ids=[row[0] for row in OPS])
 def test_float16_inputs_give_float16_outputs_and_gradients(name, op, shapes, positive, rng):
-    """A float16 graph stores float16 and hands back float16 gradients (losses excepted:
-    float32)."""
+    """A float16 graph stores float16 and returns float16 gradients (losses excepted: float32)."""
     arrays = [rng.standard_normal(shape).astype(np.float16) for shape in shapes]
     if positive:
         arrays = [(np.abs(a) + 0.5).astype(np.float16) for a in arrays]

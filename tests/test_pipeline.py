@@ -1,6 +1,6 @@
-"""Pipeline parallelism on the simulated world: stage splitting, and training that equals one
-process for both schedules, any number of micro-batches (also fewer than stages), and the dp x pp
-grid."""
+"""Pipeline parallelism on the simulated world: stage splitting, and training that equals
+one process for both schedules, any number of micro-batches (also fewer than stages),
+and the dp x pp grid."""
 
 import json
 
@@ -35,8 +35,7 @@ def test_more_stages_than_weighted_layers_is_an_error():
 
 def run(world_size, eager_limit=0, **overrides):
     """Train on the simulated world; eager_limit=0 makes every send wait for its receiver, the
-    strictest MPI behaviour, so a schedule that could deadlock on a real MPI raises
-    DeadlockError."""
+    strictest MPI behaviour, so a schedule that could deadlock on real MPI raises DeadlockError."""
     settings = dict(hidden=32, layers=3, batch_size=32, steps=20, precision="fp32", log_every=1000)
     config = TrainConfig(**{**settings, **overrides})
     config.validate(world_size)

@@ -1,5 +1,4 @@
-"""Loss scalers: the dynamic scaler's trajectory rules, hysteresis, min_scale, and state round
-trips."""
+"""Loss scalers: the dynamic scaler's trajectory rules, hysteresis, min_scale, state round trips."""
 
 import numpy as np
 import pytest

@@ -1,5 +1,4 @@
-"""Pipeline schedules without MPI: order, pairing of messages (no deadlock), and activation
-memory."""
+"""Pipeline schedules without MPI: order, message pairing (no deadlock), and activation memory."""
 
 import pytest
 from hypothesis import given

@@ -1,5 +1,4 @@
-"""The mixed-precision step: skipped steps change nothing, unscaling is exact, masters stay
-float32."""
+"""Mixed-precision step: skipped steps change nothing, unscaling is exact, masters stay float32."""
 
 import copy
 
@@ -127,8 +126,7 @@ def test_sgd_and_adam_match_their_formulas():
 
 
 def train_tiny_gradients(dtype, scaler, steps=120):
-    """The setup of lesson 4: a loss averaged over 2^16 terms, so every gradient is 2^-16
-    smaller."""
+    """Lesson 4's setup: a loss averaged over 2^16 terms, so every gradient is 2^-16 smaller."""
     from minimp.data import load_digits
 
     digits = load_digits()

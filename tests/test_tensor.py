@@ -11,9 +11,8 @@ from minimp.tensor import saved_bytes
 def test_python_floats_become_float32_and_arrays_keep_their_dtype():
     assert Tensor([1.0, 2.0]).dtype == np.float32
     assert Tensor(np.zeros(2, np.float16)).dtype == np.float16
-    assert (
-        Tensor(np.ones(2, np.float16)) * 0.5
-    ).dtype == np.float16  # scalars take the tensor's dtype
+    # scalars take the tensor's dtype
+    assert (Tensor(np.ones(2, np.float16)) * 0.5).dtype == np.float16
 
 
 def test_gradients_accumulate_across_backward_calls():

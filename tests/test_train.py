@@ -1,5 +1,5 @@
-"""The training command end to end: accuracy, resume bit-identity, micro-batches, overflow, bad
-input."""
+"""The training command end to end:
+accuracy, resume bit-identity, micro-batches, overflow, bad input."""
 
 import json
 import subprocess

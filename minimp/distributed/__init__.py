@@ -1,9 +1,9 @@
 """minimp.distributed: communicators (real MPI and a simulated world) and collectives from scratch.
 
 The transport layer, as `torch.distributed` is PyTorch's: `from minimp import distributed as dist`.
-It knows how to move and reduce bytes between ranks and nothing about models; the strategies that
-use it (data and pipeline parallelism) live in minimp.parallel and import this package, never the
-other way round.
+It knows how to move and reduce bytes between ranks and nothing about models; the strategies
+that use it (data and pipeline parallelism) live in minimp.parallel and import this package,
+never the other way round.
 """
 
 from minimp.distributed.buffers import CollectiveMismatchError

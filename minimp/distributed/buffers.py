@@ -31,8 +31,8 @@ def agree_on_array(comm: Communicator, array: Any, name: str) -> None:
     if highest[0] != -highest[2] or highest[1] != -highest[3]:
         raise CollectiveMismatchError(
             f"{name}: ranks disagree on the array (lengths {int(-highest[2])}..{int(highest[0])}, "
-            f"dtype codes {int(-highest[3])}..{int(highest[1])}); every rank must pass the same "
-            "length and dtype"
+            f"dtype codes {int(-highest[3])}..{int(highest[1])}); "
+            "every rank must pass the same length and dtype"
         )
 
 

@@ -49,8 +49,7 @@ def naive_allreduce(
 def recursive_doubling_allreduce(
     comm: Communicator, x: Any, op: str = "sum", out: Any = None
 ) -> Any:
-    """log2(p) rounds of exchanging the whole array with the partner rank ^ distance
-    (latency-optimal).
+    """log2(p) rounds exchanging the whole array with partner rank ^ distance (latency-optimal).
 
     For p not a power of two, the first p - 2^k ranks above 2^k fold their data into a partner first
     and get the result back at the end (Thakur, Rabenseifner & Gropp 2005, section 4.1).
@@ -106,8 +105,7 @@ def allreduce(
     out: Any = None,
 ) -> Any:
     """All-reduce with the named algorithm, or with the one the cost model picks ("auto"), the
-    way MPI libraries switch from latency-optimal to bandwidth-optimal algorithms as messages
-    grow."""
+    way MPI libraries switch from latency- to bandwidth-optimal algorithms as messages grow."""
     if algorithm == "auto":
         algorithm = choose_algorithm(x.size * x.dtype.itemsize, comm.size, network)
     if algorithm not in ALGORITHMS:

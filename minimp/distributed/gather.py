@@ -41,9 +41,9 @@ def gather_named_arrays(
             continue
         length = np.empty(1, np.int64)
         comm.recv(length, source, tag=Tag.GATHER_ARRAYS)
-        header = np.empty(int(length[0]), np.uint8)
-        comm.recv(header, source, tag=Tag.GATHER_ARRAYS)
-        for name, dtype, shape in json.loads(header.tobytes().decode()):
+        received = np.empty(int(length[0]), np.uint8)
+        comm.recv(received, source, tag=Tag.GATHER_ARRAYS)
+        for name, dtype, shape in json.loads(received.tobytes().decode()):
             array = np.empty(shape, _dtype_from_name(dtype))
             comm.recv(array, source, tag=Tag.GATHER_ARRAYS)
             merged[name] = array

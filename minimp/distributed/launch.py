@@ -1,6 +1,7 @@
-"""The abort rule: under MPI, an exception on one rank ends the whole job instead of leaving the
-other ranks waiting forever in a receive that will never come (plain mpi4py does leave them
-waiting)."""
+"""The abort rule: under MPI, an exception on one rank ends the whole job.
+
+Plain mpi4py leaves the other ranks waiting forever in a receive that will never come.
+"""
 
 import sys
 import traceback
@@ -10,9 +11,9 @@ from minimp.distributed.protocol import Communicator
 
 
 def run_or_abort(main: Callable, *args: Any, comm: Communicator | None = None) -> Any:
-    """Call main(*args). If it raises (or exits non-zero) on a job of several ranks, print this
-    rank's error with its rank number, then MPI_Abort the whole job; on one rank, behave like a
-    plain call."""
+    """Call main(*args). If it raises (or exits non-zero) on a job of several ranks,
+    print this rank's error with its rank number, then MPI_Abort the whole job;
+    on one rank, behave like a plain call."""
     if comm is None:
         from minimp.distributed.mpi import world
 

@@ -19,9 +19,9 @@ from minimp.distributed.protocol import byte_view, check_byte_count, check_op
 
 
 def mpi_is_cuda_aware() -> bool:
-    """True when the loaded MPI library accepts GPU memory (MPIX_GPU_query_support in MPICH >= 4,
-    MPIX_Query_cuda_support in Open MPI); MINIMP_CUDA_AWARE_MPI=0/1 overrides. The PyPI mpich
-    wheel answers no."""
+    """True when the loaded MPI library accepts GPU memory
+    (MPIX_GPU_query_support in MPICH >= 4, MPIX_Query_cuda_support in Open MPI);
+    MINIMP_CUDA_AWARE_MPI=0/1 overrides. The PyPI mpich wheel answers no."""
     override = os.environ.get("MINIMP_CUDA_AWARE_MPI")
     if override in ("0", "1"):
         return override == "1"
@@ -136,8 +136,7 @@ class MPICommunicator:
             array[...] = backend.to_device(host)
 
     def allreduce_scalars(self, values: Any, op: str = "max") -> np.ndarray:
-        """Reduce a few float64 scalars (flags, lengths) over all ranks; returns a new float64
-        array."""
+        """Reduce a few float64 scalars (flags, lengths) over all ranks into a new float64 array."""
         check_op(op)
         mpi_op = {"max": self._MPI.MAX, "min": self._MPI.MIN, "sum": self._MPI.SUM}[op]
         values = np.ascontiguousarray(values, dtype=np.float64)

@@ -62,10 +62,10 @@ def check_byte_count(received: int, expected: int, source: int) -> None:
 class Communicator(Protocol):
     """A group of ranks that exchange raw bytes. Ranks are numbered 0..size-1 within the group.
 
-    Arrays travel as their bytes (`byte_view`): they must be C-contiguous, and a receive buffer
-    must have exactly the size of the message. Large sends may wait for their receiver (MPI's
-    rendezvous protocol), so a pair of ranks that exchange data uses `sendrecv`, never send-then-
-    receive on both sides.
+    Arrays travel as their bytes (`byte_view`): they must be C-contiguous, and a receive
+    buffer must have exactly the size of the message. Large sends may wait for their
+    receiver (MPI's rendezvous protocol), so a pair of ranks that exchange data uses
+    `sendrecv`, never send-then-receive on both sides.
     """
 
     rank: int

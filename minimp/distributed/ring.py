@@ -2,21 +2,19 @@
 
 Rank r sends to r + 1 and receives from r - 1. The array is cut into p chunks. In the
 reduce-scatter, at step s rank r sends its partial sum of chunk (r - s - 1) mod p and adds the
-incoming chunk (r - s - 2) mod p into its own; after p - 1 steps rank r holds chunk r summed over
-all ranks. The all-gather then passes the finished chunks around the ring. Each rank sends 2(p - 1)
-messages holding 2(p - 1)/p of the array in all, which no all-reduce can beat in bandwidth
-(Patarasuk & Yuan 2009).
+incoming chunk (r - s - 2) mod p into its own; after p - 1 steps rank r holds chunk r summed
+over all ranks. The all-gather then passes the finished chunks around the ring. Each rank sends
+2(p - 1) messages holding 2(p - 1)/p of the array in all, which no all-reduce can beat in
+bandwidth (Patarasuk & Yuan 2009).
 
-Every rank ends bit-identical: each chunk is summed once, on one rank, and then copied byte for
-byte.
+Every rank ends bit-identical: each chunk is summed once, on one rank, then copied byte for byte.
 
-Accumulation: partial sums travel in the array's own dtype (float16 halves the bytes, which is the
-point of sending float16), but every addition widens both operands to float32 and rounds once, so a
-float16 result carries at most p - 1 roundings of 2^-11 relative each, not the swamping of float16
-additions.
+Accumulation: partial sums travel in the array's own dtype (float16 halves the bytes, which is
+the point of sending float16), but every addition widens both operands to float32 and rounds
+once, so a float16 result carries at most p - 1 roundings of 2^-11 relative each, not the
+swamping of float16 additions.
 
-The two halves are also collectives of their own: `reduce_scatter` and `all_gather` are what ZeRO
-builds on.
+The two halves are also collectives of their own; ZeRO builds on `reduce_scatter` and `all_gather`.
 """
 
 from typing import Any
@@ -50,9 +48,9 @@ def ring_reduce_scatter_into(
     """Reduce-scatter around the ring: afterwards out[bounds[rank]] holds that chunk reduced over
     all ranks. x (flat, contiguous) is only read; out receives the partial sums.
 
-    No copy of x is made first: each incoming partial sum is received straight into its place in out
-    and this rank's share is added there, so every byte is read and written as few times as
-    possible.
+    No copy of x is made first: each incoming partial sum is received straight into its
+    place in out and this rank's share is added there, so every byte is read and written
+    as few times as possible.
     """
     p, r = comm.size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p

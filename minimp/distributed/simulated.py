@@ -1,5 +1,4 @@
-"""An in-process simulated MPI world: ranks are threads, every message is recorded, deadlocks are
-caught.
+"""An in-process simulated MPI world: ranks are threads, every message recorded, deadlocks caught.
 
 `simulate(n, fn, *args)` runs fn(comm, *args) on n ranks and returns their results. Its communicator
 satisfies the same Protocol as the real one (minimp/distributed/protocol.py), so the very same
@@ -55,17 +54,18 @@ class SimulatedWorld:
         self.size, self.eager_limit, self.timeout = size, eager_limit, timeout
         self.condition = threading.Condition()
         # (context, source, dest, tag) -> envelopes in send order
-        self.mailboxes = defaultdict(deque)
-        self.collectives = {}  # (context, call number) -> {rank: contribution}, until all have read
-        self.collective_reads = {}  # (context, call number) -> ranks that have read the entry
-        self.waiting = {}  # world rank -> (description, predicate)
-        self.finished = {}  # world rank -> "returned" or "raised ..."
-        self.trace = []
+        self.mailboxes: defaultdict[tuple, deque] = defaultdict(deque)
+        # (context, call number) -> {rank: contribution}, until all have read it
+        self.collectives: dict[tuple, dict] = {}
+        self.collective_reads: dict[tuple, set] = {}  # (context, call number) -> ranks that read
+        self.waiting: dict[int, tuple] = {}  # world rank -> (description, predicate)
+        self.finished: dict[int, str] = {}  # world rank -> "returned" or "exited with ..."
+        self.trace: list[Message] = []
         self.sends_by_rank = [0] * size
         self.deadlock = None
 
     # Called with the condition held by every blocking operation.
-    def block_until(self, rank, predicate, description):
+    def block_until(self, rank: int, predicate: Callable[[], bool], description: str) -> None:
         deadline = time.monotonic() + self.timeout
         while not predicate():
             if self.deadlock:
@@ -95,8 +95,8 @@ class SimulatedWorld:
         self.condition.notify_all()
 
     def run(self, fn: Callable, *args: Any) -> list:
-        """Run fn(comm, *args) on every rank; results in rank order, or the first rank's
-        exception."""
+        """Run fn(comm, *args) on every rank.
+        Returns the results in rank order, or raises the first rank's exception."""
         results, errors = [None] * self.size, {}
 
         def body(rank):
@@ -131,7 +131,7 @@ class SimulatedWorld:
 class SimulationResults(list):
     """The ranks' return values, in rank order, with the message trace attached as `.trace`."""
 
-    trace = ()
+    trace: list[Message] = []
 
 
 def simulate(
@@ -149,8 +149,8 @@ def simulate(
 
 
 class SimulatedCommunicator:
-    """A rank's view of a SimulatedWorld, or of a group split from it; same API as
-    MPICommunicator."""
+    """A rank's view of a SimulatedWorld, or of a group split from it.
+    Same API as MPICommunicator."""
 
     def __init__(self, world: SimulatedWorld, rank: int, members: list[int], context: tuple):
         self.world, self.members, self.context = world, members, context
@@ -160,7 +160,7 @@ class SimulatedCommunicator:
         self.messages_sent = 0
         self._collective_calls = 0
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"SimulatedCommunicator(rank={self.rank}, size={self.size})"
 
     def _post(self, array, dest, tag):

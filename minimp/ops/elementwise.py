@@ -1,5 +1,4 @@
-"""Elementwise ops: each computes in float32 when its inputs are stored in 16 bits, and rounds
-once."""
+"""Elementwise ops: each computes in float32 when its inputs are 16-bit floats, and rounds once."""
 
 import numpy as np
 
@@ -10,8 +9,8 @@ from minimp.precision.casting import round_to, widen
 
 
 def _binary_forward(ctx, a, b, compute):
-    """Run compute(a, b) in the accumulation dtype; remember what backward needs to undo
-    broadcasting."""
+    """Run compute(a, b) in the accumulation dtype. Remembers the shapes and dtypes backward
+    needs to undo broadcasting."""
     ctx.shapes = (a.shape, b.shape)
     ctx.dtypes = (a.dtype, b.dtype)
     return round_to(compute(widen(a), widen(b)), casting.result_dtype(a.dtype, b.dtype))
@@ -27,8 +26,9 @@ class Add(Function):
     @staticmethod
     def backward(ctx, grad_output):
         (shape_a, shape_b), (dtype_a, dtype_b) = ctx.shapes, ctx.dtypes
-        return unbroadcast(grad_output, shape_a, dtype_a), unbroadcast(
-            grad_output, shape_b, dtype_b
+        return (
+            unbroadcast(grad_output, shape_a, dtype_a),
+            unbroadcast(grad_output, shape_b, dtype_b),
         )
 
 
@@ -206,8 +206,7 @@ def _negative_and_not_nan(x):
 
 
 def _negate(x):
-    """-x for every float dtype; 16-bit floats flip their sign bit instead of doing slow
-    arithmetic."""
+    """-x for every float dtype; 16-bit floats flip their sign bit, avoiding slow arithmetic."""
     if casting.is_low_precision(x.dtype):
         return (_signed_bits(x) ^ np.int16(-0x8000)).view(x.dtype)
     return -x

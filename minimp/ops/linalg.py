@@ -1,12 +1,14 @@
 """Matrix products with float32 accumulation, rounded once: what tensor cores do.
 
-On the CPU, half-precision inputs are widened and multiplied by float32 BLAS, then rounded (NumPy's
-own float16 matmul has no BLAS behind it and is ~100x slower). On a GPU, float16 operands go to
-cuBLAS as they are: CuPy (with CUDA >= 11) calls cublasGemmEx with CUBLAS_COMPUTE_32F for float16
-matrices, so the tensor cores multiply float16 and accumulate in float32, and cuBLAS rounds the
-result once. Nothing needs to be set for it; tests/test_gpu.py checks that the accumulation really
-is float32.
+On the CPU, half-precision inputs are widened and multiplied by float32 BLAS, then rounded
+(NumPy's own float16 matmul has no BLAS behind it and is ~100x slower). On a GPU, float16 operands
+go to cuBLAS as they are: CuPy (with CUDA >= 11) calls cublasGemmEx with CUBLAS_COMPUTE_32F for
+float16 matrices, so the tensor cores multiply float16 and accumulate in float32, and cuBLAS
+rounds the result once. Nothing needs to be set for it; tests/test_gpu.py checks that the
+accumulation really is float32.
 """
+
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +22,7 @@ def _swap_last_two(array):
     return array_module(array).swapaxes(array, -1, -2)
 
 
-def gemm_operand(array):
+def gemm_operand(array: Any) -> Any:
     """What a matrix product should read: float16 as it is on a GPU (tensor cores, float32
     accumulation inside cuBLAS), float32 everywhere else."""
     if array.dtype == casting.FLOAT16 and array_module(array) is not np and array.ndim == 2:

@@ -1,10 +1,10 @@
 """Softmax, log-softmax and cross-entropy, always computed in float32.
 
-Why float32: exp() overflows float16 at x > 11.09, so a float16 softmax of ordinary logits gives
-inf/inf; log-probabilities of rare classes need more than 11 bits; and the loss is multiplied by the
-loss scale (2^16 by default), which would overflow float16's 65504 for any loss above 1. The loss
-itself is returned in float32; the gradients going back into the network are rounded to the logits'
-dtype.
+Why float32: exp() overflows float16 at x > 11.09, so a float16 softmax of ordinary logits
+gives inf/inf; log-probabilities of rare classes need more than 11 bits; and the loss is
+multiplied by the loss scale (2^16 by default), which would overflow float16's 65504 for any
+loss above 1. The loss itself is returned in float32; the gradients going back into the network
+are rounded to the logits' dtype.
 """
 
 from minimp.backend import array_module
@@ -59,8 +59,8 @@ class LogSoftmax(Function):
 
 
 class CrossEntropy(Function):
-    """L = mean over the batch of -log softmax(logits)[target];  dL/dlogits = (softmax - onehot) /
-      B.
+    """L = mean over the batch of -log softmax(logits)[target];
+    dL/dlogits = (softmax - onehot) / B.
 
     Backward keeps only the logits (already kept by the layer before) and recomputes the softmax,
     so a float16 graph holds no float32 copy of the probabilities.

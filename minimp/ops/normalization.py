@@ -1,5 +1,7 @@
-"""Layer normalization over the last axis, with statistics in float32 (variance of float16 values
-computed in float16 loses most of its bits to cancellation)."""
+"""Layer normalization over the last axis, with statistics in float32.
+
+The variance of float16 values computed in float16 loses most of its bits to cancellation.
+"""
 
 from minimp.backend import array_module
 from minimp.function import Function

@@ -1,5 +1,4 @@
-"""Reductions: sum and mean accumulate in float32 whatever the input dtype, and round the result
-once."""
+"""Reductions: sum and mean accumulate in float32 whatever the input dtype, and round once."""
 
 from minimp.backend import array_module
 from minimp.function import Function

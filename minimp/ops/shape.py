@@ -18,8 +18,8 @@ class Reshape(Function):
 
 
 class Transpose(Function):
-    """y = x with axes permuted (reversed when axes is None);  dL/dx = dL/dy with the inverse
-    permutation."""
+    """y = x with axes permuted (reversed when axes is None);
+    dL/dx = dL/dy with the inverse permutation."""
 
     @staticmethod
     def forward(ctx, x, axes=None):

@@ -1,9 +1,9 @@
 """Data parallelism: every replica holds the whole model, sees its own shard of each global batch,
 and the replicas sum their gradients with minimp's ring all-reduce before anyone steps.
 
-Data parallelism does not split the parameters: each rank stores all of them (and all optimizer
-state); only the batch is split. (ZeRO is what shards optimizer state and gradients, using
-reduce_scatter and all_gather.)
+Data parallelism does not split the parameters: each rank stores all of them (and all
+optimizer state); only the batch is split. (ZeRO is what shards optimizer state and
+gradients, using reduce_scatter and all_gather.)
 
 Averaging by the world size p can happen before or after the all-reduce:
   before  each rank sends g_r / p and the sum is the mean. The values on the wire never exceed the
@@ -58,8 +58,8 @@ class DataParallel:
         self.comm_dtype = np.dtype(comm_dtype)
         self.buckets = self._plan_buckets(bucket_mb * 2**20)
         xp = array_module(optimizer.master_weights[0]) if optimizer.master_weights else np
-        # One send and one receive buffer per bucket, reused every step (no allocations, no page
-        # faults).
+        # One send and one receive buffer per bucket, reused every step
+        # (no allocations, no page faults).
         self.buffers = [
             (xp.empty(size, self.comm_dtype), xp.empty(size, self.comm_dtype))
             for _, size in self.buckets
@@ -69,7 +69,9 @@ class DataParallel:
         """[(parameter indices, elements)]; parameters are taken last to first, the order in which
         backward produces their gradients (so a real overlap of communication with backward could
         start on a full bucket early, as PyTorch DDP does)."""
-        buckets, current, size = [], [], 0
+        buckets: list[tuple[list[int], int]] = []
+        current: list[int] = []
+        size = 0
         for index in reversed(range(len(self.optimizer.params))):
             elements = self.optimizer.master_weights[index].size
             if current and (size + elements) * self.comm_dtype.itemsize > bucket_bytes:

@@ -49,8 +49,8 @@ def split_stages(layers: list, stages: int) -> list[tuple[int, int]]:
 
 
 def _balanced_cuts(costs: list[int], parts: int) -> list[int]:
-    """Cut points splitting costs into `parts` contiguous non-empty groups minimising the largest
-    sum."""
+    """Cut points splitting costs into `parts` contiguous non-empty groups,
+    minimising the largest sum."""
     n = len(costs)
     prefix = [0]
     for cost in costs:
@@ -142,11 +142,13 @@ class PipelineStage:
         after_backward: Callable[[], Any],
         record: Callable[[str, int, float, float], None] | None = None,
     ) -> float:
-        """Execute one step's actions and return the sum of the micro-batch losses (last stage;
-        else 0). inputs / targets: per micro-batch arrays (first / last stage). scale_loss(loss)
-        -> the tensor to call backward on; after_backward() runs after each backward (gradient
-        accumulation). record(op, micro_batch, start, end) receives every compute action's
-        timing."""
+        """Run one step's actions; returns the sum of the micro-batch losses (last stage; else 0).
+
+        inputs / targets: per micro-batch arrays (first / last stage).
+        scale_loss(loss) -> the tensor to call backward on.
+        after_backward() runs after each backward (gradient accumulation).
+        record(op, micro_batch, start, end) receives every compute action's timing.
+        """
         self._micro_batches: dict[int, MicroBatch] = {}
         self._inputs, self._targets = inputs, targets
         self._scale_loss, self._after_backward = scale_loss, after_backward
@@ -213,29 +215,26 @@ class PipelineStage:
         self.comm.send(grad, self.topology.previous_stage, tag=Tag.PIPELINE_BACKWARD)
 
     def _send_forward_recv_backward(self, action: Action) -> None:
-        buffer, next_stage = self._buffer(self.output_shape), self.topology.next_stage
         output = self._micro_batches[action.micro_batch].output
-        self.comm.sendrecv(
-            output.data,
-            next_stage,
-            buffer,
-            next_stage,
-            tag=Tag.PIPELINE_FORWARD,
-            recv_tag=Tag.PIPELINE_BACKWARD,
+        grad_output = self._exchange(
+            output.data, self.topology.next_stage, Tag.PIPELINE_FORWARD, self.output_shape
         )
-        self._state(action.received).grad_output = buffer
+        self._state(action.received).grad_output = grad_output
 
     def _send_backward_recv_forward(self, action: Action) -> None:
-        buffer, previous_stage = self._buffer(self.input_shape), self.topology.previous_stage
-        self.comm.sendrecv(
-            self._pop_grad_input(action.micro_batch),
-            previous_stage,
-            buffer,
-            previous_stage,
-            tag=Tag.PIPELINE_BACKWARD,
-            recv_tag=Tag.PIPELINE_FORWARD,
+        grad_input = self._pop_grad_input(action.micro_batch)
+        received = self._exchange(
+            grad_input, self.topology.previous_stage, Tag.PIPELINE_BACKWARD, self.input_shape
         )
-        self._state(action.received).received = buffer
+        self._state(action.received).received = received
+
+    def _exchange(self, outgoing: Any, neighbour: int, tag: Tag, shape: tuple) -> Any:
+        """One Sendrecv with a neighbour: our data goes out under `tag`, theirs (travelling the
+        other way, so under the other direction's tag) comes back into a new buffer."""
+        reply_tag = Tag.PIPELINE_BACKWARD if tag == Tag.PIPELINE_FORWARD else Tag.PIPELINE_FORWARD
+        buffer = self._buffer(shape)
+        self.comm.sendrecv(outgoing, neighbour, buffer, neighbour, tag=tag, recv_tag=reply_tag)
+        return buffer
 
     def _pop_grad_input(self, micro_batch: int) -> Any:
         """The input gradient to send back; the micro-batch is then finished on this stage."""

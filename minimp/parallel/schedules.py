@@ -81,7 +81,7 @@ def _one_f_one_b_stage(stage: int, stages: int, micro_batches: int) -> list[Acti
     steady = micro_batches - warmup
     actions, forward_mb, backward_mb = [], 0, 0
     for _ in range(warmup):
-        actions += ([] if first else [Action(RECV_FORWARD, forward_mb)])
+        actions += [] if first else [Action(RECV_FORWARD, forward_mb)]
         actions += [Action(FORWARD, forward_mb)]
         actions += [] if last else [Action(SEND_FORWARD, forward_mb)]
         forward_mb += 1
@@ -97,12 +97,10 @@ def _one_f_one_b_stage(stage: int, stages: int, micro_batches: int) -> list[Acti
             if index == steady - 1:
                 actions.append(Action(SEND_BACKWARD, backward_mb))
             else:  # hand the gradient up and take the next activation in
-                actions.append(
-                    Action(SEND_BACKWARD_RECV_FORWARD, backward_mb, received=forward_mb)
-                )
+                actions.append(Action(SEND_BACKWARD_RECV_FORWARD, backward_mb, received=forward_mb))
         backward_mb += 1
     for _ in range(warmup):
-        actions += ([] if last else [Action(RECV_BACKWARD, backward_mb)])
+        actions += [] if last else [Action(RECV_BACKWARD, backward_mb)]
         actions += [Action(BACKWARD, backward_mb)]
         actions += [] if first else [Action(SEND_BACKWARD, backward_mb)]
         backward_mb += 1
@@ -133,8 +131,8 @@ def peak_activations(actions: list[Action]) -> int:
 
 
 def format_schedule(schedule: Schedule) -> str:
-    """One line per stage, F3 / B3 / W3 for compute (communication left out): for printing in a
-    lesson."""
+    """One line per stage, for printing in a lesson.
+    F3 / B3 / W3 for compute; communication is left out."""
     lines = []
     for stage, actions in enumerate(schedule):
         compute = [str(action) for action in actions if action.op in COMPUTE_LABELS]

@@ -47,7 +47,7 @@ class Topology:
         """pp_group rank of the stage after this one, or None on the last stage."""
         return None if self.is_last_stage else self.stage + 1
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"Topology(rank {self.world.rank}: stage {self.stage}/{self.pp}, "
             f"replica {self.dp_rank}/{self.dp})"

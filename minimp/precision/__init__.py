@@ -1,5 +1,4 @@
-"""Mixed precision: named dtypes and casts, loss scalers, and the optimizer step that ties them
-together."""
+"""Mixed precision: named dtypes and casts, loss scalers, and the step that ties them together."""
 
 from minimp.precision.casting import (
     ACCUMULATE_DTYPE,

@@ -1,15 +1,16 @@
-"""Named dtypes of mixed precision and the only two casts it needs: widen to float32, round back
-once.
+"""Mixed precision's named dtypes and its only two casts: widen to float32, round back once.
 
-Why an op widens: float16 keeps 11 significant bits, so a sum or a dot product done in float16 loses
-the small terms (2048 + 1 == 2048 in float16). Tensor cores and GPU kernels therefore read
-half-precision inputs, compute in float32 registers and round the result once when they store it.
-minimp does the same on NumPy, which also happens to be faster: NumPy has no SIMD float16 arithmetic
-(~10 ns per element here) while a float16 -> float32 cast costs ~2 ns and float32 arithmetic a
-fraction of that.
+Why an op widens: float16 keeps 11 significant bits, so a sum or a dot product done in
+float16 loses the small terms (2048 + 1 == 2048 in float16). Tensor cores and GPU kernels
+therefore read half-precision inputs, compute in float32 registers and round the result
+once when they store it. minimp does the same on NumPy, which also happens to be faster:
+NumPy has no SIMD float16 arithmetic (~10 ns per element here) while a float16 -> float32
+cast costs ~2 ns and float32 arithmetic a fraction of that.
 
 Every cast in minimp goes through `widen` and `round_to`, so a benchmark can count them.
 """
+
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -19,8 +20,7 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT32 = np.dtype(np.float32)
 FLOAT64 = np.dtype(np.float64)
 
-# The optimizer's copy of every weight. float32, so updates smaller than half a float16 ulp still
-# land.
+# The optimizer's copy of every weight: float32, so updates below half a float16 ulp still land.
 MASTER_DTYPE = FLOAT32
 # Where matmul, sums, means, softmax and losses accumulate, whatever their inputs are stored in.
 ACCUMULATE_DTYPE = FLOAT32
@@ -29,36 +29,35 @@ ACTIVATION_DTYPES = {"fp32": FLOAT32, "fp16": FLOAT16, "bf16": BFLOAT16}
 LOW_PRECISION_DTYPES = (FLOAT16, BFLOAT16)
 
 
-def is_low_precision(dtype):
+def is_low_precision(dtype: Any) -> bool:
     """True for the 16-bit floats that must not be used as accumulators."""
     return np.dtype(dtype) in LOW_PRECISION_DTYPES
 
 
-def widen(array):
-    """The array in float32 when it is stored in 16 bits; float32/float64 arrays come back
-    unchanged."""
+def widen(array: Any) -> Any:
+    """The array in float32 when stored in 16 bits; float32/float64 arrays come back unchanged."""
     if array.dtype in LOW_PRECISION_DTYPES:
         return array.astype(ACCUMULATE_DTYPE)
     return array
 
 
-def round_to(array, dtype):
+def round_to(array: Any, dtype: Any) -> Any:
     """The array rounded (to nearest, ties to even) into dtype; no copy when it is already there."""
     if array.dtype == dtype:
         return array
     return array.astype(dtype)
 
 
-def result_dtype(*dtypes):
-    """The dtype of an op on inputs of these dtypes (NumPy's promotion; float16 with bfloat16 ->
-    float32)."""
+def result_dtype(*dtypes: Any) -> np.dtype:
+    """The dtype of an op on inputs of these dtypes
+    (NumPy's promotion; float16 with bfloat16 -> float32)."""
     try:
         return np.result_type(*dtypes)
     except TypeError:  # ml_dtypes' bfloat16 has no promotion rule with float16
         return FLOAT32
 
 
-def finite_info(dtype):
+def finite_info(dtype: Any) -> tuple[float, float, float]:
     """Largest finite value, smallest normal and smallest subnormal of a float dtype."""
     info = ml_dtypes.finfo(dtype)
     return float(info.max), float(info.smallest_normal), float(info.smallest_subnormal)

@@ -1,10 +1,9 @@
-"""Loss scalers: multiply the loss by S before backward so small float16 gradients do not flush to
-zero.
+"""Loss scalers: loss * S before backward, so small float16 gradients do not flush to zero.
 
-Gradients below 2^-24 are zero in float16 (and below 2^-14 they lose bits as subnormals). Scaling
-the loss by S = 2^k shifts every gradient up by k binades, exactly (a power of two only moves the
-exponent); the optimizer divides by S again in float32 (Micikevicius et al., "Mixed Precision
-Training", 2018).
+Gradients below 2^-24 are zero in float16 (and below 2^-14 they lose bits as subnormals).
+Scaling the loss by S = 2^k shifts every gradient up by k binades, exactly (a power of two
+only moves the exponent); the optimizer divides by S again in float32 (Micikevicius et al.,
+"Mixed Precision Training", 2018).
 """
 
 from typing import Any, Protocol, runtime_checkable
@@ -40,45 +39,45 @@ def _times(scale, factor):
 class StaticLossScaler:
     """One fixed scale S. A step whose gradients overflow is still skipped, but S never changes."""
 
-    def __init__(self, scale):
+    def __init__(self, scale: float):
         if not np.isfinite(scale) or scale <= 0:
             raise ValueError(f"loss scale must be a positive finite number, got {scale}")
         self.loss_scale = float(scale)
         self.hit_min_scale = False
 
-    def scale(self, loss):
+    def scale(self, loss: Any) -> Any:
         """loss * S (the loss is float32, so the product cannot overflow where float16 would)."""
         return loss * self.loss_scale
 
-    def update(self, found_inf):
+    def update(self, found_inf: bool) -> None:
         """A static scaler ignores overflows; the step itself is still skipped by the caller."""
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         return {"kind": "static", "loss_scale": self.loss_scale}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         self.loss_scale = float(state["loss_scale"])
 
 
 class DynamicLossScaler:
     """A scale that halves on overflow and doubles after `growth_interval` clean steps in a row.
 
-    With hysteresis=1 and above min_scale its trajectory is exactly torch.amp.GradScaler's: on
-    inf/NaN multiply by backoff_factor and reset the clean-step count; after growth_interval clean
-    steps multiply by growth_factor, unless that would leave float32's finite range. hysteresis=h >
-    1 tolerates h overflows before backing off (Megatron-LM's rule: the allowance refills only when
-    the scale grows). At min_scale it stops shrinking and sets `hit_min_scale`, so the trainer can
-    say so.
+    With hysteresis=1 and above min_scale its trajectory is exactly torch.amp.GradScaler's:
+    on inf/NaN multiply by backoff_factor and reset the clean-step count; after
+    growth_interval clean steps multiply by growth_factor, unless that would leave
+    float32's finite range. hysteresis=h > 1 tolerates h overflows before backing off
+    (Megatron-LM's rule: the allowance refills only when the scale grows). At min_scale it
+    stops shrinking and sets `hit_min_scale`, so the trainer can say so.
     """
 
     def __init__(
         self,
-        init_scale=2.0**16,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=2000,
-        hysteresis=1,
-        min_scale=1.0,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float = 1.0,
     ):
         if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0):
             raise ValueError("need growth_factor > 1 and 0 < backoff_factor < 1")
@@ -94,10 +93,10 @@ class DynamicLossScaler:
         self.hysteresis_tracker = hysteresis  # overflows still tolerated before a back-off
         self.hit_min_scale = False
 
-    def scale(self, loss):
+    def scale(self, loss: Any) -> Any:
         return loss * self.loss_scale
 
-    def update(self, found_inf):
+    def update(self, found_inf: bool) -> None:
         """Adjust the scale after a step; found_inf must already agree across all ranks."""
         self.hit_min_scale = False
         if found_inf:
@@ -117,7 +116,7 @@ class DynamicLossScaler:
             self.growth_tracker = 0
             self.hysteresis_tracker = self.hysteresis
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         return {
             "kind": "dynamic",
             "loss_scale": self.loss_scale,
@@ -125,7 +124,7 @@ class DynamicLossScaler:
             "hysteresis_tracker": self.hysteresis_tracker,
         }
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         self.loss_scale = float(state["loss_scale"])
         self.growth_tracker = int(state["growth_tracker"])
         self.hysteresis_tracker = int(state["hysteresis_tracker"])
@@ -137,14 +136,14 @@ class NoLossScaler:
     loss_scale = 1.0
     hit_min_scale = False
 
-    def scale(self, loss):
+    def scale(self, loss: Any) -> Any:
         return loss
 
-    def update(self, found_inf):
+    def update(self, found_inf: bool) -> None:
         pass
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         return {"kind": "none", "loss_scale": 1.0}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         pass

@@ -92,9 +92,9 @@ def unscale_(gradients: Sequence[Any], loss_scale: float) -> None:
 def clip_grad_norm_(
     gradients: Sequence[Any], max_norm: float | None, sync: GradientSync
 ) -> float | None:
-    """Scale the gradients so their global norm is at most max_norm (PyTorch's clip_grad_norm_:
-    factor max_norm / (norm + 1e-6) when the norm is larger); returns the norm, or None when not
-    clipping."""
+    """Scale the gradients so their global norm is at most max_norm
+    (PyTorch's clip_grad_norm_: factor max_norm / (norm + 1e-6) when the norm is larger);
+    returns the norm, or None when not clipping."""
     if max_norm is None:
         return None
     norm = math.sqrt(sync.total_squared_norm(squared_norm(gradients)))

@@ -1,9 +1,9 @@
 """`python -m minimp.train` (or `mpirun -n 4 python -m minimp.train`): parse, check, train.
 
-Bad input is one line, `minimp.train: error: ...`, printed by rank 0, and every rank exits with
-status 2 before any message is exchanged, so nothing can hang. Any error after that (an injected
-fault, a checkpoint that a rank cannot read) is printed by the rank that hit it, which then aborts
-the whole job.
+Bad input is one line, `minimp.train: error: ...`, printed by rank 0, and every rank exits
+with status 2 before any message is exchanged, so nothing can hang. Any error after that
+(an injected fault, a checkpoint that a rank cannot read) is printed by the rank that hit
+it, which then aborts the whole job.
 """
 
 import sys
@@ -37,7 +37,7 @@ def _run(config, comm):
     return 0
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     comm = world()
     config = parse_config(argv, quiet=comm.rank != 0)
     try:

@@ -1,5 +1,4 @@
-"""What a training run is made of: the model, this rank's stage of it, its optimizer and loss
-scaler, and evaluation."""
+"""What a training run is made of: model, this rank's stage, optimizer, loss scaler, evaluation."""
 
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +14,8 @@ from minimp.tensor import Tensor, no_grad
 def build_model(
     features: int, classes: int, hidden: int, layers: int, rng: np.random.Generator
 ) -> nn.Sequential:
-    """MLP: features -> hidden (x layers, each Linear + ReLU) -> classes, float32, weights from
-    rng."""
+    """MLP: features -> hidden (x layers, each Linear + ReLU) -> classes.
+    float32, weights drawn from rng."""
     modules, width = [], features
     for _ in range(layers):
         modules += [nn.Linear(width, hidden, rng=rng), nn.ReLU()]

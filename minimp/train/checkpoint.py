@@ -12,10 +12,13 @@ import json
 import os
 import tempfile
 import zipfile
+from typing import Any
 
 import numpy as np
 
 from minimp import backend
+from minimp.optim import Optimizer
+from minimp.precision import LossScaler
 
 FORMAT = "minimp-checkpoint-1"
 
@@ -24,9 +27,8 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, unreadable, or written for another model or run."""
 
 
-def state_arrays(names, optimizer):
-    """{array name: host array} of these parameters' masters and optimizer slots (one stage's
-    share)."""
+def state_arrays(names: list[str], optimizer: Optimizer) -> dict[str, np.ndarray]:
+    """One stage's {array name: host array}: these parameters' masters and optimizer slots."""
     arrays = {}
     for name, master, slots in zip(
         names, optimizer.master_weights, optimizer.state_dict()["slots"]
@@ -37,7 +39,16 @@ def state_arrays(names, optimizer):
     return arrays
 
 
-def save(path, *, step, seed, model_shape, optimizer, scaler, arrays):
+def save(
+    path: str,
+    *,
+    step: int,
+    seed: int,
+    model_shape: dict,
+    optimizer: Optimizer,
+    scaler: LossScaler,
+    arrays: dict[str, Any],
+) -> None:
     """Write the checkpoint atomically (a temporary file in the same folder, then a rename).
     `arrays` holds every stage's state_arrays; optimizer and scaler give the step count and scale,
     which all stages share."""
@@ -69,9 +80,9 @@ def save(path, *, step, seed, model_shape, optimizer, scaler, arrays):
         raise
 
 
-def read(path):
-    """(meta dict, {array name: array}) from a checkpoint file, or CheckpointError saying what is
-    wrong."""
+def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(meta dict, {array name: array}) from a checkpoint file,
+    or CheckpointError saying what is wrong."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path} does not exist (check the --resume path)")
     try:
@@ -90,9 +101,16 @@ def read(path):
     return meta, arrays
 
 
-def restore(path, *, seed, model_shape, names, optimizer, scaler):
-    """Load masters, optimizer and scaler state; returns the step the checkpoint was written
-    after."""
+def restore(
+    path: str,
+    *,
+    seed: int,
+    model_shape: dict,
+    names: list[str],
+    optimizer: Optimizer,
+    scaler: LossScaler,
+) -> int:
+    """Load masters, optimizer and scaler state; returns the step the checkpoint was saved after."""
     meta, arrays = read(path)
     if meta["model"] != model_shape:
         saved = " ".join(f"--{k} {v}" for k, v in meta["model"].items())

@@ -1,5 +1,4 @@
-"""The training configuration: one dataclass, and the argparse CLI generated from it field by
-field."""
+"""Training configuration: one dataclass, and the argparse CLI generated from it field by field."""
 
 import argparse
 import dataclasses
@@ -72,36 +71,37 @@ class TrainConfig:
         "", "STEP:RANK: raise an error on that rank at that step (see a failure)"
     )
 
-    def replicas(self, world_size):
+    def data_parallel_size(self, world_size: int) -> int:
         """The resolved --dp: the job's ranks divided by --pp unless given."""
         return self.dp or max(1, world_size // max(self.pp, 1))
 
-    def validate(self, world_size=1):
+    def validate(self, world_size: int = 1) -> None:
         """Raise ConfigError naming the flag and the fix for the first value that cannot work."""
-        for name in (
-            "steps",
-            "batch_size",
-            "micro_batches",
-            "layers",
-            "hidden",
-            "log_every",
-            "loss_scale_growth_interval",
-        ):
+        self._check_ranges()
+        self._check_grid(world_size)
+        self._check_batch(self.data_parallel_size(world_size))
+        self.loss_scale_kind()
+        self.overflow_injection(world_size)
+        self.fault_injection(world_size)
+
+    def _check_ranges(self) -> None:
+        """Every number inside its range (NaN fails every comparison, so it is caught too)."""
+        for name in POSITIVE_INTEGERS:
             if getattr(self, name) <= 0:
                 raise ConfigError(
                     f"--{_dashed(name)} must be a positive integer, got {getattr(self, name)}"
                 )
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"--lr must be a positive number, got {self.lr}")
-        if self.weight_decay < 0 or self.max_grad_norm < 0 or self.momentum < 0:
-            raise ConfigError("--weight-decay, --max-grad-norm and --momentum cannot be negative")
-        if self.dp < 0 or self.threads < 0 or self.check_replicas < 0 or not self.bucket_mb > 0:
-            raise ConfigError(
-                "--dp, --threads and --check-replicas cannot be negative, --bucket-mb must be "
-                "positive"
-            )
-        if self.pp < 1:
-            raise ConfigError(f"--pp must be a positive integer, got {self.pp}")
+        for name in NON_NEGATIVE:
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"--{_dashed(name)} must be 0 or more, got {value}")
+        if not (self.bucket_mb > 0 and math.isfinite(self.bucket_mb)):
+            raise ConfigError(f"--bucket-mb must be a positive number, got {self.bucket_mb}")
+
+    def _check_grid(self, world_size: int) -> None:
+        """--dp x --pp must tile the job's ranks, and the model must have a layer per stage."""
         if self.pp > self.layers + 1:
             raise ConfigError(
                 f"--pp {self.pp} needs at least {self.pp} layers with weights, the model has "
@@ -112,12 +112,15 @@ class TrainConfig:
                 f"--pp {self.pp} does not divide the {world_size} ranks of this job "
                 f"(start a multiple of {self.pp} ranks with mpirun -n)"
             )
-        dp = self.replicas(world_size)
+        dp = self.data_parallel_size(world_size)
         if dp * self.pp != world_size:
             raise ConfigError(
                 f"--dp {dp} does not match the {world_size} ranks of this job "
                 f"(use --dp {world_size // self.pp}, or start {dp * self.pp} ranks with mpirun -n)"
             )
+
+    def _check_batch(self, dp: int) -> None:
+        """Each replica takes an equal share of the batch, cut into equal micro-batches."""
         if self.batch_size % dp:
             raise ConfigError(
                 f"--batch-size {self.batch_size} is not divisible by the {dp} data-parallel "
@@ -126,15 +129,12 @@ class TrainConfig:
         local = self.batch_size // dp
         if local % self.micro_batches:
             raise ConfigError(
-                f"each replica's batch of {local} is not divisible by --micro-batches "
-                f"{self.micro_batches} (pick a batch size that is a multiple of "
-                f"{dp * self.micro_batches})"
+                f"each replica's batch of {local} is not divisible by "
+                f"--micro-batches {self.micro_batches} "
+                f"(pick a batch size that is a multiple of {dp * self.micro_batches})"
             )
-        self.loss_scale_kind()
-        self.overflow_injection(world_size)
-        self.fault_injection(world_size)
 
-    def describe(self):
+    def describe(self) -> str:
         """The resolved configuration on one line, as rank 0 prints it at start."""
         kind, value = self.loss_scale_kind()
         settings = dataclasses.asdict(self)
@@ -143,7 +143,7 @@ class TrainConfig:
             f"{key}={value}" for key, value in settings.items() if value != ""
         )
 
-    def loss_scale_kind(self):
+    def loss_scale_kind(self) -> tuple[str, float | None]:
         """('dynamic'|'none'|'static', value) after resolving 'auto' by precision."""
         text = self.loss_scale.strip().lower()
         if text == "auto":
@@ -162,13 +162,26 @@ class TrainConfig:
             )
         return "static", value
 
-    def overflow_injection(self, world_size=1):
+    def overflow_injection(self, world_size: int = 1) -> tuple[int, int] | None:
         """(step, rank) from --inject-overflow STEP:RANK, or None."""
         return _step_and_rank("--inject-overflow", self.inject_overflow, world_size)
 
-    def fault_injection(self, world_size=1):
+    def fault_injection(self, world_size: int = 1) -> tuple[int, int] | None:
         """(step, rank) from --inject-fault STEP:RANK, or None."""
         return _step_and_rank("--inject-fault", self.inject_fault, world_size)
+
+
+POSITIVE_INTEGERS = (
+    "steps",
+    "batch_size",
+    "micro_batches",
+    "layers",
+    "hidden",
+    "log_every",
+    "loss_scale_growth_interval",
+    "pp",
+)
+NON_NEGATIVE = ("weight_decay", "max_grad_norm", "momentum", "dp", "threads", "check_replicas")
 
 
 def _step_and_rank(flag, text, world_size):
@@ -199,7 +212,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, None if self.quiet else f"minimp.train: error: {message} (see --help)\n")
 
 
-def build_parser(prog="python -m minimp.train", quiet=False):
+def build_parser(
+    prog: str = "python -m minimp.train", quiet: bool = False
+) -> argparse.ArgumentParser:
     """An argparse parser with one flag per TrainConfig field, its default and help shown."""
     parser = _Parser(
         prog=prog,
@@ -220,8 +235,8 @@ def build_parser(prog="python -m minimp.train", quiet=False):
     return parser
 
 
-def parse_config(argv=None, quiet=False):
-    """TrainConfig from command-line arguments (argparse itself rejects unknown flags and bad
-    types)."""
+def parse_config(argv: list[str] | None = None, quiet: bool = False) -> TrainConfig:
+    """TrainConfig from command-line arguments
+    (argparse itself rejects unknown flags and bad types)."""
     namespace = build_parser(quiet=quiet).parse_args(argv)
     return TrainConfig(**vars(namespace))

@@ -1,5 +1,4 @@
-"""The training loop of `python -m minimp.train`: build this rank's stage, (resume,) step, log,
-save.
+"""Training loop of `python -m minimp.train`: build this rank's stage, (resume,) step, log, save.
 
 Every rank builds the whole float32 model from the seed, keeps the layers of its pipeline stage, and
 runs the schedule's actions for that stage each step (with one stage, the schedule is the plain
@@ -24,9 +23,9 @@ from minimp.train.config import ConfigError, TrainConfig
 
 
 def train(config: TrainConfig, log: Callable = print, comm: Communicator | None = None) -> dict:
-    """Run the configured training on this process's rank; returns a dict with history, skipped
-    count, test accuracy and the masters (all stages' on rank 0). `comm` defaults to the MPI
-    world."""
+    """Run the configured training on this process's rank; returns a dict with history,
+    skipped count, test accuracy and the masters (all stages' on rank 0).
+    `comm` defaults to the MPI world."""
     comm = comm or world()
     threads = config.threads or max(1, backend.available_cores() // comm.ranks_on_this_node())
     # Overflow to inf in float16 is expected and handled (skipped steps): no NumPy warning per cast.
@@ -43,7 +42,7 @@ class Run:
     def __init__(self, config: TrainConfig, comm: Communicator, log: Callable):
         if config.device:
             backend.use_device(config.device, local_rank=comm.node_rank_and_size()[0])
-        self.config, self.comm, self.dp = config, comm, config.replicas(comm.size)
+        self.config, self.comm, self.dp = config, comm, config.data_parallel_size(comm.size)
         self.log = log if comm.rank == 0 else (lambda line: None)
         self.topology = Topology(comm, dp=self.dp, pp=config.pp)
         self.dataset = DATASETS[config.dataset]()
@@ -63,9 +62,8 @@ class Run:
         self.scaler = build_scaler(config)
         self.model_shape = {"dataset": config.dataset, "layers": config.layers}
         self.model_shape["hidden"] = config.hidden
-        self.actions = SCHEDULES[config.schedule](config.pp, config.micro_batches)[
-            self.topology.stage
-        ]
+        schedule = SCHEDULES[config.schedule](config.pp, config.micro_batches)
+        self.actions = schedule[self.topology.stage]
         self.start_step = self._resume() if config.resume else 0
         self.data_parallel = DataParallel(
             self.topology.dp_group,
@@ -79,8 +77,7 @@ class Run:
         self.data_parallel.broadcast_parameters()
         self.communication = report.Stopwatch()
         self.sync = report.TimedCalls(self.data_parallel, self.communication)
-        # The whole (small) training set lives on the device in the compute dtype: no per-step
-        # casts.
+        # The whole (small) training set sits on the device in the compute dtype: no per-step casts.
         self.train_images = backend.to_device(self.dataset.train_images).astype(self.dtype)
         self.train_labels = backend.to_device(self.dataset.train_labels)
         self.overflow_at = config.overflow_injection(comm.size)
@@ -112,8 +109,8 @@ class Run:
 
     # ----- one step ---------------------------------------------------------------------------
     def step(self, step: int) -> None:
-        """One optimizer step: the schedule's forwards and backwards, then one shared
-        skip-or-step."""
+        """One optimizer step: the schedule's forwards and backwards,
+        then one shared skip-or-step."""
         step_start, bytes_before = self._start_step()
         inputs, targets = self._micro_batches(step)
         overflow = self._arm_overflow_injection(step)
@@ -167,8 +164,7 @@ class Run:
         return inputs, targets
 
     def _scale_loss(self, loss: Any) -> Any:
-        """Each micro-batch carries 1/M of the batch mean; the loss scale lifts the fp16
-        gradients."""
+        """Each micro-batch carries 1/M of the batch mean; the loss scale lifts fp16 gradients."""
         return self.scaler.scale(loss) * (1.0 / self.config.micro_batches)
 
     def _arm_overflow_injection(self, step: int) -> Any:
@@ -217,8 +213,8 @@ class Run:
 
     # ----- the end ----------------------------------------------------------------------------
     def finish(self) -> dict:
-        """Gather every stage onto rank 0; evaluate, save the checkpoint, the timeline and the
-        plot there."""
+        """Gather every stage onto rank 0;
+        evaluate, save the checkpoint, the timeline and the plot there."""
         merged, events = self._gather_stages()
         accuracy = self._test_accuracy(merged)
         self.history.close({"test_accuracy": accuracy})

@@ -2,6 +2,8 @@
 
 import json
 import time
+from types import ModuleType
+from typing import Any, Callable
 
 import numpy as np
 
@@ -9,10 +11,10 @@ import numpy as np
 class Stopwatch:
     """Seconds spent inside wrapped calls, summed (the communication time of a step's metrics)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.seconds = 0.0
 
-    def wrap(self, function):
+    def wrap(self, function: Callable) -> Callable:
         def timed(*args):
             start = time.perf_counter()
             try:
@@ -27,23 +29,33 @@ class TimedCalls:
     """Stands in for an object and adds the seconds spent in each of its method calls to a
     Stopwatch (the trainer times its GradientSync this way: that is the step's communication)."""
 
-    def __init__(self, target, stopwatch):
+    def __init__(self, target: Any, stopwatch: Stopwatch):
         self._target, self._stopwatch = target, stopwatch
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return self._stopwatch.wrap(getattr(self._target, name))
 
 
 class History:
     """The per-step records: kept in memory, written to --metrics, summed up in progress lines."""
 
-    def __init__(self, log, metrics_path, append, steps, log_every, batch_size):
+    records: list[dict]
+
+    def __init__(
+        self,
+        log: Callable[[str], None],
+        metrics_path: str,
+        append: bool,
+        steps: int,
+        log_every: int,
+        batch_size: int,
+    ):
         self.log, self.steps, self.log_every, self.batch_size = log, steps, log_every, batch_size
         self.metrics = MetricsWriter(metrics_path, append=append)
         self.records, self.skipped = [], 0
         self.window_start, self.window_samples = time.perf_counter(), 0
 
-    def add(self, entry, loss_scale):
+    def add(self, entry: dict, loss_scale: float) -> None:
         """Keep and write one step's record; print a progress line every log_every steps."""
         self.records.append(entry)
         self.metrics.write(entry)
@@ -56,7 +68,7 @@ class History:
             self.log(progress_line(step, self.steps, entry["loss"], loss_scale, self.skipped, rate))
             self.window_start, self.window_samples = time.perf_counter(), 0
 
-    def close(self, final_record):
+    def close(self, final_record: dict) -> None:
         self.metrics.write(final_record)
         self.metrics.close()
 
@@ -65,10 +77,10 @@ class Timeline:
     """Every forward and backward of this rank, as [step, is_backward, micro-batch, start, end]
     rows in seconds from the step's start (for --timeline)."""
 
-    def __init__(self):
-        self.rows = []
+    def __init__(self) -> None:
+        self.rows: list[list[float]] = []
 
-    def recorder(self, step, step_start):
+    def recorder(self, step: int, step_start: float) -> Callable[[str, int, float, float], None]:
         """The callback a PipelineStage calls after each compute action of this step."""
 
         def record(op, micro_batch, start, end):
@@ -77,34 +89,41 @@ class Timeline:
 
         return record
 
-    def array(self):
+    def array(self) -> np.ndarray:
         return np.array(self.rows, np.float64).reshape(-1, 5)
 
 
 class MetricsWriter:
     """One JSON object per line; a no-op when no path is given."""
 
-    def __init__(self, path, append=False):
+    def __init__(self, path: str, append: bool = False):
         self.file = open(path, "a" if append else "w") if path else None
 
-    def write(self, record):
+    def write(self, record: dict) -> None:
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
 
-    def close(self):
+    def close(self) -> None:
         if self.file:
             self.file.close()
 
 
-def progress_line(step, steps, loss, loss_scale, skipped_so_far, samples_per_second):
+def progress_line(
+    step: int,
+    steps: int,
+    loss: float,
+    loss_scale: float,
+    skipped_so_far: int,
+    samples_per_second: float,
+) -> str:
     return (
         f"step {step:>5}/{steps}  loss {loss:.4f}  loss scale {loss_scale:g}  "
         f"skipped {skipped_so_far}  {samples_per_second:,.0f} samples/s"
     )
 
 
-def require_matplotlib():
+def require_matplotlib() -> ModuleType:
     """Import matplotlib (headless) or raise ImportError with the install command."""
     try:
         import matplotlib
@@ -116,9 +135,8 @@ def require_matplotlib():
     return pyplot
 
 
-def plot_history(path, history):
-    """Loss (top) and loss scale on a log axis (bottom) per step; skipped steps marked with red
-    x."""
+def plot_history(path: str, history: list[dict]) -> None:
+    """Loss (top) and loss scale on a log axis (bottom) per step; a red x marks skipped steps."""
     pyplot = require_matplotlib()
     steps = [record["step"] for record in history]
     figure, (loss_axis, scale_axis) = pyplot.subplots(2, 1, sharex=True, figsize=(8, 5))
@@ -145,7 +163,9 @@ def plot_history(path, history):
     pyplot.close(figure)
 
 
-def write_timeline(path, schedule, stages, micro_batches, events):
+def write_timeline(
+    path: str, schedule: str, stages: int, micro_batches: int, events: dict[str, np.ndarray]
+) -> None:
     """One JSON file: every forward and backward of replica 0, per stage, in seconds from its
     step's start. `events` holds each stage's [step, is_backward, micro-batch, start, end] rows
     (as "stage<s>") and its peak of stored micro-batches (as "peak<s>")."""

@@ -1,5 +1,5 @@
-"""Run under mpirun by tests/test_dist_mpi.py: every algorithm against MPI.Allreduce on the same
-buffers."""
+"""Run under mpirun by tests/test_distributed_mpi.py:
+every algorithm against MPI.Allreduce on the same buffers."""
 
 import hashlib
 import sys

@@ -1,5 +1,4 @@
-"""Run under mpirun: rank 1 raises while the others wait in a collective; the job must end at
-once."""
+"""Run under mpirun: rank 1 raises while the rest wait in a collective; the job must end at once."""
 
 import numpy as np
 

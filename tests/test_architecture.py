@@ -1,0 +1,119 @@
+"""The layering of docs/architecture.md holds: imports go one way, and the only import cycle is the
+Tensor <-> op one every autograd engine has."""
+
+import ast
+import os
+
+import pytest
+
+PACKAGE = os.path.join(os.path.dirname(__file__), "..", "minimp")
+
+# Lowest first; a module may import its own layer and the layers below it, never one above.
+LAYERS = [
+    ("arrays", ("minimp.backend", "minimp.precision.casting")),
+    ("autograd", ("minimp.function", "minimp.tensor", "minimp.ops", "minimp.functional")),
+    (
+        "nn/optim/precision",
+        ("minimp.nn", "minimp.optim", "minimp.precision", "minimp.data", "minimp.datasets")
+        + ("minimp.costmodel",),
+    ),
+    ("models", ("minimp.models",)),
+    ("distributed", ("minimp.distributed",)),
+    ("parallel", ("minimp.parallel",)),
+    ("train", ("minimp.train", "minimp.sample", "minimp.plan", "minimp.export")),
+]
+# The Tensor <-> op cycle: a Tensor's operators are Functions, and a Function makes Tensors.
+AUTOGRAD_CYCLE = {"minimp.tensor", "minimp.function", "minimp.ops"}
+
+
+def module_name(path):
+    relative = os.path.relpath(path, os.path.join(PACKAGE, ".."))
+    name = relative[: -len(".py")].replace(os.sep, ".")
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+def all_modules():
+    for folder, _, files in os.walk(PACKAGE):
+        for file in files:
+            if file.endswith(".py"):
+                path = os.path.join(folder, file)
+                yield module_name(path), path
+
+
+MODULES = dict(all_modules())
+
+
+def imported_modules(path):
+    """Every minimp module a file imports
+    (`from minimp.x import y` names minimp.x.y when y is a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("minimp")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minimp"):
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                found.add(candidate if candidate in MODULES else node.module)
+    return found
+
+
+def layer_of(module):
+    best = None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (index, len(prefix))
+    return None if best is None else best[0]
+
+
+@pytest.mark.parametrize("module", sorted(name for name in MODULES if name != "minimp"))
+def test_imports_go_one_way(module):
+    own = layer_of(module)
+    assert own is not None, f"{module} belongs to no layer: add it to docs/architecture.md and here"
+    for imported in imported_modules(MODULES[module]):
+        if imported == "minimp":
+            continue
+        theirs = layer_of(imported)
+        assert theirs is not None and theirs <= own, (
+            f"{module} ({LAYERS[own][0]}) imports {imported} "
+            f"({LAYERS[theirs][0] if theirs is not None else '?'}), a layer above it"
+        )
+
+
+def test_the_transport_layer_never_imports_a_strategy():
+    for module, path in MODULES.items():
+        if module.startswith("minimp.distributed"):
+            assert not any(i.startswith("minimp.parallel") for i in imported_modules(path))
+
+
+def test_no_import_cycle_but_the_autograd_one():
+    def group(module):
+        return "autograd core" if any(module.startswith(m) for m in AUTOGRAD_CYCLE) else module
+
+    graph = {}
+    for module, path in MODULES.items():
+        edges = {group(i) for i in imported_modules(path) if i in MODULES and i != "minimp"}
+        graph.setdefault(group(module), set()).update(edges - {group(module)})
+    state = {}
+
+    def visit(node, trail):
+        state[node] = "open"
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(trail + [node, nxt]))
+            if nxt not in state:
+                visit(nxt, trail + [node])
+        state[node] = "done"
+
+    for node in list(graph):
+        if node not in state:
+            visit(node, [])
+
+
+def test_every_file_says_its_job_and_stays_short():
+    for module, path in MODULES.items():
+        text = open(path).read()
+        docstring = ast.get_docstring(ast.parse(text))
+        assert docstring, f"{path}: the first docstring line says the file's one job"
+        assert len(text.splitlines()) <= 300, f"{path}: over 300 lines; split where a job hides"
