@@ -115,6 +115,18 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def available_memory() -> int:
+    """Bytes of memory this machine can still give (MemAvailable on Linux; else all of it)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def limit_cpu_threads(threads: int) -> Any:
     """Cap BLAS/OpenMP threads of this process (threadpoolctl); returns the limiter (keep it alive).
     Several MPI ranks on one machine each starting a thread per core would fight over the cores."""

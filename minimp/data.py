@@ -14,6 +14,18 @@ class Dataset:
     test_images: np.ndarray
     test_labels: np.ndarray
 
+    def __post_init__(self) -> None:
+        """Refuse data that cannot train: non-finite pixels, negative or non-integer labels,
+        images and labels of different lengths."""
+        for split in ("train", "test"):
+            images, labels = getattr(self, f"{split}_images"), getattr(self, f"{split}_labels")
+            if len(images) != len(labels):
+                raise ValueError(f"{self.name}: {len(images)} {split} images, {len(labels)} labels")
+            if not np.isfinite(images).all():
+                raise ValueError(f"{self.name}: the {split} images hold inf or NaN")
+            if labels.dtype.kind not in "iu" or (len(labels) and labels.min() < 0):
+                raise ValueError(f"{self.name}: {split} labels must be integers >= 0")
+
     @property
     def features(self) -> int:
         return self.train_images.shape[1]

@@ -35,14 +35,21 @@ class Function:
         raise NotImplementedError
 
     @classmethod
-    def apply(cls, *inputs: "Tensor", **options: Any) -> "Tensor":
+    def apply(cls, *inputs: Any, **options: Any) -> Any:
         """Run forward on the inputs' arrays; when a gradient is wanted, record the graph node."""
-        needs_input_grad = tuple(grad_enabled() and t.requires_grad for t in inputs)
+        for position, value in enumerate(inputs):
+            if not isinstance(value, graph.Tensor):
+                raise TypeError(
+                    f"{cls.__name__}: input {position} is a {type(value).__module__}."
+                    f"{type(value).__name__}, not a Tensor (wrap it: minimp.Tensor(value))"
+                )
+        enabled = graph.grad_enabled()
+        needs_input_grad = tuple(enabled and t.requires_grad for t in inputs)
         ctx = Context(needs_input_grad)
-        output = Tensor(cls.forward(ctx, *(t.data for t in inputs), **options))
+        output = graph.Tensor(cls.forward(ctx, *(t.data for t in inputs), **options))
         if any(needs_input_grad):
             output.requires_grad = True
-            output.node = Node(cls, ctx, inputs)
+            output.node = graph.Node(cls, ctx, inputs)
         return output
 
 
@@ -63,5 +70,5 @@ def unbroadcast(grad: Any, shape: tuple[int, ...], dtype: Any) -> Any:
 
 
 # The one import cycle of every autograd engine: a Tensor's operators are Functions, and a Function
-# makes Tensors. Imported last, so either module may be imported first.
-from minimp.tensor import Node, Tensor, grad_enabled  # noqa: E402
+# makes Tensors. Imported last and used by module, so either file may be imported first.
+from minimp import tensor as graph  # noqa: E402

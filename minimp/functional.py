@@ -34,6 +34,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def relu(x: Tensor) -> Tensor:
+    """max(x, 0), elementwise."""
     return ops.ReLU.apply(x)
 
 

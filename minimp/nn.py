@@ -39,6 +39,7 @@ class Module:
         return self.forward(*args)
 
     def forward(self, *args: Any) -> Any:
+        """The computation; subclasses write it (calling the module calls forward)."""
         raise NotImplementedError
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
@@ -49,6 +50,7 @@ class Module:
             yield from child.named_parameters(prefix + child_name + ".")
 
     def parameters(self) -> list[Parameter]:
+        """Every Parameter, in named_parameters() order."""
         return [parameter for _, parameter in self.named_parameters()]
 
     def state_dict(self) -> dict[str, Any]:
@@ -75,9 +77,12 @@ class Module:
             parameter.data = casting.round_to(array, parameter.dtype).copy()
 
     def to(self, dtype: Any) -> "Module":
-        """Round every parameter into dtype (mixed precision's compute copies). Returns self."""
+        """Round every parameter into dtype (mixed precision's compute copies): a NumPy dtype or
+        the training command's names "fp16", "bf16", "fp32". Returns self."""
+        dtype = casting.dtype_named(dtype)
         for parameter in self.parameters():
-            parameter.data = parameter.data.astype(dtype, copy=False)  # float32 stays the master
+            # No copy when already there: a float32 parameter stays its optimizer's master.
+            parameter.data = casting.round_to(parameter.data, dtype)
         return self
 
 
@@ -89,7 +94,10 @@ def _uniform(rng, bound, shape):
 
 class Linear(Module):
     """y = x @ weight^T + bias; weight is (out_features, in_features) and starts as PyTorch's does,
-    U(-1/sqrt(in), 1/sqrt(in)), from the given NumPy Generator."""
+    U(-1/sqrt(in), 1/sqrt(in)), from the given NumPy Generator.
+
+    Linear(in_features, out_features, bias=True, rng=None): rng is a numpy.random.Generator (a new
+    unseeded one when None). Parameters are float32; model.to(...) makes the compute copies."""
 
     def __init__(
         self,
@@ -113,6 +121,8 @@ class Linear(Module):
 
 
 class ReLU(Module):
+    """max(x, 0), elementwise."""
+
     def forward(self, x: Tensor) -> Tensor:
         return x.relu()
 
@@ -121,6 +131,8 @@ class ReLU(Module):
 
 
 class Tanh(Module):
+    """tanh(x), elementwise."""
+
     def forward(self, x: Tensor) -> Tensor:
         return x.tanh()
 
@@ -154,6 +166,7 @@ class Sequential(Module):
 
     @property
     def layers(self) -> list[Module]:
+        """The layers in order (the list pipeline parallelism cuts into stages)."""
         return list(self._modules.values())
 
     def __len__(self) -> int:

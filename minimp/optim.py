@@ -29,6 +29,13 @@ class Optimizer:
         if lr <= 0:
             raise ValueError(f"learning rate must be positive, got {lr}")
         self.params = list(params)
+        for index, parameter in enumerate(self.params):
+            if casting.is_low_precision(parameter.dtype):
+                raise ValueError(
+                    f"optimizer: parameter {index} is already {parameter.dtype}; build the "
+                    "optimizer before model.to(...), so the float32 masters start from the exact "
+                    "float32 weights instead of their 16-bit rounding"
+                )
         self.lr = lr
         # A float32 parameter is its own master (the same array); others get a float32 copy.
         self.master_weights = [casting.round_to(p.data, MASTER_DTYPE) for p in self.params]
@@ -115,6 +122,7 @@ class Optimizer:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore step_count, lr and the slots from what state_dict returned (copied)."""
         self.step_count, self.lr = int(state["step_count"]), float(state["lr"])
         for slots, saved in zip(self.slots, state["slots"]):
             for name in self.slot_names:

@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from minimp import backend
+from minimp.operators import TensorOperators
 from minimp.precision import casting
 
 # Grad mode is per thread: the simulated MPI world runs its ranks as threads of one process.
@@ -49,6 +50,7 @@ class RemovableHandle:
         self._hooks, self._hook = hooks, hook
 
     def remove(self) -> None:
+        """Take the hook away (a second call does nothing)."""
         if self._hook in self._hooks:
             self._hooks.remove(self._hook)
 
@@ -65,14 +67,27 @@ def _as_array(data):
     return backend.to_device(array)
 
 
-class Tensor:
-    """An n-dimensional array that records how it was computed, so gradients can flow back to it."""
+class Tensor(TensorOperators):
+    """An n-dimensional array that records how it was computed, so gradients can flow back to it.
+
+    Tensor(data, requires_grad=False): data is a NumPy or CuPy array (kept as it is, dtype and
+    device included), a Python number or a list (float64 becomes float32, as in PyTorch).
+    Attributes: `.data` the array; `.grad` the gradient after `backward()` (same shape and dtype
+    as data, or None); `.requires_grad`; `.node` the op application that made it (None for a
+    leaf). Operators (+, *, @, ...) and methods (.sum(), .reshape(), ...) are differentiable ops:
+    see minimp/operators.py.
+    """
 
     __array_priority__ = 100  # so `numpy_array * tensor` calls Tensor.__rmul__
     _hooks: tuple | list = ()  # gradient hooks; a tensor gets its own list at its first hook
 
     def __init__(self, data: Any, requires_grad: bool = False):
         self.data = _as_array(data)  # the NumPy or CuPy array
+        if requires_grad and not casting.is_floating(self.data.dtype):
+            raise TypeError(
+                f"only floating-point tensors can require gradients, got {self.data.dtype} "
+                "(as in PyTorch; cast first, e.g. Tensor(array.astype(np.float32)))"
+            )
         self.grad = None  # after backward(): d(output)/d(self), same shape and dtype as data
         self.requires_grad = requires_grad
         self.node: Node | None = None  # the op application that made this tensor; None for leaves
@@ -80,18 +95,22 @@ class Tensor:
     # ----- array facts ------------------------------------------------------------------------
     @property
     def dtype(self) -> Any:
+        """The array's dtype (float16, bfloat16, float32, ...)."""
         return self.data.dtype
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The array's shape."""
         return self.data.shape
 
     @property
     def ndim(self) -> int:
+        """The number of axes."""
         return self.data.ndim
 
     @property
     def size(self) -> int:
+        """The number of elements."""
         return self.data.size
 
     def __len__(self) -> int:
@@ -106,6 +125,7 @@ class Tensor:
         return backend.to_numpy(self.data)
 
     def item(self) -> float:
+        """The value of a one-element tensor as a Python number."""
         return self.numpy().item()
 
     def detach(self) -> "Tensor":
@@ -113,6 +133,24 @@ class Tensor:
         return Tensor(self.data)
 
     # ----- backward ---------------------------------------------------------------------------
+    def _initial_grad(self, grad: Any) -> Any:
+        """d(self)/d(self): ones for a scalar, else the caller's gradient, which must match this
+        tensor's shape and dtype exactly (a mismatch would be summed or cast silently)."""
+        if grad is None:
+            if self.size != 1:
+                raise RuntimeError(
+                    f"backward() without a gradient needs a scalar, this tensor has shape "
+                    f"{self.shape}; pass grad= an array of that shape"
+                )
+            return backend.array_module(self.data).ones_like(self.data)
+        grad = grad.data if isinstance(grad, Tensor) else grad
+        if tuple(grad.shape) != self.shape or grad.dtype != self.dtype:
+            raise ValueError(
+                f"backward(grad): grad has shape {tuple(grad.shape)} and dtype {grad.dtype}, "
+                f"the tensor has shape {self.shape} and dtype {self.dtype}; they must match"
+            )
+        return grad
+
     def register_hook(self, hook: Callable[[Any], Any]) -> RemovableHandle:
         """Call hook(grad) when this tensor's gradient is complete during backward; a non-None
         return value replaces the gradient (as torch.Tensor.register_hook). For a leaf this runs
@@ -133,12 +171,7 @@ class Tensor:
             raise RuntimeError(
                 "backward() on a tensor that does not require grad (no graph to walk)"
             )
-        if grad is None:
-            if self.size != 1:
-                raise RuntimeError(
-                    "backward() without a gradient needs a scalar; pass grad= for others"
-                )
-            grad = backend.array_module(self.data).ones_like(self.data)
+        grad = self._initial_grad(grad)
         grads = {id(self): grad}
         for tensor in reversed(topological_order(self)):
             grad_output = grads.pop(id(tensor), None)
@@ -161,89 +194,14 @@ class Tensor:
             for parent, parent_grad in zip(node.inputs, input_grads):
                 if parent_grad is None or not parent.requires_grad:
                     continue
-                if parent_grad.shape != parent.shape:  # a bug in that op's backward
-                    raise RuntimeError(
-                        f"{node.function.__name__}.backward returned a gradient of shape "
-                        f"{parent_grad.shape} for an input of shape {parent.shape}"
+                if parent_grad.shape != parent.shape or parent_grad.dtype != parent.dtype:
+                    raise RuntimeError(  # a bug in that op's backward, not in the caller's code
+                        f"{node.function.__name__}.backward returned a {parent_grad.dtype} "
+                        f"gradient of shape {parent_grad.shape} for a {parent.dtype} input of "
+                        f"shape {parent.shape}"
                     )
                 previous = grads.get(id(parent))
                 grads[id(parent)] = parent_grad if previous is None else _add(previous, parent_grad)
-
-    # ----- operators (each one a Function in minimp.ops) ----------------------------------------
-    def _lift(self, other):
-        """A Python number takes this tensor's dtype: `x16 * 0.5` stays float16 (as in PyTorch)."""
-        if isinstance(other, Tensor):
-            return other
-        xp = backend.array_module(self.data)
-        return Tensor(xp.asarray(other, dtype=self.dtype))
-
-    def __add__(self, other: Any) -> "Tensor":
-        return ops.Add.apply(self, self._lift(other))
-
-    def __radd__(self, other: Any) -> "Tensor":
-        return ops.Add.apply(self._lift(other), self)
-
-    def __sub__(self, other: Any) -> "Tensor":
-        return ops.Sub.apply(self, self._lift(other))
-
-    def __rsub__(self, other: Any) -> "Tensor":
-        return ops.Sub.apply(self._lift(other), self)
-
-    def __mul__(self, other: Any) -> "Tensor":
-        return ops.Mul.apply(self, self._lift(other))
-
-    def __rmul__(self, other: Any) -> "Tensor":
-        return ops.Mul.apply(self._lift(other), self)
-
-    def __truediv__(self, other: Any) -> "Tensor":
-        return ops.Div.apply(self, self._lift(other))
-
-    def __rtruediv__(self, other: Any) -> "Tensor":
-        return ops.Div.apply(self._lift(other), self)
-
-    def __matmul__(self, other: Any) -> "Tensor":
-        return ops.MatMul.apply(self, self._lift(other))
-
-    def __rmatmul__(self, other: Any) -> "Tensor":
-        return ops.MatMul.apply(self._lift(other), self)
-
-    def __neg__(self) -> "Tensor":
-        return ops.Neg.apply(self)
-
-    def relu(self) -> "Tensor":
-        return ops.ReLU.apply(self)
-
-    def tanh(self) -> "Tensor":
-        return ops.Tanh.apply(self)
-
-    def exp(self) -> "Tensor":
-        return ops.Exp.apply(self)
-
-    def log(self) -> "Tensor":
-        return ops.Log.apply(self)
-
-    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Tensor":
-        return ops.Sum.apply(self, axis=axis, keepdims=keepdims)
-
-    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Tensor":
-        return ops.Mean.apply(self, axis=axis, keepdims=keepdims)
-
-    def reshape(self, *shape: int | Sequence[int]) -> "Tensor":
-        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
-            shape = tuple(shape[0])
-        return ops.Reshape.apply(self, shape=shape)
-
-    def transpose(self, *axes: int) -> "Tensor":
-        return ops.Transpose.apply(self, axes=axes or None)
-
-    @property
-    def T(self) -> "Tensor":
-        return ops.Transpose.apply(self, axes=None)
-
-    def astype(self, dtype: Any) -> "Tensor":
-        """A differentiable cast: the gradient comes back in this tensor's dtype."""
-        return ops.Cast.apply(self, dtype=np.dtype(dtype))
-
 
 def _add(a, b):
     """Sum two gradients, in float32 when they are stored in 16 bits."""
@@ -290,6 +248,3 @@ def saved_bytes(root: Tensor, exclude: Any = ()) -> int:
                 seen.add(id(array))
                 total += array.nbytes
     return total
-
-
-from minimp import ops  # noqa: E402  (the ops build on Function, which makes Tensors)

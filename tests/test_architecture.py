@@ -11,7 +11,10 @@ PACKAGE = os.path.join(os.path.dirname(__file__), "..", "minimp")
 # Lowest first; a module may import its own layer and the layers below it, never one above.
 LAYERS = [
     ("arrays", ("minimp.backend", "minimp.precision.casting")),
-    ("autograd", ("minimp.function", "minimp.tensor", "minimp.ops", "minimp.functional")),
+    (
+        "autograd",
+        ("minimp.function", "minimp.tensor", "minimp.operators", "minimp.ops", "minimp.functional"),
+    ),
     (
         "nn/optim/precision",
         ("minimp.nn", "minimp.optim", "minimp.precision", "minimp.data", "minimp.datasets")
@@ -23,7 +26,7 @@ LAYERS = [
     ("train", ("minimp.train", "minimp.sample", "minimp.plan", "minimp.export")),
 ]
 # The Tensor <-> op cycle: a Tensor's operators are Functions, and a Function makes Tensors.
-AUTOGRAD_CYCLE = {"minimp.tensor", "minimp.function", "minimp.ops"}
+AUTOGRAD_CYCLE = {"minimp.tensor", "minimp.operators", "minimp.function", "minimp.ops"}
 
 
 def module_name(path):

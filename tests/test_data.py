@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from minimp.data import global_batch_indices, load_digits
+from minimp.data import Dataset, global_batch_indices, load_digits
 
 
 def test_digits_ship_with_the_package():
@@ -27,3 +27,25 @@ def test_each_epoch_visits_distinct_samples():
 def test_batch_larger_than_the_dataset_is_an_error():
     with pytest.raises(ValueError, match="must lie in 1..1437"):
         global_batch_indices(0, 1, 2000, 1437)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d.train_images.__setitem__((0, 0), np.nan), "hold inf or NaN"),
+        (lambda d: d.test_images.__setitem__((1, 2), np.inf), "hold inf or NaN"),
+        (lambda d: d.train_labels.__setitem__(3, -1), "integers >= 0"),
+    ],
+)
+def test_data_that_cannot_train_is_refused_when_loaded(change, message):
+    digits = load_digits()
+    change(digits)
+    with pytest.raises(ValueError, match=message):
+        Dataset(**vars(digits))
+
+
+def test_the_shapes_the_flags_check_match_the_data():
+    from minimp.train.config import DATASET_SHAPES
+
+    digits = load_digits()
+    assert DATASET_SHAPES["digits"] == (digits.features, digits.classes)

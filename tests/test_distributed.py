@@ -201,3 +201,34 @@ def test_the_simulated_world_forgets_finished_collectives():
     world = dist.SimulatedWorld(3)
     world.run(lambda comm: [comm.allreduce_scalars([1.0]) for _ in range(50)])
     assert world.collectives == {} and world.collective_reads == {}
+
+
+@pytest.mark.parametrize("algorithm", sorted(dist.ALGORITHMS))
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8])
+def test_every_rank_ends_bit_identical_even_with_nan_payloads(algorithm, world_size):
+    """x86 returns the first operand's NaN (payload and sign), so a + b and b + a differ in bits
+    when both are NaN: the algorithms must fix the order of every addition."""
+
+    def body(comm):
+        x = np.zeros(16, np.float32)
+        bits = x.view(np.uint32)
+        bits[:] = 0x7FC00000 | (comm.rank + 1)  # a NaN whose payload names the rank
+        if comm.rank % 2:
+            bits |= 0x80000000  # and a negative one on odd ranks
+        return dist.allreduce(comm, x, algorithm=algorithm).view(np.uint32).copy()
+
+    results = dist.simulate(world_size, body)
+    assert all(np.array_equal(result, results[0]) for result in results)
+    assert np.isnan(results[0].view(np.float32)).all()
+
+
+def test_the_simulated_world_refuses_a_non_contiguous_array_as_mpi_does():
+    def body(comm):
+        strided = np.zeros(8, np.float32)[::2]
+        if comm.rank == 0:
+            comm.send(strided, 1)
+        else:
+            comm.recv(np.zeros(4, np.float32), 0)
+
+    with pytest.raises(ValueError, match="C-contiguous"):
+        dist.simulate(2, body)

@@ -80,3 +80,13 @@ def test_cuda_awareness_query_answers_and_can_be_overridden(monkeypatch):
     assert mpi_is_cuda_aware() is True
     monkeypatch.setenv("MINIMP_CUDA_AWARE_MPI", "0")
     assert mpi_is_cuda_aware() is False
+
+
+def test_the_watchdog_ends_a_job_whose_rank_froze():
+    start = time.monotonic()
+    result = mpirun(2, "frozen_rank.py", "2", timeout=60)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert elapsed < 20, f"the job took {elapsed:.1f} s to end"
+    assert "[rank 0] minimp: waited 2 s to receive from rank 1" in result.stderr, result.stderr
+    assert "--timeout 2 s" in result.stderr

@@ -117,3 +117,21 @@ def test_cast_gradient_returns_in_the_source_dtype():
     (y * 2.0).sum().backward()
     assert x.grad.dtype == np.float32
     np.testing.assert_array_equal(x.grad, [2.0, 2.0, 2.0])
+
+
+@pytest.mark.parametrize("targets", [np.array([0.0, 1.0]), np.array([True, False])])
+def test_cross_entropy_refuses_targets_that_are_not_class_indices(targets):
+    logits = Tensor(np.zeros((2, 3), np.float32))
+    with pytest.raises(TypeError, match="integer class indices"):
+        F.cross_entropy(logits, targets)
+
+
+def test_cross_entropy_names_the_range_of_bad_targets():
+    with pytest.raises(ValueError, match=r"0..2, got values in 0..5"):
+        F.cross_entropy(Tensor(np.zeros((2, 3), np.float32)), np.array([0, 5]))
+
+
+def test_a_float32_input_to_a_float16_layer_is_an_error_naming_both_dtypes():
+    layer = Tensor(np.zeros((2, 3), np.float16)), Tensor(np.zeros(2, np.float16))
+    with pytest.raises(TypeError, match="input is float32 but the layer's weight is float16"):
+        F.linear(Tensor(np.zeros((1, 3), np.float32)), *layer)

@@ -2,10 +2,13 @@
 one process for both schedules, any number of micro-batches (also fewer than stages),
 and the dp x pp grid."""
 
+import itertools
 import json
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from minimp import distributed as dist
 from minimp import nn
@@ -88,3 +91,21 @@ def test_pipeline_stages_split_the_parameters():
     counts = [sum(p.size for _, p in stage_parameters(model, bounds[stage])) for stage in range(4)]
     assert sum(counts) == sum(p.size for p in model.parameters())
     assert max(counts) < sum(counts) / 2
+
+
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=8), st.data())
+def test_balanced_cuts_find_the_smallest_possible_largest_stage(costs, data):
+    """Against brute force over every way to cut: the binary search + greedy pass is optimal."""
+    from minimp.parallel.pipeline import _balanced_cuts
+
+    parts = data.draw(st.integers(1, len(costs)))
+    cuts = _balanced_cuts(costs, parts)
+    bounds = [0, *cuts, len(costs)]
+    assert len(cuts) == parts - 1 and all(a < b for a, b in zip(bounds, bounds[1:]))
+
+    def largest(points):
+        edges = [0, *points, len(costs)]
+        return max(sum(costs[a:b]) for a, b in zip(edges, edges[1:]))
+
+    every_way = itertools.combinations(range(1, len(costs)), parts - 1)
+    assert largest(cuts) == min(largest(points) for points in every_way)

@@ -100,3 +100,76 @@ def test_static_scaler_scales_and_never_changes():
     assert scaler.loss_scale == 128.0
     with pytest.raises(ValueError):
         StaticLossScaler(0.0)
+
+
+def test_a_back_off_below_min_scale_clamps_to_min_scale():
+    scaler = DynamicLossScaler(init_scale=3.0, min_scale=2.0)
+    scaler.update(True)  # 1.5 would be below the floor: DeepSpeed and Megatron clamp to it
+    assert scaler.loss_scale == 2.0 and scaler.hit_min_scale
+
+
+def test_a_default_scaler_that_loads_a_state_continues_its_trajectory():
+    a = DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2, min_scale=4.0)
+    for flag in [False, True, False]:
+        a.update(flag)
+    b = DynamicLossScaler()  # every setting differs from a's
+    b.load_state_dict(a.state_dict())
+    for flag in [False, False, False, True, True, True, True, False]:
+        a.update(flag)
+        b.update(flag)
+        assert (a.loss_scale, a.growth_tracker, a.hysteresis_tracker) == (
+            b.loss_scale,
+            b.growth_tracker,
+            b.hysteresis_tracker,
+        )
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"init_scale": float("nan")},
+        {"init_scale": float("inf")},
+        {"init_scale": 1e39},  # beyond float32
+        {"init_scale": -1.0},
+        {"init_scale": "abc"},
+        {"growth_factor": 1.0},
+        {"backoff_factor": 1.5},
+        {"backoff_factor": float("nan")},
+        {"growth_interval": 2.5},
+        {"growth_interval": 0},
+        {"growth_interval": True},
+        {"hysteresis": 0},
+        {"min_scale": 0.0},
+        {"min_scale": 2.0**20},  # above init_scale
+    ],
+)
+def test_dynamic_scaler_refuses_bad_arguments(arguments):
+    with pytest.raises(ValueError):
+        DynamicLossScaler(**arguments)
+
+
+@pytest.mark.parametrize("scale", ["abc", None, float("nan"), float("inf"), 0.0, -2.0])
+def test_static_scaler_refuses_what_is_not_a_positive_finite_number(scale):
+    with pytest.raises(ValueError, match="must be a positive finite"):
+        StaticLossScaler(scale)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"kind": "static"},
+        {"loss_scale": float("nan")},
+        {"loss_scale": 0.0},
+        {"growth_tracker": -1},
+        {"growth_tracker": 2000},
+        {"hysteresis_tracker": 2},  # above hysteresis (1)
+        {"hysteresis_tracker": 1.0},
+        {"growth_interval": "x"},
+    ],
+)
+def test_load_state_dict_refuses_a_bad_state_and_changes_nothing(change):
+    scaler = DynamicLossScaler(init_scale=256.0)
+    before = scaler.state_dict()
+    with pytest.raises(ValueError):
+        scaler.load_state_dict({**DynamicLossScaler().state_dict(), **change})
+    assert scaler.state_dict() == before

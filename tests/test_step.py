@@ -25,7 +25,8 @@ def fp16_model_and_optimizer(kind, seed=0):
 
 
 def backward_once(model, scaler, rng):
-    x = Tensor(rng.standard_normal((5, 6)).astype(np.float16))
+    dtype = model.parameters()[0].dtype  # the input in the model's compute dtype
+    x = Tensor(rng.standard_normal((5, 6)).astype(dtype))
     loss = F.cross_entropy(model(x), rng.integers(0, 3, 5))
     scaler.scale(loss).backward()
 
@@ -159,3 +160,33 @@ def test_tiny_gradients_fail_in_fp16_without_scaling_and_match_fp32_with_it():
     assert train_tiny_gradients(np.float16, NoLossScaler()) > 2.0
     assert train_tiny_gradients(np.float16, DynamicLossScaler()) == pytest.approx(fp32, rel=0.01)
     assert train_tiny_gradients(BFLOAT16, NoLossScaler()) < 0.5  # bf16's range needs no scaling
+
+
+def test_forgetting_to_scale_the_loss_warns():
+    model, optimizer, rng = fp16_model_and_optimizer("sgd")
+    scaler = DynamicLossScaler(init_scale=256.0)
+    x = Tensor(rng.standard_normal((5, 6)).astype(np.float16))
+    F.cross_entropy(model(x), rng.integers(0, 3, 5)).backward()  # not scaler.scale(loss)
+    with pytest.warns(UserWarning, match="scale was not applied"):
+        mixed_precision_step(optimizer, scaler)
+
+
+def test_an_optimizer_built_after_the_cast_is_refused():
+    model = nn.Sequential(nn.Linear(6, 3, rng=np.random.default_rng(0))).to("fp16")
+    assert model.parameters()[0].dtype == np.float16  # the training command's names work
+    with pytest.raises(ValueError, match="build the optimizer before model.to"):
+        optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_step_refuses_gradients_that_were_not_accumulated():
+    parameter = nn.Parameter(np.zeros(2, np.float32))
+    sgd = optim.SGD([parameter], lr=0.1)
+    parameter.grad = np.ones(2, np.float32)
+    with pytest.raises(RuntimeError, match="accumulate_gradients"):
+        sgd.step()
+
+
+def test_mixed_precision_step_is_importable_from_the_top():
+    import minimp
+
+    assert minimp.mixed_precision_step is mixed_precision_step

@@ -73,3 +73,61 @@ def test_float16_graph_keeps_half_the_bytes_of_float32():
         loss = F.cross_entropy(model(x), rng.integers(0, 10, 128))
         measured[dtype] = saved_bytes(loss, exclude=[p.data for p in model.parameters()])
     assert measured[np.float16] / measured[np.float32] <= 0.52
+
+
+# ----- the numerics promise holds for Python numbers; misuse is one clear error ----------------
+def test_a_python_number_is_not_rounded_to_float16_before_the_op():
+    x = Tensor(np.array([60000.0, 3.0], np.float16))
+    quotient = (x / 70000.0).data  # 70000 would be inf in float16; float32 math, rounded once
+    assert quotient.dtype == np.float16
+    np.testing.assert_array_equal(quotient, np.float16(np.float32([60000, 3]) / np.float32(70000)))
+    product = (x * 1e-8).data  # 1e-8 would be 0 in float16
+    np.testing.assert_array_equal(product, np.float16(np.float32([60000, 3]) * np.float32(1e-8)))
+    assert product[0] != 0 and (1e-8 * x).data[0] == product[0]
+    reference = np.float16(np.float32(1e5) - np.float32([60000, 3]))  # [40000, inf]: round once
+    np.testing.assert_array_equal((1e5 - x).data, reference)
+
+
+def test_python_floats_promote_integer_tensors_instead_of_truncating():
+    ints = Tensor([1, 2, 3])
+    assert ints.dtype == np.int64
+    np.testing.assert_array_equal((ints * 0.5).data, np.float32([0.5, 1.0, 1.5]))
+    assert (ints * 0.5).dtype == np.float32 and (ints * 2).dtype == np.int64
+    np.testing.assert_array_equal((ints / 2).data, np.float32([0.5, 1.0, 1.5]))
+
+
+def test_integer_tensors_cannot_require_grad():
+    with pytest.raises(TypeError, match="only floating-point tensors can require gradients"):
+        Tensor(np.arange(3), requires_grad=True)
+
+
+def test_backward_checks_the_gradient_it_is_given():
+    x = Tensor(np.ones(3, np.float32), requires_grad=True)
+    y = x * 2.0
+    with pytest.raises(ValueError, match=r"grad has shape \(1,\)"):
+        y.backward(np.ones(1, np.float32))  # would have been broadcast silently
+    with pytest.raises(ValueError, match="dtype float16"):
+        y.backward(np.ones(3, np.float16))
+    with pytest.raises(RuntimeError, match="needs a scalar"):
+        y.backward()
+    y.backward(Tensor(np.full(3, 0.5, np.float32)))
+    np.testing.assert_array_equal(x.grad, np.ones(3, np.float32))
+
+
+def test_a_numpy_array_where_a_tensor_belongs_names_the_fix():
+    layer = nn.Linear(3, 2, rng=np.random.default_rng(0))
+    with pytest.raises(TypeError, match=r"numpy.ndarray, not a Tensor \(wrap it"):
+        layer.forward(np.ones((1, 3), np.float32))
+
+
+def test_gradient_hooks_see_and_replace_the_gradient():
+    x = Tensor(np.ones(2, np.float32), requires_grad=True)
+    seen = []
+    handle = x.register_hook(lambda grad: seen.append(grad.copy()) or grad * 3)
+    (x * 2.0).sum().backward()
+    np.testing.assert_array_equal(seen[0], [2.0, 2.0])
+    np.testing.assert_array_equal(x.grad, [6.0, 6.0])
+    handle.remove()
+    x.grad = None
+    (x * 2.0).sum().backward()
+    np.testing.assert_array_equal(x.grad, [2.0, 2.0])

@@ -58,6 +58,7 @@ def test_resume_continues_bit_identically(tmp_path, precision, optimizer):
     )
     straight = quiet_train(steps=20, save=str(tmp_path / "straight.npz"), **common)
     quiet_train(steps=10, save=str(tmp_path / "half.npz"), **common)
+    common.pop("inject_overflow")  # step 4 is behind the resumed run: it could never fire again
     resumed = quiet_train(
         steps=20, resume=str(tmp_path / "half.npz"), save=str(tmp_path / "resumed.npz"), **common
     )
@@ -124,7 +125,7 @@ BAD_INPUTS = [
     (["--batch-size", "60", "--micro-batches", "7"], "not divisible by --micro-batches"),
     (["--loss-scale", "huge"], "--loss-scale must be"),
     (["--inject-overflow", "5"], "--inject-overflow takes STEP:RANK"),
-    (["--inject-overflow", "5:1"], "rank in 0..0"),
+    (["--inject-overflow", "5:1"], "the rank must lie in 0..0"),
     (["--resume", "/nonexistent/checkpoint.npz"], "does not exist"),
 ]
 
@@ -147,7 +148,34 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path, small_checkpoint):
 
 def test_checkpoint_of_another_model_shape_is_a_clear_error(small_checkpoint):
     result = run_command("--resume", str(small_checkpoint), "--hidden", "16", "--layers", "2")
-    assert (
-        result.returncode == 2
-        and "different model (--dataset digits --layers 1 --hidden 16)" in result.stderr
-    )
+    assert result.returncode == 2
+    assert "trained with --layers 1, this run has --layers 2" in result.stderr
+
+
+OUT_OF_RANGE = [
+    (["--weight-decay", "nan"], "--weight-decay must be 0 or more, got nan"),
+    (["--momentum", "inf"], "--momentum must be 0 or more, got inf"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm must be 0 or more"),
+    (["--bucket-mb", "nan"], "--bucket-mb must be a positive number"),
+    (["--timeout", "nan"], "--timeout must be 0 (never) or seconds"),
+    (["--seed", "-1"], "--seed must be 0 or more, got -1"),
+    (["--inject-fault", "99:0", "--steps", "2"], "can never fire: this run takes steps 1..2"),
+    (["--inject-overflow", "0:0"], "can never fire"),
+    (["--save-every", "5"], "--save-every needs --save"),
+    (["--max-consecutive-skips", "-2"], "--max-consecutive-skips must be 0 or more"),
+]
+
+
+@pytest.mark.parametrize("flags, message", OUT_OF_RANGE, ids=[" ".join(f) for f, _ in OUT_OF_RANGE])
+def test_numbers_outside_their_range_are_refused(flags, message):
+    result = run_command(*flags)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "step" not in result.stdout
+
+
+@pytest.mark.parametrize("flags", [["--layers", "100000"], ["--hidden", "100000000"]])
+def test_a_model_too_big_for_this_machine_is_refused_up_front(flags):
+    result = run_command(*flags, timeout=60)
+    assert result.returncode == 2
+    assert "parameters: about" in result.stderr
+    assert "GiB free (lower --hidden or --layers)" in result.stderr

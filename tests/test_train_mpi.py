@@ -2,6 +2,8 @@
 decision for all, faults that end the job, and bad input that cannot hang."""
 
 import json
+import os
+import signal
 import subprocess
 import time
 
@@ -270,3 +272,64 @@ def test_the_pipeline_timeline_example_draws_both_schedules(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "gpipe: bubble" in result.stdout and "1f1b: bubble" in result.stdout
     assert (tmp_path / "gantt.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--resume", "/nonexistent/ckpt.npz"], "does not exist"),
+        (["--batch-size", "100000"], "larger than the training set"),
+        (["--save", "/proc/no/such/ckpt.npz"], "cannot be written"),
+    ],
+)
+def test_an_error_every_rank_meets_at_setup_is_one_line_without_abort(flags, message):
+    result = train_command(4, *flags, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("minimp.train: error:"), result.stderr
+    assert message in result.stderr and "Abort" not in result.stderr
+
+
+def test_a_diverging_run_stops_once_on_every_rank_and_saves_nothing(tmp_path):
+    result = train_command(
+        2, "--lr", "1e4", "--max-consecutive-skips", "20", "--save", str(tmp_path / "x.npz")
+    )
+    assert result.returncode == 1
+    assert result.stderr.count("minimp.train: error: the last 20 steps") == 1, result.stderr
+    assert "Abort" not in result.stderr and not (tmp_path / "x.npz").exists()
+
+
+def rank_processes(marker):
+    """pids of the python ranks whose command line holds marker (not mpirun, not its proxy)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            command = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if command and command[0] == PYTHON.encode() and marker.encode() in b" ".join(command):
+            pids.append(int(entry))
+    return pids
+
+
+def test_the_watchdog_ends_a_job_whose_rank_was_sigstopped(tmp_path):
+    metrics = tmp_path / "watched-run.jsonl"
+    command = [MPIRUN, "-n", "2", PYTHON, "-m", "minimp.train", *SMALL]
+    command += ["--steps", "100000", "--timeout", "3", "--metrics", str(metrics)]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = rank_processes(metrics.name)
+        assert len(ranks) == 2, ranks
+        os.kill(max(ranks), signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, stderr = job.communicate(timeout=60)
+        assert job.returncode != 0
+        assert time.monotonic() - stopped < 30
+        assert "minimp: waited 3 s to" in stderr and "--timeout 3 s" in stderr, stderr
+    finally:
+        for pid in rank_processes(metrics.name):
+            os.kill(pid, signal.SIGKILL)
+        job.kill()

@@ -74,8 +74,11 @@ def recursive_doubling_allreduce(
     while distance < power:
         partner = r ^ distance
         comm.sendrecv(current, partner, incoming, partner, tag=Tag.DOUBLING_EXCHANGE)
-        # a + b == b + a bit for bit: both partners compute the same value
-        reduce_into(flat, incoming, op, first=current)
+        # Both partners put the lower rank's data first. a + b == b + a for numbers, but not for
+        # NaNs: x86 returns the first operand's NaN, payload and sign, so the order is what makes
+        # both partners (and in the end every rank) hold the same bits.
+        lower, higher = (current, incoming) if r < partner else (incoming, current)
+        reduce_into(flat, higher, op, first=lower)
         current, distance = flat, distance * 2
     if current is not flat:  # one rank: nothing was reduced
         flat[...] = x_flat

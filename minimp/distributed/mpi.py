@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from minimp import backend
-from minimp.distributed.protocol import byte_view, check_byte_count, check_op
+from minimp.distributed.protocol import Communicator, byte_view, check_byte_count, check_op
+from minimp.distributed.watchdog import Waiting, Watchdog, print_and_abort
 
 
 def mpi_is_cuda_aware() -> bool:
@@ -41,7 +42,7 @@ def mpi_is_cuda_aware() -> bool:
     return False
 
 
-class MPICommunicator:
+class MPICommunicator(Communicator):
     """A group of MPI processes; satisfies minimp.distributed.protocol.Communicator."""
 
     def __init__(self, mpi_comm: Any):
@@ -56,6 +57,18 @@ class MPICommunicator:
         self.messages_sent = 0
         self._cuda_aware: bool | None = None  # asked once, at the first GPU buffer
         self._status = MPI.Status()  # reused: one allocation less per message
+        self._watchdog: Watchdog | None = None
+        self.waiting: Waiting | None = None  # the blocking call in progress, for the watchdog
+
+    def start_watchdog(self, timeout: float) -> None:
+        """Abort the job when a call of this communicator, or of one split from it later, waits
+        longer than `timeout` seconds (minimp/distributed/watchdog.py)."""
+        self._watchdog = Watchdog(timeout, self.rank, print_and_abort(self.abort))
+        self._watchdog.watch(self)
+
+    def _wait(self, operation: str, peer: int | None = None) -> None:
+        if self._watchdog is not None:
+            self.waiting = Waiting(operation, peer)
 
     def __repr__(self) -> str:
         return f"MPICommunicator(rank={self.rank}, size={self.size})"
@@ -85,14 +98,18 @@ class MPICommunicator:
 
     def send(self, array: Any, dest: int, tag: int = 0) -> None:
         buffer = byte_view(self._on_host(array)[0])
+        self._wait("send to", dest)
         self._comm.Send(self._bytes(buffer), dest=dest, tag=tag)
+        self.waiting = None
         self._count(buffer)
 
     def recv(self, array: Any, source: int, tag: int = 0) -> None:
         """Receive into `array` (its size must equal the message's)."""
         host, staged = self._on_host(array)
         buffer = byte_view(host)
+        self._wait("receive from", source)
         self._comm.Recv(self._bytes(buffer), source=source, tag=tag, status=self._status)
+        self.waiting = None
         check_byte_count(self._status.Get_count(self._MPI.BYTE), buffer.nbytes, source)
         if staged:
             array[...] = backend.to_device(host)
@@ -111,6 +128,7 @@ class MPICommunicator:
         send_buffer = byte_view(self._on_host(send_array)[0])
         recv_host, staged = self._on_host(recv_array)
         recv_buffer = byte_view(recv_host)
+        self._wait(f"send to rank {dest} and receive from", source)
         self._comm.Sendrecv(
             self._bytes(send_buffer),
             dest=dest,
@@ -120,6 +138,7 @@ class MPICommunicator:
             recvtag=tag if recv_tag is None else recv_tag,
             status=self._status,
         )
+        self.waiting = None
         check_byte_count(self._status.Get_count(self._MPI.BYTE), recv_buffer.nbytes, source)
         self._count(send_buffer)
         if staged:
@@ -129,7 +148,9 @@ class MPICommunicator:
         """Overwrite `array` on every rank with root's (in place)."""
         host, staged = self._on_host(array)
         buffer = byte_view(host)
+        self._wait("broadcast from", root)
         self._comm.Bcast(self._bytes(buffer), root=root)
+        self.waiting = None
         if self.rank == root:
             self._count(buffer)
         if staged:
@@ -141,11 +162,15 @@ class MPICommunicator:
         mpi_op = {"max": self._MPI.MAX, "min": self._MPI.MIN, "sum": self._MPI.SUM}[op]
         values = np.ascontiguousarray(values, dtype=np.float64)
         result = np.empty_like(values)
+        self._wait(f"all-reduce ({op}) with all {self.size} ranks")
         self._comm.Allreduce(values, result, op=mpi_op)
+        self.waiting = None
         return result
 
     def barrier(self) -> None:
+        self._wait(f"meet all {self.size} ranks at a barrier")
         self._comm.Barrier()
+        self.waiting = None
 
     def ranks_on_this_node(self) -> int:
         """How many ranks of this communicator share this machine (MPI_COMM_TYPE_SHARED)."""
@@ -161,7 +186,13 @@ class MPICommunicator:
 
     def split(self, color: int, key: int = 0) -> "MPICommunicator":
         """Sub-communicators: ranks with the same color form one, ordered by key (then old rank)."""
-        return MPICommunicator(self._comm.Split(color, key))
+        self._wait("split the communicator with all ranks")
+        child = MPICommunicator(self._comm.Split(color, key))
+        self.waiting = None
+        if self._watchdog is not None:
+            child._watchdog = self._watchdog
+            self._watchdog.watch(child)
+        return child
 
     def abort(self, code: int = 1) -> None:
         """End every process of the job (MPI_Abort on COMM_WORLD)."""

@@ -17,7 +17,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from minimp.distributed.protocol import REDUCE_OPS, Tag, byte_view, check_byte_count, check_op
+from minimp.distributed.protocol import (
+    REDUCE_OPS,
+    Communicator,
+    Tag,
+    byte_view,
+    check_byte_count,
+    check_op,
+)
 
 DEFAULT_EAGER_LIMIT = 64 * 1024  # bytes; MPICH's shared-memory eager threshold is of this order
 
@@ -66,6 +73,8 @@ class SimulatedWorld:
 
     # Called with the condition held by every blocking operation.
     def block_until(self, rank: int, predicate: Callable[[], bool], description: str) -> None:
+        """Wait (the condition held) until predicate() holds; raise DeadlockError when every
+        live rank waits on something no rank can give, TimeoutError after `timeout` seconds."""
         deadline = time.monotonic() + self.timeout
         while not predicate():
             if self.deadlock:
@@ -148,7 +157,7 @@ def simulate(
     return results
 
 
-class SimulatedCommunicator:
+class SimulatedCommunicator(Communicator):
     """A rank's view of a SimulatedWorld, or of a group split from it.
     Same API as MPICommunicator."""
 

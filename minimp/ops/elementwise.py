@@ -8,53 +8,54 @@ from minimp.precision import casting
 from minimp.precision.casting import round_to, widen
 
 
-def _binary_forward(ctx, a, b, compute):
-    """Run compute(a, b) in the accumulation dtype. Remembers the shapes and dtypes backward
-    needs to undo broadcasting."""
+def _binary_forward(ctx, a, b, compute, dtype=None):
+    """Run compute(a, b) in the accumulation dtype and round once into `dtype` (by default NumPy's
+    promotion of the two; a Python number passes the tensor's dtype, see minimp/operators.py).
+    Remembers the shapes and dtypes backward needs to undo broadcasting."""
     ctx.shapes = (a.shape, b.shape)
     ctx.dtypes = (a.dtype, b.dtype)
-    return round_to(compute(widen(a), widen(b)), casting.result_dtype(a.dtype, b.dtype))
+    return round_to(compute(widen(a), widen(b)), dtype or casting.result_dtype(a.dtype, b.dtype))
 
 
 class Add(Function):
     """y = a + b;  dL/da = dL/dy,  dL/db = dL/dy (summed over broadcast axes)."""
 
     @staticmethod
-    def forward(ctx, a, b):
-        return _binary_forward(ctx, a, b, lambda x, y: x + y)
+    def forward(ctx, a, b, dtype=None):
+        return _binary_forward(ctx, a, b, lambda x, y: x + y, dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
         (shape_a, shape_b), (dtype_a, dtype_b) = ctx.shapes, ctx.dtypes
-        return (
-            unbroadcast(grad_output, shape_a, dtype_a),
-            unbroadcast(grad_output, shape_b, dtype_b),
-        )
+        grad_a = unbroadcast(grad_output, shape_a, dtype_a) if ctx.needs_input_grad[0] else None
+        grad_b = unbroadcast(grad_output, shape_b, dtype_b) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
 
 
 class Sub(Function):
     """y = a - b;  dL/da = dL/dy,  dL/db = -dL/dy."""
 
     @staticmethod
-    def forward(ctx, a, b):
-        return _binary_forward(ctx, a, b, lambda x, y: x - y)
+    def forward(ctx, a, b, dtype=None):
+        return _binary_forward(ctx, a, b, lambda x, y: x - y, dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
         (shape_a, shape_b), (dtype_a, dtype_b) = ctx.shapes, ctx.dtypes
+        grad_a = unbroadcast(grad_output, shape_a, dtype_a) if ctx.needs_input_grad[0] else None
         grad_b = None
         if ctx.needs_input_grad[1]:
             grad_b = unbroadcast(-widen(grad_output), shape_b, dtype_b)
-        return unbroadcast(grad_output, shape_a, dtype_a), grad_b
+        return grad_a, grad_b
 
 
 class Mul(Function):
     """y = a * b;  dL/da = dL/dy * b,  dL/db = dL/dy * a."""
 
     @staticmethod
-    def forward(ctx, a, b):
+    def forward(ctx, a, b, dtype=None):
         ctx.save_for_backward(a, b)
-        return _binary_forward(ctx, a, b, lambda x, y: x * y)
+        return _binary_forward(ctx, a, b, lambda x, y: x * y, dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -69,9 +70,12 @@ class Div(Function):
     """y = a / b;  dL/da = dL/dy / b,  dL/db = -dL/dy * a / b^2."""
 
     @staticmethod
-    def forward(ctx, a, b):
+    def forward(ctx, a, b, dtype=None):
         ctx.save_for_backward(a, b)
-        return _binary_forward(ctx, a, b, lambda x, y: x / y)
+        dtype = dtype or casting.result_dtype(a.dtype, b.dtype)
+        if not casting.is_floating(dtype):  # true division, as Python's and PyTorch's `/`
+            dtype = casting.FLOAT32
+        return _binary_forward(ctx, a, b, lambda x, y: x / y, dtype)
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -64,6 +64,11 @@ class Linear(Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias):
+        if x.dtype != weight.dtype:  # as torch's Linear: no silent float32 math in a 16-bit model
+            raise TypeError(
+                f"linear: the input is {x.dtype} but the layer's weight is {weight.dtype}; cast "
+                f"the input (x.astype({weight.dtype.name!r})) or the model (model.to(...))"
+            )
         if x.shape[-1] != weight.shape[1]:
             raise ValueError(
                 f"linear: input has {x.shape[-1]} features, the layer expects {weight.shape[1]}"

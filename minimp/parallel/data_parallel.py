@@ -26,13 +26,14 @@ from minimp.backend import array_module, to_numpy
 from minimp.distributed.protocol import Communicator
 from minimp.distributed.ring import ring_allreduce
 from minimp.precision.casting import round_to
+from minimp.precision.step import GradientSync
 
 
 class ReplicaMismatchError(RuntimeError):
     """Replicas that should be bit-identical are not."""
 
 
-class DataParallel:
+class DataParallel(GradientSync):
     """Gradient buckets and the collective decisions of one data-parallel group."""
 
     def __init__(

@@ -31,10 +31,12 @@ class Topology:
 
     @property
     def is_first_stage(self) -> bool:
+        """True on the stage that reads the data."""
         return self.stage == 0
 
     @property
     def is_last_stage(self) -> bool:
+        """True on the stage that computes the loss."""
         return self.stage == self.pp - 1
 
     @property

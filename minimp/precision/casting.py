@@ -34,6 +34,23 @@ def is_low_precision(dtype: Any) -> bool:
     return np.dtype(dtype) in LOW_PRECISION_DTYPES
 
 
+def is_floating(dtype: Any) -> bool:
+    """float16, bfloat16, float32 and float64: the dtypes that can carry gradients."""
+    return is_low_precision(dtype) or np.issubdtype(np.dtype(dtype), np.floating)
+
+
+def dtype_named(dtype: Any) -> np.dtype:
+    """A dtype from a NumPy dtype, a type, or a name the training command uses ("fp16", "bf16",
+    "fp32"); a clear ValueError for anything else."""
+    if isinstance(dtype, str) and dtype.strip().lower() in ACTIVATION_DTYPES:
+        return ACTIVATION_DTYPES[dtype.strip().lower()]
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        names = ", ".join(ACTIVATION_DTYPES)
+        raise ValueError(f"unknown dtype {dtype!r}: use a NumPy dtype or one of {names}") from None
+
+
 def widen(array: Any) -> Any:
     """The array in float32 when stored in 16 bits; float32/float64 arrays come back unchanged."""
     if array.dtype in LOW_PRECISION_DTYPES:

@@ -17,6 +17,7 @@ class LossScaler(Protocol):
 
     loss_scale: float  # S: the loss is multiplied by it before backward
     hit_min_scale: bool  # True after an update that could not back off any further
+    applied: bool  # True when scale() was called since the last update()
 
     def scale(self, loss: Any) -> Any:
         """loss * S, the tensor to call backward() on."""
@@ -31,43 +32,77 @@ class LossScaler(Protocol):
         """Restore what state_dict returned."""
 
 
-def _times(scale, factor):
-    """scale * factor in float32, as torch.amp.GradScaler keeps its scale in a float32 tensor."""
-    return float(np.float32(scale) * np.float32(factor))
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
-class StaticLossScaler:
+def _times(scale: float, factor: float) -> float:
+    """scale * factor in float32, as torch.amp.GradScaler keeps its scale in a float32 tensor
+    (inf when the product leaves float32's range: the caller decides what to do then)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(scale) * np.float32(factor))
+
+
+def _positive_scale(name: str, value: Any) -> float:
+    """value as a float, or ValueError unless it is a positive, finite float32 number."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}") from None
+    if not (0.0 < number <= FLOAT32_MAX):  # NaN fails every comparison
+        raise ValueError(f"{name} must be a positive finite float32 number, got {value!r}")
+    return number
+
+
+def _count(name: str, value: Any, low: int | None) -> int:
+    """value as an int (>= low unless low is None); bools, floats and strings are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def _check_kind(state: dict, kind: str) -> None:
+    if not isinstance(state, dict) or state.get("kind") != kind:
+        found = state.get("kind") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"this is a {kind} loss scaler; the state is for {found!r}")
+
+
+class StaticLossScaler(LossScaler):
     """One fixed scale S. A step whose gradients overflow is still skipped, but S never changes."""
 
     def __init__(self, scale: float):
-        if not np.isfinite(scale) or scale <= 0:
-            raise ValueError(f"loss scale must be a positive finite number, got {scale}")
-        self.loss_scale = float(scale)
+        self.loss_scale = _positive_scale("loss scale", scale)
         self.hit_min_scale = False
+        self.applied = False  # scale() called since the last update (see mixed_precision_step)
 
     def scale(self, loss: Any) -> Any:
         """loss * S (the loss is float32, so the product cannot overflow where float16 would)."""
+        self.applied = True
         return loss * self.loss_scale
 
     def update(self, found_inf: bool) -> None:
         """A static scaler ignores overflows; the step itself is still skipped by the caller."""
+        self.applied = False
 
     def state_dict(self) -> dict:
         return {"kind": "static", "loss_scale": self.loss_scale}
 
     def load_state_dict(self, state: dict) -> None:
-        self.loss_scale = float(state["loss_scale"])
+        _check_kind(state, "static")
+        self.loss_scale = _positive_scale("the state's loss_scale", state.get("loss_scale"))
 
 
-class DynamicLossScaler:
+class DynamicLossScaler(LossScaler):
     """A scale that halves on overflow and doubles after `growth_interval` clean steps in a row.
 
     With hysteresis=1 and above min_scale its trajectory is exactly torch.amp.GradScaler's:
     on inf/NaN multiply by backoff_factor and reset the clean-step count; after
     growth_interval clean steps multiply by growth_factor, unless that would leave
     float32's finite range. hysteresis=h > 1 tolerates h overflows before backing off
-    (Megatron-LM's rule: the allowance refills only when the scale grows). At min_scale it
-    stops shrinking and sets `hit_min_scale`, so the trainer can say so.
+    (Megatron-LM's rule: the allowance refills only when the scale grows). A back-off never goes
+    below min_scale: it clamps there, as DeepSpeed and Megatron-LM do (max(scale * backoff,
+    min_scale)), and sets `hit_min_scale`, so the trainer can say so.
     """
 
     def __init__(
@@ -79,62 +114,98 @@ class DynamicLossScaler:
         hysteresis: int = 1,
         min_scale: float = 1.0,
     ):
-        if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0):
-            raise ValueError("need growth_factor > 1 and 0 < backoff_factor < 1")
-        if growth_interval < 1 or hysteresis < 1 or not 0 < min_scale <= init_scale:
+        init_scale = _positive_scale("init_scale", init_scale)
+        growth_factor = _positive_scale("growth_factor", growth_factor)
+        backoff_factor = _positive_scale("backoff_factor", backoff_factor)
+        min_scale = _positive_scale("min_scale", min_scale)
+        if not (growth_factor > 1.0 and backoff_factor < 1.0):
             raise ValueError(
-                "need growth_interval >= 1, hysteresis >= 1 and 0 < min_scale <= init_scale"
+                f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor} "
+                f"and {backoff_factor}"
             )
+        if min_scale > init_scale:
+            raise ValueError(f"need min_scale <= init_scale, got {min_scale} > {init_scale}")
         self.loss_scale = float(np.float32(init_scale))
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self.growth_interval = _count("growth_interval", growth_interval, 1)
+        self.hysteresis = _count("hysteresis", hysteresis, 1)
         self.min_scale = min_scale
         self.growth_tracker = 0  # clean steps since the last change (torch's _growth_tracker)
-        self.hysteresis_tracker = hysteresis  # overflows still tolerated before a back-off
+        self.hysteresis_tracker = self.hysteresis  # overflows still tolerated before a back-off
         self.hit_min_scale = False
+        self.applied = False  # scale() called since the last update (see mixed_precision_step)
 
     def scale(self, loss: Any) -> Any:
+        """loss * S, the tensor to call backward() on."""
+        self.applied = True
         return loss * self.loss_scale
 
     def update(self, found_inf: bool) -> None:
         """Adjust the scale after a step; found_inf must already agree across all ranks."""
-        self.hit_min_scale = False
+        self.hit_min_scale, self.applied = False, False
         if found_inf:
             self.growth_tracker = 0
             self.hysteresis_tracker -= 1
             if self.hysteresis_tracker <= 0:
                 backed_off = _times(self.loss_scale, self.backoff_factor)
                 if backed_off < self.min_scale:
-                    backed_off, self.hit_min_scale = max(self.min_scale, self.loss_scale), True
+                    backed_off, self.hit_min_scale = self.min_scale, True
                 self.loss_scale = backed_off
             return
         self.growth_tracker += 1
         if self.growth_tracker == self.growth_interval:
             grown = _times(self.loss_scale, self.growth_factor)
-            if np.isfinite(np.float32(grown)):
+            if np.isfinite(grown):
                 self.loss_scale = grown
             self.growth_tracker = 0
             self.hysteresis_tracker = self.hysteresis
 
     def state_dict(self) -> dict:
+        """The scale, both trackers and the whole configuration (as torch's GradScaler), so a
+        default-constructed scaler that loads it continues the same trajectory."""
         return {
             "kind": "dynamic",
             "loss_scale": self.loss_scale,
             "growth_tracker": self.growth_tracker,
             "hysteresis_tracker": self.hysteresis_tracker,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "hysteresis": self.hysteresis,
+            "min_scale": self.min_scale,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.loss_scale = float(state["loss_scale"])
-        self.growth_tracker = int(state["growth_tracker"])
-        self.hysteresis_tracker = int(state["hysteresis_tracker"])
+        """Restore a state_dict; every field is checked first (nothing changes on an error)."""
+        _check_kind(state, "dynamic")
+        missing = sorted(set(self.state_dict()) - set(state))
+        if missing:
+            raise ValueError(f"dynamic loss scaler state lacks {missing}")
+        checked = DynamicLossScaler(
+            init_scale=state["loss_scale"],
+            growth_factor=state["growth_factor"],
+            backoff_factor=state["backoff_factor"],
+            growth_interval=state["growth_interval"],
+            hysteresis=state["hysteresis"],
+            min_scale=state["min_scale"],
+        )
+        checked.growth_tracker = _count("growth_tracker", state["growth_tracker"], 0)
+        # Below 1 while overflows continue (each one backs off) until the scale grows again.
+        checked.hysteresis_tracker = _count("hysteresis_tracker", state["hysteresis_tracker"], None)
+        if checked.growth_tracker >= checked.growth_interval:
+            raise ValueError("growth_tracker must be below growth_interval")
+        if checked.hysteresis_tracker > checked.hysteresis:
+            raise ValueError("hysteresis_tracker must not exceed hysteresis")
+        checked.loss_scale = float(state["loss_scale"])  # exact, not re-rounded
+        self.__dict__.update(checked.__dict__)
 
 
-class NoLossScaler:
+class NoLossScaler(LossScaler):
     """Scale 1: for float32 and bfloat16 (whose 8 exponent bits cover float32's range)."""
 
     loss_scale = 1.0
     hit_min_scale = False
+    applied = False
 
     def scale(self, loss: Any) -> Any:
         return loss
@@ -146,4 +217,4 @@ class NoLossScaler:
         return {"kind": "none", "loss_scale": 1.0}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        _check_kind(state, "none")

@@ -10,6 +10,7 @@ picks the scale, a `GradientSync` (data parallelism, pipelines) agrees and reduc
 """
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -43,7 +44,7 @@ class GradientSync(Protocol):
         stages), so every rank clips by the norm of the whole model."""
 
 
-class SingleProcess:
+class SingleProcess(GradientSync):
     """The GradientSync of a one-process run: nothing to agree with, nothing to reduce."""
 
     def any_rank(self, found_inf: bool) -> bool:
@@ -109,6 +110,18 @@ def clip_grad_norm_(
 SINGLE_PROCESS = SingleProcess()
 
 
+def _warn_if_scale_unused(loss_scaler: LossScaler, sync: GradientSync) -> None:
+    """The classic slip: backward on the loss instead of scaler.scale(loss); the step would then
+    divide unscaled gradients by S. Only checked on one process: a pipeline's first stages never
+    see the loss, yet their gradients carry the scale."""
+    if sync is SINGLE_PROCESS and loss_scaler.loss_scale != 1.0 and not loss_scaler.applied:
+        warnings.warn(
+            "mixed_precision_step: the loss scaler's scale was not applied since its last update; "
+            "call scaler.scale(loss).backward(), not loss.backward()",
+            stacklevel=3,
+        )
+
+
 def mixed_precision_step(
     optimizer: Any,
     loss_scaler: LossScaler,
@@ -116,6 +129,7 @@ def mixed_precision_step(
     sync: GradientSync = SINGLE_PROCESS,
 ) -> StepResult:
     """Finish a step whose (scaled) backward passes are done; returns a StepResult."""
+    _warn_if_scale_unused(loss_scaler, sync)
     gradients = optimizer.accumulate_gradients()  # 16-bit .grad -> float32 sums
     found_inf = sync.any_rank(not all_finite(gradients))  # nobody sends inf; all skip together
     if not found_inf:

@@ -1,54 +1,83 @@
 """`python -m minimp.train` (or `mpirun -n 4 python -m minimp.train`): parse, check, train.
 
-Bad input is one line, `minimp.train: error: ...`, printed by rank 0, and every rank exits
-with status 2 before any message is exchanged, so nothing can hang. Any error after that
-(an injected fault, a checkpoint that a rank cannot read) is printed by the rank that hit
-it, which then aborts the whole job.
+Everything that can be checked is checked before the first step: every flag, the output paths
+(rank 0 writes the files), the memory the model needs, the device, matplotlib for --plot. Bad input
+is one line, `minimp.train: error: ...`, printed by one rank, and every rank exits with status 2.
+Errors that all ranks meet together later (a setup step that failed on some rank, a run that
+diverged) end the job the same way, without MPI_Abort. An error on one rank alone (an injected
+fault, a bug) is printed by that rank, which then aborts the whole job; so does the watchdog when a
+message waits longer than --timeout.
 """
 
 import sys
+import time
 
-from minimp.backend import DeviceError, check_device
+from minimp import backend
 from minimp.distributed import run_or_abort, world
-from minimp.train.checkpoint import CheckpointError
-from minimp.train.config import ConfigError, parse_config
+from minimp.distributed.protocol import Communicator
+from minimp.train.config import TrainConfig, parse_config
+from minimp.train.errors import USER_ERRORS, AgreedError, agree_on_error
+from minimp.train.files import check_output_path, exit_cleanly_on_sigterm
 from minimp.train.loop import train
-from minimp.train.report import require_matplotlib
+from minimp.train.report import plot_formats
 
 PROGRAM = "minimp.train"
-# Errors a user can fix with a flag or a file; anything else is a bug and keeps its traceback.
-USER_ERRORS = (ConfigError, CheckpointError, DeviceError, ImportError)
 
 
-def _say_error(comm, error, every_rank=False):
-    if comm.rank == 0 or every_rank:
-        prefix = f"[rank {comm.rank}] " if every_rank and comm.size > 1 else ""
-        print(f"{prefix}{PROGRAM}: error: {error}", file=sys.stderr, flush=True)
+def _say(error: BaseException, rank: int | None = None) -> None:
+    prefix = "" if rank is None else f"[rank {rank}] "
+    print(f"{prefix}{PROGRAM}: error: {error}", file=sys.stderr, flush=True)
 
 
-def _run(config, comm):
+def check_before_training(config: TrainConfig, comm: Communicator) -> None:
+    """Raise the first user error this rank can find before any work is done."""
+    config.validate(comm.size)
+    config.check_memory(comm.ranks_on_this_node(), backend.available_memory())
+    if config.device:
+        backend.check_device(config.device)  # CuPy and a GPU are there
+    if comm.rank == 0:  # the files are rank 0's to write
+        for flag, path in (("--save", config.save), ("--metrics", config.metrics)):
+            if path:
+                check_output_path(flag, path)
+        if config.timeline:
+            check_output_path("--timeline", config.timeline)
+        if config.plot:
+            check_output_path("--plot", config.plot, suffixes=plot_formats())
+
+
+def _run(config: TrainConfig, comm: Communicator) -> int:
     try:
         train(config, log=lambda line: print(line, flush=True), comm=comm)
-    except USER_ERRORS as error:
-        _say_error(comm, error, every_rank=True)
+    except AgreedError as error:  # every rank is here: one says it, all exit, nobody waits
+        if error.speaker:
+            _say(error)
+        return error.exit_code
+    except USER_ERRORS as error:  # this rank alone: the others may be waiting for it
+        _say(error, comm.rank if comm.size > 1 else None)
         if comm.size > 1:
-            comm.abort(2)  # the other ranks may be waiting for this one
+            time.sleep(0.5)  # let mpirun forward the line before the job is torn down
+            comm.abort(2)
         return 2
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     comm = world()
-    config = parse_config(argv, quiet=comm.rank != 0)
+    exit_cleanly_on_sigterm()
+    config = parse_config(argv, quiet=comm.rank != 0)  # argparse's errors: rank 0 prints, exit 2
+    error = None
     try:
-        config.validate(comm.size)
-        if config.device:
-            check_device(config.device)  # CuPy and a GPU are there, or one clear line from rank 0
-        if config.plot:
-            require_matplotlib()
-    except USER_ERRORS as error:
-        _say_error(comm, error)
-        return 2
+        check_before_training(config, comm)
+    except USER_ERRORS as caught:
+        error = caught
+    try:
+        agree_on_error(comm, error)
+    except AgreedError as agreed:
+        if agreed.speaker:
+            _say(agreed)
+        return agreed.exit_code
+    if config.timeout and comm.size > 1:
+        comm.start_watchdog(config.timeout)
     if comm.rank == 0:
         print(f"{PROGRAM}: ranks={comm.size} {config.describe()}", flush=True)
     return run_or_abort(_run, config, comm, comm=comm)

@@ -5,9 +5,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-
-class ConfigError(ValueError):
-    """A flag value that cannot work; the message says what to change."""
+from minimp.train.errors import ConfigError
 
 
 def _flag(default, help, **extra):
@@ -70,6 +68,13 @@ class TrainConfig:
     inject_fault: str = _flag(
         "", "STEP:RANK: raise an error on that rank at that step (see a failure)"
     )
+    save_every: int = _flag(0, "also save --save every this many steps (0 = only at the end)")
+    max_consecutive_skips: int = _flag(
+        100, "stop with an error after this many skipped steps in a row (0 = never)"
+    )
+    timeout: float = _flag(
+        600.0, "abort the job when one message waits longer than this many seconds (0 = never)"
+    )
 
     def data_parallel_size(self, world_size: int) -> int:
         """The resolved --dp: the job's ranks divided by --pp unless given."""
@@ -80,6 +85,8 @@ class TrainConfig:
         self._check_ranges()
         self._check_grid(world_size)
         self._check_batch(self.data_parallel_size(world_size))
+        if self.save_every and not self.save:
+            raise ConfigError("--save-every needs --save (the path to save to)")
         self.loss_scale_kind()
         self.overflow_injection(world_size)
         self.fault_injection(world_size)
@@ -99,6 +106,8 @@ class TrainConfig:
                 raise ConfigError(f"--{_dashed(name)} must be 0 or more, got {value}")
         if not (self.bucket_mb > 0 and math.isfinite(self.bucket_mb)):
             raise ConfigError(f"--bucket-mb must be a positive number, got {self.bucket_mb}")
+        if not (self.timeout >= 0 and math.isfinite(self.timeout)):
+            raise ConfigError(f"--timeout must be 0 (never) or seconds, got {self.timeout}")
 
     def _check_grid(self, world_size: int) -> None:
         """--dp x --pp must tile the job's ranks, and the model must have a layer per stage."""
@@ -134,6 +143,31 @@ class TrainConfig:
                 f"(pick a batch size that is a multiple of {dp * self.micro_batches})"
             )
 
+    def parameter_count(self) -> int:
+        """Parameters of the model these flags build (before it is built)."""
+        features, classes = DATASET_SHAPES[self.dataset]
+        width, count = features, 0
+        for _ in range(self.layers):
+            count, width = count + width * self.hidden + self.hidden, self.hidden
+        return count + width * classes + classes
+
+    def check_memory(self, ranks_on_this_node: int, available: int) -> None:
+        """Refuse, before anything is allocated, a model that cannot fit: every rank builds the
+        whole model in float32 and in the compute dtype (6 bytes a parameter), and keeps for its
+        stage a float32 master, gradient accumulator and two optimizer slots, a 16-bit gradient
+        and two wire buffers (26 bytes a parameter, over --pp stages), plus its activations (at
+        most the whole batch: 12 bytes per row, width and layer bound them)."""
+        parameters = self.parameter_count()
+        per_rank = 6 * parameters + 26 * parameters // self.pp
+        per_rank += 12 * self.batch_size * self.hidden * (self.layers + 1)
+        needed = per_rank * ranks_on_this_node
+        if needed > available:
+            raise ConfigError(
+                f"the model has {parameters:,} parameters: about {needed / 2**30:.1f} GiB for the "
+                f"{ranks_on_this_node} rank(s) on this machine, which has "
+                f"{available / 2**30:.1f} GiB free (lower --hidden or --layers)"
+            )
+
     def describe(self) -> str:
         """The resolved configuration on one line, as rank 0 prints it at start."""
         kind, value = self.loss_scale_kind()
@@ -162,13 +196,29 @@ class TrainConfig:
             )
         return "static", value
 
-    def overflow_injection(self, world_size: int = 1) -> tuple[int, int] | None:
-        """(step, rank) from --inject-overflow STEP:RANK, or None."""
-        return _step_and_rank("--inject-overflow", self.inject_overflow, world_size)
+    def overflow_injection(self, world_size: int = 1, after: int = 0) -> tuple[int, int] | None:
+        """(step, rank) from --inject-overflow STEP:RANK, or None; `after`: the step a resumed
+        run starts after (an injection that can never fire is an error, not silence)."""
+        return self._injection("--inject-overflow", self.inject_overflow, world_size, after)
 
-    def fault_injection(self, world_size: int = 1) -> tuple[int, int] | None:
+    def fault_injection(self, world_size: int = 1, after: int = 0) -> tuple[int, int] | None:
         """(step, rank) from --inject-fault STEP:RANK, or None."""
-        return _step_and_rank("--inject-fault", self.inject_fault, world_size)
+        return self._injection("--inject-fault", self.inject_fault, world_size, after)
+
+    def _injection(self, flag: str, text: str, world_size: int, after: int):
+        if not text:
+            return None
+        try:
+            step, rank = (int(part) for part in text.split(":"))
+        except ValueError:
+            raise ConfigError(f"{flag} takes STEP:RANK (e.g. 5:0), got {text!r}") from None
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"{flag} {text}: the rank must lie in 0..{world_size - 1}")
+        if not after < step <= self.steps:
+            raise ConfigError(
+                f"{flag} {text} can never fire: this run takes steps {after + 1}..{self.steps}"
+            )
+        return step, rank
 
 
 POSITIVE_INTEGERS = (
@@ -181,19 +231,19 @@ POSITIVE_INTEGERS = (
     "loss_scale_growth_interval",
     "pp",
 )
-NON_NEGATIVE = ("weight_decay", "max_grad_norm", "momentum", "dp", "threads", "check_replicas")
-
-
-def _step_and_rank(flag, text, world_size):
-    if not text:
-        return None
-    try:
-        step, rank = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise ConfigError(f"{flag} takes STEP:RANK (e.g. 5:0), got {text!r}") from None
-    if step < 1 or not 0 <= rank < world_size:
-        raise ConfigError(f"{flag} {text}: step must be >= 1 and rank in 0..{world_size - 1}")
-    return step, rank
+# (input features, classes) of each dataset, known before it is loaded (tests check they match).
+DATASET_SHAPES = {"digits": (64, 10)}
+NON_NEGATIVE = (
+    "weight_decay",
+    "max_grad_norm",
+    "momentum",
+    "dp",
+    "threads",
+    "check_replicas",
+    "seed",
+    "save_every",
+    "max_consecutive_skips",
+)
 
 
 def _dashed(name):

@@ -6,6 +6,7 @@ micro-batch loop). Data-parallel replicas of a stage then average their gradient
 job takes part in the one decision to skip an overflowing step.
 """
 
+import math
 import time
 from typing import Any, Callable
 
@@ -13,13 +14,20 @@ import numpy as np
 
 from minimp import backend
 from minimp.data import DATASETS, global_batch_indices
-from minimp.distributed import gather_named_arrays, world
+from minimp.distributed import world
 from minimp.distributed.protocol import Communicator
 from minimp.parallel import SCHEDULES, DataParallel, Topology, shard
 from minimp.precision import ACTIVATION_DTYPES, mixed_precision_step
-from minimp.train import checkpoint, report
-from minimp.train.build import build_scaler, build_stage, evaluate
-from minimp.train.config import ConfigError, TrainConfig
+from minimp.train import checkpoint, report, saving
+from minimp.train.build import build_scaler, build_stage
+from minimp.train.config import TrainConfig
+from minimp.train.errors import (
+    USER_ERRORS,
+    AgreedError,
+    ConfigError,
+    DivergenceError,
+    agree_on_error,
+)
 
 
 def train(config: TrainConfig, log: Callable = print, comm: Communicator | None = None) -> dict:
@@ -33,38 +41,25 @@ def train(config: TrainConfig, log: Callable = print, comm: Communicator | None 
         run = Run(config, comm, log)
         for step in range(run.start_step + 1, config.steps + 1):
             run.step(step)
-        return run.finish()
+        return saving.finish(run)
 
 
 class Run:
     """One rank's share of a training run: its stage of the model, its optimizer, its groups."""
 
     def __init__(self, config: TrainConfig, comm: Communicator, log: Callable):
-        if config.device:
-            backend.use_device(config.device, local_rank=comm.node_rank_and_size()[0])
         self.config, self.comm, self.dp = config, comm, config.data_parallel_size(comm.size)
         self.log = log if comm.rank == 0 else (lambda line: None)
         self.topology = Topology(comm, dp=self.dp, pp=config.pp)
-        self.dataset = DATASETS[config.dataset]()
-        if config.batch_size > len(self.dataset.train_labels):
-            raise ConfigError(
-                f"--batch-size {config.batch_size} is larger than the training set "
-                f"({len(self.dataset.train_labels)} samples)"
-            )
-        self.dtype = ACTIVATION_DTYPES[config.precision]
-        stage = build_stage(config, self.dataset, self.topology, self.dtype)
-        self.model, self.names, self.optimizer, self.stage = (
-            stage.model,
-            stage.names,
-            stage.optimizer,
-            stage.runner,
-        )
-        self.scaler = build_scaler(config)
-        self.model_shape = {"dataset": config.dataset, "layers": config.layers}
-        self.model_shape["hidden"] = config.hidden
-        schedule = SCHEDULES[config.schedule](config.pp, config.micro_batches)
-        self.actions = schedule[self.topology.stage]
-        self.start_step = self._resume() if config.resume else 0
+        local_rank = comm.node_rank_and_size()[0]
+        error = None
+        try:  # everything that can fail for a user's reason, with no message in between
+            self._set_up_locally(local_rank)
+        except USER_ERRORS as caught:
+            error = caught
+        agree_on_error(comm, error)  # one rank says what failed; every rank stops here
+        if config.resume:
+            self.log(f"resumed from {config.resume} after step {self.start_step}")
         self.data_parallel = DataParallel(
             self.topology.dp_group,
             self.optimizer,
@@ -77,35 +72,60 @@ class Run:
         self.data_parallel.broadcast_parameters()
         self.communication = report.Stopwatch()
         self.sync = report.TimedCalls(self.data_parallel, self.communication)
-        # The whole (small) training set sits on the device in the compute dtype: no per-step casts.
-        self.train_images = backend.to_device(self.dataset.train_images).astype(self.dtype)
-        self.train_labels = backend.to_device(self.dataset.train_labels)
-        self.overflow_at = config.overflow_injection(comm.size)
-        self.fault_at = config.fault_injection(comm.size)
-        metrics_path = config.metrics if comm.rank == 0 else ""
         self.history = report.History(
             self.log,
-            metrics_path,
-            append=bool(config.resume),
+            config.metrics if comm.rank == 0 else "",
+            resume_step=self.start_step if config.resume else None,
             steps=config.steps,
             log_every=config.log_every,
             batch_size=config.batch_size,
         )
         self.timeline = report.Timeline()
+        self.consecutive_skips = 0
 
     # ----- setup ------------------------------------------------------------------------------
+    def _set_up_locally(self, local_rank: int) -> None:
+        """Device, data, this rank's stage, optimizer, scaler, and the checkpoint to resume from:
+        every step that can fail for a user's reason, and none that sends a message."""
+        config = self.config
+        if config.device:
+            backend.use_device(config.device, local_rank=local_rank)
+        self.dataset = DATASETS[config.dataset]()
+        if config.batch_size > len(self.dataset.train_labels):
+            raise ConfigError(
+                f"--batch-size {config.batch_size} is larger than the training set "
+                f"({len(self.dataset.train_labels)} samples)"
+            )
+        self.dtype = ACTIVATION_DTYPES[config.precision]
+        stage = build_stage(config, self.dataset, self.topology, self.dtype)
+        self.model, self.names, self.optimizer = stage.model, stage.names, stage.optimizer
+        self.stage = stage.runner
+        self.scaler = build_scaler(config)
+        schedule = SCHEDULES[config.schedule](config.pp, config.micro_batches)
+        self.actions = schedule[self.topology.stage]
+        # What a resume must repeat: the model, the batch order and the optimizer state's shapes
+        # depend on these (the learning rate and --steps may change).
+        self.resume_flags = {
+            f"--{name.replace('_', '-')}": getattr(config, name)
+            for name in ("dataset", "layers", "hidden", "seed", "batch_size", "optimizer")
+        }
+        self.start_step = self._resume() if config.resume else 0
+        self.overflow_at = config.overflow_injection(self.comm.size, after=self.start_step)
+        self.fault_at = config.fault_injection(self.comm.size, after=self.start_step)
+        # The whole (small) training set sits on the device in the compute dtype: no per-step casts.
+        self.train_images = backend.to_device(self.dataset.train_images).astype(self.dtype)
+        self.train_labels = backend.to_device(self.dataset.train_labels)
+
     def _resume(self) -> int:
         """Masters, optimizer and scaler state from --resume; returns the step it was saved at."""
-        step = checkpoint.restore(
+        return checkpoint.restore(
             self.config.resume,
-            seed=self.config.seed,
-            model_shape=self.model_shape,
+            flags=self.resume_flags,
+            steps=self.config.steps,
             names=self.names,
             optimizer=self.optimizer,
             scaler=self.scaler,
         )
-        self.log(f"resumed from {self.config.resume} after step {step}")
-        return step
 
     # ----- one step ---------------------------------------------------------------------------
     def step(self, step: int) -> None:
@@ -129,10 +149,11 @@ class Run:
         result = mixed_precision_step(self.optimizer, self.scaler, max_norm, sync=self.sync)
         self._warn_if_stuck_at_min_scale(step)
         self._check_replicas(step)
+        loss = self._mean_loss(loss_sum)
         self.history.add(
             {
                 "step": step,
-                "loss": self._mean_loss(loss_sum),
+                "loss": loss,
                 "loss_scale": result.loss_scale,
                 "skipped": result.skipped,
                 "compute_seconds": time.perf_counter() - step_start - self.communication.seconds,
@@ -141,6 +162,10 @@ class Run:
             },
             loss_scale=self.scaler.loss_scale,
         )
+        self._stop_if_diverging(step, loss, result.skipped)
+        every = self.config.save_every
+        if every and step % every == 0 and step < self.config.steps:
+            saving.save_checkpoint(self, step)
 
     def _start_step(self) -> tuple[float, int]:
         """(start time, bytes sent so far); with --timeline all ranks start the step together, so
@@ -189,6 +214,28 @@ class Run:
                 "(lower --lr, clip with --max-grad-norm, or use bf16)"
             )
 
+    def _stop_if_diverging(self, step: int, loss: float, skipped: bool) -> None:
+        """Stop a run that cannot learn: a non-finite loss on a step that was taken, or
+        --max-consecutive-skips skipped steps in a row. Every rank sees the same loss and the
+        same skip decisions, so all stop here together."""
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        limit, message = self.config.max_consecutive_skips, None
+        if not skipped and not math.isfinite(loss):
+            message = (
+                f"step {step}: the loss is {loss} although the gradients were finite; the "
+                "model diverged (lower --lr, clip with --max-grad-norm) or the data holds "
+                "non-finite values"
+            )
+        elif limit and self.consecutive_skips >= limit:
+            message = (
+                f"the last {limit} steps (to step {step}) were all skipped: their gradients "
+                f"overflowed every time, the loss scale is now {self.scaler.loss_scale:g}. "
+                "Likely causes: a learning rate too high (--lr), a static --loss-scale that "
+                "always overflows, or non-finite data; use --max-consecutive-skips 0 to go on"
+            )
+        if message is not None:
+            raise AgreedError(DivergenceError(message), speaker=self.comm.rank == 0, exit_code=1)
+
     def _check_replicas(self, step: int) -> None:
         every = self.config.check_replicas
         if every and step % every == 0:
@@ -210,76 +257,3 @@ class Run:
 
     def _bytes_sent(self) -> int:
         return self.topology.dp_group.bytes_sent + self.topology.pp_group.bytes_sent
-
-    # ----- the end ----------------------------------------------------------------------------
-    def finish(self) -> dict:
-        """Gather every stage onto rank 0;
-        evaluate, save the checkpoint, the timeline and the plot there."""
-        merged, events = self._gather_stages()
-        accuracy = self._test_accuracy(merged)
-        self.history.close({"test_accuracy": accuracy})
-        skipped = self.history.skipped
-        self.log(
-            f"done: {self.config.steps} steps, {skipped} skipped, test accuracy {accuracy:.4f}"
-        )
-        if self.comm.rank == 0:
-            self._write_files(merged, events)
-        self.comm.barrier()  # nobody leaves before the files are complete
-        masters = {
-            name[len("master/") :]: array
-            for name, array in (merged or {}).items()
-            if name.startswith("master/")
-        }
-        return {
-            "history": self.history.records,
-            "skipped": skipped,
-            "test_accuracy": accuracy,
-            "master_weights": masters,
-        }
-
-    def _gather_stages(self) -> tuple[dict | None, dict | None]:
-        """Replica 0's stages send their state and timelines to rank 0 (replicas are identical,
-        so replica 0 speaks for all); (None, None) elsewhere."""
-        topology = self.topology
-        if topology.dp_rank != 0:
-            return None, None
-        state = checkpoint.state_arrays(self.names, self.optimizer)
-        merged = gather_named_arrays(topology.pp_group, state)
-        timeline = {
-            f"stage{topology.stage}": self.timeline.array(),
-            f"peak{topology.stage}": np.array([self.stage.peak_stored], np.int64),
-        }
-        return merged, gather_named_arrays(topology.pp_group, timeline)
-
-    def _test_accuracy(self, merged: dict | None) -> float:
-        """Rank 0 evaluates the whole model on the test set; every rank returns its accuracy."""
-        accuracy = 0.0
-        if self.comm.rank == 0:
-            self.model.load_state_dict(
-                {name: merged[f"master/{name}"] for name, _ in self.model.named_parameters()}
-            )
-            test_images = backend.to_device(self.dataset.test_images).astype(self.dtype)
-            accuracy = evaluate(self.model, test_images, self.dataset.test_labels)
-        return float(self.comm.allreduce_scalars([accuracy], "sum")[0])
-
-    def _write_files(self, merged: dict, events: dict) -> None:
-        config = self.config
-        if config.save:
-            checkpoint.save(
-                config.save,
-                step=config.steps,
-                seed=config.seed,
-                model_shape=self.model_shape,
-                optimizer=self.optimizer,
-                scaler=self.scaler,
-                arrays=merged,
-            )
-            self.log(f"saved checkpoint {config.save}")
-        if config.timeline:
-            report.write_timeline(
-                config.timeline, config.schedule, config.pp, config.micro_batches, events
-            )
-            self.log(f"saved timeline {config.timeline}")
-        if config.plot:
-            report.plot_history(config.plot, self.history.records)
-            self.log(f"saved plot {config.plot}")

@@ -1,11 +1,14 @@
 """What training tells people: progress lines, metrics (.jsonl), timings, timelines, the plot."""
 
 import json
+import os
 import time
 from types import ModuleType
 from typing import Any, Callable
 
 import numpy as np
+
+from minimp.train import files
 
 
 class Stopwatch:
@@ -45,13 +48,17 @@ class History:
         self,
         log: Callable[[str], None],
         metrics_path: str,
-        append: bool,
+        resume_step: int | None,
         steps: int,
         log_every: int,
         batch_size: int,
     ):
+        """resume_step: the step a resumed run continues after; the metrics file then keeps its
+        rows up to that step and the new ones are appended (None: a new file)."""
         self.log, self.steps, self.log_every, self.batch_size = log, steps, log_every, batch_size
-        self.metrics = MetricsWriter(metrics_path, append=append)
+        if metrics_path and resume_step is not None:
+            files.keep_metrics_up_to(metrics_path, resume_step)
+        self.metrics = MetricsWriter(metrics_path, append=resume_step is not None)
         self.records, self.skipped = [], 0
         self.window_start, self.window_samples = time.perf_counter(), 0
 
@@ -135,6 +142,16 @@ def require_matplotlib() -> ModuleType:
     return pyplot
 
 
+def plot_formats() -> tuple[str, ...]:
+    """The file extensions matplotlib can write (png, pdf, svg, ...)."""
+    pyplot = require_matplotlib()
+    figure = pyplot.figure()
+    try:
+        return tuple(sorted(figure.canvas.get_supported_filetypes()))
+    finally:
+        pyplot.close(figure)
+
+
 def plot_history(path: str, history: list[dict]) -> None:
     """Loss (top) and loss scale on a log axis (bottom) per step; a red x marks skipped steps."""
     pyplot = require_matplotlib()
@@ -159,7 +176,8 @@ def plot_history(path: str, history: list[dict]) -> None:
     scale_axis.set_ylabel("loss scale")
     scale_axis.set_xlabel("step")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    image_format = os.path.splitext(path)[1].lstrip(".").lower() or "png"
+    files.atomic_write(path, lambda file: figure.savefig(file, dpi=100, format=image_format))
     pyplot.close(figure)
 
 
@@ -185,14 +203,11 @@ def write_timeline(
                     "end": end,
                 }
             )
-    with open(path, "w") as file:
-        json.dump(
-            {
-                "schedule": schedule,
-                "stages": stages,
-                "micro_batches": micro_batches,
-                "peak_stored_micro_batches": [peaks[s] for s in sorted(peaks)],
-                "events": rows,
-            },
-            file,
-        )
+    document = {
+        "schedule": schedule,
+        "stages": stages,
+        "micro_batches": micro_batches,
+        "peak_stored_micro_batches": [peaks[s] for s in sorted(peaks)],
+        "events": rows,
+    }
+    files.atomic_write(path, lambda file: file.write(json.dumps(document).encode()))
