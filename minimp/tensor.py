@@ -228,6 +228,9 @@ class Tensor:
     def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Tensor":
         return ops.Mean.apply(self, axis=axis, keepdims=keepdims)
 
+    def __getitem__(self, key: Any) -> "Tensor":
+        return ops.Index.apply(self, key=key)
+
     def reshape(self, *shape: int | Sequence[int]) -> "Tensor":
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
