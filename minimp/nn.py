@@ -1,6 +1,7 @@
-"""Modules: Parameter, Module and an MLP's layers (Linear, ReLU, Tanh, LayerNorm, Sequential)."""
+"""Modules: Parameter, Module and the layers that MLPs and GPTs are built from (Linear, ...)."""
 
 import math
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import numpy as np
@@ -27,6 +28,7 @@ class Module:
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", {})
         object.__setattr__(self, "_modules", {})
+        self.training = True  # False after eval(): dropout then passes its input through
 
     def __setattr__(self, name: str, value: Any) -> None:
         if isinstance(value, Parameter):
@@ -51,6 +53,21 @@ class Module:
     def parameters(self) -> list[Parameter]:
         return [parameter for _, parameter in self.named_parameters()]
 
+    def modules(self) -> Iterator["Module"]:
+        """This module and every sub-module, depth first (as torch.nn.Module.modules)."""
+        yield self
+        for child in self._modules.values():
+            yield from child.modules()
+
+    def train(self, mode: bool = True) -> "Module":
+        """Set training mode here and in every sub-module (dropout is active only in it)."""
+        for module in self.modules():
+            module.training = mode
+        return self
+
+    def eval(self) -> "Module":
+        return self.train(False)
+
     def state_dict(self) -> dict[str, Any]:
         """{name: array} of every parameter (the arrays themselves, as PyTorch returns them)."""
         return {name: parameter.data for name, parameter in self.named_parameters()}
@@ -73,6 +90,14 @@ class Module:
         for name, parameter in own.items():
             array = backend.to_device(backend.to_numpy(state[name]))
             parameter.data = casting.round_to(array, parameter.dtype).copy()
+
+    def __repr__(self) -> str:
+        """The module's class and its sub-modules, indented (as PyTorch prints a model)."""
+        children = "".join(
+            f"\n  ({name}): " + repr(child).replace("\n", "\n  ")
+            for name, child in self._modules.items()
+        )
+        return f"{type(self).__name__}({children}\n)" if children else f"{type(self).__name__}()"
 
     def to(self, dtype: Any) -> "Module":
         """Round every parameter into dtype (mixed precision's compute copies). Returns self."""
@@ -131,11 +156,13 @@ class Tanh(Module):
 class LayerNorm(Module):
     """Normalize the last axis (statistics in float32), then scale by weight and shift by bias."""
 
-    def __init__(self, features: int, eps: float = 1e-5):
+    def __init__(self, features: int, eps: float = 1e-5, bias: bool = True):
         super().__init__()
         self.eps = eps
         self.weight = Parameter(backend.to_device(np.ones(features, np.float32)))
-        self.bias = Parameter(backend.to_device(np.zeros(features, np.float32)))
+        zeros = backend.to_device(np.zeros(features, np.float32))
+        # Without a bias, a constant zero shift (not a Parameter: nothing trains it).
+        self.bias = Parameter(zeros) if bias else Tensor(zeros)
 
     def forward(self, x: Tensor) -> Tensor:
         return functional.layer_norm(x, self.weight, self.bias, self.eps)
@@ -170,6 +197,91 @@ class Sequential(Module):
             x = layer(x)
         return x
 
+
+def _normal(rng, std, shape):
+    """N(0, std^2) in float32, drawn on the host in float64 (reproducible on any device)."""
+    return backend.to_device((rng.standard_normal(shape) * std).astype(np.float32))
+
+
+class Embedding(Module):
+    """A table of vectors: forward(indices) = weight[indices]; weight (num_embeddings,
+    embedding_dim) starts as PyTorch's does, N(0, 1), from the given NumPy Generator."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, rng: np.random.Generator | None = None
+    ):
+        super().__init__()
+        rng = np.random.default_rng() if rng is None else rng
+        self.weight = Parameter(_normal(rng, 1.0, (num_embeddings, embedding_dim)))
+
+    def forward(self, indices: Any) -> Tensor:
+        return functional.embedding(indices, self.weight)
+
     def __repr__(self) -> str:
-        inner = "\n".join(f"  ({i}): {layer!r}" for i, layer in enumerate(self.layers))
-        return f"Sequential(\n{inner}\n)"
+        return f"Embedding({self.weight.shape[0]}, {self.weight.shape[1]})"
+
+
+class GELU(Module):
+    """GELU in its tanh form (GPT-2's; PyTorch's nn.GELU(approximate='tanh'))."""
+
+    def __init__(self, approximate: str = "tanh"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return functional.gelu(x, self.approximate)
+
+    def __repr__(self) -> str:
+        return f"GELU(approximate={self.approximate!r})"
+
+
+@dataclass
+class DropoutState:
+    """What a dropout mask is drawn from besides the layer: the run's seed, the optimizer step,
+    and the global batch index of every row the caller holds (`sample_indices[r]` for row r)."""
+
+    seed: int
+    step: int
+    sample_indices: Any
+
+
+class Dropout(Module):
+    """Zero each element with probability p in training mode, scaling the rest by 1/(1 - p).
+
+    `layer` numbers this dropout within its model; with the `state` set by `set_dropout_state`
+    it makes the mask a pure function of (seed, step, layer, sample, position), the same in
+    every parallel layout and when an activation is recomputed (minimp/ops/dropout.py).
+    """
+
+    def __init__(self, p: float = 0.5, layer: int = 0):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must lie in [0, 1), got {p}")
+        self.p, self.layer = p, layer
+        self.state: DropoutState | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.state is None:
+            raise RuntimeError(
+                f"Dropout(p={self.p}) in training mode needs the rows' seed, step and global "
+                "sample indices: call nn.set_dropout_state(model, seed, step, sample_indices) "
+                "before the forward (or model.eval(), or p=0)"
+            )
+        state = self.state
+        return functional.dropout(
+            x, self.p, state.seed, state.step, self.layer, state.sample_indices
+        )
+
+    def __repr__(self) -> str:
+        return f"Dropout(p={self.p}, layer={self.layer})"
+
+
+def set_dropout_state(model: Module, seed: int, step: int, sample_indices: Any) -> None:
+    """Tell every Dropout in model which (seed, step) this forward belongs to and which global
+    samples its rows are. Set it before each forward (each micro-batch has its own rows)."""
+    state = DropoutState(seed, step, np.asarray(backend.to_numpy(sample_indices)))
+    for module in model.modules():
+        if isinstance(module, Dropout):
+            module.state = state
