@@ -143,9 +143,9 @@ class Head(nn.Module):
 class GPT(nn.Sequential):
     """layers = [Embeddings, Block x config.layers, Head]; forward(ids (B, T)) -> logits (B, T, V).
 
-    Initialised as GPT-2 / nanoGPT from `rng`: Linear and Embedding weights N(0, 0.02^2), the two
-    c_proj weights per block (the ones that write into the residual stream) N(0, (0.02 /
-    sqrt(2 layers))^2), biases 0, LayerNorm weights 1 and biases 0.
+    Initialised as GPT-2 / nanoGPT from `rng`: Linear and Embedding weights with standard
+    deviation 0.02, except the two c_proj weights of each block (they write into the residual
+    stream) with 0.02 / sqrt(2 layers); biases 0; LayerNorm weights 1 and biases 0.
     """
 
     def __init__(self, config: GPTConfig, rng: np.random.Generator):
@@ -184,16 +184,20 @@ def block_activation_bytes(
         (16 d + 2) sbh + (2 d + 1) as^2 b + 16 sb      with dropout
         16 d sbh + d as^2 b + 16 sb                    without
 
-    With d = 2 (fp16, bf16) and dropout this is Korthikanti et al. 2022 ("Reducing Activation
-    Recomputation in Large Transformer Models", eq. 1) exactly: 34 sbh + 5 as^2 b, plus 16 sb.
+    With d = 2 (fp16, bf16) and dropout this is exactly the sbh (34 + 5as/h) of Korthikanti et al.
+    2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4.1), plus 16 sb.
     Per op: ln_1 and ln_2 inputs 2 d sbh; c_attn input d sbh; q and k d sbh each (views of the
     c_attn output); softmax output d as^2 b; its dropout mask as^2 b (bool) and output d as^2 b
-    (kept by the product with v); v d sbh; c_proj input d sbh; c_fc input d sbh; GELU input 4 d
-    sbh; mlp.c_proj input 4 d sbh; two residual-dropout masks 2 sbh. Without dropout no masks are
-    kept and the product with v keeps the softmax output itself. The 16 sb is what stays float32
-    in a 16-bit block: each LayerNorm keeps its rows' mean and 1/std in float32 (4 bytes, 2 per
-    row), statistics that a 16-bit copy would lose to cancellation (Korthikanti et al. leave
-    them out). The masks are 1 byte in every dtype; in float64 the statistics are float64.
+    (kept by the product with v); v d sbh; c_proj input d sbh; c_fc input d sbh; GELU input 4 d sbh;
+    mlp.c_proj input 4 d sbh; two residual-dropout masks 2 sbh. Residual adds, splits, reshapes and
+    transposes keep nothing. Without dropout no masks are kept, and the product with v keeps the
+    softmax output itself.
+
+    What stays float32 in a 16-bit block is the 16 sb: each LayerNorm keeps a mean and a 1/std per
+    row (2 LayerNorms x 2 x 4 bytes x sb), as it computed them. They are h times smaller than an
+    activation, and rounding them to 16 bits would add a second error to every normalized value
+    that backward recomputes from them (Korthikanti et al. leave them out). The dropout masks are
+    1 byte in every dtype; in float64 (gradient checks) the statistics are float64 too.
     """
     d = np.dtype(dtype).itemsize
     statistics = 2 * 2 * max(d, 4) * s * b  # 2 LayerNorms x (mean, 1/std), float32 at least

@@ -73,7 +73,7 @@ def keep_mask(
     positions = xp.arange(per_sample, dtype=np.uint64)
     counters = (samples[:, None] << np.uint64(32)) | positions[None, :]  # (B, elements)
     key = np.uint64(stream_key(seed, step, layer))
-    bits = _mix(key + (counters + np.uint64(1)) * np.uint64(_GOLDEN_GAMMA))
+    bits = _mix((counters + np.uint64(1)) * np.uint64(_GOLDEN_GAMMA) + key)  # arrays on the left
     threshold = np.uint64(min(int(p * 2.0**64), _MASK64))
     return (bits >= threshold).reshape(shape)
 
