@@ -81,9 +81,9 @@ def keep_mask(
 class Dropout(Function):
     """y = x * keep / (1 - p);  dL/dx = dL/dy * keep / (1 - p)   (keep from `keep_mask`).
 
-    Backward keeps the mask as bools (1 byte an element, as Korthikanti et al. count it). It could
-    redraw the mask from the counters instead, as FlashAttention does with Philox: less memory,
-    more time.
+    Backward keeps the mask as bools (1 byte an element, as Korthikanti et al. count it). Redrawing
+    it from the counters instead, as FlashAttention does with Philox, would save that memory for
+    the time of a second hash.
     """
 
     @staticmethod
