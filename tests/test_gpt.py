@@ -162,3 +162,12 @@ def test_a_small_gpt_learns_shakespeare_below_the_unigram_entropy():
             losses.append(loss.item())
     assert abs(losses[0] - np.log(65)) < 0.1
     assert np.mean(losses[-25:]) < 2.8, f"last losses {losses[-25:]}"
+
+
+def test_without_biases_there_are_no_bias_parameters_and_training_still_works(rng):
+    config = GPTConfig(vocab_size=7, context=5, layers=2, heads=2, width=8, bias=False)
+    model = GPT(config, np.random.default_rng(0)).to(np.float16)
+    assert not any(name.endswith("bias") for name, _ in model.named_parameters())
+    ids = rng.integers(0, 7, (2, 5))
+    loss_of(model, ids, ids).backward()
+    assert all(np.isfinite(p.grad.astype(np.float32)).all() for p in model.parameters())
