@@ -1,7 +1,9 @@
 """Datasets shipped with minimp, and the global batch order (a pure function of seed and step)."""
 
+import gzip
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
 import numpy as np
 
@@ -68,3 +70,72 @@ def global_batch_indices(seed: int, step: int, batch_size: int, dataset_size: in
     epoch, index = divmod(step - 1, batches_per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(dataset_size)
     return order[index * batch_size : (index + 1) * batch_size]
+
+
+@dataclass
+class TextDataset:
+    """A character-level corpus: ids into `vocabulary`, split into training and validation."""
+
+    name: str
+    train: np.ndarray  # (N,) uint8 character ids
+    validation: np.ndarray  # (M,) uint8 character ids
+    vocabulary: str  # the distinct characters, sorted: id i stands for vocabulary[i]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocabulary)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Character ids of text (int64); a character outside the vocabulary is an error."""
+        return encode(text, self.vocabulary)
+
+    def decode(self, ids: Any) -> str:
+        return decode(ids, self.vocabulary)
+
+
+def _code_points(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+
+
+def encode(text: str, vocabulary: str) -> np.ndarray:
+    """Character ids of text in a sorted vocabulary (int64), vectorised by binary search."""
+    table, points = _code_points(vocabulary), _code_points(text)
+    ids = np.minimum(np.searchsorted(table, points), len(table) - 1)
+    unknown = table[ids] != points
+    if unknown.any():
+        raise ValueError(f"encode: {text[int(np.argmax(unknown))]!r} is not in the vocabulary")
+    return ids.astype(np.int64)
+
+
+def decode(ids: Any, vocabulary: str) -> str:
+    """The text whose character ids these are."""
+    return "".join(vocabulary[int(i)] for i in np.asarray(ids).reshape(-1))
+
+
+def load_shakespeare() -> TextDataset:
+    """Tiny shakespeare (1,115,394 characters, 65 distinct; see minimp/datasets/README.md), at
+    character level as nanoGPT's shakespeare_char: vocabulary = the sorted distinct characters,
+    the first 90% for training (1,003,854 characters), the last 10% for validation (111,540)."""
+    packed = resources.files("minimp.datasets").joinpath("tinyshakespeare.txt.gz").read_bytes()
+    text = gzip.decompress(packed).decode("utf-8")
+    vocabulary = "".join(sorted(set(text)))
+    ids = encode(text, vocabulary).astype(np.uint8)  # 65 ids fit a byte: 1.1 MB in memory
+    split = int(0.9 * len(ids))
+    return TextDataset("shakespeare", ids[:split], ids[split:], vocabulary)
+
+
+def text_batch(
+    data: np.ndarray, seed: int, step: int, batch_size: int, context: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The global batch of `step`: inputs (B, T) of `context` consecutive ids and targets (B, T),
+    the ids one position later (the next character at each position), both int64.
+
+    The B window starts are drawn uniformly (as nanoGPT's get_batch) from default_rng([seed,
+    step]): the batch depends only on (seed, step, batch_size, context), so any number of ranks
+    or micro-batches, and a resumed run, see the same windows. Row r of it is global sample r.
+    """
+    if not 0 < context < len(data):
+        raise ValueError(f"context {context} must lie in 1..{len(data) - 1} (the data's length)")
+    starts = np.random.default_rng([seed, step]).integers(0, len(data) - context, size=batch_size)
+    window = starts[:, None] + np.arange(context)  # (B, T) positions in data
+    return data[window].astype(np.int64), data[window + 1].astype(np.int64)

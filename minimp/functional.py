@@ -1,4 +1,7 @@
-"""Tensor functions that aren't methods: softmax, log_softmax, cross_entropy, linear, layer_norm."""
+"""Tensor functions that aren't methods: softmax, cross_entropy, linear, layer_norm, attention, ...
+
+Names and arguments follow torch.nn.functional where PyTorch has the function.
+"""
 
 from typing import Any
 
@@ -28,9 +31,13 @@ def cross_entropy(logits: Tensor, targets: Any) -> Tensor:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight^T + bias with float32 accumulation (weight is (out_features, in_features))."""
-    if bias is None:
+    if bias is not None:
+        return ops.Linear.apply(x, weight, bias)
+    if x.ndim == 2:
         return x @ weight.T
-    return ops.Linear.apply(x, weight, bias)
+    # One (N, in) @ (in, out) product: a batched one would build a (B, in, out) weight gradient.
+    rows = x.reshape(-1, x.shape[-1]) @ weight.T  # (N, out), N = all leading axes together
+    return rows.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def relu(x: Tensor) -> Tensor:
@@ -38,6 +45,50 @@ def relu(x: Tensor) -> Tensor:
     return ops.ReLU.apply(x)
 
 
+def gelu(x: Tensor, approximate: str = "tanh") -> Tensor:
+    """x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in float32; only the tanh form (GPT-2's)."""
+    if approximate != "tanh":
+        raise ValueError(f"gelu: only approximate='tanh' is implemented, got {approximate!r}")
+    return ops.GELU.apply(x)
+
+
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
     """Normalize the last axis to mean 0 and variance 1, then scale and shift."""
     return ops.LayerNorm.apply(x, weight, bias, eps=eps)
+
+
+def embedding(indices: Any, weight: Tensor) -> Tensor:
+    """weight[indices]: one row of weight per integer index (token ids -> vectors)."""
+    if not isinstance(indices, Tensor):
+        indices = Tensor(indices)
+    return ops.Embedding.apply(indices, weight)
+
+
+def dropout(
+    x: Tensor, p: float, seed: int, step: int, layer: int, sample_indices: Any
+) -> Tensor:
+    """Zero each element with probability p and scale the rest by 1/(1 - p); the mask is a pure
+    function of (seed, step, layer, sample_indices[row], position) (see minimp/ops/dropout.py)."""
+    if p == 0.0:
+        return x
+    return ops.Dropout.apply(
+        x, p=p, seed=seed, step=step, layer=layer, sample_indices=sample_indices
+    )
+
+
+def scaled_masked_softmax(
+    scores: Tensor, scale: float, causal: bool = True, mask: Any = None
+) -> Tensor:
+    """softmax(scale * scores) over the last axis with keys after each query (causal) and where
+    mask is False hidden; float32 inside, fully masked rows give zeros (minimp/ops/attention.py)."""
+    return ops.ScaledMaskedSoftmax.apply(scores, scale=scale, causal=causal, mask=mask)
+
+
+def split(x: Tensor, size: int, axis: int = -1) -> tuple[Tensor, ...]:
+    """Views of x, `size` long each along axis (torch.split): (B, T, 3C) -> 3 of (B, T, C)."""
+    axis = axis % x.ndim
+    length = x.shape[axis]
+    if length % size:
+        raise ValueError(f"split: axis {axis} of length {length} is not a multiple of {size}")
+    before = (slice(None),) * axis
+    return tuple(x[before + (slice(start, start + size),)] for start in range(0, length, size))

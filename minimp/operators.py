@@ -106,6 +106,10 @@ class TensorOperators:
         """Mean over axis (all axes by default), accumulated in float32."""
         return ops.Mean.apply(self, axis=axis, keepdims=keepdims)
 
+    def __getitem__(self, key: Any) -> Any:
+        """Basic slicing (ints, slices, None, ...): a view forward, zeros + the slice backward."""
+        return ops.Index.apply(self, key=key)
+
     def reshape(self, *shape: int | Sequence[int]) -> Any:
         """The same values with a new shape: reshape(2, 3) or reshape((2, 3))."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):

@@ -99,3 +99,22 @@ def test_gpu_buffers_over_mpi():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("ok") == 2
+
+
+def test_a_gpt_with_dropout_gives_the_same_gradients_on_the_gpu_as_on_the_cpu():
+    """Embedding's scatter-add (cupy.add.at), the causal softmax and the uint64 dropout hash."""
+    from minimp import functional as F
+    from minimp.models import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=11, context=8, layers=2, heads=2, width=16, dropout=0.1)
+    ids = np.random.default_rng(0).integers(0, 11, (3, 8))
+    grads = {}
+    for device in ("cpu", "gpu"):
+        backend.use_device(device)
+        model = GPT(config, np.random.default_rng(0))
+        model.set_dropout_state(seed=1, step=1, sample_indices=np.arange(3))
+        logits = model(ids)  # (B, T, V)
+        F.cross_entropy(logits.reshape(-1, 11), ids.reshape(-1)).backward()
+        grads[device] = {n: backend.to_numpy(p.grad) for n, p in model.named_parameters()}
+    for name, grad in grads["cpu"].items():
+        np.testing.assert_allclose(grads["gpu"][name], grad, rtol=1e-4, atol=1e-6, err_msg=name)

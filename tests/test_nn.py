@@ -51,3 +51,20 @@ def test_the_optimizer_steps_not_the_model():
     from minimp import optim
 
     assert not hasattr(nn.Module, "step") and hasattr(optim.Optimizer, "step")
+
+
+def test_module_tree_walk_train_eval_and_repr():
+    model = nn.Sequential(nn.Linear(4, 8, rng=np.random.default_rng(0)), nn.Dropout(0.1), nn.GELU())
+    names = [type(m).__name__ for m in model.modules()]
+    assert names == ["Sequential", "Linear", "Dropout", "GELU"]
+    assert model.eval() is model and not any(m.training for m in model.modules())
+    assert all(m.training for m in model.train().modules())
+    assert repr(model).splitlines()[1] == "  (0): Linear(4, 8, bias=True)"
+
+
+def test_embedding_and_layer_norm_without_bias():
+    table = nn.Embedding(5, 3, rng=np.random.default_rng(0))
+    assert table.weight.shape == (5, 3) and table(np.array([[4, 0]])).shape == (1, 2, 3)
+    norm = nn.LayerNorm(3, bias=False)
+    assert [name for name, _ in norm.named_parameters()] == ["weight"]
+    assert norm(table(np.array([1, 2]))).shape == (2, 3)

@@ -1,6 +1,11 @@
 """The op list: one Function per differentiable operation, forward and backward side by side."""
 
+from minimp.ops.activation import GELU
+from minimp.ops.attention import ScaledMaskedSoftmax
+from minimp.ops.dropout import Dropout
 from minimp.ops.elementwise import Add, Cast, Div, Exp, Log, Mul, Neg, ReLU, Sub, Tanh
+from minimp.ops.embedding import Embedding
+from minimp.ops.indexing import Index
 from minimp.ops.linalg import Linear, MatMul
 from minimp.ops.loss import CrossEntropy, LogSoftmax, Softmax
 from minimp.ops.normalization import LayerNorm
@@ -12,7 +17,11 @@ __all__ = [
     "Cast",
     "CrossEntropy",
     "Div",
+    "Dropout",
+    "Embedding",
     "Exp",
+    "GELU",
+    "Index",
     "LayerNorm",
     "Linear",
     "Log",
@@ -23,6 +32,7 @@ __all__ = [
     "Neg",
     "ReLU",
     "Reshape",
+    "ScaledMaskedSoftmax",
     "Softmax",
     "Sub",
     "Sum",

@@ -1,0 +1,21 @@
+"""minimp.nn: modules (as torch.nn): Parameter and Module, the layers MLPs and GPTs are built from,
+and dropout with masks every parallel layout draws alike."""
+
+from minimp.nn.dropout import Dropout, DropoutState, set_dropout_state
+from minimp.nn.layers import GELU, Embedding, LayerNorm, Linear, ReLU, Sequential, Tanh
+from minimp.nn.module import Module, Parameter
+
+__all__ = [
+    "GELU",
+    "Dropout",
+    "DropoutState",
+    "Embedding",
+    "LayerNorm",
+    "Linear",
+    "Module",
+    "Parameter",
+    "ReLU",
+    "Sequential",
+    "Tanh",
+    "set_dropout_state",
+]

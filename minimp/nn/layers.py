@@ -1,0 +1,149 @@
+"""The layers MLPs and GPTs are built from: Linear, ReLU, Tanh, GELU, LayerNorm, Embedding,
+Sequential. Each forward is one op of minimp.functional; initial values come from a NumPy
+Generator passed in, so every rank builds the same model."""
+
+import math
+from typing import Any, Iterator
+
+import numpy as np
+
+from minimp import backend, functional
+from minimp.nn.module import Module, Parameter
+from minimp.tensor import Tensor
+
+
+def _uniform(rng, bound, shape):
+    """U(-bound, bound) in float32, drawn on the host in float64 (reproducible on any device)."""
+    values = rng.uniform(-bound, bound, size=shape).astype(np.float32)
+    return backend.to_device(values)
+
+
+class Linear(Module):
+    """y = x @ weight^T + bias; weight is (out_features, in_features) and starts as PyTorch's does,
+    U(-1/sqrt(in), 1/sqrt(in)), from the given NumPy Generator.
+
+    Linear(in_features, out_features, bias=True, rng=None): rng is a numpy.random.Generator (a new
+    unseeded one when None). Parameters are float32; model.to(...) makes the compute copies."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        rng: np.random.Generator | None = None,
+    ):
+        super().__init__()
+        rng = np.random.default_rng() if rng is None else rng
+        bound = 1.0 / math.sqrt(in_features)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = Parameter(_uniform(rng, bound, (out_features, in_features)))
+        self.bias = Parameter(_uniform(rng, bound, (out_features,))) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return functional.linear(x, self.weight, self.bias)
+
+    def __repr__(self) -> str:
+        return f"Linear({self.in_features}, {self.out_features}, bias={self.bias is not None})"
+
+
+class ReLU(Module):
+    """max(x, 0), elementwise."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.relu()
+
+    def __repr__(self) -> str:
+        return "ReLU()"
+
+
+class Tanh(Module):
+    """tanh(x), elementwise."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.tanh()
+
+    def __repr__(self) -> str:
+        return "Tanh()"
+
+
+class LayerNorm(Module):
+    """Normalize the last axis (statistics in float32), then scale by weight and shift by bias."""
+
+    def __init__(self, features: int, eps: float = 1e-5, bias: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = Parameter(backend.to_device(np.ones(features, np.float32)))
+        zeros = backend.to_device(np.zeros(features, np.float32))
+        # Without a bias, a constant zero shift (not a Parameter: nothing trains it).
+        self.bias = Parameter(zeros) if bias else Tensor(zeros)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return functional.layer_norm(x, self.weight, self.bias, self.eps)
+
+    def __repr__(self) -> str:
+        return f"LayerNorm({self.weight.shape[0]})"
+
+
+class Sequential(Module):
+    """Layers applied in order. The ordered list is what pipeline parallelism splits into stages."""
+
+    def __init__(self, *layers: Module):
+        super().__init__()
+        for index, layer in enumerate(layers):
+            setattr(self, str(index), layer)
+
+    @property
+    def layers(self) -> list[Module]:
+        """The layers in order (the list pipeline parallelism cuts into stages)."""
+        return list(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, index: int) -> Module:
+        return self.layers[index]
+
+    def __iter__(self) -> Iterator[Module]:
+        return iter(self.layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _normal(rng, std, shape):
+    """N(0, std^2) in float32, drawn on the host in float64 (reproducible on any device)."""
+    return backend.to_device((rng.standard_normal(shape) * std).astype(np.float32))
+
+
+class Embedding(Module):
+    """A table of vectors: forward(indices) = weight[indices]; weight (num_embeddings,
+    embedding_dim) starts as PyTorch's does, N(0, 1), from the given NumPy Generator."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, rng: np.random.Generator | None = None
+    ):
+        super().__init__()
+        rng = np.random.default_rng() if rng is None else rng
+        self.weight = Parameter(_normal(rng, 1.0, (num_embeddings, embedding_dim)))
+
+    def forward(self, indices: Any) -> Tensor:
+        return functional.embedding(indices, self.weight)
+
+    def __repr__(self) -> str:
+        return f"Embedding({self.weight.shape[0]}, {self.weight.shape[1]})"
+
+
+class GELU(Module):
+    """GELU in its tanh form (GPT-2's; PyTorch's nn.GELU(approximate='tanh'))."""
+
+    def __init__(self, approximate: str = "tanh"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return functional.gelu(x, self.approximate)
+
+    def __repr__(self) -> str:
+        return f"GELU(approximate={self.approximate!r})"

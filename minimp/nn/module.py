@@ -1,0 +1,109 @@
+"""What a module is: Parameter (a tensor the optimizer updates) and Module (named parameters and
+sub-modules, state_dict, train/eval, and the cast into mixed precision's compute copies)."""
+
+from typing import Any, Iterator, Mapping
+
+from minimp import backend
+from minimp.precision import casting
+from minimp.tensor import Tensor
+
+
+class Parameter(Tensor):
+    """A tensor the optimizer updates. In mixed precision it holds the compute copy
+    (float16/bfloat16); the float32 master lives in the optimizer."""
+
+    def __init__(self, data: Any):
+        super().__init__(data, requires_grad=True)
+
+
+class Module:
+    """A block of computation with named parameters and sub-modules, like torch.nn.Module."""
+
+    _parameters: dict[str, Parameter]
+    _modules: dict[str, "Module"]
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_parameters", {})
+        object.__setattr__(self, "_modules", {})
+        self.training = True  # False after eval(): dropout then passes its input through
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, Parameter):
+            self._parameters[name] = value
+        elif isinstance(value, Module):
+            self._modules[name] = value
+        object.__setattr__(self, name, value)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.forward(*args)
+
+    def forward(self, *args: Any) -> Any:
+        """The computation; subclasses write it (calling the module calls forward)."""
+        raise NotImplementedError
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        """(name, Parameter) pairs, stable and depth first: own parameters, then each child's."""
+        for name, parameter in self._parameters.items():
+            yield prefix + name, parameter
+        for child_name, child in self._modules.items():
+            yield from child.named_parameters(prefix + child_name + ".")
+
+    def parameters(self) -> list[Parameter]:
+        """Every Parameter, in named_parameters() order."""
+        return [parameter for _, parameter in self.named_parameters()]
+
+    def modules(self) -> Iterator["Module"]:
+        """This module and every sub-module, depth first (as torch.nn.Module.modules)."""
+        yield self
+        for child in self._modules.values():
+            yield from child.modules()
+
+    def train(self, mode: bool = True) -> "Module":
+        """Set training mode here and in every sub-module (dropout is active only in it)."""
+        for module in self.modules():
+            module.training = mode
+        return self
+
+    def eval(self) -> "Module":
+        """Evaluation mode (dropout off), for this module and every sub-module; returns self."""
+        return self.train(False)
+
+    def state_dict(self) -> dict[str, Any]:
+        """{name: array} of every parameter (the arrays themselves, as PyTorch returns them)."""
+        return {name: parameter.data for name, parameter in self.named_parameters()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Copy arrays into the parameters (cast to each parameter's dtype).
+        Names and shapes must match."""
+        own = dict(self.named_parameters())
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise KeyError(
+                f"state_dict does not fit this model: missing {missing}, unexpected {unexpected}"
+            )
+        for name, parameter in own.items():
+            if tuple(state[name].shape) != parameter.shape:
+                raise ValueError(
+                    f"state_dict: {name} has shape {tuple(state[name].shape)}, "
+                    f"the model expects {parameter.shape}"
+                )
+        for name, parameter in own.items():
+            array = backend.to_device(backend.to_numpy(state[name]))
+            parameter.data = casting.round_to(array, parameter.dtype).copy()
+
+    def __repr__(self) -> str:
+        """The module's class and its sub-modules, indented (as PyTorch prints a model)."""
+        children = "".join(
+            f"\n  ({name}): " + repr(child).replace("\n", "\n  ")
+            for name, child in self._modules.items()
+        )
+        return f"{type(self).__name__}({children}\n)" if children else f"{type(self).__name__}()"
+
+    def to(self, dtype: Any) -> "Module":
+        """Round every parameter into dtype (mixed precision's compute copies): a NumPy dtype or
+        the training command's names "fp16", "bf16", "fp32". Returns self."""
+        dtype = casting.dtype_named(dtype)
+        for parameter in self.parameters():
+            # No copy when already there: a float32 parameter stays its optimizer's master.
+            parameter.data = casting.round_to(parameter.data, dtype)
+        return self
