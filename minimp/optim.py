@@ -25,10 +25,13 @@ class Optimizer:
 
     slot_names: tuple[str, ...] = ()
 
-    def __init__(self, params: Iterable[Any], lr: float):
+    def __init__(self, params: Iterable[Any], lr: float, weight_decay: float = 0.0):
+        """params: Parameters, or groups as in PyTorch, dicts {"params": [...], "weight_decay":
+        x} whose settings override the optimizer's for their parameters (nanoGPT decays only the
+        2-D weights this way)."""
         if lr <= 0:
             raise ValueError(f"learning rate must be positive, got {lr}")
-        self.params = list(params)
+        self.params, self.weight_decays = _parameter_groups(params, weight_decay)
         for index, parameter in enumerate(self.params):
             if casting.is_low_precision(parameter.dtype):
                 raise ValueError(
@@ -88,7 +91,8 @@ class Optimizer:
         for index, grad in enumerate(self.master_gradients):
             if grad is None:
                 continue
-            self._update(self.master_weights[index], grad, self.slots[index])
+            weight_decay = self.weight_decays[index]
+            self._update(self.master_weights[index], grad, self.slots[index], weight_decay)
             self._write_back(index)
         self.master_gradients = [None] * len(self.params)
 
@@ -105,7 +109,7 @@ class Optimizer:
         if parameter.data is not master:
             parameter.data[...] = casting.round_to(master, parameter.dtype)
 
-    def _update(self, master: Any, grad: Any, slots: dict[str, Any]) -> None:
+    def _update(self, master: Any, grad: Any, slots: dict[str, Any], weight_decay: float) -> None:
         raise NotImplementedError
 
     def _slot(self, slots: dict[str, Any], name: str, like: Any) -> Any:
@@ -130,6 +134,23 @@ class Optimizer:
                 slots[name] = saved[name].astype(MASTER_DTYPE) if name in saved else None
 
 
+def _parameter_groups(params: Iterable[Any], weight_decay: float) -> tuple[list, list[float]]:
+    """(every parameter, its weight decay) from Parameters and {"params": ...} groups."""
+    parameters, decays = [], []
+    for item in params:
+        if isinstance(item, dict):
+            unknown = set(item) - {"params", "weight_decay"}
+            if unknown:
+                raise ValueError(f"optimizer: unknown parameter group settings {sorted(unknown)}")
+            group = list(item["params"])
+            parameters += group
+            decays += [float(item.get("weight_decay", weight_decay))] * len(group)
+        else:
+            parameters.append(item)
+            decays.append(float(weight_decay))
+    return parameters, decays
+
+
 def _owned(array: Any) -> bool:
     """A float32 gradient may be adopted without a copy only when it is a writeable array that
     owns its memory (a broadcast or reshaped view of another gradient is not)."""
@@ -149,12 +170,12 @@ class SGD(Optimizer):
         momentum: float = 0.0,
         weight_decay: float = 0.0,
     ):
-        super().__init__(params, lr)
-        self.momentum, self.weight_decay = momentum, weight_decay
+        super().__init__(params, lr, weight_decay)
+        self.momentum = momentum
 
-    def _update(self, master, grad, slots):
-        if self.weight_decay:
-            grad += self.weight_decay * master
+    def _update(self, master, grad, slots, weight_decay):
+        if weight_decay:
+            grad += weight_decay * master
         if self.momentum:
             buffer = slots["momentum_buffer"]
             if buffer is None:
@@ -182,16 +203,16 @@ class Adam(Optimizer):
         weight_decay: float = 0.0,
         decoupled_weight_decay: bool = False,
     ):
-        super().__init__(params, lr)
+        super().__init__(params, lr, weight_decay)
         self.betas, self.eps = betas, eps
-        self.weight_decay, self.decoupled_weight_decay = weight_decay, decoupled_weight_decay
+        self.decoupled_weight_decay = decoupled_weight_decay
 
-    def _update(self, master, grad, slots):
+    def _update(self, master, grad, slots, weight_decay):
         beta1, beta2 = self.betas
-        if self.weight_decay and self.decoupled_weight_decay:
-            master *= 1.0 - self.lr * self.weight_decay
-        elif self.weight_decay:
-            grad += self.weight_decay * master
+        if weight_decay and self.decoupled_weight_decay:
+            master *= 1.0 - self.lr * weight_decay
+        elif weight_decay:
+            grad += weight_decay * master
         exp_avg = self._slot(slots, "exp_avg", master)
         exp_avg_sq = self._slot(slots, "exp_avg_sq", master)
         exp_avg *= beta1

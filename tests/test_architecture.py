@@ -18,7 +18,7 @@ LAYERS = [
     (
         "nn/optim/precision",
         ("minimp.nn", "minimp.optim", "minimp.precision", "minimp.data", "minimp.datasets")
-        + ("minimp.costmodel",),
+        + ("minimp.costmodel", "minimp.lr_schedule"),
     ),
     ("models", ("minimp.models",)),
     ("distributed", ("minimp.distributed",)),

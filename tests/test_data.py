@@ -51,10 +51,11 @@ def test_data_that_cannot_train_is_refused_when_loaded(change, message):
 
 
 def test_the_shapes_the_flags_check_match_the_data():
-    from minimp.train.config import DATASET_SHAPES
+    from minimp.train.validation import DIGITS_SHAPE, SHAKESPEARE_VOCABULARY
 
     digits = load_digits()
-    assert DATASET_SHAPES["digits"] == (digits.features, digits.classes)
+    assert DIGITS_SHAPE == (digits.features, digits.classes)
+    assert SHAKESPEARE_VOCABULARY == load_shakespeare().vocab_size
 
 
 @pytest.fixture(scope="module")

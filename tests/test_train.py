@@ -55,6 +55,11 @@ def test_resume_continues_bit_identically(tmp_path, precision, optimizer):
         batch_size=32,
         loss_scale_growth_interval=3,
         inject_overflow="4:0",
+        # a schedule that moves every step; its length is its own setting, saved and continued
+        lr_schedule="cosine",
+        warmup=3,
+        min_lr=1e-4,
+        lr_decay_steps=20,
     )
     straight = quiet_train(steps=20, save=str(tmp_path / "straight.npz"), **common)
     quiet_train(steps=10, save=str(tmp_path / "half.npz"), **common)

@@ -333,3 +333,41 @@ def test_the_watchdog_ends_a_job_whose_rank_was_sigstopped(tmp_path):
         for pid in rank_processes(metrics.name):
             os.kill(pid, signal.SIGKILL)
         job.kill()
+
+
+GPT_FLAGS = ["--dataset", "shakespeare", "--layers", "2", "--hidden", "32", "--heads", "2"]
+GPT_FLAGS += ["--context", "16", "--batch-size", "8", "--steps", "10", "--precision", "fp32"]
+GPT_FLAGS += ["--eval-every", "0", "--micro-batches", "2"]
+
+
+@pytest.fixture(scope="module")
+def one_process_gpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt") / "one.npz"
+    result = subprocess.run(
+        [PYTHON, "-m", "minimp.train", *GPT_FLAGS, "--save", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return masters(path)
+
+
+LAYOUTS = [(2, ["--dp", "2"]), (2, ["--pp", "2"]), (4, ["--dp", "2", "--pp", "2"])]
+
+
+@pytest.mark.parametrize("ranks, layout", LAYOUTS, ids=lambda x: str(x))
+def test_the_gpt_under_mpirun_ends_with_one_process_s_weights(
+    tmp_path, one_process_gpt, ranks, layout
+):
+    from test_train_gpt import assert_same_weights
+
+    path = tmp_path / "spread.npz"
+    command = [MPIRUN, "-n", str(ranks), PYTHON, "-m", "minimp.train", *GPT_FLAGS, *layout]
+    result = subprocess.run(
+        [*command, "--save", str(path)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    spread = {name[len("master/") :]: array for name, array in masters(path).items()}
+    alone = {name[len("master/") :]: array for name, array in one_process_gpt.items()}
+    assert_same_weights(spread, alone, steps=10)

@@ -155,6 +155,14 @@ class GPT(nn.Sequential):
         self.config = config
         _init_weights(self, config.layers, rng)
 
+    def tied_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, Parameter) of the weights two layers share: the token embedding, which the head
+        reads too. A pipeline holding layer 0 and the head on different ranks keeps a copy on
+        each (minimp/parallel/tied.py)."""
+        head = self.layers[-1]
+        assert isinstance(head, Head)  # for the type checker: a Sequential holds Modules
+        return [("0.wte.weight", head.wte.weight)]
+
     def set_dropout_state(self, seed: int, step: int, sample_indices: Any) -> None:
         """Before a forward with dropout > 0: this step's (seed, step) and the global batch
         index of each of the rows passed in (see nn.set_dropout_state)."""

@@ -18,7 +18,7 @@ to agree on overflows, to average the gradients and to add up the gradient norm.
 """
 
 import zlib
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -26,7 +26,8 @@ from minimp.backend import array_module, to_numpy
 from minimp.distributed.protocol import Communicator
 from minimp.distributed.ring import ring_allreduce
 from minimp.precision.casting import round_to
-from minimp.precision.step import GradientSync
+from minimp.parallel.tied import TiedGradients
+from minimp.precision.step import GradientSync, squared_norm
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -46,16 +47,18 @@ class DataParallel(GradientSync):
         average: str = "before",
         decision_comm: Communicator | None = None,
         stages_comm: Communicator | None = None,
+        tied: TiedGradients | None = None,
     ):
         """comm: the replicas of this stage. decision_comm: who shares the skip decision (with
         pipeline stages, every rank of the job; by default the replicas). stages_comm: the ranks
         that hold the other parts of this replica's model (its pipeline stages), whose gradient
-        norms add up to the model's; by default none."""
+        norms add up to the model's; by default none. tied: the parameters this stage shares with
+        another stage (minimp/parallel/tied.py), whose gradients are summed after averaging."""
         if average not in ("before", "after"):
             raise ValueError(f"average must be 'before' or 'after', got {average!r}")
         self.comm, self.optimizer, self.average = comm, optimizer, average
         self.decision_comm = decision_comm or comm
-        self.stages_comm = stages_comm
+        self.stages_comm, self.tied = stages_comm, tied
         self.comm_dtype = np.dtype(comm_dtype)
         self.buckets = self._plan_buckets(bucket_mb * 2**20)
         xp = array_module(optimizer.master_weights[0]) if optimizer.master_weights else np
@@ -96,15 +99,23 @@ class DataParallel(GradientSync):
             return found_inf
         return bool(self.decision_comm.allreduce_scalars([float(found_inf)], op="max")[0])
 
-    def total_squared_norm(self, local: float) -> float:
+    def global_squared_norm(self, gradients: Sequence[Any]) -> float:
         """This stage's squared gradient norm plus the other stages' (replicas hold the same
-        averaged gradients, so they are not added again)."""
+        averaged gradients, so they are not added again; a tied copy counts once)."""
+        uncounted = self.tied.uncounted() if self.tied is not None else set()
+        local = squared_norm([g for i, g in enumerate(gradients) if i not in uncounted])
         if self.stages_comm is None or self.stages_comm.size == 1:
             return local
         return float(self.stages_comm.allreduce_scalars([local], op="sum")[0])
 
     def reduce(self, gradients: list) -> None:
-        """Replace each float32 gradient (in place) by the mean over the replicas."""
+        """Replace each float32 gradient (in place) by the mean over the replicas; then sum the
+        tied copies' gradients across their two stages."""
+        self._average_over_replicas(gradients)
+        if self.tied is not None:
+            self.tied.reduce(gradients)
+
+    def _average_over_replicas(self, gradients: list) -> None:
         if self.comm.size == 1:
             return
         inverse = 1.0 / self.comm.size

@@ -155,6 +155,7 @@ class PipelineStage:
         scale_loss: Callable[[Tensor], Tensor],
         after_backward: Callable[[], Any],
         record: Callable[[str, int, float, float], None] | None = None,
+        before_forward: Callable[[int], None] | None = None,
     ) -> float:
         """Run one step's actions; returns the sum of the micro-batch losses (last stage; else 0).
 
@@ -162,10 +163,13 @@ class PipelineStage:
         scale_loss(loss) -> the tensor to call backward on.
         after_backward() runs after each backward (gradient accumulation).
         record(op, micro_batch, start, end) receives every compute action's timing.
+        before_forward(micro_batch) runs before each forward (a model with dropout learns there
+        which global samples the micro-batch holds).
         """
         self._micro_batches: dict[int, MicroBatch] = {}
         self._inputs, self._targets = inputs, targets
         self._scale_loss, self._after_backward = scale_loss, after_backward
+        self._before_forward = before_forward
         self._loss_sum = 0.0
         for action in actions:
             start = time.perf_counter()
@@ -183,6 +187,8 @@ class PipelineStage:
     # ----- compute ----------------------------------------------------------------------------
     def _forward(self, action: Action) -> None:
         state, topology = self._state(action.micro_batch), self.topology
+        if self._before_forward is not None:
+            self._before_forward(action.micro_batch)
         if topology.is_first_stage:
             state.input = Tensor(self._inputs[action.micro_batch])
         else:  # a leaf that wants its gradient: that gradient is what we send back

@@ -39,9 +39,10 @@ class GradientSync(Protocol):
     def reduce(self, gradients: list) -> None:
         """Replace each float32 gradient, in place, by its mean over the data-parallel replicas."""
 
-    def total_squared_norm(self, local: float) -> float:
-        """Sum of squared gradient norms over the ranks that hold different parameters (pipeline
-        stages), so every rank clips by the norm of the whole model."""
+    def global_squared_norm(self, gradients: Sequence[Any]) -> float:
+        """The squared norm of the whole model's gradient: this rank's part plus the parts of the
+        ranks that hold other parameters (pipeline stages), each parameter counted once, so every
+        rank clips by the same norm."""
 
 
 class SingleProcess(GradientSync):
@@ -53,8 +54,8 @@ class SingleProcess(GradientSync):
     def reduce(self, gradients: list) -> None:
         pass
 
-    def total_squared_norm(self, local: float) -> float:
-        return local
+    def global_squared_norm(self, gradients: Sequence[Any]) -> float:
+        return squared_norm(gradients)
 
 
 def all_finite(arrays: Sequence[Any]) -> bool:
@@ -98,7 +99,7 @@ def clip_grad_norm_(
     returns the norm, or None when not clipping."""
     if max_norm is None:
         return None
-    norm = math.sqrt(sync.total_squared_norm(squared_norm(gradients)))
+    norm = math.sqrt(sync.global_squared_norm(gradients))
     if norm > max_norm:
         factor = max_norm / (norm + 1e-6)
         for grad in gradients:

@@ -1,7 +1,7 @@
 """The training command (`python -m minimp.train`): configuration, loop, checkpoints, reports."""
 
 from minimp.train.config import ConfigError, TrainConfig, parse_config
-from minimp.train.build import build_model, evaluate
 from minimp.train.loop import train
+from minimp.train.tasks import TASKS, build_model
 
-__all__ = ["ConfigError", "TrainConfig", "build_model", "evaluate", "parse_config", "train"]
+__all__ = ["TASKS", "ConfigError", "TrainConfig", "build_model", "parse_config", "train"]

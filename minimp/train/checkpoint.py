@@ -52,10 +52,12 @@ def save(
     optimizer: Optimizer,
     scaler: LossScaler,
     arrays: dict[str, Any],
+    schedule: dict[str, Any] | None = None,
 ) -> None:
     """Write the checkpoint atomically. `arrays` holds every stage's state_arrays; `flags` the
     settings a resume must repeat ({"--seed": 0, ...}); optimizer and scaler give the step count,
-    learning rate and scaler state, which all stages share."""
+    learning rate and scaler state, which all stages share; `schedule` the learning-rate
+    schedule's resolved settings, which a resume continues unless told otherwise."""
     optimizer_state = optimizer.state_dict()
     meta = {
         "format": FORMAT,
@@ -68,6 +70,7 @@ def save(
             "lr": optimizer_state["lr"],
         },
         "scaler": scaler.state_dict(),
+        "schedule": schedule or {},
     }
     arrays = {"meta": np.array(json.dumps(meta)), **arrays}
     atomic_write(path, lambda file: np.savez(file, **arrays))
@@ -159,10 +162,11 @@ def restore(
     names: list[str],
     optimizer: Optimizer,
     scaler: LossScaler,
-) -> int:
+) -> tuple[int, dict]:
     """Check everything, then load masters, optimizer and scaler state; returns the step the
-    checkpoint was saved after. `flags`: this run's values of the settings a resume must repeat;
-    `steps`: the run's --steps, which must lie beyond the checkpoint's step."""
+    checkpoint was saved after and its schedule settings. `flags`: this run's values of the
+    settings a resume must repeat; `steps`: the run's --steps, which must lie beyond the
+    checkpoint's step."""
     meta, arrays = read(path)
     for flag, value in flags.items():
         if flag in meta["flags"] and meta["flags"][flag] != value:
@@ -193,7 +197,8 @@ def restore(
     ]
     step_count = meta["optimizer"]["step_count"]
     optimizer.load_state_dict({"step_count": step_count, "lr": optimizer.lr, "slots": slots})
-    return meta["step"]
+    schedule = meta.get("schedule")
+    return meta["step"], schedule if isinstance(schedule, dict) else {}
 
 
 def _check_arrays(

@@ -1,19 +1,54 @@
-"""Training configuration: one dataclass, and the argparse CLI generated from it field by field."""
+"""Training configuration: one dataclass, and the argparse CLI generated from it field by field.
+
+Fields whose default depends on the dataset are None in the dataclass and filled from
+DATASET_DEFAULTS when the config is made: the digits get the small MLP's settings, shakespeare
+gets nanoGPT's CPU configuration of its shakespeare_char example. `--help` lists both, and the
+resolved line rank 0 prints at start says which applied. The checks live in validation.py.
+"""
 
 import argparse
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
+from minimp.train import validation
 from minimp.train.errors import ConfigError
+
+# The settings that differ by dataset. shakespeare: nanoGPT's README command for a CPU
+# (`--block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000
+# --lr_decay_iters=2000 --dropout=0.0 --eval_iters=20`) on top of config/train_shakespeare_char.py
+# (lr 1e-3 to 1e-4, 100 warmup iterations, beta2 0.99, eval every 250) and train.py's defaults
+# (AdamW, weight decay 0.1, gradient clipping at 1.0).
+DATASET_DEFAULTS = {
+    "digits": dict(
+        model="mlp", layers=4, hidden=128, heads=0, context=0, batch_size=64, steps=500,
+        lr=1e-3, optimizer="adam", beta2=0.999, weight_decay=0.0,
+        max_grad_norm=0.0, warmup=0, lr_schedule="constant", eval_every=0, eval_batches=0,
+        dropout=0.0, log_every=50,
+    ),  # fmt: skip
+    "shakespeare": dict(
+        model="gpt", layers=4, hidden=128, heads=4, context=64, batch_size=12, steps=2000,
+        lr=1e-3, optimizer="adamw", beta2=0.99, weight_decay=0.1,
+        max_grad_norm=1.0, warmup=100, lr_schedule="cosine", eval_every=250, eval_batches=20,
+        dropout=0.0, log_every=50,
+    ),  # fmt: skip
+}
 
 
 def _flag(default, help, **extra):
     return field(default=default, metadata={"help": help, **extra})
 
 
+def _by_dataset(help, **extra):
+    """A flag whose default comes from DATASET_DEFAULTS."""
+    return field(default=None, metadata={"help": help, "by_dataset": True, **extra})
+
+
 @dataclass
 class TrainConfig:
+    dataset: str = _flag(
+        "digits", "dataset shipped with minimp", choices=tuple(DATASET_DEFAULTS)
+    )
+    model: str = _by_dataset("mlp (digits) or gpt (shakespeare)", choices=("mlp", "gpt"))
     precision: str = _flag(
         "fp16", "activation dtype; masters are always fp32", choices=("fp32", "fp16", "bf16")
     )
@@ -21,35 +56,47 @@ class TrainConfig:
         "auto", "'dynamic', 'none' or a number; auto = dynamic for fp16, none otherwise"
     )
     loss_scale_growth_interval: int = _flag(2000, "clean steps before the dynamic scale doubles")
-    steps: int = _flag(
-        500, "total number of optimizer steps (numbered from 1; a resume continues to it)"
-    )
-    batch_size: int = _flag(64, "global batch size (samples per optimizer step, over all ranks)")
+    steps: int = _by_dataset("total optimizer steps (numbered from 1; a resume continues to it)")
+    batch_size: int = _by_dataset("global batch size (samples per optimizer step, over all ranks)")
     micro_batches: int = _flag(
         1, "split each batch into this many micro-batches (gradient accumulation)"
     )
-    lr: float = _flag(1e-3, "learning rate")
-    optimizer: str = _flag(
-        "adam", "optimizer updating the fp32 masters", choices=("sgd", "adam", "adamw")
+    lr: float = _by_dataset("peak learning rate")
+    lr_schedule: str = _by_dataset(
+        "constant, or cosine: linear warmup, cosine decay to --min-lr",
+        choices=("constant", "cosine"),
+    )
+    warmup: int = _by_dataset("warmup steps of the cosine schedule")
+    min_lr: float = _flag(None, "learning rate at the end of the cosine decay (default: --lr / 10)")
+    lr_decay_steps: int = _flag(
+        0, "steps of the cosine decay (0 = --steps, or the checkpoint's when resuming)"
+    )
+    optimizer: str = _by_dataset(
+        "optimizer updating the fp32 masters", choices=("sgd", "adam", "adamw")
     )
     momentum: float = _flag(0.9, "SGD momentum")
-    weight_decay: float = _flag(0.0, "weight decay (L2 for sgd/adam, decoupled for adamw)")
-    max_grad_norm: float = _flag(0.0, "clip the unscaled gradient norm to this (0 = no clipping)")
-    seed: int = _flag(0, "seed of the initial weights and of the batch order")
-    layers: int = _flag(4, "number of hidden layers (Linear + ReLU each)")
-    hidden: int = _flag(128, "width of every hidden layer")
-    dataset: str = _flag("digits", "dataset shipped with minimp", choices=("digits",))
+    beta2: float = _by_dataset("Adam's second-moment decay")
+    weight_decay: float = _by_dataset(
+        "weight decay (L2 for sgd/adam, decoupled for adamw; the GPT decays 2-D weights only)"
+    )
+    max_grad_norm: float = _by_dataset("clip the unscaled gradient norm to this (0 = no clipping)")
+    seed: int = _flag(0, "seed of the initial weights, the batch order and dropout")
+    layers: int = _by_dataset("hidden layers (MLP: Linear + ReLU each) or transformer blocks")
+    hidden: int = _by_dataset("width of every hidden layer (the GPT's residual stream)")
+    heads: int = _by_dataset("attention heads (GPT; must divide --hidden)")
+    context: int = _by_dataset("characters per sample (GPT)")
+    dropout: float = _by_dataset("dropout probability (GPT)")
+    eval_every: int = _by_dataset("validation loss every this many steps (GPT; 0 = at the end)")
+    eval_batches: int = _by_dataset("random validation batches per evaluation during training")
     device: str = _flag(
         "", "cpu or gpu (default: $MINIMP_DEVICE, else cpu)", choices=("", "cpu", "gpu")
     )
     save: str = _flag("", "write a checkpoint (.npz) here at the end")
+    save_every: int = _flag(0, "also save --save every this many steps (0 = only at the end)")
     resume: str = _flag("", "continue from this checkpoint (.npz)")
     metrics: str = _flag("", "write one JSON object per step to this .jsonl file")
-    plot: str = _flag("", "draw loss and loss scale to this .png (needs matplotlib)")
-    log_every: int = _flag(50, "print a progress line every this many steps")
-    inject_overflow: str = _flag(
-        "", "STEP:RANK: make that rank's gradients non-finite at that step"
-    )
+    plot: str = _flag("", "draw loss and loss scale to this image (needs matplotlib)")
+    log_every: int = _by_dataset("print a progress line every this many steps")
     threads: int = _flag(0, "BLAS threads per rank (0 = this machine's cores / its ranks)")
     dp: int = _flag(0, "data-parallel replicas (0 = the job's ranks / --pp)")
     pp: int = _flag(1, "pipeline stages: the layers are split into this many contiguous stages")
@@ -65,16 +112,30 @@ class TrainConfig:
     check_replicas: int = _flag(
         0, "every this many steps, compare the replicas' weights (0 = never)"
     )
-    inject_fault: str = _flag(
-        "", "STEP:RANK: raise an error on that rank at that step (see a failure)"
-    )
-    save_every: int = _flag(0, "also save --save every this many steps (0 = only at the end)")
     max_consecutive_skips: int = _flag(
         100, "stop with an error after this many skipped steps in a row (0 = never)"
     )
     timeout: float = _flag(
         600.0, "abort the job when one message waits longer than this many seconds (0 = never)"
     )
+    inject_overflow: str = _flag(
+        "", "STEP:RANK: make that rank's gradients non-finite at that step"
+    )
+    inject_fault: str = _flag(
+        "", "STEP:RANK: raise an error on that rank at that step (see a failure)"
+    )
+
+    def __post_init__(self) -> None:
+        """Fill the dataset's defaults into the fields left unset."""
+        if self.dataset not in DATASET_DEFAULTS:
+            raise ConfigError(
+                f"unknown dataset {self.dataset!r}: use one of {', '.join(DATASET_DEFAULTS)}"
+            )
+        for name, value in DATASET_DEFAULTS[self.dataset].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.min_lr is None:  # nanoGPT's rule: the decay ends at a tenth of the peak
+            self.min_lr = self.lr / 10
 
     def data_parallel_size(self, world_size: int) -> int:
         """The resolved --dp: the job's ranks divided by --pp unless given."""
@@ -82,91 +143,28 @@ class TrainConfig:
 
     def validate(self, world_size: int = 1) -> None:
         """Raise ConfigError naming the flag and the fix for the first value that cannot work."""
-        self._check_ranges()
-        self._check_grid(world_size)
-        self._check_batch(self.data_parallel_size(world_size))
-        if self.save_every and not self.save:
-            raise ConfigError("--save-every needs --save (the path to save to)")
-        self.loss_scale_kind()
-        self.overflow_injection(world_size)
-        self.fault_injection(world_size)
+        validation.validate(self, world_size)
 
-    def _check_ranges(self) -> None:
-        """Every number inside its range (NaN fails every comparison, so it is caught too)."""
-        for name in POSITIVE_INTEGERS:
-            if getattr(self, name) <= 0:
-                raise ConfigError(
-                    f"--{_dashed(name)} must be a positive integer, got {getattr(self, name)}"
-                )
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ConfigError(f"--lr must be a positive number, got {self.lr}")
-        for name in NON_NEGATIVE:
-            value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)):
-                raise ConfigError(f"--{_dashed(name)} must be 0 or more, got {value}")
-        if not (self.bucket_mb > 0 and math.isfinite(self.bucket_mb)):
-            raise ConfigError(f"--bucket-mb must be a positive number, got {self.bucket_mb}")
-        if not (self.timeout >= 0 and math.isfinite(self.timeout)):
-            raise ConfigError(f"--timeout must be 0 (never) or seconds, got {self.timeout}")
-
-    def _check_grid(self, world_size: int) -> None:
-        """--dp x --pp must tile the job's ranks, and the model must have a layer per stage."""
-        if self.pp > self.layers + 1:
-            raise ConfigError(
-                f"--pp {self.pp} needs at least {self.pp} layers with weights, the model has "
-                f"{self.layers + 1} ({self.layers} hidden + output; use --layers)"
-            )
-        if world_size % self.pp:
-            raise ConfigError(
-                f"--pp {self.pp} does not divide the {world_size} ranks of this job "
-                f"(start a multiple of {self.pp} ranks with mpirun -n)"
-            )
-        dp = self.data_parallel_size(world_size)
-        if dp * self.pp != world_size:
-            raise ConfigError(
-                f"--dp {dp} does not match the {world_size} ranks of this job "
-                f"(use --dp {world_size // self.pp}, or start {dp * self.pp} ranks with mpirun -n)"
-            )
-
-    def _check_batch(self, dp: int) -> None:
-        """Each replica takes an equal share of the batch, cut into equal micro-batches."""
-        if self.batch_size % dp:
-            raise ConfigError(
-                f"--batch-size {self.batch_size} is not divisible by the {dp} data-parallel "
-                f"replicas (use a multiple of {dp})"
-            )
-        local = self.batch_size // dp
-        if local % self.micro_batches:
-            raise ConfigError(
-                f"each replica's batch of {local} is not divisible by "
-                f"--micro-batches {self.micro_batches} "
-                f"(pick a batch size that is a multiple of {dp * self.micro_batches})"
-            )
+    def check_memory(self, ranks_on_this_node: int, available: int) -> None:
+        """Refuse, before anything is allocated, a model that cannot fit this machine."""
+        validation.check_memory(self, ranks_on_this_node, available)
 
     def parameter_count(self) -> int:
         """Parameters of the model these flags build (before it is built)."""
-        features, classes = DATASET_SHAPES[self.dataset]
-        width, count = features, 0
-        for _ in range(self.layers):
-            count, width = count + width * self.hidden + self.hidden, self.hidden
-        return count + width * classes + classes
+        return validation.parameter_count(self)
 
-    def check_memory(self, ranks_on_this_node: int, available: int) -> None:
-        """Refuse, before anything is allocated, a model that cannot fit: every rank builds the
-        whole model in float32 and in the compute dtype (6 bytes a parameter), and keeps for its
-        stage a float32 master, gradient accumulator and two optimizer slots, a 16-bit gradient
-        and two wire buffers (26 bytes a parameter, over --pp stages), plus its activations (at
-        most the whole batch: 12 bytes per row, width and layer bound them)."""
-        parameters = self.parameter_count()
-        per_rank = 6 * parameters + 26 * parameters // self.pp
-        per_rank += 12 * self.batch_size * self.hidden * (self.layers + 1)
-        needed = per_rank * ranks_on_this_node
-        if needed > available:
-            raise ConfigError(
-                f"the model has {parameters:,} parameters: about {needed / 2**30:.1f} GiB for the "
-                f"{ranks_on_this_node} rank(s) on this machine, which has "
-                f"{available / 2**30:.1f} GiB free (lower --hidden or --layers)"
-            )
+    def loss_scale_kind(self) -> tuple[str, float | None]:
+        """('dynamic'|'none'|'static', value) after resolving 'auto' by precision."""
+        return validation.loss_scale_kind(self)
+
+    def overflow_injection(self, world_size: int = 1, after: int = 0) -> tuple[int, int] | None:
+        """(step, rank) from --inject-overflow STEP:RANK, or None; `after`: the step a resumed
+        run starts after (an injection that can never fire is an error, not silence)."""
+        return validation.injection(self, "--inject-overflow", world_size, after)
+
+    def fault_injection(self, world_size: int = 1, after: int = 0) -> tuple[int, int] | None:
+        """(step, rank) from --inject-fault STEP:RANK, or None."""
+        return validation.injection(self, "--inject-fault", world_size, after)
 
     def describe(self) -> str:
         """The resolved configuration on one line, as rank 0 prints it at start."""
@@ -177,77 +175,9 @@ class TrainConfig:
             f"{key}={value}" for key, value in settings.items() if value != ""
         )
 
-    def loss_scale_kind(self) -> tuple[str, float | None]:
-        """('dynamic'|'none'|'static', value) after resolving 'auto' by precision."""
-        text = self.loss_scale.strip().lower()
-        if text == "auto":
-            return ("dynamic", None) if self.precision == "fp16" else ("none", None)
-        if text in ("dynamic", "none"):
-            return text, None
-        try:
-            value = float(text)
-        except ValueError:
-            raise ConfigError(
-                f"--loss-scale must be 'dynamic', 'none' or a number, got {self.loss_scale!r}"
-            )
-        if not (value > 0 and math.isfinite(value)):
-            raise ConfigError(
-                f"--loss-scale must be a positive finite number, got {self.loss_scale}"
-            )
-        return "static", value
 
-    def overflow_injection(self, world_size: int = 1, after: int = 0) -> tuple[int, int] | None:
-        """(step, rank) from --inject-overflow STEP:RANK, or None; `after`: the step a resumed
-        run starts after (an injection that can never fire is an error, not silence)."""
-        return self._injection("--inject-overflow", self.inject_overflow, world_size, after)
-
-    def fault_injection(self, world_size: int = 1, after: int = 0) -> tuple[int, int] | None:
-        """(step, rank) from --inject-fault STEP:RANK, or None."""
-        return self._injection("--inject-fault", self.inject_fault, world_size, after)
-
-    def _injection(self, flag: str, text: str, world_size: int, after: int):
-        if not text:
-            return None
-        try:
-            step, rank = (int(part) for part in text.split(":"))
-        except ValueError:
-            raise ConfigError(f"{flag} takes STEP:RANK (e.g. 5:0), got {text!r}") from None
-        if not 0 <= rank < world_size:
-            raise ConfigError(f"{flag} {text}: the rank must lie in 0..{world_size - 1}")
-        if not after < step <= self.steps:
-            raise ConfigError(
-                f"{flag} {text} can never fire: this run takes steps {after + 1}..{self.steps}"
-            )
-        return step, rank
-
-
-POSITIVE_INTEGERS = (
-    "steps",
-    "batch_size",
-    "micro_batches",
-    "layers",
-    "hidden",
-    "log_every",
-    "loss_scale_growth_interval",
-    "pp",
-)
-# (input features, classes) of each dataset, known before it is loaded (tests check they match).
-DATASET_SHAPES = {"digits": (64, 10)}
-NON_NEGATIVE = (
-    "weight_decay",
-    "max_grad_norm",
-    "momentum",
-    "dp",
-    "threads",
-    "check_replicas",
-    "seed",
-    "save_every",
-    "max_consecutive_skips",
-)
-
-
-def _dashed(name):
-    return name.replace("_", "-")
+def dashed(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -269,24 +199,37 @@ def build_parser(
     parser = _Parser(
         prog=prog,
         quiet=quiet,
-        description="Train an MLP with minimp (mixed precision).",
+        description="Train an MLP on digits or a GPT on Shakespeare with minimp.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for config_field in dataclasses.fields(TrainConfig):
-        metadata = config_field.metadata
+        metadata, help_text = config_field.metadata, config_field.metadata["help"]
+        default = config_field.default
+        if metadata.get("by_dataset"):
+            defaults = ", ".join(
+                f"{dataset} {values[config_field.name]}"
+                for dataset, values in DATASET_DEFAULTS.items()
+            )
+            help_text, default = f"{help_text} (default: {defaults})", argparse.SUPPRESS
+        elif default is None:  # derived from other flags; the help says how
+            default = argparse.SUPPRESS
         parser.add_argument(
-            f"--{_dashed(config_field.name)}",
+            dashed(config_field.name),
             dest=config_field.name,
-            type=config_field.type if config_field.type in (int, float) else str,
-            default=config_field.default,
-            help=metadata["help"],
+            type=_type_of(config_field.name),
+            default=default,
+            help=help_text,
             choices=metadata.get("choices"),
         )
     return parser
 
 
+def _type_of(name: str) -> type:
+    hint = TrainConfig.__annotations__[name]
+    return hint if hint in (int, float) else str
+
+
 def parse_config(argv: list[str] | None = None, quiet: bool = False) -> TrainConfig:
-    """TrainConfig from command-line arguments
-    (argparse itself rejects unknown flags and bad types)."""
+    """TrainConfig from command-line arguments (argparse rejects unknown flags and bad types)."""
     namespace = build_parser(quiet=quiet).parse_args(argv)
     return TrainConfig(**vars(namespace))

@@ -12,22 +12,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-from minimp import backend
-from minimp.data import DATASETS, global_batch_indices
+from minimp import backend, lr_schedule, nn
 from minimp.distributed import world
 from minimp.distributed.protocol import Communicator
 from minimp.parallel import SCHEDULES, DataParallel, Topology, shard
+from minimp.parallel.tied import TiedGradients, tied_group, tied_indices
 from minimp.precision import ACTIVATION_DTYPES, mixed_precision_step
 from minimp.train import checkpoint, report, saving
 from minimp.train.build import build_scaler, build_stage
 from minimp.train.config import TrainConfig
-from minimp.train.errors import (
-    USER_ERRORS,
-    AgreedError,
-    ConfigError,
-    DivergenceError,
-    agree_on_error,
-)
+from minimp.train.errors import USER_ERRORS, AgreedError, DivergenceError, agree_on_error
+from minimp.train.tasks import TASKS
 
 
 def train(config: TrainConfig, log: Callable = print, comm: Communicator | None = None) -> dict:
@@ -68,6 +63,7 @@ class Run:
             average=config.grad_average,
             decision_comm=comm,
             stages_comm=self.topology.pp_group,
+            tied=self._tied_gradients(),
         )
         self.data_parallel.broadcast_parameters()
         self.communication = report.Stopwatch()
@@ -78,7 +74,8 @@ class Run:
             resume_step=self.start_step if config.resume else None,
             steps=config.steps,
             log_every=config.log_every,
-            batch_size=config.batch_size,
+            units_per_step=config.batch_size * (config.context or 1),
+            unit=self.task.unit,
         )
         self.timeline = report.Timeline()
         self.consecutive_skips = 0
@@ -90,35 +87,27 @@ class Run:
         config = self.config
         if config.device:
             backend.use_device(config.device, local_rank=local_rank)
-        self.dataset = DATASETS[config.dataset]()
-        if config.batch_size > len(self.dataset.train_labels):
-            raise ConfigError(
-                f"--batch-size {config.batch_size} is larger than the training set "
-                f"({len(self.dataset.train_labels)} samples)"
-            )
         self.dtype = ACTIVATION_DTYPES[config.precision]
-        stage = build_stage(config, self.dataset, self.topology, self.dtype)
+        self.task = TASKS[config.dataset](config, self.dtype)
+        stage = build_stage(config, self.task, self.topology, self.dtype)
         self.model, self.names, self.optimizer = stage.model, stage.names, stage.optimizer
-        self.stage = stage.runner
+        self.stage, self.tied_names = stage.runner, stage.tied_names
         self.scaler = build_scaler(config)
         schedule = SCHEDULES[config.schedule](config.pp, config.micro_batches)
         self.actions = schedule[self.topology.stage]
         # What a resume must repeat: the model, the batch order and the optimizer state's shapes
         # depend on these (the learning rate and --steps may change).
-        self.resume_flags = {
-            f"--{name.replace('_', '-')}": getattr(config, name)
-            for name in ("dataset", "layers", "hidden", "seed", "batch_size", "optimizer")
-        }
+        names = (*self.task.model_flags, "seed", "batch_size", "optimizer")
+        self.resume_flags = {f"--{n.replace('_', '-')}": getattr(config, n) for n in names}
+        self.lr_decay_steps = config.lr_decay_steps or config.steps
         self.start_step = self._resume() if config.resume else 0
         self.overflow_at = config.overflow_injection(self.comm.size, after=self.start_step)
         self.fault_at = config.fault_injection(self.comm.size, after=self.start_step)
-        # The whole (small) training set sits on the device in the compute dtype: no per-step casts.
-        self.train_images = backend.to_device(self.dataset.train_images).astype(self.dtype)
-        self.train_labels = backend.to_device(self.dataset.train_labels)
 
     def _resume(self) -> int:
-        """Masters, optimizer and scaler state from --resume; returns the step it was saved at."""
-        return checkpoint.restore(
+        """Masters, optimizer and scaler state from --resume; returns the step it was saved at.
+        The schedule's length continues the checkpoint's unless --lr-decay-steps is given."""
+        step, schedule = checkpoint.restore(
             self.config.resume,
             flags=self.resume_flags,
             steps=self.config.steps,
@@ -126,13 +115,29 @@ class Run:
             optimizer=self.optimizer,
             scaler=self.scaler,
         )
+        if not self.config.lr_decay_steps and "lr_decay_steps" in schedule:
+            self.lr_decay_steps = int(schedule["lr_decay_steps"])
+        return step
+
+    def _tied_gradients(self) -> TiedGradients | None:
+        """The copies of parameters this stage shares with another (every stage calls this: the
+        group is split from the pipeline's); None where there are none."""
+        topology = self.topology
+        if topology.pp == 1 or not getattr(self.model, "tied_parameters", None):
+            return None
+        group = tied_group(topology.pp_group, topology.stage, topology.pp)
+        if group is None:
+            return None
+        indices = tied_indices(self.names, self.tied_names)
+        return TiedGradients(group, indices, counts_in_norm=topology.is_first_stage)
 
     # ----- one step ---------------------------------------------------------------------------
     def step(self, step: int) -> None:
         """One optimizer step: the schedule's forwards and backwards,
         then one shared skip-or-step."""
         step_start, bytes_before = self._start_step()
-        inputs, targets = self._micro_batches(step)
+        inputs, targets, rows = self._micro_batches(step)
+        self.optimizer.lr = self.learning_rate(step)
         overflow = self._arm_overflow_injection(step)
         loss_sum = self.stage.run(
             self.actions,
@@ -141,6 +146,7 @@ class Run:
             scale_loss=self._scale_loss,
             after_backward=self.optimizer.accumulate_gradients,
             record=self._timeline_recorder(step, step_start),
+            before_forward=self._dropout_rows(step, rows),
         )
         if overflow is not None:
             overflow.remove()
@@ -150,22 +156,34 @@ class Run:
         self._warn_if_stuck_at_min_scale(step)
         self._check_replicas(step)
         loss = self._mean_loss(loss_sum)
-        self.history.add(
-            {
-                "step": step,
-                "loss": loss,
-                "loss_scale": result.loss_scale,
-                "skipped": result.skipped,
-                "compute_seconds": time.perf_counter() - step_start - self.communication.seconds,
-                "communication_seconds": self.communication.seconds,
-                "bytes_sent": self._bytes_sent() - bytes_before,
-            },
-            loss_scale=self.scaler.loss_scale,
-        )
+        entry = {
+            "step": step,
+            "loss": loss,
+            "lr": self.optimizer.lr,
+            "loss_scale": result.loss_scale,
+            "skipped": result.skipped,
+            "compute_seconds": time.perf_counter() - step_start - self.communication.seconds,
+            "communication_seconds": self.communication.seconds,
+            "bytes_sent": self._bytes_sent() - bytes_before,
+        }
+        every = self.config.eval_every
+        if every and step % every == 0:
+            started = time.perf_counter()
+            entry["val_loss"] = saving.evaluate(self, batches=self.config.eval_batches or None)
+            entry["eval_seconds"] = time.perf_counter() - started
+        self.history.add(entry, loss_scale=self.scaler.loss_scale)
         self._stop_if_diverging(step, loss, result.skipped)
         every = self.config.save_every
         if every and step % every == 0 and step < self.config.steps:
             saving.save_checkpoint(self, step)
+
+    def learning_rate(self, step: int) -> float:
+        """The schedule's learning rate at this step."""
+        config = self.config
+        if config.lr_schedule == "constant":
+            return lr_schedule.constant(step, config.lr)
+        warmup, decay = config.warmup, self.lr_decay_steps
+        return lr_schedule.warmup_cosine(step, config.lr, config.min_lr, warmup, decay)
 
     def _start_step(self) -> tuple[float, int]:
         """(start time, bytes sent so far); with --timeline all ranks start the step together, so
@@ -175,18 +193,30 @@ class Run:
         self.communication.seconds = 0.0
         return time.perf_counter(), self._bytes_sent()
 
-    def _micro_batches(self, step: int) -> tuple[list | None, list | None]:
-        """This replica's shard of the step's global batch, cut into micro-batches: the inputs (on
-        the first stage) and the targets (on the last stage)."""
-        config = self.config
-        indices = global_batch_indices(
-            config.seed, step, config.batch_size, len(self.dataset.train_labels)
-        )
-        local = shard(indices, self.topology.dp_rank, self.dp)
-        rows = [backend.to_device(part) for part in np.split(local, config.micro_batches)]
-        inputs = [self.train_images[r] for r in rows] if self.topology.is_first_stage else None
-        targets = [self.train_labels[r] for r in rows] if self.topology.is_last_stage else None
-        return inputs, targets
+    def _micro_batches(self, step: int) -> tuple[list | None, list | None, list]:
+        """This replica's rows of the step's global batch, cut into micro-batches: the inputs (on
+        the first stage), the targets (on the last stage) and every micro-batch's global row
+        numbers (what dropout draws its masks from)."""
+        config, topology = self.config, self.topology
+        inputs, targets = self.task.global_batch(step)
+        local = shard(np.arange(config.batch_size), topology.dp_rank, self.dp)
+        rows = np.split(local, config.micro_batches)
+        first, last = topology.is_first_stage, topology.is_last_stage
+        inputs_by_mb = [inputs[r[0] : r[-1] + 1] for r in rows] if first else None
+        targets_by_mb = [targets[r[0] : r[-1] + 1] for r in rows] if last else None
+        return inputs_by_mb, targets_by_mb, rows
+
+    def _dropout_rows(self, step: int, rows: list) -> Callable[[int], None] | None:
+        """With dropout, the callback that tells this stage's dropouts which global samples a
+        micro-batch holds, before its forward (every layout then draws the same masks)."""
+        if not self.config.dropout:
+            return None
+
+        def tell(micro_batch: int) -> None:
+            for layer in self.stage.layers:
+                nn.set_dropout_state(layer, self.config.seed, step, rows[micro_batch])
+
+        return tell
 
     def _scale_loss(self, loss: Any) -> Any:
         """Each micro-batch carries 1/M of the batch mean; the loss scale lifts fp16 gradients."""

@@ -51,29 +51,36 @@ class History:
         resume_step: int | None,
         steps: int,
         log_every: int,
-        batch_size: int,
+        units_per_step: int,
+        unit: str = "samples",
     ):
         """resume_step: the step a resumed run continues after; the metrics file then keeps its
-        rows up to that step and the new ones are appended (None: a new file)."""
-        self.log, self.steps, self.log_every, self.batch_size = log, steps, log_every, batch_size
+        rows up to that step and the new ones are appended (None: a new file). units_per_step and
+        unit: what a step processes, for the rate (64 samples, or 768 tokens)."""
+        self.log, self.steps, self.log_every = log, steps, log_every
+        self.units_per_step, self.unit = units_per_step, unit
         if metrics_path and resume_step is not None:
             files.keep_metrics_up_to(metrics_path, resume_step)
         self.metrics = MetricsWriter(metrics_path, append=resume_step is not None)
         self.records, self.skipped = [], 0
-        self.window_start, self.window_samples = time.perf_counter(), 0
+        self.window_start, self.window_steps = time.perf_counter(), 0
 
     def add(self, entry: dict, loss_scale: float) -> None:
-        """Keep and write one step's record; print a progress line every log_every steps."""
+        """Keep and write one step's record; print a progress line every log_every steps (and at
+        the last), with the rate and the time left at that rate."""
         self.records.append(entry)
         self.metrics.write(entry)
         self.skipped += entry["skipped"]
-        self.window_samples += self.batch_size
+        self.window_steps += 1
+        self.window_start += entry.get("eval_seconds", 0.0)  # the rate is the training's alone
         step = entry["step"]
-        if step % self.log_every == 0 or step == self.steps:
-            elapsed = max(time.perf_counter() - self.window_start, 1e-9)
-            rate = self.window_samples / elapsed
-            self.log(progress_line(step, self.steps, entry["loss"], loss_scale, self.skipped, rate))
-            self.window_start, self.window_samples = time.perf_counter(), 0
+        if step % self.log_every == 0 or step == self.steps or "val_loss" in entry:
+            seconds_per_step = (time.perf_counter() - self.window_start) / self.window_steps
+            rate = self.units_per_step / max(seconds_per_step, 1e-9)
+            left = (self.steps - step) * seconds_per_step
+            line = progress_line(entry, self.steps, loss_scale, self.skipped, rate, self.unit, left)
+            self.log(line)
+            self.window_start, self.window_steps = time.perf_counter(), 0
 
     def close(self, final_record: dict) -> None:
         self.metrics.write(final_record)
@@ -117,16 +124,22 @@ class MetricsWriter:
 
 
 def progress_line(
-    step: int,
+    entry: dict,
     steps: int,
-    loss: float,
     loss_scale: float,
     skipped_so_far: int,
-    samples_per_second: float,
+    rate: float,
+    unit: str,
+    seconds_left: float,
 ) -> str:
+    """`step   250/2000  loss 2.1034  val 2.1240  lr 9.7e-04  loss scale 65536  skipped 0
+    9,876 tokens/s  ETA 3m05s` (val only at evaluations)."""
+    validation = f"  val {entry['val_loss']:.4f}" if "val_loss" in entry else ""
+    minutes, seconds = divmod(int(round(seconds_left)), 60)
     return (
-        f"step {step:>5}/{steps}  loss {loss:.4f}  loss scale {loss_scale:g}  "
-        f"skipped {skipped_so_far}  {samples_per_second:,.0f} samples/s"
+        f"step {entry['step']:>5}/{steps}  loss {entry['loss']:.4f}{validation}  "
+        f"lr {entry['lr']:.1e}  loss scale {loss_scale:g}  skipped {skipped_so_far}  "
+        f"{rate:,.0f} {unit}/s  ETA {minutes}m{seconds:02d}s"
     )
 
 

@@ -1,5 +1,6 @@
-"""What a run leaves behind: its stages gathered onto rank 0, checkpoints (at the end and every
---save-every steps), the test accuracy, the timeline and the plot.
+"""What a run leaves behind, and how it is scored: its stages gathered onto rank 0, checkpoints (at
+the end and every --save-every steps), the evaluation (test accuracy or validation loss), the
+timeline and the plot.
 
 Every function here is called by every rank of the job (the gathers are collectives); only rank 0
 writes files. Checkpoints are gathered into the one-process format (the same array names whatever
@@ -10,10 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from minimp import backend
 from minimp.distributed import gather_named_arrays
 from minimp.train import checkpoint, report
-from minimp.train.build import evaluate
 
 
 def gather_state(run: Any) -> dict | None:
@@ -25,9 +24,14 @@ def gather_state(run: Any) -> dict | None:
     return gather_named_arrays(run.topology.pp_group, state)
 
 
-def save_checkpoint(run: Any, step: int, merged: dict | None = None) -> None:
-    """Write --save as of `step` (all ranks call this; `merged` if already gathered)."""
-    merged = gather_state(run) if merged is None else merged
+GATHER = object()  # the default of `merged` below: gather the stages' state first
+
+
+def save_checkpoint(run: Any, step: int, merged: Any = GATHER) -> None:
+    """Write --save as of `step` (all ranks call this; `merged`: what gather_state returned on
+    this rank, when the caller has gathered already)."""
+    if merged is GATHER:
+        merged = gather_state(run)
     if run.comm.rank == 0:
         checkpoint.save(
             run.config.save,
@@ -36,6 +40,7 @@ def save_checkpoint(run: Any, step: int, merged: dict | None = None) -> None:
             optimizer=run.optimizer,
             scaler=run.scaler,
             arrays=merged,
+            schedule={"lr_decay_steps": run.lr_decay_steps},
         )
         run.log(f"saved checkpoint {run.config.save} after step {step}")
 
@@ -46,10 +51,12 @@ def finish(run: Any) -> dict:
     config = run.config
     merged = gather_state(run)
     events = _gather_timeline(run)
-    accuracy = _test_accuracy(run, merged)
-    run.history.close({"test_accuracy": accuracy})
+    score = evaluate(run, batches=None, merged=merged)  # the whole test or validation set
+    metric = run.task.final_metric
+    run.history.close({metric: score})
     skipped = run.history.skipped
-    run.log(f"done: {config.steps} steps, {skipped} skipped, test accuracy {accuracy:.4f}")
+    what = metric.replace("_", " ")
+    run.log(f"done: {config.steps} steps, {skipped} skipped, {what} {score:.4f}")
     if config.save:
         save_checkpoint(run, config.steps, merged)
     if run.comm.rank == 0:
@@ -63,7 +70,7 @@ def finish(run: Any) -> dict:
     return {
         "history": run.history.records,
         "skipped": skipped,
-        "test_accuracy": accuracy,
+        metric: score,
         "master_weights": masters,
     }
 
@@ -79,16 +86,20 @@ def _gather_timeline(run: Any) -> dict | None:
     return gather_named_arrays(topology.pp_group, timeline)
 
 
-def _test_accuracy(run: Any, merged: dict | None) -> float:
-    """Rank 0 evaluates the whole model on the test set; every rank returns its accuracy."""
-    accuracy = 0.0
+def evaluate(run: Any, batches: int | None, merged: Any = GATHER) -> float:
+    """The task's score of the current weights (every rank calls this; every rank returns it):
+    replica 0's stages send their masters to rank 0 (when the pipeline splits the model), rank 0
+    loads them into its whole model and evaluates it, one all-reduce shares the number. `merged`:
+    what gather_state returned on this rank, when the caller has gathered already."""
+    if merged is GATHER:
+        merged = gather_state(run) if run.topology.pp > 1 else None
+    score = 0.0
     if run.comm.rank == 0:
-        run.model.load_state_dict(
-            {name: merged[f"master/{name}"] for name, _ in run.model.named_parameters()}
-        )
-        test_images = backend.to_device(run.dataset.test_images).astype(run.dtype)
-        accuracy = evaluate(run.model, test_images, run.dataset.test_labels)
-    return float(run.comm.allreduce_scalars([accuracy], "sum")[0])
+        if merged is not None:
+            masters = {n: merged[f"master/{n}"] for n, _ in run.model.named_parameters()}
+            run.model.load_state_dict(masters)
+        score = run.task.evaluate(run.model, batches)
+    return float(run.comm.allreduce_scalars([score], "sum")[0])
 
 
 def _write_reports(run: Any, events: dict) -> None:

@@ -1,0 +1,120 @@
+"""`python -m minimp.sample --resume ckpt.npz`: generate text with a GPT trained by minimp.train.
+
+    python -m minimp.sample --resume gpt.npz --tokens 500 --prompt "ROMEO:" --temperature 0.8
+
+Each new character is drawn from softmax(logits / temperature) of the last position (only the
+`top_k` likeliest when given), with the last `--context` characters as the model's input; the draws
+come from `--seed`, so the same flags print the same text. The checkpoint is checked as a resume
+checks it, before any work, and every error is one line naming the fix, exit 2.
+"""
+
+import argparse
+import math
+import sys
+
+import numpy as np
+
+from minimp import backend
+from minimp.data import TextDataset, load_shakespeare
+from minimp.models.gpt import GPT, GPTConfig
+from minimp.tensor import Tensor, no_grad
+from minimp.train import checkpoint
+from minimp.train.errors import CheckpointError, ConfigError
+from minimp.train.files import exit_cleanly_on_sigterm
+
+PROGRAM = "minimp.sample"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {PROGRAM}",
+        description="Generate text with a GPT checkpoint written by minimp.train.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--resume", required=True, help="a GPT checkpoint (.npz) from --save")
+    parser.add_argument("--tokens", type=int, default=500, help="characters to generate")
+    parser.add_argument("--prompt", default="\n", help="text the generation continues")
+    parser.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is surer")
+    parser.add_argument("--top-k", type=int, default=0, help="draw among the k likeliest (0: all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the draws")
+    return parser
+
+
+def load_model(path: str) -> tuple[GPT, TextDataset]:
+    """The GPT of a checkpoint (float32 masters) and the dataset it was trained on."""
+    meta, arrays = checkpoint.read(path)
+    flags = meta["flags"]
+    if flags.get("--dataset") != "shakespeare":
+        raise CheckpointError(
+            f"checkpoint {path} holds a model of --dataset {flags.get('--dataset')}; "
+            "minimp.sample needs a GPT trained with --dataset shakespeare"
+        )
+    data = load_shakespeare()
+    config = GPTConfig(
+        vocab_size=data.vocab_size,
+        context=flags["--context"],
+        layers=flags["--layers"],
+        heads=flags["--heads"],
+        width=flags["--hidden"],
+    )
+    model = GPT(config, np.random.default_rng(0))
+    names = [name for name, _ in model.named_parameters()]
+    missing = [name for name in names if f"master/{name}" not in arrays]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {missing[:3]}")
+    model.load_state_dict({name: arrays[f"master/{name}"] for name in names})
+    model.eval()
+    return model, data
+
+
+def generate(
+    model: GPT, prompt_ids: np.ndarray, tokens: int, temperature: float, top_k: int, seed: int
+) -> np.ndarray:
+    """prompt_ids followed by `tokens` drawn ids (no cache: each step reads the last context)."""
+    rng, ids = np.random.default_rng(seed), list(prompt_ids)
+    context = model.config.context
+    with no_grad():
+        for _ in range(tokens):
+            window = backend.to_device(np.asarray(ids[-context:], np.int64)[None, :])  # (1, T)
+            logits = backend.to_numpy(model(Tensor(window)).data)[0, -1].astype(np.float64)
+            logits = logits / temperature
+            if top_k:
+                logits[logits < np.sort(logits)[-top_k]] = -np.inf
+            probabilities = np.exp(logits - logits.max())
+            ids.append(int(rng.choice(len(logits), p=probabilities / probabilities.sum())))
+    return np.asarray(ids)
+
+
+def check(args: argparse.Namespace) -> None:
+    if args.tokens < 0:
+        raise ConfigError(f"--tokens must be 0 or more, got {args.tokens}")
+    if not (args.temperature > 0 and math.isfinite(args.temperature)):
+        raise ConfigError(f"--temperature must be a positive number, got {args.temperature}")
+    if args.top_k < 0 or args.seed < 0:
+        raise ConfigError("--top-k and --seed must be 0 or more")
+    if not args.prompt:
+        raise ConfigError("--prompt must hold at least one character")
+
+
+def main(argv: list[str] | None = None) -> int:
+    exit_cleanly_on_sigterm()
+    args = build_parser().parse_args(argv)
+    try:
+        check(args)
+        model, data = load_model(args.resume)
+        if args.top_k > data.vocab_size:
+            raise ConfigError(f"--top-k {args.top_k} exceeds the {data.vocab_size} characters")
+        try:
+            prompt = data.encode(args.prompt)
+        except ValueError as error:
+            raise ConfigError(f"--prompt: {error}") from None
+    except (ConfigError, CheckpointError) as error:
+        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        return 2
+    ids = generate(model, prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    print(data.decode(ids))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

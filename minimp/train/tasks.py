@@ -1,0 +1,149 @@
+"""What a run trains on, one class per dataset: the model, the global batches, the loss and the
+evaluation. The training loop, the pipeline and data parallelism see only this interface.
+
+  digits       an MLP over the 8x8 digits; evaluated by test accuracy
+  shakespeare  a GPT over tiny-shakespeare's characters; evaluated by validation loss (nats per
+               character): `--eval-batches` random batches every `--eval-every` steps, the whole
+               validation split at the end
+"""
+
+from typing import Any
+
+import numpy as np
+
+from minimp import backend, functional, nn
+from minimp.data import global_batch_indices, load_digits, load_shakespeare, text_batch
+from minimp.models.gpt import GPT, GPTConfig
+from minimp.tensor import Tensor, no_grad
+from minimp.train.errors import ConfigError
+
+
+def build_model(
+    features: int, classes: int, hidden: int, layers: int, rng: np.random.Generator
+) -> nn.Sequential:
+    """MLP: features -> hidden (x layers, each Linear + ReLU) -> classes, float32, from rng."""
+    modules, width = [], features
+    for _ in range(layers):
+        modules += [nn.Linear(width, hidden, rng=rng), nn.ReLU()]
+        width = hidden
+    modules.append(nn.Linear(width, classes, rng=rng))
+    return nn.Sequential(*modules)
+
+
+class DigitsTask:
+    """The MLP on the shipped 8x8 digits: rows of 64 pixels, 10 classes."""
+
+    unit = "samples"  # what the progress line counts per second
+    final_metric = "test_accuracy"
+    # The flags a checkpoint of this task must be resumed with (the model's shapes).
+    model_flags = ("dataset", "layers", "hidden")
+
+    def __init__(self, config: Any, dtype: Any):
+        self.config, self.dtype = config, dtype
+        self.dataset = load_digits()
+        if config.batch_size > len(self.dataset.train_labels):
+            raise ConfigError(
+                f"--batch-size {config.batch_size} is larger than the training set "
+                f"({len(self.dataset.train_labels)} samples)"
+            )
+        # The whole (small) training set sits on the device in the compute dtype: no casts later.
+        self.images = backend.to_device(self.dataset.train_images).astype(dtype)
+        self.labels = backend.to_device(self.dataset.train_labels)
+
+    def build_model(self, rng: np.random.Generator) -> nn.Sequential:
+        data, config = self.dataset, self.config
+        return build_model(data.features, data.classes, config.hidden, config.layers, rng)
+
+    def global_batch(self, step: int) -> tuple[Any, Any]:
+        """(inputs, targets) of the step's global batch, on the device; row r is sample r."""
+        config = self.config
+        rows = global_batch_indices(config.seed, step, config.batch_size, len(self.labels))
+        rows = backend.to_device(rows)
+        return self.images[rows], self.labels[rows]
+
+    def sample_input(self, rows: int) -> Any:
+        """A micro-batch of `rows` inputs, to learn the activation shapes at the pipeline cuts."""
+        return self.images[:rows]
+
+    def loss(self, logits: Tensor, targets: Any) -> Tensor:
+        return functional.cross_entropy(logits, targets)
+
+    def evaluate(self, model: nn.Module, batches: int | None = None) -> float:
+        """Test accuracy (the whole test set; `batches` is ignored: it is small)."""
+        images = backend.to_device(self.dataset.test_images).astype(self.dtype)
+        labels, correct = self.dataset.test_labels, 0
+        with no_grad():
+            for start in range(0, len(labels), 512):
+                logits = model(Tensor(images[start : start + 512])).data
+                predictions = backend.to_numpy(logits.argmax(axis=1))  # argmax needs no widening
+                correct += int((predictions == labels[start : start + 512]).sum())
+        return correct / len(labels)
+
+
+class ShakespeareTask:
+    """A character-level GPT on tiny shakespeare (nanoGPT's shakespeare_char)."""
+
+    unit = "tokens"
+    final_metric = "val_loss"
+    model_flags = ("dataset", "layers", "hidden", "heads", "context")
+
+    def __init__(self, config: Any, dtype: Any):
+        self.config, self.dtype = config, dtype
+        self.dataset = load_shakespeare()
+        self.gpt_config = GPTConfig(
+            vocab_size=self.dataset.vocab_size,
+            context=config.context,
+            layers=config.layers,
+            heads=config.heads,
+            width=config.hidden,
+            dropout=config.dropout,
+        )
+
+    def build_model(self, rng: np.random.Generator) -> GPT:
+        return GPT(self.gpt_config, rng)
+
+    def global_batch(self, step: int) -> tuple[Any, Any]:
+        config = self.config
+        inputs, targets = text_batch(
+            self.dataset.train, config.seed, step, config.batch_size, config.context
+        )
+        return backend.to_device(inputs), backend.to_device(targets)
+
+    def sample_input(self, rows: int) -> Any:
+        return backend.to_device(np.zeros((rows, self.config.context), np.int64))
+
+    def loss(self, logits: Tensor, targets: Any) -> Tensor:
+        """Mean cross-entropy over every position of every sample (nats per character)."""
+        batch, tokens, vocabulary = logits.shape
+        rows = logits.reshape(batch * tokens, vocabulary)  # (B*T, V)
+        return functional.cross_entropy(rows, targets.reshape(batch * tokens))
+
+    def evaluate(self, model: nn.Module, batches: int | None = None) -> float:
+        """Validation loss: over `batches` random batches of windows (drawn once from the seed,
+        so every evaluation scores the same windows and the curve is not noise), or with
+        batches=None over the whole split, cut into consecutive windows of `--context`
+        characters, each position predicting the next."""
+        config, data = self.config, self.dataset.validation
+        if batches is None:
+            windows = (len(data) - 1) // config.context
+            starts = np.arange(windows) * config.context
+        else:
+            rng = np.random.default_rng([config.seed, 2**31, batches])  # apart from training's
+            starts = rng.integers(0, len(data) - config.context, size=batches * config.batch_size)
+        total, count = 0.0, 0
+        chunk = max(1, 32768 // config.context)  # windows per forward: 32,768 tokens at a time
+        model.eval()
+        try:
+            with no_grad():
+                for first in range(0, len(starts), chunk):
+                    window = starts[first : first + chunk, None] + np.arange(config.context)
+                    inputs = backend.to_device(data[window].astype(np.int64))
+                    targets = backend.to_device(data[window + 1].astype(np.int64))
+                    loss = self.loss(model(Tensor(inputs)), targets)
+                    total, count = total + loss.item() * len(window), count + len(window)
+        finally:
+            model.train()
+        return total / count
+
+
+TASKS: dict[str, Any] = {"digits": DigitsTask, "shakespeare": ShakespeareTask}

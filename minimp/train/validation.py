@@ -1,0 +1,214 @@
+"""The checks of a training configuration, run before anything is built: every number in its range
+(NaN and inf included), the dp x pp grid, the batch split, the model's memory, injections.
+
+Each check raises ConfigError naming the flag and the fix; nothing here allocates or communicates.
+"""
+
+import math
+from typing import Any
+
+from minimp.train.errors import ConfigError
+
+POSITIVE_INTEGERS = (
+    "steps",
+    "batch_size",
+    "micro_batches",
+    "layers",
+    "hidden",
+    "log_every",
+    "loss_scale_growth_interval",
+    "pp",
+)
+NON_NEGATIVE = (
+    "weight_decay",
+    "max_grad_norm",
+    "momentum",
+    "dp",
+    "threads",
+    "check_replicas",
+    "seed",
+    "save_every",
+    "max_consecutive_skips",
+    "warmup",
+    "lr_decay_steps",
+    "eval_every",
+    "eval_batches",
+    "heads",
+    "context",
+)
+# (input features, classes) of the digits, and the characters of shakespeare: known before the
+# data is loaded (tests check they match the data).
+DIGITS_SHAPE = (64, 10)
+SHAKESPEARE_VOCABULARY = 65
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def validate(config: Any, world_size: int) -> None:
+    _check_ranges(config)
+    _check_model(config)
+    _check_grid(config, world_size)
+    _check_batch(config, config.data_parallel_size(world_size))
+    if config.save_every and not config.save:
+        raise ConfigError("--save-every needs --save (the path to save to)")
+    loss_scale_kind(config)
+    injection(config, "--inject-overflow", world_size, 0)
+    injection(config, "--inject-fault", world_size, 0)
+
+
+def _check_ranges(config: Any) -> None:
+    """Every number inside its range (NaN fails every comparison, so it is caught too)."""
+    for name in POSITIVE_INTEGERS:
+        if getattr(config, name) <= 0:
+            value = getattr(config, name)
+            raise ConfigError(f"{_flag(name)} must be a positive integer, got {value}")
+    for name in ("lr", "min_lr", "bucket_mb"):
+        value = getattr(config, name)
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{_flag(name)} must be a positive number, got {value}")
+    for name in NON_NEGATIVE:
+        value = getattr(config, name)
+        if not (value >= 0 and math.isfinite(value)):
+            raise ConfigError(f"{_flag(name)} must be 0 or more, got {value}")
+    if not (config.timeout >= 0 and math.isfinite(config.timeout)):
+        raise ConfigError(f"--timeout must be 0 (never) or seconds, got {config.timeout}")
+    if not 0.0 <= config.dropout < 1.0:
+        raise ConfigError(f"--dropout must lie in [0, 1), got {config.dropout}")
+    if not 0.0 <= config.beta2 < 1.0:
+        raise ConfigError(f"--beta2 must lie in [0, 1), got {config.beta2}")
+    if config.min_lr > config.lr:
+        raise ConfigError(f"--min-lr {config.min_lr} is above --lr {config.lr}")
+
+
+def _check_model(config: Any) -> None:
+    """The model fits its data: the GPT reads text, the MLP images; heads divide the width."""
+    wanted = {"digits": "mlp", "shakespeare": "gpt"}[config.dataset]
+    if config.model != wanted:
+        raise ConfigError(
+            f"--model {config.model} does not train on --dataset {config.dataset} "
+            f"(use --model {wanted})"
+        )
+    if config.model == "gpt":
+        if config.heads < 1 or config.hidden % config.heads:
+            raise ConfigError(
+                f"--heads {config.heads} must divide --hidden {config.hidden} (each head takes "
+                "an equal slice of the width)"
+            )
+        if config.context < 1:
+            raise ConfigError(f"--context must be a positive integer, got {config.context}")
+
+
+def weighted_layers(config: Any) -> int:
+    """How many layers with parameters the model has: where the pipeline may cut."""
+    return config.layers + (2 if config.model == "gpt" else 1)
+
+
+def _check_grid(config: Any, world_size: int) -> None:
+    """--dp x --pp must tile the job's ranks, and the model must have a layer per stage."""
+    if config.pp > weighted_layers(config):
+        what = "embeddings, blocks and head" if config.model == "gpt" else "hidden + output"
+        raise ConfigError(
+            f"--pp {config.pp} needs at least {config.pp} layers with weights, the model has "
+            f"{weighted_layers(config)} ({what}; use --layers)"
+        )
+    if world_size % config.pp:
+        raise ConfigError(
+            f"--pp {config.pp} does not divide the {world_size} ranks of this job "
+            f"(start a multiple of {config.pp} ranks with mpirun -n)"
+        )
+    dp = config.data_parallel_size(world_size)
+    if dp * config.pp != world_size:
+        raise ConfigError(
+            f"--dp {dp} does not match the {world_size} ranks of this job "
+            f"(use --dp {world_size // config.pp}, or start {dp * config.pp} ranks with mpirun -n)"
+        )
+
+
+def _check_batch(config: Any, dp: int) -> None:
+    """Each replica takes an equal share of the batch, cut into equal micro-batches."""
+    if config.batch_size % dp:
+        raise ConfigError(
+            f"--batch-size {config.batch_size} is not divisible by the {dp} data-parallel "
+            f"replicas (use a multiple of {dp})"
+        )
+    local = config.batch_size // dp
+    if local % config.micro_batches:
+        raise ConfigError(
+            f"each replica's batch of {local} is not divisible by "
+            f"--micro-batches {config.micro_batches} "
+            f"(pick a batch size that is a multiple of {dp * config.micro_batches})"
+        )
+
+
+def parameter_count(config: Any) -> int:
+    """Parameters of the model these flags build (before it is built)."""
+    width, layers = config.hidden, config.layers
+    if config.model == "gpt":  # embeddings (tied head), per block 12 C^2 + 13 C, final LayerNorm
+        embeddings = (SHAKESPEARE_VOCABULARY + config.context) * width
+        return embeddings + layers * (12 * width * width + 13 * width) + 2 * width
+    features, classes = DIGITS_SHAPE
+    inputs, count = features, 0
+    for _ in range(layers):
+        count, inputs = count + inputs * width + width, width
+    return count + inputs * classes + classes
+
+
+def check_memory(config: Any, ranks_on_this_node: int, available: int) -> None:
+    """Every rank builds the whole model in float32 and in the compute dtype (6 bytes a
+    parameter), and keeps for its stage a float32 master, gradient accumulator and two optimizer
+    slots, a 16-bit gradient and two wire buffers (26 bytes a parameter, over --pp stages), plus
+    its activations: at most the whole batch, bounded by 12 bytes per row, width and layer for
+    the MLP and by the GPT block's 34 sbh + 5 a s^2 b (models/gpt.py) with room for float32."""
+    parameters = parameter_count(config)
+    per_rank = 6 * parameters + 26 * parameters // config.pp
+    rows, width, layers = config.batch_size, config.hidden, config.layers
+    if config.model == "gpt":
+        s, a = config.context, config.heads
+        per_rank += layers * (70 * s * rows * width + 10 * a * s * s * rows)
+    else:
+        per_rank += 12 * rows * width * (layers + 1)
+    needed = per_rank * ranks_on_this_node
+    if needed > available:
+        raise ConfigError(
+            f"the model has {parameters:,} parameters: about {needed / 2**30:.1f} GiB for the "
+            f"{ranks_on_this_node} rank(s) on this machine, which has "
+            f"{available / 2**30:.1f} GiB free (lower --hidden or --layers)"
+        )
+
+
+def loss_scale_kind(config: Any) -> tuple[str, float | None]:
+    """('dynamic'|'none'|'static', value) after resolving 'auto' by precision."""
+    text = config.loss_scale.strip().lower()
+    if text == "auto":
+        return ("dynamic", None) if config.precision == "fp16" else ("none", None)
+    if text in ("dynamic", "none"):
+        return text, None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(
+            f"--loss-scale must be 'dynamic', 'none' or a number, got {config.loss_scale!r}"
+        ) from None
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"--loss-scale must be a positive finite number, got {config.loss_scale}")
+    return "static", value
+
+
+def injection(config: Any, flag: str, world_size: int, after: int) -> tuple[int, int] | None:
+    """(step, rank) from STEP:RANK of --inject-overflow or --inject-fault, or None."""
+    text = getattr(config, flag[2:].replace("-", "_"))
+    if not text:
+        return None
+    try:
+        step, rank = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"{flag} takes STEP:RANK (e.g. 5:0), got {text!r}") from None
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"{flag} {text}: the rank must lie in 0..{world_size - 1}")
+    if not after < step <= config.steps:
+        raise ConfigError(
+            f"{flag} {text} can never fire: this run takes steps {after + 1}..{config.steps}"
+        )
+    return step, rank
