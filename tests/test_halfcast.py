@@ -156,7 +156,34 @@ def test_widen_and_round_to_take_the_fast_path_in_any_layout(implementation, lay
     widened = casting.widen(x16)
     assert widened.dtype == np.float32 and widened.shape == x16.shape
     np.testing.assert_array_equal(widened, x16.astype(np.float32))
+    np.testing.assert_array_equal(casting.round_to(x16, np.float32), widened)
     assert casting.round_to(x16, np.float16) is x16 and casting.widen(widened) is widened
+
+
+def test_widen_and_round_to_call_the_selected_implementation(monkeypatch):
+    calls = []
+
+    def spy(function, name):
+        def wrapper(*args):
+            calls.append(name)
+            return function(*args)
+
+        return wrapper
+
+    monkeypatch.setattr(halfcast, "_selected", None)
+    monkeypatch.setattr(halfcast, "_numpy_in_chunks", spy(halfcast._numpy_in_chunks, "numpy"))
+    monkeypatch.setattr(halfcast_numba, "cast", spy(halfcast_numba.cast, "numba"))
+    x32 = np.ones((64, 64), np.float32)
+    x16 = x32.astype(np.float16)
+    for implementation in ("astype", "numpy") + (("numba",) if halfcast_numba.available() else ()):
+        halfcast.use_casts(implementation)
+        calls.clear()
+        casting.widen(x16), casting.round_to(x16, np.float32), casting.round_to(x32, np.float16)
+        assert calls == ([] if implementation == "astype" else [implementation] * 3)
+    calls.clear()
+    casting.round_to(x32.astype(np.float64), np.float16)  # one rounding from float64: astype's
+    casting.widen(x16[:8])  # smaller than SMALL_ARRAY: a call would cost more than the work
+    assert calls == []
 
 
 def test_the_choice_comes_from_use_casts_or_the_environment(monkeypatch):

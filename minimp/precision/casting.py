@@ -52,9 +52,12 @@ def round_to(array: Any, dtype: Any) -> Any:
     """The array rounded (to nearest, ties to even) into dtype; no copy when it is already there."""
     if array.dtype == dtype:
         return array
-    # Only float32 -> float16 has a faster path: from float64 it would round twice.
-    if dtype == FLOAT16 and array.dtype == FLOAT32 and type(array) is np.ndarray:
-        return halfcast.to_float16(array)
+    if type(array) is np.ndarray:  # CuPy arrays keep CuPy's own casts
+        # float32 <-> float16 only: from float64, going through float32 would round twice.
+        if dtype == FLOAT16 and array.dtype == FLOAT32:
+            return halfcast.to_float16(array)
+        if dtype == FLOAT32 and array.dtype == FLOAT16:
+            return halfcast.to_float32(array)  # a widening, exact (the optimizer's gradients)
     return array.astype(dtype)
 
 
