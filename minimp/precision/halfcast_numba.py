@@ -35,15 +35,18 @@ def cast(flat: np.ndarray, dtype: Any, parallel: bool = False) -> np.ndarray:
 
 @cache
 def _compiled(parallel: bool) -> tuple[Any, Any]:
-    """Compile both loops once per process (numba caches the machine code on disk between runs);
-    prange is a plain range unless parallel is True."""
+    """Compile both loops once per process; prange is a plain range unless parallel is True."""
     import numba
+
+    # numba caches the serial machine code on disk between runs. Not the parallel one: its cache
+    # entry would share the serial one's name, and either could then be loaded for the other.
+    cache = not parallel
 
     # int32 throughout: every intermediate fits (the largest is a NaN's magnitude, under 2^31), and
     # 32-bit lanes are twice as many per SIMD register as numba's default 64-bit integers.
     i32 = np.int32
 
-    @numba.njit(cache=True, parallel=parallel)
+    @numba.njit(cache=cache, parallel=parallel)
     def float32_bits_to_float16_bits(bits: np.ndarray, out: np.ndarray) -> None:
         for index in numba.prange(bits.size):
             word = i32(bits[index])  # the same 32 bits: float32's sign is the int32's sign
@@ -66,7 +69,7 @@ def _compiled(parallel: bool) -> tuple[Any, Any]:
                 half = i32(0x7C00) | fraction | i32(fraction == i32(0))
             out[index] = np.uint16(half | sign)
 
-    @numba.njit(cache=True, parallel=parallel)
+    @numba.njit(cache=cache, parallel=parallel)
     def float16_bits_to_float32_bits(bits: np.ndarray, out: np.ndarray) -> None:
         for index in numba.prange(bits.size):
             word = i32(bits[index])
