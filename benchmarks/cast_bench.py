@@ -152,7 +152,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=1 << 18, help="elements per array")
     parser.add_argument("--repeats", type=int, default=31, help="timed calls per path")
-    parser.add_argument("--no-parallel", action="store_true", help="skip numba's prange version")
+    parser.add_argument(
+        "--parallel",
+        action="store_true",
+        help="also time numba's prange version (its idle threads spin, slowing the other paths)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--exhaustive", action="store_true", help="check all 2^32 float32 bit patterns instead"
@@ -176,7 +180,7 @@ def main(argv=None):
         for implementation, bits, got, expected in result["examples"]:
             print(f"  {implementation}: {bits:#010x} -> {got:#06x}, NumPy's {expected:#06x}")
         return
-    table = speeds(args.size, args.repeats, parallel=not args.no_parallel)
+    table = speeds(args.size, args.repeats, parallel=args.parallel)
     if args.json:
         print(json.dumps({"size": args.size, "repeats": args.repeats, "ns_per_element": table}))
     else:

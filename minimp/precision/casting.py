@@ -7,8 +7,9 @@ once when they store it. minimp does the same on NumPy, which also happens to be
 NumPy has no SIMD float16 arithmetic (~8 ns per element here) while float32 arithmetic costs
 ~0.2 ns and the casts around it ~0.4 ns (float16 -> float32) and ~0.6 ns (float32 -> float16).
 Those are minimp's own casts, written from the bit layout and compiled by numba
-(`halfcast.py`); NumPy's astype takes ~2 and ~2.5 ns, and 65 ns for a result among float16's
-subnormals. CuPy arrays keep CuPy's casts, which a GPU fuses into its kernels.
+(`halfcast.py`); NumPy's astype takes ~1.6 and ~2.5 ns, and 65 ns for a result that
+overflows or lands among float16's subnormals. CuPy arrays keep CuPy's casts, which a GPU
+fuses into its kernels.
 
 Every cast in minimp goes through `widen` and `round_to`, so a benchmark can count them.
 """
