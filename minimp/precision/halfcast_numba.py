@@ -7,7 +7,6 @@ whole loop into SIMD code (16 int32 lanes with AVX-512). numba is an optional de
 it `available()` is False and halfcast does not offer this path.
 """
 
-import importlib.util
 from functools import cache
 from typing import Any
 
@@ -16,8 +15,12 @@ import numpy as np
 
 @cache
 def available() -> bool:
-    """True when numba can be imported (`pip install 'minimp[fast]'`)."""
-    return importlib.util.find_spec("numba") is not None
+    """True when numba imports (`pip install 'minimp[fast]'`); asked at the first float16 cast."""
+    try:
+        import numba  # noqa: F401  (a numba built for another NumPy raises ImportError here)
+    except ImportError:
+        return False
+    return True
 
 
 def cast(flat: np.ndarray, dtype: Any, parallel: bool = False) -> np.ndarray:
