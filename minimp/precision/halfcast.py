@@ -43,8 +43,9 @@ _selected = None
 SMALL_ARRAY = 1024  # elements; below this astype is faster than a call into numba
 NUMPY_CHUNK = 65536  # elements; 256 KiB of float32 per temporary
 
-# float32 exponents (biased by 127) of the powers of two that bound float16's ranges.
-SMALLEST_NORMAL_EXPONENT = 113  # 2^-14 = 2^(113 - 127): below it float16 results are subnormal
+# float16's smallest normal, 2^-14, as a float32 exponent field (biased by 127): 113 - 127 = -14.
+# Below it, float16 results are subnormal.
+SMALLEST_NORMAL_EXPONENT = 113
 BIAS_DIFFERENCE = 127 - 15  # a float16 exponent field is the float32 one minus 112
 
 
