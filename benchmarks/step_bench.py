@@ -6,9 +6,11 @@
 
 Prints ratios measured side by side in this run (targets from the core issue):
   fp32 minimp / hand-written NumPy   <= 1.10
-  fp16 minimp / fp32 minimp          <= 1.80   (NumPy's float16 casts cost 2-4 ns per element)
+  fp16 minimp / fp32 minimp          <= 1.80   (with minimp's float16 casts, halfcast.py)
   bytes kept for backward fp16/fp32  <= 0.52
-and counts the casts (calls and elements) of one fp16 step, so it is clear where the time goes.
+and counts the casts (calls and elements) of one fp16 step, so it is clear where the time goes. On
+the CPU, "fp16 astype" is the same fp16 step with NumPy's own float16 casts, timed in the same
+round-robin, so the two cast implementations are compared side by side.
 """
 
 import argparse
@@ -28,6 +30,7 @@ from minimp.precision import (
     NoLossScaler,
     StaticLossScaler,
     casting,
+    halfcast,
     mixed_precision_step,
 )
 from minimp.tensor import saved_bytes
@@ -91,6 +94,27 @@ def median_seconds(functions, repeats):
             backend.synchronize()  # GPU work is queued: wait for it before reading the clock
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def with_casts(implementation, function):
+    """function, run with casting's float16 casts done by `implementation` (then restored)."""
+
+    def run():
+        previous = halfcast.selected_casts()
+        halfcast.use_casts(implementation)
+        try:
+            return function()
+        finally:
+            halfcast.use_casts(previous)
+
+    return run
+
+
+def count_casts(step):
+    """Calls, elements and seconds of the real casts in one run of step."""
+    with CastCounter() as counter:
+        step()
+    return {"calls": counter.calls, "elements": counter.elements, "seconds": counter.seconds}
 
 
 class CastCounter:
@@ -164,13 +188,13 @@ def main(argv=None):
         )
         steps[name] = functools.partial(minimp_step, model, optimizer, scaler, x, targets)
         if name == "fp16" and not on_gpu:
-            with CastCounter() as counter:
-                minimp_step(model, optimizer, scaler, x, targets)
-            results["fp16_casts_per_step"] = {
-                "calls": counter.calls,
-                "elements": counter.elements,
-                "seconds": counter.seconds,
-            }
+            results["casts"] = halfcast.selected_casts()
+            results["fp16_casts_per_step"] = count_casts(steps[name])
+            # The same step on its own model with NumPy's float16 casts, for the side-by-side ratio.
+            model, optimizer = build(args.width, args.layers, 10, dtype)
+            astype_step = functools.partial(minimp_step, model, optimizer, scaler, x, targets)
+            steps["fp16 astype"] = with_casts("astype", astype_step)
+            results["fp16_astype_casts_per_step"] = count_casts(steps["fp16 astype"])
     if not on_gpu:
         reference, _ = build(args.width, args.layers, 10, np.float32)
         linears = [layer for layer in reference if isinstance(layer, nn.Linear)]
@@ -201,6 +225,7 @@ def main(argv=None):
     results["ratios"].update(
         {
             "fp32_over_numpy": seconds["fp32"] / seconds["numpy"],
+            "fp16_astype_over_fp32": seconds["fp16 astype"] / seconds["fp32"],
             "bf16_over_fp32": seconds["bf16"] / seconds["fp32"],
         }
     )
@@ -211,15 +236,18 @@ def main(argv=None):
         f"MLP step: batch {args.batch}, width {args.width}, {args.layers} hidden layers, "
         f"median of {args.repeats}"
     )
-    for name in ("numpy", "fp32", "fp16", "bf16"):
-        print(f"  {name:>5}: {seconds[name] * 1e3:8.2f} ms")
+    for name in ("numpy", "fp32", "fp16", "fp16 astype", "bf16"):
+        print(f"  {name:>11}: {seconds[name] * 1e3:8.2f} ms")
     casts = results["fp16_casts_per_step"]
-    print(
-        f"  fp16 casts per step: {casts['calls']} calls, {casts['elements'] / 1e6:.2f} M elements, "
-        f"{casts['seconds'] * 1e3:.2f} ms "
-        f"({casts['seconds'] / casts['elements'] * 1e9:.1f} ns/element)"
-    )
-    print(f"  fp16 step without its casts: {(seconds['fp16'] - casts['seconds']) * 1e3:.2f} ms")
+    elements = casts["elements"]
+    print(f"  fp16 casts per step: {casts['calls']} calls, {elements / 1e6:.2f} M elements")
+    for name, implementation in (("fp16", results["casts"]), ("fp16 astype", "astype")):
+        casts = results[name.replace(" ", "_") + "_casts_per_step"]
+        print(
+            f"    {implementation:>6}: {casts['seconds'] * 1e3:6.2f} ms "
+            f"({casts['seconds'] / casts['elements'] * 1e9:.2f} ns/element); "
+            f"{name} step without them: {(seconds[name] - casts['seconds']) * 1e3:.2f} ms"
+        )
     targets_text = {
         "fp32_over_numpy": 1.10,
         "fp16_over_fp32": 1.80,

@@ -28,3 +28,11 @@ def normal_range_floats():
 def small_arrays(min_side=1, max_side=5, ndim=2):
     """Shapes for float64 op checks."""
     return st.lists(st.integers(min_side, max_side), min_size=ndim, max_size=ndim).map(tuple)
+
+
+def float32_bits():
+    """float32 bit patterns: any at all, or ones near float16's range, where rounding is decided."""
+    anywhere = st.integers(0, 0xFFFFFFFF)
+    near_float16 = st.integers(0x33000000, 0x47800000)  # 2^-25 up to 2^16
+    signed = st.tuples(near_float16, st.booleans()).map(lambda pair: pair[0] | pair[1] << 31)
+    return st.one_of(anywhere, signed, st.sampled_from([0x7F800000, 0x7F800001, 0xFFC00000]))

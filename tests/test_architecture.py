@@ -10,7 +10,11 @@ PACKAGE = os.path.join(os.path.dirname(__file__), "..", "minimp")
 
 # Lowest first; a module may import its own layer and the layers below it, never one above.
 LAYERS = [
-    ("arrays", ("minimp.backend", "minimp.precision.casting")),
+    (
+        "arrays",
+        ("minimp.backend", "minimp.precision.casting", "minimp.precision.halfcast")
+        + ("minimp.precision.halfcast_numba",),
+    ),
     (
         "autograd",
         ("minimp.function", "minimp.tensor", "minimp.operators", "minimp.ops", "minimp.functional"),
