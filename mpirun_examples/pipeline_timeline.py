@@ -5,7 +5,8 @@
     python mpirun_examples/pipeline_timeline.py --sweep      # the table: P = 2, 4 and M = 1..16
 
 It launches `mpirun -n P python -m minimp.train --pp P --timeline ...` for each
-schedule, reads each stage's forward/backward times, and measures the bubble of a step
+schedule, reads each stage's forward/backward times from the trace (the Chrome trace-event file
+that Perfetto opens, minimp/train/trace.py), and measures the bubble of a step
 as 1 - (mean busy time of a stage) / (time from the first forward to the last backward),
 beside the theory (P - 1)/(M + P - 1). The model (8 hidden layers of 512) splits into
 stages of nearly equal parameter count. On a 2-core machine P = 4 is oversubscribed and
@@ -14,7 +15,6 @@ property of this machine as much as of the schedule.
 """
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -23,6 +23,7 @@ import sys
 import tempfile
 
 from minimp.costmodel import pipeline_bubble_fraction
+from minimp.train.trace import read_timeline
 
 MODEL = ["--hidden", "512", "--layers", "8", "--batch-size", "256", "--precision", "fp32"]
 
@@ -57,8 +58,7 @@ def measure(stages, micro_batches, schedule, steps, folder):
         text=True,
         timeout=600,
     )
-    with open(path) as file:
-        return json.load(file)
+    return read_timeline(path)
 
 
 def bubble(timeline, skip_steps=2):
