@@ -186,6 +186,8 @@ def check_one_f_one_b(one_f_one_b_full: Callable[[int, int], list], quiet: bool 
         for P, M in SHAPES:
             _messages(call(one_f_one_b_full, P, M), P, M)
 
+    peaks: dict[tuple[int, int], list] = {}
+
     @report.case(
         "minimp's runner executes it on P simulated ranks: gradients equal one process's",
         hint="in the steady state stage s sends forward while stage s + 1 sends backward: a send "
@@ -194,7 +196,7 @@ def check_one_f_one_b(one_f_one_b_full: Callable[[int, int], list], quiet: bool 
     )
     def _():
         for P, M in SHAPES:
-            gradients, peaks = pipeline_gradients(call(one_f_one_b_full, P, M), P, M)
+            gradients, peaks[P, M] = pipeline_gradients(call(one_f_one_b_full, P, M), P, M)
             model = build_model(8, 4, 16, P, np.random.default_rng(0))
             rng = np.random.default_rng(9)
             x, y = rng.standard_normal((4 * M, 8)).astype(np.float32), rng.integers(0, 4, 4 * M)
@@ -202,8 +204,17 @@ def check_one_f_one_b(one_f_one_b_full: Callable[[int, int], list], quiet: bool 
             for name, parameter in model.named_parameters():
                 expect(np.allclose(gradients[name], parameter.grad, rtol=1e-4, atol=1e-6),
                        f"P={P}, M={M}: the gradient of {name} differs from one process's")
-            expect(all(peak <= P - s for s, peak in enumerate(peaks)),
-                   f"P={P}, M={M}: stored micro-batches per stage {peaks}")
+
+    @report.case(
+        "on the runner, stage s stores at most P - s micro-batches",
+        hint="a backward frees its micro-batch: start them right after the warm-up's forwards",
+    )
+    def _():
+        expect(len(peaks) == len(SHAPES), "the schedule did not run (see above)")
+        for (P, M), stored in peaks.items():
+            expect(all(peak <= P - s for s, peak in enumerate(stored)),
+                   f"P={P}, M={M}: stored micro-batches per stage {stored}, at most "
+                   f"{[P - s for s in range(P)]} in 1F1B")
 
     return report.finish()
 

@@ -8,8 +8,8 @@ import matplotlib.pyplot as plt
 import ml_dtypes
 import numpy as np
 
-FLOAT16_LINES = ((-24, "2^-24: smallest subnormal"), (-14, "2^-14: smallest normal"),
-                 (math.log2(65504), "65504: largest"))
+# float16's smallest subnormal, smallest normal and largest number, as log2 of the magnitude
+FLOAT16_LINES = ((-24, "2^-24"), (-14, "2^-14"), (math.log2(65504), "65504"))
 
 
 def number_line(formats: dict[str, Any], points: int = 400) -> None:
@@ -72,14 +72,15 @@ def fp16_range_histograms(panels: list[tuple[str, dict[str, np.ndarray]]]) -> No
     for axis, (title, histograms) in zip(axes[:, 0], panels):
         for label, values in histograms.items():
             axis.hist(np.log2(values), bins=bins, alpha=0.6, label=label)
-        for x, _ in FLOAT16_LINES:
-            axis.axvline(x, color="red", ls="--", lw=1)
-        axis.set_title(title, fontsize=9, loc="left")
+        for number, (x, _) in enumerate(FLOAT16_LINES):
+            label = "float16: smallest subnormal, normal, largest" if number == 0 else None
+            axis.axvline(x, color="red", ls="--", lw=1, label=label)
+        axis.set_title(title, fontsize=9, loc="left", pad=14)
         axis.set_ylabel("count")
         axis.legend(loc="upper left", fontsize=8)
     top = axes[0, 0]
     for x, text in FLOAT16_LINES:
-        top.text(x, 1.25, text, transform=top.get_xaxis_transform(), ha="center", fontsize=8,
+        top.text(x, 1.03, text, transform=top.get_xaxis_transform(), ha="center", fontsize=8,
                  color="red")
     axes[-1, 0].set_xlabel("log2 |activation gradient|")
     figure.tight_layout()
@@ -90,7 +91,8 @@ def loss_scale_trace(history: list[dict]) -> None:
     """The loss scale each step used (log axis), a red x on every skipped step."""
     figure, axis = plt.subplots(figsize=(8, 3))
     steps = [r["step"] for r in history]
-    axis.semilogy(steps, [r["loss_scale"] for r in history], drawstyle="steps-post")
+    axis.plot(steps, [r["loss_scale"] for r in history], drawstyle="steps-post")
+    axis.set_yscale("log", base=2)
     skipped = [r for r in history if r["skipped"]]
     axis.scatter([r["step"] for r in skipped], [r["loss_scale"] for r in skipped], color="red",
                  marker="x", label="skipped step", zorder=3)
