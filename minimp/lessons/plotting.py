@@ -43,6 +43,7 @@ def central_differences(steps: np.ndarray, errors: np.ndarray,
     axis.loglog(steps, errors, "o-", label="measured error")
     for (label, values), style in zip(models.items(), ("--", ":")):
         axis.loglog(steps, values, style, label=label)
+    axis.set_ylim(bottom=float(np.min(errors)) / 100)  # the models' far ends are not the point
     axis.set_xlabel("step h")
     axis.set_ylabel("|error| of (f(x+h) - f(x-h)) / 2h")
     axis.legend()
