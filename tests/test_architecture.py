@@ -28,6 +28,7 @@ LAYERS = [
     ("distributed", ("minimp.distributed",)),
     ("parallel", ("minimp.parallel",)),
     ("train", ("minimp.train", "minimp.sample", "minimp.plan", "minimp.export")),
+    ("lessons", ("minimp.lessons",)),  # the notebooks' checkers and figures: nothing imports them
 ]
 # The Tensor <-> op cycle: a Tensor's operators are Functions, and a Function makes Tensors.
 AUTOGRAD_CYCLE = {"minimp.tensor", "minimp.operators", "minimp.function", "minimp.ops"}
