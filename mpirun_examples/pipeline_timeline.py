@@ -17,12 +17,12 @@ property of this machine as much as of the schedule.
 import argparse
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 
 from minimp.costmodel import pipeline_bubble_fraction
+from minimp.lessons.timelines import bubble  # lesson 7's: 1 - mean busy / span, median of steps
 from minimp.train.trace import read_timeline
 
 MODEL = ["--hidden", "512", "--layers", "8", "--batch-size", "256", "--precision", "fp32"]
@@ -59,22 +59,6 @@ def measure(stages, micro_batches, schedule, steps, folder):
         timeout=600,
     )
     return read_timeline(path)
-
-
-def bubble(timeline, skip_steps=2):
-    """Median over steps (after warm-up) of 1 - mean busy / span."""
-    by_step = {}
-    for event in timeline["events"]:
-        by_step.setdefault(event["step"], []).append(event)
-    fractions = []
-    for step, events in sorted(by_step.items())[skip_steps:]:
-        span = max(e["end"] for e in events) - min(e["start"] for e in events)
-        busy = [
-            sum(e["end"] - e["start"] for e in events if e["stage"] == s)
-            for s in range(timeline["stages"])
-        ]
-        fractions.append(1 - statistics.mean(busy) / span)
-    return statistics.median(fractions)
 
 
 def draw(timelines, path):
@@ -115,7 +99,7 @@ def draw(timelines, path):
         theory = pipeline_bubble_fraction(timeline["stages"], timeline["micro_batches"])
         axis.set_title(
             f"{timeline['schedule']}: P={timeline['stages']}, M={timeline['micro_batches']}, "
-            f"bubble measured {bubble(timeline):.2f}, theory {theory:.2f}, "
+            f"bubble measured {bubble(timeline, skip_steps=2):.2f}, theory {theory:.2f}, "
             f"peak stored micro-batches per stage {timeline['peak_stored_micro_batches']}",
             fontsize=9,
         )
@@ -143,7 +127,8 @@ def main(argv=None):
             draw(timelines, args.png)
             for timeline in timelines:
                 print(
-                    f"{timeline['schedule']:>5}: bubble {bubble(timeline):.3f} (theory "
+                    f"{timeline['schedule']:>5}: "
+                    f"bubble {bubble(timeline, skip_steps=2):.3f} (theory "
                     f"{pipeline_bubble_fraction(args.stages, args.micro_batches):.3f}), "
                     f"peak stored micro-batches per stage {timeline['peak_stored_micro_batches']}"
                 )
@@ -160,7 +145,7 @@ def main(argv=None):
                 print(
                     f"{stages:>2} {micro_batches:>3} "
                     f"{pipeline_bubble_fraction(stages, micro_batches):>7.3f} "
-                    f"{bubble(gpipe):>7.3f} {bubble(one):>7.3f}   "
+                    f"{bubble(gpipe, skip_steps=2):>7.3f} {bubble(one, skip_steps=2):>7.3f}   "
                     f"{gpipe['peak_stored_micro_batches']} | "
                     f"{one['peak_stored_micro_batches']}"
                 )

@@ -5,7 +5,6 @@ replay a schedule with given compute times to see what the bubble would be witho
 mpirun_examples/pipeline_timeline.py runs) and returns the timeline it wrote.
 """
 
-import json
 import os
 import statistics
 import tempfile
@@ -13,21 +12,22 @@ from typing import Any, Sequence
 
 from minimp.lessons.checking import Failed
 from minimp.lessons.processes import run_job
+from minimp.train.trace import read_timeline
 
 # The model mpirun_examples/pipeline_timeline.py uses: 8 hidden layers of 512, batch 256, fp32.
 MODEL = ["--hidden", "512", "--layers", "8", "--batch-size", "256", "--precision", "fp32"]
 
 
 def measure(stages: int, micro_batches: int, schedule: str, steps: int = 4) -> dict:
-    """Train `steps` steps with --pp stages and return the --timeline document: each stage's
-    forward and backward of every step, in seconds from the step's start."""
+    """Train `steps` steps with --pp stages and return the --timeline trace read back as rows:
+    each stage's forward and backward of every step, in seconds from the run's common origin
+    (minimp.train.trace.read_timeline)."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "timeline.json")
         run_job(stages, ["-m", "minimp.train", *MODEL, "--pp", str(stages), "--schedule", schedule,
                          "--micro-batches", str(micro_batches), "--steps", str(steps),
                          "--log-every", "100000", "--timeline", path])
-        with open(path) as file:
-            return json.load(file)
+        return read_timeline(path)
 
 
 def steps_of(timeline: dict, skip_steps: int = 1) -> list[list[dict]]:

@@ -244,7 +244,12 @@ class Run:
     def _check_replicas(self, step: int) -> None:
         every = self.config.check_replicas
         if every and step % every == 0:
-            self.communication.wrap(self.data_parallel.check_replicas)()
+            self.communication.wrap(self.data_parallel.check_replicas)()  # raises on a drift
+            if self.dp > 1:
+                self.log(
+                    f"step {step}: replicas identical (the {self.dp} replicas' float32 masters "
+                    "have the same checksum)"
+                )
 
     def _mean_loss(self, loss_sum: float) -> float:
         """The batch's mean loss on every rank: the last stages' shares, summed over the job."""
