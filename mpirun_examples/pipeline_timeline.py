@@ -22,10 +22,24 @@ import sys
 import tempfile
 
 from minimp.costmodel import pipeline_bubble_fraction
-from minimp.lessons.timelines import bubble  # lesson 7's: 1 - mean busy / span, median of steps
-from minimp.train.trace import read_timeline
+from minimp.lessons.timelines import bubble, compute_times, span  # lesson 7's measurements
+from minimp.machinemodel import shipped_model
+from minimp.parallel import SCHEDULES, Costs, simulate_schedule
+from minimp.parallel.trace import read_timeline
 
-MODEL = ["--hidden", "512", "--layers", "8", "--batch-size", "256", "--precision", "fp32"]
+HIDDEN, BATCH = 512, 256
+MODEL = ["--hidden", str(HIDDEN), "--layers", "8", "--batch-size", str(BATCH), "--precision", "fp32"]
+
+
+def simulated(timeline):
+    """The schedule simulator's step, fed with this run's median forward and backward seconds per
+    stage and the shipped machine model's time for one activation message (float32 rows of
+    HIDDEN): a prediction of the measured span from measured parts."""
+    stages, micro_batches = timeline["stages"], timeline["micro_batches"]
+    forward, backward = compute_times(timeline, skip_steps=2)
+    message = shipped_model(stages).message(BATCH // micro_batches * HIDDEN * 4)
+    schedule = SCHEDULES[timeline["schedule"]](stages, micro_batches)
+    return simulate_schedule(schedule, Costs(forward, backward, message=message))
 
 
 def measure(stages, micro_batches, schedule, steps, folder):
@@ -126,11 +140,14 @@ def main(argv=None):
             ]
             draw(timelines, args.png)
             for timeline in timelines:
+                predicted, measured = simulated(timeline).span, span(timeline, skip_steps=2)
                 print(
                     f"{timeline['schedule']:>5}: "
                     f"bubble {bubble(timeline, skip_steps=2):.3f} (theory "
                     f"{pipeline_bubble_fraction(args.stages, args.micro_batches):.3f}), "
-                    f"peak stored micro-batches per stage {timeline['peak_stored_micro_batches']}"
+                    f"peak stored micro-batches per stage {timeline['peak_stored_micro_batches']}; "
+                    f"step {measured * 1e3:.1f} ms, simulated from its parts "
+                    f"{predicted * 1e3:.1f} ms ({predicted / measured - 1:+.1%})"
                 )
             print(f"saved {args.png}")
             return

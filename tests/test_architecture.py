@@ -22,7 +22,7 @@ LAYERS = [
     (
         "nn/optim/precision",
         ("minimp.nn", "minimp.optim", "minimp.precision", "minimp.data", "minimp.datasets")
-        + ("minimp.costmodel", "minimp.lr_schedule"),
+        + ("minimp.costmodel", "minimp.machinemodel", "minimp.lr_schedule"),
     ),
     ("models", ("minimp.models",)),
     ("distributed", ("minimp.distributed",)),

@@ -76,7 +76,7 @@ def test_an_overflow_on_the_last_stage_makes_every_stage_skip():
 
 
 def test_timeline_records_every_forward_and_backward(tmp_path):
-    from minimp.train.trace import read_timeline
+    from minimp.parallel.trace import read_timeline
 
     path = tmp_path / "timeline.json"
     run(2, pp=2, micro_batches=4, steps=2, timeline=str(path))

@@ -8,7 +8,7 @@ import pytest
 
 from minimp import distributed as dist
 from minimp.train import TrainConfig, train
-from minimp.train.trace import read_timeline
+from minimp.parallel.trace import read_timeline
 
 REQUIRED = {"X": {"name", "ph", "ts", "dur", "pid", "tid"}, "M": {"name", "ph", "pid", "args"}}
 

@@ -8,11 +8,13 @@ mpirun_examples/pipeline_timeline.py runs) and returns the timeline it wrote.
 import os
 import statistics
 import tempfile
-from typing import Any, Sequence
+from typing import Any
 
 from minimp.lessons.checking import Failed
 from minimp.lessons.processes import run_job
-from minimp.train.trace import read_timeline
+from minimp.parallel.dependencies import with_messages
+from minimp.parallel.simulator import Costs, simulate_schedule
+from minimp.parallel.trace import read_timeline
 
 # The model mpirun_examples/pipeline_timeline.py uses: 8 hidden layers of 512, batch 256, fp32.
 MODEL = ["--hidden", "512", "--layers", "8", "--batch-size", "256", "--precision", "fp32"]
@@ -21,7 +23,7 @@ MODEL = ["--hidden", "512", "--layers", "8", "--batch-size", "256", "--precision
 def measure(stages: int, micro_batches: int, schedule: str, steps: int = 4) -> dict:
     """Train `steps` steps with --pp stages and return the --timeline trace read back as rows:
     each stage's forward and backward of every step, in seconds from the run's common origin
-    (minimp.train.trace.read_timeline)."""
+    (minimp.parallel.trace.read_timeline)."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "timeline.json")
         run_job(stages, ["-m", "minimp.train", *MODEL, "--pp", str(stages), "--schedule", schedule,
@@ -43,6 +45,14 @@ def bubble_of_step(events: list[dict], stages: int) -> float:
     span = max(e["end"] for e in events) - min(e["start"] for e in events)
     busy = [sum(e["end"] - e["start"] for e in events if e["stage"] == s) for s in range(stages)]
     return 1 - statistics.mean(busy) / span
+
+
+def span(timeline: dict, skip_steps: int = 1) -> float:
+    """Seconds from a step's first forward to its last backward: the median over the steps."""
+    return statistics.median(
+        max(e["end"] for e in events) - min(e["start"] for e in events)
+        for events in steps_of(timeline, skip_steps)
+    )
 
 
 def bubble(timeline: dict, skip_steps: int = 1) -> float:
@@ -67,36 +77,17 @@ def compute_times(timeline: dict, skip_steps: int = 1) -> tuple[list[float], lis
 def replay(schedule: list, forward: Any, backward: Any) -> tuple[float, list[float]]:
     """Run each stage's compute actions in its order, each as early as its stage is free and its
     inputs exist (F(s, m) after F(s - 1, m); B(s, m) after F(s, m) and B(s + 1, m)), with
-    messages taking no time. forward / backward: seconds, one number or one per stage.
+    messages taking no time: minimp's schedule simulator (minimp/parallel/simulator.py).
+    forward / backward: seconds, one number or one per stage.
     Returns (step time, busy seconds per stage); Failed says who waits if no stage can go on."""
-    stages = len(schedule)
-    forward = forward if isinstance(forward, Sequence) else [forward] * stages
-    backward = backward if isinstance(backward, Sequence) else [backward] * stages
-    lists = [[(a.op, a.micro_batch) for a in actions if a.op in ("forward", "backward")]
-             for actions in schedule]
-    done: dict[tuple[str, int, int], float] = {}
-    position, free, busy = [0] * stages, [0.0] * stages, [0.0] * stages
-    while any(position[s] < len(lists[s]) for s in range(stages)):
-        progressed = False
-        for s in range(stages):
-            if position[s] == len(lists[s]):
-                continue
-            op, mb = lists[s][position[s]]
-            needs = [("forward", s - 1, mb)] if op == "forward" and s > 0 else []
-            if op == "backward":
-                needs = [("forward", s, mb)] + ([("backward", s + 1, mb)] if s < stages - 1 else [])
-            if all(need in done for need in needs):
-                duration = forward[s] if op == "forward" else backward[s]
-                start = max([free[s]] + [done[need] for need in needs])
-                free[s] = done[(op, s, mb)] = start + duration
-                busy[s] += duration
-                position[s] += 1
-                progressed = True
-        if not progressed:
-            waits = [f"stage {s} waits to run {lists[s][position[s]][0]} {lists[s][position[s]][1]}"
-                     for s in range(stages) if position[s] < len(lists[s])]
-            raise Failed("no stage can go on: " + "; ".join(waits))
-    return max(free), busy
+    computes = [[a for a in actions if a.op in ("forward", "backward")] for actions in schedule]
+    try:  # the messages each compute needs, at no cost: only the order of the computes counts
+        step = simulate_schedule(
+            with_messages(computes, len(schedule), 1), Costs(forward=forward, backward=backward)
+        )
+    except RuntimeError as error:
+        raise Failed(str(error)) from None
+    return step.span, step.busy
 
 
 def replayed_bubble(schedule: list, forward: Any, backward: Any) -> float:

@@ -1,11 +1,14 @@
 """minimp.parallel: the strategies that split training across ranks, built on minimp.distributed.
 
 One module per strategy: the dp x pp grid (topology), data parallelism (replicas that average their
-gradients), pipeline parallelism (contiguous stages) and its schedules (as data). Every strategy
-takes its communicators as arguments and runs on one rank, on the simulated world and under mpirun.
+gradients), pipeline parallelism (contiguous stages) and its schedules (as data, checked and
+simulated without MPI). Every strategy takes its communicators as arguments and runs on one rank,
+on the simulated world and under mpirun.
 """
 
 from minimp.parallel.data_parallel import DataParallel, ReplicaMismatchError, shard
+from minimp.parallel.dependencies import check_schedule
+from minimp.parallel.interleaved import interleaved
 from minimp.parallel.pipeline import (
     MicroBatch,
     PipelineError,
@@ -22,24 +25,33 @@ from minimp.parallel.schedules import (
     one_f_one_b,
     peak_activations,
 )
+from minimp.parallel.simulator import Costs, SimulatedStep, simulate_schedule, simulated_trace
 from minimp.parallel.topology import Topology, TopologyError
+from minimp.parallel.zero_bubble import zb_h1
 
 __all__ = [
     "SCHEDULES",
     "Action",
+    "Costs",
     "DataParallel",
     "MicroBatch",
     "PipelineError",
     "PipelineStage",
     "ReplicaMismatchError",
+    "SimulatedStep",
     "Topology",
     "TopologyError",
+    "check_schedule",
     "cut_shapes",
     "format_schedule",
     "gpipe",
+    "interleaved",
     "one_f_one_b",
     "peak_activations",
     "shard",
+    "simulate_schedule",
+    "simulated_trace",
     "split_stages",
     "stage_parameters",
+    "zb_h1",
 ]

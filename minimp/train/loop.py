@@ -23,7 +23,7 @@ from minimp.train.config import TrainConfig
 from minimp.train.errors import USER_ERRORS, agree_on_error
 from minimp.train.guards import Guards
 from minimp.train.tasks import TASKS
-from minimp.train.trace import TraceRecorder, common_origin
+from minimp.parallel.trace import TraceRecorder, common_origin
 
 
 def train(

@@ -7,12 +7,14 @@ writes files. Checkpoints are gathered into the one-process format (the same arr
 the layout), so any layout resumes any other.
 """
 
+import json
 from typing import Any
 
 import numpy as np
 
 from minimp.distributed import gather_named_arrays
-from minimp.train import checkpoint, report, trace
+from minimp.parallel import trace
+from minimp.train import checkpoint, files, report
 
 
 def gather_state(run: Any) -> dict | None:
@@ -135,4 +137,5 @@ def _write_trace(run: Any, traces: dict) -> None:
         "stage_of_rank": {str(rank): rank % pp for rank in range(run.comm.size)},
         "replica_0_ranks": list(range(pp)),
     }
-    trace.write_trace(config.timeline, ranks, other)
+    document = json.dumps(trace.trace_document(ranks, other)).encode()
+    files.atomic_write(config.timeline, lambda file: file.write(document))

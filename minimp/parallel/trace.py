@@ -1,13 +1,14 @@
 """Timelines in the Chrome trace-event format: what PyTorch's profiler writes, and what Perfetto
 (https://ui.perfetto.dev, "Open trace file") and chrome://tracing open.
 
-`--timeline run.json` writes one JSON object {"traceEvents": [...], "displayTimeUnit": "ms",
-"otherData": {...}}: one process per rank ("rank 2: stage 0, replica 1"), two lanes (threads) in
-each, "compute" and "communication", and one complete event ("ph": "X") per forward, backward,
-message and collective, named F3 / B3 / "send activation 3" / "all-reduce gradients", with the
-step and the micro-batch in its args. Times are microseconds from a common origin that every rank
-takes right after one barrier, so the ranks' lanes line up (to the barrier's skew). `read_timeline`
-turns a file back into the rows the Gantt chart of mpirun_examples/pipeline_timeline.py draws.
+`--timeline run.json` (and the schedule simulator, minimp/parallel/simulator.py) writes one JSON
+object {"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}: one process per rank
+("rank 2: stage 0, replica 1"), two lanes (threads) in each, "compute" and "communication", and one
+complete event ("ph": "X") per forward, backward, message and collective, named F3 / B3 / "send
+activation 3" / "all-reduce gradients", with the step and the micro-batch in its args. Times are
+microseconds from a common origin that every rank takes right after one barrier, so the ranks'
+lanes line up (to the barrier's skew). `read_timeline` turns a file back into the rows the Gantt
+chart of mpirun_examples/pipeline_timeline.py draws.
 """
 
 import json
@@ -15,8 +16,6 @@ import time
 from typing import Any
 
 import numpy as np
-
-from minimp.train import files
 
 COMPUTE, COMMUNICATION = 0, 1  # the two lanes (trace "threads") of a rank
 # What each recorded op is called in the trace; its lane follows from it.
@@ -95,16 +94,17 @@ def _metadata(kind: str, pid: int, tid: int, value: Any, key: str = "name") -> d
     return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {key: value}}
 
 
-def write_trace(path: str, ranks: dict[int, dict], other: dict) -> None:
-    """The trace file, atomically; `other` (schedule, stages, ...) goes in "otherData"."""
-    document = {"traceEvents": trace_events(ranks), "displayTimeUnit": "ms", "otherData": other}
-    files.atomic_write(path, lambda file: file.write(json.dumps(document).encode()))
+def trace_document(ranks: dict[int, dict], other: dict) -> dict:
+    """The whole trace as one JSON-ready object; `other` (schedule, stages, ...) goes in
+    "otherData" (the training command writes it with minimp.train.files.atomic_write)."""
+    return {"traceEvents": trace_events(ranks), "displayTimeUnit": "ms", "otherData": other}
 
 
 def read_timeline(path: str) -> dict:
     """A trace file as {schedule, stages, micro_batches, peak_stored_micro_batches, events}, the
-    events being replica 0's forwards and backwards as {stage, step, micro_batch, kind, start,
-    end} with times in seconds (what a Gantt chart of the pipeline needs)."""
+    events being replica 0's forwards and backwards as {stage, step, micro_batch, kind, op, start,
+    end} with times in seconds (what a Gantt chart of the pipeline needs); kind is forward or
+    backward, op the compute's own name (a split backward's two halves apart)."""
     with open(path) as file:
         document = json.load(file)
     other = document["otherData"]
@@ -121,6 +121,7 @@ def read_timeline(path: str) -> dict:
                 "step": event["args"]["step"],
                 "micro_batch": event["args"]["micro_batch"],
                 "kind": "forward" if event["args"]["op"] == "forward" else "backward",
+                "op": event["args"]["op"],  # backward_input and backward_weight stay apart
                 "start": event["ts"] / 1e6,
                 "end": (event["ts"] + event["dur"]) / 1e6,
             }
