@@ -21,8 +21,8 @@ BUDGET_SECONDS = 60
 BENIGN_STDERR = ("Matplotlib is building the font cache",)  # a fresh machine's first plot
 
 
-def test_there_are_nine_lessons():
-    assert len(NOTEBOOKS) == 9
+def test_there_are_ten_lessons():
+    assert len(NOTEBOOKS) == 10
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -59,7 +59,7 @@ def exercises(number):
     return importlib.import_module(f"minimp.lessons.lesson{number:02d}").EXERCISES
 
 
-@pytest.mark.parametrize("number", range(1, 10))
+@pytest.mark.parametrize("number", range(1, 11))
 def test_each_lesson_ends_in_two_to_four_exercises_whose_checkers_it_calls(number):
     name = NOTEBOOKS[number - 1]
     notebook = nbformat.read(os.path.join(LESSONS, name), as_version=4)
@@ -73,7 +73,7 @@ def test_each_lesson_ends_in_two_to_four_exercises_whose_checkers_it_calls(numbe
     assert "## Exercises" in lines, f"{name}: no Exercises section"
 
 
-@pytest.mark.parametrize("number", range(1, 10))
+@pytest.mark.parametrize("number", range(1, 11))
 def test_the_readme_lists_each_lessons_exercises(number):
     readme = open(os.path.join(LESSONS, "README.md")).read()
     row = next(line for line in readme.splitlines() if line.startswith(f"| {number} |"))

@@ -311,6 +311,62 @@ def pp_bytes_both_ways_everywhere(stage, stages, batch, width, itemsize):
     return 2 * batch * width * itemsize
 
 
+
+def softmax_in_float16(scores, scale, mask=None):
+    """Every step in the scores' dtype: float16 rounds the scaled logits a second time."""
+    keep = np.tri(scores.shape[-1], dtype=bool) & (True if mask is None else mask)
+    logits = np.where(keep, scores * scores.dtype.type(scale), scores.dtype.type(-np.inf))
+    exps = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return exps / exps.sum(axis=-1, keepdims=True)
+
+
+def softmax_without_the_shift(scores, scale, mask=None):
+    keep = np.tri(scores.shape[-1], dtype=bool) & (True if mask is None else mask)
+    exps = np.where(keep, np.exp(scores.astype(np.float32) * np.float32(scale)), 0)
+    return (exps / exps.sum(axis=-1, keepdims=True)).astype(scores.dtype)
+
+
+def softmax_with_nan_rows(scores, scale, mask=None):
+    keep = np.tri(scores.shape[-1], dtype=bool) & (True if mask is None else mask)
+    logits = np.where(keep, scores.astype(np.float32) * np.float32(scale), -np.inf)
+    exps = np.exp(logits - logits.max(axis=-1, keepdims=True))  # a -inf row: -inf - -inf
+    return (exps / exps.sum(axis=-1, keepdims=True)).astype(scores.dtype)
+
+
+def backward_without_the_scale(y, grad_output, scale):
+    return solutions(10).softmax_backward(y, grad_output, 1.0)
+
+
+def backward_in_float16(y, grad_output, scale):
+    dot = (grad_output * y).sum(axis=-1, keepdims=True).astype(y.dtype)
+    return (y.dtype.type(scale) * y * (grad_output - dot)).astype(y.dtype)
+
+
+def korthikanti_bytes(s, b, h, a, itemsize, dropout):
+    return (34 * s * b * h + 5 * a * s * s * b) * itemsize // 2
+
+
+def block_bytes_with_masks_of_itemsize(s, b, h, a, itemsize, dropout):
+    kept = solutions(10).block_bytes(s, b, h, a, itemsize, dropout)
+    return kept + (itemsize - 1) * (2 * s * b * h + a * s * s * b) if dropout else kept
+
+
+def block_bytes_with_statistics_of_itemsize(s, b, h, a, itemsize, dropout):
+    kept = solutions(10).block_bytes(s, b, h, a, itemsize, dropout)
+    return kept - 4 * max(itemsize, 4) * s * b + 4 * itemsize * s * b
+
+
+def keep_mask_from_a_generator(shape, p, seed, step, layer, sample_indices):
+    """One generator for the whole batch: a shard draws other numbers for the same sample."""
+    return np.random.default_rng([seed, step, layer]).random(shape) >= p
+
+
+def keep_mask_with_a_summed_key(shape, p, seed, step, layer, sample_indices):
+    """One generator per sample, seeded by a sum: (seed 1, step 2) collides with (2, 1)."""
+    rows = [np.random.default_rng(seed + step + layer + int(n)).random(shape[1:]) >= p
+            for n in sample_indices]
+    return np.array(rows).reshape(shape)
+
 WRONG = {
     (1, "ulp16"): [ulp16_without_the_top_binade, ulp16_without_subnormals],
     (1, "round_to_float16"): [round_half_up, round_without_overflow],
@@ -340,6 +396,12 @@ WRONG = {
     (9, "zero_bytes_per_parameter"): [zero3_keeping_the_weights],
     (9, "dp_bytes_sent"): [dp_bytes_of_the_naive_algorithm],
     (9, "pp_bytes_sent"): [pp_bytes_both_ways_everywhere],
+    (10, "scaled_masked_softmax"): [softmax_in_float16, softmax_without_the_shift,
+                                    softmax_with_nan_rows],
+    (10, "softmax_backward"): [backward_without_the_scale, backward_in_float16],
+    (10, "block_bytes"): [korthikanti_bytes, block_bytes_with_masks_of_itemsize,
+                          block_bytes_with_statistics_of_itemsize],
+    (10, "keep_mask"): [keep_mask_from_a_generator, keep_mask_with_a_summed_key],
 }
 FACTORIES = {id(f) for fs in WRONG.values() for f in fs if getattr(f, "__name__", "") == "<lambda>"}
 

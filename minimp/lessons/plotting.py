@@ -88,6 +88,38 @@ def fp16_range_histograms(panels: list[tuple[str, dict[str, np.ndarray]]]) -> No
     plt.show()
 
 
+def fp16_range_grid(panels: dict[str, dict[str, np.ndarray]], xlabel: str,
+                    marks: dict[str, tuple[float, str]] | None = None) -> None:
+    """Histograms of log2 |value| (zeros left out), a panel per title and a colour per label
+    (the layers), two panels a row, against float16's range (smallest subnormal, smallest
+    normal, largest); `marks` adds a labelled line (a value, not its log2) to a panel."""
+    rows = math.ceil(len(panels) / 2)
+    figure, axes = plt.subplots(rows, 2, figsize=(11, 2.3 * rows + 0.4), squeeze=False)
+    bins = np.arange(-50, 20, 1.0)
+    for axis, (title, histograms) in zip(axes.ravel(), panels.items()):
+        for label, values in histograms.items():
+            magnitudes = np.abs(values[values != 0]).astype(np.float64)
+            counts, _ = np.histogram(np.log2(magnitudes), bins)  # one patch, not a bar per bin
+            axis.stairs(counts, bins, fill=True, alpha=0.6, label=label)
+        lines = [(x, text, "red") for x, text in FLOAT16_LINES]
+        if marks and title in marks:
+            value, text = marks[title]
+            lines.append((math.log2(value), text, "purple"))
+        for x, text, color in lines:
+            axis.axvline(x, color=color, ls="--", lw=1)
+            axis.text(x, 1.02, text, transform=axis.get_xaxis_transform(), ha="center",
+                      fontsize=7, color=color)
+        axis.set_xlim(bins[0], bins[-1])
+        axis.set_title(title, fontsize=9, loc="left", pad=12)
+        axis.legend(loc="upper left", fontsize=7)
+    for axis in axes.ravel()[len(panels):]:
+        axis.axis("off")
+    for axis in axes.ravel()[-2:]:
+        axis.set_xlabel(xlabel)
+    figure.tight_layout()
+    plt.show()
+
+
 def loss_scale_trace(history: list[dict]) -> None:
     """The loss scale each step used (log axis), a red x on every skipped step."""
     figure, axis = plt.subplots(figsize=(8, 3))
