@@ -135,11 +135,12 @@ class DataParallel(GradientSync):
             offset = 0
             for index in indices:
                 grad = gradients[index]
-                flat = grad.reshape(-1)
-                flat[...] = receive[offset : offset + flat.size]
+                # Written through grad itself: a gradient that arrived transposed (the head's copy
+                # of the tied embedding) is Fortran-ordered, and its reshape(-1) is a copy.
+                grad[...] = receive[offset : offset + grad.size].reshape(grad.shape)
                 if self.average == "after":
-                    flat *= np.float32(inverse)
-                offset += flat.size
+                    grad *= np.float32(inverse)
+                offset += grad.size
 
     def check_replicas(self) -> None:
         """Raise ReplicaMismatchError naming the ranks whose masters differ from rank 0's."""
