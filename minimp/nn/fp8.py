@@ -3,9 +3,10 @@
 `enable_fp8(model, recipe)` is minimp's `convert_to_float8_training` (torchao) or te.Linear
 (Transformer Engine): every `nn.Linear` gets its own `Fp8Meta`, so each of its three tensors keeps
 its own scale. Nothing else changes: attention's two products, the GPT's head (tied to the
-embedding), LayerNorm, softmax and the losses stay in the activation dtype, as in Transformer Engine
-(which puts Linears in fp8 only) and DeepSeek-V3 (which keeps the embedding, the output head and
-attention in higher precision).
+embedding), LayerNorm, softmax and the losses stay in the activation dtype, as in Transformer
+Engine by default (its recipes put the Linear layers' GEMMs in fp8; fp8 attention is a separate
+option) and in DeepSeek-V3 (which keeps the embedding, the output head, normalization and attention
+in higher precision).
 
 The state of a model is named "<module name>.<tensor>" ("3.attn.c_attn.input"), so a pipeline
 stage saves and restores the quantizers of its own layers under the names one process would use.

@@ -18,13 +18,15 @@ from typing import Any
 import numpy as np
 
 from minimp.function import Function
+from minimp.ops.linalg import check_linear_inputs
 from minimp.precision import fp8
 from minimp.precision.casting import round_to, widen
 
 
 def fp8_gemm(a: np.ndarray, b: np.ndarray, a_inverse: Any, b_inverse: Any) -> np.ndarray:
-    """(a @ b) * (1/s_a)(1/s_b) for fp8 matrices a and b: float32 products and sums, then both
-    inverse scales, multiplied together in float32 first (as cuBLASLt's scale pointers are)."""
+    """(a @ b) * (1/s_a)(1/s_b) for fp8 matrices a and b: float32 products and sums, then once
+    the product of both inverse scales (computed in float32), as cuBLASLt applies its A and B
+    scale factors to the float32 sum."""
     return (fp8.to_float32(a) @ fp8.to_float32(b)) * (np.float32(a_inverse) * b_inverse)
 
 
@@ -37,15 +39,7 @@ class Fp8Linear(Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, meta):
-        if x.dtype != weight.dtype:  # as Linear: no silent float32 math in a 16-bit model
-            raise TypeError(
-                f"linear: the input is {x.dtype} but the layer's weight is {weight.dtype}; cast "
-                f"the input (x.astype({weight.dtype.name!r})) or the model (model.to(...))"
-            )
-        if x.shape[-1] != weight.shape[1]:
-            raise ValueError(
-                f"linear: input has {x.shape[-1]} features, the layer expects {weight.shape[1]}"
-            )
+        check_linear_inputs(x, weight)
         # Training records amaxes and counts for the next scales; an evaluation (no gradient
         # wanted anywhere) only reads the scales, so it never changes the training that follows.
         record = any(ctx.needs_input_grad)

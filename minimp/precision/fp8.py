@@ -3,11 +3,12 @@
     E4M3: 1 sign | 4 exponent bits, bias 7  | 3 fraction bits   max 448,   normals from 2^-6
     E5M2: 1 sign | 5 exponent bits, bias 15 | 2 fraction bits   max 57344, normals from 2^-14
 
-E4M3 keeps one more bit of precision, E5M2 reaches 2^8 times further out (its smallest subnormal
-is 2^-16, E4M3's 2^-9). Transformer Engine's HYBRID format uses each where it serves: E4M3 for
-what the forward multiplies (activations and weights), E5M2 for the output gradients of backward,
-whose magnitudes spread wider. E5M2 has infinities, as float16 does; E4M3 (`float8_e4m3fn`, "finite,
-NaN") gives its top code to NaN and has none, which is how it reaches 448 rather than 240.
+E4M3 keeps one more bit of precision; E5M2 spans a wider range, up to 57344 and down to 2^-16 (its
+smallest subnormal; E4M3's is 2^-9). Transformer Engine's HYBRID format uses each where it serves:
+E4M3 for what the forward multiplies (activations and weights), E5M2 for the output gradients of
+backward, whose magnitudes spread wider. E5M2 has infinities, as float16 does; E4M3
+(`float8_e4m3fn`, "finite, NaN") gives only its top code to NaN and has no infinity, which is how
+it reaches 448 rather than 240.
 
 Eight bits cover too little range to hold a tensor as it is (activations near 1, weights near
 0.02, gradients near 1e-6), so each tensor gets a scale s: fp8 stores q = round(x * s) and the

@@ -12,7 +12,8 @@ an s and small values underflow to zero, too large and big ones saturate. Three 
   NoScaling             s = 1: the plain cast, to see what scaling is for.
 
 TE's special cases are kept: an amax that is 0, inf or NaN leaves the scale as it was (delayed) or
-gives 1 (current); a scale beyond float32's range becomes float32's largest number.
+gives 1 (current). A scale beyond float32's range becomes float32's largest number, as in TE's
+current scaling; minimp does the same for delayed scaling, where TE's kernel would store inf.
 
 `Fp8Quantizer` is one tensor's state (the scale, the amax history, this step's amax and counts);
 `Fp8Meta` holds a Linear's three: its input and weight (E4M3) and its output gradient (E5M2), TE's
@@ -100,8 +101,11 @@ RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "none": N
 
 
 class Fp8Quantizer:
-    """One tensor's fp8 scaling state (TE's quantizer): its format and recipe, the scale the last
-    (delayed: the next) quantization used, the amax history, and the statistics of this step."""
+    """One tensor's fp8 scaling state (TE's quantizer): its format and recipe; `scale`, delayed
+    scaling's scale for this step (set after the last one) or the scale of the latest quantization
+    for the stateless recipes; `amax_history` (row 0 the newest step); and this step's statistics:
+    `step_amax`, `underflow` (nonzero values that became 0), `saturated` (values beyond the
+    format's saturation_threshold, which only the clip brought back) and `count` (all values)."""
 
     def __init__(self, fmt: Fp8Format, recipe: Any):
         self.fmt, self.recipe = fmt, recipe
