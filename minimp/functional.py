@@ -5,7 +5,7 @@ Names and arguments follow torch.nn.functional where PyTorch has the function.
 
 from typing import Any
 
-from minimp import ops
+from minimp import backend, ops
 from minimp.tensor import Tensor
 
 
@@ -29,8 +29,16 @@ def cross_entropy(logits: Tensor, targets: Any) -> Tensor:
     return ops.CrossEntropy.apply(logits, targets)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ weight^T + bias with float32 accumulation (weight is (out_features, in_features))."""
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, fp8_meta: Any = None
+) -> Tensor:
+    """x @ weight^T + bias with float32 accumulation (weight is (out_features, in_features)).
+    With an `fp8_meta` (precision.Fp8Meta), x and weight enter the product in fp8
+    (ops.Fp8Linear)."""
+    if fp8_meta is not None:
+        if bias is None:  # a constant zero bias: the fused op always adds one
+            bias = Tensor(backend.default_xp().zeros(weight.shape[0], weight.dtype))
+        return ops.Fp8Linear.apply(x, weight, bias, meta=fp8_meta)
     if bias is not None:
         return ops.Linear.apply(x, weight, bias)
     if x.ndim == 2:

@@ -13,7 +13,7 @@ LAYERS = [
     (
         "arrays",
         ("minimp.backend", "minimp.precision.casting", "minimp.precision.halfcast")
-        + ("minimp.precision.halfcast_numba",),
+        + ("minimp.precision.halfcast_numba", "minimp.precision.fp8"),
     ),
     (
         "autograd",

@@ -125,7 +125,7 @@ BAD_INPUTS = [
     (["--lr", "-1"], "--lr must be a positive number"),
     (["--batch-size", "0"], "--batch-size must be a positive integer"),
     (["--batch-size", "100000"], "larger than the training set"),
-    (["--precision", "fp8"], "invalid choice"),
+    (["--precision", "fp4"], "invalid choice"),
     (["--steps", "ten"], "invalid int value"),
     (["--batch-size", "60", "--micro-batches", "7"], "not divisible by --micro-batches"),
     (["--loss-scale", "huge"], "--loss-scale must be"),

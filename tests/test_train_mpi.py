@@ -371,3 +371,18 @@ def test_the_gpt_under_mpirun_ends_with_one_process_s_weights(
     spread = {name[len("master/") :]: array for name, array in masters(path).items()}
     alone = {name[len("master/") :]: array for name, array in one_process_gpt.items()}
     assert_same_weights(spread, alone, steps=10)
+
+
+def test_fp8_replicas_agree_on_their_amaxes_and_stay_bit_identical_under_mpirun(tmp_path):
+    """4 real processes, 2 replicas of 2 stages, delayed scaling: --check-replicas compares the
+    masters and the fp8 scaling state of the replicas every step; the checkpoint holds each stage's
+    quantizers."""
+    path = tmp_path / "fp8.npz"
+    flags = ["--precision", "fp8", "--dp", "2", "--pp", "2", "--micro-batches", "2"]
+    result = train_command(4, *flags, "--steps", "6", "--check-replicas", "1", "--save", str(path))
+    assert result.returncode == 0, result.stderr
+    said = "replicas identical (the 2 replicas' float32 masters and fp8 scaling state have the"
+    assert result.stdout.count(said) == 6
+    with np.load(path) as checkpoint:
+        scales = [name for name in checkpoint.files if name.startswith("fp8/")]
+    assert {name.split(".")[0] for name in scales} == {"fp8/0", "fp8/2", "fp8/4", "fp8/6"}

@@ -1,7 +1,14 @@
 """minimp.nn: modules (as torch.nn): Parameter and Module, the layers MLPs and GPTs are built from,
-and dropout with masks every parallel layout draws alike."""
+dropout with masks every parallel layout draws alike, and Linears in fp8."""
 
 from minimp.nn.dropout import Dropout, DropoutState, set_dropout_state
+from minimp.nn.fp8 import (
+    enable_fp8,
+    fp8_metas,
+    fp8_quantizers,
+    fp8_state_dict,
+    load_fp8_state_dict,
+)
 from minimp.nn.layers import GELU, Embedding, LayerNorm, Linear, ReLU, Sequential, Tanh
 from minimp.nn.module import Module, Parameter
 
@@ -17,5 +24,10 @@ __all__ = [
     "ReLU",
     "Sequential",
     "Tanh",
+    "enable_fp8",
+    "fp8_metas",
+    "fp8_quantizers",
+    "fp8_state_dict",
+    "load_fp8_state_dict",
     "set_dropout_state",
 ]

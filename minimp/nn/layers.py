@@ -23,7 +23,8 @@ class Linear(Module):
     U(-1/sqrt(in), 1/sqrt(in)), from the given NumPy Generator.
 
     Linear(in_features, out_features, bias=True, rng=None): rng is a numpy.random.Generator (a new
-    unseeded one when None). Parameters are float32; model.to(...) makes the compute copies."""
+    unseeded one when None). Parameters are float32; model.to(...) makes the compute copies;
+    nn.enable_fp8(model, recipe) gives it an `fp8_meta`, and its products then read fp8 inputs."""
 
     def __init__(
         self,
@@ -38,9 +39,10 @@ class Linear(Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = Parameter(_uniform(rng, bound, (out_features, in_features)))
         self.bias = Parameter(_uniform(rng, bound, (out_features,))) if bias else None
+        self.fp8_meta: Any = None  # an Fp8Meta after nn.enable_fp8: the product then reads fp8
 
     def forward(self, x: Tensor) -> Tensor:
-        return functional.linear(x, self.weight, self.bias)
+        return functional.linear(x, self.weight, self.bias, self.fp8_meta)
 
     def __repr__(self) -> str:
         return f"Linear({self.in_features}, {self.out_features}, bias={self.bias is not None})"

@@ -58,6 +58,13 @@ class Module:
         for child in self._modules.values():
             yield from child.modules()
 
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
+        """(name, module) for this module ("") and every sub-module ("3.attn.c_attn"), depth
+        first (as torch.nn.Module.named_modules)."""
+        yield prefix.rstrip("."), self
+        for child_name, child in self._modules.items():
+            yield from child.named_modules(prefix + child_name + ".")
+
     def train(self, mode: bool = True) -> "Module":
         """Set training mode here and in every sub-module (dropout is active only in it)."""
         for module in self.modules():

@@ -5,6 +5,7 @@ from minimp.ops.attention import ScaledMaskedSoftmax
 from minimp.ops.dropout import Dropout
 from minimp.ops.elementwise import Add, Cast, Div, Exp, Log, Mul, Neg, ReLU, Sub, Tanh
 from minimp.ops.embedding import Embedding
+from minimp.ops.fp8_linear import Fp8Linear
 from minimp.ops.indexing import Index
 from minimp.ops.linalg import Linear, MatMul
 from minimp.ops.loss import CrossEntropy, LogSoftmax, Softmax
@@ -20,6 +21,7 @@ __all__ = [
     "Dropout",
     "Embedding",
     "Exp",
+    "Fp8Linear",
     "GELU",
     "Index",
     "LayerNorm",

@@ -55,6 +55,20 @@ class MatMul(Function):
         return grad_a, grad_b
 
 
+def check_linear_inputs(x: Any, weight: Any) -> None:
+    """The input's dtype and feature count must match the layer's weight (as torch's Linear: no
+    silent float32 math in a 16-bit model)."""
+    if x.dtype != weight.dtype:
+        raise TypeError(
+            f"linear: the input is {x.dtype} but the layer's weight is {weight.dtype}; cast "
+            f"the input (x.astype({weight.dtype.name!r})) or the model (model.to(...))"
+        )
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"linear: input has {x.shape[-1]} features, the layer expects {weight.shape[1]}"
+        )
+
+
 class Linear(Function):
     """y = x @ W^T + b (W is (out, in), as in PyTorch), fused so the bias is added before rounding.
 
@@ -64,15 +78,7 @@ class Linear(Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        if x.dtype != weight.dtype:  # as torch's Linear: no silent float32 math in a 16-bit model
-            raise TypeError(
-                f"linear: the input is {x.dtype} but the layer's weight is {weight.dtype}; cast "
-                f"the input (x.astype({weight.dtype.name!r})) or the model (model.to(...))"
-            )
-        if x.shape[-1] != weight.shape[1]:
-            raise ValueError(
-                f"linear: input has {x.shape[-1]} features, the layer expects {weight.shape[1]}"
-            )
+        check_linear_inputs(x, weight)
         ctx.save_for_backward(x, weight)
         ctx.bias_dtype = bias.dtype
         rows = x.reshape(-1, x.shape[-1])  # (N, in) with N = all leading axes together

@@ -2,10 +2,12 @@
 
 One module per strategy: the dp x pp grid (topology), data parallelism (replicas that average their
 gradients), pipeline parallelism (contiguous stages) and its schedules (as data, checked and
-simulated without MPI). Every strategy takes its communicators as arguments and runs on one rank,
-on the simulated world and under mpirun.
+simulated without MPI), and fp8's amax agreement between the ranks that share tensors. Every
+strategy takes its communicators as arguments and runs on one rank, on the simulated world and
+under mpirun.
 """
 
+from minimp.parallel.amax import AmaxReduction
 from minimp.parallel.data_parallel import DataParallel, ReplicaMismatchError, shard
 from minimp.parallel.dependencies import check_schedule
 from minimp.parallel.interleaved import interleaved
@@ -32,6 +34,7 @@ from minimp.parallel.zero_bubble import zb_h1
 __all__ = [
     "SCHEDULES",
     "Action",
+    "AmaxReduction",
     "Costs",
     "DataParallel",
     "MicroBatch",

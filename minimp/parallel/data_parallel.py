@@ -135,25 +135,27 @@ class DataParallel(GradientSync):
             offset = 0
             for index in indices:
                 grad = gradients[index]
-                flat = grad.reshape(-1)
-                flat[...] = receive[offset : offset + flat.size]
+                # Written through grad itself: a gradient that arrived transposed (the head's copy
+                # of the tied embedding) is Fortran-ordered, and its reshape(-1) is a copy.
+                grad[...] = receive[offset : offset + grad.size].reshape(grad.shape)
                 if self.average == "after":
-                    flat *= np.float32(inverse)
-                offset += flat.size
+                    grad *= np.float32(inverse)
+                offset += grad.size
 
-    def check_replicas(self) -> None:
-        """Raise ReplicaMismatchError naming the ranks whose masters differ from rank 0's."""
+    def check_replicas(self, extra: Sequence[Any] = ()) -> None:
+        """Raise ReplicaMismatchError naming the ranks whose masters (and `extra` arrays, such as
+        fp8 scaling state) differ from rank 0's."""
         checksum = 0
-        for master in self.optimizer.master_weights:
-            checksum = zlib.crc32(to_numpy(master).tobytes(), checksum)
+        for array in [*self.optimizer.master_weights, *extra]:
+            checksum = zlib.crc32(to_numpy(array).tobytes(), checksum)
         table = np.zeros(self.comm.size)
         table[self.comm.rank] = checksum  # a 32-bit integer: exact in float64
         table = self.comm.allreduce_scalars(table, op="sum")
         differing = [rank for rank in range(self.comm.size) if table[rank] != table[0]]
         if differing:
+            what = "master weights or fp8 state" if extra else "master weights"
             raise ReplicaMismatchError(
-                f"master weights of rank(s) {differing} differ from rank 0's "
-                "(replicas drifted apart)"
+                f"{what} of rank(s) {differing} differ from rank 0's (replicas drifted apart)"
             )
 
 

@@ -1,4 +1,5 @@
-"""Mixed precision: named dtypes and casts, loss scalers, and the step that ties them together."""
+"""Mixed precision: named dtypes and casts, loss scalers, the step that ties them together, and
+fp8: its two formats, its cast and its scaling recipes."""
 
 from minimp.precision.casting import (
     ACCUMULATE_DTYPE,
@@ -9,6 +10,16 @@ from minimp.precision.casting import (
     MASTER_DTYPE,
     round_to,
     widen,
+)
+from minimp.precision.fp8 import E4M3, E5M2, Fp8Format, dequantize, quantize
+from minimp.precision.fp8_scaling import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Fp8Meta,
+    Fp8Quantizer,
+    NoScaling,
+    delayed_scaling_update,
+    update_scales,
 )
 from minimp.precision.scaler import (
     DynamicLossScaler,
@@ -32,22 +43,34 @@ __all__ = [
     "ACCUMULATE_DTYPE",
     "ACTIVATION_DTYPES",
     "BFLOAT16",
+    "DelayedScaling",
+    "E4M3",
+    "E5M2",
     "FLOAT16",
     "FLOAT32",
+    "Float8CurrentScaling",
+    "Fp8Format",
+    "Fp8Meta",
+    "Fp8Quantizer",
     "MASTER_DTYPE",
     "SINGLE_PROCESS",
     "DynamicLossScaler",
     "GradientSync",
     "LossScaler",
     "NoLossScaler",
+    "NoScaling",
     "SingleProcess",
     "StaticLossScaler",
     "StepResult",
     "all_finite",
     "clip_grad_norm_",
+    "delayed_scaling_update",
+    "dequantize",
     "global_norm",
     "mixed_precision_step",
+    "quantize",
     "round_to",
     "unscale_",
+    "update_scales",
     "widen",
 ]

@@ -1,5 +1,5 @@
-"""What a training run is made of: this rank's stage of the task's model, its optimizer and loss
-scaler."""
+"""What a training run is made of: this rank's stage of the task's model, its optimizer, its loss
+scaler and (fp8) its Linears' scaling state."""
 
 from dataclasses import dataclass
 from typing import Any
@@ -9,19 +9,22 @@ import numpy as np
 from minimp import nn, optim
 from minimp.parallel import PipelineStage, Topology, cut_shapes, split_stages, stage_parameters
 from minimp.precision import DynamicLossScaler, LossScaler, NoLossScaler, StaticLossScaler
+from minimp.train.fp8 import Fp8Run, recipe
 
 
 @dataclass
 class Stage:
     """This rank's share of the model: the whole model (for evaluation on rank 0), the names of
     the parameters this stage trains, their optimizer, the runner of the stage's layers, and the
-    names of the parameters it shares with another stage (the GPT's tied embedding)."""
+    names of the parameters it shares with another stage (the GPT's tied embedding), and with
+    --precision fp8 the scaling state of its Linears."""
 
     model: nn.Sequential
     names: list[str]
     optimizer: optim.Optimizer
     runner: PipelineStage
     tied_names: list[str]
+    fp8: Fp8Run | None  # the stage's fp8 scaling state (--precision fp8), else None
 
 
 def build_stage(config: Any, task: Any, topology: Topology, dtype: Any) -> Stage:
@@ -35,6 +38,8 @@ def build_stage(config: Any, task: Any, topology: Topology, dtype: Any) -> Stage
     named += [(name, parameter) for name, parameter in tied if name not in held]
     optimizer = build_optimizer(config, named)
     model.to(dtype)
+    if config.precision == "fp8":  # every Linear of the whole model (rank 0 evaluates it all)
+        nn.enable_fp8(model, recipe(config))
     rows = config.batch_size // topology.dp // config.micro_batches
     model.eval()  # the shapes need one forward, and dropout then needs no random state
     shapes = cut_shapes(model.layers, task.sample_input(rows))
@@ -49,7 +54,8 @@ def build_stage(config: Any, task: Any, topology: Topology, dtype: Any) -> Stage
         loss_fn=task.loss,
     )
     names = [name for name, _ in named]
-    return Stage(model, names, optimizer, runner, [name for name, _ in tied])
+    fp8_run = Fp8Run(model, bounds, topology) if config.precision == "fp8" else None
+    return Stage(model, names, optimizer, runner, [name for name, _ in tied], fp8_run)
 
 
 def _tied_parameters(model: Any, topology: Topology) -> list[tuple[str, Any]]:

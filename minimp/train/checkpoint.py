@@ -5,13 +5,15 @@ Layout (readable with plain `numpy.load`, no pickle):
                               optimizer and scaler state
   master/<parameter name>     float32 master weights, e.g. master/0.weight
   optimizer/<name>/<slot>     float32 optimizer slots, e.g. optimizer/0.weight/exp_avg
+  fp8/<quantizer>/<field>     fp8 delayed scaling's state, float32: amax_history and scale, e.g.
+                              fp8/1.attn.c_attn.input/scale (only --precision fp8 runs)
 The batch order is a pure function of (seed, step, batch size) (minimp.data), so those flags and
 the step are all the random state a resume needs. Everything read is checked before anything is
 loaded: a file that cannot continue the run correctly is one clear error naming what is wrong.
 
 Versions: 1 was "minimp-checkpoint-1" (no batch size, no scaler configuration); 2 adds "version",
 "flags" and the dynamic scaler's configuration. Version 1 files are still read; newer ones are
-refused.
+refused. The fp8 arrays came within version 2: a reader that does not know them ignores them.
 """
 
 import json
@@ -162,18 +164,19 @@ def restore(
     names: list[str],
     optimizer: Optimizer,
     scaler: LossScaler,
+    fp8: Any = None,
 ) -> tuple[int, dict]:
-    """Check everything, then load masters, optimizer and scaler state; returns the step the
-    checkpoint was saved after and its schedule settings. `flags`: this run's values of the
-    settings a resume must repeat; `steps`: the run's --steps, which must lie beyond the
-    checkpoint's step."""
+    """Check everything, then load masters, optimizer and scaler state (and with `fp8`, a
+    train.fp8.Fp8Run, the fp8 scaling state of its stage); returns the step the checkpoint was
+    saved after and its schedule settings. `flags`: this run's values of the settings a resume
+    must repeat; `steps`: the run's --steps, which must lie beyond the checkpoint's step."""
     meta, arrays = read(path)
     for flag, value in flags.items():
         if flag in meta["flags"] and meta["flags"][flag] != value:
             raise CheckpointError(
                 f"checkpoint {path} was trained with {flag} {meta['flags'][flag]}, this run has "
-                f"{flag} {value}: resume with the same {flag} (the model, the batch order or "
-                "the optimizer state depend on it)"
+                f"{flag} {value}: resume with the same {flag} (the model, the batch order, "
+                "the optimizer state or the fp8 scaling state depend on it)"
             )
     if meta["step"] >= steps:
         raise CheckpointError(
@@ -181,6 +184,7 @@ def restore(
             f"nothing to run (use --steps {meta['step'] + 1} or more)"
         )
     _check_arrays(path, arrays, names, optimizer, meta["optimizer"]["step_count"])
+    fp8_state = fp8.checked_state(path, arrays) if fp8 is not None else None
     try:  # the scaler checks its own state; fields a version-1 file lacks keep this run's
         scaler.load_state_dict({**scaler.state_dict(), **meta["scaler"]})
     except ValueError as error:
@@ -197,6 +201,8 @@ def restore(
     ]
     step_count = meta["optimizer"]["step_count"]
     optimizer.load_state_dict({"step_count": step_count, "lr": optimizer.lr, "slots": slots})
+    if fp8_state is not None:
+        fp8.load_state(fp8_state)
     schedule = meta.get("schedule")
     return meta["step"], schedule if isinstance(schedule, dict) else {}
 

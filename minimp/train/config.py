@@ -9,7 +9,9 @@ resolved line rank 0 prints at start says which applied. The checks live in vali
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
+from minimp.precision.casting import ACTIVATION_DTYPES, BFLOAT16
 from minimp.train import validation
 from minimp.train.errors import ConfigError
 
@@ -50,7 +52,22 @@ class TrainConfig:
     )
     model: str = _by_dataset("mlp (digits) or gpt (shakespeare)", choices=("mlp", "gpt"))
     precision: str = _flag(
-        "fp16", "activation dtype; masters are always fp32", choices=("fp32", "fp16", "bf16")
+        "fp16",
+        "activation dtype; masters are always fp32. fp8: bf16 activations, and every Linear "
+        "multiplies fp8 inputs (E4M3 forward, E5M2 backward, a scale per tensor)",
+        choices=("fp32", "fp16", "bf16", "fp8"),
+    )
+    fp8_recipe: str = _flag(
+        None,
+        "fp8 scaling: delayed (from the largest amax of the last --fp8-amax-history steps), "
+        "current (from each tensor's own amax) or none (scale 1) (default: delayed with "
+        "--precision fp8)",
+    )
+    fp8_amax_history: int = _flag(
+        None, "steps of amax history delayed scaling keeps (default: 16 with --fp8-recipe delayed)"
+    )
+    fp8_margin: int = _flag(
+        None, "delayed scaling aims the amax at fp8's max / 2^margin (default: 0, as TE's)"
     )
     loss_scale: str = _flag(
         "auto", "'dynamic', 'none' or a number; auto = dynamic for fp16, none otherwise"
@@ -136,10 +153,20 @@ class TrainConfig:
                 setattr(self, name, value)
         if self.min_lr is None:  # nanoGPT's rule: the decay ends at a tenth of the peak
             self.min_lr = self.lr / 10
+        if self.precision == "fp8" and self.fp8_recipe is None:
+            self.fp8_recipe = "delayed"
+        if self.precision == "fp8" and self.fp8_recipe == "delayed":
+            self.fp8_amax_history = 16 if self.fp8_amax_history is None else self.fp8_amax_history
+            self.fp8_margin = 0 if self.fp8_margin is None else self.fp8_margin
 
     def data_parallel_size(self, world_size: int) -> int:
         """The resolved --dp: the job's ranks divided by --pp unless given."""
         return self.dp or max(1, world_size // max(self.pp, 1))
+
+    def activation_dtype(self) -> Any:
+        """The dtype activations are stored in: --precision's, and bf16 for fp8 runs (fp8 is
+        only what the Linears multiply)."""
+        return BFLOAT16 if self.precision == "fp8" else ACTIVATION_DTYPES[self.precision]
 
     def validate(self, world_size: int = 1) -> None:
         """Raise ConfigError naming the flag and the fix for the first value that cannot work."""
@@ -172,7 +199,7 @@ class TrainConfig:
         settings = dataclasses.asdict(self)
         settings["loss_scale"] = f"{kind}" if value is None else f"static {value:g}"
         return "config " + " ".join(
-            f"{key}={value}" for key, value in settings.items() if value != ""
+            f"{key}={value}" for key, value in settings.items() if value not in ("", None)
         )
 
 

@@ -99,17 +99,19 @@ class Run:
         config = self.config
         if config.device:
             backend.use_device(config.device, local_rank=local_rank)
-        self.dtype = ACTIVATION_DTYPES[config.precision]
+        self.dtype = config.activation_dtype()
         self.task = TASKS[config.dataset](config, self.dtype)
         stage = build_stage(config, self.task, self.topology, self.dtype)
         self.model, self.names, self.optimizer = stage.model, stage.names, stage.optimizer
-        self.stage, self.tied_names = stage.runner, stage.tied_names
+        self.stage, self.tied_names, self.fp8 = stage.runner, stage.tied_names, stage.fp8
         self.scaler = build_scaler(config)
         schedule = SCHEDULES[config.schedule](config.pp, config.micro_batches)
         self.actions = schedule[self.topology.stage]
-        # What a resume must repeat: the model, the batch order and the optimizer state's shapes
-        # depend on these (the learning rate and --steps may change).
+        # What a resume must repeat: the model, the batch order, the optimizer state's shapes and
+        # the fp8 scaling state depend on these (the learning rate and --steps may change).
         names = (*self.task.model_flags, "seed", "batch_size", "optimizer")
+        if self.fp8 is not None:  # the shape and meaning of the saved scaling state
+            names += ("fp8_recipe", "fp8_amax_history", "fp8_margin")
         self.resume_flags = {f"--{n.replace('_', '-')}": getattr(config, n) for n in names}
         self.lr_decay_steps = config.lr_decay_steps or config.steps
         self.start_step = self._resume() if config.resume else 0
@@ -125,6 +127,7 @@ class Run:
             names=self.names,
             optimizer=self.optimizer,
             scaler=self.scaler,
+            fp8=self.fp8,
         )
         if not self.config.lr_decay_steps and "lr_decay_steps" in schedule:
             self.lr_decay_steps = int(schedule["lr_decay_steps"])
@@ -165,6 +168,7 @@ class Run:
         max_norm = self.config.max_grad_norm or None
         result = mixed_precision_step(self.optimizer, self.scaler, max_norm, sync=self.sync)
         self._warn_if_stuck_at_min_scale(step)
+        fp8_entry = self._end_fp8_step()
         self._check_replicas(step)
         loss = self._mean_loss(loss_sum)
         entry = {
@@ -176,6 +180,7 @@ class Run:
             "compute_seconds": time.perf_counter() - step_start - self.communication.seconds,
             "communication_seconds": self.communication.seconds,
             "bytes_sent": self._bytes_sent() - bytes_before,
+            **fp8_entry,
         }
         every = self.config.eval_every
         if every and step % every == 0:
@@ -241,14 +246,23 @@ class Run:
                 "(lower --lr, clip with --max-grad-norm, or use bf16)"
             )
 
+    def _end_fp8_step(self) -> dict:
+        """fp8: the watched tensors' scales and lost fractions for the metrics row, then the next
+        step's scales (delayed scaling agrees on the amaxes across the replicas first)."""
+        if self.fp8 is None:
+            return {}
+        return {"fp8": self.fp8.end_step(self.comm, timed=self.communication.wrap)}
+
     def _check_replicas(self, step: int) -> None:
         every = self.config.check_replicas
         if every and step % every == 0:
-            self.communication.wrap(self.data_parallel.check_replicas)()  # raises on a drift
+            fp8_state = list(self.fp8.state_arrays().values()) if self.fp8 else []
+            self.communication.wrap(self.data_parallel.check_replicas)(fp8_state)  # raises
             if self.dp > 1:
+                what = " and fp8 scaling state" if fp8_state else ""
                 self.log(
-                    f"step {step}: replicas identical (the {self.dp} replicas' float32 masters "
-                    "have the same checksum)"
+                    f"step {step}: replicas identical (the {self.dp} replicas' float32 masters"
+                    f"{what} have the same checksum)"
                 )
 
     def _mean_loss(self, loss_sum: float) -> float:

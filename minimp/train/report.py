@@ -76,12 +76,14 @@ def plot_history(path: str, history: list[dict], units_per_step: int = 0, unit: 
 def history_figure(history: list[dict], units_per_step: int = 0, unit: str = "") -> Any:
     """What a reader of a run looks at, per step: the training loss and the validation loss
     (where evaluated); the loss scale on a log axis, a red x on each skipped step; the rate
-    (units_per_step `unit` per second of compute and communication); and, when the run
-    communicated, the share of each step spent in communication."""
+    (units_per_step `unit` per second of compute and communication); when the run
+    communicated, the share of each step spent in communication; and in an fp8 run, the scales of
+    the watched tensors with the fractions of their values that underflowed or saturated."""
     pyplot = require_matplotlib()
     steps = [record["step"] for record in history]
     communicated = any(record["communication_seconds"] > 0 for record in history)
-    panels = 3 + communicated
+    fp8_run = any("fp8" in record for record in history)
+    panels = 3 + communicated + fp8_run
     figure, axes = pyplot.subplots(panels, 1, sharex=True, figsize=(8, 2.2 * panels))
     axes[0].plot(steps, [record["loss"] for record in history], lw=1, label="training")
     evaluated = [record for record in history if "val_loss" in record]
@@ -99,6 +101,8 @@ def history_figure(history: list[dict], units_per_step: int = 0, unit: str = "")
         axes[3].plot(steps, share, lw=1)
         axes[3].set_ylabel("communication\nshare of step")
         axes[3].set_ylim(0, 1)
+    if fp8_run:
+        _draw_fp8(axes[-1], history)
     axes[-1].set_xlabel("step")
     figure.tight_layout()
     return figure
@@ -113,3 +117,22 @@ def _draw_loss_scale(axis: Any, history: list[dict]) -> None:
                      marker="x", color="red", label="skipped step", zorder=3)  # fmt: skip
         axis.legend()
     axis.set_ylabel("loss scale")
+
+
+def _draw_fp8(axis: Any, history: list[dict]) -> None:
+    """Each watched tensor's scale (solid, log axis on the left) and the fraction of its values
+    that underflowed to zero (dashed) or saturated (dotted, where any did) on the right."""
+    records = [record for record in history if "fp8" in record]
+    steps = [record["step"] for record in records]
+    fractions = axis.twinx()
+    for index, name in enumerate(records[0]["fp8"]):
+        color = f"C{index}"
+        series = [record["fp8"][name] for record in records]
+        axis.semilogy(steps, [s["scale"] for s in series], lw=1, color=color, label=name)
+        fractions.plot(steps, [s["underflow"] for s in series], "--", lw=1, color=color)
+        if any(s["saturated"] for s in series):
+            fractions.plot(steps, [s["saturated"] for s in series], ":", lw=1, color=color)
+    axis.set_ylabel("fp8 scale")
+    fractions.set_ylabel("underflowed (--)\nsaturated (:)")
+    fractions.set_ylim(0, 1)
+    axis.legend(fontsize=6, ncol=2, loc="lower right")

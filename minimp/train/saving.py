@@ -18,11 +18,13 @@ from minimp.train import checkpoint, files, report
 
 
 def gather_state(run: Any) -> dict | None:
-    """Replica 0's stages send their masters and optimizer slots to rank 0 (replicas are
-    identical, so replica 0 speaks for all); None on every other rank."""
+    """Replica 0's stages send their masters, optimizer slots and fp8 scaling state to rank 0
+    (replicas are identical, so replica 0 speaks for all); None on every other rank."""
     if run.topology.dp_rank != 0:
         return None
     state = checkpoint.state_arrays(run.names, run.optimizer)
+    if run.fp8 is not None:  # each stage's scaling state, as "fp8/<quantizer>/<field>"
+        state.update(run.fp8.state_arrays())
     return gather_named_arrays(run.topology.pp_group, state)
 
 
@@ -102,6 +104,8 @@ def evaluate(run: Any, batches: int | None, merged: Any = GATHER) -> float:
         if merged is not None:
             masters = {n: merged[f"master/{n}"] for n, _ in run.model.named_parameters()}
             run.model.load_state_dict(masters)
+            if run.fp8 is not None:  # the other stages' scales, for the layers they own
+                run.fp8.load_whole_model(merged)
         score = run.task.evaluate(run.model, batches)
     return float(run.comm.allreduce_scalars([score], "sum")[0])
 

@@ -5,8 +5,10 @@ Each check raises ConfigError naming the flag and the fix; nothing here allocate
 """
 
 import math
+import os
 from typing import Any
 
+from minimp.backend import DEVICE_ENVIRONMENT_VARIABLE
 from minimp.train.errors import ConfigError
 
 POSITIVE_INTEGERS = (
@@ -48,6 +50,7 @@ def _flag(name: str) -> str:
 
 def validate(config: Any, world_size: int) -> None:
     _check_ranges(config)
+    _check_fp8(config)
     _check_model(config)
     _check_grid(config, world_size)
     _check_batch(config, config.data_parallel_size(world_size))
@@ -80,6 +83,41 @@ def _check_ranges(config: Any) -> None:
         raise ConfigError(f"--beta2 must lie in [0, 1), got {config.beta2}")
     if config.min_lr > config.lr:
         raise ConfigError(f"--min-lr {config.min_lr} is above --lr {config.lr}")
+
+
+FP8_RECIPES = ("delayed", "current", "none")
+FP8_FLAGS = ("fp8_recipe", "fp8_amax_history", "fp8_margin")
+
+
+def _check_fp8(config: Any) -> None:
+    """fp8 flags only with --precision fp8, a known recipe, delayed scaling's numbers in range,
+    and the CPU (the emulation casts with ml_dtypes, on NumPy arrays)."""
+    given = [name for name in FP8_FLAGS if getattr(config, name) is not None]
+    if config.precision != "fp8":
+        if given:
+            raise ConfigError(f"{_flag(given[0])} needs --precision fp8")
+        return
+    if config.fp8_recipe not in FP8_RECIPES:
+        raise ConfigError(
+            f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {config.fp8_recipe!r}"
+        )
+    device = config.device or os.environ.get(DEVICE_ENVIRONMENT_VARIABLE, "").strip().lower()
+    if device == "gpu":
+        raise ConfigError(
+            "--precision fp8 is emulated on the CPU (ml_dtypes casts NumPy arrays); "
+            "use --device cpu"
+        )
+    if config.fp8_recipe != "delayed":
+        for name in ("fp8_amax_history", "fp8_margin"):  # delayed scaling's numbers
+            if getattr(config, name) is not None:
+                raise ConfigError(f"{_flag(name)} applies to --fp8-recipe delayed only")
+        return
+    if config.fp8_amax_history < 1:
+        raise ConfigError(
+            f"--fp8-amax-history must be a positive integer, got {config.fp8_amax_history}"
+        )
+    if not 0 <= config.fp8_margin <= 64:
+        raise ConfigError(f"--fp8-margin must lie in 0..64, got {config.fp8_margin}")
 
 
 def _check_model(config: Any) -> None:

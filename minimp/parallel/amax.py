@@ -1,0 +1,35 @@
+"""fp8's amax agreement: the ranks that hold the same tensors take the MAX of their amaxes.
+
+Delayed scaling computes each step's scales from the amaxes it recorded. Data-parallel replicas see
+different shards of the batch, so their activations and gradients have different amaxes; if each
+replica kept its own, their scales, and with them their fp8 states, would drift apart. One MAX
+all-reduce of all of a stage's amaxes after each step (Transformer Engine reduces over its "amax
+reduction group", the data- and tensor-parallel ranks) gives every replica the largest amax any of
+them saw, so all compute the same scales, bit for bit. For activations that is the amax of the
+whole batch, as one process sees it. Output gradients are dp times one process's (each replica's
+loss is the mean over its own shard; the all-reduce divides by dp later), so their scales are 1/dp
+times one process's and the fp8 values the same.
+
+`AmaxReduction(comm)` is the `reduce_amax` that `precision.update_scales` takes: any group of ranks
+sharing tensors (the replicas of a stage today; with tensor parallelism, the ranks holding the
+shards of one tensor as well) passes its communicator.
+"""
+
+import numpy as np
+
+from minimp.distributed.protocol import Communicator
+
+
+class AmaxReduction:
+    """Elementwise MAX of an amax vector over the ranks of `comm` (one all-reduce of float64
+    scalars, exact for float32 amaxes); a no-op on one rank."""
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+
+    def __call__(self, amaxes: np.ndarray) -> np.ndarray:
+        """The MAX over the ranks of each amax, as float32 (amaxes hold no NaN: the quantizers
+        record a NaN amax as inf, for which MAX is defined)."""
+        if self.comm.size == 1:
+            return amaxes
+        return self.comm.allreduce_scalars(amaxes, op="max").astype(np.float32)

@@ -1,0 +1,122 @@
+"""fp8 in a training run: the scaling state of this stage's Linears, its agreement after each step,
+the metrics of a few tensors, and the checkpoint arrays that carry the state.
+
+Every rank builds the whole model and gives every Linear an Fp8Meta; a stage updates the quantizers
+of its own layers, so each pipeline stage owns its layers' state. After each optimizer step the
+replicas of a stage agree on the step's amaxes (parallel.AmaxReduction over the data-parallel
+group), so delayed scaling computes the same scales on every replica and the replicas stay
+bit-identical, fp8 state included (--check-replicas compares it too). Checkpoints keep
+the state of delayed scaling as "fp8/<quantizer>/amax_history" and ".../scale" (float32), gathered
+from the stages like the masters, so a resume continues bit for bit in any layout.
+"""
+
+from typing import Any, Callable
+
+import numpy as np
+
+from minimp import nn
+from minimp.distributed.protocol import Communicator
+from minimp.parallel import AmaxReduction, Topology
+from minimp.precision.fp8_scaling import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Fp8Meta,
+    NoScaling,
+    load_quantizers_state_dict,
+    quantizers_state_dict,
+    update_scales,
+)
+from minimp.train.errors import CheckpointError
+
+PREFIX = "fp8/"
+
+
+def _untimed(function: Callable, name: str) -> Callable:
+    return function
+
+
+def recipe(config: Any) -> Any:
+    """The scaling recipe --fp8-recipe names (with --fp8-amax-history and --fp8-margin)."""
+    if config.fp8_recipe == "delayed":
+        return DelayedScaling(margin=config.fp8_margin, amax_history_len=config.fp8_amax_history)
+    return {"current": Float8CurrentScaling, "none": NoScaling}[config.fp8_recipe]()
+
+
+class Fp8Run:
+    """This rank's fp8 quantizers (those of its stage's layers), their agreement and metrics."""
+
+    def __init__(self, model: nn.Module, bounds: tuple[int, int], topology: Topology):
+        """model: the whole model, its Linears given Fp8Metas; bounds: this stage's layers."""
+        start, stop = bounds
+        self.model, self.topology = model, topology
+        self.quantizers = [
+            (name, quantizer)
+            for name, quantizer in nn.fp8_quantizers(model)
+            if start <= int(name.split(".")[0]) < stop
+        ]
+        self.reduce_amax = AmaxReduction(topology.dp_group)
+        linears = [name for name, _ in nn.fp8_metas(model)]
+        # A few tensors to watch in the metrics: the first and the last Linear's three.
+        ends = (linears[0], linears[-1])
+        self.watched = [f"{linear}.{tensor}" for linear in ends for tensor in Fp8Meta.TENSORS]
+
+    def end_step(self, world: Communicator, timed: Callable = _untimed) -> dict[str, dict]:
+        """After the optimizer step, on every rank: the statistics of the watched tensors (one SUM
+        all-reduce over the job), then this stage's next scales from amaxes agreed across its
+        replicas. Returns {tensor: {"scale", "underflow", "saturated"}} for the metrics row.
+        `timed(function, name)`: wraps the two collectives (the trainer times communication)."""
+        statistics = self._watched_statistics(timed(world.allreduce_scalars, "fp8_statistics"))
+        quantizers = [quantizer for _, quantizer in self.quantizers]
+        update_scales(quantizers, timed(self.reduce_amax, "fp8_amax"))
+        return statistics
+
+    def _watched_statistics(self, allreduce_scalars: Callable) -> dict[str, dict[str, float]]:
+        """Each watched tensor's scale this step (replica 0's, the stage that owns it) and the
+        fractions of its values, over every replica's share of the batch, that underflowed to
+        zero or saturated."""
+        own = dict(self.quantizers)
+        table = np.zeros((len(self.watched), 4))  # scale, underflow, saturated, values
+        for row, name in enumerate(self.watched):
+            quantizer = own.get(name)
+            if quantizer is not None:
+                scale = float(quantizer.scale) if self.topology.dp_rank == 0 else 0.0
+                table[row] = scale, quantizer.underflow, quantizer.saturated, quantizer.count
+        table = allreduce_scalars(table.reshape(-1), "sum").reshape(table.shape)
+        return {
+            name: {
+                "scale": float(scale),
+                "underflow": float(underflow / max(count, 1)),
+                "saturated": float(saturated / max(count, 1)),
+            }
+            for name, (scale, underflow, saturated, count) in zip(self.watched, table)
+        }
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """This stage's fp8 state under checkpoint names ("fp8/3.attn.c_attn.input/scale")."""
+        state = quantizers_state_dict(self.quantizers)
+        return {PREFIX + key: array for key, array in state.items()}
+
+    def checked_state(self, path: str, arrays: dict[str, np.ndarray]) -> dict | None:
+        """This stage's state from a checkpoint's arrays, checked (CheckpointError if incomplete
+        or wrong); None when the checkpoint holds no fp8 state (a bf16 run's, or a stateless
+        recipe's): the scales then start at 1, as a new run's do."""
+        state = {key[len(PREFIX) :]: a for key, a in arrays.items() if key.startswith(PREFIX)}
+        if not state:
+            return None
+        try:
+            load_quantizers_state_dict(self.quantizers, state, check_only=True)
+        except (KeyError, ValueError) as error:
+            raise CheckpointError(f"checkpoint {path}: {error.args[0]}") from None
+        return state
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        """Load what checked_state returned into this stage's quantizers."""
+        load_quantizers_state_dict(self.quantizers, state)
+
+    def load_whole_model(self, merged: dict[str, np.ndarray]) -> None:
+        """Every stage's fp8 state, gathered onto rank 0, into rank 0's whole model (before it
+        evaluates the model on its own)."""
+        state = {key[len(PREFIX) :]: a for key, a in merged.items() if key.startswith(PREFIX)}
+        if state:
+            nn.load_fp8_state_dict(self.model, state)
+
