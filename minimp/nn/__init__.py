@@ -1,9 +1,10 @@
 """minimp.nn: modules (as torch.nn): Parameter and Module, the layers MLPs and GPTs are built from,
-and dropout with masks every parallel layout draws alike."""
+dropout with masks every parallel layout draws alike, and activation recomputation."""
 
 from minimp.nn.dropout import Dropout, DropoutState, set_dropout_state
 from minimp.nn.layers import GELU, Embedding, LayerNorm, Linear, ReLU, Sequential, Tanh
 from minimp.nn.module import Module, Parameter
+from minimp.nn.recompute import Recompute, recompute
 
 __all__ = [
     "GELU",
@@ -15,7 +16,9 @@ __all__ = [
     "Module",
     "Parameter",
     "ReLU",
+    "Recompute",
     "Sequential",
     "Tanh",
+    "recompute",
     "set_dropout_state",
 ]
