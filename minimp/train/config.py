@@ -102,7 +102,17 @@ class TrainConfig:
     pp: int = _flag(1, "pipeline stages: the layers are split into this many contiguous stages")
     schedule: str = _flag("1f1b", "pipeline schedule", choices=("gpipe", "1f1b"))
     timeline: str = _flag("", "write each stage's forward/backward times to this .json file")
-    bucket_mb: float = _flag(25.0, "gradient bucket size in MiB for the data-parallel all-reduce")
+    zero: int = _flag(
+        0,
+        "ZeRO stage: 0 replicates everything on every replica; 1 shards the optimizer state and "
+        "fp32 masters over the replicas, 2 the gradients too, 3 the parameters too",
+    )
+    recompute: bool = _flag(
+        False, "keep only each block's input for backward and rerun its forward there"
+    )
+    bucket_mb: float = _flag(
+        25.0, "gradient bucket size in MiB for the all-reduce of --zero 0 (ZeRO moves layers)"
+    )
     grad_comm_dtype: str = _flag("fp32", "dtype of gradients on the wire", choices=("fp32", "fp16"))
     grad_average: str = _flag(
         "before",
@@ -213,6 +223,12 @@ def build_parser(
             help_text, default = f"{help_text} (default: {defaults})", argparse.SUPPRESS
         elif default is None:  # derived from other flags; the help says how
             default = argparse.SUPPRESS
+        if _type_of(config_field.name) is bool:  # a switch: present means True
+            parser.add_argument(
+                dashed(config_field.name), dest=config_field.name, action="store_true",
+                help=help_text,
+            )  # fmt: skip
+            continue
         parser.add_argument(
             dashed(config_field.name),
             dest=config_field.name,
@@ -226,7 +242,7 @@ def build_parser(
 
 def _type_of(name: str) -> type:
     hint = TrainConfig.__annotations__[name]
-    return hint if hint in (int, float) else str
+    return hint if hint in (int, float, bool) else str
 
 
 def parse_config(argv: list[str] | None = None, quiet: bool = False) -> TrainConfig:

@@ -1,5 +1,6 @@
 """The checks of a training configuration, run before anything is built: every number in its range
-(NaN and inf included), the dp x pp grid, the batch split, the model's memory, injections.
+(NaN and inf included), the dp x pp grid, the batch split, ZeRO's shards, the model's memory,
+injections.
 
 Each check raises ConfigError naming the flag and the fix; nothing here allocates or communicates.
 """
@@ -7,6 +8,7 @@ Each check raises ConfigError naming the flag and the fix; nothing here allocate
 import math
 from typing import Any
 
+from minimp.parallel.stages import split_counts
 from minimp.train.errors import ConfigError
 
 POSITIVE_INTEGERS = (
@@ -35,6 +37,7 @@ NON_NEGATIVE = (
     "eval_batches",
     "heads",
     "context",
+    "zero",
 )
 # (input features, classes) of the digits, and the characters of shakespeare: known before the
 # data is loaded (tests check they match the data).
@@ -51,6 +54,7 @@ def validate(config: Any, world_size: int) -> None:
     _check_model(config)
     _check_grid(config, world_size)
     _check_batch(config, config.data_parallel_size(world_size))
+    _check_zero(config, config.data_parallel_size(world_size))
     if config.save_every and not config.save:
         raise ConfigError("--save-every needs --save (the path to save to)")
     loss_scale_kind(config)
@@ -142,27 +146,78 @@ def _check_batch(config: Any, dp: int) -> None:
         )
 
 
-def parameter_count(config: Any) -> int:
-    """Parameters of the model these flags build (before it is built)."""
+def _check_zero(config: Any, dp: int) -> None:
+    """A ZeRO stage that exists, sharding that leaves no replica empty-handed, and no flag that
+    needs the replicas to hold the same state."""
+    if config.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero must be 0, 1, 2 or 3 (ZeRO's stages), got {config.zero}")
+    if not isinstance(config.recompute, bool):
+        raise ConfigError(f"--recompute is a switch (True or False), got {config.recompute!r}")
+    if not config.zero:
+        return
+    if config.check_replicas:
+        raise ConfigError(
+            f"--check-replicas compares the replicas' masters, and --zero {config.zero} gives "
+            "each replica a different part of them (use --zero 0 to check replicas)"
+        )
+    for stage, sizes in enumerate(zero_unit_sizes(config)):
+        if max(sizes) < dp:
+            raise ConfigError(
+                f"--zero {config.zero} over --dp {dp}: pipeline stage {stage}'s largest layer "
+                f"has {max(sizes)} parameters, so some replicas would hold none of that stage "
+                f"(use --dp {max(sizes)} or fewer, a wider model, or --zero 0)"
+            )
+
+
+def layer_parameter_counts(config: Any) -> list[int]:
+    """Parameters of each layer of the model these flags build, in order (ReLUs hold none)."""
     width, layers = config.hidden, config.layers
     if config.model == "gpt":  # embeddings (tied head), per block 12 C^2 + 13 C, final LayerNorm
         embeddings = (SHAKESPEARE_VOCABULARY + config.context) * width
-        return embeddings + layers * (12 * width * width + 13 * width) + 2 * width
+        return [embeddings] + [12 * width * width + 13 * width] * layers + [2 * width]
     features, classes = DIGITS_SHAPE
-    inputs, count = features, 0
+    counts, inputs = [], features
     for _ in range(layers):
-        count, inputs = count + inputs * width + width, width
-    return count + inputs * classes + classes
+        counts += [inputs * width + width, 0]
+        inputs = width
+    return counts + [inputs * classes + classes]
+
+
+def zero_unit_sizes(config: Any) -> list[list[int]]:
+    """The sizes of ZeRO's units (minimp/parallel/zero_layout.py) on each pipeline stage: one
+    per layer with weights, the GPT's token and position embeddings apart (the head reads the
+    first too), and the last stage's copy of the token embedding."""
+    counts = layer_parameter_counts(config)
+    stages = split_counts(counts, config.pp)
+    token = SHAKESPEARE_VOCABULARY * config.hidden
+    sizes = []
+    for start, stop in stages:
+        units = [count for count in counts[start:stop] if count]
+        if config.model == "gpt":
+            if start == 0:  # the embeddings' two tables are two units
+                units[0:1] = [token, config.context * config.hidden]
+            elif stop == len(counts):  # the head reads the tied copy of the token embedding
+                units.append(token)
+        sizes.append(units)
+    return sizes
+
+
+def parameter_count(config: Any) -> int:
+    """Parameters of the model these flags build (before it is built)."""
+    return sum(layer_parameter_counts(config))
 
 
 def check_memory(config: Any, ranks_on_this_node: int, available: int) -> None:
     """Every rank builds the whole model in float32 and in the compute dtype (6 bytes a
     parameter), and keeps for its stage a float32 master, gradient accumulator and two optimizer
-    slots, a 16-bit gradient and two wire buffers (26 bytes a parameter, over --pp stages), plus
-    its activations: at most the whole batch, bounded by 12 bytes per row, width and layer for
+    slots, a 16-bit gradient and two wire buffers (26 bytes a parameter, over --pp stages; with
+    ZeRO, minimp/parallel/zero_accounts.py's per-rank share and a 16-bit gradient), plus its
+    activations: at most the whole batch, bounded by 12 bytes per row, width and layer for
     the MLP and by the GPT block's 34 sbh + 5 a s^2 b (models/gpt.py) with room for float32."""
     parameters = parameter_count(config)
-    per_rank = 6 * parameters + 26 * parameters // config.pp
+    dp = max(1, config.dp)
+    state = {0: 26, 1: 8 + 12 / dp, 2: 4 + 16 / dp, 3: 2 + 18 / dp}[config.zero]
+    per_rank = 6 * parameters + int(state * parameters) // config.pp
     rows, width, layers = config.batch_size, config.hidden, config.layers
     if config.model == "gpt":
         s, a = config.context, config.heads
