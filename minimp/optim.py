@@ -53,7 +53,7 @@ class Optimizer:
         self.step_count = 0
 
     def zero_grad(self) -> None:
-        """Forget the gradients: the parameters' and this step's float32 sums (their buffers stay)."""
+        """Forget the gradients: the parameters' and this step's float32 sums (buffers stay)."""
         for parameter in self.params:
             parameter.grad = None
         self.master_gradients = [None] * len(self.params)
