@@ -112,6 +112,7 @@ def test_an_injected_fault_ends_the_job_fast_with_that_rank_s_message():
         (["--pp", "3"], "--pp 3 does not divide the 4 ranks of this job"),
         (["--pp", "8"], "--pp 8 needs at least 8 layers with weights, the model has 4"),
         (["--pp", "2", "--dp", "1"], "--dp 1 does not match the 4 ranks of this job"),
+        (["--zero", "1", "--check-replicas", "5"], "--check-replicas compares the replicas'"),
     ],
 )
 def test_bad_input_is_one_error_from_rank_0_and_no_hang(flags, message):
@@ -172,6 +173,27 @@ def test_pipeline_under_mpirun_ends_with_the_one_process_weights(
     )
     assert result.returncode == 0, result.stderr
     assert_same_masters(tmp_path / "pp.npz", one_process_fp32)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize(
+    "ranks, layout",
+    [(2, ["--dp", "2"]), (4, ["--dp", "2", "--pp", "2", "--micro-batches", "2"])],
+    ids=["dp2", "dp2-pp2"],
+)
+def test_zero_under_mpirun_ends_with_the_one_process_weights(
+    tmp_path, one_process_fp32, zero, ranks, layout
+):
+    path, metrics = tmp_path / "zero.npz", tmp_path / "zero.jsonl"
+    result = train_command(
+        ranks, "--precision", "fp32", "--steps", "20", "--zero", str(zero), *layout,
+        "--save", str(path), "--metrics", str(metrics),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert_same_masters(path, one_process_fp32)
+    _, records = last_loss(metrics)
+    assert len(records[-1]["model_state_bytes"]) == ranks
+    assert records[0]["bytes_by_collective"]["reduce_scatter"] > 0
 
 
 def test_an_overflow_on_the_last_stage_makes_every_stage_skip(tmp_path):
