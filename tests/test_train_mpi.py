@@ -196,6 +196,23 @@ def test_zero_under_mpirun_ends_with_the_one_process_weights(
     assert records[0]["bytes_by_collective"]["reduce_scatter"] > 0
 
 
+def test_the_zero_memory_example_measures_what_the_formulas_say():
+    example = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples", "zero_memory.py")
+    result = subprocess.run(
+        [PYTHON, example, "--ranks", "2", "--steps", "2", "--rounds", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert [row["largest_difference"] for row in report["rows"]] == [0, 0, 0, 0]
+    assert all(row["bytes_sent"] == row["bytes_sent_formula"] for row in report["rows"])
+    assert [round(gb, 1) for gb in report["scale"][1]["paper"]] == [120.0, 31.4, 16.6, 1.9]
+    trade = report["recompute"]
+    assert trade["kept_recompute"] == trade["kept_recompute_formula"] < trade["kept_plain"]
+
+
 def test_an_overflow_on_the_last_stage_makes_every_stage_skip(tmp_path):
     result = train_command(
         4,
