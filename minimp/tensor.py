@@ -230,7 +230,12 @@ def _run_hooks(hooks: Sequence, grad: Any) -> Any:
 
 def topological_order(root: Tensor) -> list[Tensor]:
     """Every tensor that requires grad and is reachable from root, each after all of its inputs
-    (iterative depth-first search: no recursion limit on deep graphs)."""
+    (iterative depth-first search: no recursion limit on deep graphs).
+
+    An op's first input (its activation: x in x @ W^T + b) is explored first, so everything it
+    leads back to comes before the op's weights here, and backward, walking this list reversed,
+    reaches each weight right after the ops that use it: a layer's gradients are complete as soon
+    as its backward is done (ZeRO reduce-scatters and frees layer by layer from that moment)."""
     order, visited, stack = [], set(), [(root, False)]
     while stack:
         tensor, inputs_done = stack.pop()
@@ -241,8 +246,9 @@ def topological_order(root: Tensor) -> list[Tensor]:
             continue
         visited.add(id(tensor))
         stack.append((tensor, True))
-        if tensor.node is not None:
-            stack.extend((parent, False) for parent in tensor.node.inputs if parent.requires_grad)
+        if tensor.node is not None:  # pushed last, popped (and explored) first
+            parents = [parent for parent in tensor.node.inputs if parent.requires_grad]
+            stack.extend((parent, False) for parent in reversed(parents))
     return order
 
 

@@ -33,6 +33,7 @@ from minimp.parallel.zero_accounts import (
     bytes_sent_formula,
     memory_formula,
     paper_per_parameter,
+    peak_formula,
     per_parameter,
 )
 from minimp.train import TrainConfig
@@ -65,6 +66,9 @@ def run_zero(ranks: int, stage: int, steps: int, folder: str) -> dict:
         "measured": final["model_state_by_kind"],
         "formula": formulas,
         "peak": final["peak_model_state_bytes"],
+        "peak_formula": sum(formulas[0].values()) + peak_formula(
+            stage, unit_sizes=UNITS, compute_bytes=2
+        ),
         "largest_difference": max(
             abs(measured[kind] - formula[kind])
             for measured, formula in zip(final["model_state_by_kind"], formulas)
@@ -137,15 +141,17 @@ def print_tables(rows: list[dict], scale: list[dict], trade: dict) -> None:
     print("bytes held by rank 0 at the end of a step, by kind (measured = formula to the byte;")
     print("'diff' is the largest difference over every rank and kind)")
     header = "".join(f"{kind[:12]:>13}" for kind in KINDS[:-1])
-    print(f"{'stage':>5} {'N':>2}{header} {'total':>11} {'formula':>11} {'diff':>5} "
-          f"{'peak':>11} {'sent/step':>11} {'formula':>11} {'step ms':>8}")  # fmt: skip
+    print(
+        f"{'stage':>5} {'N':>2}{header} {'total':>11} {'formula':>11} {'diff':>5} {'peak':>11} "
+        f"{'formula':>11} {'sent/step':>11} {'formula':>11} {'step ms':>8}"
+    )
     for r in rows:
         kinds = "".join(f"{r['measured'][0][kind]:>13,}" for kind in KINDS[:-1])
         print(
             f"{r['stage']:>5} {r['ranks']:>2}{kinds} {sum(r['measured'][0].values()):>11,} "
             f"{sum(r['formula'][0].values()):>11,} {r['largest_difference']:>5} "
-            f"{r['peak'][0]:>11,} {r['bytes_sent']:>11,.0f} {r['bytes_sent_formula']:>11,} "
-            f"{r['step_ms']:>8.1f}"
+            f"{r['peak'][0]:>11,} {r['peak_formula']:>11,} {r['bytes_sent']:>11,.0f} "
+            f"{r['bytes_sent_formula']:>11,} {r['step_ms']:>8.1f}"
         )
     print("\n7.5B parameters, GB per rank (1e9 bytes), stages 0 / 1 / 2 / 3")
     for row in scale:

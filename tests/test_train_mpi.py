@@ -208,6 +208,7 @@ def test_the_zero_memory_example_measures_what_the_formulas_say():
     report = json.loads(result.stdout)
     assert [row["largest_difference"] for row in report["rows"]] == [0, 0, 0, 0]
     assert all(row["bytes_sent"] == row["bytes_sent_formula"] for row in report["rows"])
+    assert all(row["peak"][0] == row["peak_formula"] for row in report["rows"])
     assert [round(gb, 1) for gb in report["scale"][1]["paper"]] == [120.0, 31.4, 16.6, 1.9]
     trade = report["recompute"]
     assert trade["kept_recompute"] == trade["kept_recompute_formula"] < trade["kept_plain"]

@@ -7,7 +7,7 @@ import pytest
 from test_train_gpt import TINY, assert_same_weights
 
 from minimp import distributed as dist
-from minimp.parallel.zero_accounts import bytes_sent_formula, memory_formula
+from minimp.parallel.zero_accounts import bytes_sent_formula, memory_formula, peak_formula
 from minimp.train import TrainConfig, saving, train
 from minimp.train.errors import ConfigError
 from minimp.train.loop import Run
@@ -65,8 +65,9 @@ def test_an_injected_overflow_skips_the_same_step_in_every_stage():
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_memory_and_bytes_sent_equal_the_formulas(world_size):
-    """Every rank, every kind, every collective; uneven chunks (the MLP's units have 2080, 1056
-    and 330 elements), fp16 compute, fp32 wire, Adam, two micro-batches."""
+    """Every rank, every kind, every collective, and the peak inside a step; uneven chunks (the
+    MLP's units have 2080, 1056 and 330 elements), fp16 compute, fp32 wire, Adam, two
+    micro-batches."""
     config = TrainConfig(**SMALL)
     units = zero_unit_sizes(config)[0]
     for zero in range(4):
@@ -83,6 +84,8 @@ def test_memory_and_bytes_sent_equal_the_formulas(world_size):
             )
             assert result["model_state_by_kind"][rank] == expected, (zero, rank)
             assert result["model_state_bytes"][rank] == sum(expected.values())
+            peak = peak_formula(zero, unit_sizes=units, compute_bytes=2)
+            assert result["peak_model_state_bytes"][rank] == sum(expected.values()) + peak
             sent = bytes_sent_formula(
                 zero,
                 sizes=[sum(units)] if zero == 0 else units,

@@ -18,7 +18,9 @@ is 18, 6 + 12/N, 2 + 16/N and 18/N bytes, where ZeRO's paper (section 3.1, Adam 
 4 + 12/N, 2 + 14/N and 16/N: minimp's gradients are float32 accumulators (4 bytes, where the paper
 keeps fp16 gradients: 2), held between steps. The 16-bit gradient backward writes is freed as soon
 as it is added into them, so it lives inside a step only, with stage 3's gathered layers and the
-activations; the peak inside a step is measured apart (`PeakMemory`).
+activations; the peak inside a step is measured apart (`PeakMemory`, `peak_formula`): c P more
+in stages 0-1 (every 16-bit gradient, at the end of backward), c U in stage 2 (one layer's), 2 c U
+in stage 3 (and that layer gathered).
 
 Bytes sent per step by rank r, ring collectives over units of s_u elements whose chunk r has c_u(r)
 elements (a ring reduce-scatter sends every chunk but its own, an all-gather every chunk but its
@@ -148,6 +150,17 @@ def memory_formula(
         "buffers": buffers.get(stage, 2 * w * largest) if many else 0,
         "gathered": 0,
     }
+
+
+def peak_formula(stage: int, *, unit_sizes: list[int], compute_bytes: int) -> int:
+    """Bytes held above `memory_formula`'s at the peak inside a step, for models whose units are
+    each read by one layer (the MLP): stages 0-1 hold every 16-bit gradient at the end of
+    backward, c P; stage 2 one unit's, reduce-scattered as soon as backward completes it, c U;
+    stage 3 that and the same unit gathered for its backward, 2 c U."""
+    largest, c = max(unit_sizes, default=0), compute_bytes
+    if stage < 2:
+        return c * sum(unit_sizes)
+    return c * largest * (1 if stage == 2 else 2)
 
 
 def bytes_sent_formula(
