@@ -8,7 +8,8 @@ Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operatio
   ring                2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
   naive (to root)     2(p-1) (alpha + n beta) + (p-1) n gamma
   binomial tree       2 ceil(log2 p) (alpha + n beta) + ceil(log2 p) n gamma  (reduce, broadcast)
-  recursive doubling  ceil(log2 p) (alpha + n beta + n gamma), + 2 (alpha + n beta) unless p = 2^k
+  recursive doubling  floor(log2 p) (alpha + n beta + n gamma), + 2 (alpha + n beta) + n gamma
+                      unless p = 2^k (fold in and out)
   Rabenseifner        2 log2(p) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
 
 Bus bandwidth is nccl-tests' figure of merit: busbw = algbw * 2(p-1)/p with algbw = n / time, so a

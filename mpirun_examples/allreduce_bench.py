@@ -2,17 +2,19 @@
 
     mpirun -n 4 python mpirun_examples/allreduce_bench.py            # table, 4 KiB .. 64 MiB
     mpirun -n 2 python mpirun_examples/allreduce_bench.py --json     # one JSON object for machines
-    mpirun -n 4 python mpirun_examples/allreduce_bench.py --max-mib 4 --repeats 5
+    mpirun -n 4 python mpirun_examples/allreduce_bench.py --max-mib 4
     mpirun -n 2 python mpirun_examples/allreduce_bench.py --device gpu --json   # CuPy, NCCL
 
-Each time is the slowest rank's, median of --repeats runs after a warm-up. It also fits the cost
-model's alpha and beta from timed Sendrecv steps and gamma from timed reductions on this machine,
-then prints the model's ring prediction beside the measured ring time.
+Each time is the slowest rank's, the median of many runs after a warm-up (at least 50 up to
+1 MiB). Before that it measures the machine model's terms (minimp/machinemodel.py) at sizes of
+3 x 2^k bytes, and prints the model's prediction of each algorithm beside its measured time: every
+size measured here is a power of two, one the fit never saw (held out). With --shipped the
+prediction is that of the model minimp ships for this many ranks (minimp.machinemodel.SHIPPED),
+the one `auto` uses, instead of the one fitted in this run.
 """
 
 import argparse
 import json
-import statistics
 import sys
 
 import numpy as np
@@ -20,113 +22,106 @@ from mpi4py import MPI
 
 from minimp import backend, costmodel
 from minimp import distributed as dist
-from minimp.distributed.buffers import reduce_into
+from minimp.distributed.calibrate import calibrate, calibration_sizes, repeats_for, timed
+from minimp.machinemodel import ALGORITHMS as MODELLED
+from minimp.machinemodel import Line, relative_errors, shipped_model
 
 ALGORITHMS = ("ring", "naive", "recursive_doubling", "auto")
 
 
-def timed(comm, function, repeats):
-    """Median over repeats of the slowest rank's seconds for function()."""
-    function()
-    samples = []
-    for _ in range(repeats):
-        MPI.COMM_WORLD.Barrier()
-        start = MPI.Wtime()
-        function()
-        elapsed = MPI.Wtime() - start
-        samples.append(comm.allreduce_scalars([elapsed], op="max")[0])
-    return statistics.median(samples)
-
-
-def fit_network(comm, sizes, repeats):
-    """alpha and beta from ring-neighbour Sendrecv steps, gamma from in-place float32
-    reductions, both timed at the chunk sizes (bytes / p) that the ring all-reduce moves
-    for the benchmark's sizes."""
-    chunks = sorted({max(nbytes // comm.size // 4 * 4, 4) for nbytes in sizes})
-    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
-    message_seconds, reduce_seconds = [], []
-    for nbytes in chunks:
-        outgoing, incoming = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
-        message_seconds.append(
-            timed(comm, lambda: comm.sendrecv(outgoing, right, incoming, left), repeats)
-        )
-        reduce_seconds.append(timed(comm, lambda: reduce_into(incoming, outgoing, "sum"), repeats))
-    alpha, beta = costmodel.fit_alpha_beta(chunks, message_seconds)
-    reduce_overhead, gamma = costmodel.fit_alpha_beta(chunks, reduce_seconds)
-    # The ring reduces in half of its 2(p - 1) steps: that fixed cost joins the per-message latency.
-    return costmodel.Network(
-        alpha=alpha + reduce_overhead / 2, beta=beta, gamma=gamma, name="fitted in this run"
-    )
+def sizes_from(min_kib, max_mib):
+    """4 KiB, 8 KiB, ... up to max_mib: every power of two between."""
+    sizes, nbytes = [], min_kib * 1024
+    while nbytes <= max_mib * 2**20:
+        sizes.append(nbytes)
+        nbytes *= 2
+    return sizes
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="minimp all-reduce vs MPI.Allreduce")
     parser.add_argument("--min-kib", type=int, default=4)
     parser.add_argument("--max-mib", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--shipped", action="store_true", help="predict with the shipped model, not this run's fit"
+    )
     parser.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
+    parser.add_argument("--repeats", type=int, default=5, help="repetitions per size (GPU)")
     args = parser.parse_args(argv)
     comm = dist.world()
-    p = comm.size
     if args.device == "gpu":
         return gpu_main(comm, args)
-    sizes, nbytes = [], args.min_kib * 1024
-    while nbytes <= args.max_mib * 2**20:
-        sizes.append(nbytes)
-        nbytes *= 4
-    network = fit_network(comm, sizes, args.repeats) if p > 1 else costmodel.THIS_MACHINE
-    rows = []
-    for nbytes in sizes:
-        x = np.random.default_rng(comm.rank).uniform(-1, 1, nbytes // 4).astype(np.float32)
-        out = np.empty_like(x)
-        repeats = max(3, args.repeats if nbytes <= 2**22 else args.repeats // 2)
-        row = {
-            "bytes": nbytes,
-            "mpi": timed(comm, lambda: MPI.COMM_WORLD.Allreduce(x, out, op=MPI.SUM), repeats),
-        }
-        for algorithm in ALGORITHMS:  # the same reused output buffer that MPI gets
-            row[algorithm] = timed(
-                comm, lambda: dist.allreduce(comm, x, algorithm=algorithm, out=out), repeats
-            )
-        row["auto_choice"] = dist.choose_algorithm(nbytes, p)
-        row["ring_predicted"] = costmodel.ring_allreduce_time(nbytes, p, network)
-        row["ring_predicted_default"] = costmodel.ring_allreduce_time(
-            nbytes, p, costmodel.THIS_MACHINE
-        )
-        rows.append(row)
+    sizes, p = sizes_from(args.min_kib, args.max_mib), comm.size
+    model, terms = calibrate(comm, calibration_sizes(sizes[0] // p, sizes[-1]))
+    if args.shipped:
+        model = shipped_model(p)
+    rows = [measure_size(comm, nbytes) for nbytes in sizes]
     if comm.rank != 0:
         return 0
-    report = {"ranks": p, "network": vars(network), "rows": rows}
+    for row in rows:
+        row["predicted"] = {a: model.allreduce_time(a, row["bytes"]) for a in MODELLED}
+    errors = {a: held_out_errors(model, rows, a) for a in MODELLED}
+    report = {"ranks": p, "model": model.as_dict(), "terms": terms, "held_out": errors}
+    report["rows"] = rows
     if args.json:
         print(json.dumps(report))
-        return 0
-    print(
-        f"all-reduce of float32 on {p} ranks (slowest rank, median); "
-        "times in ms; ratio = time / MPI's"
-    )
-    print(
-        f"fitted: alpha {network.alpha * 1e6:.1f} us, "
-        f"1/beta {1 / max(network.beta, 1e-30) / 1e9:.2f} GB/s, "
-        f"1/gamma {1 / max(network.gamma, 1e-30) / 1e9:.2f} GB/s"
-    )
-    header = f"{'size':>9} {'MPI':>8}" + "".join(f" {a:>19}" for a in ALGORITHMS)
-    print(header + f" {'busbw ring':>11} {'model/ring':>10}")
-    for row in rows:
-        size = (
-            f"{row['bytes'] // 1024} KiB"
-            if row["bytes"] < 2**20
-            else f"{row['bytes'] // 2**20} MiB"
-        )
-        cells = "".join(f" {row[a] * 1e3:8.3f} ({row[a] / row['mpi']:5.2f}x)" for a in ALGORITHMS)
-        busbw = (
-            costmodel.bus_bandwidth(row["bytes"], row["ring"], p) / 1e9 if p > 1 else float("nan")
-        )
-        print(
-            f"{size:>9} {row['mpi'] * 1e3:8.3f}{cells} {busbw:8.2f} GB/s "
-            f"{row['ring_predicted'] / row['ring']:9.2f}  auto={row['auto_choice']}"
-        )
+    else:
+        print_table(report)
     return 0
+
+
+def measure_size(comm, nbytes):
+    """MPI's Allreduce and each of minimp's algorithms on the same buffers, slowest rank."""
+    x = np.random.default_rng(comm.rank).uniform(-1, 1, nbytes // 4).astype(np.float32)
+    out = np.empty_like(x)
+    repeats = repeats_for(nbytes)
+    row = {"bytes": nbytes, "repeats": repeats}
+    row["mpi"] = timed(comm, lambda: MPI.COMM_WORLD.Allreduce(x, out, op=MPI.SUM), repeats)
+    for algorithm in ALGORITHMS:  # the same reused output buffer that MPI gets
+        run = lambda: dist.allreduce(comm, x, algorithm=algorithm, out=out)  # noqa: E731
+        row[algorithm] = timed(comm, run, repeats)
+    row["auto_choice"] = dist.choose_algorithm(nbytes, comm.size)
+    return row
+
+
+def held_out_errors(model, rows, algorithm):
+    """model/measured - 1 of one algorithm on the benchmark's sizes (none of which the fit saw)."""
+    sizes, measured = [r["bytes"] for r in rows], [r[algorithm] for r in rows]
+    found = relative_errors(model, sizes, measured, algorithm)
+    return {"median": found["median"], "worst": found["worst"]}
+
+
+def print_table(report):
+    p, model = report["ranks"], report["model"]
+    print(f"all-reduce of float32 on {p} ranks (slowest rank, median); ratio = time / MPI's")
+    python = {name: Line.from_dict(line)(p) for name, line in model["python"].items()}
+    print(f"model: {model['name']}; agree {model['agree'] * 1e6:.1f} us; Python " + ", ".join(
+        f"{name} {seconds * 1e6:.1f} us" for name, seconds in python.items()
+    ))  # fmt: skip
+    for term in ("message", "reduce"):
+        pieces = Line.from_dict(model[term]).pieces()
+        print(f"{term}: " + "; ".join(
+            f"{line.intercept * 1e6:.1f} us + n / {1 / max(line.slope, 1e-30) / 1e9:.2f} GB/s"
+            + (f" up to {line.limit:.0f} B" if line.above else "") for line in pieces
+        ))  # fmt: skip
+    header = f"{'size':>9} {'MPI':>8}" + "".join(f" {a:>19}" for a in ALGORITHMS)
+    print(header + f" {'busbw ring':>11}   model/measured: " + " ".join(MODELLED))
+    for row in report["rows"]:
+        nbytes = row["bytes"]
+        size = f"{nbytes // 1024} KiB" if nbytes < 2**20 else f"{nbytes // 2**20} MiB"
+        cells = "".join(f" {row[a] * 1e3:8.3f} ({row[a] / row['mpi']:5.2f}x)" for a in ALGORITHMS)
+        busbw = costmodel.bus_bandwidth(nbytes, row["ring"], p) / 1e9 if p > 1 else float("nan")
+        ratios = " ".join(f"{row['predicted'][a] / row[a]:5.2f}" for a in MODELLED)
+        print(
+            f"{size:>9} {row['mpi'] * 1e3:8.3f}{cells} {busbw:8.2f} GB/s   {ratios}"
+            f"  auto={row['auto_choice']}"
+        )
+    for algorithm, errors in report["held_out"].items():
+        print(
+            f"model vs measured {algorithm} (held-out sizes): median |error| "
+            f"{errors['median']:.1%}, worst {errors['worst']:.1%}"
+        )
 
 
 def nccl_allreduce(comm):

@@ -5,7 +5,8 @@
     python mpirun_examples/pipeline_timeline.py --sweep      # the table: P = 2, 4 and M = 1..16
 
 It launches `mpirun -n P python -m minimp.train --pp P --timeline ...` for each
-schedule, reads each stage's forward/backward times, and measures the bubble of a step
+schedule, reads each stage's forward/backward times from the trace (the Chrome trace-event file
+that Perfetto opens, minimp/train/trace.py), and measures the bubble of a step
 as 1 - (mean busy time of a stage) / (time from the first forward to the last backward),
 beside the theory (P - 1)/(M + P - 1). The model (8 hidden layers of 512) splits into
 stages of nearly equal parameter count. On a 2-core machine P = 4 is oversubscribed and
@@ -14,17 +15,31 @@ property of this machine as much as of the schedule.
 """
 
 import argparse
-import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 
 from minimp.costmodel import pipeline_bubble_fraction
+from minimp.lessons.timelines import bubble, compute_times, span  # lesson 7's measurements
+from minimp.machinemodel import shipped_model
+from minimp.parallel import SCHEDULES, Costs, simulate_schedule
+from minimp.parallel.trace import read_timeline
 
-MODEL = ["--hidden", "512", "--layers", "8", "--batch-size", "256", "--precision", "fp32"]
+HIDDEN, BATCH = 512, 256
+MODEL = ["--hidden", str(HIDDEN), "--layers", "8", "--batch-size", str(BATCH), "--precision", "fp32"]
+
+
+def simulated(timeline):
+    """The schedule simulator's step, fed with this run's median forward and backward seconds per
+    stage and the shipped machine model's time for one activation message (float32 rows of
+    HIDDEN): a prediction of the measured span from measured parts."""
+    stages, micro_batches = timeline["stages"], timeline["micro_batches"]
+    forward, backward = compute_times(timeline, skip_steps=2)
+    message = shipped_model(stages).message(BATCH // micro_batches * HIDDEN * 4)
+    schedule = SCHEDULES[timeline["schedule"]](stages, micro_batches)
+    return simulate_schedule(schedule, Costs(forward, backward, message=message))
 
 
 def measure(stages, micro_batches, schedule, steps, folder):
@@ -57,24 +72,7 @@ def measure(stages, micro_batches, schedule, steps, folder):
         text=True,
         timeout=600,
     )
-    with open(path) as file:
-        return json.load(file)
-
-
-def bubble(timeline, skip_steps=2):
-    """Median over steps (after warm-up) of 1 - mean busy / span."""
-    by_step = {}
-    for event in timeline["events"]:
-        by_step.setdefault(event["step"], []).append(event)
-    fractions = []
-    for step, events in sorted(by_step.items())[skip_steps:]:
-        span = max(e["end"] for e in events) - min(e["start"] for e in events)
-        busy = [
-            sum(e["end"] - e["start"] for e in events if e["stage"] == s)
-            for s in range(timeline["stages"])
-        ]
-        fractions.append(1 - statistics.mean(busy) / span)
-    return statistics.median(fractions)
+    return read_timeline(path)
 
 
 def draw(timelines, path):
@@ -115,7 +113,7 @@ def draw(timelines, path):
         theory = pipeline_bubble_fraction(timeline["stages"], timeline["micro_batches"])
         axis.set_title(
             f"{timeline['schedule']}: P={timeline['stages']}, M={timeline['micro_batches']}, "
-            f"bubble measured {bubble(timeline):.2f}, theory {theory:.2f}, "
+            f"bubble measured {bubble(timeline, skip_steps=2):.2f}, theory {theory:.2f}, "
             f"peak stored micro-batches per stage {timeline['peak_stored_micro_batches']}",
             fontsize=9,
         )
@@ -142,10 +140,14 @@ def main(argv=None):
             ]
             draw(timelines, args.png)
             for timeline in timelines:
+                predicted, measured = simulated(timeline).span, span(timeline, skip_steps=2)
                 print(
-                    f"{timeline['schedule']:>5}: bubble {bubble(timeline):.3f} (theory "
+                    f"{timeline['schedule']:>5}: "
+                    f"bubble {bubble(timeline, skip_steps=2):.3f} (theory "
                     f"{pipeline_bubble_fraction(args.stages, args.micro_batches):.3f}), "
-                    f"peak stored micro-batches per stage {timeline['peak_stored_micro_batches']}"
+                    f"peak stored micro-batches per stage {timeline['peak_stored_micro_batches']}; "
+                    f"step {measured * 1e3:.1f} ms, simulated from its parts "
+                    f"{predicted * 1e3:.1f} ms ({predicted / measured - 1:+.1%})"
                 )
             print(f"saved {args.png}")
             return
@@ -160,7 +162,7 @@ def main(argv=None):
                 print(
                     f"{stages:>2} {micro_batches:>3} "
                     f"{pipeline_bubble_fraction(stages, micro_batches):>7.3f} "
-                    f"{bubble(gpipe):>7.3f} {bubble(one):>7.3f}   "
+                    f"{bubble(gpipe, skip_steps=2):>7.3f} {bubble(one, skip_steps=2):>7.3f}   "
                     f"{gpipe['peak_stored_micro_batches']} | "
                     f"{one['peak_stored_micro_batches']}"
                 )

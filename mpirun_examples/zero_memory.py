@@ -28,6 +28,7 @@ import numpy as np
 
 from minimp import distributed as dist
 from minimp.models import block_activation_bytes
+from minimp.parallel.trace import OPS
 from minimp.parallel.zero_accounts import (
     KINDS,
     bytes_sent_formula,
@@ -128,11 +129,11 @@ def _timed_steps(comm, config) -> tuple[int, float, float]:
     run = Run(config, comm, log=lambda line: None)
     for step in range(1, config.steps + 1):
         run.step(step)
-    rows = np.array(run.timeline.rows)  # step, backward?, micro-batch, start, end
-    later = rows[rows[:, 0] > 1]
+    rows = run.trace.array()  # op, step, micro-batch, start, end (minimp/parallel/trace.py)
+    later = rows[rows[:, 1] > 1]
     seconds = later[:, 4] - later[:, 3]
-    forward = float(np.median(seconds[later[:, 1] == 0]))
-    backward = float(np.median(seconds[later[:, 1] == 1]))
+    forward = float(np.median(seconds[later[:, 0] == OPS.index("forward")]))
+    backward = float(np.median(seconds[later[:, 0] == OPS.index("backward")]))
     return run.history.records[-1]["peak_activation_bytes"], forward, backward
 
 

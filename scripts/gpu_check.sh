@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command on a machine with a GPU: install what is missing from carried wheels, run the GPU tests,
-# then short GPU benchmarks; every figure goes into one JSON file. Finishes within 6 minutes.
+# then short GPU benchmarks and a time-boxed GPT run; every figure goes into one JSON file.
+# Finishes within 10 minutes.
 #
 #   bash scripts/gpu_check.sh [OUT.json]        (wheels: .whl/ or $MINIMP_WHEELS; mpich + mpi4py)
 #
@@ -46,6 +47,15 @@ stamp "4-rank data-parallel training on the GPU"
 timeout 60 mpirun -n 4 $PY -m minimp.train --device gpu --steps 300 --log-every 100 \
   --metrics "$LOGS/train.jsonl" >"$LOGS/train.txt" 2>&1 || tail -5 "$LOGS/train.txt"
 tail -3 "$LOGS/train.txt"
+
+# nanoGPT's GPU config of shakespeare_char (6 blocks, 6 heads, width 384, context 256, batch 64,
+# dropout 0.2) in fp16, time-boxed: the validation loss every 250 steps and the step rate give the
+# loss reached and the projected time of all 5,000 steps.
+stamp "GPT, nanoGPT's GPU config, fp16, at most 240 s"
+timeout 240 $PY -m minimp.train --device gpu --dataset shakespeare --layers 6 --heads 6 \
+  --hidden 384 --context 256 --batch-size 64 --dropout 0.2 --steps 5000 --eval-every 250 \
+  --eval-batches 4 --log-every 250 --metrics "$LOGS/gpt.jsonl" >"$LOGS/gpt.txt" 2>&1
+tail -3 "$LOGS/gpt.txt"
 
 stamp "writing $OUT_JSON"
 $PY scripts/gpu_report.py "$LOGS" "$OUT_JSON"

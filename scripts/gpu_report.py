@@ -47,9 +47,41 @@ def main(logs, out_path):
             else None,
         },
     }
+    report["gpt_gpu_config"] = gpt_summary(os.path.join(logs, "gpt.jsonl"))
     with open(out_path, "w") as file:
         json.dump(report, file, indent=1)
     print(json.dumps({k: report[k] for k in ("device", "tests", "train_4_ranks")}, indent=1))
+
+
+# nanoGPT's estimate of training FLOPs per token (PaLM appendix B): 6 N for the parameters' matrix
+# products forward and backward, plus 12 L T C for attention's scores and weighted sums.
+GPT_PARAMETERS = 65 * 384 + 256 * 384 + 6 * (12 * 384 * 384 + 13 * 384) + 2 * 384
+GPT_FLOPS_PER_TOKEN = 6 * GPT_PARAMETERS + 12 * 6 * 256 * 384
+H200_DENSE_FP16_FLOPS = 989e12  # NVIDIA's H200 SXM data sheet, dense (no sparsity)
+
+
+def gpt_summary(path):
+    """Loss reached, step rate, projected time of 5,000 steps, model FLOPs utilisation."""
+    if not os.path.exists(path):
+        return {"error": "no GPT metrics (the run did not start)"}
+    rows = [json.loads(line) for line in open(path)]
+    steps = [r for r in rows if "step" in r]
+    if len(steps) < 20:
+        return {"error": f"only {len(steps)} steps ran"}
+    timed = steps[10:]
+    seconds = sorted(r["compute_seconds"] + r["communication_seconds"] for r in timed)
+    median = seconds[len(seconds) // 2]
+    tokens_per_second = 64 * 256 / median
+    evaluations = [(r["step"], r["val_loss"]) for r in steps if "val_loss" in r]
+    return {
+        "steps_run": steps[-1]["step"],
+        "validation_losses": evaluations,
+        "final_val_loss": rows[-1].get("val_loss") if "step" not in rows[-1] else None,
+        "median_step_seconds": median,
+        "tokens_per_second": tokens_per_second,
+        "projected_seconds_for_5000_steps": 5000 * median,
+        "model_flops_utilisation": tokens_per_second * GPT_FLOPS_PER_TOKEN / H200_DENSE_FP16_FLOPS,
+    }
 
 
 if __name__ == "__main__":

@@ -22,12 +22,13 @@ LAYERS = [
     (
         "nn/optim/precision",
         ("minimp.nn", "minimp.optim", "minimp.precision", "minimp.data", "minimp.datasets")
-        + ("minimp.costmodel", "minimp.lr_schedule"),
+        + ("minimp.costmodel", "minimp.machinemodel", "minimp.lr_schedule"),
     ),
     ("models", ("minimp.models",)),
     ("distributed", ("minimp.distributed",)),
     ("parallel", ("minimp.parallel",)),
     ("train", ("minimp.train", "minimp.sample", "minimp.plan", "minimp.export")),
+    ("lessons", ("minimp.lessons",)),  # the notebooks' checkers and figures: nothing imports them
 ]
 # The Tensor <-> op cycle: a Tensor's operators are Functions, and a Function makes Tensors.
 AUTOGRAD_CYCLE = {"minimp.tensor", "minimp.operators", "minimp.function", "minimp.ops"}

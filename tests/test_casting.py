@@ -71,7 +71,9 @@ def test_sequential_float16_accumulation_stalls_at_2048_float32_does_not():
     assert float(running32) == 3000.0
 
 
-def test_numpy_pairwise_sum_hides_the_stall_that_cumsum_shows():
+def test_numpy_float16_sum_does_not_stall_where_cumsum_does():
+    """np.sum of float16 adds in float32 and rounds once (tests/test_lessons_claims.py tells it
+    apart from a pairwise float16 sum); cumsum keeps float16 between additions and stalls."""
     ones = np.ones(3000, f16)
     assert float(np.sum(ones)) == 3000.0 and float(np.cumsum(ones)[-1]) == 2048.0
 
@@ -121,7 +123,7 @@ def test_loss_scaling_through_the_engine():
     np.testing.assert_array_equal(weight.grad.astype(np.float32) / 2.0**16, np.full(4, 2.0**-26))
 
 
-def test_an_update_below_half_an_ulp_moves_a_float32_master_but_not_a_float16_weight():
+def test_an_update_of_half_a_gap_moves_a_float32_master_but_not_a_float16_weight():
     assert float(np.spacing(f16(1.0))) == 2.0**-10  # the ulp of 1.0 in float16
     update = 2.0**-12  # half the 2^-11 gap below 1.0: 1 - 2^-12 is a tie, and ties go to even (1.0)
     weight16, master32 = f16(1.0), np.float32(1.0)

@@ -1,5 +1,6 @@
 """minimp.distributed under real MPI: mpirun subprocesses, each with a timeout."""
 
+import json
 import os
 import subprocess
 import time
@@ -68,7 +69,12 @@ def test_the_examples_run(tmp_path):
         timeout=120,
     )
     assert bench.returncode == 0, bench.stderr[-2000:]
-    assert '"ranks": 2' in bench.stdout and '"ring_predicted"' in bench.stdout
+    report = json.loads(bench.stdout)
+    assert report["ranks"] == 2
+    assert set(report["held_out"]) == {"ring", "recursive_doubling", "naive"}
+    # every measured size is a power of two; the model was fitted at 3 x 2^k bytes only
+    assert all(row["bytes"] not in report["terms"]["sizes"] for row in report["rows"])
+    assert all(row["predicted"]["ring"] > 0 for row in report["rows"])
 
 
 def test_cuda_awareness_query_answers_and_can_be_overridden(monkeypatch):

@@ -3,7 +3,6 @@ one process for both schedules, any number of micro-batches (also fewer than sta
 and the dp x pp grid."""
 
 import itertools
-import json
 
 import numpy as np
 import pytest
@@ -77,9 +76,11 @@ def test_an_overflow_on_the_last_stage_makes_every_stage_skip():
 
 
 def test_timeline_records_every_forward_and_backward(tmp_path):
+    from minimp.parallel.trace import read_timeline
+
     path = tmp_path / "timeline.json"
     run(2, pp=2, micro_batches=4, steps=2, timeline=str(path))
-    events = json.loads(path.read_text())["events"]
+    events = read_timeline(str(path))["events"]
     assert len(events) == 2 * 2 * 4 * 2  # steps x stages x micro-batches x (forward, backward)
     assert all(e["end"] >= e["start"] >= 0 for e in events)
 

@@ -186,3 +186,22 @@ def test_a_model_too_big_for_this_machine_is_refused_up_front(flags):
     assert result.returncode == 2
     assert "parameters: about" in result.stderr
     assert "GiB free (lower --hidden or --layers)" in result.stderr
+
+
+def test_the_plot_shows_losses_scale_rate_and_communication():
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the 'lessons' extra)")
+    from minimp.train.report import history_figure
+
+    rows = [
+        {"step": s, "loss": 3.0 - s / 10, "loss_scale": 2.0**16 / (1 + (s > 3)), "skipped": s == 3,
+         "compute_seconds": 0.1, "communication_seconds": 0.05 * (s > 1)}  # fmt: skip
+        for s in range(1, 6)
+    ]
+    rows[3]["val_loss"] = 2.7
+    figure = history_figure(rows, units_per_step=768, unit="tokens")
+    labels = [axis.get_ylabel() for axis in figure.axes]
+    assert labels == ["loss", "loss scale", "tokens/s", "communication\nshare of step"]
+    assert [line.get_label() for line in figure.axes[0].get_lines()] == ["training", "validation"]
+    np.testing.assert_allclose(figure.axes[2].get_lines()[0].get_ydata()[0], 768 / 0.1)
+    alone = history_figure([{**row, "communication_seconds": 0.0} for row in rows], 64, "samples")
+    assert len(alone.axes) == 3  # no communication panel for a run that sent nothing

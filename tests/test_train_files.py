@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +13,8 @@ from conftest import PYTHON
 
 from minimp.train import files
 from minimp.train.errors import AgreedError, ConfigError, DivergenceError
-from minimp.train.loop import Run
+from minimp.train.config import TrainConfig
+from minimp.train.guards import Guards
 
 SMALL = ["--hidden", "16", "--layers", "1", "--log-every", "1000"]
 
@@ -226,15 +226,10 @@ def test_a_run_whose_steps_are_all_skipped_stops_with_the_likely_cause(tmp_path)
 
 
 def test_a_non_finite_loss_on_a_step_that_was_taken_stops_at_once():
-    run = SimpleNamespace(
-        consecutive_skips=0,
-        config=SimpleNamespace(max_consecutive_skips=100),
-        scaler=SimpleNamespace(loss_scale=1.0),
-        comm=SimpleNamespace(rank=0),
-    )
-    Run._stop_if_diverging(run, 7, 2.5, skipped=False)
+    guards = Guards(TrainConfig(steps=10), rank=0, start_step=0, world_size=1)
+    guards.stop_if_diverging(7, 2.5, skipped=False, loss_scale=1.0)
     with pytest.raises(AgreedError) as stopped:
-        Run._stop_if_diverging(run, 8, float("nan"), skipped=False)
+        guards.stop_if_diverging(8, float("nan"), skipped=False, loss_scale=1.0)
     assert isinstance(stopped.value.error, DivergenceError) and stopped.value.exit_code == 1
     assert "step 8: the loss is nan" in str(stopped.value)
 

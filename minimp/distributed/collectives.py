@@ -1,4 +1,4 @@
-"""All-reduce algorithms besides the ring, and `allreduce`, which picks one by the cost model.
+"""All-reduce algorithms besides the ring, and `allreduce`, which picks one by a cost model.
 
 Each function takes the communicator as its first argument, works on a world of size 1, on the
 simulated world and under mpirun, and returns a new array (the input is not modified). The ring
@@ -10,6 +10,7 @@ from typing import Any
 from minimp import costmodel
 from minimp.backend import array_module
 from minimp.costmodel import Network
+from minimp.machinemodel import MachineModel, shipped_model
 from minimp.distributed.buffers import (
     agree_on_array,
     contiguous_flat,
@@ -94,9 +95,16 @@ ALGORITHMS = {
 }
 
 
-def choose_algorithm(nbytes: int, world_size: int, network: Network | None = None) -> str:
-    """The algorithm the cost model predicts fastest for this message size and world size."""
-    return costmodel.fastest_allreduce(nbytes, world_size, network, candidates=tuple(ALGORITHMS))
+def choose_algorithm(
+    nbytes: int, world_size: int, network: Network | MachineModel | None = None
+) -> str:
+    """The algorithm predicted fastest for this message size and world size: by the machine
+    model minimp ships for this machine (minimp/machinemodel.py), by a MachineModel given, or by
+    the textbook alpha-beta formulas of a Network given (minimp/costmodel.py)."""
+    if isinstance(network, Network):
+        return costmodel.fastest_allreduce(nbytes, world_size, network, tuple(ALGORITHMS))
+    model = network if network is not None else shipped_model(world_size)
+    return model.fastest(nbytes, tuple(ALGORITHMS))
 
 
 def allreduce(
@@ -104,11 +112,12 @@ def allreduce(
     x: Any,
     op: str = "sum",
     algorithm: str = "auto",
-    network: Network | None = None,
+    network: Network | MachineModel | None = None,
     out: Any = None,
 ) -> Any:
-    """All-reduce with the named algorithm, or with the one the cost model picks ("auto"), the
-    way MPI libraries switch from latency- to bandwidth-optimal algorithms as messages grow."""
+    """All-reduce with the named algorithm, or with the one choose_algorithm picks ("auto"), the
+    way MPI libraries switch from latency- to bandwidth-optimal algorithms as messages grow. Every
+    rank must pick the same one, so the model is constants, never a per-rank measurement."""
     if algorithm == "auto":
         algorithm = choose_algorithm(x.size * x.dtype.itemsize, comm.size, network)
     if algorithm not in ALGORITHMS:

@@ -146,12 +146,13 @@ class Tanh(Function):
 
 
 class ReLU(Function):
-    """y = max(x, 0);  dL/dx = dL/dy * (y > 0).
+    """y = max(x, 0);  dL/dx = dL/dy where y is not <= 0 (y > 0, or y NaN), else 0.
 
     Backward keeps the output y, not a separate mask: the next layer keeps y anyway, so the mask is
     free. Neither direction needs arithmetic, so nothing is widened: in every IEEE format a number
     is negative exactly when its sign bit is set, and both directions select values with a bitwise
-    AND (see `_keep_where`). NaN stays NaN, as with max(x, 0).
+    AND (see `_keep_where`). NaN stays NaN, as with max(x, 0), and passes its gradient on, as
+    PyTorch's threshold_backward does (NaN <= 0 is false).
     """
 
     @staticmethod
@@ -166,8 +167,10 @@ class ReLU(Function):
     @staticmethod
     def backward(ctx, grad_output):
         (y,) = ctx.saved_arrays
-        # y > 0  <=>  y's bits, read as a signed integer, are > 0 (y is never negative here)
-        return _keep_where(grad_output, _signed_bits(y) > 0)
+        # y is +0, -0, positive or NaN. Read as signed integers, zeros' bits are 0 and the most
+        # negative value; positives and +NaNs are > 0; -NaNs lie between -inf's bits and 0.
+        bits = _signed_bits(y)
+        return _keep_where(grad_output, (bits > _negative_infinity_bits(y)) & (bits != 0))
 
 
 class Cast(Function):
@@ -205,8 +208,12 @@ def _negative_and_not_nan(x):
     As signed integers, -0.0 .. -inf run from the most negative value up to -inf's pattern; negative
     NaNs (all exponent bits set, mantissa non-zero) lie above it, between -inf and 0.
     """
-    negative_infinity_bits = int(_signed_bits(np.array([-np.inf], dtype=x.dtype))[0])  # a host int
-    return _signed_bits(x) <= negative_infinity_bits
+    return _signed_bits(x) <= _negative_infinity_bits(x)
+
+
+def _negative_infinity_bits(x):
+    """-inf of x's dtype, its bits read as a signed integer (a host int)."""
+    return int(_signed_bits(np.array([-np.inf], dtype=x.dtype))[0])
 
 
 def _negate(x):

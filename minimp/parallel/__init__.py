@@ -2,19 +2,15 @@
 
 One module per strategy: the dp x pp grid (topology), data parallelism (replicas that average their
 gradients), ZeRO (replicas that shard what data parallelism replicates), pipeline parallelism
-(contiguous stages) and its schedules (as data). Every strategy takes its communicators as
-arguments and runs on one rank, on the simulated world and under mpirun.
+(contiguous stages) and its schedules (as data, checked and simulated without MPI). Every strategy
+takes its communicators as arguments and runs on one rank, on the simulated world and under
+mpirun.
 """
 
 from minimp.parallel.data_parallel import DataParallel, ReplicaMismatchError, shard
+from minimp.parallel.dependencies import check_schedule
+from minimp.parallel.interleaved import interleaved
 from minimp.parallel.pipeline import MicroBatch, PipelineStage
-from minimp.parallel.stages import (
-    PipelineError,
-    cut_shapes,
-    layer_groups,
-    split_stages,
-    stage_parameters,
-)
 from minimp.parallel.schedules import (
     SCHEDULES,
     Action,
@@ -23,34 +19,50 @@ from minimp.parallel.schedules import (
     one_f_one_b,
     peak_activations,
 )
+from minimp.parallel.simulator import Costs, SimulatedStep, simulate_schedule, simulated_trace
+from minimp.parallel.stages import (
+    PipelineError,
+    cut_shapes,
+    layer_groups,
+    split_stages,
+    stage_parameters,
+)
 from minimp.parallel.topology import Topology, TopologyError
 from minimp.parallel.zero import ZeroDataParallel, zero_data_parallel
+from minimp.parallel.zero_bubble import zb_h1
 from minimp.parallel.zero_layout import Piece, Unit, ZeroLayout
 from minimp.parallel.zero_optimizer import ShardedOptimizer
 
 __all__ = [
     "SCHEDULES",
     "Action",
+    "Costs",
     "DataParallel",
     "MicroBatch",
     "PipelineError",
-    "Piece",
     "PipelineStage",
+    "Piece",
     "ReplicaMismatchError",
     "ShardedOptimizer",
+    "SimulatedStep",
     "Topology",
     "TopologyError",
     "Unit",
     "ZeroDataParallel",
     "ZeroLayout",
+    "check_schedule",
     "cut_shapes",
     "format_schedule",
     "gpipe",
+    "interleaved",
     "layer_groups",
     "one_f_one_b",
     "peak_activations",
     "shard",
+    "simulate_schedule",
+    "simulated_trace",
     "split_stages",
     "stage_parameters",
+    "zb_h1",
     "zero_data_parallel",
 ]

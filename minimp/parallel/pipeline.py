@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 from minimp import backend
 from minimp.distributed.protocol import Tag
-from minimp.parallel import schedules
 from minimp.parallel.schedules import Action
 from minimp.parallel.stages import layer_groups, run_layers
 from minimp.parallel.topology import Topology
@@ -81,7 +80,8 @@ class PipelineStage:
         inputs / targets: per micro-batch arrays (first / last stage).
         scale_loss(loss) -> the tensor to call backward on.
         after_backward() runs after each backward (gradient accumulation).
-        record(op, micro_batch, start, end) receives every compute action's timing.
+        record(op, micro_batch, start, end) receives every action's timing (compute and
+        messages).
         before_forward(micro_batch) runs before each forward (a model with dropout learns there
         which global samples the micro-batch holds).
         """
@@ -94,7 +94,7 @@ class PipelineStage:
         for action in actions:
             start = time.perf_counter()
             getattr(self, "_" + action.op)(action)
-            if record is not None and action.op in schedules.COMPUTE_LABELS:
+            if record is not None:
                 record(action.op, action.micro_batch, start, time.perf_counter())
         return self._loss_sum
 

@@ -47,7 +47,8 @@ def check_before_training(config: TrainConfig, comm: Communicator) -> None:
 
 def _run(config: TrainConfig, comm: Communicator) -> int:
     try:
-        train(config, log=lambda line: print(line, flush=True), comm=comm)
+        interactive = sys.stdout.isatty()  # a terminal: one progress bar instead of lines
+        train(config, log=lambda line: print(line, flush=True), comm=comm, interactive=interactive)
     except AgreedError as error:  # every rank is here: one says it, all exit, nobody waits
         if error.speaker:
             _say(error)

@@ -64,7 +64,7 @@ def step_scalars(run: Any, loss_sum: float) -> tuple[float, int]:
     if run.topology.is_last_stage:
         values[0] = loss_sum / run.config.micro_batches / run.dp
     values[1 + run.comm.rank] = run.stage.peak_activation_bytes
-    total = run.communication.wrap(run.comm.allreduce_scalars)(values, "sum")
+    total = run.communication.wrap(run.comm.allreduce_scalars, "mean_loss")(values, "sum")
     return float(total[0]), int(total[1:].max())
 
 

@@ -6,7 +6,6 @@ micro-batch loop). Data-parallel replicas of a stage then average their gradient
 job takes part in the one decision to skip an overflowing step.
 """
 
-import math
 import time
 from typing import Any, Callable
 
@@ -18,22 +17,29 @@ from minimp.distributed.protocol import Communicator
 from minimp.parallel import SCHEDULES, Topology, shard
 from minimp.parallel.tied import TiedGradients, tied_group, tied_indices
 from minimp.precision import ACTIVATION_DTYPES, mixed_precision_step
-from minimp.train import accounts, checkpoint, report, saving
+from minimp.train import accounts, checkpoint, progress, report, saving
 from minimp.train.build import build_scaler, build_stage, build_sync
 from minimp.train.config import TrainConfig
-from minimp.train.errors import USER_ERRORS, AgreedError, DivergenceError, agree_on_error
+from minimp.train.errors import USER_ERRORS, agree_on_error
+from minimp.train.guards import Guards
 from minimp.train.tasks import TASKS
+from minimp.parallel.trace import TraceRecorder, common_origin
 
 
-def train(config: TrainConfig, log: Callable = print, comm: Communicator | None = None) -> dict:
-    """Run the configured training on this process's rank; returns a dict with history,
-    skipped count, test accuracy and the masters (all stages' on rank 0).
-    `comm` defaults to the MPI world."""
+def train(
+    config: TrainConfig,
+    log: Callable = print,
+    comm: Communicator | None = None,
+    interactive: bool = False,
+) -> dict:
+    """Run the configured training on this process's rank; returns a dict with history, skipped
+    count, the final score (test_accuracy or val_loss) and the masters (all stages' on rank 0).
+    `comm` defaults to the MPI world; `interactive`: show a progress bar instead of lines."""
     comm = comm or world()
     threads = config.threads or max(1, backend.available_cores() // comm.ranks_on_this_node())
     # Overflow to inf in float16 is expected and handled (skipped steps): no NumPy warning per cast.
     with backend.limit_cpu_threads(threads), np.errstate(over="ignore", invalid="ignore"):
-        run = Run(config, comm, log)
+        run = Run(config, comm, log, interactive)
         for step in range(run.start_step + 1, config.steps + 1):
             run.step(step)
         return saving.finish(run)
@@ -44,8 +50,12 @@ class Run:
 
     optimizer: Any  # the stage's optimizer, or (--zero) its ShardedOptimizer once set up
 
-    def __init__(self, config: TrainConfig, comm: Communicator, log: Callable):
+    def __init__(
+        self, config: TrainConfig, comm: Communicator, log: Callable, interactive: bool = False
+    ):
+        """interactive: a person watches this process's terminal (a progress bar, not lines)."""
         self.config, self.comm, self.dp = config, comm, config.data_parallel_size(comm.size)
+        self.interactive = interactive
         self.log = log if comm.rank == 0 else (lambda line: None)
         self.topology = Topology(comm, dp=self.dp, pp=config.pp)
         local_rank = comm.node_rank_and_size()[0]
@@ -63,7 +73,7 @@ class Run:
         self.counters = accounts.StepCounters(self)
         self.communication = report.Stopwatch()
         self.sync = report.TimedCalls(self.data_parallel, self.communication)
-        self.history = report.History(
+        self.history = progress.History(
             self.log,
             config.metrics if comm.rank == 0 else "",
             resume_step=self.start_step if config.resume else None,
@@ -71,9 +81,11 @@ class Run:
             log_every=config.log_every,
             units_per_step=config.batch_size * (config.context or 1),
             unit=self.task.unit,
+            interactive=comm.size == 1 and self.interactive,
         )
-        self.timeline = report.Timeline()
-        self.consecutive_skips = 0
+        self.trace = TraceRecorder(common_origin(comm)) if config.timeline else None
+        if self.trace is not None:  # the sync's collectives go into the trace's communication lane
+            self.communication.listener = self._record_communication
 
     # ----- setup ------------------------------------------------------------------------------
     def _set_up_locally(self, local_rank: int) -> None:
@@ -99,8 +111,7 @@ class Run:
         self.resume_flags = {f"--{n.replace('_', '-')}": getattr(config, n) for n in names}
         self.lr_decay_steps = config.lr_decay_steps or config.steps
         self.start_step: int = self._resume() if config.resume else 0
-        self.overflow_at = config.overflow_injection(self.comm.size, after=self.start_step)
-        self.fault_at = config.fault_injection(self.comm.size, after=self.start_step)
+        self.guards = Guards(config, self.comm.rank, self.start_step, self.comm.size)
 
     def _resume(self) -> int:
         """Masters, optimizer and scaler state from --resume; returns the step it was saved at.
@@ -136,19 +147,19 @@ class Run:
         step_start = self._start_step()
         inputs, targets, rows = self._micro_batches(step)
         self.optimizer.lr = self.learning_rate(step)
-        overflow = self._arm_overflow_injection(step)
+        overflow = self.guards.arm_overflow(step, self.optimizer.params[0])
         loss_sum = self.stage.run(
             self.actions,
             inputs=inputs,
             targets=targets,
             scale_loss=self._scale_loss,
             after_backward=self.data_parallel.after_backward,
-            record=self._timeline_recorder(step, step_start),
+            record=self._timeline_recorder(step),
             before_forward=self._dropout_rows(step, rows),
         )
         if overflow is not None:
             overflow.remove()
-        self._inject_fault(step)
+        self.guards.inject_fault(step)
         max_norm = self.config.max_grad_norm or None
         result = mixed_precision_step(self.optimizer, self.scaler, max_norm, sync=self.sync)
         self.held = self.data_parallel.held()  # what this rank keeps until the next step
@@ -173,7 +184,7 @@ class Run:
             entry["val_loss"] = saving.evaluate(self, batches=self.config.eval_batches or None)
             entry["eval_seconds"] = time.perf_counter() - started
         self.history.add(entry, loss_scale=self.scaler.loss_scale)
-        self._stop_if_diverging(step, loss, result.skipped)
+        self.guards.stop_if_diverging(step, loss, result.skipped, self.scaler.loss_scale)
         every = self.config.save_every
         if every and step % every == 0 and step < self.config.steps:
             saving.save_checkpoint(self, step)
@@ -224,20 +235,6 @@ class Run:
         """Each micro-batch carries 1/M of the batch mean; the loss scale lifts fp16 gradients."""
         return self.scaler.scale(loss) * (1.0 / self.config.micro_batches)
 
-    def _arm_overflow_injection(self, step: int) -> Any:
-        """--inject-overflow: on that step and rank, a gradient hook turns the first parameter's
-        gradient into inf, as if backward had overflowed. Returns the hook's handle, or None."""
-        if self.overflow_at != (step, self.comm.rank):
-            return None
-        xp = backend.array_module(self.optimizer.params[0].data)
-        return self.optimizer.params[0].register_hook(lambda grad: xp.full_like(grad, np.inf))
-
-    def _inject_fault(self, step: int) -> None:
-        if self.fault_at == (step, self.comm.rank):
-            raise RuntimeError(
-                f"injected fault at step {step} on rank {self.comm.rank} (--inject-fault)"
-            )
-
     def _warn_if_stuck_at_min_scale(self, step: int) -> None:
         if self.scaler.hit_min_scale:
             self.log(
@@ -246,35 +243,23 @@ class Run:
                 "(lower --lr, clip with --max-grad-norm, or use bf16)"
             )
 
-    def _stop_if_diverging(self, step: int, loss: float, skipped: bool) -> None:
-        """Stop a run that cannot learn: a non-finite loss on a step that was taken, or
-        --max-consecutive-skips skipped steps in a row. Every rank sees the same loss and the
-        same skip decisions, so all stop here together."""
-        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
-        limit, message = self.config.max_consecutive_skips, None
-        if not skipped and not math.isfinite(loss):
-            message = (
-                f"step {step}: the loss is {loss} although the gradients were finite; the "
-                "model diverged (lower --lr, clip with --max-grad-norm) or the data holds "
-                "non-finite values"
-            )
-        elif limit and self.consecutive_skips >= limit:
-            message = (
-                f"the last {limit} steps (to step {step}) were all skipped: their gradients "
-                f"overflowed every time, the loss scale is now {self.scaler.loss_scale:g}. "
-                "Likely causes: a learning rate too high (--lr), a static --loss-scale that "
-                "always overflows, or non-finite data; use --max-consecutive-skips 0 to go on"
-            )
-        if message is not None:
-            raise AgreedError(DivergenceError(message), speaker=self.comm.rank == 0, exit_code=1)
-
     def _check_replicas(self, step: int) -> None:
         every = self.config.check_replicas
         if every and step % every == 0:
-            self.communication.wrap(self.data_parallel.check_replicas)()
+            self.communication.wrap(self.data_parallel.check_replicas)()  # raises on a drift
+            if self.dp > 1:
+                self.log(
+                    f"step {step}: replicas identical (the {self.dp} replicas' float32 masters "
+                    "have the same checksum)"
+                )
 
-    def _timeline_recorder(self, step: int, step_start: float) -> Callable | None:
-        """With --timeline, replica 0's stages record every forward and backward of the step."""
-        if not self.config.timeline or self.topology.dp_rank != 0:
+    def _timeline_recorder(self, step: int) -> Callable | None:
+        """With --timeline, every action of the step goes into this rank's trace."""
+        if self.trace is None:
             return None
-        return self.timeline.recorder(step, step_start)
+        trace = self.trace
+        self.current_step = step
+        return lambda op, micro_batch, start, end: trace.record(op, step, micro_batch, start, end)
+
+    def _record_communication(self, op: str, start: float, end: float) -> None:
+        self.trace.record(op, self.current_step, -1, start, end)

@@ -7,12 +7,14 @@ writes files. Checkpoints are gathered into the one-process format (the same arr
 the layout), so any layout resumes any other.
 """
 
+import json
 from typing import Any
 
 import numpy as np
 
 from minimp.distributed import gather_named_arrays
-from minimp.train import accounts, checkpoint, report
+from minimp.parallel import trace
+from minimp.train import accounts, checkpoint, files, report
 
 
 def gather_state(run: Any) -> dict | None:
@@ -54,7 +56,7 @@ def finish(run: Any) -> dict:
     there; returns the run's summary (history, skipped count, test accuracy, rank 0's masters)."""
     config = run.config
     merged = gather_state(run)
-    events = _gather_timeline(run)
+    traces = _gather_traces(run)
     score = evaluate(run, batches=None, merged=merged)  # the whole test or validation set
     metric = run.task.final_metric
     held = accounts.model_state(run, run.held) if hasattr(run, "held") else {}
@@ -65,7 +67,7 @@ def finish(run: Any) -> dict:
     if config.save:
         save_checkpoint(run, config.steps, merged)
     if run.comm.rank == 0:
-        _write_reports(run, events)
+        _write_reports(run, traces)
     run.comm.barrier()  # nobody leaves before the files are complete
     masters = {
         name[len("master/") :]: array
@@ -81,15 +83,17 @@ def finish(run: Any) -> dict:
     }
 
 
-def _gather_timeline(run: Any) -> dict | None:
-    topology = run.topology
-    if topology.dp_rank != 0:
+def _gather_traces(run: Any) -> dict | None:
+    """With --timeline: every rank's trace rows and its peak of stored micro-batches, on rank 0
+    (None elsewhere, and without --timeline)."""
+    if run.trace is None:
         return None
-    timeline = {
-        f"stage{topology.stage}": run.timeline.array(),
-        f"peak{topology.stage}": np.array([run.stage.peak_stored], np.int64),
+    rank = run.comm.rank
+    mine = {
+        f"rows{rank}": run.trace.array(),
+        f"peak{rank}": np.array([run.stage.peak_stored], np.int64),
     }
-    return gather_named_arrays(topology.pp_group, timeline)
+    return gather_named_arrays(run.comm, mine)
 
 
 def evaluate(run: Any, batches: int | None, merged: Any = GATHER) -> float:
@@ -115,13 +119,36 @@ def evaluate(run: Any, batches: int | None, merged: Any = GATHER) -> float:
     return float(run.comm.allreduce_scalars([score], "sum")[0])
 
 
-def _write_reports(run: Any, events: dict) -> None:
+def _write_reports(run: Any, traces: dict | None) -> None:
     config = run.config
     if config.timeline:
-        report.write_timeline(
-            config.timeline, config.schedule, config.pp, config.micro_batches, events
-        )
-        run.log(f"saved timeline {config.timeline}")
+        _write_trace(run, traces)
+        run.log(f"saved timeline {config.timeline} (open it in https://ui.perfetto.dev)")
     if config.plot:
-        report.plot_history(config.plot, run.history.records)
+        history = run.history
+        report.plot_history(config.plot, history.records, history.units_per_step, history.unit)
         run.log(f"saved plot {config.plot}")
+
+
+def _write_trace(run: Any, traces: dict) -> None:
+    """The Chrome trace of every rank (minimp/train/trace.py); rank r is stage r % pp of replica
+    r // pp (minimp/parallel/topology.py)."""
+    config, pp = run.config, run.config.pp
+    ranks = {
+        rank: {
+            "rows": traces[f"rows{rank}"],
+            "name": f"rank {rank}: stage {rank % pp}, replica {rank // pp}",
+        }
+        for rank in range(run.comm.size)
+    }
+    other = {
+        "schedule": config.schedule,
+        "stages": pp,
+        "replicas": run.dp,
+        "micro_batches": config.micro_batches,
+        "peak_stored_micro_batches": [int(traces[f"peak{stage}"][0]) for stage in range(pp)],
+        "stage_of_rank": {str(rank): rank % pp for rank in range(run.comm.size)},
+        "replica_0_ranks": list(range(pp)),
+    }
+    document = json.dumps(trace.trace_document(ranks, other)).encode()
+    files.atomic_write(config.timeline, lambda file: file.write(document))

@@ -1,0 +1,119 @@
+"""Benchmark: one GPT training step (nanoGPT's CPU config) in minimp, fp32 / fp16 / bf16, and the
+same step in PyTorch eager fp32, timed in alternating blocks in one run.
+
+    python benchmarks/gpt_step_bench.py                                  # minimp alone
+    python benchmarks/gpt_step_bench.py --torch-python ~/torchenv/bin/python   # and PyTorch
+    python benchmarks/gpt_step_bench.py --json
+
+The step: forward, cross-entropy, backward, clip at norm 1, AdamW; batch 12 x 64 characters,
+4 blocks, 4 heads, width 128 (4 x 128 x 64 x 12). Each library runs one BLAS thread (--threads)
+so that two processes on a 2-core machine do not fight over cores. Prints the median step time of
+each, tokens per second, and the ratios: minimp fp32 / PyTorch fp32 (the GPT issue's goal: within
+2x), fp16 / fp32 and bf16 / fp32.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from minimp import backend
+from minimp import functional as F
+from minimp.models.gpt import GPT, GPTConfig
+from minimp.optim import AdamW
+from minimp.precision import ACTIVATION_DTYPES, DynamicLossScaler, NoLossScaler
+from minimp.precision.step import mixed_precision_step
+from minimp.tensor import Tensor
+
+CONFIG = GPTConfig(vocab_size=65, context=64, layers=4, heads=4, width=128)
+BATCH = 12
+
+
+def minimp_step(precision: str):
+    """A function running one training step of a fresh model in this precision."""
+    model = GPT(CONFIG, np.random.default_rng(0))
+    decay = [{"params": [p], "weight_decay": 0.1 * (p.ndim >= 2)} for p in model.parameters()]
+    optimizer = AdamW(decay, lr=1e-3, betas=(0.9, 0.99))
+    model.to(ACTIVATION_DTYPES[precision])
+    scaler = DynamicLossScaler() if precision == "fp16" else NoLossScaler()
+    ids = np.random.default_rng(1).integers(0, CONFIG.vocab_size, (BATCH, CONFIG.context + 1))
+    inputs, targets = Tensor(ids[:, :-1]), ids[:, 1:].reshape(-1)
+
+    def step():
+        logits = model(inputs)  # (B, T, V)
+        loss = F.cross_entropy(logits.reshape(-1, CONFIG.vocab_size), targets)
+        scaler.scale(loss).backward()
+        mixed_precision_step(optimizer, scaler, max_grad_norm=1.0)
+
+    step()  # warm-up (and numba's first compile)
+    return step
+
+
+def timed(step, count):
+    seconds = []
+    for _ in range(count):
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--torch-python", default="", help="a Python that has PyTorch")
+    parser.add_argument("--blocks", type=int, default=6, help="alternating blocks per variant")
+    parser.add_argument("--steps", type=int, default=5, help="steps per block")
+    parser.add_argument("--threads", type=int, default=1, help="BLAS threads of each library")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    with backend.limit_cpu_threads(args.threads), np.errstate(over="ignore"):
+        variants = {precision: minimp_step(precision) for precision in ("fp32", "fp16", "bf16")}
+        torch = None
+        if args.torch_python:
+            script = Path(__file__).with_name("torch_gpt_step.py")
+            torch = subprocess.Popen(
+                [args.torch_python, str(script), "--threads", str(args.threads)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        samples = {name: [] for name in [*variants, *(["torch fp32"] if torch else [])]}
+        for _ in range(args.blocks):  # alternate, so drift on a shared machine hits all alike
+            for name, step in variants.items():
+                samples[name] += timed(step, args.steps)
+            if torch:
+                torch.stdin.write(f"{args.steps}\n")
+                torch.stdin.flush()
+                samples["torch fp32"] += json.loads(torch.stdout.readline())
+        if torch:
+            torch.stdin.close()
+            torch.wait()
+    medians = {name: statistics.median(times) for name, times in samples.items()}
+    tokens = BATCH * CONFIG.context
+    result = {
+        "milliseconds": {name: 1e3 * seconds for name, seconds in medians.items()},
+        "tokens_per_second": {name: tokens / seconds for name, seconds in medians.items()},
+        "fp16_over_fp32": medians["fp16"] / medians["fp32"],
+        "bf16_over_fp32": medians["bf16"] / medians["fp32"],
+    }
+    if torch:
+        result["minimp_fp32_over_torch_fp32"] = medians["fp32"] / medians["torch fp32"]
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"GPT step, batch {BATCH} x {CONFIG.context}, median of {args.blocks * args.steps}")
+    for name, milliseconds in result["milliseconds"].items():
+        rate = result["tokens_per_second"][name]
+        print(f"  {name:>10}: {milliseconds:7.1f} ms  {rate:9,.0f} tokens/s")
+    for key in ("fp16_over_fp32", "bf16_over_fp32", "minimp_fp32_over_torch_fp32"):
+        if key in result:
+            print(f"  {key:<28} {result[key]:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""`python -m minimp.export ckpt.npz out.safetensors`: the weights, for the world outside minimp.
+
+    python -m minimp.export gpt.npz --format safetensors gpt.safetensors            # float32
+    python -m minimp.export gpt.npz --format safetensors gpt16.safetensors --dtype fp16
+
+Writes the model's float32 masters (or their rounding to --dtype) in the safetensors format that
+PyTorch, JAX and Hugging Face load, with PyTorch's layout (`nn.Linear` weights as (out, in), as
+minimp keeps them) and, for the GPT, nanoGPT's tensor names: `transformer.wte.weight`,
+`transformer.h.0.attn.c_attn.weight`, ..., `transformer.ln_f.weight`. The head is tied to the token
+embedding, so its weight is stored once, under `transformer.wte.weight`; a loader sets
+`lm_head.weight = transformer.wte.weight` (nanoGPT does the same: its state dict holds one tensor
+under both names). Beside the file, `out.json` says what was written: the model, its shape, the
+vocabulary, the dtype and the tie. The MLP keeps minimp's names ("0.weight"), which are also
+those of a `torch.nn.Sequential` of the same layers.
+"""
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from minimp.data import load_shakespeare
+from minimp.precision.casting import ACTIVATION_DTYPES, round_to
+from minimp.train import checkpoint
+from minimp.train.errors import CheckpointError, ConfigError
+from minimp.train.files import atomic_write, check_output_path, exit_cleanly_on_sigterm
+
+PROGRAM = "minimp.export"
+
+
+def nanogpt_name(name: str, layers: int) -> str:
+    """minimp's GPT parameter name -> nanoGPT's ("3.attn.c_attn.weight" ->
+    "transformer.h.2.attn.c_attn.weight"); layer 0 holds the embeddings, layer layers + 1 the
+    final LayerNorm."""
+    index, rest = name.split(".", 1)
+    if int(index) in (0, layers + 1):  # the embeddings, the final LayerNorm
+        return f"transformer.{rest}"
+    return f"transformer.h.{int(index) - 1}.{rest}"
+
+
+def exported_tensors(meta: dict, arrays: dict, dtype: Any) -> tuple[dict, dict]:
+    """({name: array}, config) of a checkpoint's masters, named for the world outside."""
+    flags = meta["flags"]
+    masters = {
+        name[len("master/") :]: round_to(array, dtype)
+        for name, array in arrays.items()
+        if name.startswith("master/")
+    }
+    if flags.get("--dataset") == "shakespeare":
+        layers = flags["--layers"]
+        tensors = {nanogpt_name(name, layers): array for name, array in masters.items()}
+        config = {
+            "model": "gpt",
+            "vocab_size": int(masters["0.wte.weight"].shape[0]),
+            "block_size": flags["--context"],
+            "n_layer": layers,
+            "n_head": flags["--heads"],
+            "n_embd": flags["--hidden"],
+            "bias": any(name.endswith("bias") for name in masters),
+            "lm_head": "tied to transformer.wte.weight (stored once)",
+            "vocabulary": load_shakespeare().vocabulary,
+        }
+    else:
+        tensors = masters
+        config = {"model": "mlp", "layers": flags.get("--layers"), "hidden": flags.get("--hidden")}
+    config["dtype"] = np.dtype(dtype).name
+    config["step"] = meta["step"]
+    return {name: np.ascontiguousarray(array) for name, array in tensors.items()}, config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {PROGRAM}",
+        description="Export a minimp checkpoint's weights for other libraries.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("checkpoint", help="a checkpoint (.npz) written by minimp.train --save")
+    parser.add_argument("output", help="the file to write (its config goes beside, as .json)")
+    parser.add_argument("--format", default="safetensors", choices=("safetensors",))
+    parser.add_argument(
+        "--dtype", default="fp32", choices=tuple(ACTIVATION_DTYPES), help="the stored dtype"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    exit_cleanly_on_sigterm()
+    args = build_parser().parse_args(argv)
+    config_path = os.path.splitext(args.output)[0] + ".json"
+    try:
+        try:
+            from safetensors.numpy import save
+        except ImportError:
+            raise ConfigError("--format safetensors needs: pip install 'minimp[export]'") from None
+        check_output_path("output", args.output)
+        check_output_path("config", config_path)
+        meta, arrays = checkpoint.read(args.checkpoint)
+        tensors, config = exported_tensors(meta, arrays, ACTIVATION_DTYPES[args.dtype])
+    except (ConfigError, CheckpointError) as error:
+        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        return 2
+    atomic_write(args.output, lambda file: file.write(save(tensors, metadata={"format": "pt"})))
+    atomic_write(config_path, lambda file: file.write(json.dumps(config, indent=1).encode()))
+    print(f"wrote {len(tensors)} tensors to {args.output} and the config to {config_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""The lessons' figures, so a notebook cell reads as the idea and not as matplotlib: each function
+draws one figure and shows it (inline in a notebook; nothing under a non-interactive backend)."""
+
+import math
+from typing import Any, Callable, Sequence
+
+import matplotlib.pyplot as plt
+import ml_dtypes
+import numpy as np
+
+# float16's smallest subnormal, smallest normal and largest number, as log2 of the magnitude
+FLOAT16_LINES = ((-24, "2^-24"), (-14, "2^-14"), (math.log2(65504), "65504"))
+
+
+def number_line(formats: dict[str, Any], points: int = 400) -> None:
+    """The gap to the next representable number against the magnitude, for each format over its
+    whole range: from its smallest subnormal to its largest finite number (dots at both ends)."""
+    figure, axis = plt.subplots(figsize=(8, 4))
+    for name, dtype in formats.items():
+        info = ml_dtypes.finfo(dtype)
+        low, high = float(info.smallest_subnormal), float(info.max)
+        values = np.unique(np.logspace(math.log10(low), math.log10(high), points).astype(dtype))
+        values = values[(values > 0) & np.isfinite(values)]
+        # The largest number has no next one: give it the gap of its binade.
+        below_top = np.spacing(np.nextafter(values, np.array(0, dtype)))
+        with np.errstate(over="ignore"):  # np.spacing(largest) overflows to inf
+            gaps = np.where(values == info.max, below_top, np.spacing(values))
+        line = axis.loglog(values.astype(np.float64), gaps.astype(np.float64), label=name)[0]
+        ends = [0, -1]
+        axis.plot(values[ends].astype(np.float64), gaps[ends].astype(np.float64), "o",
+                  color=line.get_color())
+    axis.set_xlabel("magnitude")
+    axis.set_ylabel("gap to the next number (ulp)")
+    axis.set_title("spacing of representable numbers, each format over its whole range")
+    axis.legend()
+    plt.show()
+
+
+def central_differences(steps: np.ndarray, errors: np.ndarray,
+                        models: dict[str, np.ndarray]) -> None:
+    """|central difference - exact derivative| against the step h, with the model lines."""
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.loglog(steps, errors, "o-", label="measured error")
+    for (label, values), style in zip(models.items(), ("--", ":")):
+        axis.loglog(steps, values, style, label=label)
+    axis.set_ylim(bottom=float(np.min(errors)) / 100)  # the models' far ends are not the point
+    axis.set_xlabel("step h")
+    axis.set_ylabel("|error| of (f(x+h) - f(x-h)) / 2h")
+    axis.legend()
+    plt.show()
+
+
+def lines(series: dict[str, Sequence[float]], xlabel: str, ylabel: str, title: str = "",
+          styles: dict[str, dict] | None = None, logy: bool = False) -> None:
+    """One line per named series, over its index (steps, updates)."""
+    figure, axis = plt.subplots(figsize=(8, 3.5))
+    for name, values in series.items():
+        (axis.semilogy if logy else axis.plot)(values, label=name, **(styles or {}).get(name, {}))
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    if title:
+        axis.set_title(title)
+    axis.legend(fontsize=8)
+    plt.show()
+
+
+def fp16_range_histograms(panels: list[tuple[str, dict[str, np.ndarray]]]) -> None:
+    """Histograms of log2 |value|, one panel each, against float16's range; the range's lines are
+    labelled above the top panel, off the bars."""
+    figure, axes = plt.subplots(len(panels), 1, figsize=(8, 2.4 * len(panels) + 0.6),
+                                sharex=True, squeeze=False)
+    bins = np.arange(-50, 20, 1.0)
+    for axis, (title, histograms) in zip(axes[:, 0], panels):
+        for label, values in histograms.items():
+            axis.hist(np.log2(values), bins=bins, alpha=0.6, label=label)
+        for number, (x, _) in enumerate(FLOAT16_LINES):
+            label = "float16: smallest subnormal, normal, largest" if number == 0 else None
+            axis.axvline(x, color="red", ls="--", lw=1, label=label)
+        axis.set_title(title, fontsize=9, loc="left", pad=14)
+        axis.set_ylabel("count")
+        axis.legend(loc="upper left", fontsize=8)
+    top = axes[0, 0]
+    for x, text in FLOAT16_LINES:
+        top.text(x, 1.03, text, transform=top.get_xaxis_transform(), ha="center", fontsize=8,
+                 color="red")
+    axes[-1, 0].set_xlabel("log2 |activation gradient|")
+    figure.tight_layout()
+    plt.show()
+
+
+def fp16_range_grid(panels: dict[str, dict[str, np.ndarray]], xlabel: str,
+                    marks: dict[str, tuple[float, str]] | None = None) -> None:
+    """Histograms of log2 |value| (zeros left out), a panel per title and a colour per label
+    (the layers), two panels a row, against float16's range (smallest subnormal, smallest
+    normal, largest); `marks` adds a labelled line (a value, not its log2) to a panel."""
+    rows = math.ceil(len(panels) / 2)
+    figure, axes = plt.subplots(rows, 2, figsize=(11, 2.3 * rows + 0.4), squeeze=False)
+    bins = np.arange(-50, 20, 1.0)
+    for axis, (title, histograms) in zip(axes.ravel(), panels.items()):
+        for label, values in histograms.items():
+            magnitudes = np.abs(values[values != 0]).astype(np.float64)
+            counts, _ = np.histogram(np.log2(magnitudes), bins)  # one patch, not a bar per bin
+            axis.stairs(counts, bins, fill=True, alpha=0.6, label=label)
+        lines = [(x, text, "red") for x, text in FLOAT16_LINES]
+        if marks and title in marks:
+            value, text = marks[title]
+            lines.append((math.log2(value), text, "purple"))
+        for x, text, color in lines:
+            axis.axvline(x, color=color, ls="--", lw=1)
+            axis.text(x, 1.02, text, transform=axis.get_xaxis_transform(), ha="center",
+                      fontsize=7, color=color)
+        axis.set_xlim(bins[0], bins[-1])
+        axis.set_title(title, fontsize=9, loc="left", pad=12)
+        axis.legend(loc="upper left", fontsize=7)
+    for axis in axes.ravel()[len(panels):]:
+        axis.axis("off")
+    for axis in axes.ravel()[-2:]:
+        axis.set_xlabel(xlabel)
+    figure.tight_layout()
+    plt.show()
+
+
+def loss_scale_trace(history: list[dict]) -> None:
+    """The loss scale each step used (log axis), a red x on every skipped step."""
+    figure, axis = plt.subplots(figsize=(8, 3))
+    steps = [r["step"] for r in history]
+    axis.plot(steps, [r["loss_scale"] for r in history], drawstyle="steps-post")
+    axis.set_yscale("log", base=2)
+    skipped = [r for r in history if r["skipped"]]
+    axis.scatter([r["step"] for r in skipped], [r["loss_scale"] for r in skipped], color="red",
+                 marker="x", label="skipped step", zorder=3)
+    axis.set_xlabel("step")
+    axis.set_ylabel("loss scale used")
+    axis.legend()
+    plt.show()
+
+
+def ring_steps(trace: list, p: int, chunk_sent: Callable[[int, int, int], int]) -> None:
+    """One small ring per step of a traced all-reduce: an arrow per message, labelled with the
+    chunk it carries (chunk_sent(rank, step, p))."""
+    angles = [math.pi / 2 - 2 * math.pi * r / p for r in range(p)]
+    positions = [(math.cos(a), math.sin(a)) for a in angles]
+    steps = sorted({m.step for m in trace})
+    figure, axes = plt.subplots(1, len(steps), figsize=(3 * len(steps), 3), squeeze=False)
+    for axis, step in zip(axes[0], steps):
+        for rank, (x, y) in enumerate(positions):
+            axis.add_patch(plt.Circle((x, y), 0.22, color="#4c72b0"))
+            axis.text(x, y, f"r{rank}", color="white", ha="center", va="center")
+        for message in (m for m in trace if m.step == step):
+            (x0, y0), (x1, y1) = positions[message.source], positions[message.dest]
+            axis.annotate("", xy=(x0 + 0.7 * (x1 - x0), y0 + 0.7 * (y1 - y0)),
+                          xytext=(x0 + 0.3 * (x1 - x0), y0 + 0.3 * (y1 - y0)),
+                          arrowprops=dict(arrowstyle="->", lw=1.5))
+            axis.text((x0 + x1) / 2 * 1.25, (y0 + y1) / 2 * 1.25,
+                      f"c{chunk_sent(message.source, step, p)}", ha="center", fontsize=9)
+        half = "reduce-scatter" if step < p - 1 else "all-gather"
+        axis.set_title(f"{half} step {step % (p - 1)}", fontsize=9)
+        axis.set_xlim(-1.6, 1.6)
+        axis.set_ylim(-1.6, 1.6)
+        axis.set_aspect("equal")
+        axis.axis("off")
+    plt.show()
+
+
+def gantt(timelines: list[dict], titles: list[str]) -> None:
+    """Each timeline's last step as a Gantt chart: a row per stage, forwards blue and backwards
+    orange, each bar numbered with its micro-batch."""
+    stages = timelines[0]["stages"]
+    figure, axes = plt.subplots(len(timelines), 1, figsize=(11, 1.2 + 1.2 * stages),
+                                sharex=True, squeeze=False)
+    for axis, timeline, title in zip(axes[:, 0], timelines, titles):
+        last = max(e["step"] for e in timeline["events"])
+        events = [e for e in timeline["events"] if e["step"] == last]
+        origin = min(e["start"] for e in events)
+        for e in events:
+            start, width = (e["start"] - origin) * 1e3, (e["end"] - e["start"]) * 1e3
+            axis.barh(e["stage"], width, left=start, edgecolor="black", linewidth=0.4,
+                      color="#4c72b0" if e["kind"] == "forward" else "#dd8452")
+            axis.text(start + width / 2, e["stage"], str(e["micro_batch"]), ha="center",
+                      va="center", fontsize=7, color="white")
+        axis.set_yticks(range(stages))
+        axis.set_yticklabels([f"stage {s}" for s in range(stages)])
+        axis.invert_yaxis()
+        axis.set_title(title, fontsize=9)
+    axes[-1, 0].set_xlabel("ms since the step's first forward (blue: forward, orange: backward)")
+    figure.tight_layout()
+    plt.show()

@@ -1,0 +1,55 @@
+"""What watches a run from outside the step: the faults and overflows a user injects to see what
+failure looks like, and the divergence checks that stop a run that cannot learn."""
+
+import math
+from typing import Any
+
+import numpy as np
+
+from minimp import backend
+from minimp.train.errors import AgreedError, DivergenceError
+
+
+class Guards:
+    """Injections (--inject-overflow, --inject-fault) and divergence checks of one rank's run."""
+
+    def __init__(self, config: Any, rank: int, start_step: int, world_size: int):
+        self.config, self.rank = config, rank
+        self.overflow_at = config.overflow_injection(world_size, after=start_step)
+        self.fault_at = config.fault_injection(world_size, after=start_step)
+        self.consecutive_skips = 0
+
+    def arm_overflow(self, step: int, parameter: Any) -> Any:
+        """--inject-overflow: on that step and rank, a gradient hook turns the parameter's
+        gradient into inf, as if backward had overflowed. Returns the hook's handle, or None."""
+        if self.overflow_at != (step, self.rank):
+            return None
+        xp = backend.array_module(parameter.data)
+        return parameter.register_hook(lambda grad: xp.full_like(grad, np.inf))
+
+    def inject_fault(self, step: int) -> None:
+        if self.fault_at == (step, self.rank):
+            message = f"injected fault at step {step} on rank {self.rank} (--inject-fault)"
+            raise RuntimeError(message)
+
+    def stop_if_diverging(self, step: int, loss: float, skipped: bool, loss_scale: float) -> None:
+        """Stop a run that cannot learn: a non-finite loss on a step that was taken, or
+        --max-consecutive-skips skipped steps in a row. Every rank sees the same loss and the
+        same skip decisions, so all stop here together (one of them says why)."""
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        limit, message = self.config.max_consecutive_skips, None
+        if not skipped and not math.isfinite(loss):
+            message = (
+                f"step {step}: the loss is {loss} although the gradients were finite; the "
+                "model diverged (lower --lr, clip with --max-grad-norm) or the data holds "
+                "non-finite values"
+            )
+        elif limit and self.consecutive_skips >= limit:
+            message = (
+                f"the last {limit} steps (to step {step}) were all skipped: their gradients "
+                f"overflowed every time, the loss scale is now {loss_scale:g}. "
+                "Likely causes: a learning rate too high (--lr), a static --loss-scale that "
+                "always overflows, or non-finite data; use --max-consecutive-skips 0 to go on"
+            )
+        if message is not None:
+            raise AgreedError(DivergenceError(message), speaker=self.rank == 0, exit_code=1)

@@ -1,0 +1,101 @@
+"""Fit the machine models minimp ships (minimp/machine_models.json) from allreduce_bench runs.
+
+    for i in 1 2 3 4 5; do
+        mpirun -n 2 python mpirun_examples/allreduce_bench.py --json > runs/p2-$i.json
+        mpirun -n 4 python mpirun_examples/allreduce_bench.py --json > runs/p4-$i.json
+    done
+    python scripts/fit_machine_models.py runs/p*.json
+
+Each run measured the model's terms at sizes of 3 x 2^k bytes; this takes, per number of ranks,
+the median of every term across the runs and fits the lines through those medians (the same
+fit as a run's own), so one noisy run moves the shipped constants less than it moves its own fit.
+The benchmark's measured all-reduce times (at powers of two) are not fitted: they are held out,
+and the file records, per algorithm, the band of the shipped model's median and worst
+|model/measured - 1| over the runs' held-out sizes (lesson 8 draws it).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+
+import numpy as np
+
+from minimp.distributed.calibrate import PRETENDED_RANKS
+from minimp.machinemodel import ALGORITHMS, SHIPPED_PATH, MachineModel, fit_lines, relative_errors
+
+
+def fit_from_runs(runs: list[dict]) -> MachineModel:
+    """One model from the terms of several runs at the same number of ranks (medians per term)."""
+    first = runs[0]
+    sizes = first["terms"]["sizes"]
+    if any(run["terms"]["sizes"] != sizes for run in runs):
+        raise SystemExit("fit_machine_models: runs measured different sizes; use one command")
+
+    def median(term):
+        return list(np.median([run["terms"][term] for run in runs], axis=0))
+
+    python = {
+        name: fit_lines(
+            PRETENDED_RANKS, list(np.median([r["terms"]["python"][name] for r in runs], axis=0))
+        )
+        for name in first["terms"]["python"]
+    }
+    return MachineModel(
+        ranks=first["ranks"],
+        agree=float(np.median([run["terms"]["agree"] for run in runs])),
+        python=python,
+        message=fit_lines(sizes, median("message")),
+        reduce=fit_lines(sizes, median("reduce")),
+        name=f"shipped: medians of {len(runs)} runs",
+    )
+
+
+def held_out_band(model: MachineModel, runs: list[dict]) -> dict:
+    """{algorithm: {"median": [lowest, highest], "worst": [lowest, highest]}} over the runs, of
+    the model's error on each run's measured sizes."""
+    band = {}
+    for algorithm in ALGORITHMS:
+        found = [
+            relative_errors(
+                model, [r["bytes"] for r in run["rows"]], [r[algorithm] for r in run["rows"]],
+                algorithm,
+            )
+            for run in runs
+        ]  # fmt: skip
+        band[algorithm] = {
+            key: [min(f[key] for f in found), max(f[key] for f in found)]
+            for key in ("median", "worst")
+        }
+    return band
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="allreduce_bench.py --json outputs")
+    parser.add_argument("--out", default=SHIPPED_PATH)
+    args = parser.parse_args(argv)
+    by_ranks: dict[int, list[dict]] = {}
+    for path in args.runs:
+        with open(path) as file:
+            run = json.load(file)
+        by_ranks.setdefault(int(run["ranks"]), []).append(run)
+    document = {
+        "fitted": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "command": "scripts/fit_machine_models.py over mpirun_examples/allreduce_bench.py --json",
+        "runs": {str(p): len(runs) for p, runs in sorted(by_ranks.items())},
+    }
+    models = {p: fit_from_runs(runs) for p, runs in sorted(by_ranks.items())}
+    document["models"] = {str(p): model.as_dict() for p, model in models.items()}
+    document["held_out"] = {str(p): held_out_band(models[p], by_ranks[p]) for p in models}
+    with open(args.out, "w") as file:
+        json.dump(document, file, indent=1)
+    print(f"wrote {args.out}: models at {sorted(by_ranks)} ranks")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+"""Every exercise checker passes its reference solution (lessons/solutions/) and fails at least one
+wrong solution, so a checker that cannot fail, or a solution that does not pass, is caught; and a
+checker given an unwritten stub prints and returns instead of raising."""
+
+import importlib
+import importlib.util
+import math
+import os
+
+import numpy as np
+import pytest
+
+from minimp import distributed as dist
+from minimp.lessons import LESSONS
+from minimp.lessons.checking import Report
+from minimp.parallel import Action, gpipe
+
+SOLUTIONS = os.path.join(os.path.dirname(__file__), "..", "lessons", "solutions")
+
+
+def solutions(number):
+    """lessons/solutions/lessonNN.py, loaded from its path (it is not a package)."""
+    path = os.path.join(SOLUTIONS, f"lesson{number:02d}.py")
+    spec = importlib.util.spec_from_file_location(f"lesson_solutions_{number:02d}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EXERCISES = [
+    (number, name, checker)
+    for number, module in enumerate(LESSONS, start=1)
+    for name, checker in importlib.import_module(f"minimp.lessons.{module}").EXERCISES
+]
+
+
+def ids(exercise):
+    number, _, checker = exercise
+    return f"{number}-{checker.__name__}"
+
+
+@pytest.mark.parametrize("exercise", EXERCISES, ids=ids)
+def test_the_reference_solution_passes(exercise):
+    number, name, checker = exercise
+    report = checker(getattr(solutions(number), name), quiet=True)
+    failed = [(check, detail) for check, passed, detail in report.results if not passed]
+    assert report.passed, f"{name} fails {failed}"
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError
+
+
+class StubClass:
+    """A Function or a scaler whose every method is unwritten."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError
+
+    @staticmethod
+    def apply(*args, **kwargs):
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("exercise", EXERCISES, ids=ids)
+def test_an_unwritten_stub_is_reported_not_raised(exercise, capsys):
+    _, name, checker = exercise
+    report = checker(StubClass if name[0].isupper() else stub)
+    assert isinstance(report, Report) and not report.passed and report.stopped
+    assert "not written yet" in capsys.readouterr().out
+
+
+# ----- wrong solutions: each must fail its checker --------------------------------------------
+def ulp16_without_the_top_binade(x):
+    return float(np.spacing(np.float16(abs(x))))  # inf at 65504
+
+
+def ulp16_without_subnormals(x):
+    return 2.0 ** (math.frexp(abs(x))[1] - 11) if x else 2.0**-24
+
+
+def round_half_up(x):
+    gap = solutions(1).ulp16(x)
+    return math.floor(x / gap + 0.5) * gap
+
+
+def round_without_overflow(x):
+    gap = solutions(1).ulp16(x)
+    return round(x / gap) * gap
+
+
+def running_sum16(values):
+    total = np.float16(0)
+    for value in values:
+        total = np.float16(total + value)
+    return total
+
+
+def wrong_functions():
+    from minimp.function import Function
+
+    class ExpForgettingTheFactor(Function):
+        @staticmethod
+        def forward(ctx, x):
+            return np.exp(x)
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            return grad_output
+
+    class PowWithoutUnbroadcast(Function):
+        @staticmethod
+        def forward(ctx, x, p):
+            ctx.save_for_backward(x, p)
+            return x**p
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            x, p = ctx.saved_arrays
+            return grad_output * p * x ** (p - 1), grad_output * x**p * np.log(x)
+
+    class PowWithoutTheLog(solutions(2).Pow):
+        @staticmethod
+        def backward(ctx, grad_output):
+            x, p, y = ctx.saved_arrays
+            grad_x, _ = solutions(2).Pow.backward(ctx, grad_output)
+            return grad_x, grad_output * y
+
+    return ExpForgettingTheFactor, PowWithoutUnbroadcast, PowWithoutTheLog
+
+
+def order_without_a_visited_set(root):
+    order = []
+
+    def visit(tensor):
+        for parent in tensor.node.inputs if tensor.node else ():
+            if parent.requires_grad:
+                visit(parent)
+        order.append(tensor)
+
+    visit(root)
+    return order
+
+
+def order_root_first(root):
+    return list(reversed(solutions(2).topological_order(root)))
+
+
+def backward_overwriting(root):
+    grads = {id(root): np.ones_like(root.data)}
+    for tensor in reversed(solutions(2).topological_order(root)):
+        grad = grads.pop(id(tensor), None)
+        if tensor.node is None:
+            tensor.grad = grad
+            continue
+        input_grads = tensor.node.function.backward(tensor.node.context, grad)
+        input_grads = input_grads if isinstance(input_grads, tuple) else (input_grads,)
+        for parent, parent_grad in zip(tensor.node.inputs, input_grads):
+            if parent_grad is not None and parent.requires_grad:
+                grads[id(parent)] = parent_grad  # a second use overwrites the first
+
+
+def activation_bytes_with_the_output(batch, widths, itemsize):
+    return batch * sum(widths) * itemsize
+
+
+def sgd_step_on_the_copies(params, grads, masters, lr, loss_scale):
+    if not all(np.isfinite(g).all() for g in grads):
+        return True
+    for param, grad, master in zip(params, grads, masters):
+        param -= np.float16(lr) * (grad / np.float16(loss_scale))  # no master involved
+        master[...] = param
+    return False
+
+
+def sgd_step_without_skipping(params, grads, masters, lr, loss_scale):
+    for param, grad, master in zip(params, grads, masters):
+        master -= np.float32(lr) * grad.astype(np.float32) / np.float32(loss_scale)
+        param[...] = master.astype(np.float16)
+    return False
+
+
+def round_to_nearest(x, rng):
+    return x.astype(np.float16)
+
+
+def window_with_the_ties_inside(gradients):
+    magnitudes = np.abs(gradients[gradients != 0]).astype(np.float64)
+    lowest = math.ceil(math.log2(2.0**-25 / magnitudes.min()))
+    highest = math.floor(math.log2(65504 / magnitudes.max()))
+    return 2.0**lowest, 2.0**highest
+
+
+class ScalerThatKeepsCounting(solutions(4).DynamicLossScaler):
+    def update(self, found_inf):
+        if found_inf:
+            self.loss_scale *= self.backoff_factor  # the count of clean steps goes on
+            return
+        self.clean_steps += 1
+        if self.clean_steps % self.growth_interval == 0:
+            self.loss_scale *= self.growth_factor
+
+
+class ScalerWithoutHysteresis(solutions(4).DynamicLossScaler):
+    def __init__(self, init_scale, growth_factor, backoff_factor, growth_interval):
+        super().__init__(init_scale, growth_factor, backoff_factor, growth_interval)
+
+
+class ScalerRefillingEveryStep(solutions(4).DynamicLossScaler):
+    def update(self, found_inf):
+        super().update(found_inf)
+        if not found_inf:
+            self.tolerated = self.hysteresis
+
+
+def all_gather_by_direct_sends(comm, chunk):
+    out = np.empty(comm.size * chunk.size, chunk.dtype)
+    for rank in range(comm.size):
+        part = out[rank * chunk.size : (rank + 1) * chunk.size]
+        if rank == comm.rank:
+            part[...] = chunk
+            for other in range(comm.size):
+                if other != rank:
+                    comm.send(chunk, other)
+        else:
+            comm.recv(part, rank)
+    return out
+
+
+def reduce_scatter_by_allreduce(comm, x):
+    total = dist.ring_allreduce(comm, x)
+    n = x.size // comm.size
+    return total[comm.rank * n : (comm.rank + 1) * n]
+
+
+def ring_shift_sending_first(comm, x):
+    incoming = np.empty_like(x)
+    comm.send(x, (comm.rank + 1) % comm.size)
+    comm.recv(incoming, (comm.rank - 1) % comm.size)
+    return incoming
+
+
+def average_after_the_sum(comm, grad):
+    return dist.ring_allreduce(comm, grad.astype(np.float16)).astype(np.float32) / comm.size
+
+
+def average_on_a_float32_wire(comm, grad):
+    return dist.ring_allreduce(comm, grad / np.float32(comm.size))
+
+
+def mean_of_means(comm, local_mean, count):
+    return dist.ring_allreduce(comm, local_mean / comm.size)
+
+
+def drift_by_value(comm, weights):
+    table = np.zeros(comm.size)
+    table[comm.rank] = float(np.sum(weights.astype(np.float64)))
+    table = comm.allreduce_scalars(table, "sum")
+    return [rank for rank in range(comm.size) if table[rank] != table[0]]
+
+
+def step_time_without_the_drain(P, M, t_forward, t_backward):
+    return (P - 1) * t_forward + M * (t_forward + t_backward)
+
+
+def gpipe_compute(P, M):
+    return [[a for a in actions if a.op in ("forward", "backward")] for actions in gpipe(P, M)]
+
+
+def one_f_one_b_unpaired(P, M):
+    """1F1B whose steady-state exchanges are a send, then a receive: every send waits for its
+    receiver, and neighbours both send at once."""
+    schedule = []
+    for actions in solutions(7).one_f_one_b(P, M):
+        plain = []
+        for a in actions:
+            if a.op == "send_forward_recv_backward":
+                plain += [Action("send_forward", a.micro_batch)]
+                plain += [Action("recv_backward", a.received)]
+            elif a.op == "send_backward_recv_forward":
+                plain += [Action("send_backward", a.micro_batch)]
+                plain += [Action("recv_forward", a.received)]
+            else:
+                plain.append(a)
+        schedule.append(plain)
+    return schedule
+
+
+def ring_time_without_gamma(nbytes, p, alpha, beta, gamma):
+    return solutions(8).ring_allreduce_time(nbytes, p, alpha, beta, 0.0)
+
+
+def predict_in_absolute_error(sizes, seconds, nbytes):
+    beta, alpha = np.polyfit(sizes, seconds, 1)
+    return alpha + beta * nbytes
+
+
+def crossover_without_gamma(p, alpha, beta, gamma):
+    return solutions(8).crossover_bytes(p, alpha, beta, 0.0)
+
+
+def zero3_keeping_the_weights(stage, p):
+    return solutions(9).zero_bytes_per_parameter(min(stage, 2), p)
+
+
+def dp_bytes_of_the_naive_algorithm(parameters, p, itemsize):
+    return 2 * parameters * itemsize
+
+
+def pp_bytes_both_ways_everywhere(stage, stages, batch, width, itemsize):
+    return 2 * batch * width * itemsize
+
+
+
+def softmax_in_float16(scores, scale, mask=None):
+    """Every step in the scores' dtype: float16 rounds the scaled logits a second time."""
+    keep = np.tri(scores.shape[-1], dtype=bool) & (True if mask is None else mask)
+    logits = np.where(keep, scores * scores.dtype.type(scale), scores.dtype.type(-np.inf))
+    exps = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return exps / exps.sum(axis=-1, keepdims=True)
+
+
+def softmax_without_the_shift(scores, scale, mask=None):
+    keep = np.tri(scores.shape[-1], dtype=bool) & (True if mask is None else mask)
+    exps = np.where(keep, np.exp(scores.astype(np.float32) * np.float32(scale)), 0)
+    return (exps / exps.sum(axis=-1, keepdims=True)).astype(scores.dtype)
+
+
+def softmax_with_nan_rows(scores, scale, mask=None):
+    keep = np.tri(scores.shape[-1], dtype=bool) & (True if mask is None else mask)
+    logits = np.where(keep, scores.astype(np.float32) * np.float32(scale), -np.inf)
+    exps = np.exp(logits - logits.max(axis=-1, keepdims=True))  # a -inf row: -inf - -inf
+    return (exps / exps.sum(axis=-1, keepdims=True)).astype(scores.dtype)
+
+
+def backward_without_the_scale(y, grad_output, scale):
+    return solutions(10).softmax_backward(y, grad_output, 1.0)
+
+
+def backward_in_float16(y, grad_output, scale):
+    dot = (grad_output * y).sum(axis=-1, keepdims=True).astype(y.dtype)
+    return (y.dtype.type(scale) * y * (grad_output - dot)).astype(y.dtype)
+
+
+def korthikanti_bytes(s, b, h, a, itemsize, dropout):
+    return (34 * s * b * h + 5 * a * s * s * b) * itemsize // 2
+
+
+def block_bytes_with_masks_of_itemsize(s, b, h, a, itemsize, dropout):
+    kept = solutions(10).block_bytes(s, b, h, a, itemsize, dropout)
+    return kept + (itemsize - 1) * (2 * s * b * h + a * s * s * b) if dropout else kept
+
+
+def block_bytes_with_statistics_of_itemsize(s, b, h, a, itemsize, dropout):
+    kept = solutions(10).block_bytes(s, b, h, a, itemsize, dropout)
+    return kept - 4 * max(itemsize, 4) * s * b + 4 * itemsize * s * b
+
+
+def keep_mask_from_a_generator(shape, p, seed, step, layer, sample_indices):
+    """One generator for the whole batch: a shard draws other numbers for the same sample."""
+    return np.random.default_rng([seed, step, layer]).random(shape) >= p
+
+
+def keep_mask_with_a_summed_key(shape, p, seed, step, layer, sample_indices):
+    """One generator per sample, seeded by a sum: (seed 1, step 2) collides with (2, 1)."""
+    rows = [np.random.default_rng(seed + step + layer + int(n)).random(shape[1:]) >= p
+            for n in sample_indices]
+    return np.array(rows).reshape(shape)
+
+WRONG = {
+    (1, "ulp16"): [ulp16_without_the_top_binade, ulp16_without_subnormals],
+    (1, "round_to_float16"): [round_half_up, round_without_overflow],
+    (1, "compensated_sum16"): [running_sum16],
+    (2, "Exp"): [lambda: wrong_functions()[0]],
+    (2, "Pow"): [lambda: wrong_functions()[1], lambda: wrong_functions()[2]],
+    (2, "topological_order"): [order_without_a_visited_set, order_root_first],
+    (2, "backward"): [backward_overwriting],
+    (3, "activation_bytes"): [activation_bytes_with_the_output],
+    (3, "sgd_step"): [sgd_step_on_the_copies, sgd_step_without_skipping],
+    (3, "stochastic_round"): [round_to_nearest],
+    (4, "scale_window"): [window_with_the_ties_inside],
+    (4, "check_dynamic_scaler"): [ScalerThatKeepsCounting],
+    (4, "check_hysteresis"): [ScalerRefillingEveryStep, ScalerWithoutHysteresis],
+    (5, "all_gather"): [all_gather_by_direct_sends],
+    (5, "reduce_scatter"): [reduce_scatter_by_allreduce],
+    (5, "ring_shift"): [ring_shift_sending_first],
+    (6, "average_gradients"): [average_after_the_sum, average_on_a_float32_wire],
+    (6, "global_mean_gradient"): [mean_of_means],
+    (6, "drifted_replicas"): [drift_by_value],
+    (7, "step_time"): [step_time_without_the_drain],
+    (7, "one_f_one_b_compute"): [gpipe_compute],
+    (7, "one_f_one_b"): [one_f_one_b_unpaired, lambda: gpipe],
+    (8, "ring_allreduce_time"): [ring_time_without_gamma],
+    (8, "predict_time"): [predict_in_absolute_error],
+    (8, "crossover_bytes"): [crossover_without_gamma],
+    (9, "zero_bytes_per_parameter"): [zero3_keeping_the_weights],
+    (9, "dp_bytes_sent"): [dp_bytes_of_the_naive_algorithm],
+    (9, "pp_bytes_sent"): [pp_bytes_both_ways_everywhere],
+    (10, "scaled_masked_softmax"): [softmax_in_float16, softmax_without_the_shift,
+                                    softmax_with_nan_rows],
+    (10, "softmax_backward"): [backward_without_the_scale, backward_in_float16],
+    (10, "block_bytes"): [korthikanti_bytes, block_bytes_with_masks_of_itemsize,
+                          block_bytes_with_statistics_of_itemsize],
+    (10, "keep_mask"): [keep_mask_from_a_generator, keep_mask_with_a_summed_key],
+}
+FACTORIES = {id(f) for fs in WRONG.values() for f in fs if getattr(f, "__name__", "") == "<lambda>"}
+
+
+def key(exercise):
+    """Lesson 4 checks one class twice; its two checkers are told apart by name."""
+    number, name, checker = exercise
+    return (number, checker.__name__) if name == "DynamicLossScaler" else (number, name)
+
+
+def test_every_checker_has_a_wrong_solution():
+    assert sorted(key(e) for e in EXERCISES) == sorted(WRONG)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # wrong solutions overflow on purpose
+@pytest.mark.parametrize("exercise", EXERCISES, ids=ids)
+def test_every_wrong_solution_fails(exercise):
+    for wrong in WRONG[key(exercise)]:
+        solution = wrong() if id(wrong) in FACTORIES else wrong
+        report = exercise[2](solution, quiet=True)
+        assert not report.passed, f"{exercise[2].__name__} passes the wrong {wrong}"
+        assert not report.stopped  # it failed on its merits, not as an unwritten stub
