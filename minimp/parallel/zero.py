@@ -95,7 +95,7 @@ class ZeroDataParallel(GradientSync):
             by_index = dict(zip(self.piece_indices, pieces))
             self.tied.sum_across_stages([by_index[i] for i in self.tied.indices if i in by_index])
         gradients[:] = pieces
-        self._sample()
+        self.sample_peak()
 
     def global_squared_norm(self, gradients: Any) -> float:
         """The squares of this rank's pieces, summed over every rank of the job (each element of
@@ -112,10 +112,10 @@ class ZeroDataParallel(GradientSync):
     def after_backward(self) -> None:
         """What runs after every micro-batch's backward: stage 1 accumulates (float32, whole);
         stages 2-3 reduce-scatter the units the backward left incomplete."""
-        self._sample()
+        self.sample_peak()
         if self.stage == 1:
             self.optimizer.accumulate_gradients()
-            self._sample()
+            self.sample_peak()
             return
         for unit, spec in enumerate(self.layout.units):
             if self.arrived[unit] or any(self.params[i].grad is not None for i in spec.indices):
@@ -138,7 +138,7 @@ class ZeroDataParallel(GradientSync):
     def _reduce_unit(self, unit: int) -> None:
         """Reduce-scatter one unit's 16-bit gradients; add this rank's chunk of the mean into its
         float32 sums; free the 16-bit gradients (and, in stage 3, the gathered unit)."""
-        self._sample()
+        self.sample_peak()
         spec = self.layout.units[unit]
         flats = [self._gradient(index) for index in spec.indices]
         if self.comm.size == 1:
@@ -202,7 +202,8 @@ class ZeroDataParallel(GradientSync):
             arrays.update(self.gatherer.arrays_by_kind())
         return held_bytes(arrays)
 
-    def _sample(self) -> None:
+    def sample_peak(self) -> None:
+        """Note the bytes held now, if they are the most this rank has held (`peak`)."""
         self.peak.sample(self.held())
 
 
@@ -225,10 +226,9 @@ def zero_data_parallel(
     order; options: those of ZeroDataParallel."""
     tied_indices = set(tied.indices) if tied is not None else set()
     units, layer_units = plan_units(layers, optimizer.params, tied_indices)
-    layout = ZeroLayout(units, comm.rank, comm.size)
-    sharded = ShardedOptimizer(optimizer, layout, comm, stage)
-    sync = ZeroDataParallel(comm, sharded, tied=tied, **options)
-    sharded.sent = sync.sent
+    layout, sent = ZeroLayout(units, comm.rank, comm.size), BytesSent()
+    sharded = ShardedOptimizer(optimizer, layout, comm, stage, sent=sent)
+    sync = ZeroDataParallel(comm, sharded, tied=tied, sent=sent, **options)
     if stage == 3:
-        sync.gatherer = ParameterGatherer(sharded, layers, layer_units, sync.sent, sync._sample)
+        sync.gatherer = ParameterGatherer(sharded, layers, layer_units, sent, sync.sample_peak)
     return sync

@@ -37,10 +37,18 @@ from minimp.precision.casting import MASTER_DTYPE, round_to
 class ShardedOptimizer:
     """Masters, slots (and, from stage 2, gradient sums) of this rank's chunks; see the module."""
 
-    def __init__(self, optimizer: Optimizer, layout: ZeroLayout, comm: Communicator, stage: int):
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        layout: ZeroLayout,
+        comm: Communicator,
+        stage: int,
+        sent: BytesSent | None = None,
+    ):
         """optimizer: the whole optimizer of this stage, built (and resumed) as without ZeRO; its
         masters and slots are cut into this rank's chunks and then dropped. comm: the
-        data-parallel replicas of this stage, over which the layout was cut."""
+        data-parallel replicas of this stage, over which the layout was cut. sent: counts the
+        all-gathers' bytes (shared with the GradientSync's counter)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         self.inner, self.layout, self.comm, self.stage = optimizer, layout, comm, stage
@@ -61,7 +69,7 @@ class ShardedOptimizer:
         self.fresh = [True] * len(self.gradient_chunks)  # no reduced gradient arrived this step
         # Stage 3's compute copies are chunks; in float32 the chunk is the master itself.
         self.compute_chunks = [round_to(m, self.dtype) for m in self.masters] if stage == 3 else []
-        self.sent = BytesSent()  # the all-gathers' bytes (the GradientSync shares its counter)
+        self.sent = sent or BytesSent()
         many = comm.size > 1 and stage < 3
         self.gather_buffer = xp.empty(layout.largest_unit(), self.dtype) if many else None
         optimizer.master_weights = [None] * len(self.params)  # the whole masters are not kept
