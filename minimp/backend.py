@@ -100,6 +100,13 @@ def to_numpy(array: Any) -> numpy.ndarray:
     return numpy.asarray(array)
 
 
+def data_address(array: Any) -> int:
+    """Where an array's first element lives in memory (a view's address lies inside its base's)."""
+    if is_device_array(array):
+        return int(array.data.ptr)
+    return int(array.__array_interface__["data"][0])
+
+
 def synchronize() -> None:
     """Wait for queued GPU work; needed before timing or handing a buffer to MPI.
     No-op on the CPU."""

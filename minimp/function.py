@@ -4,9 +4,34 @@ A Function works on raw arrays; `Function.apply` runs it on Tensors and, when a 
 records a node of the graph (the graph itself, and the walk back through it, live in tensor.py).
 """
 
-from typing import Any
+import threading
+from typing import Any, Callable
 
 from minimp.precision import casting
+
+# Saved-tensor hooks are per thread, as grad mode is: the simulated world's ranks are threads.
+_saved_hooks = threading.local()
+
+
+class saved_tensors_hooks:
+    """Context manager (PyTorch's torch.autograd.graph.saved_tensors_hooks): inside it, every array
+    an op saves for backward is stored as pack(array), and backward gets unpack(that) back.
+
+    ZeRO stage 3 uses it to keep gathered weights out of the graph: pack turns a weight into a
+    note of where it lives, the weight is freed after the forward, and unpack finds it again once
+    it has been gathered anew for the backward (minimp/parallel/zero_stage3.py).
+    """
+
+    def __init__(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]):
+        self.pack, self.unpack = pack, unpack
+
+    def __enter__(self) -> "saved_tensors_hooks":
+        self._previous = getattr(_saved_hooks, "current", None)
+        _saved_hooks.current = self
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _saved_hooks.current = self._previous
 
 
 class Context:
@@ -16,10 +41,23 @@ class Context:
         # One bool per input: backward skips the gradients nobody asked for (data, targets).
         self.needs_input_grad = needs_input_grad
         self.saved_arrays: tuple | None = ()
+        self.unpack: Callable[[Any], Any] | None = None  # set when saved-tensor hooks packed them
 
     def save_for_backward(self, *arrays: Any) -> None:
-        """Keep these arrays alive until backward, stored as they are: float16 stays float16."""
-        self.saved_arrays = arrays
+        """Keep these arrays alive until backward, stored as they are: float16 stays float16
+        (or as the active saved_tensors_hooks pack them)."""
+        hooks = getattr(_saved_hooks, "current", None)
+        if hooks is None:
+            self.saved_arrays = arrays
+        else:
+            self.saved_arrays = tuple(hooks.pack(array) for array in arrays)
+            self.unpack = hooks.unpack
+
+    def unpack_saved(self) -> None:
+        """Turn packed saved arrays back into arrays (backward calls this before the op's own)."""
+        if self.unpack is not None and self.saved_arrays is not None:
+            self.saved_arrays = tuple(self.unpack(packed) for packed in self.saved_arrays)
+            self.unpack = None
 
 
 class Function:

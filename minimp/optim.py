@@ -12,6 +12,7 @@ the exact float32 initial values.
 
 from typing import Any, Iterable
 
+from minimp.backend import array_module
 from minimp.precision import casting
 from minimp.precision.casting import MASTER_DTYPE
 
@@ -42,13 +43,17 @@ class Optimizer:
         self.lr = lr
         # A float32 parameter is its own master (the same array); others get a float32 copy.
         self.master_weights = [casting.round_to(p.data, MASTER_DTYPE) for p in self.params]
-        # float32 sums of each parameter's gradients over micro-batches (None: nothing accumulated).
+        # This step's float32 sums of each parameter's gradients over micro-batches (None: nothing
+        # arrived yet). They are written into buffers allocated at the first gradient and kept
+        # between steps (as DDP keeps its gradient buckets): no allocation, no page faults per
+        # step, and ZeRO's memory account (minimp/parallel/memory.py) counts them as held.
         self.master_gradients: list[Any] = [None] * len(self.params)
+        self.accumulators: list[Any] = [None] * len(self.params)
         self.slots: list[dict[str, Any]] = [dict.fromkeys(self.slot_names) for _ in self.params]
         self.step_count = 0
 
     def zero_grad(self) -> None:
-        """Forget the gradients: the parameters' and the float32 accumulators."""
+        """Forget the gradients: the parameters' and this step's float32 sums (buffers stay)."""
         for parameter in self.params:
             parameter.grad = None
         self.master_gradients = [None] * len(self.params)
@@ -61,20 +66,24 @@ class Optimizer:
         float16 would lose the small ones; summing them in float32 gives the big
         batch's gradient to float32 rounding.
         """
-        taken = set()
         for index, parameter in enumerate(self.params):
             if parameter.grad is None:
                 continue
-            grad = casting.round_to(parameter.grad, MASTER_DTYPE)  # 16-bit: a new float32 array
-            if grad is parameter.grad and (not _owned(grad) or id(grad) in taken):
-                grad = grad.copy()  # ours to scale and add into in place
-            taken.add(id(grad))
-            if self.master_gradients[index] is None:
-                self.master_gradients[index] = grad
+            grad = casting.round_to(parameter.grad, MASTER_DTYPE)  # 16-bit: widened, exactly
+            if self.master_gradients[index] is None:  # the first gradient of this step
+                self.master_gradients[index] = self._accumulator(index)
+                self.master_gradients[index][...] = grad
             else:
                 self.master_gradients[index] += grad
             parameter.grad = None
         return self.master_gradients
+
+    def _accumulator(self, index: int) -> Any:
+        """Parameter index's float32 gradient buffer, allocated once and kept."""
+        if self.accumulators[index] is None:
+            master = self.master_weights[index]
+            self.accumulators[index] = array_module(master).empty_like(master)
+        return self.accumulators[index]
 
     def step(self) -> None:
         """Update every master with its accumulated float32 gradient, as it is (unscaled and
@@ -92,9 +101,15 @@ class Optimizer:
             if grad is None:
                 continue
             weight_decay = self.weight_decays[index]
-            self._update(self.master_weights[index], grad, self.slots[index], weight_decay)
+            self.update(self.master_weights[index], grad, self.slots[index], weight_decay)
             self._write_back(index)
         self.master_gradients = [None] * len(self.params)
+
+    def update(self, master: Any, grad: Any, slots: dict[str, Any], weight_decay: float) -> None:
+        """The update rule on float32 arrays, in place: a whole parameter's master here, a piece
+        of a shard in ZeRO (minimp/parallel/zero_optimizer.py). Every rule is elementwise, so
+        updating a piece gives the same bits as updating the whole and taking the piece."""
+        self._update(master, grad, slots, weight_decay)
 
     def set_master_weight(self, index: int, array: Any) -> None:
         """Overwrite master `index` with array (float32) and round it into its parameter."""
@@ -150,12 +165,6 @@ def _parameter_groups(params: Iterable[Any], weight_decay: float) -> tuple[list,
             decays.append(float(weight_decay))
     return parameters, decays
 
-
-def _owned(array: Any) -> bool:
-    """A float32 gradient may be adopted without a copy only when it is a writeable array that
-    owns its memory (a broadcast or reshaped view of another gradient is not)."""
-    writeable = getattr(array.flags, "writeable", True)  # CuPy's flags have no `writeable`
-    return writeable and array.base is None
 
 
 class SGD(Optimizer):

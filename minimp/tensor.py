@@ -80,6 +80,7 @@ class Tensor(TensorOperators):
 
     __array_priority__ = 100  # so `numpy_array * tensor` calls Tensor.__rmul__
     _hooks: tuple | list = ()  # gradient hooks; a tensor gets its own list at its first hook
+    _post_accumulate_hooks: tuple | list = ()  # hooks called after a leaf's .grad is updated
 
     def __init__(self, data: Any, requires_grad: bool = False):
         self.data = _as_array(data)  # the NumPy or CuPy array
@@ -160,6 +161,15 @@ class Tensor(TensorOperators):
         self._hooks = hooks
         return RemovableHandle(hooks, hook)
 
+    def register_post_accumulate_grad_hook(self, hook: Callable[["Tensor"], None]) -> Any:
+        """Call hook(self) after backward has added this leaf's gradient into `.grad` (PyTorch's
+        name). ZeRO reduce-scatters a layer's gradients from here as soon as they are complete."""
+        hooks = self._post_accumulate_hooks
+        hooks = hooks if isinstance(hooks, list) else []
+        hooks.append(hook)
+        self._post_accumulate_hooks = hooks
+        return RemovableHandle(hooks, hook)
+
     def backward(self, grad: Any = None) -> None:
         """Accumulate d(self)/d(leaf) into `.grad` of every leaf that requires grad.
 
@@ -181,12 +191,15 @@ class Tensor(TensorOperators):
                 grad_output = _run_hooks(tensor._hooks, grad_output)
             if tensor.node is None:
                 tensor.grad = grad_output if tensor.grad is None else _add(tensor.grad, grad_output)
+                for hook in tuple(tensor._post_accumulate_hooks):
+                    hook(tensor)
                 continue
             node = tensor.node
             if node.context.saved_arrays is None:
                 raise RuntimeError(
                     "backward() through a graph already freed by an earlier backward()"
                 )
+            node.context.unpack_saved()
             input_grads = node.function.backward(node.context, grad_output)
             node.context.saved_arrays = None  # release what forward kept, as soon as it is used
             if not isinstance(input_grads, tuple):
@@ -217,7 +230,12 @@ def _run_hooks(hooks: Sequence, grad: Any) -> Any:
 
 def topological_order(root: Tensor) -> list[Tensor]:
     """Every tensor that requires grad and is reachable from root, each after all of its inputs
-    (iterative depth-first search: no recursion limit on deep graphs)."""
+    (iterative depth-first search: no recursion limit on deep graphs).
+
+    An op's first input (its activation: x in x @ W^T + b) is explored first, so everything it
+    leads back to comes before the op's weights here, and backward, walking this list reversed,
+    reaches each weight right after the ops that use it: a layer's gradients are complete as soon
+    as its backward is done (ZeRO reduce-scatters and frees layer by layer from that moment)."""
     order, visited, stack = [], set(), [(root, False)]
     while stack:
         tensor, inputs_done = stack.pop()
@@ -228,23 +246,35 @@ def topological_order(root: Tensor) -> list[Tensor]:
             continue
         visited.add(id(tensor))
         stack.append((tensor, True))
-        if tensor.node is not None:
-            stack.extend((parent, False) for parent in tensor.node.inputs if parent.requires_grad)
+        if tensor.node is not None:  # pushed last, popped (and explored) first
+            parents = [parent for parent in tensor.node.inputs if parent.requires_grad]
+            stack.extend((parent, False) for parent in reversed(parents))
     return order
 
 
 def saved_bytes(root: Tensor, exclude: Any = ()) -> int:
     """Bytes of the arrays the graph behind root keeps for backward, each array counted once.
 
-    `exclude` lists arrays not to count (say, the parameters, which exist whether or not we train).
+    `exclude` lists arrays not to count (say, the parameters, which exist whether or not we train),
+    views of their memory included (a head that multiplies by `weight.T` saves such a view).
+    Arrays packed by saved_tensors_hooks are not arrays while packed, so they are not counted.
     """
-    excluded = {id(array) for array in exclude}
+    excluded = {id(memory_owner(array)) for array in exclude}
     seen, total = set(), 0
     for tensor in topological_order(root):
         if tensor.node is None or tensor.node.context.saved_arrays is None:
             continue
         for array in tensor.node.context.saved_arrays:
-            if hasattr(array, "nbytes") and id(array) not in seen and id(array) not in excluded:
-                seen.add(id(array))
+            if not hasattr(array, "nbytes") or id(array) in seen:
+                continue
+            seen.add(id(array))
+            if id(memory_owner(array)) not in excluded:
                 total += array.nbytes
     return total
+
+
+def memory_owner(array: Any) -> Any:
+    """The array that owns the memory `array` looks at (itself unless it is a view)."""
+    while getattr(array, "base", None) is not None:
+        array = array.base
+    return array

@@ -6,10 +6,10 @@
 For two model sizes and both gradient wire dtypes it runs `mpirun -n p python -m minimp.train` (fp16
 training, global batch 256), reads each run's metrics (compute seconds, communication seconds, bytes
 sent per step), and prints them beside the cost models: the ring all-reduce time the machine model
-predicts for the same run on this machine (minimp/machinemodel.py), and for p = 1,024 replicas on a stated data-centre network (weak scaling:
-each replica keeps the local batch of the p = 4 run). On a 2-core machine 4 ranks are
-oversubscribed: each rank gets half a core, and MPICH's waiting ranks spin, so compute slows down
-too. The table says so rather than hiding it.
+predicts for the same run on this machine (minimp/machinemodel.py), and for p = 1,024 replicas on a
+stated data-centre network (weak scaling: each replica keeps the local batch of the p = 4 run). On a
+2-core machine 4 ranks are oversubscribed: each rank gets half a core, and MPICH's waiting ranks
+spin, so compute slows down too. The table says so rather than hiding it.
 """
 
 import argparse

@@ -28,7 +28,10 @@ from minimp.parallel import SCHEDULES, Costs, simulate_schedule
 from minimp.parallel.trace import read_timeline
 
 HIDDEN, BATCH = 512, 256
-MODEL = ["--hidden", str(HIDDEN), "--layers", "8", "--batch-size", str(BATCH), "--precision", "fp32"]
+MODEL = [
+    *("--hidden", str(HIDDEN), "--layers", "8"),
+    *("--batch-size", str(BATCH), "--precision", "fp32"),
+]
 
 
 def simulated(timeline):

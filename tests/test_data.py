@@ -51,7 +51,7 @@ def test_data_that_cannot_train_is_refused_when_loaded(change, message):
 
 
 def test_the_shapes_the_flags_check_match_the_data():
-    from minimp.train.validation import DIGITS_SHAPE, SHAKESPEARE_VOCABULARY
+    from minimp.train.sizes import DIGITS_SHAPE, SHAKESPEARE_VOCABULARY
 
     digits = load_digits()
     assert DIGITS_SHAPE == (digits.features, digits.classes)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from minimp import distributed as dist
 from minimp import nn
-from minimp.parallel.pipeline import PipelineError, split_stages, stage_parameters
+from minimp.parallel.stages import PipelineError, split_stages, stage_parameters
 from minimp.train import TrainConfig, build_model, train
 
 
@@ -97,7 +97,7 @@ def test_pipeline_stages_split_the_parameters():
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=8), st.data())
 def test_balanced_cuts_find_the_smallest_possible_largest_stage(costs, data):
     """Against brute force over every way to cut: the binary search + greedy pass is optimal."""
-    from minimp.parallel.pipeline import _balanced_cuts
+    from minimp.parallel.stages import _balanced_cuts
 
     parts = data.draw(st.integers(1, len(costs)))
     cuts = _balanced_cuts(costs, parts)

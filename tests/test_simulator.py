@@ -121,7 +121,8 @@ def test_sends_facing_each_other_deadlock_only_when_sends_wait_for_their_receive
     problems = check_schedule(schedule, 2, rendezvous=True)
     assert problems == [
         "deadlock: rank 0 at Action(op='send_forward', micro_batch=1, received=None, chunk=0); "
-        "rank 1 at Action(op='send_backward', micro_batch=0, received=None, chunk=0) can never go on"
+        "rank 1 at Action(op='send_backward', micro_batch=0, received=None, chunk=0) "
+        "can never go on"
     ]
 
 

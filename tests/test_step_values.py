@@ -9,7 +9,7 @@ import pytest
 from minimp import DynamicLossScaler, Tensor, nn, optim
 from minimp import distributed as dist
 from minimp import functional as F
-from minimp.parallel import ReplicaMismatchError
+from minimp.parallel import DataParallel, ReplicaMismatchError
 from minimp.precision import mixed_precision_step
 from minimp.train import TrainConfig, train
 
@@ -107,6 +107,6 @@ def test_the_initial_broadcast_is_what_makes_replicas_start_equal(monkeypatch):
     results = dist.simulate(2, lambda comm: train(config, log=lambda line: None, comm=comm))
     assert results[0]["skipped"] == results[1]["skipped"]
 
-    monkeypatch.setattr(loop.DataParallel, "broadcast_parameters", lambda self, root=0: None)
+    monkeypatch.setattr(DataParallel, "broadcast_parameters", lambda self, root=0: None)
     with pytest.raises(ReplicaMismatchError):
         dist.simulate(2, lambda comm: train(config, log=lambda line: None, comm=comm))

@@ -131,3 +131,48 @@ def test_gradient_hooks_see_and_replace_the_gradient():
     x.grad = None
     (x * 2.0).sum().backward()
     np.testing.assert_array_equal(x.grad, [2.0, 2.0])
+
+
+def test_backward_completes_each_layer_s_weights_right_after_the_layer():
+    """The last layer's gradients are in .grad before the first layer's backward starts: what
+    lets ZeRO reduce-scatter (and stage 3 free) layer by layer."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    events = []
+    for name, parameter in model.named_parameters():
+        parameter.register_post_accumulate_grad_hook(lambda p, name=name: events.append(name))
+    x = Tensor(np.ones((3, 4), np.float32))
+    for index, layer in enumerate(model.layers):
+        x = layer(x)
+        x.register_hook(lambda grad, index=index: events.append(f"output {index}"))
+    x.sum().backward()
+    assert events == [
+        "output 4", "4.bias", "4.weight", "output 3", "output 2", "2.bias", "2.weight",
+        "output 1", "output 0", "0.bias", "0.weight",
+    ]  # fmt: skip
+
+
+def test_saved_tensors_hooks_pack_and_unpack_what_ops_save():
+    """Weights packed into names while the graph lives, found again for backward: the same
+    gradients, and saved_bytes counts only what stayed an array."""
+    from minimp.function import saved_tensors_hooks
+
+    def gradients(hooks):
+        model = nn.Sequential(nn.Linear(3, 5, rng=np.random.default_rng(0)), nn.ReLU())
+        weights = {id(p.data): name for name, p in model.named_parameters()}
+        arrays = {name: p.data for name, p in model.named_parameters()}
+        x = Tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+        if hooks:
+            pack = lambda array: weights.get(id(array), array)  # noqa: E731
+            unpack = lambda packed: arrays[packed] if isinstance(packed, str) else packed  # noqa
+            with saved_tensors_hooks(pack, unpack):
+                loss = model(x).sum()
+        else:
+            loss = model(x).sum()
+        kept = saved_bytes(loss)
+        loss.backward()
+        return kept, [p.grad for p in model.parameters()]
+
+    (plain, expected), (packed, actual) = gradients(False), gradients(True)
+    assert plain - packed == 5 * 3 * 4  # the weight, packed into its name
+    for a, b in zip(actual, expected):
+        np.testing.assert_array_equal(a, b)

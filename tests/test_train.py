@@ -132,6 +132,8 @@ BAD_INPUTS = [
     (["--inject-overflow", "5"], "--inject-overflow takes STEP:RANK"),
     (["--inject-overflow", "5:1"], "the rank must lie in 0..0"),
     (["--resume", "/nonexistent/checkpoint.npz"], "does not exist"),
+    (["--zero", "4"], "--zero must be 0, 1, 2 or 3 (ZeRO's stages), got 4"),
+    (["--recompute", "1"], "unrecognized arguments: 1"),
 ]
 
 

@@ -112,6 +112,7 @@ def test_an_injected_fault_ends_the_job_fast_with_that_rank_s_message():
         (["--pp", "3"], "--pp 3 does not divide the 4 ranks of this job"),
         (["--pp", "8"], "--pp 8 needs at least 8 layers with weights, the model has 4"),
         (["--pp", "2", "--dp", "1"], "--dp 1 does not match the 4 ranks of this job"),
+        (["--zero", "1", "--check-replicas", "5"], "--check-replicas compares the replicas'"),
     ],
 )
 def test_bad_input_is_one_error_from_rank_0_and_no_hang(flags, message):
@@ -172,6 +173,45 @@ def test_pipeline_under_mpirun_ends_with_the_one_process_weights(
     )
     assert result.returncode == 0, result.stderr
     assert_same_masters(tmp_path / "pp.npz", one_process_fp32)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize(
+    "ranks, layout",
+    [(2, ["--dp", "2"]), (4, ["--dp", "2", "--pp", "2", "--micro-batches", "2"])],
+    ids=["dp2", "dp2-pp2"],
+)
+def test_zero_under_mpirun_ends_with_the_one_process_weights(
+    tmp_path, one_process_fp32, zero, ranks, layout
+):
+    path, metrics = tmp_path / "zero.npz", tmp_path / "zero.jsonl"
+    result = train_command(
+        ranks, "--precision", "fp32", "--steps", "20", "--zero", str(zero), *layout,
+        "--save", str(path), "--metrics", str(metrics),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert_same_masters(path, one_process_fp32)
+    _, records = last_loss(metrics)
+    assert len(records[-1]["model_state_bytes"]) == ranks
+    assert records[0]["bytes_by_collective"]["reduce_scatter"] > 0
+
+
+def test_the_zero_memory_example_measures_what_the_formulas_say():
+    example = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples", "zero_memory.py")
+    result = subprocess.run(
+        [PYTHON, example, "--ranks", "2", "--steps", "2", "--rounds", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert [row["largest_difference"] for row in report["rows"]] == [0, 0, 0, 0]
+    assert all(row["bytes_sent"] == row["bytes_sent_formula"] for row in report["rows"])
+    assert all(row["peak"][0] == row["peak_formula"] for row in report["rows"])
+    assert [round(gb, 1) for gb in report["scale"][1]["paper"]] == [120.0, 31.4, 16.6, 1.9]
+    trade = report["recompute"]
+    assert trade["kept_recompute"] == trade["kept_recompute_formula"] < trade["kept_plain"]
 
 
 def test_an_overflow_on_the_last_stage_makes_every_stage_skip(tmp_path):
@@ -386,3 +426,25 @@ def test_fp8_replicas_agree_on_their_amaxes_and_stay_bit_identical_under_mpirun(
     with np.load(path) as checkpoint:
         scales = [name for name in checkpoint.files if name.startswith("fp8/")]
     assert {name.split(".")[0] for name in scales} == {"fp8/0", "fp8/2", "fp8/4", "fp8/6"}
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp8"])
+def test_zero_3_with_16_bit_or_fp8_pipelines_ends_where_zero_0_does(tmp_path, precision):
+    """ZeRO stage 3 over 2 replicas of 2 stages, one micro-batch: the GPT's tied embedding (its
+    head's copy's gradient arrives transposed) and fp8's scaling state end bit-identical to
+    plain data parallelism's."""
+    flags = [*GPT_FLAGS, "--precision", precision, "--micro-batches", "1", "--steps", "6"]
+    flags += ["--dp", "2", "--pp", "2"]
+    saved = {}
+    for zero in (0, 3):
+        path = tmp_path / f"zero{zero}.npz"
+        command = [MPIRUN, "-n", "4", PYTHON, "-m", "minimp.train", *flags, "--zero", str(zero)]
+        result = subprocess.run(
+            [*command, "--save", str(path)], capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        saved[zero] = dict(np.load(path))
+    assert saved[0].keys() == saved[3].keys()
+    assert any(name.startswith("fp8/") for name in saved[0]) == (precision == "fp8")
+    for name, array in saved[0].items():
+        assert np.array_equal(array, saved[3][name]), name

@@ -55,6 +55,7 @@ class MPICommunicator(Communicator):
         self.size: int = mpi_comm.Get_size()
         self.bytes_sent = 0  # counted for metrics: what this rank put on the wire
         self.messages_sent = 0
+        self.scalar_allreduces = 0  # allreduce_scalars calls (their bytes are MPI's, not counted)
         self._cuda_aware: bool | None = None  # asked once, at the first GPU buffer
         self._status = MPI.Status()  # reused: one allocation less per message
         self._watchdog: Watchdog | None = None
@@ -162,6 +163,7 @@ class MPICommunicator(Communicator):
         mpi_op = {"max": self._MPI.MAX, "min": self._MPI.MIN, "sum": self._MPI.SUM}[op]
         values = np.ascontiguousarray(values, dtype=np.float64)
         result = np.empty_like(values)
+        self.scalar_allreduces += 1
         self._wait(f"all-reduce ({op}) with all {self.size} ranks")
         self._comm.Allreduce(values, result, op=mpi_op)
         self.waiting = None

@@ -72,6 +72,7 @@ class Communicator(Protocol):
     size: int
     bytes_sent: int  # what this rank put on the wire through this communicator
     messages_sent: int
+    scalar_allreduces: int  # allreduce_scalars calls (flags, norms, losses: counted apart)
 
     def send(self, array: Any, dest: int, tag: int = 0) -> None:
         """Send the array's bytes to rank dest."""

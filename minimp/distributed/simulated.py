@@ -167,6 +167,7 @@ class SimulatedCommunicator(Communicator):
         self.world_rank = members[rank]
         self.bytes_sent = 0
         self.messages_sent = 0
+        self.scalar_allreduces = 0  # allreduce_scalars calls (their bytes are MPI's, not counted)
         self._collective_calls = 0
 
     def __repr__(self) -> str:
@@ -265,6 +266,7 @@ class SimulatedCommunicator(Communicator):
 
     def allreduce_scalars(self, values: Any, op: str = "max") -> np.ndarray:
         check_op(op)
+        self.scalar_allreduces += 1
         contributions = self._collective(np.asarray(values, dtype=np.float64).copy())
         return REDUCE_OPS[op].reduce(np.stack([contributions[r] for r in range(self.size)]), axis=0)
 

@@ -1,5 +1,5 @@
 """minimp.nn: modules (as torch.nn): Parameter and Module, the layers MLPs and GPTs are built from,
-dropout with masks every parallel layout draws alike, and Linears in fp8."""
+dropout with masks every parallel layout draws alike, activation recomputation, and fp8 Linears."""
 
 from minimp.nn.dropout import Dropout, DropoutState, set_dropout_state
 from minimp.nn.fp8 import (
@@ -11,6 +11,7 @@ from minimp.nn.fp8 import (
 )
 from minimp.nn.layers import GELU, Embedding, LayerNorm, Linear, ReLU, Sequential, Tanh
 from minimp.nn.module import Module, Parameter
+from minimp.nn.recompute import Recompute, recompute
 
 __all__ = [
     "GELU",
@@ -22,6 +23,7 @@ __all__ = [
     "Module",
     "Parameter",
     "ReLU",
+    "Recompute",
     "Sequential",
     "Tanh",
     "enable_fp8",
@@ -29,5 +31,6 @@ __all__ = [
     "fp8_quantizers",
     "fp8_state_dict",
     "load_fp8_state_dict",
+    "recompute",
     "set_dropout_state",
 ]

@@ -25,8 +25,9 @@ import numpy as np
 from minimp.backend import array_module, to_numpy
 from minimp.distributed.protocol import Communicator
 from minimp.distributed.ring import ring_allreduce
-from minimp.precision.casting import round_to
+from minimp.precision.casting import round_to, widen
 from minimp.parallel.tied import TiedGradients
+from minimp.parallel.zero_accounts import BytesSent, PeakMemory, data_parallel_arrays, held_bytes
 from minimp.precision.step import GradientSync, squared_norm
 
 
@@ -61,12 +62,13 @@ class DataParallel(GradientSync):
         self.stages_comm, self.tied = stages_comm, tied
         self.comm_dtype = np.dtype(comm_dtype)
         self.buckets = self._plan_buckets(bucket_mb * 2**20)
+        self.sent, self.peak = BytesSent(), PeakMemory()  # the accounts (zero_accounts.py)
         xp = array_module(optimizer.master_weights[0]) if optimizer.master_weights else np
-        # One send and one receive buffer per bucket, reused every step
-        # (no allocations, no page faults).
+        # One send and one receive buffer per bucket, reused every step (no allocations, no page
+        # faults); one replica sends nothing and needs none.
         self.buffers = [
             (xp.empty(size, self.comm_dtype), xp.empty(size, self.comm_dtype))
-            for _, size in self.buckets
+            for _, size in (self.buckets if comm.size > 1 else [])
         ]
 
     def _plan_buckets(self, bucket_bytes: float) -> list[tuple[list[int], int]]:
@@ -89,15 +91,11 @@ class DataParallel(GradientSync):
 
     def broadcast_parameters(self, root: int = 0) -> None:
         """Make every replica start from root's float32 masters, bit for bit."""
-        for index, master in enumerate(self.optimizer.master_weights):
-            self.comm.bcast(master, root=root)
-            self.optimizer.set_master_weight(index, master)
+        broadcast_masters(self.comm, self.optimizer, root)
 
     def any_rank(self, found_inf: bool) -> bool:
         """One decision for all: True on every rank when any rank saw a non-finite gradient."""
-        if self.decision_comm.size == 1:
-            return found_inf
-        return bool(self.decision_comm.allreduce_scalars([float(found_inf)], op="max")[0])
+        return any_rank(self.decision_comm, found_inf)
 
     def global_squared_norm(self, gradients: Sequence[Any]) -> float:
         """This stage's squared gradient norm plus the other stages' (replicas hold the same
@@ -111,9 +109,20 @@ class DataParallel(GradientSync):
     def reduce(self, gradients: list) -> None:
         """Replace each float32 gradient (in place) by the mean over the replicas; then sum the
         tied copies' gradients across their two stages."""
-        self._average_over_replicas(gradients)
+        with self.sent.counting(self.comm, "all_reduce"):
+            self._average_over_replicas(gradients)
         if self.tied is not None:
             self.tied.reduce(gradients)
+
+    def after_backward(self) -> None:
+        """What runs after every micro-batch's backward: the float32 accumulation (an
+        all-reduce that overlaps backward, as PyTorch DDP's, would start its buckets here)."""
+        self.peak.sample(self.held())  # every 16-bit gradient of this backward is alive now
+        self.optimizer.accumulate_gradients()
+
+    def held(self) -> dict[str, int]:
+        """Bytes this rank holds now, by kind (minimp/parallel/zero_accounts.py)."""
+        return held_bytes(data_parallel_arrays(self.optimizer, self))
 
     def _average_over_replicas(self, gradients: list) -> None:
         if self.comm.size == 1:
@@ -122,14 +131,8 @@ class DataParallel(GradientSync):
         for (indices, _), (send, receive) in zip(self.buckets, self.buffers):
             offset = 0
             for index in indices:
-                grad = _gradient_or_zeros(gradients, index, self.optimizer)
-                flat = grad.reshape(-1)
-                part = send[offset : offset + flat.size]
-                if self.average == "before":
-                    # Scale in float32, round once into the wire dtype.
-                    part[...] = round_to(flat * np.float32(inverse), self.comm_dtype)
-                else:
-                    part[...] = round_to(flat, self.comm_dtype)
+                flat = _gradient_or_zeros(gradients, index, self.optimizer).reshape(-1)
+                pack(send[offset : offset + flat.size], flat, inverse, self.average)
                 offset += flat.size
             ring_allreduce(self.comm, send, out=receive)
             offset = 0
@@ -137,9 +140,8 @@ class DataParallel(GradientSync):
                 grad = gradients[index]
                 # Written through grad itself: a gradient that arrived transposed (the head's copy
                 # of the tied embedding) is Fortran-ordered, and its reshape(-1) is a copy.
-                grad[...] = receive[offset : offset + grad.size].reshape(grad.shape)
-                if self.average == "after":
-                    grad *= np.float32(inverse)
+                piece = receive[offset : offset + grad.size].reshape(grad.shape)
+                unpack(grad, piece, inverse, self.average)
                 offset += grad.size
 
     def check_replicas(self, extra: Sequence[Any] = ()) -> None:
@@ -157,6 +159,36 @@ class DataParallel(GradientSync):
             raise ReplicaMismatchError(
                 f"{what} of rank(s) {differing} differ from rank 0's (replicas drifted apart)"
             )
+
+
+def any_rank(comm: Communicator, found_inf: bool) -> bool:
+    """True on every rank of comm when found_inf is True on any (one MAX all-reduce)."""
+    if comm.size == 1:
+        return found_inf
+    return bool(comm.allreduce_scalars([float(found_inf)], op="max")[0])
+
+
+def broadcast_masters(comm: Communicator, optimizer: Any, root: int = 0) -> None:
+    """Overwrite every rank's float32 masters (and compute copies) with root's, bit for bit."""
+    for index, master in enumerate(optimizer.master_weights):
+        comm.bcast(master, root=root)
+        optimizer.set_master_weight(index, master)
+
+
+def pack(wire: Any, gradient: Any, inverse: float, average: str) -> None:
+    """Write a flat gradient (float32, or a 16-bit one) into its place on the wire: with
+    average "before" multiplied by 1/p in float32 first; rounded once into the wire's dtype."""
+    if average == "before":
+        wire[...] = round_to(widen(gradient) * np.float32(inverse), wire.dtype)
+    else:
+        wire[...] = round_to(gradient, wire.dtype)
+
+
+def unpack(target: Any, received: Any, inverse: float, average: str) -> None:
+    """A reduced sum off the wire into a float32 gradient (with average "after": times 1/p)."""
+    target[...] = received
+    if average == "after":
+        target *= np.float32(inverse)
 
 
 def _gradient_or_zeros(gradients: list, index: int, optimizer: Any) -> Any:

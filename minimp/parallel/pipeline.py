@@ -14,98 +14,10 @@ from typing import Any, Callable
 from minimp import backend
 from minimp.distributed.protocol import Tag
 from minimp.parallel.schedules import Action
+from minimp.parallel.stages import layer_groups, run_layers
 from minimp.parallel.topology import Topology
-from minimp.tensor import Tensor, no_grad
-
-
-class PipelineError(ValueError):
-    """The model cannot be split as asked."""
-
-
-def split_stages(layers: list, stages: int) -> list[tuple[int, int]]:
-    """[(start, stop)] layer ranges of `stages` contiguous stages, balanced by parameter count.
-
-    Parameter count is the cost because, in an MLP, each weight costs the same multiply-adds per
-    sample forward and backward. Each layer with parameters opens a block that also takes the
-    parameter-free layers after it (a ReLU stays with its Linear); blocks are then cut so that the
-    most expensive stage is as cheap as possible (`_balanced_cuts`).
-    """
-    counts = [sum(p.size for p in layer.parameters()) for layer in layers]
-    starts = [i for i, count in enumerate(counts) if count > 0]
-    if stages > len(starts):
-        raise PipelineError(
-            f"--pp {stages} needs at least {stages} layers with weights, the model has "
-            f"{len(starts)} (use --layers)"
-        )
-    starts[0] = 0
-    blocks = [(start, stop) for start, stop in zip(starts, starts[1:] + [len(layers)])]
-    costs = [sum(counts[a:b]) for a, b in blocks]
-    cuts = _balanced_cuts(costs, stages)
-    return [
-        (blocks[first][0], blocks[last - 1][1])
-        for first, last in zip([0] + cuts, cuts + [len(blocks)])
-    ]
-
-
-def _balanced_cuts(costs: list[int], parts: int) -> list[int]:
-    """Cut points splitting costs into `parts` contiguous non-empty groups, minimising the largest
-    sum: a binary search over that largest sum, each candidate tried by one greedy pass. That is
-    O(n log(total)); the textbook dynamic programme is O(parts n^2), minutes for 10^4 layers."""
-    low, high = max(costs), sum(costs)
-    while low < high:  # the smallest limit that `parts` groups can keep to
-        middle = (low + high) // 2
-        if _groups_needed(costs, middle) <= parts:
-            high = middle
-        else:
-            low = middle + 1
-    return _greedy_cuts(costs, low, parts)
-
-
-def _groups_needed(costs: list[int], limit: int) -> int:
-    """How many groups a greedy pass needs when no group may sum to more than limit."""
-    groups, total = 1, 0
-    for cost in costs:
-        if total + cost > limit:
-            groups, total = groups + 1, 0
-        total += cost
-    return groups
-
-
-def _greedy_cuts(costs: list[int], limit: int, parts: int) -> list[int]:
-    """Fill each group up to `limit`, but cut early where the blocks left are just enough to give
-    each of the remaining groups one."""
-    cuts: list[int] = []
-    total = 0
-    for index, cost in enumerate(costs):
-        groups_after_this_one = parts - len(cuts) - 1
-        if index > 0 and (total + cost > limit or len(costs) - index == groups_after_this_one):
-            cuts.append(index)
-            total = 0
-        total += cost
-    return cuts
-
-
-def cut_shapes(layers: list, sample: Any) -> list[tuple[int, ...]]:
-    """shapes[i]: the shape of the activation entering layer i for one micro-batch `sample`
-    (shapes[len(layers)] is the output's). One forward without a graph, on every rank, so both
-    sides of every cut know the shape of the bytes they exchange."""
-    shapes, x = [tuple(sample.shape)], Tensor(sample)
-    with no_grad():
-        for layer in layers:
-            x = layer(x)
-            shapes.append(tuple(x.shape))
-    return shapes
-
-
-def stage_parameters(model: Any, bounds: tuple[int, int]) -> list[tuple[str, Any]]:
-    """(name, Parameter) of the layers in range(*bounds) of a Sequential, named as in the whole
-    model ("4.weight"), so every layout writes the same checkpoint names."""
-    start, stop = bounds
-    return [
-        (name, parameter)
-        for name, parameter in model.named_parameters()
-        if start <= int(name.split(".")[0]) < stop
-    ]
+from minimp.parallel.zero_layout import reachable_parameters
+from minimp.tensor import Tensor, saved_bytes
 
 
 @dataclass
@@ -131,18 +43,25 @@ class PipelineStage:
         output_shape: tuple[int, ...],
         dtype: Any,
         loss_fn: Callable[[Tensor, Any], Tensor],
+        run_group: Callable[[list, Tensor], Tensor] = run_layers,
     ):
         """input_shape / output_shape: one micro-batch's activation entering / leaving this stage.
-        loss_fn(output, targets) -> scalar loss Tensor, called on the last stage."""
+        loss_fn(output, targets) -> scalar loss Tensor, called on the last stage.
+        run_group(layers, x): how each group of layers (`layer_groups`) runs: in order by
+        default; recomputed (--recompute) and gathered (ZeRO stage 3) when the trainer says so."""
         self.layers, self.topology, self.comm = layers, topology, topology.pp_group
         self.input_shape, self.output_shape, self.dtype = input_shape, output_shape, dtype
-        self.loss_fn = loss_fn
+        self.loss_fn, self.run_group = loss_fn, run_group
+        self.groups = [layers[start:stop] for start, stop in layer_groups(layers)]
+        self.parameters = [p for layer in layers for p in reachable_parameters(layer)]
         self.peak_stored = 0  # the most micro-batches whose activations this stage held at once
+        self.activation_bytes: dict[int, int] = {}  # kept for backward, by micro-batch in flight
+        self.peak_activation_bytes = 0  # this step's most bytes kept for backward at once
 
     def forward(self, x: Tensor) -> Tensor:
-        """This stage's layers applied in order."""
-        for layer in self.layers:
-            x = layer(x)
+        """This stage's layers applied in order, group by group."""
+        for group in self.groups:
+            x = self.run_group(group, x)
         return x
 
     def run(
@@ -171,6 +90,7 @@ class PipelineStage:
         self._scale_loss, self._after_backward = scale_loss, after_backward
         self._before_forward = before_forward
         self._loss_sum = 0.0
+        self.activation_bytes, self.peak_activation_bytes = {}, 0
         for action in actions:
             start = time.perf_counter()
             getattr(self, "_" + action.op)(action)
@@ -201,6 +121,11 @@ class PipelineStage:
         state.output = output
         alive = sum(s.output is not None for s in self._micro_batches.values())
         self.peak_stored = max(self.peak_stored, alive)
+        if output.requires_grad:  # what this micro-batch's graph keeps (weights not counted)
+            weights = [parameter.data for parameter in self.parameters]
+            self.activation_bytes[action.micro_batch] = saved_bytes(output, exclude=weights)
+        in_flight = sum(self.activation_bytes.values())
+        self.peak_activation_bytes = max(self.peak_activation_bytes, in_flight)
 
     def _backward(self, action: Action) -> None:
         state = self._micro_batches[action.micro_batch]
@@ -208,6 +133,7 @@ class PipelineStage:
             self._scale_loss(state.output).backward()
         else:
             state.output.backward(state.grad_output)
+        self.activation_bytes.pop(action.micro_batch, None)
         self._after_backward()
         if self.topology.is_first_stage:  # nothing to send back: done with this micro-batch
             del self._micro_batches[action.micro_batch]

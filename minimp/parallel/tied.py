@@ -24,9 +24,13 @@ class TiedGradients:
 
     def reduce(self, gradients: list) -> None:
         """Replace each tied gradient, in place, by its sum over the two stages (float32)."""
-        for index in self.indices:
-            summed = ring_allreduce(self.comm, gradients[index])
-            gradients[index][...] = summed
+        self.sum_across_stages([gradients[index] for index in self.indices])
+
+    def sum_across_stages(self, arrays: list) -> None:
+        """Replace each array, in place, by its sum with the other stage's (the same arrays in
+        the same order there: whole gradients, or with ZeRO this rank's chunks of them)."""
+        for array in arrays:
+            array[...] = ring_allreduce(self.comm, array)
 
     def uncounted(self) -> set[int]:
         """Optimizer positions the gradient norm leaves out on this rank."""

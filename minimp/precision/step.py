@@ -29,15 +29,17 @@ class GradientSync(Protocol):
     """How the ranks that share one step agree and reduce; on one process every method is a no-op.
 
     The order of the decisions is fixed by `mixed_precision_step`; where the bytes move is up to
-    the implementation (all at once after backward today; a reduction that starts during backward,
-    or a reduce-scatter per bucket, can keep this interface: `reduce` then only waits).
+    the implementation: all at once after backward (parallel.DataParallel), or a reduce-scatter
+    per layer as backward completes it, with `reduce` left with little to do (parallel.zero).
     """
 
     def any_rank(self, found_inf: bool) -> bool:
         """True on every rank when it is True on any rank of the job (one decision for all)."""
 
     def reduce(self, gradients: list) -> None:
-        """Replace each float32 gradient, in place, by its mean over the data-parallel replicas."""
+        """Replace each float32 gradient, in place, by its mean over the data-parallel replicas.
+        ZeRO replaces the list's contents instead: with this rank's pieces of the mean, which
+        are all the rest of the step (unscale, clip, update) then touches."""
 
     def global_squared_norm(self, gradients: Sequence[Any]) -> float:
         """The squared norm of the whole model's gradient: this rank's part plus the parts of the

@@ -1,14 +1,36 @@
-"""What a training run is made of: this rank's stage of the task's model, its optimizer, its loss
-scaler and (fp8) its Linears' scaling state."""
+"""What a training run is made of: this rank's stage of the task's model, its optimizer, the
+GradientSync of its replicas (data parallelism or ZeRO), the loss scaler and (fp8) its Linears'
+scaling state."""
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from minimp import nn, optim
-from minimp.parallel import PipelineStage, Topology, cut_shapes, split_stages, stage_parameters
-from minimp.precision import DynamicLossScaler, LossScaler, NoLossScaler, StaticLossScaler
+from minimp.distributed.protocol import Communicator
+from minimp.parallel import (
+    DataParallel,
+    PipelineStage,
+    Topology,
+    ZeroDataParallel,
+    cut_shapes,
+    split_stages,
+    stage_parameters,
+    zero_data_parallel,
+)
+from minimp.parallel.data_parallel import broadcast_masters
+from minimp.parallel.stages import run_layers
+from minimp.parallel.tied import TiedGradients
+from minimp.parallel.zero_stage3 import free
+from minimp.precision import (
+    ACTIVATION_DTYPES,
+    DynamicLossScaler,
+    LossScaler,
+    NoLossScaler,
+    StaticLossScaler,
+)
+from minimp.tensor import Tensor
 from minimp.train.fp8 import Fp8Run, recipe
 
 
@@ -52,10 +74,66 @@ def build_stage(config: Any, task: Any, topology: Topology, dtype: Any) -> Stage
         output_shape=shapes[stop],
         dtype=dtype,
         loss_fn=task.loss,
+        run_group=group_runner(task, config.recompute),
     )
+    # The other stages' layers are rank 0's to evaluate with, and only after it has gathered
+    # their masters (saving.evaluate): no rank keeps their compute copies meanwhile.
+    kept = {id(parameter) for _, parameter in named}
+    for parameter in model.parameters():
+        if id(parameter) not in kept:
+            free(parameter)
     names = [name for name, _ in named]
     fp8_run = Fp8Run(model, bounds, topology) if config.precision == "fp8" else None
     return Stage(model, names, optimizer, runner, [name for name, _ in tied], fp8_run)
+
+
+def group_runner(task: Any, recompute: bool) -> Callable[[list, Tensor], Tensor]:
+    """How the stage runs each group of layers: in order, or, with --recompute and a group the
+    task calls a block, keeping only the group's input for backward (nn.recompute)."""
+
+    def run(layers: list, x: Tensor) -> Tensor:
+        if recompute and task.is_block(layers):
+            return nn.recompute(layers, x)
+        return run_layers(layers, x)
+
+    return run
+
+
+def build_sync(
+    config: Any,
+    topology: Topology,
+    stage: Stage,
+    tied: TiedGradients | None,
+    decision_comm: Communicator,
+) -> DataParallel | ZeroDataParallel:
+    """The GradientSync of this stage's replicas, every replica starting from replica 0's
+    masters: DataParallel (--zero 0), or ZeRO's, which shards the stage's optimizer (its
+    `.optimizer` is the one the step must use from now on) and, in stage 3, gathers the
+    parameters around the stage's groups of layers."""
+    options: dict[str, Any] = dict(
+        comm_dtype=ACTIVATION_DTYPES[config.grad_comm_dtype],
+        average=config.grad_average,
+        decision_comm=decision_comm,
+        tied=tied,
+    )
+    if not config.zero:
+        sync = DataParallel(
+            topology.dp_group,
+            stage.optimizer,
+            bucket_mb=config.bucket_mb,
+            stages_comm=topology.pp_group,
+            **options,
+        )
+        sync.broadcast_parameters()
+        return sync
+    broadcast_masters(topology.dp_group, stage.optimizer)
+    runner = stage.runner
+    zero = zero_data_parallel(
+        config.zero, stage.optimizer, runner.layers, topology.dp_group, **options
+    )
+    plain = runner.run_group
+    runner.run_group = lambda layers, x: zero.run_group(layers, x, plain)
+    return zero
 
 
 def _tied_parameters(model: Any, topology: Topology) -> list[tuple[str, Any]]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minimp.precision.casting import ACTIVATION_DTYPES, BFLOAT16
-from minimp.train import validation
+from minimp.train import sizes, validation
 from minimp.train.errors import ConfigError
 
 # The settings that differ by dataset. shakespeare: nanoGPT's README command for a CPU
@@ -119,7 +119,17 @@ class TrainConfig:
     pp: int = _flag(1, "pipeline stages: the layers are split into this many contiguous stages")
     schedule: str = _flag("1f1b", "pipeline schedule", choices=("gpipe", "1f1b"))
     timeline: str = _flag("", "write each stage's forward/backward times to this .json file")
-    bucket_mb: float = _flag(25.0, "gradient bucket size in MiB for the data-parallel all-reduce")
+    zero: int = _flag(
+        0,
+        "ZeRO stage: 0 replicates everything on every replica; 1 shards the optimizer state and "
+        "fp32 masters over the replicas, 2 the gradients too, 3 the parameters too",
+    )
+    recompute: bool = _flag(
+        False, "keep only each block's input for backward and rerun its forward there"
+    )
+    bucket_mb: float = _flag(
+        25.0, "gradient bucket size in MiB for the all-reduce of --zero 0 (ZeRO moves layers)"
+    )
     grad_comm_dtype: str = _flag("fp32", "dtype of gradients on the wire", choices=("fp32", "fp16"))
     grad_average: str = _flag(
         "before",
@@ -174,11 +184,11 @@ class TrainConfig:
 
     def check_memory(self, ranks_on_this_node: int, available: int) -> None:
         """Refuse, before anything is allocated, a model that cannot fit this machine."""
-        validation.check_memory(self, ranks_on_this_node, available)
+        sizes.check_memory(self, ranks_on_this_node, available)
 
     def parameter_count(self) -> int:
         """Parameters of the model these flags build (before it is built)."""
-        return validation.parameter_count(self)
+        return sizes.parameter_count(self)
 
     def loss_scale_kind(self) -> tuple[str, float | None]:
         """('dynamic'|'none'|'static', value) after resolving 'auto' by precision."""
@@ -240,6 +250,12 @@ def build_parser(
             help_text, default = f"{help_text} (default: {defaults})", argparse.SUPPRESS
         elif default is None:  # derived from other flags; the help says how
             default = argparse.SUPPRESS
+        if _type_of(config_field.name) is bool:  # a switch: present means True
+            parser.add_argument(
+                dashed(config_field.name), dest=config_field.name, action="store_true",
+                help=help_text,
+            )  # fmt: skip
+            continue
         parser.add_argument(
             dashed(config_field.name),
             dest=config_field.name,
@@ -253,7 +269,7 @@ def build_parser(
 
 def _type_of(name: str) -> type:
     hint = TrainConfig.__annotations__[name]
-    return hint if hint in (int, float) else str
+    return hint if hint in (int, float, bool) else str
 
 
 def parse_config(argv: list[str] | None = None, quiet: bool = False) -> TrainConfig:

@@ -14,11 +14,11 @@ import numpy as np
 from minimp import backend, lr_schedule, nn
 from minimp.distributed import world
 from minimp.distributed.protocol import Communicator
-from minimp.parallel import SCHEDULES, DataParallel, Topology, shard
+from minimp.parallel import SCHEDULES, Topology, shard
 from minimp.parallel.tied import TiedGradients, tied_group, tied_indices
-from minimp.precision import ACTIVATION_DTYPES, mixed_precision_step
-from minimp.train import checkpoint, progress, report, saving
-from minimp.train.build import build_scaler, build_stage
+from minimp.precision import mixed_precision_step
+from minimp.train import accounts, checkpoint, progress, report, saving
+from minimp.train.build import build_scaler, build_stage, build_sync
 from minimp.train.config import TrainConfig
 from minimp.train.errors import USER_ERRORS, agree_on_error
 from minimp.train.guards import Guards
@@ -48,6 +48,8 @@ def train(
 class Run:
     """One rank's share of a training run: its stage of the model, its optimizer, its groups."""
 
+    optimizer: Any  # the stage's optimizer, or (--zero) its ShardedOptimizer once set up
+
     def __init__(
         self, config: TrainConfig, comm: Communicator, log: Callable, interactive: bool = False
     ):
@@ -65,17 +67,10 @@ class Run:
         agree_on_error(comm, error)  # one rank says what failed; every rank stops here
         if config.resume:
             self.log(f"resumed from {config.resume} after step {self.start_step}")
-        self.data_parallel = DataParallel(
-            self.topology.dp_group,
-            self.optimizer,
-            bucket_mb=config.bucket_mb,
-            comm_dtype=ACTIVATION_DTYPES[config.grad_comm_dtype],
-            average=config.grad_average,
-            decision_comm=comm,
-            stages_comm=self.topology.pp_group,
-            tied=self._tied_gradients(),
-        )
-        self.data_parallel.broadcast_parameters()
+        tied = self._tied_gradients()
+        self.data_parallel: Any = build_sync(config, self.topology, self.built, tied, comm)
+        self.optimizer = self.data_parallel.optimizer  # ZeRO's sharded one, with --zero
+        self.counters = accounts.StepCounters(self)
         self.communication = report.Stopwatch()
         self.sync = report.TimedCalls(self.data_parallel, self.communication)
         self.history = progress.History(
@@ -101,9 +96,13 @@ class Run:
             backend.use_device(config.device, local_rank=local_rank)
         self.dtype = config.activation_dtype()
         self.task = TASKS[config.dataset](config, self.dtype)
-        stage = build_stage(config, self.task, self.topology, self.dtype)
-        self.model, self.names, self.optimizer = stage.model, stage.names, stage.optimizer
-        self.stage, self.tied_names, self.fp8 = stage.runner, stage.tied_names, stage.fp8
+        self.built = build_stage(config, self.task, self.topology, self.dtype)
+        self.model, self.names = self.built.model, self.built.names
+        # The stage's whole optimizer; with --zero, replaced by its sharded one after setup.
+        self.optimizer = self.built.optimizer
+        self.stage = self.built.runner
+        self.tied_names = self.built.tied_names
+        self.fp8 = self.built.fp8
         self.scaler = build_scaler(config)
         schedule = SCHEDULES[config.schedule](config.pp, config.micro_batches)
         self.actions = schedule[self.topology.stage]
@@ -114,7 +113,7 @@ class Run:
             names += ("fp8_recipe", "fp8_amax_history", "fp8_margin")
         self.resume_flags = {f"--{n.replace('_', '-')}": getattr(config, n) for n in names}
         self.lr_decay_steps = config.lr_decay_steps or config.steps
-        self.start_step = self._resume() if config.resume else 0
+        self.start_step: int = self._resume() if config.resume else 0
         self.guards = Guards(config, self.comm.rank, self.start_step, self.comm.size)
 
     def _resume(self) -> int:
@@ -149,7 +148,7 @@ class Run:
     def step(self, step: int) -> None:
         """One optimizer step: the schedule's forwards and backwards,
         then one shared skip-or-step."""
-        step_start, bytes_before = self._start_step()
+        step_start = self._start_step()
         inputs, targets, rows = self._micro_batches(step)
         self.optimizer.lr = self.learning_rate(step)
         overflow = self.guards.arm_overflow(step, self.optimizer.params[0])
@@ -158,7 +157,7 @@ class Run:
             inputs=inputs,
             targets=targets,
             scale_loss=self._scale_loss,
-            after_backward=self.optimizer.accumulate_gradients,
+            after_backward=self.data_parallel.after_backward,
             record=self._timeline_recorder(step),
             before_forward=self._dropout_rows(step, rows),
         )
@@ -167,10 +166,12 @@ class Run:
         self.guards.inject_fault(step)
         max_norm = self.config.max_grad_norm or None
         result = mixed_precision_step(self.optimizer, self.scaler, max_norm, sync=self.sync)
+        self.held = self.data_parallel.held()  # what this rank keeps until the next step
+        self.data_parallel.peak.sample(self.held)
         self._warn_if_stuck_at_min_scale(step)
         fp8_entry = self._end_fp8_step()
         self._check_replicas(step)
-        loss = self._mean_loss(loss_sum)
+        loss, activation_bytes = accounts.step_scalars(self, loss_sum)
         entry = {
             "step": step,
             "loss": loss,
@@ -179,7 +180,8 @@ class Run:
             "skipped": result.skipped,
             "compute_seconds": time.perf_counter() - step_start - self.communication.seconds,
             "communication_seconds": self.communication.seconds,
-            "bytes_sent": self._bytes_sent() - bytes_before,
+            **self.counters.finish(),
+            "peak_activation_bytes": activation_bytes,
             **fp8_entry,
         }
         every = self.config.eval_every
@@ -201,13 +203,14 @@ class Run:
         warmup, decay = config.warmup, self.lr_decay_steps
         return lr_schedule.warmup_cosine(step, config.lr, config.min_lr, warmup, decay)
 
-    def _start_step(self) -> tuple[float, int]:
-        """(start time, bytes sent so far); with --timeline all ranks start the step together, so
-        the stages' clocks line up."""
+    def _start_step(self) -> float:
+        """The start time (the counters start too); with --timeline all ranks start the step
+        together, so the stages' clocks line up."""
         if self.config.timeline:
             self.comm.barrier()
         self.communication.seconds = 0.0
-        return time.perf_counter(), self._bytes_sent()
+        self.counters.start()
+        return time.perf_counter()
 
     def _micro_batches(self, step: int) -> tuple[list | None, list | None, list]:
         """This replica's rows of the step's global batch, cut into micro-batches: the inputs (on
@@ -265,14 +268,6 @@ class Run:
                     f"{what} have the same checksum)"
                 )
 
-    def _mean_loss(self, loss_sum: float) -> float:
-        """The batch's mean loss on every rank: the last stages' shares, summed over the job."""
-        share = 0.0
-        if self.topology.is_last_stage:
-            share = loss_sum / self.config.micro_batches / self.dp
-        total = self.communication.wrap(self.comm.allreduce_scalars, "mean_loss")([share], "sum")
-        return float(total[0])
-
     def _timeline_recorder(self, step: int) -> Callable | None:
         """With --timeline, every action of the step goes into this rank's trace."""
         if self.trace is None:
@@ -283,6 +278,3 @@ class Run:
 
     def _record_communication(self, op: str, start: float, end: float) -> None:
         self.trace.record(op, self.current_step, -1, start, end)
-
-    def _bytes_sent(self) -> int:
-        return self.topology.dp_group.bytes_sent + self.topology.pp_group.bytes_sent

@@ -14,15 +14,19 @@ import numpy as np
 
 from minimp.distributed import gather_named_arrays
 from minimp.parallel import trace
-from minimp.train import checkpoint, files, report
+from minimp.train import accounts, checkpoint, files, report
 
 
 def gather_state(run: Any) -> dict | None:
     """Replica 0's stages send their masters, optimizer slots and fp8 scaling state to rank 0
-    (replicas are identical, so replica 0 speaks for all); None on every other rank."""
+    (replicas are identical, so replica 0 speaks for all; with ZeRO each replica first sends its
+    chunks to replica 0, which stitches them whole); None on every other rank."""
+    if run.config.zero:
+        state = run.optimizer.gather_state(run.names)  # a collective of the replicas
+    elif run.topology.dp_rank == 0:
+        state = checkpoint.state_arrays(run.names, run.optimizer)
     if run.topology.dp_rank != 0:
         return None
-    state = checkpoint.state_arrays(run.names, run.optimizer)
     if run.fp8 is not None:  # each stage's scaling state, as "fp8/<quantizer>/<field>"
         state.update(run.fp8.state_arrays())
     return gather_named_arrays(run.topology.pp_group, state)
@@ -41,7 +45,7 @@ def save_checkpoint(run: Any, step: int, merged: Any = GATHER) -> None:
             run.config.save,
             step=step,
             flags=run.resume_flags,
-            optimizer=run.optimizer,
+            optimizer=getattr(run.optimizer, "inner", run.optimizer),  # ZeRO's: the rule's
             scaler=run.scaler,
             arrays=merged,
             schedule={"lr_decay_steps": run.lr_decay_steps},
@@ -57,7 +61,8 @@ def finish(run: Any) -> dict:
     traces = _gather_traces(run)
     score = evaluate(run, batches=None, merged=merged)  # the whole test or validation set
     metric = run.task.final_metric
-    run.history.close({metric: score})
+    held = accounts.model_state(run, run.held) if hasattr(run, "held") else {}
+    run.history.close({metric: score, **held})
     skipped = run.history.skipped
     what = metric.replace("_", " ")
     run.log(f"done: {config.steps} steps, {skipped} skipped, {what} {score:.4f}")
@@ -76,6 +81,7 @@ def finish(run: Any) -> dict:
         "skipped": skipped,
         metric: score,
         "master_weights": masters,
+        **held,
     }
 
 
@@ -94,19 +100,26 @@ def _gather_traces(run: Any) -> dict | None:
 
 def evaluate(run: Any, batches: int | None, merged: Any = GATHER) -> float:
     """The task's score of the current weights (every rank calls this; every rank returns it):
-    replica 0's stages send their masters to rank 0 (when the pipeline splits the model), rank 0
-    loads them into its whole model and evaluates it, one all-reduce shares the number. `merged`:
-    what gather_state returned on this rank, when the caller has gathered already."""
+    replica 0's stages send their masters to rank 0 (when the pipeline splits the model, or ZeRO
+    stage 3 shards it), rank 0 loads them into its whole model and evaluates it, one all-reduce
+    shares the number. `merged`: what gather_state returned on this rank, when the caller has
+    gathered already. The model only borrows the gathered weights: its parameters get their own
+    arrays back afterwards (the other stages' and ZeRO stage 3's stay freed, a float32 master
+    stays its parameter)."""
     if merged is GATHER:
-        merged = gather_state(run) if run.topology.pp > 1 else None
+        whole = run.topology.pp == 1 and run.config.zero < 3  # rank 0 holds every weight
+        merged = None if whole else gather_state(run)
     score = 0.0
     if run.comm.rank == 0:
+        parameters = dict(run.model.named_parameters())
+        own = {name: parameter.data for name, parameter in parameters.items()}
         if merged is not None:
-            masters = {n: merged[f"master/{n}"] for n, _ in run.model.named_parameters()}
-            run.model.load_state_dict(masters)
+            run.model.load_state_dict({n: merged[f"master/{n}"] for n in parameters})
             if run.fp8 is not None:  # the other stages' scales, for the layers they own
                 run.fp8.load_whole_model(merged)
         score = run.task.evaluate(run.model, batches)
+        for name, parameter in parameters.items():
+            parameter.data = own[name]
     return float(run.comm.allreduce_scalars([score], "sum")[0])
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from minimp import backend, functional, nn
 from minimp.data import global_batch_indices, load_digits, load_shakespeare, text_batch
-from minimp.models.gpt import GPT, GPTConfig
+from minimp.models.gpt import GPT, Block, GPTConfig
 from minimp.tensor import Tensor, no_grad
 from minimp.train.errors import ConfigError
 
@@ -65,6 +65,10 @@ class DigitsTask:
         """A micro-batch of `rows` inputs, to learn the activation shapes at the pipeline cuts."""
         return self.images[:rows]
 
+    def is_block(self, layers: list) -> bool:
+        """What --recompute reruns: a hidden layer, Linear + ReLU (not the output Linear)."""
+        return len(layers) > 1 and isinstance(layers[-1], nn.ReLU)
+
     def loss(self, logits: Tensor, targets: Any) -> Tensor:
         return functional.cross_entropy(logits, targets)
 
@@ -111,6 +115,10 @@ class ShakespeareTask:
 
     def sample_input(self, rows: int) -> Any:
         return backend.to_device(np.zeros((rows, self.config.context), np.int64))
+
+    def is_block(self, layers: list) -> bool:
+        """What --recompute reruns: a transformer block (not the embeddings or the head)."""
+        return isinstance(layers[0], Block)
 
     def loss(self, logits: Tensor, targets: Any) -> Tensor:
         """Mean cross-entropy over every position of every sample (nats per character)."""

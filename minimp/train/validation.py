@@ -1,5 +1,6 @@
 """The checks of a training configuration, run before anything is built: every number in its range
-(NaN and inf included), the dp x pp grid, the batch split, the model's memory, injections.
+(NaN and inf included), the dp x pp grid, the batch split, ZeRO's shards, injections. (What the
+model weighs, and whether it fits in memory: minimp/train/sizes.py.)
 
 Each check raises ConfigError naming the flag and the fix; nothing here allocates or communicates.
 """
@@ -10,6 +11,7 @@ from typing import Any
 
 from minimp.backend import DEVICE_ENVIRONMENT_VARIABLE
 from minimp.train.errors import ConfigError
+from minimp.train.sizes import weighted_layers, zero_unit_sizes
 
 POSITIVE_INTEGERS = (
     "steps",
@@ -37,13 +39,8 @@ NON_NEGATIVE = (
     "eval_batches",
     "heads",
     "context",
+    "zero",
 )
-# (input features, classes) of the digits, and the characters of shakespeare: known before the
-# data is loaded (tests check they match the data).
-DIGITS_SHAPE = (64, 10)
-SHAKESPEARE_VOCABULARY = 65
-
-
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -54,6 +51,7 @@ def validate(config: Any, world_size: int) -> None:
     _check_model(config)
     _check_grid(config, world_size)
     _check_batch(config, config.data_parallel_size(world_size))
+    _check_zero(config, config.data_parallel_size(world_size))
     if config.save_every and not config.save:
         raise ConfigError("--save-every needs --save (the path to save to)")
     loss_scale_kind(config)
@@ -138,11 +136,6 @@ def _check_model(config: Any) -> None:
             raise ConfigError(f"--context must be a positive integer, got {config.context}")
 
 
-def weighted_layers(config: Any) -> int:
-    """How many layers with parameters the model has: where the pipeline may cut."""
-    return config.layers + (2 if config.model == "gpt" else 1)
-
-
 def _check_grid(config: Any, world_size: int) -> None:
     """--dp x --pp must tile the job's ranks, and the model must have a layer per stage."""
     if config.pp > weighted_layers(config):
@@ -180,40 +173,27 @@ def _check_batch(config: Any, dp: int) -> None:
         )
 
 
-def parameter_count(config: Any) -> int:
-    """Parameters of the model these flags build (before it is built)."""
-    width, layers = config.hidden, config.layers
-    if config.model == "gpt":  # embeddings (tied head), per block 12 C^2 + 13 C, final LayerNorm
-        embeddings = (SHAKESPEARE_VOCABULARY + config.context) * width
-        return embeddings + layers * (12 * width * width + 13 * width) + 2 * width
-    features, classes = DIGITS_SHAPE
-    inputs, count = features, 0
-    for _ in range(layers):
-        count, inputs = count + inputs * width + width, width
-    return count + inputs * classes + classes
-
-
-def check_memory(config: Any, ranks_on_this_node: int, available: int) -> None:
-    """Every rank builds the whole model in float32 and in the compute dtype (6 bytes a
-    parameter), and keeps for its stage a float32 master, gradient accumulator and two optimizer
-    slots, a 16-bit gradient and two wire buffers (26 bytes a parameter, over --pp stages), plus
-    its activations: at most the whole batch, bounded by 12 bytes per row, width and layer for
-    the MLP and by the GPT block's 34 sbh + 5 a s^2 b (models/gpt.py) with room for float32."""
-    parameters = parameter_count(config)
-    per_rank = 6 * parameters + 26 * parameters // config.pp
-    rows, width, layers = config.batch_size, config.hidden, config.layers
-    if config.model == "gpt":
-        s, a = config.context, config.heads
-        per_rank += layers * (70 * s * rows * width + 10 * a * s * s * rows)
-    else:
-        per_rank += 12 * rows * width * (layers + 1)
-    needed = per_rank * ranks_on_this_node
-    if needed > available:
+def _check_zero(config: Any, dp: int) -> None:
+    """A ZeRO stage that exists, sharding that leaves no replica empty-handed, and no flag that
+    needs the replicas to hold the same state."""
+    if config.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero must be 0, 1, 2 or 3 (ZeRO's stages), got {config.zero}")
+    if not isinstance(config.recompute, bool):
+        raise ConfigError(f"--recompute is a switch (True or False), got {config.recompute!r}")
+    if not config.zero:
+        return
+    if config.check_replicas:
         raise ConfigError(
-            f"the model has {parameters:,} parameters: about {needed / 2**30:.1f} GiB for the "
-            f"{ranks_on_this_node} rank(s) on this machine, which has "
-            f"{available / 2**30:.1f} GiB free (lower --hidden or --layers)"
+            f"--check-replicas compares the replicas' masters, and --zero {config.zero} gives "
+            "each replica a different part of them (use --zero 0 to check replicas)"
         )
+    for stage, sizes in enumerate(zero_unit_sizes(config)):
+        if max(sizes) < dp:
+            raise ConfigError(
+                f"--zero {config.zero} over --dp {dp}: pipeline stage {stage}'s largest layer "
+                f"has {max(sizes)} parameters, so some replicas would hold none of that stage "
+                f"(use --dp {max(sizes)} or fewer, a wider model, or --zero 0)"
+            )
 
 
 def loss_scale_kind(config: Any) -> tuple[str, float | None]:

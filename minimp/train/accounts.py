@@ -1,0 +1,85 @@
+"""What a step costs this rank, for the metrics: bytes sent by collective, scalar all-reduces,
+the bytes of model state it holds (by kind, and at the peak inside a step), activations kept.
+
+Per step (every metrics row): `bytes_sent` (every group but the scalar all-reduces),
+`bytes_by_collective` (all_reduce for --zero 0, reduce_scatter and all_gather for ZeRO, tied for
+the GPT's embedding across stages, pipeline for activations), `seconds_by_collective` (ZeRO's run
+inside backward and the update, where `communication_seconds` does not look),
+`scalar_allreduces` (calls: the overflow flags, the norm, the loss) and `peak_activation_bytes`
+(the most bytes kept for backward at once, the largest over the ranks). In the final row:
+`model_state_bytes`, one total per rank, held at the end of the last step, with
+`model_state_by_kind` and `peak_model_state_bytes` beside it (minimp/parallel/zero_accounts.py has
+the formulas they are checked against).
+"""
+
+from typing import Any
+
+import numpy as np
+
+from minimp.parallel.zero_accounts import KINDS
+
+
+class StepCounters:
+    """Snapshots of this rank's communicators at the start of a step, and the differences."""
+
+    def __init__(self, run: Any):
+        self.run = run
+        sync, topology = run.data_parallel, run.topology
+        self.groups = {"data_parallel": topology.dp_group, "pipeline": topology.pp_group}
+        if sync.tied is not None:
+            self.groups["tied"] = sync.tied.comm
+        self.every = [run.comm, *self.groups.values()]
+        self.start()
+
+    def _snapshot(self) -> tuple[dict, dict, dict, int]:
+        sent = {name: comm.bytes_sent for name, comm in self.groups.items()}
+        counter = self.run.data_parallel.sent
+        calls = sum(comm.scalar_allreduces for comm in self.every)
+        return sent, dict(counter.by_collective), dict(counter.seconds), calls
+
+    def start(self) -> None:
+        self.before = self._snapshot()
+
+    def finish(self) -> dict[str, Any]:
+        """{bytes_sent, bytes_by_collective, seconds_by_collective, scalar_allreduces} since
+        `start`."""
+        sent0, bytes0, seconds0, calls0 = self.before
+        sent1, bytes1, seconds1, calls1 = self._snapshot()
+        by_collective = {name: bytes1[name] - bytes0.get(name, 0) for name in bytes1}
+        for name in ("pipeline", "tied"):
+            if name in sent1:
+                by_collective[name] = sent1[name] - sent0[name]
+        return {
+            "bytes_sent": sum(sent1.values()) - sum(sent0.values()),
+            "bytes_by_collective": by_collective,
+            "seconds_by_collective": {n: seconds1[n] - seconds0.get(n, 0.0) for n in seconds1},
+            "scalar_allreduces": calls1 - calls0,
+        }
+
+
+def step_scalars(run: Any, loss_sum: float) -> tuple[float, int]:
+    """(the batch's mean loss, the most activation bytes any rank kept) on every rank, from one
+    SUM all-reduce: the last stages' loss shares, and each rank's peak in its own slot."""
+    values = np.zeros(1 + run.comm.size)
+    if run.topology.is_last_stage:
+        values[0] = loss_sum / run.config.micro_batches / run.dp
+    values[1 + run.comm.rank] = run.stage.peak_activation_bytes
+    total = run.communication.wrap(run.comm.allreduce_scalars, "mean_loss")(values, "sum")
+    return float(total[0]), int(total[1:].max())
+
+
+def model_state(run: Any, held: dict[str, int]) -> dict[str, Any]:
+    """The final row's memory fields: every rank's held bytes (total and by kind) and its peak
+    inside a step, gathered with one SUM all-reduce of a (ranks x kinds) table."""
+    peak = run.data_parallel.peak
+    table = np.zeros((run.comm.size, len(KINDS) + 1))
+    table[run.comm.rank, :-1] = [held[kind] for kind in KINDS]
+    table[run.comm.rank, -1] = peak.total
+    table = run.comm.allreduce_scalars(table.reshape(-1), "sum").reshape(table.shape)
+    return {
+        "model_state_bytes": [int(row[:-1].sum()) for row in table],
+        "model_state_by_kind": [
+            {kind: int(value) for kind, value in zip(KINDS, row[:-1])} for row in table
+        ],
+        "peak_model_state_bytes": [int(row[-1]) for row in table],
+    }

@@ -1,0 +1,81 @@
+"""What the model a configuration describes weighs, before it is built: layers, parameters per
+layer, ZeRO's units per stage, and whether the ranks on this machine have the memory for it."""
+
+from typing import Any
+
+from minimp.parallel.stages import split_counts
+from minimp.train.errors import ConfigError
+
+# (input features, classes) of the digits, and the characters of shakespeare: known before the
+# data is loaded (tests check they match the data).
+DIGITS_SHAPE = (64, 10)
+SHAKESPEARE_VOCABULARY = 65
+
+
+def weighted_layers(config: Any) -> int:
+    """How many layers with parameters the model has: where the pipeline may cut."""
+    return config.layers + (2 if config.model == "gpt" else 1)
+
+
+def layer_parameter_counts(config: Any) -> list[int]:
+    """Parameters of each layer of the model these flags build, in order (ReLUs hold none)."""
+    width, layers = config.hidden, config.layers
+    if config.model == "gpt":  # embeddings (tied head), per block 12 C^2 + 13 C, final LayerNorm
+        embeddings = (SHAKESPEARE_VOCABULARY + config.context) * width
+        return [embeddings] + [12 * width * width + 13 * width] * layers + [2 * width]
+    features, classes = DIGITS_SHAPE
+    counts, inputs = [], features
+    for _ in range(layers):
+        counts += [inputs * width + width, 0]
+        inputs = width
+    return counts + [inputs * classes + classes]
+
+
+def zero_unit_sizes(config: Any) -> list[list[int]]:
+    """The sizes of ZeRO's units (minimp/parallel/zero_layout.py) on each pipeline stage: one
+    per layer with weights, the GPT's token and position embeddings apart (the head reads the
+    first too), and the last stage's copy of the token embedding."""
+    counts = layer_parameter_counts(config)
+    stages = split_counts(counts, config.pp)
+    token = SHAKESPEARE_VOCABULARY * config.hidden
+    sizes = []
+    for start, stop in stages:
+        units = [count for count in counts[start:stop] if count]
+        if config.model == "gpt":
+            if start == 0:  # the embeddings' two tables are two units
+                units[0:1] = [token, config.context * config.hidden]
+            elif stop == len(counts):  # the head reads the tied copy of the token embedding
+                units.append(token)
+        sizes.append(units)
+    return sizes
+
+
+def parameter_count(config: Any) -> int:
+    """Parameters of the model these flags build (before it is built)."""
+    return sum(layer_parameter_counts(config))
+
+
+def check_memory(config: Any, ranks_on_this_node: int, available: int) -> None:
+    """Every rank builds the whole model in float32 and in the compute dtype (6 bytes a
+    parameter), and keeps for its stage a float32 master, gradient accumulator and two optimizer
+    slots, a 16-bit gradient and two wire buffers (26 bytes a parameter, over --pp stages; with
+    ZeRO, minimp/parallel/zero_accounts.py's per-rank share and a 16-bit gradient), plus its
+    activations: at most the whole batch, bounded by 12 bytes per row, width and layer for
+    the MLP and by the GPT block's 34 sbh + 5 a s^2 b (models/gpt.py) with room for float32."""
+    parameters = parameter_count(config)
+    dp = max(1, config.dp)
+    state = {0: 26, 1: 8 + 12 / dp, 2: 4 + 16 / dp, 3: 2 + 18 / dp}[config.zero]
+    per_rank = 6 * parameters + int(state * parameters) // config.pp
+    rows, width, layers = config.batch_size, config.hidden, config.layers
+    if config.model == "gpt":
+        s, a = config.context, config.heads
+        per_rank += layers * (70 * s * rows * width + 10 * a * s * s * rows)
+    else:
+        per_rank += 12 * rows * width * (layers + 1)
+    needed = per_rank * ranks_on_this_node
+    if needed > available:
+        raise ConfigError(
+            f"the model has {parameters:,} parameters: about {needed / 2**30:.1f} GiB for the "
+            f"{ranks_on_this_node} rank(s) on this machine, which has "
+            f"{available / 2**30:.1f} GiB free (lower --hidden or --layers)"
+        )

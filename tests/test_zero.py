@@ -1,0 +1,188 @@
+"""ZeRO stages 1-3 through the trainer on the simulated world: the training of --zero 0, the same
+skipped step, memory and bytes equal to the formulas, checkpoints in the one-process format, the
+GPT's tied embedding, and the flags it refuses."""
+
+import numpy as np
+import pytest
+from test_train_gpt import TINY, assert_same_weights
+
+from minimp import distributed as dist
+from minimp.parallel.zero_accounts import bytes_sent_formula, memory_formula, peak_formula
+from minimp.train import TrainConfig, saving, train
+from minimp.train.errors import ConfigError
+from minimp.train.loop import Run
+from minimp.train.sizes import zero_unit_sizes
+
+SMALL = dict(hidden=32, layers=2, batch_size=32, log_every=1000)
+
+
+def simulated(world_size, **overrides):
+    """Every rank's result of a training run on the simulated world."""
+    config = TrainConfig(**{**SMALL, **overrides})
+    config.validate(world_size)
+    return dist.simulate(world_size, lambda comm: train(config, log=lambda line: None, comm=comm))
+
+
+def same_bits(a, b):
+    return all(a[name].tobytes() == b[name].tobytes() for name in a)
+
+
+@pytest.fixture(scope="module")
+def replicated():
+    return simulated(2, precision="fp32", steps=10)[0]["master_weights"]
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_fp32_on_two_replicas_is_bit_identical_to_zero_0(replicated, zero):
+    """Two replicas add each element's two halves in one addition, whatever the layout, and the
+    update is elementwise: the same bits as data parallelism."""
+    sharded = simulated(2, precision="fp32", steps=10, zero=zero)
+    assert same_bits(sharded[0]["master_weights"], replicated)
+
+
+def test_four_replicas_and_micro_batches_agree_to_float32_rounding():
+    """Four replicas add four terms in an order set by the chunk an element falls in (ZeRO cuts
+    layer by layer, data parallelism one bucket); stages 2-3 average every micro-batch before
+    adding them up: the last bits differ, nothing more."""
+    flags = dict(precision="fp32", steps=10, micro_batches=2)
+    replicated = simulated(4, **flags)[0]["master_weights"]
+    for zero in (1, 2, 3):
+        sharded = simulated(4, zero=zero, **flags)[0]["master_weights"]
+        for name, array in sharded.items():
+            np.testing.assert_allclose(array, replicated[name], rtol=1e-6, atol=1e-7)
+
+
+def test_an_injected_overflow_skips_the_same_step_in_every_stage():
+    flags = dict(steps=5, inject_overflow="3:1", loss_scale_growth_interval=2)
+    runs = [simulated(2, zero=zero, **flags)[0] for zero in range(4)]
+    for run in runs:
+        assert [r["skipped"] for r in run["history"]] == [False, False, True, False, False]
+        assert [r["loss_scale"] for r in run["history"]] == [
+            r["loss_scale"] for r in runs[0]["history"]
+        ]
+        assert same_bits(run["master_weights"], runs[0]["master_weights"])  # fp16, M = 1
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_memory_and_bytes_sent_equal_the_formulas(world_size):
+    """Every rank, every kind, every collective, and the peak inside a step; uneven chunks (the
+    MLP's units have 2080, 1056 and 330 elements), fp16 compute, fp32 wire, Adam, two
+    micro-batches."""
+    config = TrainConfig(**SMALL)
+    units = zero_unit_sizes(config)[0]
+    for zero in range(4):
+        results = simulated(world_size, steps=2, micro_batches=2, zero=zero)
+        for rank, result in enumerate(results):
+            expected = memory_formula(
+                zero,
+                unit_sizes=units,
+                rank=rank,
+                world_size=world_size,
+                compute_bytes=2,
+                wire_bytes=4,
+                slots=2,
+            )
+            assert result["model_state_by_kind"][rank] == expected, (zero, rank)
+            assert result["model_state_bytes"][rank] == sum(expected.values())
+            peak = peak_formula(zero, unit_sizes=units, compute_bytes=2)
+            assert result["peak_model_state_bytes"][rank] == sum(expected.values()) + peak
+            sent = bytes_sent_formula(
+                zero,
+                sizes=[sum(units)] if zero == 0 else units,
+                rank=rank,
+                world_size=world_size,
+                micro_batches=2,
+                compute_bytes=2,
+                wire_bytes=4,
+            )
+            measured = result["history"][-1]["bytes_by_collective"]
+            assert {k: v for k, v in measured.items() if v} == sent, (zero, rank)
+            assert result["history"][-1]["bytes_sent"] == sum(sent.values())
+
+
+def test_a_zero_3_checkpoint_of_four_replicas_resumes_on_one_process_and_back(tmp_path):
+    fp32 = dict(precision="fp32")
+    straight = simulated(1, steps=10, **fp32)[0]["master_weights"]
+    simulated(4, steps=5, zero=3, save=str(tmp_path / "z3.npz"), **fp32)
+    resumed = simulated(1, steps=10, resume=str(tmp_path / "z3.npz"), **fp32)[0]
+    simulated(1, steps=5, save=str(tmp_path / "one.npz"), **fp32)
+    back = simulated(4, steps=10, zero=3, resume=str(tmp_path / "one.npz"), **fp32)[0]
+    for result in (resumed, back):
+        for name, array in result["master_weights"].items():
+            np.testing.assert_allclose(array, straight[name], rtol=1e-5, atol=1e-7)
+    with np.load(tmp_path / "z3.npz") as sharded, np.load(tmp_path / "one.npz") as whole:
+        assert sharded.files == whole.files  # the same names, in the same order
+
+
+def run_steps(world_size, **overrides):
+    """Every rank's history and rank 0's masters after the GPT's steps, on the simulated world
+    (no final evaluation of the whole validation split: seconds that test nothing here)."""
+    config = TrainConfig(**{**TINY, **overrides})
+    config.validate(world_size)
+
+    def body(comm):
+        training = Run(config, comm, log=lambda line: None)
+        for step in range(1, config.steps + 1):
+            training.step(step)
+        merged = saving.gather_state(training) or {}
+        masters = {n[len("master/") :]: a for n, a in merged.items() if n.startswith("master/")}
+        return {"history": training.history.records, "master_weights": masters}
+
+    return dist.simulate(world_size, body, eager_limit=0)
+
+
+def test_the_gpt_with_stage_3_dropout_and_recomputation_trains_as_one_process():
+    """Stage 3 gathers the token embedding for the embeddings and again for the head (two layers
+    read it) and once for backward: (2 + 1) all-gathers of it per micro-batch."""
+    alone = run_steps(1, dropout=0.2, steps=4)[0]
+    results = run_steps(2, dp=2, dropout=0.2, zero=3, recompute=True, micro_batches=2, steps=4)
+    assert_same_weights(results[0]["master_weights"], alone["master_weights"], steps=4)
+    units = zero_unit_sizes(TrainConfig(**TINY))[0]  # [wte, wpe, block, block, ln_f]
+    for rank, result in enumerate(results):
+        sent = bytes_sent_formula(
+            3, sizes=units, rank=rank, world_size=2, micro_batches=2, compute_bytes=4,
+            wire_bytes=4, readers=[2, 1, 1, 1, 1],
+        )  # fmt: skip
+        measured = result["history"][-1]["bytes_by_collective"]
+        assert {k: measured[k] for k in sent} == sent
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_the_tied_embedding_s_chunks_stay_identical_across_the_pipeline(zero):
+    """--dp 2 --pp 2: each replica's first and last stage hold the same chunk of the token
+    embedding (a unit of its own on both) and sum its gradient before updating it."""
+    config = TrainConfig(**{**TINY, "dp": 2, "pp": 2, "zero": zero, "steps": 4})
+    config.validate(4)
+
+    def body(comm):
+        run = Run(config, comm, log=lambda line: None)
+        for step in range(1, config.steps + 1):
+            run.step(step)
+        optimizer, index = run.optimizer, run.names.index("0.wte.weight")
+        unit = optimizer.layout.unit_of()[index]
+        return optimizer.masters[unit].copy(), optimizer.slots[unit][0]["exp_avg"].copy()
+
+    first, last, first_1, last_1 = dist.simulate(4, body)  # ranks (dp, stage): 00 01 10 11
+    for a, b in ((first, last), (first_1, last_1)):
+        assert a[0].tobytes() == b[0].tobytes() and a[1].tobytes() == b[1].tobytes()
+
+
+@pytest.mark.parametrize(
+    "flags, world_size, message",
+    [
+        (dict(zero=5), 1, "--zero must be 0, 1, 2 or 3"),
+        (dict(zero=-1), 1, "--zero must be 0 or more"),
+        (dict(zero=float("nan")), 1, "--zero must be 0 or more, got nan"),
+        (dict(recompute="yes"), 1, "--recompute is a switch"),
+        (dict(zero=1, check_replicas=5), 2, "--check-replicas compares the replicas' masters"),
+        (
+            dict(zero=2, hidden=1, layers=1, pp=2, batch_size=42),
+            42,
+            "pipeline stage 1's largest layer has 20 parameters, so some replicas",
+        ),
+    ],
+    ids=["stage-5", "negative", "nan", "recompute-yes", "check-replicas", "empty-shards"],
+)
+def test_zero_flags_that_cannot_work_are_refused_before_any_work(flags, world_size, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        TrainConfig(**{**SMALL, **flags}).validate(world_size)
