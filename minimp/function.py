@@ -1,7 +1,8 @@
 """What an op is: a Function with forward and backward side by side, its Context, unbroadcast.
 
 A Function works on raw arrays; `Function.apply` runs it on Tensors and, when a gradient is wanted,
-records a node of the graph (the graph itself, and the walk back through it, live in tensor.py).
+records a node of the graph; `node_backward` runs a node's backward (the graph itself, and the walk
+back through it, live in tensor.py).
 """
 
 import threading
@@ -89,6 +90,40 @@ class Function:
             output.requires_grad = True
             output.node = graph.Node(cls, ctx, inputs)
         return output
+
+
+def node_backward(node: Any, grad_output: Any, wanted: Callable | None = None) -> tuple:
+    """The op's backward: one gradient (or None) per input, checked against the input. With
+    `wanted` (a predicate on inputs), only the inputs it accepts get a gradient: the op is told
+    through ctx.needs_input_grad (and skips the others' work), and anything else is dropped."""
+    context, everything = node.context, node.context.needs_input_grad
+    if wanted is not None:
+        context.needs_input_grad = tuple(
+            needed and wanted(parent) for needed, parent in zip(everything, node.inputs)
+        )
+    try:
+        if any(context.needs_input_grad):
+            input_grads = node.function.backward(context, grad_output)
+        else:
+            input_grads = (None,) * len(node.inputs)
+        asked = context.needs_input_grad
+    finally:
+        context.needs_input_grad = everything
+    if not isinstance(input_grads, tuple):
+        input_grads = (input_grads,)
+    checked: list[Any] = []
+    for parent, parent_grad, needed in zip(node.inputs, input_grads, asked):
+        if parent_grad is None or not needed:
+            checked.append(None)
+            continue
+        if parent_grad.shape != parent.shape or parent_grad.dtype != parent.dtype:
+            raise RuntimeError(  # a bug in that op's backward, not in the caller's code
+                f"{node.function.__name__}.backward returned a {parent_grad.dtype} "
+                f"gradient of shape {parent_grad.shape} for a {parent.dtype} input of "
+                f"shape {parent.shape}"
+            )
+        checked.append(parent_grad)
+    return tuple(checked)
 
 
 def unbroadcast(grad: Any, shape: tuple[int, ...], dtype: Any) -> Any:

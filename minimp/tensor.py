@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from minimp import backend
+from minimp import backend, function
 from minimp.operators import TensorOperators
 from minimp.precision import casting
 
@@ -181,40 +181,56 @@ class Tensor(TensorOperators):
             raise RuntimeError(
                 "backward() on a tensor that does not require grad (no graph to walk)"
             )
-        grad = self._initial_grad(grad)
-        grads = {id(self): grad}
-        for tensor in reversed(topological_order(self)):
-            grad_output = grads.pop(id(tensor), None)
-            if grad_output is None:
-                continue
-            if tensor._hooks:
-                grad_output = _run_hooks(tensor._hooks, grad_output)
-            if tensor.node is None:
-                tensor.grad = grad_output if tensor.grad is None else _add(tensor.grad, grad_output)
-                for hook in tuple(tensor._post_accumulate_hooks):
-                    hook(tensor)
-                continue
-            node = tensor.node
-            if node.context.saved_arrays is None:
-                raise RuntimeError(
-                    "backward() through a graph already freed by an earlier backward()"
-                )
-            node.context.unpack_saved()
-            input_grads = node.function.backward(node.context, grad_output)
+        walk_backward(self, self._initial_grad(grad))
+
+
+def walk_backward(root: Tensor, grad: Any, weights: Sequence[Tensor] = ()) -> list:
+    """Tensor.backward's walk. With `weights` (leaves), an op that reads one of them computes only
+    its other inputs' gradients now (its ctx.needs_input_grad says so) and keeps what forward saved;
+    it is returned, with the gradient of its output, as (node, grad_output), for the weights'
+    gradients later (minimp/split_backward.py). Without, the list is empty."""
+    weight_ids = {id(weight) for weight in weights}
+    deferred = []
+    grads = {id(root): grad}
+    for tensor in reversed(topological_order(root)):
+        grad_output = grads.pop(id(tensor), None)
+        if grad_output is None:
+            continue
+        if tensor.node is None:
+            accumulate_leaf(tensor, grad_output)
+            continue
+        if tensor._hooks:
+            grad_output = _run_hooks(tensor._hooks, grad_output)
+        node = tensor.node
+        if node.context.saved_arrays is None:
+            raise RuntimeError(
+                "backward() through a graph already freed by an earlier backward()"
+            )
+        node.context.unpack_saved()
+        if weight_ids and any(id(parent) in weight_ids for parent in node.inputs):
+            not_a_weight = lambda t: id(t) not in weight_ids  # noqa: E731
+            input_grads = function.node_backward(node, grad_output, not_a_weight)
+            deferred.append((node, grad_output))
+        else:
+            input_grads = function.node_backward(node, grad_output)
             node.context.saved_arrays = None  # release what forward kept, as soon as it is used
-            if not isinstance(input_grads, tuple):
-                input_grads = (input_grads,)
-            for parent, parent_grad in zip(node.inputs, input_grads):
-                if parent_grad is None or not parent.requires_grad:
-                    continue
-                if parent_grad.shape != parent.shape or parent_grad.dtype != parent.dtype:
-                    raise RuntimeError(  # a bug in that op's backward, not in the caller's code
-                        f"{node.function.__name__}.backward returned a {parent_grad.dtype} "
-                        f"gradient of shape {parent_grad.shape} for a {parent.dtype} input of "
-                        f"shape {parent.shape}"
-                    )
-                previous = grads.get(id(parent))
-                grads[id(parent)] = parent_grad if previous is None else _add(previous, parent_grad)
+        for parent, parent_grad in zip(node.inputs, input_grads):
+            if parent_grad is None or not parent.requires_grad:
+                continue
+            previous = grads.get(id(parent))
+            grads[id(parent)] = parent_grad if previous is None else _add(previous, parent_grad)
+    return deferred
+
+
+def accumulate_leaf(tensor: Tensor, grad: Any) -> None:
+    """A leaf's gradient is complete: its hooks, then into `.grad`, then its post-accumulate
+    hooks."""
+    if tensor._hooks:
+        grad = _run_hooks(tensor._hooks, grad)
+    tensor.grad = grad if tensor.grad is None else _add(tensor.grad, grad)
+    for hook in tuple(tensor._post_accumulate_hooks):
+        hook(tensor)
+
 
 def _add(a, b):
     """Sum two gradients, in float32 when they are stored in 16 bits."""

@@ -17,7 +17,8 @@ LAYERS = [
     ),
     (
         "autograd",
-        ("minimp.function", "minimp.tensor", "minimp.operators", "minimp.ops", "minimp.functional"),
+        ("minimp.function", "minimp.tensor", "minimp.operators", "minimp.ops", "minimp.functional")
+        + ("minimp.split_backward",),
     ),
     (
         "nn/optim/precision",

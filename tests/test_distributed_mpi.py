@@ -96,3 +96,12 @@ def test_the_watchdog_ends_a_job_whose_rank_froze():
     assert elapsed < 20, f"the job took {elapsed:.1f} s to end"
     assert "[rank 0] minimp: waited 2 s to receive from rank 1" in result.stderr, result.stderr
     assert "--timeout 2 s" in result.stderr
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_isend_and_irecv_exchange_past_the_eager_limit_in_any_order(ranks):
+    result = mpirun(ranks, "nonblocking.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("nonblocking exchange ok") == ranks
+    if ranks > 1:  # a message shorter than its buffer is named, as with blocking receives
+        assert "rank 1: received 12 bytes from rank 0 into a 20-byte buffer" in result.stdout

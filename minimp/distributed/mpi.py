@@ -115,6 +115,30 @@ class MPICommunicator(Communicator):
         if staged:
             array[...] = backend.to_device(host)
 
+    def isend(self, array: Any, dest: int, tag: int = 0) -> "MPIRequest":
+        """MPI_Isend of the array's bytes (a host copy of a device array, kept by the request)."""
+        buffer = byte_view(self._on_host(array)[0])
+        request = self._comm.Isend(self._bytes(buffer), dest=dest, tag=tag)
+        self._count(buffer)
+        return MPIRequest(self, request, buffer, f"finish a send to rank {dest}")
+
+    def irecv(self, array: Any, source: int, tag: int = 0) -> "MPIRequest":
+        """MPI_Irecv into the array (through a host buffer when MPI cannot write the device's)."""
+        host, staged = self._on_host(array)
+        buffer = byte_view(host)
+        request = self._comm.Irecv(self._bytes(buffer), source=source, tag=tag)
+        def copy_back() -> None:  # a device array received through a host buffer
+            array[...] = backend.to_device(host)
+
+        return MPIRequest(
+            self,
+            request,
+            buffer,
+            f"receive from rank {source}",
+            source=source,
+            done=copy_back if staged else None,
+        )
+
     def sendrecv(
         self,
         send_array: Any,
@@ -203,6 +227,48 @@ class MPICommunicator(Communicator):
     def _count(self, buffer: Any) -> None:
         self.bytes_sent += buffer.nbytes
         self.messages_sent += 1
+
+
+class MPIRequest:
+    """An MPI request and the buffer it uses (kept alive until it is complete); wait() is watched
+    by the communicator's watchdog like any blocking call."""
+
+    def __init__(
+        self,
+        comm: MPICommunicator,
+        request: Any,
+        buffer: Any,
+        what: str,
+        source: int | None = None,
+        done: Any = None,
+    ):
+        self.comm, self.request, self.buffer, self.what = comm, request, buffer, what
+        self.source, self.done, self.complete = source, done, False
+
+    def wait(self) -> None:
+        if self.complete:
+            return
+        self.comm._wait(self.what)
+        status = self.comm._MPI.Status()
+        self.request.Wait(status)
+        self.comm.waiting = None
+        self._finish(status)
+
+    def test(self) -> bool:
+        if not self.complete:
+            status = self.comm._MPI.Status()
+            if self.request.Test(status):
+                self._finish(status)
+        return self.complete
+
+    def _finish(self, status: Any) -> None:
+        self.complete = True
+        if self.source is not None:  # a receive: the message must fill the buffer exactly
+            received = status.Get_count(self.comm._MPI.BYTE)
+            check_byte_count(received, self.buffer.nbytes, self.source)
+        if self.done is not None:
+            self.done()
+        self.buffer = None
 
 
 def world() -> MPICommunicator:

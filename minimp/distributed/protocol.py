@@ -58,6 +58,17 @@ def check_byte_count(received: int, expected: int, source: int) -> None:
         )
 
 
+class Request(Protocol):
+    """A non-blocking send or receive in flight (an MPI_Request). Its array must not be touched
+    until wait() has returned (a send's may be read by MPI, a receive's is written)."""
+
+    def wait(self) -> None:
+        """Return once the operation is complete (a receive's array holds the message)."""
+
+    def test(self) -> bool:
+        """Whether it is complete, without waiting (completing it if so)."""
+
+
 @runtime_checkable
 class Communicator(Protocol):
     """A group of ranks that exchange raw bytes. Ranks are numbered 0..size-1 within the group.
@@ -79,6 +90,12 @@ class Communicator(Protocol):
 
     def recv(self, array: Any, source: int, tag: int = 0) -> None:
         """Receive a message from rank source into array (in place)."""
+
+    def isend(self, array: Any, dest: int, tag: int = 0) -> Request:
+        """Start sending the array's bytes to rank dest and return at once (MPI_Isend)."""
+
+    def irecv(self, array: Any, source: int, tag: int = 0) -> Request:
+        """Start receiving a message from rank source into array and return at once (MPI_Irecv)."""
 
     def sendrecv(
         self,

@@ -10,9 +10,6 @@ whom, instead of hanging.
 """
 
 import threading
-import time
-from collections import defaultdict, deque
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -25,83 +22,16 @@ from minimp.distributed.protocol import (
     check_byte_count,
     check_op,
 )
+from minimp.distributed.simulated_world import (
+    DEFAULT_EAGER_LIMIT,
+    DeadlockError,
+    Message,
+    WorldState,
+    _Envelope,
+)
 
-DEFAULT_EAGER_LIMIT = 64 * 1024  # bytes; MPICH's shared-memory eager threshold is of this order
-
-
-class DeadlockError(RuntimeError):
-    """Every live rank is blocked on a message that no rank can send."""
-
-
-@dataclass
-class Message:
-    """One point-to-point message, as recorded in the trace (ranks are world ranks)."""
-
-    sequence: int  # global order in which messages were sent
-    step: int  # the sender's own count of messages sent before this one
-    source: int
-    dest: int
-    tag: int
-    nbytes: int
-
-
-class _Envelope:
-    __slots__ = ("payload", "taken", "record")
-
-    def __init__(self, payload, record):
-        self.payload, self.taken, self.record = payload, False, record
-
-
-class SimulatedWorld:
-    """The shared state of n simulated ranks: mailboxes, the trace, who is blocked on what."""
-
-    def __init__(self, size: int, eager_limit: int = DEFAULT_EAGER_LIMIT, timeout: float = 60.0):
-        if size < 1:
-            raise ValueError(f"a world needs at least one rank, got {size}")
-        self.size, self.eager_limit, self.timeout = size, eager_limit, timeout
-        self.condition = threading.Condition()
-        # (context, source, dest, tag) -> envelopes in send order
-        self.mailboxes: defaultdict[tuple, deque] = defaultdict(deque)
-        # (context, call number) -> {rank: contribution}, until all have read it
-        self.collectives: dict[tuple, dict] = {}
-        self.collective_reads: dict[tuple, set] = {}  # (context, call number) -> ranks that read
-        self.waiting: dict[int, tuple] = {}  # world rank -> (description, predicate)
-        self.finished: dict[int, str] = {}  # world rank -> "returned" or "exited with ..."
-        self.trace: list[Message] = []
-        self.sends_by_rank = [0] * size
-        self.deadlock = None
-
-    # Called with the condition held by every blocking operation.
-    def block_until(self, rank: int, predicate: Callable[[], bool], description: str) -> None:
-        """Wait (the condition held) until predicate() holds; raise DeadlockError when every
-        live rank waits on something no rank can give, TimeoutError after `timeout` seconds."""
-        deadline = time.monotonic() + self.timeout
-        while not predicate():
-            if self.deadlock:
-                raise DeadlockError(self.deadlock)
-            self.waiting[rank] = (description, predicate)
-            self._detect_deadlock()
-            if self.deadlock:
-                self.waiting.pop(rank, None)
-                raise DeadlockError(self.deadlock)
-            if time.monotonic() > deadline:
-                self.waiting.pop(rank, None)
-                raise TimeoutError(f"rank {rank} waited {self.timeout:g} s to {description}")
-            self.condition.wait(timeout=0.2)
-        self.waiting.pop(rank, None)
-
-    def _detect_deadlock(self):
-        if self.deadlock:
-            return  # keep the first diagnosis: later ones only list ranks that died of it
-        live = [rank for rank in range(self.size) if rank not in self.finished]
-        if not all(rank in self.waiting for rank in live):
-            return
-        if any(predicate() for _, predicate in (self.waiting[rank] for rank in live)):
-            return
-        lines = [f"rank {rank} waits to {self.waiting[rank][0]}" for rank in live]
-        lines += [f"rank {rank} has {how}" for rank, how in sorted(self.finished.items())]
-        self.deadlock = "deadlock: " + "; ".join(lines)
-        self.condition.notify_all()
+class SimulatedWorld(WorldState):
+    """n simulated ranks, run as threads: `run(fn, *args)` gives each a SimulatedCommunicator."""
 
     def run(self, fn: Callable, *args: Any) -> list:
         """Run fn(comm, *args) on every rank.
@@ -135,6 +65,47 @@ class SimulatedWorld:
             first = min(errors, key=lambda r: (isinstance(errors[r], DeadlockError), r))
             raise errors[first]
         return results
+
+
+class PostedReceive:
+    """A receive's buffer waiting for its message (under the world's lock)."""
+
+    def __init__(self, target: Any, source: int):
+        self.target, self.source, self.done = target, source, False
+        self.error: ValueError | None = None
+
+    def deliver(self, envelope: _Envelope) -> None:
+        envelope.taken, self.done = True, True
+        try:
+            check_byte_count(envelope.payload.nbytes, self.target.nbytes, self.source)
+            self.target[...] = envelope.payload
+        except ValueError as error:  # the receiver's wait() raises it, as MPI's would
+            self.error = error
+
+    def raise_if_wrong(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class SimulatedRequest:
+    """A simulated non-blocking operation: complete when `done()` holds (checked under the world's
+    lock); wait() blocks like any simulated call, with deadlock detection."""
+
+    def __init__(self, comm: Any, done: Callable[[], bool], finish: Callable, what: str):
+        self.comm, self.done, self.finish, self.what = comm, done, finish, what
+
+    def wait(self) -> None:
+        world = self.comm.world
+        with world.condition:
+            world.block_until(self.comm.world_rank, self.done, self.what)
+        self.finish()
+
+    def test(self) -> bool:
+        with self.comm.world.condition:
+            complete = self.done()
+        if complete:
+            self.finish()
+        return complete
 
 
 class SimulationResults(list):
@@ -183,7 +154,11 @@ class SimulatedCommunicator(Communicator):
         world.sends_by_rank[source] += 1
         world.trace.append(record)
         envelope = _Envelope(payload, record)
-        world.mailboxes[(self.context, source, target, tag)].append(envelope)
+        key = (self.context, source, target, tag)
+        if world.posted[key]:  # a receive is waiting for it (irecv): delivered at once
+            world.posted[key].popleft().deliver(envelope)
+        else:
+            world.mailboxes[key].append(envelope)
         world.condition.notify_all()
         self.bytes_sent += payload.nbytes
         self.messages_sent += 1
@@ -220,6 +195,29 @@ class SimulatedCommunicator(Communicator):
     def recv(self, array: Any, source: int, tag: int = 0) -> None:
         with self.world.condition:
             self._take(array, source, tag)
+
+    def isend(self, array: Any, dest: int, tag: int = 0) -> "SimulatedRequest":
+        """The bytes are copied and posted now; wait() returns at once for an eager message and
+        once the receiver has taken a larger one (rendezvous), as MPI_Wait on an Isend does."""
+        with self.world.condition:
+            envelope = self._post(array, dest, tag)
+        eager = envelope.payload.nbytes <= self.world.eager_limit
+        what = f"finish a send of {envelope.payload.nbytes} bytes to rank {self.members[dest]}"
+        return SimulatedRequest(self, lambda: eager or envelope.taken, lambda: None, what)
+
+    def irecv(self, array: Any, source: int, tag: int = 0) -> "SimulatedRequest":
+        """A receive posted now: a message already waiting is taken at once; a later one is
+        delivered into array the moment it is sent."""
+        posted = PostedReceive(byte_view(array), self.members[source])
+        with self.world.condition:
+            key = (self.context, self.members[source], self.world_rank, tag)
+            box = self.world.mailboxes[key]
+            if box:
+                posted.deliver(box.popleft())
+            else:
+                self.world.posted[key].append(posted)
+        what = f"receive from rank {self.members[source]} (tag {tag})"
+        return SimulatedRequest(self, lambda: posted.done, posted.raise_if_wrong, what)
 
     def sendrecv(
         self,

@@ -33,12 +33,20 @@ class LayerNorm(Function):
         grad = widen(grad_output)
         normalized = (widen(x) - mean) * inverse_std
         batch_axes = tuple(range(x.ndim - 1))
-        grad_weight = round_to((grad * normalized).sum(axis=batch_axes), weight.dtype)
-        grad_bias = round_to(grad.sum(axis=batch_axes), ctx.bias_dtype)
-        g = grad * widen(weight)
-        grad_x = inverse_std * (
-            g
-            - g.mean(axis=-1, keepdims=True)
-            - normalized * (g * normalized).mean(axis=-1, keepdims=True)
-        )
-        return round_to(grad_x, x.dtype), grad_weight, grad_bias
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = round_to((grad * normalized).sum(axis=batch_axes), weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = round_to(grad.sum(axis=batch_axes), ctx.bias_dtype)
+        if ctx.needs_input_grad[0]:
+            g = grad * widen(weight)
+            grad_x = round_to(
+                inverse_std
+                * (
+                    g
+                    - g.mean(axis=-1, keepdims=True)
+                    - normalized * (g * normalized).mean(axis=-1, keepdims=True)
+                ),
+                x.dtype,
+            )
+        return grad_x, grad_weight, grad_bias
