@@ -1,14 +1,31 @@
-"""Cutting a model's ordered layers: into pipeline stages balanced by parameter count, into the
-groups that run as one (a layer with weights and the weightless layers after it), and learning
-the activation shapes at every cut."""
+"""Cutting a model's ordered layers: into pipeline stages (or interleaved chunks) balanced by
+parameter count, into the groups that run as one (a layer with weights and the weightless layers
+after it), and learning the activation shapes at every cut."""
 
+from dataclasses import dataclass, field
 from typing import Any
 
+from minimp.parallel.zero_layout import reachable_parameters
 from minimp.tensor import Tensor, no_grad
 
 
 class PipelineError(ValueError):
     """The model cannot be split as asked."""
+
+
+@dataclass
+class StageChunk:
+    """One chunk of a rank's layers (a virtual stage) and the activation shapes at its ends."""
+
+    layers: list
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    groups: list = field(init=False)
+    parameters: list = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.groups = [self.layers[start:stop] for start, stop in layer_groups(self.layers)]
+        self.parameters = [p for layer in self.layers for p in reachable_parameters(layer)]
 
 
 def split_stages(layers: list, stages: int) -> list[tuple[int, int]]:
