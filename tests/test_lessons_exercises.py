@@ -14,6 +14,7 @@ from minimp import distributed as dist
 from minimp.lessons import LESSONS
 from minimp.lessons.checking import Report
 from minimp.parallel import Action, gpipe
+from minimp.precision import BFLOAT16, E4M3, E5M2
 
 SOLUTIONS = os.path.join(os.path.dirname(__file__), "..", "lessons", "solutions")
 
@@ -28,8 +29,8 @@ def solutions(number):
 
 
 EXERCISES = [
-    (number, name, checker)
-    for number, module in enumerate(LESSONS, start=1)
+    (int(module.removeprefix("lesson")), name, checker)  # numbers may skip: 14 follows 10
+    for module in LESSONS
     for name, checker in importlib.import_module(f"minimp.lessons.{module}").EXERCISES
 ]
 
@@ -367,6 +368,71 @@ def keep_mask_with_a_summed_key(shape, p, seed, step, layer, sample_indices):
             for n in sample_indices]
     return np.array(rows).reshape(shape)
 
+def round_with_ml_dtypes(x, fmt):
+    """ml_dtypes' own cast: NaN (E4M3) or inf (E5M2) past the largest number."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return x.astype(fmt.dtype).astype(np.float32)
+
+
+def round_fp8_half_up(x, fmt):
+    magnitude = np.minimum(np.abs(x.astype(np.float64)), fmt.max)
+    _, exponent = np.frexp(np.maximum(magnitude, fmt.smallest_normal))
+    gap = np.ldexp(1.0, exponent - 1 - fmt.mantissa_bits)
+    return np.copysign(np.floor(magnitude / gap + 0.5) * gap, x).astype(np.float32)
+
+
+def round_flushing_subnormals(x, fmt):
+    rounded = solutions(14).round_to_fp8(x, fmt)
+    return np.where(np.abs(rounded) < fmt.smallest_normal, np.float32(0), rounded)
+
+
+def round_losing_the_sign_of_zero(x, fmt):
+    rounded = solutions(14).round_to_fp8(x, fmt)
+    return np.where(rounded == 0, np.float32(0), rounded)
+
+
+def update_from_this_step_only(amax_history, amax, scale, fp8_max, margin):
+    """The history kept, but the scale from this step's amax alone: current scaling, a step late."""
+    history, _ = solutions(14).delayed_scaling_update(amax_history, amax, scale, fp8_max, margin)
+    one_step = np.zeros(1, np.float32)
+    _, new_scale = solutions(14).delayed_scaling_update(one_step, amax, scale, fp8_max, margin)
+    return history, new_scale
+
+
+def update_dividing_by_anything(amax_history, amax, scale, fp8_max, margin):
+    history = np.roll(amax_history, 1)
+    history[0] = amax
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return history, np.float32(fp8_max * 2.0**-margin / history.max())
+
+
+def update_without_the_margin(amax_history, amax, scale, fp8_max, margin):
+    return solutions(14).delayed_scaling_update(amax_history, amax, scale, fp8_max, 0)
+
+
+def linear_without_scales(x, weight, bias):
+    round_to_fp8 = solutions(14).round_to_fp8
+    x_q = round_to_fp8(x.astype(np.float32), E4M3)
+    w_q = round_to_fp8(weight.astype(np.float32), E4M3)
+    return (x_q @ w_q.T + bias.astype(np.float32)).astype(BFLOAT16)
+
+
+def linear_rounding_twice(x, weight, bias):
+    product = solutions(14).fp8_linear(x, weight, np.zeros_like(bias))  # rounded to bf16 here
+    return (product.astype(np.float32) + bias.astype(np.float32)).astype(BFLOAT16)
+
+
+def linear_in_e5m2(x, weight, bias):
+    def quantized(array):
+        amax = np.float32(np.abs(array.astype(np.float32)).max())
+        scale = np.float32(E5M2.max) / amax if amax > 0 else np.float32(1)
+        return solutions(14).round_to_fp8(array.astype(np.float32) * scale, E5M2), scale
+
+    (x_q, x_scale), (w_q, w_scale) = quantized(x), quantized(weight)
+    inverses = (np.float32(1) / x_scale) * (np.float32(1) / w_scale)
+    return ((x_q @ w_q.T) * inverses + bias.astype(np.float32)).astype(BFLOAT16)
+
+
 WRONG = {
     (1, "ulp16"): [ulp16_without_the_top_binade, ulp16_without_subnormals],
     (1, "round_to_float16"): [round_half_up, round_without_overflow],
@@ -402,6 +468,11 @@ WRONG = {
     (10, "block_bytes"): [korthikanti_bytes, block_bytes_with_masks_of_itemsize,
                           block_bytes_with_statistics_of_itemsize],
     (10, "keep_mask"): [keep_mask_from_a_generator, keep_mask_with_a_summed_key],
+    (14, "round_to_fp8"): [round_with_ml_dtypes, round_fp8_half_up, round_flushing_subnormals,
+                           round_losing_the_sign_of_zero],
+    (14, "delayed_scaling_update"): [update_from_this_step_only, update_dividing_by_anything,
+                                     update_without_the_margin],
+    (14, "fp8_linear"): [linear_without_scales, linear_rounding_twice, linear_in_e5m2],
 }
 FACTORIES = {id(f) for fs in WRONG.values() for f in fs if getattr(f, "__name__", "") == "<lambda>"}
 

@@ -5,6 +5,7 @@ import math
 from typing import Any, Callable, Sequence
 
 import matplotlib.pyplot as plt
+import matplotlib.ticker as ticker
 import ml_dtypes
 import numpy as np
 
@@ -12,9 +13,11 @@ import numpy as np
 FLOAT16_LINES = ((-24, "2^-24"), (-14, "2^-14"), (math.log2(65504), "65504"))
 
 
-def number_line(formats: dict[str, Any], points: int = 400) -> None:
+def number_line(formats: dict[str, Any], points: int = 400,
+                xlim: tuple[float, float] | None = None) -> None:
     """The gap to the next representable number against the magnitude, for each format over its
-    whole range: from its smallest subnormal to its largest finite number (dots at both ends)."""
+    whole range: from its smallest subnormal to its largest finite number (dots at both ends);
+    `xlim` shows only the magnitudes between its two ends."""
     figure, axis = plt.subplots(figsize=(8, 4))
     for name, dtype in formats.items():
         info = ml_dtypes.finfo(dtype)
@@ -29,6 +32,8 @@ def number_line(formats: dict[str, Any], points: int = 400) -> None:
         ends = [0, -1]
         axis.plot(values[ends].astype(np.float64), gaps[ends].astype(np.float64), "o",
                   color=line.get_color())
+    if xlim:
+        axis.set_xlim(*xlim)
     axis.set_xlabel("magnitude")
     axis.set_ylabel("gap to the next number (ulp)")
     axis.set_title("spacing of representable numbers, each format over its whole range")
@@ -51,11 +56,13 @@ def central_differences(steps: np.ndarray, errors: np.ndarray,
 
 
 def lines(series: dict[str, Sequence[float]], xlabel: str, ylabel: str, title: str = "",
-          styles: dict[str, dict] | None = None, logy: bool = False) -> None:
-    """One line per named series, over its index (steps, updates)."""
+          styles: dict[str, dict] | None = None, logy: bool = False, first: int = 0) -> None:
+    """One line per named series, over its index (steps, updates) counted from `first`."""
     figure, axis = plt.subplots(figsize=(8, 3.5))
     for name, values in series.items():
-        (axis.semilogy if logy else axis.plot)(values, label=name, **(styles or {}).get(name, {}))
+        x = np.arange(first, first + len(values))
+        (axis.semilogy if logy else axis.plot)(x, values, label=name,
+                                               **(styles or {}).get(name, {}))
     axis.set_xlabel(xlabel)
     axis.set_ylabel(ylabel)
     if title:
@@ -93,29 +100,80 @@ def fp16_range_grid(panels: dict[str, dict[str, np.ndarray]], xlabel: str,
     """Histograms of log2 |value| (zeros left out), a panel per title and a colour per label
     (the layers), two panels a row, against float16's range (smallest subnormal, smallest
     normal, largest); `marks` adds a labelled line (a value, not its log2) to a panel."""
+    drawn = {title: [(x, text, "red") for x, text in FLOAT16_LINES] for title in panels}
+    for title, (value, text) in (marks or {}).items():
+        drawn[title].append((math.log2(value), text, "purple"))
+    range_grid(panels, xlabel, drawn, np.arange(-50, 20, 1.0))
+
+
+def range_grid(panels: dict[str, dict[str, np.ndarray]], xlabel: str,
+               lines: dict[str, list[tuple[float, str, str]]], bins: np.ndarray,
+               staggered: bool = False) -> None:
+    """Histograms of log2 |value| (zeros left out), a panel per title and a colour per label,
+    two panels a row; `lines[title]` draws labelled vertical lines (log2 x, text, colour), their
+    labels on two levels when `staggered` (for lines close together)."""
     rows = math.ceil(len(panels) / 2)
     figure, axes = plt.subplots(rows, 2, figsize=(11, 2.3 * rows + 0.4), squeeze=False)
-    bins = np.arange(-50, 20, 1.0)
     for axis, (title, histograms) in zip(axes.ravel(), panels.items()):
         for label, values in histograms.items():
             magnitudes = np.abs(values[values != 0]).astype(np.float64)
             counts, _ = np.histogram(np.log2(magnitudes), bins)  # one patch, not a bar per bin
             axis.stairs(counts, bins, fill=True, alpha=0.6, label=label)
-        lines = [(x, text, "red") for x, text in FLOAT16_LINES]
-        if marks and title in marks:
-            value, text = marks[title]
-            lines.append((math.log2(value), text, "purple"))
-        for x, text, color in lines:
+        marks = sorted(lines.get(title, []))
+        for number, (x, text, color) in enumerate(marks):
             axis.axvline(x, color=color, ls="--", lw=1)
-            axis.text(x, 1.02, text, transform=axis.get_xaxis_transform(), ha="center",
+            height = 1.02 + 0.09 * (number % 2 if staggered else 0)  # neighbours on two levels
+            axis.text(x, height, text, transform=axis.get_xaxis_transform(), ha="center",
                       fontsize=7, color=color)
         axis.set_xlim(bins[0], bins[-1])
-        axis.set_title(title, fontsize=9, loc="left", pad=12)
+        axis.set_title(title, fontsize=9, loc="left", pad=22 if staggered else 12)
         axis.legend(loc="upper left", fontsize=7)
     for axis in axes.ravel()[len(panels):]:
         axis.axis("off")
     for axis in axes.ravel()[-2:]:
         axis.set_xlabel(xlabel)
+    figure.tight_layout()
+    plt.show()
+
+
+def _divided(top: float) -> Callable[[Any], Any]:
+    """x -> top / x and back (its own inverse); matplotlib probes it at 0, which gives inf."""
+
+    def divide(x: Any) -> Any:
+        with np.errstate(divide="ignore"):
+            return top / np.asarray(x, np.float64)
+
+    return divide
+
+
+def amax_traces(panels: dict[str, dict[str, np.ndarray]], maxima: dict[str, float],
+                marked: dict[str, np.ndarray], marked_label: str) -> None:
+    """A panel per tensor over the steps (from 1, log axis): the first series as dots, the others
+    as lines that hold their value for the step, a red x on the dots where `marked` is True; the
+    right axis reads an amax a as the scale maxima[title] / a. The y range is the dots' range
+    (times 4 either way): a series far outside it leaves the panel."""
+    figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
+    for axis, (title, series) in zip(axes[0], panels.items()):
+        for number, (label, values) in enumerate(series.items()):
+            steps = np.arange(1, len(values) + 1)
+            if number == 0:
+                axis.plot(steps, values, ".", ms=3, color="black", label=label)
+                hit = np.asarray(marked[title], bool)
+                axis.scatter(steps[hit], np.asarray(values)[hit], marker="x", color="red",
+                             zorder=3, label=marked_label)
+                axis.set_ylim(np.min(values) / 4, np.max(values) * 4)
+            else:
+                axis.plot(steps, values, drawstyle="steps-mid", lw=1.2, label=label)
+        axis.set_yscale("log", base=2)
+        right = axis.secondary_yaxis("right", functions=(_divided(maxima[title]),) * 2)
+        right.yaxis.set_major_locator(ticker.LogLocator(base=2))
+        right.yaxis.set_major_formatter(ticker.LogFormatterSciNotation(base=2))
+        right.yaxis.set_minor_locator(ticker.NullLocator())
+        right.set_ylabel(f"scale = {maxima[title]:g} / amax", fontsize=8)
+        axis.set_title(title, fontsize=9, loc="left")
+        axis.set_xlabel("step")
+    axes[0, 0].set_ylabel("amax")
+    axes[0, 0].legend(fontsize=7)
     figure.tight_layout()
     plt.show()
 
