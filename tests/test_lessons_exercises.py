@@ -29,7 +29,7 @@ def solutions(number):
 
 
 EXERCISES = [
-    (int(module.removeprefix("lesson")), name, checker)  # numbers may skip: 14 follows 10
+    (int(module.removeprefix("lesson")), name, checker)  # the notebook's number, gaps and all
     for module in LESSONS
     for name, checker in importlib.import_module(f"minimp.lessons.{module}").EXERCISES
 ]
@@ -433,6 +433,94 @@ def linear_in_e5m2(x, weight, bias):
     return ((x_q @ w_q.T) * inverses + bias.astype(np.float32)).astype(BFLOAT16)
 
 
+def held_with_fp16_gradients(stage, unit_sizes, rank, world_size):
+    """The paper's count: 2-byte gradients where minimp keeps float32 accumulators."""
+    held = solutions(11).bytes_held(stage, unit_sizes, rank, world_size)
+    return {**held, "accumulators": held["accumulators"] // 2}
+
+
+def held_with_even_chunks(stage, unit_sizes, rank, world_size):
+    """P // N elements on every rank, where the ring's cut gives some ranks one more."""
+    held = solutions(11).bytes_held(stage, unit_sizes, rank, world_size)
+    exact = sum(solutions(11).chunk(size, rank, world_size) for size in unit_sizes)
+    even = sum(unit_sizes) // world_size
+    first_sharded = {"masters": 1, "optimizer_state": 1, "accumulators": 2, "parameters": 3}
+    per_element = {"masters": 4, "optimizer_state": 8, "accumulators": 4, "parameters": 2}
+    for kind, first in first_sharded.items():
+        if stage >= first:
+            held[kind] += per_element[kind] * (even - exact)
+    return held
+
+
+def held_with_a_gather_buffer_in_stage_3(stage, unit_sizes, rank, world_size):
+    held = solutions(11).bytes_held(stage, unit_sizes, rank, world_size)
+    if stage == 3 and world_size > 1:
+        held["buffers"] += 2 * max(unit_sizes)
+    return held
+
+
+def held_with_buffers_on_one_rank(stage, unit_sizes, rank, world_size):
+    """Wire buffers where there is no wire."""
+    held = solutions(11).bytes_held(stage, unit_sizes, rank, world_size)
+    if world_size == 1:
+        held["buffers"] = 2 * 4 * (sum(unit_sizes) if stage == 0 else max(unit_sizes))
+    return held
+
+
+def zero1_by_all_reduce(comm, weights, master, grad, lr):
+    """The right bits, but the whole mean arrives everywhere before the update."""
+    mean = dist.ring_allreduce(comm, grad * np.float32(1 / comm.size))
+    start, stop = dist.chunk_bounds(weights.size, comm.size)[comm.rank]
+    master -= lr * mean[start:stop]
+    return dist.all_gather(comm, master.astype(weights.dtype), weights.size)
+
+
+def zero1_dividing_after(comm, weights, master, grad, lr):
+    mean = dist.reduce_scatter(comm, grad) / np.float32(comm.size)
+    master -= lr * mean
+    return dist.all_gather(comm, master.astype(weights.dtype), weights.size)
+
+
+def zero1_not_in_place(comm, weights, master, grad, lr):
+    mean = dist.reduce_scatter(comm, grad * np.float32(1 / comm.size))
+    master = master - lr * mean  # a new array: the caller's master never moves
+    return dist.all_gather(comm, master.astype(weights.dtype), weights.size)
+
+
+def zero1_gathering_float32(comm, weights, master, grad, lr):
+    master -= lr * dist.reduce_scatter(comm, grad * np.float32(1 / comm.size))
+    return dist.all_gather(comm, master, weights.size).astype(weights.dtype)
+
+
+def sent_on_average(stage, unit_sizes, rank, world_size, micro_batches):
+    """The formula averaged over the ranks: not any rank's own bytes where chunks are uneven."""
+    per_element = [8, 6, 4 * micro_batches + 2, 8 * micro_batches][stage]
+    return per_element * (world_size - 1) / world_size * sum(unit_sizes)
+
+
+def sent_gathering_all_but_its_own(stage, unit_sizes, rank, world_size, micro_batches):
+    """An all-gather that sends every chunk but the rank's own (the ring sends its own first)."""
+    if world_size == 1:
+        return 0
+    sizes = [sum(unit_sizes)] if stage == 0 else unit_sizes
+    own = sum(size - solutions(11).chunk(size, rank, world_size) for size in sizes)
+    factor = [(4, 4), (4, 2), (4 * micro_batches, 2), (4 * micro_batches, 4 * micro_batches)]
+    return factor[stage][0] * own + factor[stage][1] * own
+
+
+def sent_reducing_stage_2_once(stage, unit_sizes, rank, world_size, micro_batches):
+    return solutions(11).bytes_sent(stage, unit_sizes, rank, world_size,
+                                    1 if stage == 2 else micro_batches)
+
+
+def sent_gathering_stage_3_once(stage, unit_sizes, rank, world_size, micro_batches):
+    """Stage 3 without the gather before backward."""
+    if stage < 3:
+        return solutions(11).bytes_sent(stage, unit_sizes, rank, world_size, micro_batches)
+    once = solutions(11).bytes_sent(1, unit_sizes, rank, world_size, 1)
+    return micro_batches * once
+
+
 WRONG = {
     (1, "ulp16"): [ulp16_without_the_top_binade, ulp16_without_subnormals],
     (1, "round_to_float16"): [round_half_up, round_without_overflow],
@@ -468,6 +556,12 @@ WRONG = {
     (10, "block_bytes"): [korthikanti_bytes, block_bytes_with_masks_of_itemsize,
                           block_bytes_with_statistics_of_itemsize],
     (10, "keep_mask"): [keep_mask_from_a_generator, keep_mask_with_a_summed_key],
+    (11, "bytes_held"): [held_with_fp16_gradients, held_with_even_chunks,
+                         held_with_a_gather_buffer_in_stage_3, held_with_buffers_on_one_rank],
+    (11, "zero1_step"): [zero1_by_all_reduce, zero1_dividing_after, zero1_not_in_place,
+                         zero1_gathering_float32],
+    (11, "bytes_sent"): [sent_on_average, sent_gathering_all_but_its_own,
+                         sent_reducing_stage_2_once, sent_gathering_stage_3_once],
     (14, "round_to_fp8"): [round_with_ml_dtypes, round_fp8_half_up, round_flushing_subnormals,
                            round_losing_the_sign_of_zero],
     (14, "delayed_scaling_update"): [update_from_this_step_only, update_dividing_by_anything,

@@ -2,7 +2,7 @@
 
 A notebook has no `__file__`, so a helper module next to it (lessons/plotting.py) is importable only
 when the kernel happens to start in lessons/. Inside the package, it is importable wherever minimp
-is: the exercise checkers (lesson01 ... lesson10 and lesson14, one module per lesson, on top of
+is: the exercise checkers (lesson01 ... lesson11 and lesson14, one module per lesson, on top of
 `checking`), the figures (`plotting`, which needs matplotlib), the MPI jobs a lesson starts
 (`processes`) and pipeline timelines (`timelines`). The reference solutions live apart, in
 lessons/solutions/, and the tests run every checker against them and against a wrong solution.
@@ -10,6 +10,6 @@ lessons/solutions/, and the tests run every checker against them and against a w
 This is the top layer: it imports public minimp APIs (minimp.train included) and nothing imports it.
 """
 
-# The checker modules. Lessons 11-13 belong to other issues and may land later: the numbers
-# are the notebooks' (lessons/14_eight_bits.ipynb), not positions.
-LESSONS = tuple(f"lesson{number:02d}" for number in (*range(1, 11), 14))
+# The checker modules, named by the notebooks' numbers: lessons are numbered by topic and may land
+# out of order, so the numbers may skip (a position in this tuple is not a lesson's number).
+LESSONS = tuple(f"lesson{number:02d}" for number in (*range(1, 12), 14))

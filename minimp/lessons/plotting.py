@@ -220,6 +220,36 @@ def ring_steps(trace: list, p: int, chunk_sent: Callable[[int, int, int], int]) 
     plt.show()
 
 
+def memory_bars(measured: dict[tuple[int, int], dict[str, int]],
+                formula: dict[tuple[int, int], int], kinds: Sequence[str]) -> None:
+    """Bytes one rank holds, a bar per (N, stage) stacked by kind and grouped by N, with a black
+    tick at the formula's total over each bar."""
+    figure, axis = plt.subplots(figsize=(9, 4))
+    keys = sorted(measured)
+    # A gap between the groups of N: bar k of group g sits at g * (stages + 1) + k.
+    groups = sorted({n for n, _ in keys})
+    stages = max(stage for _, stage in keys) + 1
+    positions = [groups.index(n) * (stages + 1) + stage for n, stage in keys]
+    bottom = np.zeros(len(keys))
+    for kind in kinds:
+        heights = np.array([measured[key][kind] for key in keys]) / 1e6
+        axis.bar(positions, heights, bottom=bottom, label=kind.replace("_", " "))
+        bottom += heights
+    axis.scatter(positions, [formula[key] / 1e6 for key in keys], marker="_", s=400,
+                 color="black", zorder=3, label="formula (total)")
+    axis.set_xticks(positions)
+    axis.set_xticklabels([str(stage) for _, stage in keys])
+    for index, n in enumerate(groups):  # the group's name under its stage numbers
+        axis.text(index * (stages + 1) + (stages - 1) / 2, -0.13, f"N = {n}", ha="center",
+                  transform=axis.get_xaxis_transform())
+    axis.set_xlabel("ZeRO stage, on N ranks", labelpad=18)
+    axis.set_ylabel("MB held by rank 0 (1e6 bytes)")
+    axis.set_title("held at the end of a step, by kind: measured (bars) and formula (ticks)")
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # off the bars
+    figure.tight_layout()
+    plt.show()
+
+
 def gantt(timelines: list[dict], titles: list[str]) -> None:
     """Each timeline's last step as a Gantt chart: a row per stage, forwards blue and backwards
     orange, each bar numbered with its micro-batch."""
