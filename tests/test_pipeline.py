@@ -1,8 +1,9 @@
 """Pipeline parallelism on the simulated world: stage splitting, and training that equals
-one process for both schedules, any number of micro-batches (also fewer than stages),
-and the dp x pp grid."""
+one process for every schedule (gpipe, 1f1b, interleaved, zb-h1), any number of micro-batches
+(also fewer than stages), and the dp x pp grid; schedules the sizes cannot run are refused."""
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from minimp import distributed as dist
 from minimp import nn
 from minimp.parallel.stages import PipelineError, split_stages, stage_parameters
 from minimp.train import TrainConfig, build_model, train
+from minimp.train.errors import ConfigError
 
 
 def test_stages_are_balanced_by_parameter_count_and_keep_relus_with_their_linear():
@@ -61,6 +63,47 @@ def test_pipeline_training_equals_one_process(one_process, schedule, stages, mic
     assert set(result["master_weights"]) == set(one_process)
     for name, array in result["master_weights"].items():
         np.testing.assert_allclose(array, one_process[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "stages, micro_batches, flags",
+    [
+        (2, 2, dict(schedule="interleaved", virtual_stages=2)),
+        (2, 4, dict(schedule="interleaved", virtual_stages=2)),
+        (2, 2, dict(schedule="interleaved", virtual_stages=1)),
+        (2, 1, dict(schedule="zb-h1")),
+        (2, 4, dict(schedule="zb-h1")),
+        (4, 8, dict(schedule="zb-h1")),
+        (4, 2, dict(schedule="zb-h1")),
+    ],
+    ids=str,
+)
+def test_interleaved_and_zero_bubble_training_equals_one_process(
+    one_process, stages, micro_batches, flags
+):
+    """Buffered sends on a world whose sends would otherwise all wait for their receives."""
+    result = run(stages, pp=stages, micro_batches=micro_batches, **flags)
+    for name, array in result["master_weights"].items():
+        np.testing.assert_allclose(array, one_process[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+BAD_SCHEDULES = [
+    (2, dict(pp=2, schedule="interleaved", virtual_stages=2, micro_batches=3, batch_size=30),
+     "--micro-batches 3 is not a multiple of 2"),
+    (2, dict(pp=2, schedule="interleaved", virtual_stages=3, micro_batches=2),
+     "--pp 2 x --virtual-stages 3 needs 6 layers with weights, the model has 4"),
+    (2, dict(pp=2, schedule="interleaved", virtual_stages=2, micro_batches=8192,
+             batch_size=8192 * 2, layers=3), "more message tags than MPI guarantees"),
+    (2, dict(pp=2, schedule="1f1b", virtual_stages=2), "needs --schedule interleaved"),
+    (2, dict(pp=2, schedule="zb-h1", recompute=True), "cannot be split into B and W"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size, flags, message", BAD_SCHEDULES, ids=lambda x: str(x)[:40])
+def test_a_schedule_the_sizes_cannot_run_is_refused_before_any_work(world_size, flags, message):
+    config = TrainConfig(**{**dict(hidden=32, layers=3, batch_size=32), **flags})
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config.validate(world_size)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -134,6 +134,10 @@ BAD_INPUTS = [
     (["--resume", "/nonexistent/checkpoint.npz"], "does not exist"),
     (["--zero", "4"], "--zero must be 0, 1, 2 or 3 (ZeRO's stages), got 4"),
     (["--recompute", "1"], "unrecognized arguments: 1"),
+    (["--schedule", "interleaved"], "interleaving needs --pp 2 or more"),
+    (["--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved"),
+    (["--virtual-stages", "0"], "--virtual-stages must be a positive integer"),
+    (["--schedule", "zb-h1", "--recompute"], "--schedule zb-h1 does not work with --recompute"),
 ]
 
 

@@ -68,6 +68,10 @@ LAYOUTS = [
     dict(pp=2, micro_batches=2, schedule="1f1b"),
     dict(pp=4, micro_batches=4),  # embeddings, block, block, head: one a stage
     dict(dp=2, pp=2, micro_batches=2),
+    dict(pp=2, micro_batches=2, schedule="interleaved", virtual_stages=2),  # a block per chunk
+    dict(pp=2, micro_batches=4, schedule="zb-h1"),
+    dict(dp=2, pp=2, micro_batches=2, schedule="zb-h1", zero=3),
+    dict(dp=2, pp=2, micro_batches=2, schedule="interleaved", virtual_stages=2, zero=2),
 ]
 
 
@@ -77,6 +81,18 @@ def test_every_layout_trains_to_the_one_process_weights(one_process, layout):
     result = simulated(ranks, **layout)
     assert_same_weights(result["master_weights"], one_process["master_weights"])
     assert result["val_loss"] == pytest.approx(one_process["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp8"])
+def test_16_and_8_bit_interleaved_and_zero_bubble_steps_are_1f1bs_bits(precision):
+    """The same additions in the same order, whatever the schedule: each micro-batch's gradient
+    is added to the accumulators in micro-batch order on every schedule (W in zb-h1)."""
+    layout = dict(pp=2, micro_batches=2, precision=precision, steps=4)
+    reference = simulated(2, schedule="1f1b", **layout)["master_weights"]
+    for flags in (dict(schedule="interleaved", virtual_stages=2), dict(schedule="zb-h1")):
+        weights = simulated(2, **flags, **layout)["master_weights"]
+        for name, array in weights.items():
+            np.testing.assert_array_equal(array, reference[name], err_msg=f"{flags} {name}")
 
 
 def test_the_replicas_of_a_16_bit_pipeline_stay_bit_identical():
@@ -92,7 +108,12 @@ def test_dropout_draws_the_same_masks_in_every_layout():
     alone = simulated(1, dropout=0.2)["master_weights"]
     without = simulated(1)["master_weights"]
     assert any(not np.allclose(alone[n], without[n]) for n in alone)  # dropout did something
-    for layout in (dict(dp=2, micro_batches=2), dict(pp=2, micro_batches=2)):
+    for layout in (
+        dict(dp=2, micro_batches=2),
+        dict(pp=2, micro_batches=2),
+        dict(pp=2, micro_batches=2, schedule="interleaved", virtual_stages=2),
+        dict(pp=2, micro_batches=2, schedule="zb-h1"),
+    ):
         ranks = layout.get("dp", 1) * layout.get("pp", 1)
         spread = simulated(ranks, dropout=0.2, **layout)["master_weights"]
         assert_same_weights(spread, alone)

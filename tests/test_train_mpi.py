@@ -162,8 +162,13 @@ def assert_same_masters(path, reference):
         (4, ["--pp", "4", "--schedule", "gpipe", "--micro-batches", "2"]),
         (4, ["--pp", "4", "--schedule", "1f1b", "--micro-batches", "2"]),  # M < P
         (4, ["--dp", "2", "--pp", "2", "--micro-batches", "2"]),
-    ],
-    ids=["pp2-1f1b-m4", "pp4-gpipe-m2", "pp4-1f1b-m2", "dp2-pp2"],
+        (2, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+             "--micro-batches", "4"]),
+        (2, ["--pp", "2", "--schedule", "zb-h1", "--micro-batches", "4"]),
+        (4, ["--pp", "4", "--schedule", "zb-h1", "--micro-batches", "4"]),
+    ],  # fmt: skip
+    ids=["pp2-1f1b-m4", "pp4-gpipe-m2", "pp4-1f1b-m2", "dp2-pp2", "pp2-interleaved-v2-m4",
+         "pp2-zb-h1-m4", "pp4-zb-h1-m4"],  # fmt: skip
 )
 def test_pipeline_under_mpirun_ends_with_the_one_process_weights(
     tmp_path, one_process_fp32, ranks, flags

@@ -15,12 +15,12 @@ from minimp.parallel import (
     Topology,
     ZeroDataParallel,
     cut_shapes,
-    split_stages,
     stage_parameters,
     zero_data_parallel,
 )
 from minimp.parallel.data_parallel import broadcast_masters
-from minimp.parallel.stages import run_layers
+from minimp.parallel.schedule_choice import CHOICES as SCHEDULE_CHOICES
+from minimp.parallel.stages import StageChunk, rank_chunks, run_layers
 from minimp.parallel.tied import TiedGradients
 from minimp.parallel.zero_stage3 import free
 from minimp.precision import (
@@ -53,8 +53,9 @@ def build_stage(config: Any, task: Any, topology: Topology, dtype: Any) -> Stage
     """The whole float32 model from the seed, then this rank's stage of it, its optimizer (masters
     from the float32 init), the float16/bfloat16 compute copies and the stage's runner."""
     model = task.build_model(np.random.default_rng(config.seed))
-    bounds = split_stages(model.layers, config.pp)[topology.stage]
-    named = stage_parameters(model, bounds)
+    # one range of layers per chunk (several with --schedule interleaved)
+    ranges = rank_chunks(model.layers, config.pp, topology.stage, config.virtual_stages)
+    named = [pair for bounds in ranges for pair in stage_parameters(model, bounds)]
     tied = _tied_parameters(model, topology)
     held = {name for name, _ in named}
     named += [(name, parameter) for name, parameter in tied if name not in held]
@@ -66,15 +67,17 @@ def build_stage(config: Any, task: Any, topology: Topology, dtype: Any) -> Stage
     model.eval()  # the shapes need one forward, and dropout then needs no random state
     shapes = cut_shapes(model.layers, task.sample_input(rows))
     model.train()
-    start, stop = bounds
+    chunks = [StageChunk(model.layers[a:b], shapes[a], shapes[b]) for a, b in ranges]
     runner = PipelineStage(
-        model.layers[start:stop],
+        chunks[0].layers,
         topology,
-        input_shape=shapes[start],
-        output_shape=shapes[stop],
+        input_shape=chunks[0].input_shape,
+        output_shape=chunks[0].output_shape,
         dtype=dtype,
         loss_fn=task.loss,
         run_group=group_runner(task, config.recompute),
+        more_chunks=chunks[1:],
+        buffered_sends=SCHEDULE_CHOICES[config.schedule].buffered_sends,
     )
     # The other stages' layers are rank 0's to evaluate with, and only after it has gathered
     # their masters (saving.evaluate): no rank keeps their compute copies meanwhile.
@@ -83,7 +86,7 @@ def build_stage(config: Any, task: Any, topology: Topology, dtype: Any) -> Stage
         if id(parameter) not in kept:
             free(parameter)
     names = [name for name, _ in named]
-    fp8_run = Fp8Run(model, bounds, topology) if config.precision == "fp8" else None
+    fp8_run = Fp8Run(model, ranges, topology) if config.precision == "fp8" else None
     return Stage(model, names, optimizer, runner, [name for name, _ in tied], fp8_run)
 
 

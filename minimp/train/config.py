@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from minimp.parallel.schedule_choice import CHOICES as SCHEDULE_CHOICES
 from minimp.precision.casting import ACTIVATION_DTYPES, BFLOAT16
 from minimp.train import sizes, validation
 from minimp.train.errors import ConfigError
@@ -117,7 +118,16 @@ class TrainConfig:
     threads: int = _flag(0, "BLAS threads per rank (0 = this machine's cores / its ranks)")
     dp: int = _flag(0, "data-parallel replicas (0 = the job's ranks / --pp)")
     pp: int = _flag(1, "pipeline stages: the layers are split into this many contiguous stages")
-    schedule: str = _flag("1f1b", "pipeline schedule", choices=("gpipe", "1f1b"))
+    schedule: str = _flag(
+        "1f1b",
+        "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over --virtual-stages chunks per rank) "
+        "or zb-h1 (backward split into input and weight gradients, Qi et al. 2023)",
+        choices=tuple(SCHEDULE_CHOICES),
+    )
+    virtual_stages: int = _flag(
+        1, "with --schedule interleaved: chunks of layers per pipeline rank (the model is cut "
+        "into --pp x this many; rank r holds chunks r, r + pp, ...)"
+    )
     timeline: str = _flag("", "write each stage's forward/backward times to this .json file")
     zero: int = _flag(
         0,

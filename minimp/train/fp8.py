@@ -45,14 +45,14 @@ def recipe(config: Any) -> Any:
 class Fp8Run:
     """This rank's fp8 quantizers (those of its stage's layers), their agreement and metrics."""
 
-    def __init__(self, model: nn.Module, bounds: tuple[int, int], topology: Topology):
-        """model: the whole model, its Linears given Fp8Metas; bounds: this stage's layers."""
-        start, stop = bounds
+    def __init__(self, model: nn.Module, ranges: list[tuple[int, int]], topology: Topology):
+        """model: the whole model, its Linears given Fp8Metas; ranges: this stage's layers (a
+        range per chunk)."""
         self.model, self.topology = model, topology
         self.quantizers = [
             (name, quantizer)
             for name, quantizer in nn.fp8_quantizers(model)
-            if start <= int(name.split(".")[0]) < stop
+            if any(start <= int(name.split(".")[0]) < stop for start, stop in ranges)
         ]
         self.reduce_amax = AmaxReduction(topology.dp_group)
         linears = [name for name, _ in nn.fp8_metas(model)]

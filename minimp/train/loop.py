@@ -14,7 +14,8 @@ import numpy as np
 from minimp import backend, lr_schedule, nn
 from minimp.distributed import world
 from minimp.distributed.protocol import Communicator
-from minimp.parallel import SCHEDULES, Topology, shard
+from minimp.parallel import Topology, shard
+from minimp.parallel.schedule_choice import build_schedule
 from minimp.parallel.tied import TiedGradients, tied_group, tied_indices
 from minimp.precision import mixed_precision_step
 from minimp.train import accounts, checkpoint, progress, report, saving
@@ -104,7 +105,9 @@ class Run:
         self.tied_names = self.built.tied_names
         self.fp8 = self.built.fp8
         self.scaler = build_scaler(config)
-        schedule = SCHEDULES[config.schedule](config.pp, config.micro_batches)
+        schedule = build_schedule(
+            config.schedule, config.pp, config.micro_batches, config.virtual_stages
+        )
         self.actions = schedule[self.topology.stage]
         # What a resume must repeat: the model, the batch order, the optimizer state's shapes and
         # the fp8 scaling state depend on these (the learning rate and --steps may change).

@@ -36,17 +36,17 @@ def zero_unit_sizes(config: Any) -> list[list[int]]:
     per layer with weights, the GPT's token and position embeddings apart (the head reads the
     first too), and the last stage's copy of the token embedding."""
     counts = layer_parameter_counts(config)
-    stages = split_counts(counts, config.pp)
+    chunks = split_counts(counts, config.pp * config.virtual_stages)
     token = SHAKESPEARE_VOCABULARY * config.hidden
-    sizes = []
-    for start, stop in stages:
+    sizes: list[list[int]] = [[] for _ in range(config.pp)]
+    for index, (start, stop) in enumerate(chunks):  # chunk i is pipeline rank i % pp's
         units = [count for count in counts[start:stop] if count]
         if config.model == "gpt":
             if start == 0:  # the embeddings' two tables are two units
                 units[0:1] = [token, config.context * config.hidden]
-            elif stop == len(counts):  # the head reads the tied copy of the token embedding
+            elif stop == len(counts) and config.pp > 1:  # the head reads the tied copy
                 units.append(token)
-        sizes.append(units)
+        sizes[index % config.pp] += units
     return sizes
 
 
