@@ -1,17 +1,21 @@
-"""Pipeline schedules you can see: GPipe and 1F1B as Gantt charts from real timelines; the bubble.
+"""Pipeline schedules you can see: GPipe, 1F1B, interleaved 1F1B and ZB-H1 as Gantt charts from
+real timelines; the bubble measured, its formula, and the step simulated from measured parts.
 
     python mpirun_examples/pipeline_timeline.py          # P = 4, M = 8 -> pipeline_timeline.png
     python mpirun_examples/pipeline_timeline.py --stages 2 --micro-batches 4 --png two_stages.png
     python mpirun_examples/pipeline_timeline.py --sweep      # the table: P = 2, 4 and M = 1..16
 
-It launches `mpirun -n P python -m minimp.train --pp P --timeline ...` for each
-schedule, reads each stage's forward/backward times from the trace (the Chrome trace-event file
-that Perfetto opens, minimp/train/trace.py), and measures the bubble of a step
-as 1 - (mean busy time of a stage) / (time from the first forward to the last backward),
-beside the theory (P - 1)/(M + P - 1). The model (8 hidden layers of 512) splits into
-stages of nearly equal parameter count. On a 2-core machine P = 4 is oversubscribed and
-waiting MPICH ranks spin, which slows the computing ones: the measured bubble is then a
-property of this machine as much as of the schedule.
+It launches `mpirun -n P python -m minimp.train --pp P --schedule S --timeline ...` for each
+schedule (interleaved with --virtual-stages 2), reads each stage's forward/backward times from the
+trace (the Chrome trace-event file that Perfetto opens, minimp/train/trace.py), and measures the
+bubble of a step as 1 - (mean busy time of a stage) / (time from the first forward to the last
+backward), beside the formula of minimp.parallel.schedule_choice (with a backward twice a
+forward). The model (8 hidden layers of 512) splits into stages of nearly equal parameter count.
+The schedule simulator (minimp/parallel/simulator.py), fed with the run's median times of each
+compute per stage and the shipped machine model's time for one activation message, predicts the
+measured step. On a 2-core machine P = 4 is oversubscribed and waiting MPICH ranks spin, which
+slows the computing ones: the measured bubble is then a property of this machine as much as of
+the schedule.
 """
 
 import argparse
@@ -21,10 +25,10 @@ import subprocess
 import sys
 import tempfile
 
-from minimp.costmodel import pipeline_bubble_fraction
-from minimp.lessons.timelines import bubble, compute_times, span  # lesson 7's measurements
+from minimp.lessons.timelines import bubble, op_times, span  # lesson 7's measurements
 from minimp.machinemodel import shipped_model
-from minimp.parallel import SCHEDULES, Costs, simulate_schedule
+from minimp.parallel import Costs, simulate_schedule
+from minimp.parallel.schedule_choice import CHOICES, build_schedule, schedule_problem
 from minimp.parallel.trace import read_timeline
 
 HIDDEN, BATCH = 512, 256
@@ -32,20 +36,39 @@ MODEL = [
     *("--hidden", str(HIDDEN), "--layers", "8"),
     *("--batch-size", str(BATCH), "--precision", "fp32"),
 ]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]  # (name, chunks)
+COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "backward_input": "#dd8452"}
+COLORS["backward_weight"] = "#55a868"
 
 
 def simulated(timeline):
-    """The schedule simulator's step, fed with this run's median forward and backward seconds per
-    stage and the shipped machine model's time for one activation message (float32 rows of
-    HIDDEN): a prediction of the measured span from measured parts."""
+    """The schedule simulator's step, fed with this run's median seconds of each compute per
+    stage (a chunk's, with interleaving) and the shipped machine model's time for one activation
+    message (float32 rows of HIDDEN): a prediction of the measured span from measured parts."""
     stages, micro_batches = timeline["stages"], timeline["micro_batches"]
-    forward, backward = compute_times(timeline, skip_steps=2)
-    message = shipped_model(stages).message(BATCH // micro_batches * HIDDEN * 4)
-    schedule = SCHEDULES[timeline["schedule"]](stages, micro_batches)
-    return simulate_schedule(schedule, Costs(forward, backward, message=message))
+    chunks, name = timeline["virtual_stages"], timeline["schedule"]
+
+    def per_chunk(op):  # every chunk of a rank costs that rank's median
+        times = op_times(timeline, op, skip_steps=2)
+        return [times[stage % stages] for stage in range(stages * chunks)]
+
+    if name == "zb-h1":
+        b, w = per_chunk("backward_input"), per_chunk("backward_weight")
+        costs = Costs(per_chunk("forward"), [x + y for x, y in zip(b, w)], 0.0, b, w)
+    else:
+        costs = Costs(per_chunk("forward"), per_chunk("backward"))
+    costs.message = shipped_model(stages).message(BATCH // micro_batches * HIDDEN * 4)
+    schedule = build_schedule(name, stages, micro_batches, chunks)
+    return simulate_schedule(schedule, costs)
 
 
-def measure(stages, micro_batches, schedule, steps, folder):
+def formula(timeline):
+    stages, micro_batches = timeline["stages"], timeline["micro_batches"]
+    choice = CHOICES[timeline["schedule"]]
+    return choice.bubble(stages, micro_batches, timeline["virtual_stages"])
+
+
+def measure(stages, micro_batches, schedule, steps, folder, chunks=1):
     path = os.path.join(folder, f"{schedule}-{stages}-{micro_batches}.json")
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or "mpirun"
     subprocess.run(
@@ -61,6 +84,8 @@ def measure(stages, micro_batches, schedule, steps, folder):
             str(stages),
             "--schedule",
             schedule,
+            "--virtual-stages",
+            str(chunks),
             "--micro-batches",
             str(micro_batches),
             "--steps",
@@ -92,7 +117,7 @@ def draw(timelines, path):
         events = [e for e in timeline["events"] if e["step"] == last_step]
         origin = min(e["start"] for e in events)
         for e in events:
-            color = "#4c72b0" if e["kind"] == "forward" else "#dd8452"
+            color = COLORS[e["op"]]
             axis.barh(
                 e["stage"],
                 (e["end"] - e["start"]) * 1e3,
@@ -113,14 +138,17 @@ def draw(timelines, path):
         axis.set_yticks(range(timeline["stages"]))
         axis.set_yticklabels([f"stage {s}" for s in range(timeline["stages"])])
         axis.invert_yaxis()
-        theory = pipeline_bubble_fraction(timeline["stages"], timeline["micro_batches"])
         axis.set_title(
             f"{timeline['schedule']}: P={timeline['stages']}, M={timeline['micro_batches']}, "
-            f"bubble measured {bubble(timeline, skip_steps=2):.2f}, theory {theory:.2f}, "
+            f"V={timeline['virtual_stages']}, bubble measured "
+            f"{bubble(timeline, skip_steps=2):.2f}, formula {formula(timeline):.2f}, "
             f"peak stored micro-batches per stage {timeline['peak_stored_micro_batches']}",
             fontsize=9,
         )
-    axes[-1].set_xlabel("ms since the step's first forward (blue: forward, orange: backward)")
+    axes[-1].set_xlabel(
+        "ms since the step's first forward (blue: forward, orange: backward, split into B and "
+        "W, green, in zb-h1)"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -136,39 +164,43 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
-        if not args.sweep:
-            timelines = [
-                measure(args.stages, args.micro_batches, s, args.steps, folder)
-                for s in ("gpipe", "1f1b")
-            ]
-            draw(timelines, args.png)
-            for timeline in timelines:
-                predicted, measured = simulated(timeline).span, span(timeline, skip_steps=2)
-                print(
-                    f"{timeline['schedule']:>5}: "
-                    f"bubble {bubble(timeline, skip_steps=2):.3f} (theory "
-                    f"{pipeline_bubble_fraction(args.stages, args.micro_batches):.3f}), "
-                    f"peak stored micro-batches per stage {timeline['peak_stored_micro_batches']}; "
-                    f"step {measured * 1e3:.1f} ms, simulated from its parts "
-                    f"{predicted * 1e3:.1f} ms ({predicted / measured - 1:+.1%})"
-                )
-            print(f"saved {args.png}")
-            return
-        print(
-            f"{'P':>2} {'M':>3} {'theory':>7} {'gpipe':>7} {'1f1b':>7}   "
-            "peak stored per stage (gpipe | 1f1b)"
-        )
-        for stages in (2, 4):
-            for micro_batches in (1, 2, 4, 8, 16):
-                gpipe = measure(stages, micro_batches, "gpipe", args.steps, folder)
-                one = measure(stages, micro_batches, "1f1b", args.steps, folder)
-                print(
-                    f"{stages:>2} {micro_batches:>3} "
-                    f"{pipeline_bubble_fraction(stages, micro_batches):>7.3f} "
-                    f"{bubble(gpipe, skip_steps=2):>7.3f} {bubble(one, skip_steps=2):>7.3f}   "
-                    f"{gpipe['peak_stored_micro_batches']} | "
-                    f"{one['peak_stored_micro_batches']}"
-                )
+        if args.sweep:
+            return sweep(args.steps, folder)
+        timelines = [
+            measure(args.stages, args.micro_batches, name, args.steps, folder, chunks)
+            for name, chunks in SCHEDULES
+            if not schedule_problem(name, args.stages, args.micro_batches, chunks)
+        ]
+        draw(timelines, args.png)
+        for timeline in timelines:
+            predicted, measured = simulated(timeline).span, span(timeline, skip_steps=2)
+            print(
+                f"{timeline['schedule']:>11}: bubble {bubble(timeline, skip_steps=2):.3f} "
+                f"(formula {formula(timeline):.3f}), peak stored micro-batches per stage "
+                f"{timeline['peak_stored_micro_batches']}; step {measured * 1e3:.1f} ms, "
+                f"simulated from its parts {predicted * 1e3:.1f} ms "
+                f"({predicted / measured - 1:+.1%})"
+            )
+        print(f"saved {args.png}")
+
+
+def sweep(steps, folder):
+    """Per P and M, each schedule's measured bubble / its formula, and the simulated step's error
+    against the measured one ('-' where the schedule cannot run those sizes)."""
+    print(f"{'P':>2} {'M':>3}  " + "  ".join(f"{name:>19}" for name, _ in SCHEDULES))
+    print(f"{'':>7}" + "  ".join(f"{'bubble/formula sim':>19}" for _ in SCHEDULES))
+    for stages in (2, 4):
+        for micro_batches in (1, 2, 4, 8, 16):
+            cells = []
+            for name, chunks in SCHEDULES:
+                if schedule_problem(name, stages, micro_batches, chunks):
+                    cells.append(f"{'-':>19}")
+                    continue
+                timeline = measure(stages, micro_batches, name, steps, folder, chunks)
+                error = simulated(timeline).span / span(timeline, skip_steps=2) - 1
+                measured = bubble(timeline, skip_steps=2)
+                cells.append(f"{measured:.3f}/{formula(timeline):.3f} {error:+6.1%}")
+            print(f"{stages:>2} {micro_batches:>3}  " + "  ".join(cells))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import pytest
 
 from minimp.parallel.dependencies import check_schedule
 from minimp.parallel.schedule_choice import CHOICES, build_schedule, schedule_problem
+from minimp.parallel.simulator import Costs, simulate_schedule
 
 SIZES = [(2, 2, 1), (2, 4, 1), (4, 4, 1), (4, 8, 1), (2, 4, 2), (4, 8, 2), (2, 6, 3), (3, 9, 2)]
 
@@ -41,3 +42,14 @@ def test_sizes_a_schedule_cannot_run_are_named():
     assert schedule_problem("zb-h1", 2, 4, 0).startswith("--virtual-stages must be 1 or more")
     assert schedule_problem("zigzag", 2, 4, 1).startswith("unknown schedule 'zigzag'")
     assert all(schedule_problem(name, 2, 4, 1) == "" for name in CHOICES)
+
+
+@pytest.mark.parametrize("name", CHOICES)
+def test_each_schedules_bubble_formula_is_what_the_simulator_finds(name):
+    """Equal costs: F = 1 and B = 2 (B = W = 1 where backward is split), messages free."""
+    for stages, micro_batches, chunks in runnable(name):
+        schedule = build_schedule(name, stages, micro_batches, chunks)
+        costs = Costs(forward=1.0, backward=2.0, backward_input=1.0, backward_weight=1.0)
+        step = simulate_schedule(schedule, costs)
+        expected = CHOICES[name].bubble(stages, micro_batches, chunks)
+        assert step.bubble == pytest.approx(expected), (stages, micro_batches, chunks)

@@ -8,7 +8,7 @@ mpirun_examples/pipeline_timeline.py runs) and returns the timeline it wrote.
 import os
 import statistics
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 from minimp.lessons.checking import Failed
 from minimp.lessons.processes import run_job
@@ -62,16 +62,24 @@ def bubble(timeline: dict, skip_steps: int = 1) -> float:
     )
 
 
+def op_times(timeline: dict, op: str, skip_steps: int = 1) -> list[float]:
+    """Seconds of one `op` (forward, backward, backward_input, backward_weight) of one
+    micro-batch on one chunk, per stage: medians over the steps after warm-up."""
+    return _medians(timeline, lambda e: e["op"] == op, skip_steps)
+
+
 def compute_times(timeline: dict, skip_steps: int = 1) -> tuple[list[float], list[float]]:
     """(forward seconds, backward seconds) of one micro-batch on each stage: medians."""
-    forward: list[float] = []
-    backward: list[float] = []
-    events = [e for step in steps_of(timeline, skip_steps) for e in step]
-    for s in range(timeline["stages"]):
-        for kind, out in (("forward", forward), ("backward", backward)):
-            out.append(statistics.median(e["end"] - e["start"] for e in events
-                                         if e["stage"] == s and e["kind"] == kind))
-    return forward, backward
+    forward = _medians(timeline, lambda e: e["kind"] == "forward", skip_steps)
+    return forward, _medians(timeline, lambda e: e["kind"] == "backward", skip_steps)
+
+
+def _medians(timeline: dict, keep: Callable[[dict], bool], skip_steps: int) -> list[float]:
+    events = [e for step in steps_of(timeline, skip_steps) for e in step if keep(e)]
+    return [
+        statistics.median(e["end"] - e["start"] for e in events if e["stage"] == s)
+        for s in range(timeline["stages"])
+    ]
 
 
 def replay(schedule: list, forward: Any, backward: Any) -> tuple[float, list[float]]:

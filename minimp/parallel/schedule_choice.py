@@ -21,18 +21,28 @@ from minimp.parallel.zero_bubble import zb_h1
 @dataclass(frozen=True)
 class ScheduleChoice:
     """One --schedule: its builder (stages, micro-batches, virtual stages) -> Schedule, whether
-    its sends must be buffered, and whether it splits backward into B and W."""
+    its sends must be buffered, and its bubble (idle time of all stages / (P x span)) when every
+    forward costs the same on every stage, every backward twice that (B and W one forward each),
+    and messages nothing (tests/test_schedule_choice.py simulates it)."""
 
     build: Callable[[int, int, int], Schedule]
     buffered_sends: bool
-    split_backward: bool = False
+    bubble: Callable[[int, int, int], float]
 
 
 CHOICES = {
-    "gpipe": ScheduleChoice(lambda p, m, v: gpipe(p, m), buffered_sends=False),
-    "1f1b": ScheduleChoice(lambda p, m, v: one_f_one_b(p, m), buffered_sends=False),
-    "interleaved": ScheduleChoice(interleaved, buffered_sends=True),
-    "zb-h1": ScheduleChoice(lambda p, m, v: zb_h1(p, m), buffered_sends=True, split_backward=True),
+    "gpipe": ScheduleChoice(
+        lambda p, m, v: gpipe(p, m), False, lambda p, m, v: (p - 1) / (m + p - 1)
+    ),
+    "1f1b": ScheduleChoice(
+        lambda p, m, v: one_f_one_b(p, m), False, lambda p, m, v: (p - 1) / (m + p - 1)
+    ),
+    # Narayanan et al. 2021: (P - 1)/(V M) of the ideal compute time
+    "interleaved": ScheduleChoice(interleaved, True, lambda p, m, v: (p - 1) / (v * m + p - 1)),
+    # Qi et al. 2023: (P - 1)(T_F + T_B - T_W) per stage, a third of 1F1B's with equal F, B, W
+    "zb-h1": ScheduleChoice(
+        lambda p, m, v: zb_h1(p, m), True, lambda p, m, v: (p - 1) / (3 * m + p - 1)
+    ),
 }
 
 

@@ -102,7 +102,8 @@ def trace_document(ranks: dict[int, dict], other: dict) -> dict:
 
 
 def read_timeline(path: str) -> dict:
-    """A trace file as {schedule, stages, micro_batches, peak_stored_micro_batches, events}, the
+    """A trace file as {schedule, stages, micro_batches, virtual_stages,
+    peak_stored_micro_batches, events}, the
     events being replica 0's forwards and backwards as {stage, step, micro_batch, kind, op, start,
     end} with times in seconds (what a Gantt chart of the pipeline needs); kind is forward or
     backward, op the compute's own name (a split backward's two halves apart)."""
@@ -127,4 +128,4 @@ def read_timeline(path: str) -> dict:
                 "end": (event["ts"] + event["dur"]) / 1e6,
             }
         )
-    return {**other, "events": events}
+    return {"virtual_stages": 1, **other, "events": events}  # traces before interleaving: 1

@@ -150,6 +150,7 @@ def _write_trace(run: Any, traces: dict) -> None:
         "stages": pp,
         "replicas": run.dp,
         "micro_batches": config.micro_batches,
+        "virtual_stages": config.virtual_stages,
         "peak_stored_micro_batches": [int(traces[f"peak{stage}"][0]) for stage in range(pp)],
         "stage_of_rank": {str(rank): rank % pp for rank in range(run.comm.size)},
         "replica_0_ranks": list(range(pp)),
