@@ -74,6 +74,23 @@ def test_interleaving_sends_2_pv_minus_1_m_messages_of_one_micro_batch():
         assert len(set(sends)) == len(sends)
 
 
+def test_at_p2_m4_interleaving_runs_16_computes_per_rank_and_sends_24_messages():
+    schedule = build_schedule("interleaved", 2, 4, 2)
+    computes = [sum(a.op in ("forward", "backward") for a in actions) for actions in schedule]
+    assert computes == [16, 16] and messages(schedule) == 24
+    one_f_one_b = build_schedule("1f1b", 2, 4, 1)
+    assert [sum(a.op in ("forward", "backward") for a in x) for x in one_f_one_b] == [8, 8]
+    assert messages(one_f_one_b) == 8
+
+
+def test_zb_h1_stores_min_p_m_on_every_stage():
+    for stages in (2, 3, 4, 5):
+        for micro_batches in range(1, 12):
+            schedule = build_schedule("zb-h1", stages, micro_batches, 1)
+            peaks = [peak_activations(actions) for actions in schedule]
+            assert peaks == [min(stages, micro_batches)] * stages
+
+
 def test_the_peaks_stored():
     peaks = {name: [peak_activations(a) for a in build_schedule(name, P, M, V)]
              for name, V in CHUNKS.items()}
