@@ -25,13 +25,16 @@ import subprocess
 import sys
 import tempfile
 
-from minimp.lessons.timelines import bubble, op_times, span  # lesson 7's measurements
-from minimp.machinemodel import shipped_model
-from minimp.parallel import Costs, simulate_schedule
-from minimp.parallel.schedule_choice import CHOICES, build_schedule, schedule_problem
+from minimp.lessons.timelines import (  # lesson 7's measurements and model
+    BATCH,
+    HIDDEN,
+    bubble,
+    simulate_parts,
+    span,
+)
+from minimp.parallel.schedule_choice import CHOICES, schedule_problem
 from minimp.parallel.trace import read_timeline
 
-HIDDEN, BATCH = 512, 256
 MODEL = [
     *("--hidden", str(HIDDEN), "--layers", "8"),
     *("--batch-size", str(BATCH), "--precision", "fp32"),
@@ -42,24 +45,8 @@ COLORS["backward_weight"] = "#55a868"
 
 
 def simulated(timeline):
-    """The schedule simulator's step, fed with this run's median seconds of each compute per
-    stage (a chunk's, with interleaving) and the shipped machine model's time for one activation
-    message (float32 rows of HIDDEN): a prediction of the measured span from measured parts."""
-    stages, micro_batches = timeline["stages"], timeline["micro_batches"]
-    chunks, name = timeline["virtual_stages"], timeline["schedule"]
-
-    def per_chunk(op):  # every chunk of a rank costs that rank's median
-        times = op_times(timeline, op, skip_steps=2)
-        return [times[stage % stages] for stage in range(stages * chunks)]
-
-    if name == "zb-h1":
-        b, w = per_chunk("backward_input"), per_chunk("backward_weight")
-        costs = Costs(per_chunk("forward"), [x + y for x, y in zip(b, w)], 0.0, b, w)
-    else:
-        costs = Costs(per_chunk("forward"), per_chunk("backward"))
-    costs.message = shipped_model(stages).message(BATCH // micro_batches * HIDDEN * 4)
-    schedule = build_schedule(name, stages, micro_batches, chunks)
-    return simulate_schedule(schedule, costs)
+    """The step simulated from this run's measured parts (lesson 7's helpers)."""
+    return simulate_parts(timeline, skip_steps=2)
 
 
 def formula(timeline):

@@ -13,7 +13,7 @@ import pytest
 from minimp import distributed as dist
 from minimp.lessons import LESSONS
 from minimp.lessons.checking import Report
-from minimp.parallel import Action, gpipe
+from minimp.parallel import Action, gpipe, one_f_one_b
 from minimp.precision import BFLOAT16, E4M3, E5M2
 
 SOLUTIONS = os.path.join(os.path.dirname(__file__), "..", "lessons", "solutions")
@@ -521,6 +521,38 @@ def sent_gathering_stage_3_once(stage, unit_sizes, rank, world_size, micro_batch
     return micro_batches * once
 
 
+def interleaved_gpipe_like(P, M, V):
+    """Every forward of every chunk, then every backward: the bubble is right, the memory not."""
+    forwards = [Action("forward", m, chunk=c) for c in range(V) for m in range(M)]
+    backwards = [Action("backward", m, chunk=c) for c in reversed(range(V)) for m in range(M)]
+    return [forwards + backwards for _ in range(P)]
+
+
+def interleaved_backward_in_forward_order(P, M, V):
+    """The chunks not reversed backward: chunk 0's backward waits for a gradient never sent."""
+    return [[action._replace(chunk=V - 1 - action.chunk) if action.op == "backward" else action
+             for action in actions] for actions in solutions(13).interleaved_compute(P, M, V)]
+
+
+def interleaved_on_chunk_0(P, M, V):
+    """1F1B's order with the chunks left out."""
+    computes = ("forward", "backward")
+    return [[a for a in actions if a.op in computes] for actions in one_f_one_b(P, M)]
+
+
+def zb_bubble_with_equal_costs(P, M, t_forward, t_input, t_weight):
+    return (P - 1) / (3 * M + P - 1)
+
+
+def zb_bubble_of_1f1b(P, M, t_forward, t_input, t_weight):
+    return (P - 1) / (M + P - 1)
+
+
+def zb_bubble_of_the_ideal_time(P, M, t_forward, t_input, t_weight):
+    """The idle time over the compute time, not over the step."""
+    return (P - 1) * (t_forward + t_input - t_weight) / (M * (t_forward + t_input + t_weight))
+
+
 WRONG = {
     (1, "ulp16"): [ulp16_without_the_top_binade, ulp16_without_subnormals],
     (1, "round_to_float16"): [round_half_up, round_without_overflow],
@@ -562,6 +594,10 @@ WRONG = {
                          zero1_gathering_float32],
     (11, "bytes_sent"): [sent_on_average, sent_gathering_all_but_its_own,
                          sent_reducing_stage_2_once, sent_gathering_stage_3_once],
+    (13, "interleaved_compute"): [interleaved_gpipe_like, interleaved_backward_in_forward_order,
+                                  interleaved_on_chunk_0],
+    (13, "zb_h1_bubble"): [zb_bubble_with_equal_costs, zb_bubble_of_1f1b,
+                           zb_bubble_of_the_ideal_time],
     (14, "round_to_fp8"): [round_with_ml_dtypes, round_fp8_half_up, round_flushing_subnormals,
                            round_losing_the_sign_of_zero],
     (14, "delayed_scaling_update"): [update_from_this_step_only, update_dividing_by_anything,

@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from minimp.parallel.interleaved import interleaved
 from minimp.parallel.schedules import (
     SCHEDULES,
     Action,
@@ -101,6 +102,12 @@ def test_format_shows_the_classic_1f1b_picture():
         "stage 0: F0 F1 B0 F2 B1 B2",
         "stage 1: F0 B0 F1 B1 F2 B2",
     ]
+
+
+def test_format_names_the_chunk_when_a_rank_holds_several():
+    assert format_schedule(interleaved(2, 2, 2)).splitlines()[0] == (
+        "stage 0: F0c0 F1c0 F0c1 F1c1 B0c1 B1c1 B0c0 B1c0"
+    )
 
 
 def test_bad_sizes_are_rejected():

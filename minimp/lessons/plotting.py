@@ -250,26 +250,34 @@ def memory_bars(measured: dict[tuple[int, int], dict[str, int]],
     plt.show()
 
 
-def gantt(timelines: list[dict], titles: list[str]) -> None:
-    """Each timeline's last step as a Gantt chart: a row per stage, forwards blue and backwards
-    orange, each bar numbered with its micro-batch."""
+GANTT_COLORS = {"forward": "#4c72b0", "backward_weight": "#55a868"}  # backwards: orange
+
+
+def gantt(timelines: list[dict], titles: list[str], unit: str = "ms") -> None:
+    """Each timeline's last step as a Gantt chart: a row per stage, forwards blue, backwards
+    orange (a split backward's W green), each bar numbered with its micro-batch."""
     stages = timelines[0]["stages"]
-    figure, axes = plt.subplots(len(timelines), 1, figsize=(11, 1.2 + 1.2 * stages),
-                                sharex=True, squeeze=False)
+    height = 0.9 + 0.7 * stages * len(timelines)  # room for every panel's title and rows
+    figure, axes = plt.subplots(len(timelines), 1, figsize=(11, height), sharex=True,
+                                squeeze=False)
     for axis, timeline, title in zip(axes[:, 0], timelines, titles):
         last = max(e["step"] for e in timeline["events"])
         events = [e for e in timeline["events"] if e["step"] == last]
         origin = min(e["start"] for e in events)
         for e in events:
-            start, width = (e["start"] - origin) * 1e3, (e["end"] - e["start"]) * 1e3
+            scale = 1e3 if unit == "ms" else 1.0  # "ms": seconds measured; else the costs' unit
+            start, width = (e["start"] - origin) * scale, (e["end"] - e["start"]) * scale
             axis.barh(e["stage"], width, left=start, edgecolor="black", linewidth=0.4,
-                      color="#4c72b0" if e["kind"] == "forward" else "#dd8452")
+                      color=GANTT_COLORS.get(e["op"], "#dd8452"))
             axis.text(start + width / 2, e["stage"], str(e["micro_batch"]), ha="center",
                       va="center", fontsize=7, color="white")
         axis.set_yticks(range(stages))
         axis.set_yticklabels([f"stage {s}" for s in range(stages)])
         axis.invert_yaxis()
         axis.set_title(title, fontsize=9)
-    axes[-1, 0].set_xlabel("ms since the step's first forward (blue: forward, orange: backward)")
+    split = any(e["op"] == "backward_weight" for t in timelines for e in t["events"])
+    axes[-1, 0].set_xlabel(unit + " since the step's first forward (blue: forward, orange: "
+                           + ("backward; a split one's B orange, W green)" if split
+                              else "backward)"))
     figure.tight_layout()
     plt.show()

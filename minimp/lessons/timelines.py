@@ -1,5 +1,5 @@
-"""Pipeline timelines for lesson 7: record them with the training command, measure the bubble, and
-replay a schedule with given compute times to see what the bubble would be without messages.
+"""Pipeline timelines for lessons 7 and 13: record them with the training command, measure the
+bubble, replay a schedule with given compute times, and simulate a run from its measured parts.
 
 `measure` runs `mpirun -n P python -m minimp.train --pp P --timeline ...` (the same command
 mpirun_examples/pipeline_timeline.py runs) and returns the timeline it wrote.
@@ -12,24 +12,56 @@ from typing import Any, Callable
 
 from minimp.lessons.checking import Failed
 from minimp.lessons.processes import run_job
+from minimp.machinemodel import shipped_model
 from minimp.parallel.dependencies import with_messages
-from minimp.parallel.simulator import Costs, simulate_schedule
-from minimp.parallel.trace import read_timeline
+from minimp.parallel.schedule_choice import build_schedule
+from minimp.parallel.simulator import Costs, SimulatedStep, simulate_schedule, simulated_trace
+from minimp.parallel.trace import read_timeline, timeline_of
 
 # The model mpirun_examples/pipeline_timeline.py uses: 8 hidden layers of 512, batch 256, fp32.
-MODEL = ["--hidden", "512", "--layers", "8", "--batch-size", "256", "--precision", "fp32"]
+HIDDEN, BATCH = 512, 256
+MODEL = ["--hidden", str(HIDDEN), "--layers", "8", "--batch-size", str(BATCH), "--precision",
+         "fp32"]
 
 
-def measure(stages: int, micro_batches: int, schedule: str, steps: int = 4) -> dict:
+def measure(stages: int, micro_batches: int, schedule: str, steps: int = 4,
+            virtual_stages: int = 1) -> dict:
     """Train `steps` steps with --pp stages and return the --timeline trace read back as rows:
     each stage's forward and backward of every step, in seconds from the run's common origin
     (minimp.parallel.trace.read_timeline)."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "timeline.json")
         run_job(stages, ["-m", "minimp.train", *MODEL, "--pp", str(stages), "--schedule", schedule,
+                         "--virtual-stages", str(virtual_stages),
                          "--micro-batches", str(micro_batches), "--steps", str(steps),
                          "--log-every", "100000", "--timeline", path])
         return read_timeline(path)
+
+
+def simulate_parts(timeline: dict, skip_steps: int = 1) -> SimulatedStep:
+    """The schedule simulator's step, fed with this run's median seconds of each compute per
+    stage (a chunk's, with interleaving) and the shipped machine model's time for one activation
+    message (float32 rows of HIDDEN): a prediction of the measured span from measured parts."""
+    stages, micro_batches = timeline["stages"], timeline["micro_batches"]
+    chunks, name = timeline["virtual_stages"], timeline["schedule"]
+
+    def per_chunk(op: str) -> list[float]:  # every chunk of a rank costs that rank's median
+        times = op_times(timeline, op, skip_steps)
+        return [times[stage % stages] for stage in range(stages * chunks)]
+
+    if name == "zb-h1":
+        b, w = per_chunk("backward_input"), per_chunk("backward_weight")
+        costs = Costs(per_chunk("forward"), [x + y for x, y in zip(b, w)], 0.0, b, w)
+    else:
+        costs = Costs(per_chunk("forward"), per_chunk("backward"))
+    costs.message = shipped_model(stages).message(BATCH // micro_batches * HIDDEN * 4)
+    schedule = build_schedule(name, stages, micro_batches, chunks)
+    return simulate_schedule(schedule, costs)
+
+
+def simulated_timeline(step: SimulatedStep, name: str, micro_batches: int) -> dict:
+    """A simulated step as the rows `read_timeline` gives (for the same Gantt chart)."""
+    return timeline_of(simulated_trace(step, name, micro_batches))
 
 
 def steps_of(timeline: dict, skip_steps: int = 1) -> list[list[dict]]:

@@ -132,9 +132,15 @@ def peak_activations(actions: list[Action]) -> int:
 
 def format_schedule(schedule: Schedule) -> str:
     """One line per stage, for printing in a lesson.
-    F3 / B3 / W3 for compute; communication is left out."""
+    F3 / B3 / W3 for compute, F3c1 for chunk 1's when a rank holds chunks; communication is left
+    out."""
+    chunked = any(action.chunk for actions in schedule for action in actions)
     lines = []
     for stage, actions in enumerate(schedule):
-        compute = [str(action) for action in actions if action.op in COMPUTE_LABELS]
+        compute = [
+            f"{action}c{action.chunk}" if chunked else str(action)
+            for action in actions
+            if action.op in COMPUTE_LABELS
+        ]
         lines.append(f"stage {stage}: " + " ".join(compute))
     return "\n".join(lines)

@@ -108,7 +108,11 @@ def read_timeline(path: str) -> dict:
     end} with times in seconds (what a Gantt chart of the pipeline needs); kind is forward or
     backward, op the compute's own name (a split backward's two halves apart)."""
     with open(path) as file:
-        document = json.load(file)
+        return timeline_of(json.load(file))
+
+
+def timeline_of(document: dict) -> dict:
+    """A trace document (trace_document's, or a file's) as read_timeline's rows."""
     other = document["otherData"]
     stage_of_rank = {int(rank): stage for rank, stage in other["stage_of_rank"].items()}
     events = []

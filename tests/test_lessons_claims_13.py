@@ -1,0 +1,131 @@
+"""Every number lesson 13 (hiding communication) states, as a test; the other lessons' are in
+test_lessons_claims.py. A failure here means a sentence in lessons/13_hiding_communication.ipynb
+became false."""
+
+import numpy as np
+import pytest
+
+from minimp import Tensor, nn
+from minimp.lessons import timelines
+from minimp.parallel import Costs, format_schedule, peak_activations, simulate_schedule
+from minimp.parallel.schedule_choice import CHOICES, build_schedule
+from minimp.split_backward import backward_input, backward_weight
+
+P, M = 4, 8
+CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1}
+
+
+def equal_costs(V):
+    return Costs(forward=1 / V, backward=2 / V)
+
+
+def simulated(name, stages=P, micro_batches=M):
+    V = CHUNKS[name]
+    return simulate_schedule(build_schedule(name, stages, micro_batches, V), equal_costs(V))
+
+
+def messages(schedule):
+    return sum(action.op.startswith("send") for actions in schedule for action in actions)
+
+
+def test_f3c1_names_micro_batch_3_on_chunk_1():
+    text = format_schedule(build_schedule("interleaved", P, M, 2))
+    assert "F3c1" in text and "B3c1" in text and "W" not in text
+    assert "W0" in format_schedule(build_schedule("zb-h1", P, M))
+
+
+def test_the_bubbles_and_steps_at_p4_m8():
+    steps = {name: simulated(name) for name in CHUNKS}
+    assert steps["gpipe"].span == steps["1f1b"].span == 33
+    assert steps["interleaved"].span == 28.5 and steps["zb-h1"].span == 27
+    assert round(steps["1f1b"].bubble, 4) == 0.2727
+    assert round(steps["interleaved"].bubble, 4) == 0.1579
+    for name, step in steps.items():
+        assert step.bubble == pytest.approx(CHOICES[name].bubble(P, M, CHUNKS[name]), abs=1e-12)
+
+
+def test_the_formulas_agree_to_rounding_at_p_2_4_8_and_m_p_2p_4p():
+    for stages in (2, 4, 8):
+        for micro_batches in (stages, 2 * stages, 4 * stages):
+            for name, V in CHUNKS.items():
+                formula = CHOICES[name].bubble(stages, micro_batches, V)
+                assert abs(simulated(name, stages, micro_batches).bubble - formula) < 1e-12
+
+
+def test_interleaving_idles_a_vth_of_the_fill_and_drain():
+    t_f, t_b = 1.0, 2.0
+    for stages, micro_batches, V in ((4, 8, 2), (2, 4, 2), (4, 8, 4), (3, 6, 3)):
+        step = simulate_schedule(build_schedule("interleaved", stages, micro_batches, V),
+                                 equal_costs(V))
+        idle = [step.span - busy for busy in step.busy]
+        assert idle == pytest.approx([(stages - 1) * (t_f + t_b) / V] * stages)
+
+
+def test_interleaving_sends_2_pv_minus_1_m_messages_of_one_micro_batch():
+    counts = {name: messages(build_schedule(name, P, M, V)) for name, V in CHUNKS.items()}
+    assert counts == {"gpipe": 48, "1f1b": 48, "interleaved": 112, "zb-h1": 48}
+    assert 112 == 2 * (4 * 2 - 1) * 8 and 48 == 2 * (P - 1) * M and 112 / 48 == 7 / 3
+    for stages, micro_batches, V in ((2, 4, 2), (4, 8, 3), (3, 6, 4)):
+        schedule = build_schedule("interleaved", stages, micro_batches, V)
+        assert messages(schedule) == 2 * (stages * V - 1) * micro_batches
+        # each message carries one micro-batch's tensor, one (micro-batch, chunk) each way
+        sends = [(rank, a.op, a.micro_batch, a.chunk) for rank, actions in enumerate(schedule)
+                 for a in actions if a.op.startswith("send")]
+        assert len(set(sends)) == len(sends)
+
+
+def test_at_p2_m4_interleaving_runs_16_computes_per_rank_and_sends_24_messages():
+    schedule = build_schedule("interleaved", 2, 4, 2)
+    computes = [sum(a.op in ("forward", "backward") for a in actions) for actions in schedule]
+    assert computes == [16, 16] and messages(schedule) == 24
+    one_f_one_b = build_schedule("1f1b", 2, 4, 1)
+    assert [sum(a.op in ("forward", "backward") for a in x) for x in one_f_one_b] == [8, 8]
+    assert messages(one_f_one_b) == 8
+
+
+def test_zb_h1_stores_min_p_m_on_every_stage():
+    for stages in (2, 3, 4, 5):
+        for micro_batches in range(1, 12):
+            schedule = build_schedule("zb-h1", stages, micro_batches, 1)
+            peaks = [peak_activations(actions) for actions in schedule]
+            assert peaks == [min(stages, micro_batches)] * stages
+
+
+def test_the_peaks_stored():
+    peaks = {name: [peak_activations(a) for a in build_schedule(name, P, M, V)]
+             for name, V in CHUNKS.items()}
+    assert peaks == {"gpipe": [8] * 4, "1f1b": [4, 3, 2, 1], "interleaved": [11, 9, 7, 5],
+                     "zb-h1": [4] * 4}
+    assert simulated("zb-h1").peak_stored == [min(P, M)] * P == [max(peaks["1f1b"])] * P
+
+
+def test_zb_h1_idles_p_minus_1_where_1f1b_idles_3_p_minus_1():
+    for name, idle in (("1f1b", 9.0), ("zb-h1", 3.0)):
+        step = simulated(name)
+        assert [step.span - busy for busy in step.busy] == [idle] * P
+    assert 9 == (P - 1) * (1 + 2) and 3 == (P - 1) * 1
+
+
+def test_b_then_w_gives_the_bits_of_one_backward_in_the_lessons_cell():
+    rng = np.random.default_rng(0)
+    layer = nn.Linear(4, 3, rng=rng)
+    x = Tensor(rng.standard_normal((2, 4)).astype(np.float32), requires_grad=True)
+    grad = np.ones((2, 3), np.float32)
+    layer(x).backward(grad)
+    whole = [x.grad.copy(), layer.weight.grad.copy()]
+    x.grad, layer.weight.grad, layer.bias.grad = None, None, None
+    pending = backward_input(layer(x), grad, list(layer.parameters()))
+    assert x.grad is not None and layer.weight.grad is None
+    backward_weight(pending)
+    assert all(np.array_equal(a, b) for a, b in zip(whole, [x.grad, layer.weight.grad]))
+
+
+@pytest.mark.mpi
+def test_the_runner_stores_what_the_schedules_data_says_at_p2_m4():
+    """The lesson's real runs (mpirun, 2 ranks, 3 steps each to keep it short)."""
+    for name, V in CHUNKS.items():
+        run = timelines.measure(2, 4, name, steps=3, virtual_stages=V)
+        data = [peak_activations(a) for a in build_schedule(name, 2, 4, V)]
+        assert run["peak_stored_micro_batches"] == data
+        assert run["virtual_stages"] == V
+        assert timelines.simulate_parts(run).span > 0
