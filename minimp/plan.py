@@ -29,6 +29,7 @@ What it assumes, where each piece is worked out (minimp/planning/):
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 
@@ -51,12 +52,22 @@ PROGRAM = "minimp.plan"
 CHOICE = {"any": (False, True), "on": (True,), "off": (False,)}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line, `minimp.plan: error: ...`, like every other error of
+    the command (argparse's own would print the whole usage first); exit status 2 all the same."""
+
+    def error(self, message):
+        self.exit(2, f"{PROGRAM}: error: {message} (see --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line, one flag per input (the module docstring says what each part assumes)."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=f"python -m {PROGRAM}", description=__doc__.splitlines()[0].split(": ", 1)[1],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
+    p.add_argument("--compare-narayanan", action="store_true", help="print the planner against "
+                   "Narayanan et al. 2021's Table 1 (docs/planner.md) and stop")  # fmt: skip
     model = p.add_argument_group("model (a named one, --parameters, or every shape flag)")
     model.add_argument("--model", choices=sorted(MODELS), help="a named GPT shape")
     model.add_argument("--parameters", type=float, help="parameters; shape from GPT-3's ratios")
@@ -74,12 +85,13 @@ def parser() -> argparse.ArgumentParser:
     cluster.add_argument("--memory-gb", type=float, help="GiB of memory per device")
     cluster.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device")
     cluster.add_argument("--achievable", type=float, help="fraction of peak reached")
-    cluster.add_argument("--cores", type=int, default=2, help="this-machine: CPU cores shared")
+    cluster.add_argument("--cores", type=int, help="this-machine: CPU cores the ranks share "
+                         "(default: this machine's)")  # fmt: skip
     for where in ("intra", "inter"):
         cluster.add_argument(f"--{where}-alpha-us", type=float, help=f"{where}-node latency (us)")
         cluster.add_argument(f"--{where}-gbs", type=float, help=f"{where}-node GB/s (1 / beta)")
     job = p.add_argument_group("job")
-    job.add_argument("--global-batch", type=int, required=True, help="samples per step")
+    job.add_argument("--global-batch", type=int, help="samples per step (required)")
     job.add_argument("--micro-batch-size", default="1", help="rows per micro-batch (list: 1,2,4)")
     job.add_argument("--precision", default="bf16", choices=("fp32", "fp16", "bf16"))
     job.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
@@ -117,7 +129,9 @@ def model_from(args: argparse.Namespace) -> ModelShape:
     given = {key: value for key, value in fields.items() if value is not None}
     if args.model:
         return replace(MODELS[args.model], **given)
-    if args.parameters:
+    if args.parameters is not None:
+        if not args.parameters >= 1:  # also refuses NaN
+            raise PlanError(f"--parameters must be at least 1, got {args.parameters}")
         context, vocab = args.context or 2048, args.vocab or 51200
         return replace(shape_for_parameters(args.parameters, context, vocab), **given)
     missing = [f"--{key}" for key, value in fields.items() if value is None and key != "dropout"]
@@ -139,10 +153,13 @@ def cluster_from(args: argparse.Namespace) -> Cluster:
     if args.cluster == "this-machine":
         if args.peak_tflops is None:
             raise PlanError(
-                "--cluster this-machine needs --peak-tflops: one process's measured rate "
-                "(python mpirun_examples/plan_check.py prints it)"
+                "--cluster this-machine needs --peak-tflops, one process's measured rate (the "
+                "first line of python mpirun_examples/plan_check.py, in GFLOP/s)"
             )
-        base = this_machine(args.gpus, args.peak_tflops * 1e12, available_memory(), args.cores)
+        cores = (os.cpu_count() or 1) if args.cores is None else args.cores
+        if not args.peak_tflops > 0 or cores < 1:  # `not >`: NaN is refused too
+            raise PlanError("--peak-tflops must be positive and --cores at least 1")
+        base = this_machine(args.gpus, args.peak_tflops * 1e12, available_memory(), cores)
     else:
         base = selene(args.gpus)
         overrides["peak_flops"] = None if args.peak_tflops is None else args.peak_tflops * 1e12
@@ -150,7 +167,7 @@ def cluster_from(args: argparse.Namespace) -> Cluster:
         alpha, gbs = getattr(args, f"{where}_alpha_us"), getattr(args, f"{where}_gbs")
         if alpha is None and gbs is None:
             continue
-        if alpha is None or gbs is None or alpha < 0 or gbs <= 0:
+        if alpha is None or gbs is None or not (alpha >= 0 and gbs > 0):  # NaN refused too
             raise PlanError(f"--{where}-alpha-us and --{where}-gbs go together (>= 0 and > 0)")
         overrides[where] = AlphaBeta(Network(alpha * 1e-6, 1 / (gbs * 1e9), name=where))
     return replace(base, **{key: value for key, value in overrides.items() if value is not None})
@@ -180,15 +197,28 @@ def format_table(plans: list[Plan], cluster: Cluster) -> str:
     return "\n".join(lines)
 
 
+def describe(model: ModelShape, cluster: Cluster, job: Job) -> str:
+    """Two lines: the model and the job, then the cluster, as the planner resolved them."""
+    return (
+        f"model: {model.layers} blocks of {model.hidden}, {model.heads} heads, context "
+        f"{model.context}, vocabulary {model.vocab}, dropout {'on' if model.dropout else 'off'} "
+        f"({model.parameters():,} parameters); global batch {job.global_batch}, {job.precision}\n"
+        f"cluster: {cluster.name}; {cluster.gpus} GPUs, {cluster.gpus_per_node} a node, "
+        f"{cluster.memory_bytes / GIB:.1f} GiB and {cluster.flops / 1e12:.4g} TFLOP/s each"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, check, search, print; a user error is one line and exit status 2."""
-    if argv is None:
-        argv = sys.argv[1:]
-    if "--compare-narayanan" in argv:
+    args = parser().parse_args(argv)
+    if args.compare_narayanan:
         print(comparison_table())
         return 0
-    args = parser().parse_args(argv)
     try:
+        if args.global_batch is None:
+            raise PlanError("--global-batch is required (samples per optimizer step)")
+        if args.top < 1:
+            raise PlanError(f"--top must be at least 1, got {args.top}")
         model, cluster = model_from(args), cluster_from(args)
         job = Job(
             args.global_batch,
@@ -204,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         if not set(choices.zero_stages) <= {0, 1, 2, 3}:
             raise PlanError(f"--zero takes stages 0-3, got {args.zero}")
         check_inputs(model, cluster, job)
-        plans = best_plans(model, cluster, job, choices)[: max(args.top, 1)]
+        plans = best_plans(model, cluster, job, choices)[: args.top]
     except PlanError as error:
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         return 2
@@ -215,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         document["plans"] = [plan.as_dict(cluster.gpus) for plan in plans]
         print(json.dumps(document, indent=1, default=str))
     else:
-        print(f"model {model} ({model.parameters():,} parameters) on {cluster.name}, "
-              f"{cluster.gpus} GPUs, batch {job.global_batch}")  # fmt: skip
+        print(describe(model, cluster, job))
         print(format_table(plans, cluster))
     return 0
 

@@ -4,6 +4,7 @@ its ranking, its errors, and its comparison with Narayanan et al. 2021's Table 1
 
 import json
 import math
+from contextlib import nullcontext
 from dataclasses import replace
 
 import numpy as np
@@ -237,6 +238,54 @@ def test_bad_input_is_one_line_that_names_the_fix(capsys):
     assert "try --heads 3" in error
 
 
+BAD_FLAGS = [  # (flags after a valid --model shakespeare --gpus 4 --global-batch 8, the message)
+    (["--top", "0"], "--top must be at least 1, got 0"),
+    (["--zero", "5"], "--zero takes stages 0-3, got 5"),
+    (["--zero", "x"], "--zero takes integers separated by commas, got 'x'"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be positive"),
+    (["--memory-gb", "nan"], "--memory-gb must be positive, got nan"),
+    (["--memory-gb", "-2"], "--memory-gb must be positive, got -2.0"),
+    (["--achievable", "1.5"], "--achievable is a fraction of peak in (0, 1], got 1.5"),
+    (["--intra-gbs", "nan", "--intra-alpha-us", "1"], "--intra-alpha-us and --intra-gbs go"),
+    (["--inter-gbs", "10"], "--inter-alpha-us and --inter-gbs go together"),
+    (["--gpus", "12"], "--gpus 12 is not a whole number of nodes of --gpus-per-node 8"),
+    (["--cluster", "this-machine"], "--cluster this-machine needs --peak-tflops"),
+    (["--cluster", "this-machine", "--peak-tflops", "nan"], "--peak-tflops must be positive"),
+    (["--model", "foo"], "argument --model: invalid choice: 'foo'"),  # argparse's, one line
+    (["--gpus", "two"], "argument --gpus: invalid int value: 'two'"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_FLAGS)
+def test_every_bad_flag_is_one_line_exit_2_before_any_work(flags, message, capsys, monkeypatch):
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched despite bad input")
+
+    monkeypatch.setattr("minimp.plan.best_plans", no_search)
+    valid = ["--model", "shakespeare", "--gpus", "4", "--global-batch", "8"]
+    with pytest.raises(SystemExit) if message.startswith("argument") else nullcontext():
+        assert main(valid + flags) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("minimp.plan: error: ") and message in captured.err
+
+
+def test_argparse_errors_exit_2_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--model", "shakespeare", "--gpus", "4", "--global-batch", "8", "--no-such-flag"])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert error == "minimp.plan: error: unrecognized arguments: --no-such-flag (see --help)\n"
+
+
+def test_global_batch_and_gpus_are_required_but_not_for_the_comparison(capsys, monkeypatch):
+    assert main(["--model", "shakespeare", "--gpus", "4"]) == 2
+    assert "--global-batch is required" in capsys.readouterr().err
+    monkeypatch.setattr("minimp.plan.comparison_table", lambda: "the table")
+    assert main(["--compare-narayanan"]) == 0
+    assert capsys.readouterr().out == "the table\n"
+
+
 def test_no_layout_fitting_names_the_rule_that_failed_most(capsys):
     assert main(["--model", "1008.0B", "--gpus", "8", "--global-batch", "8"]) == 2
     error = capsys.readouterr().err
@@ -253,7 +302,10 @@ def test_the_command_prints_a_table_and_json(capsys):
     flags += ["--micro-batch-size", "2,4", "--top", "3"]
     assert main(flags) == 0
     table = capsys.readouterr().out.splitlines()
-    assert len(table) == 2 + 3 and table[1].split()[:3] == ["#", "dp", "tp"]
+    assert len(table) == 3 + 3 and table[2].split()[:3] == ["#", "dp", "tp"]
+    assert table[0].startswith("model: 4 blocks of 128, 4 heads, context 64, vocabulary 65")
+    assert table[1].startswith("cluster: Selene") and "4 GPUs, 8 a node, 80.0 GiB" in table[1]
+    assert [row.split()[0] for row in table[3:]] == ["1", "2", "3"]
     assert main(flags + ["--json", "--simulate"]) == 0
     document = json.loads(capsys.readouterr().out)
     seconds = [plan["step_seconds"] for plan in document["plans"]]

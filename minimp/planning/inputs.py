@@ -94,8 +94,8 @@ def check_inputs(model: ModelShape, cluster: Cluster, job: Job) -> None:
         "--vocab": model.vocab,
         "--gpus": cluster.gpus,
         "--gpus-per-node": cluster.gpus_per_node,
-        "--memory-gb": cluster.memory_bytes,
-        "--peak-tflops": cluster.peak_flops,
+        "--memory-gb": cluster.memory_bytes / 2**30,  # in the flags' units, for the message
+        "--peak-tflops": cluster.peak_flops / 1e12,
         "--global-batch": job.global_batch,
     }
     for flag, value in positive.items():

@@ -9,14 +9,15 @@ tensor- and pipeline-parallel sizes t and p, GPUs, batch size, achieved TFLOP/s 
 312 TFLOP/s peak, aggregate PFLOP/s. The TFLOP/s count each step's FLOPs with their Eq. 3, which
 includes a recomputation forward.
 
-Where the numbers come from: this project could not read the paper's table itself. The rows are as
-four independent transcriptions of Table 1 in public repositories give them (found with the
-search tool's code index, which does not name the repositories); all four agree on every number,
-and these checks support them: the abstract's "1 trillion parameters at 502 petaFLOP/s on 3072
-GPUs ... 52% of theoretical peak" (the 1008.0B row); Megatron-LM's README, "the 145B model
-reports the total model parallel size of 64, which means that this setup used TP=8 and PP=8"
-(its commit 2d767f48); Eq. 2's parameter counts of these shapes round to the sizes of the first
-column; TFLOP/s x GPUs and TFLOP/s / 312 reproduce the last two columns (tests/test_plan.py).
+Where the numbers come from: a Markdown transcription of the paper's text in the search tool's
+code index (which names no repository) has Table 1 as text; every number below is as it gives
+them, checked cell by cell on 2026-11-30, and so are the section 5 facts the presets use
+(Selene's nodes, 312 TFLOP/s, V = 51,200, s = 2048, Eq. 2 and Eq. 3). Checks that do not rest on
+the transcription: the abstract (Hugging Face's page of arXiv 2104.04473) gives "502
+petaFLOP/s on 3072 GPUs", the 1008.0B row; Eq. 2's parameter counts of these shapes round to the
+first column; TFLOP/s x GPUs and TFLOP/s / 312 reproduce the last two (tests/test_plan.py).
+Their runs used the interleaved 1F1B schedule with the scatter/gather optimization (section 5.1),
+whose bubble is smaller than the plain 1F1B bubble this planner prices.
 
 One cluster (presets.selene) for every row, the batch of each row, micro-batches of 1, 2, 4 or 8
 rows: nothing is fitted to a row.
