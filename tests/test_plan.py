@@ -4,6 +4,7 @@ its ranking, its errors, and its comparison with Narayanan et al. 2021's Table 1
 
 import json
 import math
+import os
 from contextlib import nullcontext
 from dataclasses import replace
 
@@ -21,7 +22,7 @@ from minimp.planning import memory as mem
 from minimp.planning.inputs import Cluster, Job, Layout, ModelShape, PlanError, check_inputs
 from minimp.planning.inputs import shape_for_parameters
 from minimp.planning.links import AlphaBeta, Measured
-from minimp.planning.narayanan import COMPARED, TABLE_1, compare
+from minimp.planning.narayanan import TABLE_1, compare, comparison_table, format_comparison
 from minimp.planning.presets import MEGATRON, SHAKESPEARE, selene
 from minimp.planning.search import best_plans, search
 from minimp.planning.steptime import SCALAR_BYTES, narayanan_flops, step_flops, step_time
@@ -31,6 +32,7 @@ from minimp.train.sizes import parameter_count, zero_unit_sizes
 
 SMALL = ModelShape(layers=4, hidden=32, heads=4, context=16, vocab=50, dropout=False)
 FREE = AlphaBeta(Network(alpha=0.0, beta=0.0))
+ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def small_cluster(gpus=8, per_node=8, memory=2**40, intra=FREE, inter=FREE):
@@ -326,34 +328,59 @@ def test_table_1_is_consistent_with_itself_and_eq_2():
 
 @pytest.fixture(scope="module")
 def comparisons():
-    return {row.name: compare(row) for row in TABLE_1 if row.name in COMPARED}
+    return {row.name: compare(row) for row in TABLE_1}
 
 
 def test_the_planner_at_their_layouts_is_within_15_percent_of_their_throughput(comparisons):
-    """What the README's table shows: paper step time / predicted, at their (t, p)."""
+    """What docs/planner.md's table shows: paper step time / predicted, at their (t, p), for
+    every row of Table 1; their layout fits on every row."""
     ratios = {name: found["ratio_theirs"] for name, found in comparisons.items()}
-    assert all(0.85 <= ratio <= 1.15 for ratio in ratios.values()), ratios
+    assert len(ratios) == 10 and all(0.85 <= ratio <= 1.15 for ratio in ratios.values()), ratios
 
 
-def test_within_their_menu_the_planner_picks_their_layouts_for_the_two_largest(comparisons):
+def test_within_their_menu_the_planner_picks_their_layouts_for_six_rows_of_ten(comparisons):
     """ZeRO 0, recomputation, no sequence parallelism (what Megatron-LM offered in 2021): the
-    planner's best is their (t, p) for 145.6B and 1008.0B, not for 1.7B and 18.4B (README)."""
+    planner's best is their (t, p) for 7.5B and from 76.1B up, not for the others
+    (docs/planner.md)."""
     picked = {
         name: (found["best_in_menu"].layout.tp, found["best_in_menu"].layout.pp)
         for name, found in comparisons.items()
     }
-    assert picked == {"1.7B": (2, 1), "18.4B": (4, 4), "145.6B": (8, 8), "1008.0B": (8, 64)}
+    theirs = {row.name: (row.t, row.p) for row in TABLE_1}
+    assert {name for name in picked if picked[name] == theirs[name]} == {
+        "7.5B", "76.1B", "145.6B", "310.1B", "529.6B", "1008.0B"
+    }  # fmt: skip
+    assert picked["1.7B"] == (2, 1) and picked["18.4B"] == (4, 4)
     found = comparisons["145.6B"]
     assert math.isclose(found["paper_seconds"], narayanan_flops(MEGATRON["145.6B"], 2304) / (
         1536 * 148e12))  # fmt: skip
 
 
+def test_the_comparison_table_is_the_one_in_docs_planner_md(comparisons):
+    table = format_comparison(list(comparisons.values()))
+    assert table in open(os.path.join(ROOT, "docs", "planner.md")).read()
+    lines = table.splitlines()
+    assert len(lines) == 12 and lines[0].count("|") == lines[8].count("|") == 13
+    cells = [cell.strip() for cell in lines[8].split("|")[1:-1]]
+    assert cells[:5] == ["145.6B", "1536", "2304", "(8, 8, 24)", "148"]
+    # planner / paper is the throughput ratio: paper step / predicted step = TFLOP/s / 148
+    assert float(cells[7]) == pytest.approx(float(cells[6]) / 148, abs=0.01)
+    assert comparison_table(("145.6B",)).splitlines()[2] == lines[8]
+
+
+def test_the_readmes_planner_output_is_what_the_command_prints(capsys):
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    command = "$ python -m minimp.plan --model 145.6B --gpus 1536 --global-batch 2304 --top 3\n"
+    shown = readme.split(command, 1)[1].split("```", 1)[0]
+    assert main(command.split()[4:]) == 0
+    assert capsys.readouterr().out == shown
+
+
 # ----- mpirun_examples/plan_check.py (its runs take minutes: run by hand, README) -------------
 def plan_check_module():
     import importlib.util
-    import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples", "plan_check.py")
+    path = os.path.join(ROOT, "mpirun_examples", "plan_check.py")
     spec = importlib.util.spec_from_file_location("plan_check", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

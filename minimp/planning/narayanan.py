@@ -67,7 +67,7 @@ TABLE_1 = [
     Row(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52, 410.2),
     Row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52, 502.0),
 ]
-COMPARED = ("1.7B", "18.4B", "145.6B", "1008.0B")  # the rows the README and the tests show
+ROW_NAMES = tuple(row.name for row in TABLE_1)
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # What Megatron-LM offered in 2021: no ZeRO (its distributed optimizer came later), no sequence
 # parallelism (Korthikanti et al. 2022), recomputation on (Eq. 3 counts it).
@@ -111,25 +111,35 @@ def _grid(plan: Plan | None) -> str:
     return " ".join([text] + extras)
 
 
-def comparison_table(names: tuple[str, ...] = COMPARED) -> str:
-    """The comparison as a Markdown table (see `compare`)."""
+def eq_3_tflops(row: Row, plan: Plan) -> float:
+    """A plan's throughput in the paper's unit: Eq. 3's FLOPs of the row's batch / (predicted
+    step x GPUs), whether or not the plan recomputes (the paper's samples per second, scaled)."""
+    return narayanan_flops(MEGATRON[row.name], row.batch) / (plan.time.total * row.gpus) / 1e12
+
+
+def comparison_table(names: tuple[str, ...] = ROW_NAMES) -> str:
+    """The comparison of the named rows as a Markdown table (see `format_comparison`)."""
+    return format_comparison([compare(row) for row in TABLE_1 if row.name in names])
+
+
+def format_comparison(comparisons: list[dict]) -> str:
+    """`compare`'s results as a Markdown table: layouts as (t, p, d), micro-batch size b;
+    TFLOP/s in Eq. 3's unit (`eq_3_tflops`); planner / paper = paper step / predicted step."""
     lines = [
-        "| model | GPUs | batch | paper (t, p, d) | paper TFLOP/s | paper step s | "
-        "planner best (t, p, d) | step s | paper/pred | best in their menu | step s | "
-        "paper/pred | at their (t, p) | step s | paper/pred |",
-        "|" + " --- |" * 15,
+        "| model | GPUs | batch | paper (t, p, d) | paper TFLOP/s | planner at their (t, p) | "
+        "TFLOP/s | planner / paper | planner's best in their menu | TFLOP/s | planner's best "
+        "| TFLOP/s |",
+        "|" + " --- |" * 12,
     ]
-    for row in [r for r in TABLE_1 if r.name in names]:
-        found = compare(row)
-        theirs = found["at_theirs"]
+    for found in comparisons:
+        row, theirs = found["row"], found["at_theirs"]
+        menu, best = found["best_in_menu"], found["best"]
         cells = [
             row.name, row.gpus, row.batch, f"({row.t}, {row.p}, {row.d})", row.tflops,
-            f"{found['paper_seconds']:.2f}", _grid(found["best"]),
-            f"{found['best'].time.total:.2f}", f"{found['ratio_best']:.2f}",
-            _grid(found["best_in_menu"]), f"{found['best_in_menu'].time.total:.2f}",
-            f"{found['ratio_menu']:.2f}", _grid(theirs),
-            f"{theirs.time.total:.2f}" if theirs else "-",
+            _grid(theirs), f"{eq_3_tflops(row, theirs):.0f}" if theirs else "-",
             f"{found['ratio_theirs']:.2f}" if theirs else "-",
+            _grid(menu), f"{eq_3_tflops(row, menu):.0f}",
+            _grid(best), f"{eq_3_tflops(row, best):.0f}",
         ]  # fmt: skip
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     return "\n".join(lines)
