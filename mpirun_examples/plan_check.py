@@ -1,6 +1,6 @@
 """The planner against this machine: predicted and measured step time of every grid on 4 ranks.
 
-    python mpirun_examples/plan_check.py                  # launches mpirun itself, ~8 minutes
+    python mpirun_examples/plan_check.py                  # launches mpirun itself, ~6 minutes
     python mpirun_examples/plan_check.py --steps 6 --json
 
 1. One process with one BLAS thread trains the GPT (python -m minimp.train --dataset shakespeare:
