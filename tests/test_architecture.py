@@ -28,7 +28,7 @@ LAYERS = [
     ("models", ("minimp.models",)),
     ("distributed", ("minimp.distributed",)),
     ("parallel", ("minimp.parallel",)),
-    ("train", ("minimp.train", "minimp.sample", "minimp.plan", "minimp.export")),
+    ("train", ("minimp.train", "minimp.sample", "minimp.plan", "minimp.planning", "minimp.export")),
     ("lessons", ("minimp.lessons",)),  # the notebooks' checkers and figures: nothing imports them
 ]
 # The Tensor <-> op cycle: a Tensor's operators are Functions, and a Function makes Tensors.

@@ -1,0 +1,400 @@
+"""The planner (`python -m minimp.plan`): its memory against minimp's own accounts and measured
+bytes, its FLOPs against Narayanan et al.'s Eq. 3, its pipeline against the simulator, its rules,
+its ranking, its errors, and its comparison with Narayanan et al. 2021's Table 1."""
+
+import json
+import math
+import os
+from contextlib import nullcontext
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from minimp import functional as F
+from minimp import nn
+from minimp.costmodel import Network
+from minimp.machinemodel import shipped_model
+from minimp.models import GPT, GPTConfig, block_activation_bytes
+from minimp.parallel.zero_accounts import bytes_sent_formula
+from minimp.plan import main
+from minimp.planning import memory as mem
+from minimp.planning.inputs import Cluster, Job, Layout, ModelShape, PlanError, check_inputs
+from minimp.planning.inputs import shape_for_parameters
+from minimp.planning.links import AlphaBeta, Measured
+from minimp.planning.narayanan import TABLE_1, compare, comparison_table, format_comparison
+from minimp.planning.presets import MEGATRON, SHAKESPEARE, selene
+from minimp.planning.search import best_plans, search
+from minimp.planning.steptime import SCALAR_BYTES, narayanan_flops, step_flops, step_time
+from minimp.tensor import Tensor, saved_bytes
+from minimp.train import TrainConfig
+from minimp.train.sizes import parameter_count, zero_unit_sizes
+
+SMALL = ModelShape(layers=4, hidden=32, heads=4, context=16, vocab=50, dropout=False)
+FREE = AlphaBeta(Network(alpha=0.0, beta=0.0))
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def small_cluster(gpus=8, per_node=8, memory=2**40, intra=FREE, inter=FREE):
+    return Cluster(gpus, per_node, memory, 1e12, 1.0, intra, inter, "test")
+
+
+# ----- memory --------------------------------------------------------------------------------
+def test_parameters_are_minimps_gpt_and_narayanans_eq_2_plus_the_final_layernorm():
+    config = TrainConfig(dataset="shakespeare", model="gpt", layers=3, hidden=48, heads=4)
+    shape = ModelShape(layers=3, hidden=48, heads=4, context=64, vocab=65)
+    assert shape.parameters() == parameter_count(config)
+    layers, h, s, v = 80, 12288, 2048, 51200
+    eq_2 = 12 * layers * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * layers * h))
+    assert MEGATRON["145.6B"].parameters() == pytest.approx(eq_2 + 2 * h, rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_a_block_at_t_1_keeps_what_block_activation_bytes_says(dtype, dropout):
+    s, b, h, a = 16, 3, 32, 4
+    shape = ModelShape(2, h, a, s, 50, dropout=dropout)
+    d = np.dtype(dtype).itemsize
+    expected = block_activation_bytes(s, b, h, a, dtype, dropout)
+    assert mem.layer_activation_bytes(shape, b, d, tp=1, sp=False) == expected
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_tensor_and_sequence_parallel_activations_are_korthikantis(t):
+    s, b, h, a = 2048, 1, 12288, 96
+    shape = ModelShape(80, h, a, s, 51200, dropout=True)
+    sbh, statistics = s * b * h, 16 * s * b
+    tensor = sbh * (10 + 24 / t + 5 * a * s / (h * t)) + statistics
+    sequence = sbh / t * (34 + 5 * a * s / h) + statistics / t
+    assert mem.layer_activation_bytes(shape, b, 2, t, sp=False) == pytest.approx(tensor)
+    assert mem.layer_activation_bytes(shape, b, 2, t, sp=True) == pytest.approx(sequence)
+
+
+PRECISIONS = [(np.float16, 0.0), (np.float32, 0.0), (np.float16, 0.1)]
+
+
+@pytest.mark.parametrize("dtype, dropout", PRECISIONS)
+def test_one_stage_keeps_what_minimps_gpt_keeps_to_the_byte(dtype, dropout):
+    b, s, h, a, v, layers = 3, 16, 32, 2, 50, 2
+    model = GPT(GPTConfig(v, s, layers, a, h, dropout), np.random.default_rng(0)).to(dtype)
+    model.set_dropout_state(seed=0, step=1, sample_indices=np.arange(b))
+    ids = np.random.default_rng(1).integers(0, v, (b, s))
+    loss = F.cross_entropy(model(ids).reshape(-1, v), ids.reshape(-1))
+    kept = saved_bytes(loss, exclude=[p.data for p in model.parameters()])
+    shape = ModelShape(layers, h, a, s, v, dropout=dropout > 0)
+    job = Job(b, (b,), precision="fp16" if dtype == np.float16 else "fp32")
+    assert mem.activation_bytes(shape, Layout(1, 1, 1, 0, b, 1), job, stage=0) == kept
+
+
+def test_a_recomputed_block_keeps_its_input():
+    b, s, h, a = 3, 16, 32, 2
+    block = GPT(GPTConfig(50, s, 1, a, h), np.random.default_rng(0)).to(np.float16)[1]
+    x = Tensor(np.ones((b, s, h), np.float16), requires_grad=True)
+    out = nn.recompute([block], x)
+    kept = saved_bytes(out, exclude=[p.data for p in block.parameters()])
+    layout = Layout(1, 1, 1, 0, b, 1, recompute=True)
+    assert mem.stored_layer_bytes(replace(SMALL, hidden=h, heads=a, context=s), layout, 2) == kept
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_zero_units_are_minimps(pp):
+    config = TrainConfig(dataset="shakespeare", model="gpt", layers=4, hidden=128, heads=4, pp=pp)
+    expected = zero_unit_sizes(config)
+    shape = ModelShape(4, 128, 4, 64, 65)
+    layout = Layout(1, 1, pp)
+    assert [mem.stage_units(shape, layout, stage) for stage in range(pp)] == expected
+
+
+def test_in_flight_micro_batches_follow_1f1b_and_gpipe():
+    layout = Layout(1, 1, 4, micro_batches=8)
+    assert [mem.in_flight(layout, stage, "1f1b") for stage in range(4)] == [4, 3, 2, 1]
+    assert mem.in_flight(replace(layout, micro_batches=2), 0, "1f1b") == 2
+    assert mem.in_flight(layout, 3, "gpipe") == 8
+
+
+def test_stage_zero_needs_p_micro_batches_of_activations():
+    job = Job(64, (1,))
+    one = mem.activation_bytes(SMALL, Layout(1, 1, 2, micro_batches=1), job, stage=0)
+    eight = mem.activation_bytes(SMALL, Layout(1, 1, 2, micro_batches=8), job, stage=0)
+    assert eight == 2 * one  # P = 2 in flight, however many micro-batches
+
+
+# ----- time ----------------------------------------------------------------------------------
+def test_flops_are_narayanans_eq_3_with_recomputation():
+    for model in MEGATRON.values():
+        assert step_flops(model, 512, recompute=True) == pytest.approx(
+            narayanan_flops(model, 512), rel=1e-12
+        )
+    s, h, v = SMALL.context, SMALL.hidden, SMALL.vocab
+    without = 72 * 8 * s * SMALL.layers * h * h * (1 + s / (6 * h)) + 6 * 8 * s * h * v
+    assert step_flops(SMALL, 8, recompute=False) == pytest.approx(without, rel=1e-12)
+
+
+class BytesAsSeconds:
+    """Links whose "seconds" are the bytes one rank sends in the ring collective (scalars: 0)."""
+
+    def all_reduce(self, nbytes, ranks):
+        return 0.0 if nbytes == SCALAR_BYTES else 2 * (ranks - 1) / ranks * nbytes
+
+    def reduce_scatter(self, nbytes, ranks):
+        return (ranks - 1) / ranks * nbytes
+
+    all_gather = reduce_scatter
+
+    def send(self, nbytes):
+        return 0.0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_data_parallel_collectives_send_zero_accounts_bytes(stage):
+    shape = ModelShape(layers=2, hidden=16, heads=2, context=8, vocab=64)  # units divide by 4
+    links = BytesAsSeconds()
+    cluster = replace(small_cluster(gpus=4, per_node=4), peak_flops=1e300, intra=links, inter=links)
+    layout = Layout(4, 1, 1, stage, micro_batch_size=2, micro_batches=3)
+    job = Job(24, (2,), precision="fp16", grad_comm_bytes=4)
+    time = step_time(shape, cluster, job, layout)
+    units = mem.stage_units(shape, layout, 0)
+    sizes = [sum(units)] if stage == 0 else units
+    formula = bytes_sent_formula(
+        stage, sizes=sizes, rank=0, world_size=4, micro_batches=3, compute_bytes=2, wire_bytes=4
+    )
+    assert time.data_parallel + time.zero_in_step == pytest.approx(sum(formula.values()))
+    assert time.total == pytest.approx(sum(formula.values()), rel=1e-9)  # nothing else sends
+
+
+def test_the_pipeline_formula_is_the_simulators_span_for_even_stages():
+    shape = replace(SMALL, vocab=1)  # a head of almost no work: the stages cost the same
+    job = Job(16, (1,), grad_comm_bytes=4)
+    layout = Layout(1, 1, 4, micro_batch_size=1, micro_batches=16)
+    cluster = small_cluster(gpus=4, per_node=4)
+    formula = step_time(shape, cluster, job, layout)
+    simulated = step_time(shape, cluster, job, layout, simulate=True)
+    assert simulated.total == pytest.approx(formula.total, rel=1e-3)
+    assert formula.bubble / formula.total == pytest.approx(3 / (16 + 3), rel=1e-3)
+    for alpha in (1e-7, 1e-5, 1e-3):  # the formula's messages block; the simulator's do not
+        slow = small_cluster(gpus=4, per_node=4, intra=AlphaBeta(Network(alpha, 0.0)))
+        blocking = step_time(shape, slow, job, layout)
+        sent = step_time(shape, slow, job, layout, simulate=True)
+        filling_only = formula.total + 2 * 3 * alpha + blocking.other - formula.other
+        assert filling_only <= sent.total <= blocking.total
+
+
+def test_reduce_scatter_and_all_gather_are_the_halves_of_an_all_reduce():
+    links = AlphaBeta(Network(alpha=5e-6, beta=1 / 25e9, gamma=1 / 1e12))
+    for ranks in (2, 3, 8):
+        halves = links.reduce_scatter(1e6, ranks) + links.all_gather(1e6, ranks)
+        assert halves == pytest.approx(links.all_reduce(1e6, ranks))
+    measured = Measured(shipped_model(4))
+    assert measured.all_reduce(1e6, 4) == shipped_model(4).allreduce_time("ring", 1e6)
+    assert measured.all_reduce(1e6, 1) == 0.0
+
+
+# ----- search --------------------------------------------------------------------------------
+def test_every_plan_keeps_the_rules_and_the_rejections_are_counted():
+    shape = replace(SMALL, heads=2, layers=6)  # tp 4 or 8 split no heads; pp 4 or 8 no layers
+    cluster = small_cluster(gpus=8, per_node=4)
+    found = search(shape, cluster, Job(12, (1, 2)))
+    assert found.plans
+    for plan in found.plans:
+        layout = plan.layout
+        assert layout.dp * layout.tp * layout.pp == 8
+        assert shape.heads % layout.tp == 0 and 4 % layout.tp == 0
+        assert shape.layers % layout.pp == 0
+        assert 12 == layout.dp * layout.micro_batch_size * layout.micro_batches
+    assert found.rejected["heads"] > 0 and found.rejected["layers"] > 0
+    assert found.rejected["batch"] > 0  # dp 8, or dp 4 with micro-batches of 2 rows
+
+
+def test_plans_are_ranked_by_step_time_then_memory():
+    plans = best_plans(MEGATRON["18.4B"], selene(64), Job(256, (1, 2)))
+    keys = [(p.time.total, p.memory.total) for p in plans]
+    assert keys == sorted(keys)
+    tied = [p for p in plans if p.layout.tp > 1 and not p.layout.recompute and p.layout.zero == 1]
+    first = tied[0]
+    twin = [p for p in plans if p.layout == replace(first.layout, sequence_parallel=False)]
+    if first.layout.sequence_parallel and twin:  # same time, less memory: ranked first
+        assert plans.index(first) < plans.index(twin[0])
+
+
+def test_with_free_networks_the_best_layout_has_no_pipeline_bubble():
+    best = best_plans(SMALL, small_cluster(), Job(64, (1,)))[0]
+    assert best.layout.pp == 1 and best.time.bubble == 0.0
+
+
+def test_with_a_slow_intra_node_network_tensor_parallelism_loses():
+    slow = small_cluster(intra=AlphaBeta(Network(1.0, 1e-3)))
+    assert best_plans(SMALL, slow, Job(64, (1,)))[0].layout.tp == 1
+
+
+def test_a_gpt3_sized_shape_from_a_parameter_count():
+    shape = shape_for_parameters(175e9, 2048, 51200)
+    assert (shape.layers, shape.hidden, shape.heads) == (96, 12288, 96)
+
+
+# ----- errors and the command ----------------------------------------------------------------
+def test_bad_input_is_one_line_that_names_the_fix(capsys):
+    assert main(["--layers", "2", "--hidden", "30", "--heads", "4", "--context", "8",
+                 "--vocab", "10", "--gpus", "4", "--global-batch", "8"]) == 2  # fmt: skip
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--heads 4 must divide --hidden 30" in error
+    assert "try --heads 3" in error
+
+
+BAD_FLAGS = [  # (flags after a valid --model shakespeare --gpus 4 --global-batch 8, the message)
+    (["--top", "0"], "--top must be at least 1, got 0"),
+    (["--zero", "5"], "--zero takes stages 0-3, got 5"),
+    (["--zero", "x"], "--zero takes integers separated by commas, got 'x'"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be positive"),
+    (["--memory-gb", "nan"], "--memory-gb must be positive, got nan"),
+    (["--memory-gb", "-2"], "--memory-gb must be positive, got -2.0"),
+    (["--achievable", "1.5"], "--achievable is a fraction of peak in (0, 1], got 1.5"),
+    (["--intra-gbs", "nan", "--intra-alpha-us", "1"], "--intra-alpha-us and --intra-gbs go"),
+    (["--inter-gbs", "10"], "--inter-alpha-us and --inter-gbs go together"),
+    (["--gpus", "12"], "--gpus 12 is not a whole number of nodes of --gpus-per-node 8"),
+    (["--cluster", "this-machine"], "--cluster this-machine needs --peak-tflops"),
+    (["--cluster", "this-machine", "--peak-tflops", "nan"], "--peak-tflops must be positive"),
+    (["--model", "foo"], "argument --model: invalid choice: 'foo'"),  # argparse's, one line
+    (["--gpus", "two"], "argument --gpus: invalid int value: 'two'"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_FLAGS)
+def test_every_bad_flag_is_one_line_exit_2_before_any_work(flags, message, capsys, monkeypatch):
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched despite bad input")
+
+    monkeypatch.setattr("minimp.plan.best_plans", no_search)
+    valid = ["--model", "shakespeare", "--gpus", "4", "--global-batch", "8"]
+    with pytest.raises(SystemExit) if message.startswith("argument") else nullcontext():
+        assert main(valid + flags) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("minimp.plan: error: ") and message in captured.err
+
+
+def test_argparse_errors_exit_2_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--model", "shakespeare", "--gpus", "4", "--global-batch", "8", "--no-such-flag"])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert error == "minimp.plan: error: unrecognized arguments: --no-such-flag (see --help)\n"
+
+
+def test_global_batch_and_gpus_are_required_but_not_for_the_comparison(capsys, monkeypatch):
+    assert main(["--model", "shakespeare", "--gpus", "4"]) == 2
+    assert "--global-batch is required" in capsys.readouterr().err
+    monkeypatch.setattr("minimp.plan.comparison_table", lambda: "the table")
+    assert main(["--compare-narayanan"]) == 0
+    assert capsys.readouterr().out == "the table\n"
+
+
+def test_no_layout_fitting_names_the_rule_that_failed_most(capsys):
+    assert main(["--model", "1008.0B", "--gpus", "8", "--global-batch", "8"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "failed on the memory per GPU" in error and "GiB" in error
+
+
+def test_check_inputs_refuses_a_batch_smaller_than_a_micro_batch():
+    with pytest.raises(PlanError, match="smaller than the smallest --micro-batch-size 4"):
+        check_inputs(SMALL, small_cluster(), Job(2, (4,)))
+
+
+def test_the_command_prints_a_table_and_json(capsys):
+    flags = ["--model", "shakespeare", "--gpus", "4", "--global-batch", "16"]
+    flags += ["--micro-batch-size", "2,4", "--top", "3"]
+    assert main(flags) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 3 + 3 and table[2].split()[:3] == ["#", "dp", "tp"]
+    assert table[0].startswith("model: 4 blocks of 128, 4 heads, context 64, vocabulary 65")
+    assert table[1].startswith("cluster: Selene") and "4 GPUs, 8 a node, 80.0 GiB" in table[1]
+    assert [row.split()[0] for row in table[3:]] == ["1", "2", "3"]
+    assert main(flags + ["--json", "--simulate"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    seconds = [plan["step_seconds"] for plan in document["plans"]]
+    assert len(seconds) == 3 and seconds == sorted(seconds)
+    assert document["model"]["layers"] == SHAKESPEARE.layers
+
+
+# ----- Narayanan et al. 2021, Table 1 ----------------------------------------------------------
+def test_table_1_is_consistent_with_itself_and_eq_2():
+    for row in TABLE_1:
+        billions = MEGATRON[row.name].parameters() / 1e9
+        assert round(billions, 1) == pytest.approx(row.billions, abs=0.051)
+        assert row.tflops * row.gpus / 1e3 == pytest.approx(row.aggregate_pflops, rel=0.01)
+        assert round(100 * row.tflops / 312) == row.percent_of_peak
+        shape = MEGATRON[row.name]
+        assert (shape.heads, shape.hidden, shape.layers) == (row.heads, row.hidden, row.layers)
+
+
+@pytest.fixture(scope="module")
+def comparisons():
+    return {row.name: compare(row) for row in TABLE_1}
+
+
+def test_the_planner_at_their_layouts_is_within_15_percent_of_their_throughput(comparisons):
+    """What docs/planner.md's table shows: paper step time / predicted, at their (t, p), for
+    every row of Table 1; their layout fits on every row."""
+    ratios = {name: found["ratio_theirs"] for name, found in comparisons.items()}
+    assert len(ratios) == 10 and all(0.85 <= ratio <= 1.15 for ratio in ratios.values()), ratios
+
+
+def test_within_their_menu_the_planner_picks_their_layouts_for_six_rows_of_ten(comparisons):
+    """ZeRO 0, recomputation, no sequence parallelism (what Megatron-LM offered in 2021): the
+    planner's best is their (t, p) for 7.5B and from 76.1B up, not for the others
+    (docs/planner.md)."""
+    picked = {
+        name: (found["best_in_menu"].layout.tp, found["best_in_menu"].layout.pp)
+        for name, found in comparisons.items()
+    }
+    theirs = {row.name: (row.t, row.p) for row in TABLE_1}
+    assert {name for name in picked if picked[name] == theirs[name]} == {
+        "7.5B", "76.1B", "145.6B", "310.1B", "529.6B", "1008.0B"
+    }  # fmt: skip
+    assert picked["1.7B"] == (2, 1) and picked["18.4B"] == (4, 4)
+    found = comparisons["145.6B"]
+    assert math.isclose(found["paper_seconds"], narayanan_flops(MEGATRON["145.6B"], 2304) / (
+        1536 * 148e12))  # fmt: skip
+
+
+def test_the_comparison_table_is_the_one_in_docs_planner_md(comparisons):
+    table = format_comparison(list(comparisons.values()))
+    assert table in open(os.path.join(ROOT, "docs", "planner.md")).read()
+    lines = table.splitlines()
+    assert len(lines) == 12 and lines[0].count("|") == lines[8].count("|") == 13
+    cells = [cell.strip() for cell in lines[8].split("|")[1:-1]]
+    assert cells[:5] == ["145.6B", "1536", "2304", "(8, 8, 24)", "148"]
+    # planner / paper is the throughput ratio: paper step / predicted step = TFLOP/s / 148
+    assert float(cells[7]) == pytest.approx(float(cells[6]) / 148, abs=0.01)
+    assert comparison_table(("145.6B",)).splitlines()[2] == lines[8]
+
+
+def test_the_readmes_planner_output_is_what_the_command_prints(capsys):
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    command = "$ python -m minimp.plan --model 145.6B --gpus 1536 --global-batch 2304 --top 3\n"
+    shown = readme.split(command, 1)[1].split("```", 1)[0]
+    assert main(command.split()[4:]) == 0
+    assert capsys.readouterr().out == shown
+
+
+# ----- mpirun_examples/plan_check.py (its runs take minutes: run by hand, README) -------------
+def plan_check_module():
+    import importlib.util
+
+    path = os.path.join(ROOT, "mpirun_examples", "plan_check.py")
+    spec = importlib.util.spec_from_file_location("plan_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_check_runs_every_grid_of_4_ranks_and_tp_only_when_the_trainer_has_it():
+    check = plan_check_module()
+    grids = {(x.dp, x.tp, x.pp, x.zero, x.micro_batches) for x in check.layouts(4, False)}
+    assert grids == {(4, 1, 1, z, 1) for z in range(4)} | {(2, 1, 2, z, 2) for z in range(4)} | {
+        (1, 1, 4, 0, 4)
+    }
+    with_tp = check.layouts(4, True)
+    assert {x.tp for x in with_tp} == {1, 2, 4} and len(with_tp) > len(grids)
+    command = check.train_command(Layout(1, 2, 2, 0, 4, 4), steps=3, metrics="m.jsonl")
+    assert command[command.index("--tp") + 1] == "2" and command[2] == "4"
+    assert "--tp" not in check.train_command(Layout(2, 1, 2, 1, 4, 2), 3, "m.jsonl")
