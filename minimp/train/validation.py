@@ -22,6 +22,7 @@ POSITIVE_INTEGERS = (
     "log_every",
     "loss_scale_growth_interval",
     "pp",
+    "tp",
 )
 NON_NEGATIVE = (
     "weight_decay",
@@ -49,6 +50,7 @@ def validate(config: Any, world_size: int) -> None:
     _check_ranges(config)
     _check_fp8(config)
     _check_model(config)
+    _check_tensor_parallel(config)
     _check_grid(config, world_size)
     _check_batch(config, config.data_parallel_size(world_size))
     _check_zero(config, config.data_parallel_size(world_size))
@@ -136,24 +138,73 @@ def _check_model(config: Any) -> None:
             raise ConfigError(f"--context must be a positive integer, got {config.context}")
 
 
+def _check_tensor_parallel(config: Any) -> None:
+    """--tp cuts whole heads (GPT) or hidden layers in pairs (MLP); --sequence-parallel needs
+    --tp, a sequence, and a context the ranks share equally."""
+    if not isinstance(config.sequence_parallel, bool):
+        raise ConfigError(
+            f"--sequence-parallel is a switch (True or False), got {config.sequence_parallel!r}"
+        )
+    tp = config.tp
+    if config.sequence_parallel and tp == 1:
+        raise ConfigError(
+            "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs "
+            "--tp 2 or more"
+        )
+    if tp == 1:
+        return
+    if config.model == "gpt":
+        if config.heads % tp:
+            raise ConfigError(
+                f"--tp {tp} splits the attention heads across ranks, and --heads {config.heads} "
+                f"does not divide by {tp} (use --heads divisible by --tp)"
+            )
+        if config.sequence_parallel and config.context % tp:
+            raise ConfigError(
+                f"--sequence-parallel gives each of the --tp {tp} ranks an equal slice of the "
+                f"sequence, and --context {config.context} does not divide by {tp} "
+                "(use a multiple of --tp)"
+            )
+        return
+    if config.sequence_parallel:
+        raise ConfigError(
+            "--sequence-parallel splits a sequence: it needs the GPT (--dataset shakespeare)"
+        )
+    if config.layers % 2:
+        raise ConfigError(
+            f"--tp {tp} pairs the MLP's hidden layers (column-parallel, then row-parallel), and "
+            f"--layers {config.layers} is odd (use an even --layers)"
+        )
+    if config.hidden % tp:
+        raise ConfigError(
+            f"--tp {tp} splits each hidden layer's {config.hidden} features, which do not divide "
+            f"by {tp} (use --hidden divisible by --tp)"
+        )
+
+
 def _check_grid(config: Any, world_size: int) -> None:
-    """--dp x --pp must tile the job's ranks, and the model must have a layer per stage."""
+    """--dp x --tp x --pp must tile the job's ranks, and the model must have a layer per
+    stage."""
     if config.pp > weighted_layers(config):
         what = "embeddings, blocks and head" if config.model == "gpt" else "hidden + output"
+        if config.model == "mlp" and config.tp > 1:
+            what = "hidden pairs + output: --tp keeps each pair on one stage"
         raise ConfigError(
             f"--pp {config.pp} needs at least {config.pp} layers with weights, the model has "
             f"{weighted_layers(config)} ({what}; use --layers)"
         )
-    if world_size % config.pp:
+    model_parallel = config.pp * config.tp
+    if world_size % model_parallel:
+        what = f"--pp {config.pp}" if config.tp == 1 else f"--tp {config.tp} x --pp {config.pp}"
         raise ConfigError(
-            f"--pp {config.pp} does not divide the {world_size} ranks of this job "
-            f"(start a multiple of {config.pp} ranks with mpirun -n)"
+            f"{what} does not divide the {world_size} ranks of this job "
+            f"(start a multiple of {model_parallel} ranks with mpirun -n)"
         )
     dp = config.data_parallel_size(world_size)
-    if dp * config.pp != world_size:
+    if dp * model_parallel != world_size:
         raise ConfigError(
-            f"--dp {dp} does not match the {world_size} ranks of this job "
-            f"(use --dp {world_size // config.pp}, or start {dp * config.pp} ranks with mpirun -n)"
+            f"--dp {dp} does not match the {world_size} ranks of this job (use --dp "
+            f"{world_size // model_parallel}, or start {dp * model_parallel} ranks with mpirun -n)"
         )
 
 
