@@ -1,8 +1,10 @@
 """`mpirun -n N python -m minimp.train --tp ...` for real: every grid with and without sequence
 parallelism trains the GPT (dropout on) to the one-process weights, rank 0's bytes in the
-tensor-parallel group are the formula's, bad grids are one line."""
+tensor-parallel group are the formula's, bad grids are one line, the README's example measures
+what its formulas say."""
 
 import json
+import os
 import subprocess
 
 import numpy as np
@@ -92,3 +94,22 @@ def test_a_grid_that_does_not_fit_is_one_error_from_rank_0_and_no_hang(flags, me
     assert result.returncode != 0
     assert result.stderr.count("minimp.train: error:") == 1 and message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_example_measures_what_the_formulas_say():
+    """One grid of the README's table (pipeline, tensor and sequence parallel, tied embedding),
+    and its block memory table: every measured figure is the formula's."""
+    example = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples", "tensor_parallel.py")
+    result = subprocess.run(
+        [PYTHON, example, "--grids", "1x2x2+sp", "--steps", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    (row,) = report["rows"]
+    assert row["measured"] == row["formula"] and row["formula"]["tensor_parallel"] > 0
+    assert [m["tp"] for m in report["memory"]] == [1, 2, 2, 4, 4]
+    for memory in report["memory"]:
+        assert memory["measured"] == [memory["formula"]] * memory["tp"]
