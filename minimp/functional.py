@@ -73,14 +73,15 @@ def embedding(indices: Any, weight: Tensor) -> Tensor:
 
 
 def dropout(
-    x: Tensor, p: float, seed: int, step: int, layer: int, sample_indices: Any
+    x: Tensor, p: float, seed: int, step: int, layer: int, sample_indices: Any, offset: int = 0
 ) -> Tensor:
     """Zero each element with probability p and scale the rest by 1/(1 - p); the mask is a pure
-    function of (seed, step, layer, sample_indices[row], position) (see minimp/ops/dropout.py)."""
+    function of (seed, step, layer, sample_indices[row], offset + position) (see
+    minimp/ops/dropout.py; `offset` places a slice of a larger tensor)."""
     if p == 0.0:
         return x
     return ops.Dropout.apply(
-        x, p=p, seed=seed, step=step, layer=layer, sample_indices=sample_indices
+        x, p=p, seed=seed, step=step, layer=layer, sample_indices=sample_indices, offset=offset
     )
 
 

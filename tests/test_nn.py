@@ -1,9 +1,10 @@
-"""Modules: parameter names and order, state_dict round trips, clear errors on mismatched state."""
+"""Modules: parameter names and order, state_dict round trips, clear errors on mismatched state,
+forward hooks."""
 
 import numpy as np
 import pytest
 
-from minimp import nn
+from minimp import Tensor, nn
 
 
 def mlp(rng):
@@ -68,3 +69,18 @@ def test_embedding_and_layer_norm_without_bias():
     norm = nn.LayerNorm(3, bias=False)
     assert [name for name, _ in norm.named_parameters()] == ["weight"]
     assert norm(table(np.array([1, 2]))).shape == (2, 3)
+
+
+def test_forward_hooks_replace_arguments_and_output_until_removed():
+    layer = nn.ReLU()
+    calls = []
+    pre = layer.register_forward_pre_hook(lambda module, args: Tensor(args[0].data - 1.0))
+    post = layer.register_forward_hook(lambda module, args, output: calls.append(output) or None)
+    x = Tensor(np.array([0.5, 2.0]))
+    np.testing.assert_array_equal(layer(x).data, [0.0, 1.0])  # relu(x - 1)
+    np.testing.assert_array_equal(calls[0].data, [0.0, 1.0])  # a None return keeps the output
+    doubled = layer.register_forward_hook(lambda module, args, output: output * 2.0)
+    np.testing.assert_array_equal(layer(x).data, [0.0, 2.0])
+    for handle in (pre, post, doubled):
+        handle.remove()
+    np.testing.assert_array_equal(layer(x).data, [0.5, 2.0])

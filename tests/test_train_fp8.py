@@ -49,10 +49,10 @@ def same_bytes(first, second):
 def test_replicas_stay_bit_identical_scaling_state_included(layout):
     ranks = layout["dp"] * layout.get("pp", 1)
     results = run_steps(ranks, check_replicas=2, **layout)  # the check raises on any drift
-    pp = layout.get("pp", 1)
-    for rank in range(pp, ranks):  # rank r is stage r % pp of replica r // pp
+    dp = layout["dp"]
+    for rank in range(ranks):  # rank r is replica r % dp of stage r // dp (parallel/topology.py)
         masters, state, _ = results[rank]
-        first_masters, first_state, _ = results[rank % pp]
+        first_masters, first_state, _ = results[rank - rank % dp]  # replica 0 of its stage
         assert same_bytes(masters, first_masters)
         assert state.keys() == first_state.keys() and same_bytes(
             list(state.values()), [first_state[key] for key in state]

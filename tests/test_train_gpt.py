@@ -72,12 +72,14 @@ LAYOUTS = [
     dict(pp=2, micro_batches=4, schedule="zb-h1"),
     dict(dp=2, pp=2, micro_batches=2, schedule="zb-h1", zero=3),
     dict(dp=2, pp=2, micro_batches=2, schedule="interleaved", virtual_stages=2, zero=2),
+    dict(tp=2, pp=2, micro_batches=2, schedule="interleaved", virtual_stages=2),
+    dict(tp=2, pp=2, micro_batches=2, schedule="zb-h1", sequence_parallel=True),
 ]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: str(layout))
 def test_every_layout_trains_to_the_one_process_weights(one_process, layout):
-    ranks = layout.get("dp", 1) * layout.get("pp", 1)
+    ranks = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
     result = simulated(ranks, **layout)
     assert_same_weights(result["master_weights"], one_process["master_weights"])
     assert result["val_loss"] == pytest.approx(one_process["val_loss"], rel=1e-5)

@@ -162,7 +162,7 @@ def test_the_tied_embedding_s_chunks_stay_identical_across_the_pipeline(zero):
         unit = optimizer.layout.unit_of()[index]
         return optimizer.masters[unit].copy(), optimizer.slots[unit][0]["exp_avg"].copy()
 
-    first, last, first_1, last_1 = dist.simulate(4, body)  # ranks (dp, stage): 00 01 10 11
+    first, first_1, last, last_1 = dist.simulate(4, body)  # ranks (stage, dp): 00 01 10 11
     for a, b in ((first, last), (first_1, last_1)):
         assert a[0].tobytes() == b[0].tobytes() and a[1].tobytes() == b[1].tobytes()
 

@@ -69,9 +69,11 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout, layer=3 * index + 2)
 
     def forward(self, x: Tensor) -> Tensor:
-        batch, tokens, width = x.shape
-        heads, head_width = self.heads, width // self.heads
-        q, k, v = F.split(self.c_attn(x), width, axis=2)  # each (B, T, C), views
+        qkv = self.c_attn(x)  # (B, T, 3C); a tensor-parallel rank gets its heads' 3C/tp
+        batch, tokens, width = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        head_width = self.width // self.heads
+        heads = width // head_width  # the heads this module computes
+        q, k, v = F.split(qkv, width, axis=2)  # each (B, T, C), views
         q = q.reshape(batch, tokens, heads, head_width).transpose(0, 2, 1, 3)  # (B, H, T, D)
         k = k.reshape(batch, tokens, heads, head_width).transpose(0, 2, 1, 3)  # (B, H, T, D)
         v = v.reshape(batch, tokens, heads, head_width).transpose(0, 2, 1, 3)  # (B, H, T, D)

@@ -35,6 +35,9 @@ class Dropout(Module):
             raise ValueError(f"dropout probability must lie in [0, 1), got {p}")
         self.p, self.layer = p, layer
         self.state: DropoutState | None = None
+        # Tensor and sequence parallelism: the input is slice `slice_index` of equal slices of
+        # the whole tensor's axis 1 (heads, positions); its masks are that slice of the whole's.
+        self.slice_index = 0
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0.0:
@@ -45,10 +48,11 @@ class Dropout(Module):
                 "sample indices: call nn.set_dropout_state(model, seed, step, sample_indices) "
                 "before the forward (or model.eval(), or p=0)"
             )
-        state = self.state
+        state, per_sample = self.state, int(np.prod(x.shape[1:]))
         return functional.dropout(
-            x, self.p, state.seed, state.step, self.layer, state.sample_indices
-        )
+            x, self.p, state.seed, state.step, self.layer, state.sample_indices,
+            offset=self.slice_index * per_sample,
+        )  # fmt: skip
 
     def __repr__(self) -> str:
         return f"Dropout(p={self.p}, layer={self.layer})"

@@ -1,11 +1,12 @@
 """What a module is: Parameter (a tensor the optimizer updates) and Module (named parameters and
-sub-modules, state_dict, train/eval, and the cast into mixed precision's compute copies)."""
+sub-modules, state_dict, train/eval, forward hooks, and the cast into mixed precision's compute
+copies)."""
 
 from typing import Any, Iterator, Mapping
 
 from minimp import backend
 from minimp.precision import casting
-from minimp.tensor import Tensor
+from minimp.tensor import RemovableHandle, Tensor
 
 
 class Parameter(Tensor):
@@ -21,10 +22,14 @@ class Module:
 
     _parameters: dict[str, Parameter]
     _modules: dict[str, "Module"]
+    _forward_pre_hooks: list[Any]
+    _forward_hooks: list[Any]
 
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", {})
         object.__setattr__(self, "_modules", {})
+        object.__setattr__(self, "_forward_pre_hooks", [])
+        object.__setattr__(self, "_forward_hooks", [])
         self.training = True  # False after eval(): dropout then passes its input through
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -35,7 +40,28 @@ class Module:
         object.__setattr__(self, name, value)
 
     def __call__(self, *args: Any) -> Any:
-        return self.forward(*args)
+        for hook in tuple(self._forward_pre_hooks):
+            replaced = hook(self, args)
+            if replaced is not None:
+                args = replaced if isinstance(replaced, tuple) else (replaced,)
+        output = self.forward(*args)
+        for hook in tuple(self._forward_hooks):
+            replaced = hook(self, args, output)
+            output = output if replaced is None else replaced
+        return output
+
+    def register_forward_pre_hook(self, hook: Any) -> RemovableHandle:
+        """Call hook(module, args) before each forward; a non-None return replaces the arguments
+        (as torch.nn.Module's). Tensor parallelism moves a layer's input between ranks here
+        without changing the layer (minimp/parallel/tensor_parallel_models.py)."""
+        self._forward_pre_hooks.append(hook)
+        return RemovableHandle(self._forward_pre_hooks, hook)
+
+    def register_forward_hook(self, hook: Any) -> RemovableHandle:
+        """Call hook(module, args, output) after each forward; a non-None return replaces the
+        output (as torch.nn.Module's)."""
+        self._forward_hooks.append(hook)
+        return RemovableHandle(self._forward_hooks, hook)
 
     def forward(self, *args: Any) -> Any:
         """The computation; subclasses write it (calling the module calls forward)."""

@@ -13,8 +13,10 @@ minimp does the same with SplitMix64 (Steele, Lea & Flood 2014), vectorised on u
 
 with g = 0x9E3779B97F4A7C15 and mix SplitMix64's finalizer (all arithmetic mod 2^64). `sample` is
 the sample's index in the global batch, so the rows a rank holds draw the same bits whatever the
-layout; `position` runs over every element of one sample (row-major over the non-batch axes), so
-a tensor split along those axes (tensor parallelism) would need to offset it.
+layout; `position` runs over every element of one sample (row-major over the non-batch axes). A
+rank that holds slice i of p equal slices of the sample's first axis (tensor parallelism's heads,
+sequence parallelism's positions) holds a contiguous range of those positions and passes its start,
+`offset`, so its elements draw the bits the whole tensor's would.
 """
 
 from typing import Any
@@ -55,11 +57,20 @@ def stream_key(seed: int, step: int, layer: int) -> int:
 
 
 def keep_mask(
-    shape: tuple[int, ...], p: float, seed: int, step: int, layer: int, sample_indices: Any, xp=np
+    shape: tuple[int, ...],
+    p: float,
+    seed: int,
+    step: int,
+    layer: int,
+    sample_indices: Any,
+    xp=np,
+    offset: int = 0,
 ) -> Any:
     """Bool array of `shape` (batch axis first): True where dropout keeps the element.
 
     Row r holds global sample `sample_indices[r]`; the mask is the same wherever that sample is.
+    `offset`: the position, within its sample, of this array's first element (0 unless the array
+    is a slice of a larger one).
     """
     samples = to_numpy(sample_indices).reshape(-1)  # a few ints: checked on the host
     per_sample = int(np.prod(shape[1:], dtype=np.int64))
@@ -67,10 +78,10 @@ def keep_mask(
         raise ValueError(f"dropout: {len(samples)} sample indices for a batch of {shape[0]} rows")
     if samples.size and (int(samples.min()) < 0 or int(samples.max()) >= 2**32):
         raise ValueError("dropout: sample indices must lie in 0..2^32 - 1")
-    if per_sample >= 2**32:
+    if offset < 0 or offset + per_sample >= 2**32:
         raise ValueError("dropout: a sample may hold at most 2^32 - 1 elements")
     samples = xp.asarray(samples.astype(np.uint64))
-    positions = xp.arange(per_sample, dtype=np.uint64)
+    positions = xp.arange(offset, offset + per_sample, dtype=np.uint64)
     counters = (samples[:, None] << np.uint64(32)) | positions[None, :]  # (B, elements)
     key = np.uint64(stream_key(seed, step, layer))
     bits = _mix((counters + np.uint64(1)) * np.uint64(_GOLDEN_GAMMA) + key)  # arrays on the left
@@ -87,10 +98,11 @@ class Dropout(Function):
     """
 
     @staticmethod
-    def forward(ctx, x, p, seed, step, layer, sample_indices):
+    def forward(ctx, x, p, seed, step, layer, sample_indices, offset=0):
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must lie in [0, 1), got {p}")
-        keep = keep_mask(x.shape, p, seed, step, layer, sample_indices, array_module(x))
+        xp = array_module(x)
+        keep = keep_mask(x.shape, p, seed, step, layer, sample_indices, xp, offset)
         ctx.save_for_backward(keep)
         ctx.scale = 1.0 / (1.0 - p)
         return _masked_scale(x, keep, ctx.scale)

@@ -1,10 +1,12 @@
 """minimp.parallel: the strategies that split training across ranks, built on minimp.distributed.
 
-One module per strategy: the dp x pp grid (topology), data parallelism (replicas that average their
-gradients), ZeRO (replicas that shard what data parallelism replicates), pipeline parallelism
-(contiguous stages) and its schedules (as data, checked and simulated without MPI), and fp8's amax
-agreement between the ranks that share tensors. Every strategy takes its communicators as arguments
-and runs on one rank, on the simulated world and under mpirun.
+One module per strategy: the dp x tp x pp grid (topology), data parallelism (replicas that average
+their gradients), ZeRO (replicas that shard what data parallelism replicates), tensor parallelism
+(every layer's matrices cut across ranks, Megatron-LM's column and row split, and sequence
+parallelism), pipeline parallelism (contiguous stages) and its schedules (as data, checked and
+simulated without MPI), and fp8's amax agreement between the ranks that share tensors. Every
+strategy takes its communicators as arguments and runs on one rank, on the simulated world and
+under mpirun.
 """
 
 from minimp.parallel.amax import AmaxReduction
@@ -28,6 +30,20 @@ from minimp.parallel.stages import (
     split_stages,
     stage_parameters,
 )
+from minimp.parallel.tensor_parallel import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from minimp.parallel.tensor_parallel_grads import TensorParallelGradients
+from minimp.parallel.tensor_parallel_layers import ColumnParallelLinear, RowParallelLinear
+from minimp.parallel.tensor_parallel_models import (
+    TensorParallelError,
+    TensorParallelPlan,
+    parallelize,
+)
 from minimp.parallel.topology import Topology, TopologyError
 from minimp.parallel.zero import ZeroDataParallel, zero_data_parallel
 from minimp.parallel.zero_bubble import zb_h1
@@ -38,6 +54,7 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "AmaxReduction",
+    "ColumnParallelLinear",
     "Costs",
     "DataParallel",
     "MicroBatch",
@@ -45,21 +62,31 @@ __all__ = [
     "PipelineStage",
     "Piece",
     "ReplicaMismatchError",
+    "RowParallelLinear",
     "ShardedOptimizer",
     "SimulatedStep",
+    "TensorParallelError",
+    "TensorParallelGradients",
+    "TensorParallelPlan",
     "Topology",
     "TopologyError",
     "Unit",
     "ZeroDataParallel",
     "ZeroLayout",
     "check_schedule",
+    "copy_to_tensor_parallel_region",
     "cut_shapes",
     "format_schedule",
+    "gather_from_sequence_parallel_region",
     "gpipe",
     "interleaved",
     "layer_groups",
     "one_f_one_b",
+    "parallelize",
     "peak_activations",
+    "reduce_from_tensor_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
     "shard",
     "simulate_schedule",
     "simulated_trace",

@@ -49,17 +49,20 @@ class DataParallel(GradientSync):
         decision_comm: Communicator | None = None,
         stages_comm: Communicator | None = None,
         tied: TiedGradients | None = None,
+        tensor_parallel: Any = None,
     ):
         """comm: the replicas of this stage. decision_comm: who shares the skip decision (with
         pipeline stages, every rank of the job; by default the replicas). stages_comm: the ranks
-        that hold the other parts of this replica's model (its pipeline stages), whose gradient
-        norms add up to the model's; by default none. tied: the parameters this stage shares with
-        another stage (minimp/parallel/tied.py), whose gradients are summed after averaging."""
+        that hold the other parts of this replica's model (its pipeline stages and tensor-parallel
+        shards), whose gradient norms add up to the model's; by default none. tied: the parameters
+        this stage shares with another stage (minimp/parallel/tied.py), whose gradients are summed
+        after averaging. tensor_parallel: a TensorParallelGradients (tensor_parallel_grads.py),
+        whose partial gradients are summed after averaging and whose whole copies count once."""
         if average not in ("before", "after"):
             raise ValueError(f"average must be 'before' or 'after', got {average!r}")
         self.comm, self.optimizer, self.average = comm, optimizer, average
         self.decision_comm = decision_comm or comm
-        self.stages_comm, self.tied = stages_comm, tied
+        self.stages_comm, self.tied, self.tensor_parallel = stages_comm, tied, tensor_parallel
         self.comm_dtype = np.dtype(comm_dtype)
         self.buckets = self._plan_buckets(bucket_mb * 2**20)
         self.sent, self.peak = BytesSent(), PeakMemory()  # the accounts (zero_accounts.py)
@@ -101,6 +104,8 @@ class DataParallel(GradientSync):
         """This stage's squared gradient norm plus the other stages' (replicas hold the same
         averaged gradients, so they are not added again; a tied copy counts once)."""
         uncounted = self.tied.uncounted() if self.tied is not None else set()
+        if self.tensor_parallel is not None:
+            uncounted |= self.tensor_parallel.uncounted()
         local = squared_norm([g for i, g in enumerate(gradients) if i not in uncounted])
         if self.stages_comm is None or self.stages_comm.size == 1:
             return local
@@ -113,6 +118,8 @@ class DataParallel(GradientSync):
             self._average_over_replicas(gradients)
         if self.tied is not None:
             self.tied.reduce(gradients)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.reduce(gradients, self.optimizer.master_weights)
 
     def after_backward(self) -> None:
         """What runs after every micro-batch's backward: the float32 accumulation (an

@@ -39,15 +39,6 @@ def split_stages(layers: list, stages: int) -> list[tuple[int, int]]:
     return split_counts([sum(p.size for p in layer.parameters()) for layer in layers], stages)
 
 
-def rank_chunks(
-    layers: list, stages: int, rank: int, virtual_stages: int = 1
-) -> list[tuple[int, int]]:
-    """The layer ranges pipeline rank `rank` holds: the model cut into stages x virtual_stages
-    chunks (split_stages), and of those chunks rank, rank + stages, rank + 2 stages, ..."""
-    chunks = split_stages(layers, stages * virtual_stages)
-    return chunks[rank::stages]
-
-
 def split_counts(counts: list[int], stages: int) -> list[tuple[int, int]]:
     """split_stages for layers holding counts[i] parameters (known before any is built)."""
     blocks = count_groups(counts)

@@ -53,14 +53,17 @@ class ZeroDataParallel(GradientSync):
         decision_comm: Communicator | None = None,
         tied: TiedGradients | None = None,
         sent: BytesSent | None = None,
+        tensor_parallel: Any = None,
     ):
         """As DataParallel's: comm the replicas of this stage, decision_comm every rank that
         shares the skip decision and the gradient norm (by default the replicas), tied the
-        parameters this stage shares with another; sent counts the bytes by collective."""
+        parameters this stage shares with another, tensor_parallel the partial gradients and
+        whole copies of --tp; sent counts the bytes by collective."""
         if average not in ("before", "after"):
             raise ValueError(f"average must be 'before' or 'after', got {average!r}")
         self.comm, self.optimizer, self.average = comm, optimizer, average
         self.decision_comm, self.tied = decision_comm or comm, tied
+        self.tensor_parallel = tensor_parallel
         self.layout, self.stage, self.params = optimizer.layout, optimizer.stage, optimizer.params
         self.sent, self.peak = sent or BytesSent(), PeakMemory()
         self.gatherer: ParameterGatherer | None = None
@@ -91,9 +94,11 @@ class ZeroDataParallel(GradientSync):
         if self.stage == 1:
             self._reduce_scatter_accumulators()
         pieces = self.optimizer.gradient_pieces()
+        by_index = dict(zip(self.piece_indices, pieces))
         if self.tied is not None:
-            by_index = dict(zip(self.piece_indices, pieces))
             self.tied.sum_across_stages([by_index[i] for i in self.tied.indices if i in by_index])
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.reduce_pieces(by_index)
         gradients[:] = pieces
         self.sample_peak()
 
@@ -101,6 +106,8 @@ class ZeroDataParallel(GradientSync):
         """The squares of this rank's pieces, summed over every rank of the job (each element of
         the model lies in one chunk of one stage; a tied copy counts once)."""
         uncounted = self.tied.uncounted() if self.tied is not None else set()
+        if self.tensor_parallel is not None:
+            uncounted |= self.tensor_parallel.uncounted()
         local = squared_norm(
             [g for g, index in zip(gradients, self.piece_indices) if index not in uncounted]
         )

@@ -2,8 +2,10 @@
 the bytes of model state it holds (by kind, and at the peak inside a step), activations kept.
 
 Per step (every metrics row): `bytes_sent` (every group but the scalar all-reduces),
+`bytes_by_group` (the same bytes by group: tensor_parallel, data_parallel, pipeline, tied),
 `bytes_by_collective` (all_reduce for --zero 0, reduce_scatter and all_gather for ZeRO, tied for
-the GPT's embedding across stages, pipeline for activations), `seconds_by_collective` (ZeRO's run
+the GPT's embedding across stages, pipeline for activations, tensor_parallel for --tp's
+activations and partial gradients), `seconds_by_collective` (ZeRO's run
 inside backward and the update, where `communication_seconds` does not look),
 `scalar_allreduces` (calls: the overflow flags, the norm, the loss) and `peak_activation_bytes`
 (the most bytes kept for backward at once, the largest over the ranks). In the final row:
@@ -26,6 +28,8 @@ class StepCounters:
         self.run = run
         sync, topology = run.data_parallel, run.topology
         self.groups = {"data_parallel": topology.dp_group, "pipeline": topology.pp_group}
+        if topology.tp > 1:
+            self.groups["tensor_parallel"] = topology.tp_group
         if sync.tied is not None:
             self.groups["tied"] = sync.tied.comm
         self.every = [run.comm, *self.groups.values()]
@@ -41,16 +45,18 @@ class StepCounters:
         self.before = self._snapshot()
 
     def finish(self) -> dict[str, Any]:
-        """{bytes_sent, bytes_by_collective, seconds_by_collective, scalar_allreduces} since
-        `start`."""
+        """{bytes_sent, bytes_by_group, bytes_by_collective, seconds_by_collective,
+        scalar_allreduces} since `start`."""
         sent0, bytes0, seconds0, calls0 = self.before
         sent1, bytes1, seconds1, calls1 = self._snapshot()
         by_collective = {name: bytes1[name] - bytes0.get(name, 0) for name in bytes1}
-        for name in ("pipeline", "tied"):
+        by_group = {name: sent1[name] - sent0[name] for name in sent1}
+        for name in ("pipeline", "tied", "tensor_parallel"):
             if name in sent1:
-                by_collective[name] = sent1[name] - sent0[name]
+                by_collective[name] = by_group[name]
         return {
-            "bytes_sent": sum(sent1.values()) - sum(sent0.values()),
+            "bytes_sent": sum(by_group.values()),
+            "bytes_by_group": by_group,
             "bytes_by_collective": by_collective,
             "seconds_by_collective": {n: seconds1[n] - seconds0.get(n, 0.0) for n in seconds1},
             "scalar_allreduces": calls1 - calls0,
@@ -61,7 +67,7 @@ def step_scalars(run: Any, loss_sum: float) -> tuple[float, int]:
     """(the batch's mean loss, the most activation bytes any rank kept) on every rank, from one
     SUM all-reduce: the last stages' loss shares, and each rank's peak in its own slot."""
     values = np.zeros(1 + run.comm.size)
-    if run.topology.is_last_stage:
+    if run.topology.is_last_stage and run.topology.tp_rank == 0:  # the shards share one loss
         values[0] = loss_sum / run.config.micro_batches / run.dp
     values[1 + run.comm.rank] = run.stage.peak_activation_bytes
     total = run.communication.wrap(run.comm.allreduce_scalars, "mean_loss")(values, "sum")

@@ -2,6 +2,7 @@
 GradientSync of its replicas (data parallelism or ZeRO), the loss scaler and (fp8) its Linears'
 scaling state."""
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,7 +21,10 @@ from minimp.parallel import (
 )
 from minimp.parallel.data_parallel import broadcast_masters
 from minimp.parallel.schedule_choice import CHOICES as SCHEDULE_CHOICES
-from minimp.parallel.stages import StageChunk, rank_chunks, run_layers
+from minimp.parallel.stages import StageChunk, run_layers, split_counts
+from minimp.parallel.tensor_parallel_grads import TensorParallelGradients
+from minimp.parallel.tensor_parallel_models import TensorParallelPlan, paired_counts, parallelize
+from minimp.parallel.tensor_parallel_state import shard_selector
 from minimp.parallel.tied import TiedGradients
 from minimp.parallel.zero_stage3 import free
 from minimp.precision import (
@@ -47,27 +51,38 @@ class Stage:
     runner: PipelineStage
     tied_names: list[str]
     fp8: Fp8Run | None  # the stage's fp8 scaling state (--precision fp8), else None
+    plan: TensorParallelPlan | None = None  # with --tp: which parameters are cut, which partial
+    tensor_parallel: TensorParallelGradients | None = None  # with --tp: its part of the step
+    select: Callable | None = None  # with --tp: cuts this rank's shard from a checkpoint's arrays
 
 
 def build_stage(config: Any, task: Any, topology: Topology, dtype: Any) -> Stage:
-    """The whole float32 model from the seed, then this rank's stage of it, its optimizer (masters
-    from the float32 init), the float16/bfloat16 compute copies and the stage's runner."""
+    """The whole float32 model from the seed, then this rank's stage of it (with --tp, its shard
+    of the stage: a copy of the model with its Linears cut), its optimizer (masters from the
+    float32 init), the float16/bfloat16 compute copies and the stage's runner."""
     model = task.build_model(np.random.default_rng(config.seed))
-    # one range of layers per chunk (several with --schedule interleaved)
-    ranges = rank_chunks(model.layers, config.pp, topology.stage, config.virtual_stages)
-    named = [pair for bounds in ranges for pair in stage_parameters(model, bounds)]
-    tied = _tied_parameters(model, topology)
+    ranges = _rank_ranges(model, config, topology)  # several with --schedule interleaved
+    trained, plan = model, None  # with --tp the trained copy is cut; `model` stays whole
+    if topology.tp > 1:
+        trained = copy.deepcopy(model)
+        plan = parallelize(trained, topology.tp_group, config.sequence_parallel)
+    named = [pair for bounds in ranges for pair in stage_parameters(trained, bounds)]
+    tied = _tied_parameters(trained, topology)
     held = {name for name, _ in named}
     named += [(name, parameter) for name, parameter in tied if name not in held]
     optimizer = build_optimizer(config, named)
-    model.to(dtype)
-    if config.precision == "fp8":  # every Linear of the whole model (rank 0 evaluates it all)
-        nn.enable_fp8(model, recipe(config))
+    for each in (model,) if plan is None else (model, trained):
+        each.to(dtype)
+        if config.precision == "fp8":  # every Linear (rank 0 evaluates the whole model)
+            nn.enable_fp8(each, recipe(config))
     rows = config.batch_size // topology.dp // config.micro_batches
     model.eval()  # the shapes need one forward, and dropout then needs no random state
     shapes = cut_shapes(model.layers, task.sample_input(rows))
     model.train()
-    chunks = [StageChunk(model.layers[a:b], shapes[a], shapes[b]) for a, b in ranges]
+    if config.sequence_parallel:  # between the embeddings and the head: 1/tp of the positions
+        layers = len(model)
+        shapes = [_slice_sequence(shape, i, layers, topology.tp) for i, shape in enumerate(shapes)]
+    chunks = [StageChunk(trained.layers[a:b], shapes[a], shapes[b]) for a, b in ranges]
     runner = PipelineStage(
         chunks[0].layers,
         topology,
@@ -82,12 +97,36 @@ def build_stage(config: Any, task: Any, topology: Topology, dtype: Any) -> Stage
     # The other stages' layers are rank 0's to evaluate with, and only after it has gathered
     # their masters (saving.evaluate): no rank keeps their compute copies meanwhile.
     kept = {id(parameter) for _, parameter in named}
-    for parameter in model.parameters():
+    for parameter in [*model.parameters(), *(trained.parameters() if plan else [])]:
         if id(parameter) not in kept:
             free(parameter)
     names = [name for name, _ in named]
-    fp8_run = Fp8Run(model, ranges, topology) if config.precision == "fp8" else None
-    return Stage(model, names, optimizer, runner, [name for name, _ in tied], fp8_run)
+    fp8_run = Fp8Run(trained, ranges, topology, model) if config.precision == "fp8" else None
+    tied_names = [name for name, _ in tied]
+    stage = Stage(model, names, optimizer, runner, tied_names, fp8_run, plan)
+    if plan is not None:
+        stage.tensor_parallel = TensorParallelGradients.for_names(topology.tp_group, names, plan)
+        stage.select = shard_selector(plan.partitions, topology.tp_rank, topology.tp)
+    return stage
+
+
+def _rank_ranges(model: Any, config: Any, topology: Topology) -> list[tuple[int, int]]:
+    """This rank's layers, a range per chunk: the model cut into --pp x --virtual-stages chunks,
+    of which this stage holds chunks stage, stage + pp, ... (with --tp, an MLP's column -> row
+    pairs are never cut apart)."""
+    counts = [sum(p.size for p in layer.parameters()) for layer in model.layers]
+    if topology.tp > 1 and config.model == "mlp":
+        counts = paired_counts(counts)
+    chunks = split_counts(counts, config.pp * config.virtual_stages)
+    return chunks[topology.stage :: config.pp]
+
+
+def _slice_sequence(shape: tuple, index: int, layers: int, tp: int) -> tuple:
+    """The shape entering layer `index` with sequence parallelism: (B, S/tp, h) from the first
+    block to the head (the embeddings read whole token ids; the head returns whole logits)."""
+    if 0 < index < layers:
+        return (shape[0], shape[1] // tp, *shape[2:])
+    return shape
 
 
 def group_runner(task: Any, recompute: bool) -> Callable[[list, Tensor], Tensor]:
@@ -112,19 +151,21 @@ def build_sync(
     """The GradientSync of this stage's replicas, every replica starting from replica 0's
     masters: DataParallel (--zero 0), or ZeRO's, which shards the stage's optimizer (its
     `.optimizer` is the one the step must use from now on) and, in stage 3, gathers the
-    parameters around the stage's groups of layers."""
+    parameters around the stage's groups of layers. With --tp both also sum the stage's partial
+    gradients and count its whole parameters once (tensor_parallel_grads.py)."""
     options: dict[str, Any] = dict(
         comm_dtype=ACTIVATION_DTYPES[config.grad_comm_dtype],
         average=config.grad_average,
         decision_comm=decision_comm,
         tied=tied,
+        tensor_parallel=stage.tensor_parallel,
     )
     if not config.zero:
         sync = DataParallel(
             topology.dp_group,
             stage.optimizer,
             bucket_mb=config.bucket_mb,
-            stages_comm=topology.pp_group,
+            stages_comm=topology.mp_group,  # the stages and the tensor-parallel shards
             **options,
         )
         sync.broadcast_parameters()

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import zipfile
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -165,12 +165,20 @@ def restore(
     optimizer: Optimizer,
     scaler: LossScaler,
     fp8: Any = None,
+    select: Callable[[str, np.ndarray], np.ndarray] | None = None,
 ) -> tuple[int, dict]:
     """Check everything, then load masters, optimizer and scaler state (and with `fp8`, a
     train.fp8.Fp8Run, the fp8 scaling state of its stage); returns the step the checkpoint was
     saved after and its schedule settings. `flags`: this run's values of the settings a resume
-    must repeat; `steps`: the run's --steps, which must lie beyond the checkpoint's step."""
+    must repeat; `steps`: the run's --steps, which must lie beyond the checkpoint's step;
+    `select(name, array)`: the part of each (whole) array this rank holds (--tp's shard), or
+    ValueError saying why it cannot be cut."""
     meta, arrays = read(path)
+    if select is not None:
+        try:
+            arrays = {name: select(name, array) for name, array in arrays.items()}
+        except ValueError as error:
+            raise CheckpointError(f"checkpoint {path}: {error}") from None
     for flag, value in flags.items():
         if flag in meta["flags"] and meta["flags"][flag] != value:
             raise CheckpointError(

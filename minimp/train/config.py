@@ -116,8 +116,18 @@ class TrainConfig:
     plot: str = _flag("", "draw loss and loss scale to this image (needs matplotlib)")
     log_every: int = _by_dataset("print a progress line every this many steps")
     threads: int = _flag(0, "BLAS threads per rank (0 = this machine's cores / its ranks)")
-    dp: int = _flag(0, "data-parallel replicas (0 = the job's ranks / --pp)")
+    dp: int = _flag(0, "data-parallel replicas (0 = the job's ranks / (--tp x --pp))")
     pp: int = _flag(1, "pipeline stages: the layers are split into this many contiguous stages")
+    tp: int = _flag(
+        1,
+        "tensor-parallel ranks: every block's Linears are cut across them (GPT: heads and the "
+        "MLP's features; MLP: hidden layers in column -> row pairs)",
+    )
+    sequence_parallel: bool = _flag(
+        False,
+        "with --tp: the GPT's LayerNorms, residual adds and dropouts run on 1/tp of the sequence "
+        "(the all-reduces become reduce-scatters and all-gathers)",
+    )
     schedule: str = _flag(
         "1f1b",
         "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over --virtual-stages chunks per rank) "
@@ -180,8 +190,8 @@ class TrainConfig:
             self.fp8_margin = 0 if self.fp8_margin is None else self.fp8_margin
 
     def data_parallel_size(self, world_size: int) -> int:
-        """The resolved --dp: the job's ranks divided by --pp unless given."""
-        return self.dp or max(1, world_size // max(self.pp, 1))
+        """The resolved --dp: the job's ranks divided by --tp x --pp unless given."""
+        return self.dp or max(1, world_size // max(self.pp * self.tp, 1))
 
     def activation_dtype(self) -> Any:
         """The dtype activations are stored in: --precision's, and bf16 for fp8 runs (fp8 is

@@ -3,9 +3,10 @@ the metrics of a few tensors, and the checkpoint arrays that carry the state.
 
 Every rank builds the whole model and gives every Linear an Fp8Meta; a stage updates the quantizers
 of its own layers, so each pipeline stage owns its layers' state. After each optimizer step the
-replicas of a stage agree on the step's amaxes (parallel.AmaxReduction over the data-parallel
-group), so delayed scaling computes the same scales on every replica and the replicas stay
-bit-identical, fp8 state included (--check-replicas compares it too). Checkpoints keep
+ranks of a stage agree on the step's amaxes (parallel.AmaxReduction over the stage's replicas and
+tensor-parallel shards: a shard's amax is part of the whole tensor's), so delayed scaling computes
+the one-process scales on every rank and the replicas stay bit-identical, fp8 state included
+(--check-replicas compares it too). Checkpoints keep
 the state of delayed scaling as "fp8/<quantizer>/amax_history" and ".../scale" (float32), gathered
 from the stages like the masters, so a resume continues bit for bit in any layout.
 """
@@ -45,16 +46,23 @@ def recipe(config: Any) -> Any:
 class Fp8Run:
     """This rank's fp8 quantizers (those of its stage's layers), their agreement and metrics."""
 
-    def __init__(self, model: nn.Module, ranges: list[tuple[int, int]], topology: Topology):
-        """model: the whole model, its Linears given Fp8Metas; ranges: this stage's layers (a
-        range per chunk)."""
-        self.model, self.topology = model, topology
+    def __init__(
+        self,
+        model: nn.Module,
+        ranges: list[tuple[int, int]],
+        topology: Topology,
+        whole: nn.Module | None = None,
+    ):
+        """model: the model this rank trains, its Linears given Fp8Metas; ranges: this stage's
+        layers, a range per chunk; whole: the whole model rank 0 evaluates, when `model` is a
+        tensor-parallel shard of it (by default `model` itself)."""
+        self.model, self.topology = model if whole is None else whole, topology
         self.quantizers = [
             (name, quantizer)
             for name, quantizer in nn.fp8_quantizers(model)
             if any(start <= int(name.split(".")[0]) < stop for start, stop in ranges)
         ]
-        self.reduce_amax = AmaxReduction(topology.dp_group)
+        self.reduce_amax = AmaxReduction(topology.stage_group)
         linears = [name for name, _ in nn.fp8_metas(model)]
         # A few tensors to watch in the metrics: the first and the last Linear's three.
         ends = (linears[0], linears[-1])
@@ -79,7 +87,8 @@ class Fp8Run:
         for row, name in enumerate(self.watched):
             quantizer = own.get(name)
             if quantizer is not None:
-                scale = float(quantizer.scale) if self.topology.dp_rank == 0 else 0.0
+                first = self.topology.dp_rank == 0 and self.topology.tp_rank == 0
+                scale = float(quantizer.scale) if first else 0.0
                 table[row] = scale, quantizer.underflow, quantizer.saturated, quantizer.count
         table = allreduce_scalars(table.reshape(-1), "sum").reshape(table.shape)
         return {

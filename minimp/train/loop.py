@@ -58,7 +58,9 @@ class Run:
         self.config, self.comm, self.dp = config, comm, config.data_parallel_size(comm.size)
         self.interactive = interactive
         self.log = log if comm.rank == 0 else (lambda line: None)
-        self.topology = Topology(comm, dp=self.dp, pp=config.pp)
+        self.topology = Topology(comm, dp=self.dp, pp=config.pp, tp=config.tp)
+        if comm.size > 1:
+            self.log(self.topology.describe())
         local_rank = comm.node_rank_and_size()[0]
         error = None
         try:  # everything that can fail for a user's reason, with no message in between
@@ -103,6 +105,7 @@ class Run:
         self.optimizer = self.built.optimizer
         self.stage = self.built.runner
         self.tied_names = self.built.tied_names
+        self.tensor_parallel = self.built.tensor_parallel  # --tp's part of the step, or None
         self.fp8 = self.built.fp8
         self.scaler = build_scaler(config)
         schedule = build_schedule(
@@ -130,6 +133,7 @@ class Run:
             optimizer=self.optimizer,
             scaler=self.scaler,
             fp8=self.fp8,
+            select=self.built.select,
         )
         if not self.config.lr_decay_steps and "lr_decay_steps" in schedule:
             self.lr_decay_steps = int(schedule["lr_decay_steps"])
@@ -264,12 +268,16 @@ class Run:
         if every and step % every == 0:
             fp8_state = list(self.fp8.state_arrays().values()) if self.fp8 else []
             self.communication.wrap(self.data_parallel.check_replicas)(fp8_state)  # raises
+            what = " and fp8 scaling state" if fp8_state else ""
             if self.dp > 1:
-                what = " and fp8 scaling state" if fp8_state else ""
                 self.log(
                     f"step {step}: replicas identical (the {self.dp} replicas' float32 masters"
                     f"{what} have the same checksum)"
                 )
+            if self.tensor_parallel is not None:
+                check = self.communication.wrap(self.tensor_parallel.check_replicated)
+                check(self.optimizer.master_weights, fp8_state)  # raises
+                self.log(f"step {step}: the {self.config.tp} shards' whole parameters{what} agree")
 
     def _timeline_recorder(self, step: int) -> Callable | None:
         """With --timeline, every action of the step goes into this rank's trace."""

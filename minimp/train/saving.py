@@ -14,22 +14,30 @@ import numpy as np
 
 from minimp.distributed import gather_named_arrays
 from minimp.parallel import trace
+from minimp.parallel.tensor_parallel_state import gather_shards
 from minimp.train import accounts, checkpoint, files, report
 
 
 def gather_state(run: Any) -> dict | None:
     """Replica 0's stages send their masters, optimizer slots and fp8 scaling state to rank 0
     (replicas are identical, so replica 0 speaks for all; with ZeRO each replica first sends its
-    chunks to replica 0, which stitches them whole); None on every other rank."""
+    chunks to replica 0, which stitches them whole; with --tp each stage's shards are joined on
+    its tensor-parallel rank 0 first); None on every other rank."""
+    topology = run.topology
     if run.config.zero:
         state = run.optimizer.gather_state(run.names)  # a collective of the replicas
-    elif run.topology.dp_rank == 0:
+    elif topology.dp_rank == 0:
         state = checkpoint.state_arrays(run.names, run.optimizer)
-    if run.topology.dp_rank != 0:
+    if topology.dp_rank != 0:
         return None
     if run.fp8 is not None:  # each stage's scaling state, as "fp8/<quantizer>/<field>"
         state.update(run.fp8.state_arrays())
-    return gather_named_arrays(run.topology.pp_group, state)
+    plan = run.built.plan
+    if plan is not None:
+        state = gather_shards(topology.tp_group, state, plan.partitions)
+        if state is None:  # not tensor-parallel rank 0
+            return None
+    return gather_named_arrays(topology.pp_group, state)
 
 
 GATHER = object()  # the default of `merged` below: gather the stages' state first
@@ -107,7 +115,8 @@ def evaluate(run: Any, batches: int | None, merged: Any = GATHER) -> float:
     arrays back afterwards (the other stages' and ZeRO stage 3's stay freed, a float32 master
     stays its parameter)."""
     if merged is GATHER:
-        whole = run.topology.pp == 1 and run.config.zero < 3  # rank 0 holds every weight
+        topology = run.topology  # does rank 0 hold every weight?
+        whole = topology.pp == 1 and topology.tp == 1 and run.config.zero < 3
         merged = None if whole else gather_state(run)
     score = 0.0
     if run.comm.rank == 0:
@@ -135,25 +144,28 @@ def _write_reports(run: Any, traces: dict | None) -> None:
 
 
 def _write_trace(run: Any, traces: dict) -> None:
-    """The Chrome trace of every rank (minimp/train/trace.py); rank r is stage r % pp of replica
-    r // pp (minimp/parallel/topology.py)."""
-    config, pp = run.config, run.config.pp
+    """The Chrome trace of every rank (minimp/train/trace.py), named by its place in the grid
+    (minimp/parallel/topology.py); replica 0's shard 0 is the pipeline a reader draws."""
+    config, topology = run.config, run.topology
     ranks = {
         rank: {
             "rows": traces[f"rows{rank}"],
-            "name": f"rank {rank}: stage {rank % pp}, replica {rank // pp}",
+            "name": f"rank {rank}: {topology.describe_rank(rank)}",
         }
         for rank in range(run.comm.size)
     }
+    coordinates = [topology.coordinates(rank) for rank in range(run.comm.size)]
+    first = [r for r, (_, dp_rank, tp_rank) in enumerate(coordinates) if dp_rank == tp_rank == 0]
     other = {
         "schedule": config.schedule,
-        "stages": pp,
+        "stages": config.pp,
         "replicas": run.dp,
+        "tensor_parallel": config.tp,
         "micro_batches": config.micro_batches,
         "virtual_stages": config.virtual_stages,
-        "peak_stored_micro_batches": [int(traces[f"peak{stage}"][0]) for stage in range(pp)],
-        "stage_of_rank": {str(rank): rank % pp for rank in range(run.comm.size)},
-        "replica_0_ranks": list(range(pp)),
+        "peak_stored_micro_batches": [int(traces[f"peak{rank}"][0]) for rank in first],
+        "stage_of_rank": {str(rank): stage for rank, (stage, _, _) in enumerate(coordinates)},
+        "replica_0_ranks": first,
     }
     document = json.dumps(trace.trace_document(ranks, other)).encode()
     files.atomic_write(config.timeline, lambda file: file.write(document))

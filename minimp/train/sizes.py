@@ -4,6 +4,7 @@ layer, ZeRO's units per stage, and whether the ranks on this machine have the me
 from typing import Any
 
 from minimp.parallel.stages import split_counts
+from minimp.parallel.tensor_parallel_models import paired_counts
 from minimp.train.errors import ConfigError
 
 # (input features, classes) of the digits, and the characters of shakespeare: known before the
@@ -13,7 +14,10 @@ SHAKESPEARE_VOCABULARY = 65
 
 
 def weighted_layers(config: Any) -> int:
-    """How many layers with parameters the model has: where the pipeline may cut."""
+    """How many layers with parameters the model has: where the pipeline may cut (with --tp, an
+    MLP's hidden layers in pairs, which stay together)."""
+    if config.model == "mlp" and config.tp > 1:
+        return config.layers // 2 + 1
     return config.layers + (2 if config.model == "gpt" else 1)
 
 
@@ -31,20 +35,47 @@ def layer_parameter_counts(config: Any) -> list[int]:
     return counts + [inputs * classes + classes]
 
 
+def rank_layer_counts(config: Any) -> list[int]:
+    """layer_parameter_counts of one tensor-parallel rank: a GPT block keeps 1/tp of its
+    matrices and of the cut biases (12 C^2/tp + 7 C/tp) and whole LayerNorms and row biases (6 C);
+    an MLP pair keeps 1/tp of both matrices and of the first bias, the second bias whole."""
+    counts, tp, width = layer_parameter_counts(config), config.tp, config.hidden
+    if tp == 1:
+        return counts
+    if config.model == "gpt":
+        block = 12 * width * width // tp + 7 * width // tp + 6 * width
+        return [counts[0]] + [block] * config.layers + [counts[-1]]
+    weighted = [index for index, count in enumerate(counts) if count]
+    hidden = weighted[:-1]
+    for first, second in zip(hidden[0::2], hidden[1::2]):
+        counts[first] = (counts[first] - width) // tp + width // tp  # weight and bias cut
+        counts[second] = (counts[second] - width) // tp + width  # weight cut, bias whole
+    return counts
+
+
+def stage_bounds(config: Any) -> list[tuple[int, int]]:
+    """The pipeline's split of the layers into --pp x --virtual-stages chunks (the stages, with
+    one virtual stage), as minimp/train/build.py cuts the built model; chunk i is pipeline rank
+    i % pp's."""
+    counts = layer_parameter_counts(config)
+    if config.model == "mlp" and config.tp > 1:
+        counts = paired_counts(counts)
+    return split_counts(counts, config.pp * config.virtual_stages)
+
+
 def zero_unit_sizes(config: Any) -> list[list[int]]:
     """The sizes of ZeRO's units (minimp/parallel/zero_layout.py) on each pipeline stage: one
     per layer with weights, the GPT's token and position embeddings apart (the head reads the
-    first too), and the last stage's copy of the token embedding."""
-    counts = layer_parameter_counts(config)
-    chunks = split_counts(counts, config.pp * config.virtual_stages)
+    first too), and the last stage's copy of the token embedding (with --tp, one rank's shard)."""
+    counts = rank_layer_counts(config)
     token = SHAKESPEARE_VOCABULARY * config.hidden
     sizes: list[list[int]] = [[] for _ in range(config.pp)]
-    for index, (start, stop) in enumerate(chunks):  # chunk i is pipeline rank i % pp's
+    for index, (start, stop) in enumerate(stage_bounds(config)):
         units = [count for count in counts[start:stop] if count]
         if config.model == "gpt":
             if start == 0:  # the embeddings' two tables are two units
                 units[0:1] = [token, config.context * config.hidden]
-            elif stop == len(counts) and config.pp > 1:  # the head reads the tied copy
+            elif stop == len(counts):  # the head reads the tied copy of the token embedding
                 units.append(token)
         sizes[index % config.pp] += units
     return sizes
@@ -57,15 +88,18 @@ def parameter_count(config: Any) -> int:
 
 def check_memory(config: Any, ranks_on_this_node: int, available: int) -> None:
     """Every rank builds the whole model in float32 and in the compute dtype (6 bytes a
-    parameter), and keeps for its stage a float32 master, gradient accumulator and two optimizer
-    slots, a 16-bit gradient and two wire buffers (26 bytes a parameter, over --pp stages; with
+    parameter; with --tp a second float32 copy to cut, 4 more), and keeps for its stage a
+    float32 master, gradient accumulator and two optimizer slots, a 16-bit gradient and two wire
+    buffers (26 bytes a parameter, over --pp stages and --tp shards; with
     ZeRO, minimp/parallel/zero_accounts.py's per-rank share and a 16-bit gradient), plus its
     activations: at most the whole batch, bounded by 12 bytes per row, width and layer for
     the MLP and by the GPT block's 34 sbh + 5 a s^2 b (models/gpt.py) with room for float32."""
     parameters = parameter_count(config)
     dp = max(1, config.dp)
     state = {0: 26, 1: 8 + 12 / dp, 2: 4 + 16 / dp, 3: 2 + 18 / dp}[config.zero]
-    per_rank = 6 * parameters + int(state * parameters) // config.pp
+    per_rank = 6 * parameters + int(state * parameters) // (config.pp * config.tp)
+    if config.tp > 1:  # the copy that is cut, whole in float32 until it is
+        per_rank += 4 * parameters
     rows, width, layers = config.batch_size, config.hidden, config.layers
     if config.model == "gpt":
         s, a = config.context, config.heads

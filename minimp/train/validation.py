@@ -1,6 +1,7 @@
 """The checks of a training configuration, run before anything is built: every number in its range
-(NaN and inf included), the dp x pp grid, the batch split, ZeRO's shards, injections. (What the
-model weighs, and whether it fits in memory: minimp/train/sizes.py.)
+(NaN and inf included), the parallel layout (layout_checks.py: the dp x tp x pp grid, --tp's cuts,
+the schedule), the batch split, ZeRO's shards, injections. (What the model weighs, and whether it
+fits in memory: minimp/train/sizes.py.)
 
 Each check raises ConfigError naming the flag and the fix; nothing here allocates or communicates.
 """
@@ -10,10 +11,9 @@ import os
 from typing import Any
 
 from minimp.backend import DEVICE_ENVIRONMENT_VARIABLE
-from minimp.parallel.pipeline import FIRST_TAG
-from minimp.parallel.schedule_choice import schedule_problem
 from minimp.train.errors import ConfigError
-from minimp.train.sizes import weighted_layers, zero_unit_sizes
+from minimp.train.layout_checks import check_layout
+from minimp.train.sizes import zero_unit_sizes
 
 POSITIVE_INTEGERS = (
     "steps",
@@ -24,6 +24,7 @@ POSITIVE_INTEGERS = (
     "log_every",
     "loss_scale_growth_interval",
     "pp",
+    "tp",
     "virtual_stages",
 )
 NON_NEGATIVE = (
@@ -52,8 +53,7 @@ def validate(config: Any, world_size: int) -> None:
     _check_ranges(config)
     _check_fp8(config)
     _check_model(config)
-    _check_grid(config, world_size)
-    _check_schedule(config)
+    check_layout(config, world_size)
     _check_batch(config, config.data_parallel_size(world_size))
     _check_zero(config, config.data_parallel_size(world_size))
     if config.save_every and not config.save:
@@ -138,56 +138,6 @@ def _check_model(config: Any) -> None:
             )
         if config.context < 1:
             raise ConfigError(f"--context must be a positive integer, got {config.context}")
-
-
-def _check_grid(config: Any, world_size: int) -> None:
-    """--dp x --pp must tile the job's ranks, and the model must have a layer per stage."""
-    if config.pp > weighted_layers(config):
-        what = "embeddings, blocks and head" if config.model == "gpt" else "hidden + output"
-        raise ConfigError(
-            f"--pp {config.pp} needs at least {config.pp} layers with weights, the model has "
-            f"{weighted_layers(config)} ({what}; use --layers)"
-        )
-    if world_size % config.pp:
-        raise ConfigError(
-            f"--pp {config.pp} does not divide the {world_size} ranks of this job "
-            f"(start a multiple of {config.pp} ranks with mpirun -n)"
-        )
-    dp = config.data_parallel_size(world_size)
-    if dp * config.pp != world_size:
-        raise ConfigError(
-            f"--dp {dp} does not match the {world_size} ranks of this job "
-            f"(use --dp {world_size // config.pp}, or start {dp * config.pp} ranks with mpirun -n)"
-        )
-
-
-def _check_schedule(config: Any) -> None:
-    """The schedule exists for these sizes, the layers cut into --pp x --virtual-stages chunks,
-    every message has a tag MPI guarantees (up to 32767), and zb-h1's split backward meets no
-    recomputed block."""
-    problem = schedule_problem(
-        config.schedule, config.pp, config.micro_batches, config.virtual_stages
-    )
-    if problem:
-        raise ConfigError(problem)
-    chunks = config.pp * config.virtual_stages
-    if chunks > weighted_layers(config):
-        raise ConfigError(
-            f"--pp {config.pp} x --virtual-stages {config.virtual_stages} needs {chunks} layers "
-            f"with weights, the model has {weighted_layers(config)} (use --layers)"
-        )
-    if FIRST_TAG + 2 * config.virtual_stages * config.micro_batches > 32767:
-        raise ConfigError(
-            f"--micro-batches {config.micro_batches} x --virtual-stages "
-            f"{config.virtual_stages} needs more message tags than MPI guarantees (32767): "
-            "use fewer micro-batches"
-        )
-    if config.schedule == "zb-h1" and config.recompute:
-        raise ConfigError(
-            "--schedule zb-h1 does not work with --recompute: a recomputed block's backward "
-            "computes its weights' gradients together with its input's, so they cannot be split "
-            "into B and W (use --schedule 1f1b with --recompute)"
-        )
 
 
 def _check_batch(config: Any, dp: int) -> None:
