@@ -12,6 +12,7 @@ inside backward and the update, where `communication_seconds` does not look),
 the formulas they are checked against).
 """
 
+import time
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,34 @@ class StepCounters:
             "seconds_by_collective": {n: seconds1[n] - seconds0.get(n, 0.0) for n in seconds1},
             "scalar_allreduces": calls1 - calls0,
         }
+
+
+def straggler_barrier(run: Any) -> float | None:
+    """--straggler-barrier: seconds this replica waits for the slowest to end its backward
+    (None without the flag): time overlap cannot hide, kept out of the exposed seconds."""
+    if not run.config.straggler_barrier:
+        return None
+    started = time.perf_counter()
+    run.topology.dp_group.barrier()
+    return time.perf_counter() - started
+
+
+def step_seconds(run: Any, step_start: float, exposed: float, straggler: float | None) -> dict:
+    """Where the step's time went: `communication_seconds` in all (inside backward too), its
+    `exposed_communication_seconds` (from the end of the last backward until the optimizer may
+    step), `straggler_seconds` (the barrier's wait, with --straggler-barrier; in neither of the
+    others) and the rest, `compute_seconds`."""
+    in_backward = run.data_parallel.backward_communication_seconds()
+    communication = run.communication.seconds + in_backward - run.in_backward_before
+    run.in_backward_before = in_backward
+    seconds = {
+        "compute_seconds": time.perf_counter() - step_start - communication - (straggler or 0.0),
+        "communication_seconds": communication,
+        "exposed_communication_seconds": exposed,
+    }
+    if straggler is not None:
+        seconds["straggler_seconds"] = straggler
+    return seconds
 
 
 def step_scalars(run: Any, loss_sum: float) -> tuple[float, int]:

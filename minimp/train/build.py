@@ -122,6 +122,8 @@ def build_sync(
             stage.optimizer,
             bucket_mb=config.bucket_mb,
             stages_comm=topology.pp_group,
+            overlap=config.overlap,
+            micro_batches=config.micro_batches,
             **options,
         )
         sync.broadcast_parameters()

@@ -130,6 +130,17 @@ class TrainConfig:
     bucket_mb: float = _flag(
         25.0, "gradient bucket size in MiB for the all-reduce of --zero 0 (ZeRO moves layers)"
     )
+    overlap: bool = _flag(
+        None,
+        "all-reduce each gradient bucket during the last micro-batch's backward, as soon as it "
+        "is complete (same bits as --no-overlap; default: on, off with --zero, which moves its "
+        "own gradients during backward)",
+    )
+    straggler_barrier: bool = _flag(
+        False,
+        "diagnostic: a barrier of the replicas between backward and the gradients' wait, timed "
+        "apart as straggler_seconds (overlap cannot hide a slower replica)",
+    )
     grad_comm_dtype: str = _flag("fp32", "dtype of gradients on the wire", choices=("fp32", "fp16"))
     grad_average: str = _flag(
         "before",
@@ -161,6 +172,8 @@ class TrainConfig:
         for name, value in DATASET_DEFAULTS[self.dataset].items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        if self.overlap is None:  # ZeRO's reduce-scatters run during backward already
+            self.overlap = not self.zero
         if self.min_lr is None:  # nanoGPT's rule: the decay ends at a tenth of the peak
             self.min_lr = self.lr / 10
         if self.precision == "fp8" and self.fp8_recipe is None:
@@ -250,6 +263,13 @@ def build_parser(
             help_text, default = f"{help_text} (default: {defaults})", argparse.SUPPRESS
         elif default is None:  # derived from other flags; the help says how
             default = argparse.SUPPRESS
+        if _type_of(config_field.name) is bool and default is argparse.SUPPRESS:
+            # A switch with a derived default: --overlap / --no-overlap, neither means "auto".
+            parser.add_argument(
+                dashed(config_field.name), dest=config_field.name, default=argparse.SUPPRESS,
+                action=argparse.BooleanOptionalAction, help=help_text,
+            )  # fmt: skip
+            continue
         if _type_of(config_field.name) is bool:  # a switch: present means True
             parser.add_argument(
                 dashed(config_field.name), dest=config_field.name, action="store_true",
