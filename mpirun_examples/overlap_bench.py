@@ -10,9 +10,10 @@ exposed seconds (from the end of the last backward until the optimizer may step)
 mode, the median over the steps after the first of the exposed seconds, of all communication
 seconds and of the whole step, and the ratio exposed(overlap) / exposed(no overlap).
 
-Then the cost model's prediction for the same buckets on a stated data-centre network
-(minimp/costmodel.py DATACENTER) at two backward times, where the rings take nothing from the
-compute, unlike here: on a CPU core each rank also has to copy and add the messages itself.
+Then the cost model's prediction of the same ratio for the same buckets on a stated data-centre
+network (minimp/costmodel.py DATACENTER, as between GPUs) at four backward times, where the rings
+take nothing from the compute, unlike here: on a CPU core each rank also has to copy and add the
+messages itself, between its own matrix products.
 """
 
 import argparse
@@ -82,7 +83,7 @@ def main() -> None:
         f"backward {seconds * 1e3:g} ms": costmodel.overlapped_exposed_time(
             buckets, seconds, comm.size, costmodel.DATACENTER
         ) / sum(costmodel.ring_allreduce_time(b, comm.size, costmodel.DATACENTER) for b in buckets)
-        for seconds in (1e-5, 5e-4)
+        for seconds in (2e-5, 1e-4, 5e-4, 1e-3)
     }
     if args.json:
         print(json.dumps(result))
