@@ -176,3 +176,10 @@ def test_the_cost_model_s_overlap_hides_what_backward_lasts_and_no_more():
     assert costmodel.overlapped_exposed_time(sizes, 1e-3, 2, net) == pytest.approx(ring)
     # A backward of no length hides nothing: every ring runs after it.
     assert costmodel.overlapped_exposed_time(sizes, 0.0, 2, net) == pytest.approx(3 * ring)
+
+
+def test_the_bytes_sent_by_the_all_reduce_are_counted_alike_with_and_without_overlap():
+    with_ = simulated(2, overlap=True)[0]["history"]
+    without = simulated(2, overlap=False)[0]["history"]
+    sent = [r["bytes_by_collective"]["all_reduce"] for r in with_]
+    assert sent == [r["bytes_by_collective"]["all_reduce"] for r in without] and sent[0] > 0

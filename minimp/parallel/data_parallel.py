@@ -85,6 +85,7 @@ class DataParallel(GradientSync):
                 micro_batches,
                 pack_bucket=lambda bucket: self._pack(bucket, optimizer.master_gradients),
                 unpack_bucket=lambda bucket: self._unpack(bucket, optimizer.master_gradients),
+                sent=self.sent,
             )
 
     def _plan_buckets(self, bucket_bytes: float) -> list[tuple[list[int], int]]:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from minimp.distributed.protocol import Communicator, Tag
 from minimp.distributed.ring_nonblocking import RingAllreduce
+from minimp.parallel.zero_accounts import BytesSent
 from minimp.tensor import RemovableHandle
 
 
@@ -37,13 +38,14 @@ class OverlappedBuckets:
         micro_batches: int,
         pack_bucket: Callable[[int], tuple[Any, Any]],
         unpack_bucket: Callable[[int], None],
+        sent: BytesSent,
     ):
         """buckets: DataParallel's plan; pack_bucket(b) writes bucket b's float32 gradients onto
         its send buffer and returns (send, receive); unpack_bucket(b) writes the reduced mean
-        back into the float32 gradients."""
+        back into the float32 gradients; sent: the account the bytes go into, as "all_reduce"."""
         self.comm, self.optimizer, self.buckets = comm, optimizer, buckets
         self.micro_batches = micro_batches
-        self.pack_bucket, self.unpack_bucket = pack_bucket, unpack_bucket
+        self.pack_bucket, self.unpack_bucket, self.sent = pack_bucket, unpack_bucket, sent
         self.bucket_of = {index: b for b, (indices, _) in enumerate(buckets) for index in indices}
         self.seconds = 0.0  # spent communicating inside backward (packing, testing, adding)
         self._reset()
@@ -72,7 +74,8 @@ class OverlappedBuckets:
         self.optimizer.accumulate_gradient(index)
         started = time.perf_counter()
         self.final[self.bucket_of[index]] += 1
-        self.progress()
+        with self.sent.counting(self.comm, "all_reduce"):
+            self.progress()
         self.seconds += time.perf_counter() - started
 
     def progress(self, everything: bool = False) -> None:
