@@ -1,10 +1,13 @@
-"""What a step costs this rank, for the metrics: bytes sent by collective, scalar all-reduces,
-the bytes of model state it holds (by kind, and at the peak inside a step), activations kept.
+"""What a step costs this rank, for the metrics: its seconds, bytes sent by collective, scalar
+all-reduces, the bytes of model state it holds (by kind, and at the peak inside a step),
+activations kept.
 
 Per step (every metrics row): `bytes_sent` (every group but the scalar all-reduces),
-`bytes_by_collective` (all_reduce for --zero 0, reduce_scatter and all_gather for ZeRO, tied for
-the GPT's embedding across stages, pipeline for activations), `seconds_by_collective` (ZeRO's run
-inside backward and the update, where `communication_seconds` does not look),
+`compute_seconds`, `communication_seconds`, `exposed_communication_seconds` and, with
+--straggler-barrier, `straggler_seconds` (`step_seconds`), `bytes_by_collective` (all_reduce for
+--zero 0, reduce_scatter and all_gather for ZeRO, tied for the GPT's embedding across stages,
+pipeline for activations), `seconds_by_collective` (ZeRO's run inside backward and the update,
+where `communication_seconds` does not look),
 `scalar_allreduces` (calls: the overflow flags, the norm, the loss) and `peak_activation_bytes`
 (the most bytes kept for backward at once, the largest over the ranks). In the final row:
 `model_state_bytes`, one total per rank, held at the end of the last step, with
