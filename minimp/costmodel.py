@@ -137,3 +137,19 @@ def pipeline_bubble_fraction(stages: int, micro_batches: int) -> float:
     """Idle share of a GPipe or 1F1B step with P equal stages and M micro-batches:
     (P - 1) / (M + P - 1) (Huang et al. 2019)."""
     return (stages - 1) / (micro_batches + stages - 1)
+
+
+def overlapped_exposed_time(
+    bucket_bytes: Sequence[float], backward_seconds: float, p: int, net: Network
+) -> float:
+    """Predicted exposed seconds of a gradient all-reduce that overlaps backward: bucket i (in the
+    order backward completes them) is ready once backward has done its share of the work, taken
+    as its share of the bytes (a Linear's backward costs in proportion to its weights); its ring
+    starts when it is ready and the ring before it is done; exposed is what runs past backward's
+    end. Without overlap every ring runs after backward: sum of ring_allreduce_time. Assumes the
+    rings take nothing from the compute (a GPU's copy engines and NICs; not a shared CPU core)."""
+    total, ready, end = sum(bucket_bytes), 0.0, 0.0
+    for nbytes in bucket_bytes:
+        ready += backward_seconds * nbytes / total
+        end = max(end, ready) + ring_allreduce_time(nbytes, p, net)
+    return max(0.0, end - backward_seconds)

@@ -66,17 +66,23 @@ class Optimizer:
         float16 would lose the small ones; summing them in float32 gives the big
         batch's gradient to float32 rounding.
         """
-        for index, parameter in enumerate(self.params):
-            if parameter.grad is None:
-                continue
-            grad = casting.round_to(parameter.grad, MASTER_DTYPE)  # 16-bit: widened, exactly
-            if self.master_gradients[index] is None:  # the first gradient of this step
-                self.master_gradients[index] = self._accumulator(index)
-                self.master_gradients[index][...] = grad
-            else:
-                self.master_gradients[index] += grad
-            parameter.grad = None
+        for index in range(len(self.params)):
+            self.accumulate_gradient(index)
         return self.master_gradients
+
+    def accumulate_gradient(self, index: int) -> None:
+        """accumulate_gradients for parameter `index` alone (data parallelism with overlap calls
+        it from backward, the moment the parameter's last micro-batch gradient is complete)."""
+        parameter = self.params[index]
+        if parameter.grad is None:
+            return
+        grad = casting.round_to(parameter.grad, MASTER_DTYPE)  # 16-bit: widened, exactly
+        if self.master_gradients[index] is None:  # the first gradient of this step
+            self.master_gradients[index] = self._accumulator(index)
+            self.master_gradients[index][...] = grad
+        else:
+            self.master_gradients[index] += grad
+        parameter.grad = None
 
     def _accumulator(self, index: int) -> Any:
         """Parameter index's float32 gradient buffer, allocated once and kept."""

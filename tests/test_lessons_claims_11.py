@@ -28,7 +28,8 @@ from minimp.tensor import saved_bytes
 from minimp.train import TrainConfig, train
 from minimp.train.sizes import zero_unit_sizes
 
-MLP = dict(hidden=256, layers=8, batch_size=64, steps=2, log_every=1000, threads=1)
+# Stage 0 without overlap, as the lesson counts it (minimp/lessons/lesson11.py says why).
+MLP = dict(hidden=256, layers=8, batch_size=64, steps=2, log_every=1000, threads=1, overlap=False)
 UNITS = zero_unit_sizes(TrainConfig(**MLP))[0]
 P, U = sum(UNITS), max(UNITS)
 

@@ -14,7 +14,7 @@ from minimp import backend
 from minimp import distributed as dist
 from minimp.parallel import amax
 from minimp.train import TrainConfig
-from minimp.train.config import parse_config
+from minimp.train.cli import parse_config
 from minimp.train.errors import AgreedError, ConfigError
 from minimp.train.loop import Run
 

@@ -23,7 +23,9 @@ LAYOUTS = ([16640, 65792, 2570], [5, 3], [7])
 # fp16 compute copies, an fp32 gradient wire, Adam's two slots: the lesson's runs.
 SETTINGS = dict(compute_bytes=2, wire_bytes=4)
 # The trainer's MLP with 2 hidden layers of 32 on 3 ranks: units of 2080, 1056 and 330.
-SMALL = dict(hidden=32, layers=2, batch_size=24, steps=2, log_every=1000, threads=1)
+# Stage 0 as the ZeRO paper counts it, every 16-bit gradient alive at the end of backward: overlap
+# (on by default with --zero 0) would free each one as backward completes it.
+SMALL = dict(hidden=32, layers=2, batch_size=24, steps=2, log_every=1000, threads=1, overlap=False)
 
 
 def every_rank(micro_batches: tuple = (1,)) -> Any:

@@ -26,6 +26,7 @@ from minimp.backend import array_module, to_numpy
 from minimp.distributed.protocol import Communicator
 from minimp.distributed.ring import ring_allreduce
 from minimp.precision.casting import round_to, widen
+from minimp.parallel.overlap import OverlappedBuckets
 from minimp.parallel.tied import TiedGradients
 from minimp.parallel.zero_accounts import BytesSent, PeakMemory, data_parallel_arrays, held_bytes
 from minimp.precision.step import GradientSync, squared_norm
@@ -50,6 +51,8 @@ class DataParallel(GradientSync):
         stages_comm: Communicator | None = None,
         tied: TiedGradients | None = None,
         tensor_parallel: Any = None,
+        overlap: bool = False,
+        micro_batches: int = 1,
     ):
         """comm: the replicas of this stage. decision_comm: who shares the skip decision (with
         pipeline stages, every rank of the job; by default the replicas). stages_comm: the ranks
@@ -57,7 +60,9 @@ class DataParallel(GradientSync):
         shards), whose gradient norms add up to the model's; by default none. tied: the parameters
         this stage shares with another stage (minimp/parallel/tied.py), whose gradients are summed
         after averaging. tensor_parallel: a TensorParallelGradients (tensor_parallel_grads.py),
-        whose partial gradients are summed after averaging and whose whole copies count once."""
+        whose partial gradients are summed after averaging and whose whole copies count once.
+        overlap: all-reduce each bucket during the backward of the step's last micro-batch (of
+        `micro_batches`) as soon as it is complete (minimp/parallel/overlap.py)."""
         if average not in ("before", "after"):
             raise ValueError(f"average must be 'before' or 'after', got {average!r}")
         self.comm, self.optimizer, self.average = comm, optimizer, average
@@ -73,6 +78,18 @@ class DataParallel(GradientSync):
             (xp.empty(size, self.comm_dtype), xp.empty(size, self.comm_dtype))
             for _, size in (self.buckets if comm.size > 1 else [])
         ]
+        self.overlap: OverlappedBuckets | None = None
+        if overlap and comm.size > 1:
+            # The float32 gradients are read when a bucket moves: zero_grad makes a new list.
+            self.overlap = OverlappedBuckets(
+                comm,
+                optimizer,
+                self.buckets,
+                micro_batches,
+                pack_bucket=lambda bucket: self._pack(bucket, optimizer.master_gradients),
+                unpack_bucket=lambda bucket: self._unpack(bucket, optimizer.master_gradients),
+                sent=self.sent,
+            )
 
     def _plan_buckets(self, bucket_bytes: float) -> list[tuple[list[int], int]]:
         """[(parameter indices, elements)]; parameters are taken last to first, the order in which
@@ -111,21 +128,39 @@ class DataParallel(GradientSync):
             return local
         return float(self.stages_comm.allreduce_scalars([local], op="sum")[0])
 
+    def finalize_backward(self) -> None:
+        """With overlap, wait for the buckets still in flight (the others were all-reduced during
+        backward); the float32 gradients then hold the mean over the replicas."""
+        if self.overlap is not None:
+            with self.sent.counting(self.comm, "all_reduce"):
+                self.overlap.finalize_backward()
+
+    def backward_communication_seconds(self) -> float:
+        """Seconds spent communicating inside backward so far, a running total: packing, testing
+        and adding buckets from the hooks (0 without overlap)."""
+        return self.overlap.seconds if self.overlap is not None else 0.0
+
     def reduce(self, gradients: list) -> None:
-        """Replace each float32 gradient (in place) by the mean over the replicas; then sum the
-        tied copies' gradients across their two stages."""
-        with self.sent.counting(self.comm, "all_reduce"):
-            self._average_over_replicas(gradients)
+        """Replace each float32 gradient (in place) by the mean over the replicas (with overlap:
+        already done by finalize_backward, which this waits for); then sum the tied copies'
+        gradients across their two stages."""
+        if self.overlap is not None:
+            self.finalize_backward()
+        else:
+            with self.sent.counting(self.comm, "all_reduce"):
+                self._average_over_replicas(gradients)
         if self.tied is not None:
             self.tied.reduce(gradients)
         if self.tensor_parallel is not None:
             self.tensor_parallel.reduce(gradients, self.optimizer.master_weights)
 
     def after_backward(self) -> None:
-        """What runs after every micro-batch's backward: the float32 accumulation (an
-        all-reduce that overlaps backward, as PyTorch DDP's, would start its buckets here)."""
+        """What runs after every micro-batch's backward: the float32 accumulation of the
+        gradients the overlap's hooks did not take (all of them without overlap)."""
         self.peak.sample(self.held())  # every 16-bit gradient of this backward is alive now
         self.optimizer.accumulate_gradients()
+        if self.overlap is not None:
+            self.overlap.pending = True
 
     def held(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind (minimp/parallel/zero_accounts.py)."""
@@ -134,22 +169,35 @@ class DataParallel(GradientSync):
     def _average_over_replicas(self, gradients: list) -> None:
         if self.comm.size == 1:
             return
-        inverse = 1.0 / self.comm.size
-        for (indices, _), (send, receive) in zip(self.buckets, self.buffers):
-            offset = 0
-            for index in indices:
-                flat = _gradient_or_zeros(gradients, index, self.optimizer).reshape(-1)
-                pack(send[offset : offset + flat.size], flat, inverse, self.average)
-                offset += flat.size
+        for bucket in range(len(self.buckets)):
+            send, receive = self._pack(bucket, gradients)
             ring_allreduce(self.comm, send, out=receive)
-            offset = 0
-            for index in indices:
-                grad = gradients[index]
-                # Written through grad itself: a gradient that arrived transposed (the head's copy
-                # of the tied embedding) is Fortran-ordered, and its reshape(-1) is a copy.
-                piece = receive[offset : offset + grad.size].reshape(grad.shape)
-                unpack(grad, piece, inverse, self.average)
-                offset += grad.size
+            self._unpack(bucket, gradients)
+
+    def _pack(self, bucket: int, gradients: list) -> tuple[Any, Any]:
+        """Write the bucket's float32 gradients onto its send buffer (times 1/p, by default);
+        returns the bucket's (send, receive) buffers."""
+        indices, _ = self.buckets[bucket]
+        send, receive = self.buffers[bucket]
+        inverse, offset = 1.0 / self.comm.size, 0
+        for index in indices:
+            flat = _gradient_or_zeros(gradients, index, self.optimizer).reshape(-1)
+            pack(send[offset : offset + flat.size], flat, inverse, self.average)
+            offset += flat.size
+        return send, receive
+
+    def _unpack(self, bucket: int, gradients: list) -> None:
+        """The bucket's reduced sum, off its receive buffer, into the float32 gradients."""
+        indices, _ = self.buckets[bucket]
+        receive = self.buffers[bucket][1]
+        inverse, offset = 1.0 / self.comm.size, 0
+        for index in indices:
+            grad = gradients[index]
+            # Written through grad itself: a gradient that arrived transposed (the head's copy
+            # of the tied embedding) is Fortran-ordered, and its reshape(-1) is a copy.
+            piece = receive[offset : offset + grad.size].reshape(grad.shape)
+            unpack(grad, piece, inverse, self.average)
+            offset += grad.size
 
     def check_replicas(self, extra: Sequence[Any] = ()) -> None:
         """Raise ReplicaMismatchError naming the ranks whose masters (and `extra` arrays, such as

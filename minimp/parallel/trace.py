@@ -31,6 +31,7 @@ NAMES = {
     "send_forward_recv_backward": ("send activation {mb}, receive gradient", COMMUNICATION),
     "send_backward_recv_forward": ("send gradient {mb}, receive activation", COMMUNICATION),
     "wait_sends": ("wait for the step's sends", COMMUNICATION),
+    "finalize_backward": ("wait for gradient buckets", COMMUNICATION),
     "any_rank": ("agree on overflow", COMMUNICATION),
     "reduce": ("all-reduce gradients", COMMUNICATION),
     "global_squared_norm": ("sum gradient norms", COMMUNICATION),

@@ -3,6 +3,9 @@
     accumulate (fp16 -> fp32) -> finite? -> agree across ranks -> reduce -> finite again?
       -> unscale -> clip -> update masters, round into compute copies -> scaler update
 
+With overlap (minimp/parallel/overlap.py) the reduce's bytes move into backward: the step starts
+by waiting for what is still in flight, and the first check then looks at the reduced gradients.
+
 A step whose gradients hold any inf or NaN (on any rank) is skipped whole: masters, optimizer state
 (Adam's step count included) and the compute copies stay exactly as they were; only the loss scaler
 hears about it. Other classes each do one part: the optimizer accumulates and updates, the scaler
@@ -29,9 +32,20 @@ class GradientSync(Protocol):
     """How the ranks that share one step agree and reduce; on one process every method is a no-op.
 
     The order of the decisions is fixed by `mixed_precision_step`; where the bytes move is up to
-    the implementation: all at once after backward (parallel.DataParallel), or a reduce-scatter
-    per layer as backward completes it, with `reduce` left with little to do (parallel.zero).
+    the implementation: all at once after backward (parallel.DataParallel), bucket by bucket
+    during backward (DataParallel with overlap: `finalize_backward` waits for the last ones and
+    `reduce` is left with nothing to do), or a reduce-scatter per layer as backward completes it
+    (parallel.zero).
     """
+
+    def finalize_backward(self) -> None:
+        """Every backward of the step is done: wait for the reductions backward started (data
+        parallelism with overlap); by default there are none."""
+        return None
+
+    def backward_communication_seconds(self) -> float:
+        """Seconds spent communicating inside backward so far (a running total); by default 0."""
+        return 0.0
 
     def any_rank(self, found_inf: bool) -> bool:
         """True on every rank when it is True on any rank of the job (one decision for all)."""
@@ -133,8 +147,11 @@ def mixed_precision_step(
 ) -> StepResult:
     """Finish a step whose (scaled) backward passes are done; returns a StepResult."""
     _warn_if_scale_unused(loss_scaler, sync)
+    sync.finalize_backward()  # overlap: the float32 gradients are then the reduced mean already
     gradients = optimizer.accumulate_gradients()  # 16-bit .grad -> float32 sums
-    found_inf = sync.any_rank(not all_finite(gradients))  # nobody sends inf; all skip together
+    # Without overlap nobody sends inf; with it the reduced mean is checked, and it is
+    # non-finite wherever any replica's gradient was: the same decision. All skip together.
+    found_inf = sync.any_rank(not all_finite(gradients))
     if not found_inf:
         sync.reduce(gradients)  # average over the replicas
         # A float16 wire can overflow in the sum, and a pipeline's other stages must hear of it.

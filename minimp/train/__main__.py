@@ -15,7 +15,8 @@ import time
 from minimp import backend
 from minimp.distributed import run_or_abort, world
 from minimp.distributed.protocol import Communicator
-from minimp.train.config import TrainConfig, parse_config
+from minimp.train.cli import parse_config
+from minimp.train.config import TrainConfig
 from minimp.train.errors import USER_ERRORS, AgreedError, agree_on_error
 from minimp.train.files import check_output_path, exit_cleanly_on_sigterm
 from minimp.train.loop import train

@@ -1,12 +1,15 @@
-"""What a step costs this rank, for the metrics: bytes sent by collective, scalar all-reduces,
-the bytes of model state it holds (by kind, and at the peak inside a step), activations kept.
+"""What a step costs this rank, for the metrics: its seconds, bytes sent by collective, scalar
+all-reduces, the bytes of model state it holds (by kind, and at the peak inside a step),
+activations kept.
 
 Per step (every metrics row): `bytes_sent` (every group but the scalar all-reduces),
-`bytes_by_group` (the same bytes by group: tensor_parallel, data_parallel, pipeline, tied),
-`bytes_by_collective` (all_reduce for --zero 0, reduce_scatter and all_gather for ZeRO, tied for
-the GPT's embedding across stages, pipeline for activations, tensor_parallel for --tp's
-activations and partial gradients), `seconds_by_collective` (ZeRO's run
-inside backward and the update, where `communication_seconds` does not look),
+`compute_seconds`, `communication_seconds`, `exposed_communication_seconds` and, with
+--straggler-barrier, `straggler_seconds` (`step_seconds`), `bytes_by_group` (the bytes sent by
+group: tensor_parallel, data_parallel, pipeline, tied), `bytes_by_collective` (all_reduce for
+--zero 0, reduce_scatter and all_gather for ZeRO, tied for the GPT's embedding across stages,
+pipeline for activations, tensor_parallel for --tp's activations and partial gradients),
+`seconds_by_collective` (ZeRO's run inside backward and the update, where
+`communication_seconds` does not look),
 `scalar_allreduces` (calls: the overflow flags, the norm, the loss) and `peak_activation_bytes`
 (the most bytes kept for backward at once, the largest over the ranks). In the final row:
 `model_state_bytes`, one total per rank, held at the end of the last step, with
@@ -14,6 +17,7 @@ inside backward and the update, where `communication_seconds` does not look),
 the formulas they are checked against).
 """
 
+import time
 from typing import Any
 
 import numpy as np
@@ -61,6 +65,34 @@ class StepCounters:
             "seconds_by_collective": {n: seconds1[n] - seconds0.get(n, 0.0) for n in seconds1},
             "scalar_allreduces": calls1 - calls0,
         }
+
+
+def straggler_barrier(run: Any) -> float | None:
+    """--straggler-barrier: seconds this replica waits for the slowest to end its backward
+    (None without the flag): time overlap cannot hide, kept out of the exposed seconds."""
+    if not run.config.straggler_barrier:
+        return None
+    started = time.perf_counter()
+    run.topology.dp_group.barrier()
+    return time.perf_counter() - started
+
+
+def step_seconds(run: Any, step_start: float, exposed: float, straggler: float | None) -> dict:
+    """Where the step's time went: `communication_seconds` in all (inside backward too), its
+    `exposed_communication_seconds` (from the end of the last backward until the optimizer may
+    step), `straggler_seconds` (the barrier's wait, with --straggler-barrier; in neither of the
+    others) and the rest, `compute_seconds`."""
+    in_backward = run.data_parallel.backward_communication_seconds()
+    communication = run.communication.seconds + in_backward - run.in_backward_before
+    run.in_backward_before = in_backward
+    seconds = {
+        "compute_seconds": time.perf_counter() - step_start - communication - (straggler or 0.0),
+        "communication_seconds": communication,
+        "exposed_communication_seconds": exposed,
+    }
+    if straggler is not None:
+        seconds["straggler_seconds"] = straggler
+    return seconds
 
 
 def step_scalars(run: Any, loss_sum: float) -> tuple[float, int]:

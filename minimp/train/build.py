@@ -166,6 +166,8 @@ def build_sync(
             stage.optimizer,
             bucket_mb=config.bucket_mb,
             stages_comm=topology.mp_group,  # the stages and the tensor-parallel shards
+            overlap=config.overlap,
+            micro_batches=config.micro_batches,
             **options,
         )
         sync.broadcast_parameters()

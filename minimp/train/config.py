@@ -1,4 +1,4 @@
-"""Training configuration: one dataclass, and the argparse CLI generated from it field by field.
+"""Training configuration: one dataclass, each field a flag of the command line (cli.py builds it).
 
 Fields whose default depends on the dataset are None in the dataclass and filled from
 DATASET_DEFAULTS when the config is made: the digits get the small MLP's settings, shakespeare
@@ -6,7 +6,6 @@ gets nanoGPT's CPU configuration of its shakespeare_char example. `--help` lists
 resolved line rank 0 prints at start says which applied. The checks live in validation.py.
 """
 
-import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,6 +149,17 @@ class TrainConfig:
     bucket_mb: float = _flag(
         25.0, "gradient bucket size in MiB for the all-reduce of --zero 0 (ZeRO moves layers)"
     )
+    overlap: bool = _flag(
+        None,
+        "all-reduce each gradient bucket during the last micro-batch's backward, as soon as it "
+        "is complete (same bits as --no-overlap; default: on, off with --zero, which moves its "
+        "own gradients during backward)",
+    )
+    straggler_barrier: bool = _flag(
+        False,
+        "diagnostic: a barrier of the replicas between backward and the gradients' wait, timed "
+        "apart as straggler_seconds (overlap cannot hide a slower replica)",
+    )
     grad_comm_dtype: str = _flag("fp32", "dtype of gradients on the wire", choices=("fp32", "fp16"))
     grad_average: str = _flag(
         "before",
@@ -181,6 +191,8 @@ class TrainConfig:
         for name, value in DATASET_DEFAULTS[self.dataset].items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        if self.overlap is None:  # ZeRO's reduce-scatters run during backward already
+            self.overlap = not self.zero
         if self.min_lr is None:  # nanoGPT's rule: the decay ends at a tenth of the peak
             self.min_lr = self.lr / 10
         if self.precision == "fp8" and self.fp8_recipe is None:
@@ -231,68 +243,3 @@ class TrainConfig:
         return "config " + " ".join(
             f"{key}={value}" for key, value in settings.items() if value not in ("", None)
         )
-
-
-def dashed(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but its errors read `minimp.train: error: ...` like every other error of the
-    command, and under mpirun only rank 0 prints them (every rank still exits with status 2)."""
-
-    def __init__(self, *args, quiet=False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.quiet = quiet
-
-    def error(self, message):
-        self.exit(2, None if self.quiet else f"minimp.train: error: {message} (see --help)\n")
-
-
-def build_parser(
-    prog: str = "python -m minimp.train", quiet: bool = False
-) -> argparse.ArgumentParser:
-    """An argparse parser with one flag per TrainConfig field, its default and help shown."""
-    parser = _Parser(
-        prog=prog,
-        quiet=quiet,
-        description="Train an MLP on digits or a GPT on Shakespeare with minimp.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    for config_field in dataclasses.fields(TrainConfig):
-        metadata, help_text = config_field.metadata, config_field.metadata["help"]
-        default = config_field.default
-        if metadata.get("by_dataset"):
-            defaults = ", ".join(
-                f"{dataset} {values[config_field.name]}"
-                for dataset, values in DATASET_DEFAULTS.items()
-            )
-            help_text, default = f"{help_text} (default: {defaults})", argparse.SUPPRESS
-        elif default is None:  # derived from other flags; the help says how
-            default = argparse.SUPPRESS
-        if _type_of(config_field.name) is bool:  # a switch: present means True
-            parser.add_argument(
-                dashed(config_field.name), dest=config_field.name, action="store_true",
-                help=help_text,
-            )  # fmt: skip
-            continue
-        parser.add_argument(
-            dashed(config_field.name),
-            dest=config_field.name,
-            type=_type_of(config_field.name),
-            default=default,
-            help=help_text,
-            choices=metadata.get("choices"),
-        )
-    return parser
-
-
-def _type_of(name: str) -> type:
-    hint = TrainConfig.__annotations__[name]
-    return hint if hint in (int, float, bool) else str
-
-
-def parse_config(argv: list[str] | None = None, quiet: bool = False) -> TrainConfig:
-    """TrainConfig from command-line arguments (argparse rejects unknown flags and bad types)."""
-    namespace = build_parser(quiet=quiet).parse_args(argv)
-    return TrainConfig(**vars(namespace))

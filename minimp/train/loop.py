@@ -76,6 +76,7 @@ class Run:
         self.counters = accounts.StepCounters(self)
         self.communication = report.Stopwatch()
         self.sync = report.TimedCalls(self.data_parallel, self.communication)
+        self.in_backward_before = self.data_parallel.backward_communication_seconds()
         self.history = progress.History(
             self.log,
             config.metrics if comm.rank == 0 else "",
@@ -171,8 +172,11 @@ class Run:
         if overflow is not None:
             overflow.remove()
         self.guards.inject_fault(step)
+        straggler = accounts.straggler_barrier(self)
         max_norm = self.config.max_grad_norm or None
+        before_step = self.communication.seconds  # what follows the last backward is exposed
         result = mixed_precision_step(self.optimizer, self.scaler, max_norm, sync=self.sync)
+        exposed = self.communication.seconds - before_step
         self.held = self.data_parallel.held()  # what this rank keeps until the next step
         self.data_parallel.peak.sample(self.held)
         self._warn_if_stuck_at_min_scale(step)
@@ -185,8 +189,7 @@ class Run:
             "lr": self.optimizer.lr,
             "loss_scale": result.loss_scale,
             "skipped": result.skipped,
-            "compute_seconds": time.perf_counter() - step_start - self.communication.seconds,
-            "communication_seconds": self.communication.seconds,
+            **accounts.step_seconds(self, step_start, exposed, straggler),
             **self.counters.finish(),
             "peak_activation_bytes": activation_bytes,
             **fp8_entry,

@@ -1,0 +1,195 @@
+"""Overlap on the simulated world: the non-blocking ring's bits, buckets that start during backward,
+training bit-identical with and without overlap (fp32, fp16, micro-batches, a pipeline's GPT), one
+skip decision, the flags, the metrics and the cost model's prediction."""
+
+import numpy as np
+import pytest
+
+from minimp import costmodel, nn, optim
+from minimp import distributed as dist
+from minimp.distributed.ring_nonblocking import RingAllreduce
+from minimp.parallel.data_parallel import DataParallel
+from minimp.precision import NoLossScaler, mixed_precision_step
+from minimp.tensor import Tensor
+from minimp.train import TrainConfig, train
+from minimp.train.cli import parse_config
+from minimp.train.errors import ConfigError
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("size", [3, 1001])
+def test_the_nonblocking_ring_gives_ring_allreduce_s_bits(ranks, dtype, size):
+    def body(comm):
+        x = np.random.default_rng(comm.rank).normal(size=size).astype(dtype)
+        blocking = dist.ring_allreduce(comm, x)
+        out = np.empty_like(x)
+        ring = RingAllreduce(comm, x, out)
+        while not ring.progress():  # advanced by progress alone, as from backward's hooks
+            pass
+        return blocking.tobytes() == out.tobytes()
+
+    assert dist.simulate(ranks, body, eager_limit=0) == [True] * ranks
+
+
+def test_progress_does_not_wait_for_a_rank_that_has_not_started():
+    def body(comm):
+        x, out = np.full(1000, comm.rank + 1.0, np.float32), np.empty(1000, np.float32)
+        if comm.rank == 0:
+            ring = RingAllreduce(comm, x, out)
+            early = ring.progress()  # rank 1 has posted nothing yet
+            comm.barrier()
+            ring.wait()
+            return early, float(out[0])
+        comm.barrier()
+        RingAllreduce(comm, x, out).wait()
+        return None, float(out[0])
+
+    (early, total), (_, other) = dist.simulate(2, body, eager_limit=0)
+    assert early is False and total == other == 3.0
+
+
+def mlp_data_parallel(comm, micro_batches=1, before=None):
+    """A 3-layer MLP, its optimizer and an overlapping DataParallel of 1-element buckets' size
+    (every parameter its own bucket); `before(optimizer)` runs before the hooks go on."""
+    rng = np.random.default_rng(0)
+    model = nn.Sequential(nn.Linear(4, 8, rng=rng), nn.ReLU(), nn.Linear(8, 2, rng=rng))
+    optimizer = optim.SGD(model.parameters(), lr=0.1)
+    if before is not None:
+        before(optimizer)
+    sync = DataParallel(comm, optimizer, bucket_mb=1e-6, overlap=True, micro_batches=micro_batches)
+    return model, optimizer, sync
+
+
+def test_buckets_start_during_backward_as_soon_as_they_are_complete():
+    """Backward reaches the first layer's weight last: when its gradient arrives, every bucket
+    but its own has started already."""
+
+    def body(comm):
+        started = []
+
+        def watch(optimizer):
+            first = optimizer.params[0]
+            first.register_post_accumulate_grad_hook(
+                lambda t: started.append(sync.overlap.next_bucket)
+            )
+
+        model, optimizer, sync = mlp_data_parallel(comm, before=watch)
+        x = Tensor(np.random.default_rng(comm.rank).normal(size=(5, 4)).astype(np.float32))
+        model(x).sum().backward()
+        return started[0], len(sync.buckets), sync.overlap.bucket_of[0]
+
+    for next_bucket, buckets, bucket_of_first in dist.simulate(2, body):
+        assert bucket_of_first == buckets - 1 and next_bucket == buckets - 1
+
+
+def test_a_parameter_reached_more_often_than_the_micro_batches_is_refused():
+    def body(comm):
+        model, optimizer, sync = mlp_data_parallel(comm, micro_batches=1)
+        x = Tensor(np.ones((2, 4), np.float32))
+        for _ in range(2):  # two micro-batches, but the sync was told one
+            model(x).sum().backward()
+            sync.after_backward()
+        with pytest.raises(RuntimeError, match="received 2 gradients in a step of 1"):
+            mixed_precision_step(optimizer, NoLossScaler(), sync=sync)
+        return True
+
+    assert dist.simulate(2, body) == [True, True]
+
+
+TINY = dict(hidden=16, layers=3, batch_size=24, steps=5, log_every=1000, bucket_mb=1e-4)
+
+
+def simulated(world_size, **overrides):
+    config = TrainConfig(**{**TINY, **overrides})
+    config.validate(world_size)
+    return dist.simulate(
+        world_size, lambda comm: train(config, log=lambda line: None, comm=comm), eager_limit=0
+    )
+
+
+def assert_same_run(overlap, no_overlap):
+    for with_, without in zip(overlap, no_overlap):
+        for name, array in with_["master_weights"].items():
+            assert array.tobytes() == without["master_weights"][name].tobytes(), name
+        steps = [(r["loss"], r["skipped"], r["loss_scale"]) for r in with_["history"]]
+        assert steps == [(r["loss"], r["skipped"], r["loss_scale"]) for r in without["history"]]
+
+
+@pytest.mark.parametrize(
+    "world_size, flags",
+    [
+        (2, dict(precision="fp32")),
+        (2, dict(precision="fp16")),
+        (3, dict(precision="fp16", micro_batches=2, grad_comm_dtype="fp16")),
+        (3, dict(precision="bf16", micro_batches=4, grad_average="after")),
+    ],
+)
+def test_overlap_trains_to_the_bits_of_no_overlap(world_size, flags):
+    overlap = simulated(world_size, overlap=True, **flags)
+    no_overlap = simulated(world_size, overlap=False, **flags)
+    assert_same_run(overlap, no_overlap)
+
+
+def test_an_overflow_on_one_replica_is_skipped_by_all_as_without_overlap():
+    """The buckets leave before anyone checks them; the reduced mean carries the inf, and the
+    check of it makes every replica skip the same step as the check before the reduction does."""
+    flags = dict(precision="fp16", steps=6, inject_overflow="3:1")
+    overlap = simulated(2, overlap=True, **flags)
+    skipped = [r["skipped"] for r in overlap[0]["history"]]
+    assert skipped == [False, False, True, False, False, False]
+    assert_same_run(overlap, simulated(2, overlap=False, **flags))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(pp=2),
+        dict(pp=2, schedule="interleaved", virtual_stages=2),  # a rank's two chunks
+        dict(pp=2, schedule="zb-h1"),  # the gradients arrive in W, after every B
+        dict(tp=2, sequence_parallel=True),  # partial gradients summed after the mean
+    ],
+    ids=str,
+)
+def test_a_gpt_with_its_tied_embedding_trains_to_the_same_bits_in_every_layout(layout):
+    flags = dict(
+        dataset="shakespeare", layers=2, hidden=16, heads=2, context=8, batch_size=8, steps=3,
+        eval_every=0, micro_batches=2, precision="fp16", bucket_mb=1e-3, **layout,
+    )  # fmt: skip
+    assert_same_run(simulated(4, overlap=True, **flags), simulated(4, overlap=False, **flags))
+
+
+def test_the_metrics_split_communication_into_total_and_exposed():
+    history = simulated(2, overlap=True, straggler_barrier=True)[0]["history"]
+    for record in history:
+        assert 0 < record["exposed_communication_seconds"] <= record["communication_seconds"]
+        assert record["straggler_seconds"] >= 0 and record["compute_seconds"] > 0
+    plain = simulated(2, overlap=False)[0]["history"]
+    assert all("straggler_seconds" not in record for record in plain)
+    for record in plain:  # without overlap all of it happens after backward
+        assert record["exposed_communication_seconds"] <= record["communication_seconds"]
+
+
+def test_overlap_is_on_by_default_off_with_zero_and_refused_with_it():
+    assert parse_config([]).overlap is True
+    assert parse_config(["--no-overlap"]).overlap is False
+    assert parse_config(["--zero", "2"]).overlap is False
+    with pytest.raises(ConfigError, match="--overlap works with --zero 0 only"):
+        parse_config(["--zero", "2", "--overlap"]).validate(2)
+
+
+def test_the_cost_model_s_overlap_hides_what_backward_lasts_and_no_more():
+    net, sizes = costmodel.DATACENTER, [4e6, 4e6, 4e6]
+    ring = costmodel.ring_allreduce_time(4e6, 2, net)
+    # Ready at 1/3, 2/3 and 3/3 of a 1 ms backward; each ring (172 us) ends before the next
+    # bucket is ready, so only the last one is exposed.
+    assert costmodel.overlapped_exposed_time(sizes, 1e-3, 2, net) == pytest.approx(ring)
+    # A backward of no length hides nothing: every ring runs after it.
+    assert costmodel.overlapped_exposed_time(sizes, 0.0, 2, net) == pytest.approx(3 * ring)
+
+
+def test_the_bytes_sent_by_the_all_reduce_are_counted_alike_with_and_without_overlap():
+    with_ = simulated(2, overlap=True)[0]["history"]
+    without = simulated(2, overlap=False)[0]["history"]
+    sent = [r["bytes_by_collective"]["all_reduce"] for r in with_]
+    assert sent == [r["bytes_by_collective"]["all_reduce"] for r in without] and sent[0] > 0

@@ -1,0 +1,51 @@
+"""Overlap under `mpirun` for real: the same bits as without it, and the benchmark's report."""
+
+import os
+import subprocess
+
+import numpy as np
+import pytest
+from conftest import MPIRUN, PYTHON
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(MPIRUN is None, reason="no mpirun on PATH (pip install 'minimp[mpi]')"),
+]
+SMALL = ["--hidden", "64", "--layers", "3", "--batch-size", "32", "--log-every", "1000"]
+
+
+def masters(path):
+    with np.load(path) as archive:
+        return {name: archive[name] for name in archive.files if name.startswith("master/")}
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_overlap_under_mpirun_ends_with_the_bits_of_no_overlap(tmp_path, precision):
+    weights = {}
+    for mode in ("--overlap", "--no-overlap"):
+        path = tmp_path / f"{mode}.npz"
+        result = subprocess.run(
+            [MPIRUN, "-n", "2", PYTHON, "-m", "minimp.train", *SMALL, mode, "--steps", "8",
+             "--precision", precision, "--micro-batches", "2", "--bucket-mb", "0.01",
+             "--save", str(path)],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        weights[mode] = masters(path)
+    assert weights["--overlap"].keys() == weights["--no-overlap"].keys()
+    for name, array in weights["--overlap"].items():
+        assert array.tobytes() == weights["--no-overlap"][name].tobytes(), name
+
+
+def test_the_overlap_benchmark_reports_both_modes_and_their_ratio():
+    example = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples", "overlap_bench.py")
+    result = subprocess.run(
+        [MPIRUN, "-n", "2", PYTHON, example, "--steps", "3",
+         "--rounds", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("p = 2, 7 buckets"), result.stdout
+    assert [line.split()[0] for line in lines[1:3]] == ["no_overlap", "overlap"]
+    assert "exposed(overlap) / exposed(no overlap) = " in lines[3]
