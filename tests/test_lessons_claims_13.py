@@ -2,11 +2,16 @@
 test_lessons_claims.py. A failure here means a sentence in lessons/13_hiding_communication.ipynb
 became false."""
 
+import os
+import re
+
 import numpy as np
 import pytest
 
-from minimp import Tensor, nn
-from minimp.lessons import timelines
+from minimp import Tensor, costmodel, nn
+from minimp import distributed as dist
+from minimp.distributed.ring_nonblocking import RingAllreduce
+from minimp.lessons import overlap_timeline, timelines
 from minimp.parallel import Costs, format_schedule, peak_activations, simulate_schedule
 from minimp.parallel.schedule_choice import CHOICES, build_schedule
 from minimp.split_backward import backward_input, backward_weight
@@ -129,3 +134,101 @@ def test_the_runner_stores_what_the_schedules_data_says_at_p2_m4():
         assert run["peak_stored_micro_batches"] == data
         assert run["virtual_stages"] == V
         assert timelines.simulate_parts(run).span > 0
+
+
+# ----- the Overlap section -----------------------------------------------------------------------
+
+
+def test_the_timed_mlp_has_10_parameters_in_7_buckets_the_last_layer_first():
+    t = overlap_timeline
+    assert (t.FEATURES, t.HIDDEN, t.LAYERS, t.CLASSES, t.ROWS, t.BUCKET_MB) == (
+        64, 512, 4, 10, 128, 1.0)
+    buckets, sizes = t.plan()
+    assert len(sizes) == 10 and len(buckets) == 7
+    assert [indices for indices, _ in buckets] == [[9, 8, 7], [6], [5], [4], [3], [2], [1, 0]]
+    # parameters 9 and 8 are the output layer's bias and weight, 7 the last hidden layer's bias
+    assert sizes[9] == 10 and sizes[8] == 512 * 10 and sizes[7] == 512
+    assert 512 * 512 * 4 == 2**20 and buckets[1] == ([6], 512 * 512)
+    assert 0 in buckets[-1][0]
+
+
+def test_the_ring_has_2_p_minus_1_steps():
+    def body(comm):
+        x, out = np.full(8, comm.rank + 1.0, np.float32), np.empty(8, np.float32)
+        ring = RingAllreduce(comm, x, out)
+        ring.wait()
+        return ring.steps, float(out[0])
+
+    for p in (2, 3):
+        for steps, total in dist.simulate(p, body, eager_limit=0):
+            assert steps == 2 * (p - 1) and total == p * (p + 1) / 2
+
+
+def simulated_steps(**kwargs):
+    return dist.simulate(2, lambda comm: {
+        mode: overlap_timeline.timed_step(comm, overlap, **kwargs)
+        for overlap, mode in ((True, "overlap"), (False, "no_overlap"))})
+
+
+def assert_the_lessons_timeline(steps):
+    """Each bucket starts in the hook of its last parameter with overlap; without, every ring
+    starts after backward, one after another; the hooks go 9 to 0; the last ring ends after
+    backward."""
+    buckets, _ = overlap_timeline.plan()
+    for step in steps.values():
+        assert step["hooks"] == list(range(9, -1, -1))
+    events = overlap_timeline.bucket_events(steps["overlap"])
+    assert [started for started, _ in events] == [
+        f"in the hook of parameter {indices[-1]}" for indices, _ in buckets]
+    assert events[-1][1] == "after backward"
+    rows = sorted((r for r in steps["no_overlap"]["communication"] if r[0].startswith("bucket")),
+                  key=lambda r: int(r[0].split()[1]))
+    assert rows[0][1] >= steps["no_overlap"]["backward_end"]
+    assert all(b[1] >= a[2] for a, b in zip(rows, rows[1:]))
+    assert len(rows) == len(buckets)
+
+
+def test_the_timeline_on_the_simulated_world():
+    for steps in simulated_steps(steps=1):
+        assert_the_lessons_timeline(steps)
+
+
+@pytest.mark.mpi
+def test_the_lessons_two_rank_run():
+    run = overlap_timeline.measure()
+    assert_the_lessons_timeline(run["timeline"])
+    assert run["identical"] is True
+    assert overlap_timeline.LATE_SECONDS == 0.02
+    for mode in ("overlap", "no_overlap"):
+        late = run["late"][mode]
+        assert late["end"] - late["backward_end"] > 0  # rank 0 waits for the late replica
+        assert set(run["metrics"][mode]) == {"compute_seconds", "communication_seconds",
+                                             "exposed_communication_seconds", "straggler_seconds"}
+    trained = overlap_timeline.TRAINED
+    assert (trained["batch_size"], trained["precision"], trained["steps"]) == (256, "fp32", 3)
+    assert trained["straggler_barrier"] is True
+
+
+def test_the_readme_s_overlap_benchmark_ratios_are_34_to_43_percent():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    section = readme[readme.index("## Benchmark: overlap"):]
+    rows = re.findall(r"^\| \d \| ([\d.]+) \| ([\d.]+) \| (\d+)% \|", section, re.M)
+    assert len(rows) == 3
+    for without, with_, ratio in rows:
+        assert round(100 * float(with_) / float(without)) == int(ratio)
+    assert (min(int(r) for *_, r in rows), max(int(r) for *_, r in rows)) == (34, 43)
+    assert "34-43% of what it is without" in section
+
+
+def test_the_cost_model_s_exposed_shares_for_the_7_buckets_on_gpus():
+    buckets, sizes = overlap_timeline.plan()
+    nbytes = [elements * 4 for _, elements in buckets]
+    net = costmodel.DATACENTER
+    rings = sum(costmodel.ring_allreduce_time(n, 2, net) for n in nbytes)
+    assert round(rings * 1e3, 3) == 0.204
+    shares = {backward: costmodel.overlapped_exposed_time(nbytes, backward, 2, net) / rings
+              for backward in (1e-5, 1e-4, 5e-4, 1e-3)}
+    assert [round(100 * share) for share in shares.values()] == [95, 61, 23, 14]
+    assert sum(sizes) == 826_378
+    assert round(4 * 128 * sum(sizes) / 1e9, 2) == 0.42
+    assert round(4 * 128 * sum(sizes) / 100e12 * 1e6, 1) == 4.2

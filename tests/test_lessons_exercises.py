@@ -553,6 +553,45 @@ def zb_bubble_of_the_ideal_time(P, M, t_forward, t_input, t_weight):
     return (P - 1) * (t_forward + t_input - t_weight) / (M * (t_forward + t_input + t_weight))
 
 
+def exposed_without_overlap(op_seconds, bucket_ops, ring_seconds):
+    """Every ring after backward."""
+    return sum(ring_seconds)
+
+
+def exposed_without_queueing(op_seconds, bucket_ops, ring_seconds):
+    """Each ring starts when its bucket is ready, even while the one before it still runs."""
+    ready = np.cumsum(op_seconds)[np.cumsum(bucket_ops) - 1]
+    return max(0.0, float(max(ready + np.array(ring_seconds))) - float(sum(op_seconds)))
+
+
+def exposed_last_ring_only(op_seconds, bucket_ops, ring_seconds):
+    """Only the last bucket's ring, as if every other one were hidden."""
+    return ring_seconds[-1]
+
+
+def plan_in_model_order(sizes, bucket_bytes, itemsize):
+    """First parameter first: the first bucket would be complete only at backward's end."""
+    reverse = solutions(13).plan_buckets(sizes[::-1], bucket_bytes, itemsize)
+    return [[len(sizes) - 1 - i for i in bucket] for bucket in reverse]
+
+
+def plan_closing_when_exactly_full(sizes, bucket_bytes, itemsize):
+    """A bucket that would be exactly full is closed too early."""
+    return solutions(13).plan_buckets(sizes, bucket_bytes - 1e-9, itemsize)
+
+
+def plan_with_an_empty_bucket(sizes, bucket_bytes, itemsize):
+    """A parameter larger than a bucket leaves an empty bucket before it."""
+    buckets, current, elements = [], [], 0
+    for index in reversed(range(len(sizes))):
+        if (elements + sizes[index]) * itemsize > bucket_bytes:
+            buckets.append(current)
+            current, elements = [], 0
+        current.append(index)
+        elements += sizes[index]
+    return buckets + [current]
+
+
 WRONG = {
     (1, "ulp16"): [ulp16_without_the_top_binade, ulp16_without_subnormals],
     (1, "round_to_float16"): [round_half_up, round_without_overflow],
@@ -598,6 +637,10 @@ WRONG = {
                                   interleaved_on_chunk_0],
     (13, "zb_h1_bubble"): [zb_bubble_with_equal_costs, zb_bubble_of_1f1b,
                            zb_bubble_of_the_ideal_time],
+    (13, "exposed_seconds"): [exposed_without_overlap, exposed_without_queueing,
+                              exposed_last_ring_only],
+    (13, "plan_buckets"): [plan_in_model_order, plan_closing_when_exactly_full,
+                           plan_with_an_empty_bucket],
     (14, "round_to_fp8"): [round_with_ml_dtypes, round_fp8_half_up, round_flushing_subnormals,
                            round_losing_the_sign_of_zero],
     (14, "delayed_scaling_update"): [update_from_this_step_only, update_dividing_by_anything,

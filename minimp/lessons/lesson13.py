@@ -1,9 +1,11 @@
 """Checkers for lesson 13 (hiding communication): the interleaved schedule's compute order as data,
-under the dependency checker and the simulator; ZB-H1's bubble predicted, then simulated.
+under the dependency checker and the simulator; ZB-H1's bubble predicted, then simulated; the
+exposed seconds of buckets all-reduced behind backward; DataParallel's bucket plan.
 Reference solutions: lessons/solutions/lesson13.py."""
 
 from typing import Callable
 
+from minimp import costmodel
 from minimp.lessons.checking import Report, call, close, expect
 from minimp.parallel import Action
 from minimp.parallel.dependencies import check_schedule, with_messages
@@ -114,7 +116,108 @@ def check_zb_h1_bubble(zb_h1_bubble: Callable[[int, int, float, float, float], f
     return report.finish()
 
 
+# (op_seconds, bucket_ops, ring_seconds): rings hidden but the last, rings that queue, a backward
+# of no length, one bucket, a ring longer than all of backward
+EXPOSED_CASES = [
+    ([1.0, 1.0, 1.0, 1.0], [2, 1, 1], [0.5, 0.5, 0.5]),
+    ([1.0, 0.5, 0.5, 2.0, 1.0], [1, 2, 2], [2.0, 3.0, 0.5]),
+    ([0.0, 0.0, 0.0], [1, 1, 1], [1.0, 2.0, 3.0]),
+    ([3.0, 1.0], [2], [0.25]),
+    ([0.5, 0.5, 0.5, 0.5], [1, 3], [5.0, 0.1]),
+    ([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [1, 1, 1, 1, 1, 1], [1.5, 2.5, 0.5, 4.0, 1.0, 0.5]),
+]
+# (elements of each parameter in model order, bucket bytes, itemsize)
+PLAN_CASES = [
+    ([32768, 512, 262144, 512, 262144, 512, 262144, 512, 5120, 10], 2**20, 4),
+    ([10, 20, 30, 40], 200, 4), ([10, 20, 30, 40], 120, 4), ([10, 20, 30, 40], 119, 4),
+    ([1000, 1, 1, 1000], 64, 2), ([5, 5, 5], 10**6, 4), ([7], 1, 4),
+]
+
+
+def simulated_exposed(op_seconds: list, bucket_ops: list, ring_seconds: list) -> float:
+    """Play the rings beside backward: bucket b is ready when its last op ends; its ring starts
+    when it is ready and the ring before it has ended."""
+    ends = [sum(op_seconds[: k + 1]) for k in range(len(op_seconds))]
+    ring_end, last_op = 0.0, -1
+    for ops, seconds in zip(bucket_ops, ring_seconds):
+        last_op += ops
+        ring_end = max(ring_end, ends[last_op]) + seconds
+    return max(0.0, ring_end - (ends[-1] if ends else 0.0))
+
+
+def check_exposed_seconds(exposed_seconds: Callable[[list, list, list], float],
+                          quiet: bool = False) -> Report:
+    """exposed_seconds(op_seconds, bucket_ops, ring_seconds): how long the last bucket's ring
+    runs past backward's end, rings beside the compute, one at a time in bucket order."""
+    report = Report("exposed_seconds", quiet)
+    hint = ("a bucket is ready when its last op ends; its ring starts at the later of that and "
+            "the previous ring's end; exposed = last ring's end - backward's end, at least 0")
+    for ops, buckets, rings in EXPOSED_CASES:
+
+        @report.case(f"ops {ops}, buckets of {buckets} ops, rings {rings}: as simulated",
+                     hint=hint)
+        def _():
+            want = simulated_exposed(ops, buckets, rings)
+            got = float(call(exposed_seconds, list(ops), list(buckets), list(rings)))
+            expect(abs(got - want) <= 1e-12 or close(got, want, 1e-9),
+                   f"got {got:g}, simulated {want:g}")
+
+    @report.case("as costmodel.overlapped_exposed_time when each op's time is its bytes' share",
+                 hint="the cost model makes a bucket ready once backward has done its share of "
+                 "the bytes: one op per bucket, each as long as its share")
+    def _():
+        net, nbytes = costmodel.DATACENTER, [4e6, 1e6, 8e6, 2e6]
+        for backward in (0.0, 1e-4, 1e-3, 1e-2):
+            ops = [backward * n / sum(nbytes) for n in nbytes]
+            rings = [costmodel.ring_allreduce_time(n, 2, net) for n in nbytes]
+            want = costmodel.overlapped_exposed_time(nbytes, backward, 2, net)
+            got = float(call(exposed_seconds, ops, [1] * len(nbytes), rings))
+            expect(abs(got - want) <= 1e-12 or close(got, want, 1e-9),
+                   f"backward {backward:g} s: got {got:g}, cost model {want:g}")
+
+    return report.finish()
+
+
+def data_parallel_plan(sizes: list[int], bucket_bytes: float, itemsize: int) -> list[list[int]]:
+    """DataParallel's own plan for parameters of these sizes, on a world of one."""
+    import numpy as np
+
+    from minimp import optim
+    from minimp.distributed import simulate
+    from minimp.parallel.data_parallel import DataParallel
+    from minimp.tensor import Tensor
+
+    def plan(comm):
+        params = [Tensor(np.zeros(n, np.float32), requires_grad=True) for n in sizes]
+        sync = DataParallel(comm, optim.SGD(params, lr=0.1), bucket_mb=bucket_bytes / 2**20,
+                            comm_dtype=np.dtype(f"f{itemsize}"))
+        return [indices for indices, _ in sync.buckets]
+
+    return simulate(1, plan)[0]
+
+
+def check_bucket_plan(plan_buckets: Callable[[list, float, int], list],
+                      quiet: bool = False) -> Report:
+    """plan_buckets(sizes, bucket_bytes, itemsize): DataParallel's buckets as lists of parameter
+    indices, last parameter first."""
+    report = Report("plan_buckets", quiet)
+    for sizes, limit, itemsize in PLAN_CASES:
+
+        @report.case(f"sizes {sizes}, {limit:,} bytes, itemsize {itemsize}: DataParallel's plan",
+                     hint="walk the parameters from the last to the first; close the bucket "
+                     "when the next one would take it over bucket_bytes (exactly full is fine), "
+                     "and never leave a bucket empty")
+        def _():
+            want = data_parallel_plan(sizes, limit, itemsize)
+            got = [list(bucket) for bucket in call(plan_buckets, list(sizes), limit, itemsize)]
+            expect(got == want, f"got {got}, DataParallel plans {want}")
+
+    return report.finish()
+
+
 EXERCISES = [
     ("interleaved_compute", check_interleaved_compute),
     ("zb_h1_bubble", check_zb_h1_bubble),
+    ("exposed_seconds", check_exposed_seconds),
+    ("plan_buckets", check_bucket_plan),
 ]
