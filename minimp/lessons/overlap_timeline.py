@@ -175,8 +175,8 @@ def measure() -> dict:
 
 def lanes(timelines: list[dict], titles: list[str]) -> None:
     """Each timed step as two lanes: compute (forward blue, backward orange) and communication
-    (each bucket's ring in flight, numbered, pale; the hooks' work dark); a line at backward's
-    end, after which communication is exposed."""
+    (each bucket's ring from start to end, green, a thin row each; the hooks' work dark); a red
+    line at backward's end, after which communication is exposed."""
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(len(timelines), 1, figsize=(11, 1.0 + 1.2 * len(timelines)),
@@ -185,20 +185,22 @@ def lanes(timelines: list[dict], titles: list[str]) -> None:
     for axis, timeline, title in zip(axes[:, 0], timelines, titles):
         for lane, rows in enumerate((timeline["compute"], timeline["communication"])):
             for label, start, end in rows:
-                bucket = label.startswith("bucket")
-                axis.barh(lane + (0.2 if bucket else 0.0), (end - start) * 1e3,
-                          left=start * 1e3, height=0.4 if bucket else 0.8,
-                          color="#8fbc8f" if bucket else colors[label], edgecolor="black",
-                          linewidth=0.3)
-                if bucket:
-                    axis.text(end * 1e3, lane + 0.2, label.split()[1], fontsize=6, va="center")
+                if label.startswith("bucket"):  # a thin row of its own per bucket, 0 on top
+                    bucket = int(label.split()[1])
+                    row, height, color = lane - 0.35 + 0.11 * bucket, 0.09, "#55a868"
+                    axis.text(start * 1e3, row, label.split()[1] + " ", fontsize=6,
+                              va="center", ha="right")
+                else:
+                    row, height, color = lane, 0.8, colors[label]
+                axis.barh(row, (end - start) * 1e3, left=start * 1e3, height=height,
+                          color=color, edgecolor="black", linewidth=0.3)
         axis.axvline(timeline["backward_end"] * 1e3, color="red", linewidth=0.8)
         axis.set_yticks([0, 1])
         axis.set_yticklabels(["compute", "communication"])
         axis.invert_yaxis()
         axis.set_title(title, fontsize=9)
-    axes[-1, 0].set_xlabel("ms since the step's start (red: backward's end; green: a bucket's "
-                           "ring from start to end; dark: work in the hooks)")
+    axes[-1, 0].set_xlabel("ms since the step's start (red: backward's end; green: each bucket's "
+                           "ring from start to end, bucket 0 on top; dark: work in the hooks)")
     figure.tight_layout()
     plt.show()
 
