@@ -4,7 +4,7 @@
     mpirun -n 2 -bind-to core python mpirun_examples/overlap_bench.py --json
 
 It trains the 3.2M-parameter MLP (--hidden 1024 --layers 4, fp16, global batch 256, 1 MiB
-buckets: 6 of them) in rounds that alternate --overlap and --no-overlap, each with
+buckets: 7 of them) in rounds that alternate --overlap and --no-overlap, each with
 --straggler-barrier, so the waits for the slower replica are timed apart and left out of the
 exposed seconds (from the end of the last backward until the optimizer may step). It prints, per
 mode, the median over the steps after the first of the exposed seconds, of all communication
