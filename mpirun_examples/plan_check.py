@@ -38,7 +38,9 @@ from minimp.planning.steptime import step_flops, step_time
 
 RANKS, CORES = 4, os.cpu_count() or 2
 BATCH, ROWS = 16, 4  # samples per step, rows per micro-batch
-JOB = Job(BATCH, (ROWS,), precision="fp16", optimizer="adamw", grad_comm_bytes=4)
+# minimp keeps the embedding and the head whole on every tensor-parallel rank
+JOB = Job(BATCH, (ROWS,), precision="fp16", optimizer="adamw", grad_comm_bytes=4,
+          vocabulary_parallel=False)
 COMMON = ["--dataset", "shakespeare", "--batch-size", str(BATCH), "--log-every", "100000"]
 COMMON += ["--eval-every", "0", "--eval-batches", "1"]
 
