@@ -122,6 +122,7 @@ def planned():
 def test_the_planner_at_1024_gpus():
     model, cluster, job, plans = planned()
     assert (model.layers, model.hidden, model.heads, model.context) == (60, 10240, 80, 2048)
+    assert model.vocab == 51_200 and job.vocabulary_parallel
     assert all(p.layout.tp == 8 for p in plans[:4]) and plans[4].layout.tp == 4
     top, twin = plans[0], plans[1]
     assert top.layout.sequence_parallel and not twin.layout.sequence_parallel
