@@ -97,6 +97,9 @@ def parser() -> argparse.ArgumentParser:
     job.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
     job.add_argument("--grad-comm-dtype", default="fp32", choices=("fp32", "fp16"))
     job.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    job.add_argument("--vocabulary-parallel", default="on", choices=("on", "off"),
+                     help="on: the token embedding and head cut over tp (Megatron-LM); off: "
+                     "whole on every rank (minimp)")  # fmt: skip
     search = p.add_argument_group("search")
     search.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider")
     search.add_argument("--recompute", default="any", choices=sorted(CHOICE))
@@ -227,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer=args.optimizer,
             grad_comm_bytes=4 if args.grad_comm_dtype == "fp32" else 2,
             schedule=args.schedule,
+            vocabulary_parallel=args.vocabulary_parallel == "on",
         )
         choices = Choices(
             _integers(args.zero, "--zero"), CHOICE[args.recompute], CHOICE[args.sequence_parallel]

@@ -1,13 +1,13 @@
 """The planner against this machine: predicted and measured step time of every grid on 4 ranks.
 
-    python mpirun_examples/plan_check.py                  # launches mpirun itself, ~6 minutes
+    python mpirun_examples/plan_check.py                  # launches mpirun itself, 6-11 minutes
     python mpirun_examples/plan_check.py --steps 6 --json
 
 1. One process with one BLAS thread trains the GPT (python -m minimp.train --dataset shakespeare:
    4 blocks of 128, context 64, fp16, AdamW) on batches of 16 in 4 micro-batches of 4 rows; its
    median step time and the step's FLOPs (planning/steptime.py's count, Narayanan et al.'s Eq. 3
    without recomputation) give the compute rate of one process.
-2. Every layout of 4 ranks with dp x pp = 4 (and each ZeRO stage when dp > 1) trains the same
+2. Every layout of 4 ranks with dp x tp x pp = 4 (and each ZeRO stage when dp > 1) trains the same
    model on the same batch of 16 in micro-batches of 4 rows (M = 16 / (4 dp) per replica), and
    its median step time (compute + communication seconds of the metrics, after the first
    `--skip` steps) is the measurement.
@@ -38,7 +38,9 @@ from minimp.planning.steptime import step_flops, step_time
 
 RANKS, CORES = 4, os.cpu_count() or 2
 BATCH, ROWS = 16, 4  # samples per step, rows per micro-batch
-JOB = Job(BATCH, (ROWS,), precision="fp16", optimizer="adamw", grad_comm_bytes=4)
+# minimp keeps the embedding and the head whole on every tensor-parallel rank
+JOB = Job(BATCH, (ROWS,), precision="fp16", optimizer="adamw", grad_comm_bytes=4,
+          vocabulary_parallel=False)
 COMMON = ["--dataset", "shakespeare", "--batch-size", str(BATCH), "--log-every", "100000"]
 COMMON += ["--eval-every", "0", "--eval-batches", "1"]
 
@@ -124,16 +126,17 @@ def print_table(result: dict) -> None:
         f"one process, one thread: {rate / 1e9:.2f} GFLOP/s; {ranks} ranks on {cores} cores: "
         f"{rate * min(1, cores / ranks) / 1e9:.2f} GFLOP/s each"
     )
-    print("| dp | tp | pp | ZeRO | M | predicted s | compute | bubble | dp comm | measured s "
-          "| predicted / measured |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| dp | tp | pp | ZeRO | M | predicted s | compute | bubble | dp comm | tp comm "
+          "| measured s | predicted / measured |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in result["rows"]:
         layout, parts = row["layout"], row["predicted_by_part"]
         communication = parts["data_parallel"] + parts["zero_in_step"]
         print(
             f"| {layout['dp']} | {layout['tp']} | {layout['pp']} | {layout['zero']} "
             f"| {layout['micro_batches']} | {row['predicted']:.3f} | {parts['compute']:.3f} "
-            f"| {parts['bubble']:.3f} | {communication:.3f} | {row['measured']:.3f} "
+            f"| {parts['bubble']:.3f} | {communication:.3f} | {parts['tensor_parallel']:.3f} "
+            f"| {row['measured']:.3f} "
             f"| {row['ratio']:.2f} |"
         )
 

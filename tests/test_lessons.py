@@ -25,8 +25,8 @@ BENIGN_STDERR = ("Matplotlib is building the font cache",)  # a fresh machine's 
 NUMBERS = [int(module.removeprefix("lesson")) for module in CHECKER_MODULES]
 
 
-def test_there_are_thirteen_lessons_each_notebook_with_its_checker_module():
-    assert [int(name.split("_")[0]) for name in NOTEBOOKS] == NUMBERS and len(NUMBERS) == 13
+def test_there_are_fourteen_lessons_each_notebook_with_its_checker_module():
+    assert [int(name.split("_")[0]) for name in NOTEBOOKS] == NUMBERS and len(NUMBERS) == 14
 
 
 def notebook_of(number):

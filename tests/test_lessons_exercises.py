@@ -592,6 +592,82 @@ def plan_with_an_empty_bucket(sizes, bucket_bytes, itemsize):
     return buckets + [current]
 
 
+def row_parallel_functions():
+    """Row-parallel Linears, each wrong in one way."""
+    from minimp.function import Function
+    from minimp.parallel.tensor_parallel import all_reduce
+
+    class RowParallelWithoutTheSum(Function):
+        """Each rank keeps its partial output: g forgotten."""
+
+        @staticmethod
+        def forward(ctx, x, weight, comm):
+            ctx.save_for_backward(x, weight)
+            return x @ weight.T
+
+        backward = solutions(12).RowParallel.backward
+
+    class RowParallelSummingBackward(Function):
+        """An all-reduce in backward too: dL/dx_r belongs to this rank alone."""
+
+        @staticmethod
+        def forward(ctx, x, weight, comm):
+            ctx.comm = comm
+            return solutions(12).RowParallel.forward(ctx, x, weight, comm)
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            grad_x, grad_weight = solutions(12).RowParallel.backward(ctx, grad_output)
+            return all_reduce(ctx.comm, grad_x), grad_weight
+
+    class RowParallelWithTheWeightGradientOfOneRow(Function):
+        """dL/dW_r from the last sample only: the leading axes not summed."""
+
+        forward = solutions(12).RowParallel.forward
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            x, weight = ctx.saved_arrays
+            return grad_output @ weight, grad_output[-1, -1][:, None] * x[-1, -1][None, :]
+
+    class RowParallelGatheringTheInput(Function):
+        """The right numbers by gathering: every rank's x_r and W_r travel instead of y."""
+
+        @staticmethod
+        def forward(ctx, x, weight, comm):
+            ctx.save_for_backward(x, weight)
+            whole = all_reduce(comm, np.zeros((comm.size, *x.shape)))  # bytes of a gather
+            return all_reduce(comm, x @ weight.T) + 0 * whole.sum()
+
+        backward = solutions(12).RowParallel.backward
+
+    return [RowParallelWithoutTheSum, RowParallelSummingBackward,
+            RowParallelWithTheWeightGradientOfOneRow, RowParallelGatheringTheInput]
+
+
+def tp_bytes_all_reduce_as_twice_the_array(blocks, rows, context, width, tp, micro_batches,
+                                           compute_bytes, sequence_parallel):
+    """An all-reduce counted as 2 n, not 2 (t - 1)/t n."""
+    if tp == 1:
+        return 0
+    fraction = solutions(12).tp_bytes_sent(blocks, rows, context, width, 2, micro_batches,
+                                           compute_bytes, sequence_parallel)
+    return 2 * fraction
+
+
+def tp_bytes_forward_only(blocks, rows, context, width, tp, micro_batches, compute_bytes,
+                          sequence_parallel):
+    return solutions(12).tp_bytes_sent(blocks, rows, context, width, tp, micro_batches,
+                                       compute_bytes, sequence_parallel) / 2
+
+
+def tp_bytes_sequence_parallel_as_plain(blocks, rows, context, width, tp, micro_batches,
+                                        compute_bytes, sequence_parallel):
+    """Sequence parallelism's blocks only: the head's gather and the partial gradients left out."""
+    return solutions(12).tp_bytes_sent(blocks, rows, context, width, tp, micro_batches,
+                                       compute_bytes, False)
+
+
 WRONG = {
     (1, "ulp16"): [ulp16_without_the_top_binade, ulp16_without_subnormals],
     (1, "round_to_float16"): [round_half_up, round_without_overflow],
@@ -633,6 +709,12 @@ WRONG = {
                          zero1_gathering_float32],
     (11, "bytes_sent"): [sent_on_average, sent_gathering_all_but_its_own,
                          sent_reducing_stage_2_once, sent_gathering_stage_3_once],
+    (12, "RowParallel"): [lambda: row_parallel_functions()[0],
+                          lambda: row_parallel_functions()[1],
+                          lambda: row_parallel_functions()[2],
+                          lambda: row_parallel_functions()[3]],
+    (12, "tp_bytes_sent"): [tp_bytes_all_reduce_as_twice_the_array, tp_bytes_forward_only,
+                            tp_bytes_sequence_parallel_as_plain],
     (13, "interleaved_compute"): [interleaved_gpipe_like, interleaved_backward_in_forward_order,
                                   interleaved_on_chunk_0],
     (13, "zb_h1_bubble"): [zb_bubble_with_equal_costs, zb_bubble_of_1f1b,

@@ -105,6 +105,31 @@ def test_zero_units_are_minimps(pp):
     assert [mem.stage_units(shape, layout, stage) for stage in range(pp)] == expected
 
 
+@pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2), (4, 1)])
+def test_tensor_parallel_units_are_minimps_with_whole_embeddings(tp, pp):
+    config = TrainConfig(dataset="shakespeare", model="gpt", layers=4, hidden=128, heads=4, pp=pp,
+                         tp=tp)
+    shape, layout = ModelShape(4, 128, 4, 64, 65), Layout(1, tp, pp)
+    minimp_job, megatron_job = Job(1, vocabulary_parallel=False), Job(1)
+    units = [mem.stage_units(shape, layout, stage, minimp_job) for stage in range(pp)]
+    assert units == zero_unit_sizes(config)
+    cut = [mem.stage_units(shape, layout, stage, megatron_job) for stage in range(pp)]
+    assert cut[0][0] == math.ceil(65 / tp) * 128 and units[0][0] == 65 * 128
+
+
+def test_a_whole_head_keeps_and_computes_every_logit_on_every_rank():
+    layout = Layout(1, 2, 1, micro_batch_size=2, micro_batches=1)
+    minimp_job, megatron_job = Job(2, (2,), vocabulary_parallel=False), Job(2, (2,))
+    logits = 2 * SMALL.context * SMALL.vocab * 2  # b s V d
+    whole = mem.head_bytes(SMALL, layout, minimp_job)
+    assert whole - mem.head_bytes(SMALL, layout, megatron_job) == logits / 2
+    cluster = small_cluster(gpus=2, per_node=2)
+    head_flops = 2 * 2 * SMALL.context * SMALL.hidden * SMALL.vocab  # 2 b s h V, forward
+    extra = step_time(SMALL, cluster, minimp_job, layout).compute
+    extra -= step_time(SMALL, cluster, megatron_job, layout).compute
+    assert extra == pytest.approx(3 * head_flops / 2 / cluster.flops, rel=1e-9)
+
+
 def test_in_flight_micro_batches_follow_1f1b_and_gpipe():
     layout = Layout(1, 1, 4, micro_batches=8)
     assert [mem.in_flight(layout, stage, "1f1b") for stage in range(4)] == [4, 3, 2, 1]

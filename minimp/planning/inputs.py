@@ -74,6 +74,9 @@ class Job:
     optimizer: str = "adam"
     grad_comm_bytes: int = 4  # gradients on the wire (minimp's --grad-comm-dtype fp32)
     schedule: str = "1f1b"
+    # Megatron-LM cuts the token embedding and the head over the vocabulary across the
+    # tensor-parallel ranks; minimp keeps both whole on every rank (tensor_parallel_models.py)
+    vocabulary_parallel: bool = True
 
     @property
     def compute_bytes(self) -> int:

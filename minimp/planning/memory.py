@@ -3,7 +3,8 @@
 Parameters. A block holds 12h^2 + 13h; with tensor parallelism over t ranks (Megatron-LM,
 Shoeybi et al. 2019) its four matrices and the biases of the column-split ones are cut in t, the
 row-split biases (2h) and the LayerNorms (4h) are whole on every rank: 12h^2/t + 7h/t + 6h. The
-token embedding is split over the vocabulary (V h / t), the position embedding is whole (s h).
+token embedding is split over the vocabulary (V h / t; whole, V h, with minimp's replicated
+embedding: Job.vocabulary_parallel), the position embedding is whole (s h).
 Pipeline stage 0 holds the embeddings, the last stage the final LayerNorm (2h) and, when it is
 not stage 0, its own copy of the tied token embedding (minimp/parallel/tied.py; Megatron-LM does
 the same). ZeRO's units are minimp's (train/sizes.py): one per block, the two embeddings apart.
@@ -28,8 +29,9 @@ input (2 sbh in 16 bits; a sequence-parallel input is a slice, 2 sbh/t) and, dur
 backward, that block's activations again.
 
 Stage 0 also keeps the token ids and positions (int64) and the embedding's dropout mask; the last
-stage keeps the final LayerNorm's input and statistics, the head's input, the logits (d sbV/t) and
-the targets (int64): minimp's GPT, measured to the byte by tests/test_plan.py at t = 1.
+stage keeps the final LayerNorm's input and statistics, the head's input, the logits (d sbV/t, or
+d sbV on every rank where the head is whole) and the targets (int64): minimp's GPT, measured to
+the byte by tests/test_plan.py at t = 1.
 
 In flight: 1F1B (Narayanan et al. 2021) keeps min(P - i, M) micro-batches on stage i, so stage 0
 keeps P of them (M if fewer); GPipe keeps all M on every stage. The device that needs most is stage
@@ -51,10 +53,16 @@ def layer_parameters(model: ModelShape, tp: int) -> int:
     return math.ceil((12 * h * h + 7 * h) / tp) + 6 * h
 
 
-def stage_units(model: ModelShape, layout: Layout, stage: int) -> list[int]:
-    """Sizes of ZeRO's units on one tensor-parallel rank of `stage` (train/sizes.py's, at t = 1)."""
+def vocabulary_share(model: ModelShape, layout: Layout, job: Job) -> int:
+    """Rows of the token table (and logits per position) one tensor-parallel rank holds."""
+    return math.ceil(model.vocab / layout.tp) if job.vocabulary_parallel else model.vocab
+
+
+def stage_units(model: ModelShape, layout: Layout, stage: int, job: Job = Job(1)) -> list[int]:
+    """Sizes of ZeRO's units on one tensor-parallel rank of `stage` (train/sizes.py's with
+    job.vocabulary_parallel off)."""
     first, last = stage == 0, stage == layout.pp - 1
-    token = math.ceil(model.vocab / layout.tp) * model.hidden
+    token = vocabulary_share(model, layout, job) * model.hidden
     units = [token, model.context * model.hidden] if first else []
     units += [layer_parameters(model, layout.tp)] * (model.layers // layout.pp)
     if last:
@@ -65,7 +73,7 @@ def stage_units(model: ModelShape, layout: Layout, stage: int) -> list[int]:
 def model_state_bytes(model: ModelShape, layout: Layout, job: Job, stage: int) -> dict[str, int]:
     """{kind: bytes} of zero_accounts.memory_formula for rank 0 of the stage's data-parallel group
     (the largest chunks), plus `gradients16`: the 16-bit gradients at the peak inside a step."""
-    units = stage_units(model, layout, stage)
+    units = stage_units(model, layout, stage, job)
     held = memory_formula(
         layout.zero,
         unit_sizes=units,
@@ -108,12 +116,13 @@ def embedding_bytes(model: ModelShape, layout: Layout) -> float:
     return INT64 * s * rows + INT64 * s + mask / (layout.tp if layout.sequence_parallel else 1)
 
 
-def head_bytes(model: ModelShape, layout: Layout, d: int) -> float:
+def head_bytes(model: ModelShape, layout: Layout, job: Job) -> float:
     """The last stage's own: ln_f's input and statistics, the head's input, logits, targets."""
-    s, rows, h, tp = model.context, layout.micro_batch_size, model.hidden, layout.tp
-    slice_ = tp if layout.sequence_parallel else 1
+    s, rows, h, d = model.context, layout.micro_batch_size, model.hidden, job.compute_bytes
+    slice_ = layout.tp if layout.sequence_parallel else 1
     inputs = (2 * d * h + 2 * max(d, 4)) / slice_
-    return s * rows * (inputs + d * model.vocab / tp + INT64)
+    vocabulary = model.vocab / layout.tp if job.vocabulary_parallel else model.vocab
+    return s * rows * (inputs + d * vocabulary + INT64)
 
 
 def in_flight(layout: Layout, stage: int, schedule: str) -> int:
@@ -131,7 +140,7 @@ def activation_bytes(model: ModelShape, layout: Layout, job: Job, stage: int) ->
     if stage == 0:
         per_micro_batch += embedding_bytes(model, layout)
     if stage == layout.pp - 1:
-        per_micro_batch += head_bytes(model, layout, d)
+        per_micro_batch += head_bytes(model, layout, job)
     rebuilt = 0.0
     if layout.recompute:
         rows, sp = layout.micro_batch_size, layout.sequence_parallel

@@ -6,7 +6,8 @@ Using Megatron-LM", section 5.1, Eq. 3, matrix products only): a block's forward
 runs every block's forward once more (not the logits'). With recomputation a step of B samples is
 their 96 B s l h^2 (1 + s/(6h) + V/(16 l h)); without, 72 B s l h^2 (1 + s/(6h)) + 6 B s h V,
 about the "6 N tokens" rule (N ~ 12 l h^2). A device computes its share, FLOPs / t, at
-`Cluster.flops` (peak x achievable fraction), the same for every matrix shape.
+`Cluster.flops` (peak x achievable fraction), the same for every matrix shape; the logits' FLOPs
+are not cut where the head is whole on every rank (minimp's: Job.vocabulary_parallel off).
 
 Per micro-batch on pipeline stage i (l/P blocks; stage 0 the embeddings, the last the logits):
   forward    its FLOPs / (t x flops) + 2 tensor-parallel all-reduces of b s h d bytes per block
@@ -42,7 +43,7 @@ from minimp.parallel.schedules import gpipe, one_f_one_b
 from minimp.parallel.simulator import Costs, simulate_schedule
 from minimp.planning.inputs import Cluster, Job, Layout, ModelShape
 from minimp.planning.links import Links
-from minimp.planning.memory import stage_units
+from minimp.planning.memory import stage_units, vocabulary_share
 
 # per step over the job: the overflow flag before and after the reduce, the norm, the loss
 SCALAR_ALLREDUCES = 4
@@ -103,6 +104,8 @@ def stage_costs(model: ModelShape, cluster: Cluster, job: Job, layout: Layout, s
     blocks = model.layers // layout.pp
     block_flops = blocks * layer_forward_flops(model, rows)
     head = logits_forward_flops(model, rows) if stage == layout.pp - 1 else 0.0
+    if not job.vocabulary_parallel:  # minimp: every tensor-parallel rank computes all logits
+        head *= tp
     forward = (block_flops + head) / tp / cluster.flops
     backward = 2 * forward + (block_flops / tp / cluster.flops if layout.recompute else 0.0)
 
@@ -115,7 +118,7 @@ def stage_costs(model: ModelShape, cluster: Cluster, job: Job, layout: Layout, s
     tp_forward = 2 * blocks * one
     tp_backward = (2 + 2 * layout.recompute) * blocks * one
 
-    stage_parameters = sum(stage_units(model, layout, stage))
+    stage_parameters = sum(stage_units(model, layout, stage, job))
     dp_links = _links(cluster, tp * dp)
     zero_forward = zero_backward = 0.0
     if layout.zero >= 2:  # minimp reduce-scatters each micro-batch's gradients (zero_accounts.py)
@@ -131,7 +134,7 @@ def gradient_sync_seconds(model: ModelShape, cluster: Cluster, job: Job, layout:
     dp_links = _links(cluster, layout.tp * layout.dp)
     slowest = 0.0
     for stage in sorted({0, layout.pp - 1}):
-        parameters = sum(stage_units(model, layout, stage))
+        parameters = sum(stage_units(model, layout, stage, job))
         wire, copies = parameters * job.grad_comm_bytes, parameters * job.compute_bytes
         if layout.zero == 0:
             seconds = dp_links.all_reduce(wire, layout.dp)
@@ -169,7 +172,7 @@ def step_time(
 
     tied = 0.0
     if pp > 1:
-        token = -(-model.vocab // layout.tp) * model.hidden
+        token = vocabulary_share(model, layout, job) * model.hidden
         tied = whole_job.all_reduce(token * TIED_GRADIENT_BYTES, 2)
     scalars = SCALAR_ALLREDUCES * whole_job.all_reduce(SCALAR_BYTES, cluster.gpus)
     return StepTime(

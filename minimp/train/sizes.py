@@ -66,7 +66,7 @@ def stage_bounds(config: Any) -> list[tuple[int, int]]:
 def zero_unit_sizes(config: Any) -> list[list[int]]:
     """The sizes of ZeRO's units (minimp/parallel/zero_layout.py) on each pipeline stage: one
     per layer with weights, the GPT's token and position embeddings apart (the head reads the
-    first too), and the last stage's copy of the token embedding (with --tp, one rank's shard)."""
+    first too), and the last stage's copy of the token embedding (whole with --tp too)."""
     counts = rank_layer_counts(config)
     token = SHAKESPEARE_VOCABULARY * config.hidden
     sizes: list[list[int]] = [[] for _ in range(config.pp)]
