@@ -59,6 +59,7 @@ def run(ranks, model, wire, steps, folder):
         "100000",
         "--grad-comm-dtype",
         wire,
+        "--no-overlap",  # the all-reduce after backward, timed whole (overlap_bench.py: overlap)
         "--metrics",
         metrics,
     ]
