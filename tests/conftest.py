@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -10,6 +11,23 @@ import pytest
 # Subprocesses (python -m minimp.train, mpirun) must use this interpreter and its mpirun.
 PYTHON = sys.executable
 MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
+
+
+def run_train(ranks, flags, timeout=180):
+    """`python -m minimp.train FLAGS`, under `mpirun -n RANKS` when ranks > 1; its output kept."""
+    launcher = [MPIRUN, "-n", str(ranks)] if ranks > 1 else []
+    return subprocess.run(
+        [*launcher, PYTHON, "-m", "minimp.train", *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def masters(path):
+    """The float32 master weights a checkpoint holds, by name."""
+    with np.load(path) as archive:
+        return {name: archive[name] for name in archive.files if name.startswith("master/")}
 
 
 @pytest.fixture

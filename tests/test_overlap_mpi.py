@@ -3,9 +3,8 @@
 import os
 import subprocess
 
-import numpy as np
 import pytest
-from conftest import MPIRUN, PYTHON
+from conftest import MPIRUN, PYTHON, masters
 
 pytestmark = [
     pytest.mark.mpi,
@@ -14,9 +13,6 @@ pytestmark = [
 SMALL = ["--hidden", "64", "--layers", "3", "--batch-size", "32", "--log-every", "1000"]
 
 
-def masters(path):
-    with np.load(path) as archive:
-        return {name: archive[name] for name in archive.files if name.startswith("master/")}
 
 
 @pytest.mark.parametrize("precision", ["fp16", "fp32"])

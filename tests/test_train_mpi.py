@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import MPIRUN, PYTHON
+from conftest import MPIRUN, PYTHON, masters, run_train
 
 pytestmark = [
     pytest.mark.mpi,
@@ -19,18 +19,9 @@ SMALL = ["--hidden", "32", "--layers", "3", "--batch-size", "32", "--log-every",
 
 
 def train_command(ranks, *flags, timeout=180):
-    launcher = [MPIRUN, "-n", str(ranks)] if ranks > 1 else []
-    return subprocess.run(
-        [*launcher, PYTHON, "-m", "minimp.train", *SMALL, *flags],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_train(ranks, [*SMALL, *flags], timeout)
 
 
-def masters(path):
-    with np.load(path) as archive:
-        return {name: archive[name] for name in archive.files if name.startswith("master/")}
 
 
 def last_loss(path):

@@ -9,7 +9,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import MPIRUN, PYTHON
+from conftest import MPIRUN, PYTHON, masters, run_train
 
 from minimp.parallel.tensor_parallel_accounts import gpt_tensor_parallel_bytes
 
@@ -24,18 +24,9 @@ FLAGS += [f"--{name.replace('_', '-')}={value}" for name, value in GPT.items()]
 
 
 def train_command(ranks, *flags, timeout=180):
-    launcher = [MPIRUN, "-n", str(ranks)] if ranks > 1 else []
-    return subprocess.run(
-        [*launcher, PYTHON, "-m", "minimp.train", *FLAGS, *flags],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_train(ranks, [*FLAGS, *flags], timeout)
 
 
-def masters(path):
-    with np.load(path) as archive:
-        return {name: archive[name] for name in archive.files if name.startswith("master/")}
 
 
 @pytest.fixture(scope="module")
