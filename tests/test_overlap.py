@@ -7,6 +7,7 @@ import pytest
 
 from minimp import costmodel, nn, optim
 from minimp import distributed as dist
+from minimp.distributed.ring import ring_reduce_scatter_into
 from minimp.distributed.ring_nonblocking import RingAllreduce
 from minimp.parallel.data_parallel import DataParallel
 from minimp.precision import NoLossScaler, mixed_precision_step
@@ -29,6 +30,25 @@ def test_the_nonblocking_ring_gives_ring_allreduce_s_bits(ranks, dtype, size):
         return blocking.tobytes() == out.tobytes()
 
     assert dist.simulate(ranks, body, eager_limit=0) == [True] * ranks
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 5])  # one rank: ZeRO calls no ring
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_nonblocking_reduce_scatter_gives_ring_reduce_scatter_into_s_bits(ranks, dtype):
+    bounds = [(0, 400), (400, 401), (401, 401), (401, 1001), (1001, 1003)][:ranks]
+    bounds[-1] = (bounds[-1][0], 1003)  # uneven chunks, one empty, as a ZeRO unit's may be
+
+    def body(comm):
+        x = np.random.default_rng(comm.rank).normal(size=1003).astype(dtype)
+        blocking, out = np.zeros_like(x), np.zeros_like(x)
+        ring_reduce_scatter_into(comm, x, blocking, bounds)
+        ring = RingAllreduce(comm, x, out, bounds=bounds, all_gather=False)
+        while not ring.progress():
+            pass
+        start, stop = bounds[comm.rank]
+        return blocking[start:stop].tobytes() == out[start:stop].tobytes(), ring.step
+
+    assert dist.simulate(ranks, body, eager_limit=0) == [(True, ranks - 1)] * ranks
 
 
 def test_progress_does_not_wait_for_a_rank_that_has_not_started():
