@@ -51,9 +51,10 @@ def run_zero(ranks: int, stage: int, steps: int, folder: str) -> dict:
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or "mpirun"
     command = [mpirun, "-n", str(ranks), sys.executable, "-m", "minimp.train", *MLP]
     command += ["--zero", str(stage), "--steps", str(steps), "--log-every", "100000"]
-    # Stage 0 as the formulas (and the paper) have it: every 16-bit gradient alive at the end of
-    # backward. Overlap would free each one as backward completes it, below that peak.
-    command += ["--no-overlap"] if stage == 0 else []
+    # The formulas' (and the paper's) peaks are those without overlap: in stage 0 every 16-bit
+    # gradient alive at the end of backward (overlap frees each one as backward completes it), in
+    # stages 1-3 one send and one receive buffer (overlap gives each ring in flight its own pair).
+    command += ["--no-overlap"]
     subprocess.run([*command, "--metrics", metrics], check=True, capture_output=True, timeout=600)
     records = [json.loads(line) for line in open(metrics)]
     final, steps_run = records[-1], records[1:-1]  # the first step creates Adam's slots

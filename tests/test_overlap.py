@@ -7,13 +7,13 @@ import pytest
 
 from minimp import costmodel, nn, optim
 from minimp import distributed as dist
+from minimp.distributed.ring import ring_reduce_scatter_into
 from minimp.distributed.ring_nonblocking import RingAllreduce
 from minimp.parallel.data_parallel import DataParallel
 from minimp.precision import NoLossScaler, mixed_precision_step
 from minimp.tensor import Tensor
 from minimp.train import TrainConfig, train
 from minimp.train.cli import parse_config
-from minimp.train.errors import ConfigError
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 5])
@@ -30,6 +30,25 @@ def test_the_nonblocking_ring_gives_ring_allreduce_s_bits(ranks, dtype, size):
         return blocking.tobytes() == out.tobytes()
 
     assert dist.simulate(ranks, body, eager_limit=0) == [True] * ranks
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 5])  # one rank: ZeRO calls no ring
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_nonblocking_reduce_scatter_gives_ring_reduce_scatter_into_s_bits(ranks, dtype):
+    bounds = [(0, 400), (400, 401), (401, 401), (401, 1001), (1001, 1003)][:ranks]
+    bounds[-1] = (bounds[-1][0], 1003)  # uneven chunks, one empty, as a ZeRO unit's may be
+
+    def body(comm):
+        x = np.random.default_rng(comm.rank).normal(size=1003).astype(dtype)
+        blocking, out = np.zeros_like(x), np.zeros_like(x)
+        ring_reduce_scatter_into(comm, x, blocking, bounds)
+        ring = RingAllreduce(comm, x, out, bounds=bounds, all_gather=False)
+        while not ring.progress():
+            pass
+        start, stop = bounds[comm.rank]
+        return blocking[start:stop].tobytes() == out[start:stop].tobytes(), ring.step
+
+    assert dist.simulate(ranks, body, eager_limit=0) == [(True, ranks - 1)] * ranks
 
 
 def test_progress_does_not_wait_for_a_rank_that_has_not_started():
@@ -170,12 +189,11 @@ def test_the_metrics_split_communication_into_total_and_exposed():
         assert record["exposed_communication_seconds"] <= record["communication_seconds"]
 
 
-def test_overlap_is_on_by_default_off_with_zero_and_refused_with_it():
-    assert parse_config([]).overlap is True
-    assert parse_config(["--no-overlap"]).overlap is False
-    assert parse_config(["--zero", "2"]).overlap is False
-    with pytest.raises(ConfigError, match="--overlap works with --zero 0 only"):
-        parse_config(["--zero", "2", "--overlap"]).validate(2)
+@pytest.mark.parametrize("zero", ["0", "1", "2", "3"])
+def test_overlap_is_on_by_default_in_every_zero_stage(zero):
+    assert parse_config(["--zero", zero]).overlap is True
+    assert parse_config(["--zero", zero, "--no-overlap"]).overlap is False
+    parse_config(["--zero", zero, "--overlap"]).validate(2)
 
 
 def test_the_cost_model_s_overlap_hides_what_backward_lasts_and_no_more():
@@ -193,3 +211,37 @@ def test_the_bytes_sent_by_the_all_reduce_are_counted_alike_with_and_without_ove
     without = simulated(2, overlap=False)[0]["history"]
     sent = [r["bytes_by_collective"]["all_reduce"] for r in with_]
     assert sent == [r["bytes_by_collective"]["all_reduce"] for r in without] and sent[0] > 0
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize(
+    "world_size, flags",
+    [
+        (2, dict(precision="fp32")),
+        (2, dict(precision="fp16", micro_batches=2)),
+        (3, dict(precision="fp16", micro_batches=2, grad_comm_dtype="fp16")),
+        (3, dict(precision="fp32", grad_average="after")),
+    ],
+)
+def test_zero_with_overlap_trains_to_the_bits_and_bytes_of_no_overlap(zero, world_size, flags):
+    overlap = simulated(world_size, overlap=True, zero=zero, **flags)
+    no_overlap = simulated(world_size, overlap=False, zero=zero, **flags)
+    assert_same_run(overlap, no_overlap)
+    for with_, without in zip(overlap, no_overlap):
+        sent = [r["bytes_by_collective"] for r in with_["history"]]
+        assert sent == [r["bytes_by_collective"] for r in without["history"]]
+        assert sent[0]["reduce_scatter"] > 0
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_with_overlap_trains_a_pipeline_s_gpt_to_the_same_bits(zero):
+    flags = dict(
+        dataset="shakespeare", layers=2, hidden=16, heads=2, context=8, batch_size=8, steps=3,
+        eval_every=0, micro_batches=2, precision="fp16", pp=2, zero=zero,
+    )  # fmt: skip
+    overlap, no_overlap = simulated(4, overlap=True, **flags), simulated(4, overlap=False, **flags)
+    assert_same_run(overlap, no_overlap)
+    for with_, without in zip(overlap, no_overlap):
+        assert with_["history"][-1]["bytes_by_collective"] == (
+            without["history"][-1]["bytes_by_collective"]
+        )

@@ -15,20 +15,22 @@ SMALL = ["--hidden", "64", "--layers", "3", "--batch-size", "32", "--log-every",
 
 
 
-@pytest.mark.parametrize("precision", ["fp16", "fp32"])
-def test_overlap_under_mpirun_ends_with_the_bits_of_no_overlap(tmp_path, precision):
+@pytest.mark.parametrize(
+    "precision, zero", [("fp16", "0"), ("fp32", "0"), ("fp16", "1"), ("fp16", "2"), ("fp32", "3")]
+)
+def test_overlap_under_mpirun_ends_with_the_bits_of_no_overlap(tmp_path, precision, zero):
     weights = {}
     for mode in ("--overlap", "--no-overlap"):
         path = tmp_path / f"{mode}.npz"
         result = subprocess.run(
             [MPIRUN, "-n", "2", PYTHON, "-m", "minimp.train", *SMALL, mode, "--steps", "8",
              "--precision", precision, "--micro-batches", "2", "--bucket-mb", "0.01",
-             "--save", str(path)],
+             "--zero", zero, "--save", str(path)],
             capture_output=True, text=True, timeout=180,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
         weights[mode] = masters(path)
-    assert weights["--overlap"].keys() == weights["--no-overlap"].keys()
+    assert weights["--overlap"] and weights["--overlap"].keys() == weights["--no-overlap"].keys()
     for name, array in weights["--overlap"].items():
         assert array.tobytes() == weights["--no-overlap"][name].tobytes(), name
 

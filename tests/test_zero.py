@@ -67,11 +67,12 @@ def test_an_injected_overflow_skips_the_same_step_in_every_stage():
 def test_memory_and_bytes_sent_equal_the_formulas(world_size):
     """Every rank, every kind, every collective, and the peak inside a step; uneven chunks (the
     MLP's units have 2080, 1056 and 330 elements), fp16 compute, fp32 wire, Adam, two
-    micro-batches."""
+    micro-batches. With overlap ZeRO's rings in flight hold send and receive buffers of their
+    own inside the step, which the peak formula leaves out: it is exact without overlap."""
     config = TrainConfig(**SMALL)
     units = zero_unit_sizes(config)[0]
-    for zero in range(4):
-        results = simulated(world_size, steps=2, micro_batches=2, zero=zero)
+    for zero, overlap in [(zero, overlap) for zero in range(4) for overlap in (True, False)]:
+        results = simulated(world_size, steps=2, micro_batches=2, zero=zero, overlap=overlap)
         for rank, result in enumerate(results):
             expected = memory_formula(
                 zero,
@@ -85,7 +86,10 @@ def test_memory_and_bytes_sent_equal_the_formulas(world_size):
             assert result["model_state_by_kind"][rank] == expected, (zero, rank)
             assert result["model_state_bytes"][rank] == sum(expected.values())
             peak = peak_formula(zero, unit_sizes=units, compute_bytes=2)
-            assert result["peak_model_state_bytes"][rank] == sum(expected.values()) + peak
+            if zero == 0 or not overlap or world_size == 1:
+                assert result["peak_model_state_bytes"][rank] == sum(expected.values()) + peak
+            else:  # how many rings are in flight at a sample depends on the other ranks' pace
+                assert result["peak_model_state_bytes"][rank] >= sum(expected.values()) + peak
             sent = bytes_sent_formula(
                 zero,
                 sizes=[sum(units)] if zero == 0 else units,

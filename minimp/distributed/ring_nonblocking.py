@@ -38,16 +38,23 @@ class RingAllreduce:
         out: Any,
         op: str = "sum",
         tags: tuple[int, int] = (Tag.RING_REDUCE_SCATTER, Tag.RING_ALL_GATHER),
+        *,
+        bounds: list[tuple[int, int]] | None = None,
+        all_gather: bool = True,
     ):
         """tags: the reduce-scatter's and the all-gather's. Rings in flight at the same time on
         one communicator need tags of their own: MPI matches a message to the first receive
-        posted for its (source, tag), whichever ring posted it."""
+        posted for its (source, tag), whichever ring posted it. bounds: the chunks (by default
+        chunk_bounds(x.size, p)). all_gather=False stops after the reduce-scatter half, as
+        `ring_reduce_scatter_into`: out[bounds[rank]] then holds this rank's chunk of the sum
+        (ZeRO's reduce-scatters during backward, minimp/parallel/zero_overlap.py)."""
         check_op(op)
         if out.size != x.size or out.dtype != x.dtype:
             raise ValueError(f"out must be a {x.dtype} array of {x.size} elements")
         self.comm, self.x, self.out, self.op, self.tags = comm, x, out, op, tags
-        self.bounds = chunk_bounds(x.size, comm.size)
-        self.steps = 2 * (comm.size - 1)  # p - 1 of the reduce-scatter, then p - 1 of the gather
+        self.bounds = chunk_bounds(x.size, comm.size) if bounds is None else bounds
+        # p - 1 steps of the reduce-scatter, then (unless stopped there) p - 1 of the gather.
+        self.steps = (2 if all_gather else 1) * (comm.size - 1)
         self.step = 0
         self.requests: list[Request] = []
         if comm.size == 1:

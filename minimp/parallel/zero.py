@@ -22,7 +22,7 @@ every rank's chunks and every stage, update, scaler. What changes is where the b
 `reduce` leaves in the list this rank's gradient pieces instead of whole gradients.
 """
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from minimp.parallel.tied import TiedGradients
 from minimp.parallel.zero_accounts import BytesSent, PeakMemory, held_bytes
 from minimp.parallel.zero_layout import ZeroLayout, plan_units
 from minimp.parallel.zero_optimizer import ShardedOptimizer
+from minimp.parallel.zero_overlap import OverlappedUnits
 from minimp.parallel.zero_stage3 import ParameterGatherer
 from minimp.precision.casting import widen
 from minimp.precision.step import GradientSync, squared_norm
@@ -54,11 +55,15 @@ class ZeroDataParallel(GradientSync):
         tied: TiedGradients | None = None,
         sent: BytesSent | None = None,
         tensor_parallel: Any = None,
+        overlap: bool = False,
+        micro_batches: int = 1,
     ):
         """As DataParallel's: comm the replicas of this stage, decision_comm every rank that
         shares the skip decision and the gradient norm (by default the replicas), tied the
         parameters this stage shares with another, tensor_parallel the partial gradients and
-        whole copies of --tp; sent counts the bytes by collective."""
+        whole copies of --tp; sent counts the bytes by collective. overlap: each unit's
+        reduce-scatter progresses during backward (minimp/parallel/zero_overlap.py); stage 1
+        then needs to know which backward is the step's last (of `micro_batches`)."""
         if average not in ("before", "after"):
             raise ValueError(f"average must be 'before' or 'after', got {average!r}")
         self.comm, self.optimizer, self.average = comm, optimizer, average
@@ -68,14 +73,18 @@ class ZeroDataParallel(GradientSync):
         self.sent, self.peak = sent or BytesSent(), PeakMemory()
         self.gatherer: ParameterGatherer | None = None
         xp = array_module(*optimizer.masters)
-        largest = self.layout.largest_unit() if comm.size > 1 else 0
-        # One send and one receive buffer, as large as the largest unit, reused by every unit.
-        self.send = xp.empty(largest, comm_dtype)
-        self.receive = xp.empty(largest, comm_dtype)
+        largest = self.layout.largest_unit() if comm.size > 1 else 0  # one replica sends nothing
+        # One send and one receive buffer, as large as the largest unit, reused by every unit
+        # (without overlap).
+        self.send, self.receive = xp.empty(largest, comm_dtype), xp.empty(largest, comm_dtype)
         self.piece_indices = [p.index for pieces in self.layout.pieces for p in pieces]
         self.unit_of = self.layout.unit_of()
         self.arrived: list[set[int]] = [set() for _ in self.layout.units]
-        if self.stage >= 2:
+        wanted = overlap and comm.size > 1  # one replica has nothing to send
+        units = OverlappedUnits(comm, self.sent, len(self.params), micro_batches)
+        self.overlap = units if wanted else None
+        self.started: set[int] = set()  # stage 1 with overlap: units whose ring started this step
+        if self.stage >= 2 or self.overlap is not None:
             position = {id(parameter): index for index, parameter in enumerate(self.params)}
             for parameter in self.params:
                 parameter.register_post_accumulate_grad_hook(
@@ -83,15 +92,28 @@ class ZeroDataParallel(GradientSync):
                 )
 
     # ----- GradientSync -----------------------------------------------------------------------
+    def finalize_backward(self) -> None:
+        """Stage 1 with overlap: start the units backward did not complete, wait for every ring
+        (this rank's chunks of the accumulators then hold the mean), and reset for the next step.
+        Stages 2-3 waited in after_backward."""
+        if self.overlap is not None and self.stage == 1:
+            self._reduce_scatter_accumulators()
+            self.overlap.arrivals = [0] * len(self.params)
+
+    def backward_communication_seconds(self) -> float:
+        """Seconds spent starting and advancing rings inside backward (0 without overlap)."""
+        return self.overlap.seconds if self.overlap is not None else 0.0
+
     def any_rank(self, found_inf: bool) -> bool:
         """One decision for all: True on every rank when any rank saw a non-finite gradient."""
         return any_rank(self.decision_comm, found_inf)
 
     def reduce(self, gradients: list) -> None:
         """Leave in `gradients` (replacing its contents) this rank's gradient pieces, each the
-        mean over the replicas (stage 1 reduce-scatters them now; stages 2-3 did during backward),
+        mean over the replicas (stage 1 reduce-scatters them now, or with overlap did in
+        finalize_backward; stages 2-3 did during backward),
         the tied ones summed with the other stage's copy."""
-        if self.stage == 1:
+        if self.stage == 1 and self.overlap is None:
             self._reduce_scatter_accumulators()
         pieces = self.optimizer.gradient_pieces()
         by_index = dict(zip(self.piece_indices, pieces))
@@ -127,6 +149,8 @@ class ZeroDataParallel(GradientSync):
         for unit, spec in enumerate(self.layout.units):
             if self.arrived[unit] or any(self.params[i].grad is not None for i in spec.indices):
                 self._reduce_unit(unit)
+        if self.overlap is not None:
+            self.overlap.wait()
         if self.gatherer is not None:
             self.gatherer.release_holds()
 
@@ -137,10 +161,20 @@ class ZeroDataParallel(GradientSync):
         return self.gatherer.run(layers, x, run_layers)
 
     def _arrived(self, index: int) -> None:
+        """A backward completed parameter index's gradient (the hook). Stage 1 (with overlap)
+        takes it into its float32 sum on the last micro-batch and starts the unit once all of
+        its sums are complete; stages 2-3 reduce-scatter a unit once a backward completed it."""
         unit = self.unit_of[index]
+        if self.stage == 1:
+            assert self.overlap is not None  # stage 1 hooks only with overlap
+            if not self.overlap.is_last(index):
+                return  # an earlier micro-batch: after_backward accumulates it
+            self.optimizer.inner.accumulate_gradient(index)
         self.arrived[unit].add(index)
         if len(self.arrived[unit]) == len(self.layout.units[unit].indices):
-            self._reduce_unit(unit)
+            (self._reduce_scatter_accumulator if self.stage == 1 else self._reduce_unit)(unit)
+        elif self.overlap is not None:
+            self.overlap.progress()
 
     def _reduce_unit(self, unit: int) -> None:
         """Reduce-scatter one unit's 16-bit gradients; add this rank's chunk of the mean into its
@@ -151,15 +185,17 @@ class ZeroDataParallel(GradientSync):
         if self.comm.size == 1:
             self.optimizer.add_reduced(unit, widen(_concatenate(flats)))
         else:
-            chunk = self._reduce_scatter(unit, flats)
-            if self.average == "after":
-                chunk = chunk * np.float32(1.0 / self.comm.size)
-            self.optimizer.add_reduced(unit, chunk)
+            self._reduce_scatter(unit, flats, lambda chunk: self._add_reduced(unit, chunk))
         for index in spec.indices:
             self.params[index].grad = None
         self.arrived[unit].clear()
         if self.gatherer is not None:
             self.gatherer.unit_reduced(unit)
+
+    def _add_reduced(self, unit: int, chunk: Any) -> None:
+        if self.average == "after":
+            chunk = chunk * np.float32(1.0 / self.comm.size)
+        self.optimizer.add_reduced(unit, chunk)
 
     def _gradient(self, index: int) -> Any:
         """A parameter's gradient, flat (zeros when backward gave it none, as the all-reduce)."""
@@ -168,19 +204,26 @@ class ZeroDataParallel(GradientSync):
             return array_module(self.send).zeros(parameter.size, parameter.dtype)
         return parameter.grad.reshape(-1)
 
-    def _reduce_scatter(self, unit: int, flats: list[Any]) -> Any:
+    def _reduce_scatter(self, unit: int, flats: list[Any], then: Callable[[Any], None]) -> None:
         """Pack the unit's flat gradients (times 1/N before, by default), reduce-scatter them
-        around the ring; returns this rank's chunk of the sum, widened to float32."""
+        around the ring and call then(this rank's chunk of the sum, widened to float32): at once,
+        or, with overlap, when the ring in flight is done."""
         size, inverse = self.layout.units[unit].size, 1.0 / self.comm.size
-        send, receive = self.send[:size], self.receive[:size]
+        if self.overlap is None:
+            send, receive = self.send[:size], self.receive[:size]
+        else:  # rings in flight at once need buffers of their own
+            send, receive = self.overlap.new_buffers(self.send, size)
         offset = 0
         for flat in flats:
             pack(send[offset : offset + flat.size], flat, inverse, self.average)
             offset += flat.size
+        (start, stop), bounds = self.layout.chunk(unit), self.layout.bounds[unit]
+        if self.overlap is not None:
+            self.overlap.start(unit, send, receive, bounds, lambda o: then(widen(o[start:stop])))
+            return
         with self.sent.counting(self.comm, "reduce_scatter"):
-            ring_reduce_scatter_into(self.comm, send, receive, self.layout.bounds[unit])
-        start, stop = self.layout.chunk(unit)
-        return widen(receive[start:stop])
+            ring_reduce_scatter_into(self.comm, send, receive, bounds)
+        then(widen(receive[start:stop]))
 
     def _reduce_scatter_accumulators(self) -> None:
         """Stage 1: every unit's whole float32 accumulators, reduce-scattered; this rank's chunks
@@ -191,20 +234,36 @@ class ZeroDataParallel(GradientSync):
                 inner.accumulators[index][...] = 0
         if self.comm.size == 1:
             return
-        inverse = 1.0 / self.comm.size
-        for unit, spec in enumerate(self.layout.units):
-            flats = [inner.accumulators[index].reshape(-1) for index in spec.indices]
-            chunk = self._reduce_scatter(unit, flats)
+        for unit in range(len(self.layout.units)):
+            if unit not in self.started:  # with overlap, the complete units started in backward
+                self._reduce_scatter_accumulator(unit)
+        if self.overlap is not None:
+            self.overlap.wait()
+        self.started = set()
+
+    def _reduce_scatter_accumulator(self, unit: int) -> None:
+        """Stage 1: one unit's float32 accumulators, reduce-scattered; this rank's chunk of the
+        mean written into its own chunks of them."""
+        inner, inverse = self.optimizer.inner, 1.0 / self.comm.size
+        self.started.add(unit)
+        self.arrived[unit].clear()
+
+        def write(chunk: Any) -> None:
             for piece in self.layout.pieces[unit]:
                 target = inner.accumulators[piece.index].reshape(-1)[piece.start : piece.stop]
                 received = chunk[piece.offset : piece.offset + piece.size]
                 unpack(target, received, inverse, self.average)
+
+        flats = [inner.accumulators[index].reshape(-1) for index in self.layout.units[unit].indices]
+        self._reduce_scatter(unit, flats, write)
 
     # ----- the memory account -----------------------------------------------------------------
     def held(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind (minimp/parallel/zero_accounts.py)."""
         arrays = self.optimizer.arrays_by_kind()
         arrays["buffers"] = arrays["buffers"] + [self.send, self.receive]
+        if self.overlap is not None:
+            arrays["buffers"] += self.overlap.buffers()
         if self.gatherer is not None:
             arrays.update(self.gatherer.arrays_by_kind())
         return held_bytes(arrays)

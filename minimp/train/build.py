@@ -175,7 +175,13 @@ def build_sync(
     broadcast_masters(topology.dp_group, stage.optimizer)
     runner = stage.runner
     zero = zero_data_parallel(
-        config.zero, stage.optimizer, runner.layers, topology.dp_group, **options
+        config.zero,
+        stage.optimizer,
+        runner.layers,
+        topology.dp_group,
+        overlap=config.overlap,
+        micro_batches=config.micro_batches,
+        **options,
     )
     plain = runner.run_group
     runner.run_group = lambda layers, x: zero.run_group(layers, x, plain)

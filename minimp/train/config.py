@@ -151,9 +151,8 @@ class TrainConfig:
     )
     overlap: bool = _flag(
         None,
-        "all-reduce each gradient bucket during the last micro-batch's backward, as soon as it "
-        "is complete (same bits as --no-overlap; default: on, off with --zero, which moves its "
-        "own gradients during backward)",
+        "all-reduce each gradient bucket (--zero 0) or reduce-scatter each layer (--zero 1-3) "
+        "during backward, as soon as its gradients are final (same bits as --no-overlap)",
     )
     straggler_barrier: bool = _flag(
         False,
@@ -191,8 +190,8 @@ class TrainConfig:
         for name, value in DATASET_DEFAULTS[self.dataset].items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
-        if self.overlap is None:  # ZeRO's reduce-scatters run during backward already
-            self.overlap = not self.zero
+        if self.overlap is None:  # every ZeRO stage overlaps too (issue 17)
+            self.overlap = True
         if self.min_lr is None:  # nanoGPT's rule: the decay ends at a tenth of the peak
             self.min_lr = self.lr / 10
         if self.precision == "fp8" and self.fp8_recipe is None:

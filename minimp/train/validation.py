@@ -165,11 +165,6 @@ def _check_zero(config: Any, dp: int) -> None:
         raise ConfigError(f"--recompute is a switch (True or False), got {config.recompute!r}")
     if not config.zero:
         return
-    if config.overlap:
-        raise ConfigError(
-            f"--overlap works with --zero 0 only: --zero {config.zero} moves its gradients its own "
-            "way (use --no-overlap, or leave the flag out to get it)"
-        )
     if config.check_replicas:
         raise ConfigError(
             f"--check-replicas compares the replicas' masters, and --zero {config.zero} gives "
