@@ -39,6 +39,8 @@ from minimp.planning.inputs import (
     Cluster,
     Job,
     ModelShape,
+    MAX_PARAMETERS,
+    MAX_SIMULATED_MICRO_BATCHES,
     PlanError,
     check_inputs,
     shape_for_parameters,
@@ -130,11 +132,18 @@ def model_from(args: argparse.Namespace) -> ModelShape:
         "dropout": None if args.dropout is None else args.dropout == "on",
     }
     given = {key: value for key, value in fields.items() if value is not None}
+    if args.model and args.parameters is not None:
+        raise PlanError(
+            f"--model {args.model} and --parameters {args.parameters:g} each give the model: "
+            "choose one"
+        )
     if args.model:
         return replace(MODELS[args.model], **given)
     if args.parameters is not None:
-        if not args.parameters >= 1:  # also refuses NaN
-            raise PlanError(f"--parameters must be at least 1, got {args.parameters}")
+        if not 1 <= args.parameters <= MAX_PARAMETERS:  # also refuses NaN and inf
+            raise PlanError(
+                f"--parameters must be between 1 and {MAX_PARAMETERS:g}, got {args.parameters}"
+            )
         context, vocab = args.context or 2048, args.vocab or 51200
         return replace(shape_for_parameters(args.parameters, context, vocab), **given)
     missing = [f"--{key}" for key, value in fields.items() if value is None and key != "dropout"]
@@ -238,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
         if not set(choices.zero_stages) <= {0, 1, 2, 3}:
             raise PlanError(f"--zero takes stages 0-3, got {args.zero}")
         check_inputs(model, cluster, job)
+        most = MAX_SIMULATED_MICRO_BATCHES * min(job.micro_batch_sizes)
+        if args.simulate and job.global_batch > most:
+            raise PlanError(
+                f"--simulate runs every micro-batch of a step, at most "
+                f"{MAX_SIMULATED_MICRO_BATCHES}: use --global-batch {most} or less, or leave "
+                "out --simulate"
+            )
         plans = best_plans(model, cluster, job, choices)[: args.top]
     except PlanError as error:
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)

@@ -270,8 +270,13 @@ BAD_FLAGS = [  # (flags after a valid --model shakespeare --gpus 4 --global-batc
     (["--zero", "5"], "--zero takes stages 0-3, got 5"),
     (["--zero", "x"], "--zero takes integers separated by commas, got 'x'"),
     (["--micro-batch-size", "0"], "--micro-batch-size must be positive"),
-    (["--memory-gb", "nan"], "--memory-gb must be positive, got nan"),
-    (["--memory-gb", "-2"], "--memory-gb must be positive, got -2.0"),
+    (["--memory-gb", "nan"], "--memory-gb must be a positive finite number, got nan"),
+    (["--memory-gb", "-2"], "--memory-gb must be a positive finite number, got -2.0"),
+    (["--memory-gb", "inf"], "--memory-gb must be a positive finite number, got inf"),
+    (["--peak-tflops", "inf"], "--peak-tflops must be a positive finite number, got inf"),
+    (["--global-batch", str(2**20 + 1)], "is beyond what the planner searches"),
+    (["--global-batch", "10000", "--simulate"], "--simulate runs every micro-batch of a step"),
+    (["--parameters", "1e9"], "--model shakespeare and --parameters 1e+09 each give the model"),
     (["--achievable", "1.5"], "--achievable is a fraction of peak in (0, 1], got 1.5"),
     (["--intra-gbs", "nan", "--intra-alpha-us", "1"], "--intra-alpha-us and --intra-gbs go"),
     (["--inter-gbs", "10"], "--inter-alpha-us and --inter-gbs go together"),
@@ -423,3 +428,12 @@ def test_plan_check_runs_every_grid_of_4_ranks_and_tp_only_when_the_trainer_has_
     command = check.train_command(Layout(1, 2, 2, 0, 4, 4), steps=3, metrics="m.jsonl")
     assert command[command.index("--tp") + 1] == "2" and command[2] == "4"
     assert "--tp" not in check.train_command(Layout(2, 1, 2, 1, 4, 2), 3, "m.jsonl")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e30", "0.5"])
+def test_a_parameter_count_out_of_range_is_one_line_before_any_work(value, capsys, monkeypatch):
+    """1e24 once searched for minutes and inf raised OverflowError: both are refused now."""
+    monkeypatch.setattr("minimp.plan.best_plans", lambda *a, **k: pytest.fail("searched"))
+    assert main(["--parameters", value, "--gpus", "8", "--global-batch", "32"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--parameters must be between 1 and 1e+15" in error

@@ -138,6 +138,9 @@ BAD_INPUTS = [
     (["--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved"),
     (["--virtual-stages", "0"], "--virtual-stages must be a positive integer"),
     (["--schedule", "zb-h1", "--recompute"], "--schedule zb-h1 does not work with --recompute"),
+    (["--save", "/tmp/x.npz", "--timeline", "/tmp/x.npz"], "--timeline /tmp/x.npz is also --save"),
+    (["--metrics", "/tmp/m.json", "--timeline", "/tmp/./m.json"], "is also --metrics's file"),
+    (["--save", "/tmp/q.npz", "--metrics", "/tmp/q.npz"], "--metrics /tmp/q.npz is also --save"),
 ]
 
 
@@ -209,3 +212,20 @@ def test_the_plot_shows_losses_scale_rate_and_communication():
     np.testing.assert_allclose(figure.axes[2].get_lines()[0].get_ydata()[0], 768 / 0.1)
     alone = history_figure([{**row, "communication_seconds": 0.0} for row in rows], 64, "samples")
     assert len(alone.axes) == 3  # no communication panel for a run that sent nothing
+
+
+def test_an_output_on_the_checkpoint_it_resumes_is_refused_and_the_checkpoint_kept(
+    tmp_path, small_checkpoint
+):
+    """--timeline or --metrics onto --resume's file would replace the checkpoint (--save onto
+    it continues it in place, which is allowed)."""
+    copy = tmp_path / "ckpt.npz"
+    copy.write_bytes(small_checkpoint.read_bytes())
+    for flag in ("--timeline", "--metrics"):
+        result = run_command("--steps", "4", "--resume", str(copy), flag, str(copy))
+        assert result.returncode == 2 and "is also --resume's file" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+        assert copy.read_bytes() == small_checkpoint.read_bytes()
+    model = ("--hidden", "16", "--layers", "1")
+    kept = run_command(*model, "--steps", "4", "--resume", str(copy), "--save", str(copy))
+    assert kept.returncode == 0, kept.stderr

@@ -19,10 +19,12 @@ from minimp.parallel.schedules import BACKWARD, FORWARD, Action, Schedule
 
 def check_interleaving(stages: int, micro_batches: int, virtual_stages: int) -> None:
     """Raise ValueError unless the interleaved schedule exists for these sizes."""
-    if stages < 2 or virtual_stages < 1 or micro_batches < 1:
+    if stages < 2:
+        raise ValueError(f"interleaving needs --pp 2 or more, got --pp {stages}")
+    if virtual_stages < 1 or micro_batches < 1:
         raise ValueError(
-            f"interleaving needs --pp 2 or more and --virtual-stages 1 or more, got "
-            f"{stages} and {virtual_stages}"
+            f"interleaving needs --virtual-stages and --micro-batches of 1 or more, got "
+            f"{virtual_stages} and {micro_batches}"
         )
     if micro_batches % stages:
         raise ValueError(

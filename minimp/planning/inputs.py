@@ -87,6 +87,11 @@ class Job:
         return OPTIMIZER_SLOTS[self.optimizer]
 
 
+MAX_GLOBAL_BATCH = 2**20  # sequences a step; every layout's micro-batch count is searched
+MAX_SIMULATED_MICRO_BATCHES = 4096  # --simulate executes each micro-batch of each stage
+MAX_PARAMETERS = 1e15  # the largest trained models are ~1e12; above this nothing is meaningful
+
+
 def check_inputs(model: ModelShape, cluster: Cluster, job: Job) -> None:
     """Raise PlanError with one line for the first input that cannot work."""
     positive = {
@@ -102,8 +107,13 @@ def check_inputs(model: ModelShape, cluster: Cluster, job: Job) -> None:
         "--global-batch": job.global_batch,
     }
     for flag, value in positive.items():
-        if not value > 0:
-            raise PlanError(f"{flag} must be positive, got {value}")
+        if not (value > 0 and math.isfinite(value)):
+            raise PlanError(f"{flag} must be a positive finite number, got {value}")
+    if job.global_batch > MAX_GLOBAL_BATCH:
+        raise PlanError(
+            f"--global-batch {job.global_batch} is beyond what the planner searches (at most "
+            f"{MAX_GLOBAL_BATCH:,} sequences a step)"
+        )
     if model.hidden % model.heads:
         raise PlanError(
             f"--heads {model.heads} must divide --hidden {model.hidden} "

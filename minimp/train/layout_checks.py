@@ -104,7 +104,7 @@ def _check_schedule(config: Any) -> None:
             f"--pp {config.pp} x --virtual-stages {config.virtual_stages} needs {chunks} layers "
             f"with weights, the model has {weighted_layers(config)} (use --layers)"
         )
-    if FIRST_TAG + 2 * config.virtual_stages * config.micro_batches > 32767:
+    if config.pp > 1 and FIRST_TAG + 2 * config.virtual_stages * config.micro_batches > 32767:
         raise ConfigError(
             f"--micro-batches {config.micro_batches} x --virtual-stages "
             f"{config.virtual_stages} needs more message tags than MPI guarantees (32767): "

@@ -58,6 +58,7 @@ def validate(config: Any, world_size: int) -> None:
     _check_zero(config, config.data_parallel_size(world_size))
     if config.save_every and not config.save:
         raise ConfigError("--save-every needs --save (the path to save to)")
+    _check_distinct_files(config)
     loss_scale_kind(config)
     injection(config, "--inject-overflow", world_size, 0)
     injection(config, "--inject-fault", world_size, 0)
@@ -177,6 +178,23 @@ def _check_zero(config: Any, dp: int) -> None:
                 f"has {max(sizes)} parameters, so some replicas would hold none of that stage "
                 f"(use --dp {max(sizes)} or fewer, a wider model, or --zero 0)"
             )
+
+
+def _check_distinct_files(config: Any) -> None:
+    """Every file the run writes has a path of its own, and none is the checkpoint it resumes
+    from (except --save, which may continue a checkpoint in place): one would overwrite another."""
+    files = [
+        (_flag(name), os.path.realpath(getattr(config, name)))
+        for name in ("resume", "save", "metrics", "timeline", "plot")
+        if getattr(config, name)
+    ]
+    for index, (flag, path) in enumerate(files):
+        for other, other_path in files[index + 1 :]:
+            if path == other_path and {flag, other} != {"--resume", "--save"}:
+                raise ConfigError(
+                    f"{other} {getattr(config, other[2:])} is also {flag}'s file, and one would "
+                    "overwrite the other: give each its own path"
+                )
 
 
 def loss_scale_kind(config: Any) -> tuple[str, float | None]:
