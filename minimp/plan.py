@@ -114,8 +114,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _integers(text: str, flag: str) -> tuple[int, ...]:
+    """The comma-separated integers of a flag, each once (a repeat would list its layouts twice)."""
     try:
-        return tuple(int(part) for part in text.split(","))
+        return tuple(dict.fromkeys(int(part) for part in text.split(",")))
     except ValueError:
         raise PlanError(f"{flag} takes integers separated by commas, got {text!r}") from None
 

@@ -437,3 +437,11 @@ def test_a_parameter_count_out_of_range_is_one_line_before_any_work(value, capsy
     assert main(["--parameters", value, "--gpus", "8", "--global-batch", "32"]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "--parameters must be between 1 and 1e+15" in error
+
+
+def test_a_repeated_choice_lists_each_layout_once(capsys):
+    args = ["--model", "shakespeare", "--gpus", "4", "--global-batch", "8", "--json"]
+    assert main([*args, "--zero", "1,1"]) == 0
+    repeated = json.loads(capsys.readouterr().out)["plans"]
+    assert main([*args, "--zero", "1"]) == 0
+    assert repeated == json.loads(capsys.readouterr().out)["plans"]

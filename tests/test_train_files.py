@@ -244,3 +244,22 @@ def test_check_output_path_creates_nothing_but_folders(tmp_path):
     (tmp_path / "a" / "file").write_text("a file, not a folder")
     with pytest.raises(ConfigError, match="cannot be written"):
         files.check_output_path("--save", str(tmp_path / "a" / "file" / "c.npz"))
+
+
+def test_ctrl_c_is_one_line_exit_130_and_the_checkpoint_stays(tmp_path):
+    """SIGINT (Ctrl-C) used to print a KeyboardInterrupt traceback."""
+    ckpt = tmp_path / "ckpt.npz"
+    command = [PYTHON, "-m", "minimp.train", *SMALL, "--steps", "100000", "--save", str(ckpt)]
+    job = subprocess.Popen(
+        [*command, "--save-every", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not ckpt.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    job.send_signal(signal.SIGINT)
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode == 130
+    assert stderr.strip() == "minimp.train: interrupted; files already saved are intact"
+    with np.load(ckpt) as archive:
+        assert json.loads(str(archive["meta"]))["step"] % 20 == 0

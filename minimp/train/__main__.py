@@ -13,7 +13,7 @@ import sys
 import time
 
 from minimp import backend
-from minimp.distributed import run_or_abort, world
+from minimp.distributed import MPICommunicator, run_or_abort, world
 from minimp.distributed.protocol import Communicator
 from minimp.train.cli import parse_config
 from minimp.train.config import TrainConfig
@@ -66,6 +66,15 @@ def _run(config: TrainConfig, comm: Communicator) -> int:
 def main(argv: list[str] | None = None) -> int:
     comm = world()
     exit_cleanly_on_sigterm()
+    try:
+        return _main(argv, comm)
+    except KeyboardInterrupt:  # Ctrl-C: a file being written was cleaned up on the way out
+        if comm.rank == 0:
+            print(f"{PROGRAM}: interrupted; files already saved are intact", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None, comm: MPICommunicator) -> int:
     config = parse_config(argv, quiet=comm.rank != 0)  # argparse's errors: rank 0 prints, exit 2
     error = None
     try:
