@@ -141,6 +141,9 @@ BAD_INPUTS = [
     (["--save", "/tmp/x.npz", "--timeline", "/tmp/x.npz"], "--timeline /tmp/x.npz is also --save"),
     (["--metrics", "/tmp/m.json", "--timeline", "/tmp/./m.json"], "is also --metrics's file"),
     (["--save", "/tmp/q.npz", "--metrics", "/tmp/q.npz"], "--metrics /tmp/q.npz is also --save"),
+    (["--timeline", "/proc/version/t.json"], "/proc/version is a file, not a folder"),
+    (["--tp", "99999999999999999999"], "--tp 99999999999999999999 is more than the 1 ranks"),
+    (["--metrics", "/proc/version/a/b/m.jsonl"], "/proc/version is a file, not a folder"),
 ]
 
 

@@ -242,7 +242,7 @@ def test_check_output_path_creates_nothing_but_folders(tmp_path):
     files.check_output_path("--save", str(tmp_path / "a" / "b.npz"))
     assert os.listdir(tmp_path / "a") == []
     (tmp_path / "a" / "file").write_text("a file, not a folder")
-    with pytest.raises(ConfigError, match="cannot be written"):
+    with pytest.raises(ConfigError, match="a/file is a file, not a folder"):
         files.check_output_path("--save", str(tmp_path / "a" / "file" / "c.npz"))
 
 

@@ -28,6 +28,11 @@ def check_output_path(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> N
     if os.path.isdir(path):
         raise ConfigError(f"{flag} {path} is a folder; give a file name inside it")
     folder = os.path.dirname(os.path.abspath(path))
+    above = folder
+    while not os.path.exists(above):  # the nearest part of the path that exists must be a folder
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise ConfigError(f"{flag} {path}: {above} is a file, not a folder; choose another path")
     try:
         os.makedirs(folder, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):

@@ -14,6 +14,11 @@ from minimp.train.sizes import weighted_layers
 
 
 def check_layout(config: Any, world_size: int) -> None:
+    if config.tp > world_size:  # said as such, before what it would cut
+        raise ConfigError(
+            f"--tp {config.tp} is more than the {world_size} ranks of this job (start at least "
+            f"{config.tp} ranks with mpirun -n)"
+        )
     _check_tensor_parallel(config)
     _check_grid(config, world_size)
     _check_schedule(config)
