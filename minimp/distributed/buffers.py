@@ -8,13 +8,21 @@ only read. Reductions of 16-bit arrays widen both operands to float32 and round 
 
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from minimp.backend import array_module
 from minimp.distributed.protocol import REDUCE_OPS, Communicator
-from minimp.precision.casting import round_to, widen
+from minimp.precision.casting import LOW_PRECISION_DTYPES, round_to, widen
 
-_DTYPE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4, "int32": 5, "int64": 6}
+# dtype -> the number that stands for it in the agreement (looked up by dtype: no name to build)
+_DTYPE_CODES = {
+    np.dtype(dtype): code
+    for dtype, code in (
+        (np.float16, 1), (ml_dtypes.bfloat16, 2), (np.float32, 3), (np.float64, 4),
+        (np.int32, 5), (np.int64, 6),
+    )
+}  # fmt: skip
 
 
 class CollectiveMismatchError(ValueError):
@@ -26,7 +34,7 @@ def agree_on_array(comm: Communicator, array: Any, name: str) -> None:
     dtype. One all-reduce of four numbers: the max of (size, dtype) and of their negatives."""
     if comm.size == 1:
         return
-    code = _DTYPE_CODES.get(np.dtype(array.dtype).name, 99)
+    code = _DTYPE_CODES.get(array.dtype, 99)
     highest = comm.allreduce_scalars([array.size, code, -array.size, -code], op="max")
     if highest[0] != -highest[2] or highest[1] != -highest[3]:
         raise CollectiveMismatchError(
@@ -67,7 +75,7 @@ def reduce_into(target: Any, incoming: Any, op: str, first: Any = None) -> None:
         return
     reducer = REDUCE_OPS[op]
     first = target if first is None else first
-    if target.dtype == widen(target).dtype:
+    if target.dtype not in LOW_PRECISION_DTYPES:
         reducer(first, incoming, out=target)  # float32/float64: no temporary
     else:
         target[...] = round_to(reducer(widen(first), widen(incoming)), target.dtype)

@@ -17,7 +17,8 @@ swamping of float16 additions.
 The two halves are also collectives of their own; ZeRO builds on `reduce_scatter` and `all_gather`.
 """
 
-from typing import Any
+import functools
+from typing import Any, Sequence
 
 from minimp.backend import array_module
 from minimp.distributed.buffers import (
@@ -30,9 +31,14 @@ from minimp.distributed.buffers import (
 from minimp.distributed.protocol import Communicator, Tag, check_op
 
 
-def chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=1024)  # the same few sizes every step: a collective's plan, once
+def chunk_bounds(length: int, parts: int) -> tuple[tuple[int, int], ...]:
     """(start, stop) of `parts` nearly equal chunks covering range(length); the first length % parts
     chunks get one extra element. Chunks may be empty when length < parts."""
+    return tuple(_chunk_bounds(length, parts))
+
+
+def _chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
     base, extra = divmod(length, parts)
     bounds, start = [], 0
     for index in range(parts):
@@ -43,7 +49,7 @@ def chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
 
 
 def ring_reduce_scatter_into(
-    comm: Communicator, x: Any, out: Any, bounds: list[tuple[int, int]], op: str = "sum"
+    comm: Communicator, x: Any, out: Any, bounds: Sequence[tuple[int, int]], op: str = "sum"
 ) -> None:
     """Reduce-scatter around the ring: afterwards out[bounds[rank]] holds that chunk reduced over
     all ranks. x (flat, contiguous) is only read; out receives the partial sums.
@@ -64,7 +70,9 @@ def ring_reduce_scatter_into(
         reduce_into(incoming, x[recv_start:recv_stop], op)
 
 
-def ring_all_gather_inplace(comm: Communicator, flat: Any, bounds: list[tuple[int, int]]) -> None:
+def ring_all_gather_inplace(
+    comm: Communicator, flat: Any, bounds: Sequence[tuple[int, int]]
+) -> None:
     """All-gather around the ring: rank r starts with chunk r final and receives the others straight
     into place in flat (no staging copies)."""
     p, r = comm.size, comm.rank

@@ -15,7 +15,7 @@ by the program, not by a scheduler. The price: a step finishes only when somebod
 or wait(), so between two hooks a finished step waits for the next hook.
 """
 
-from typing import Any
+from typing import Any, Sequence
 
 from minimp.distributed.buffers import reduce_into
 from minimp.distributed.protocol import Communicator, Request, Tag, check_op
@@ -39,7 +39,7 @@ class RingAllreduce:
         op: str = "sum",
         tags: tuple[int, int] = (Tag.RING_REDUCE_SCATTER, Tag.RING_ALL_GATHER),
         *,
-        bounds: list[tuple[int, int]] | None = None,
+        bounds: Sequence[tuple[int, int]] | None = None,
         all_gather: bool = True,
     ):
         """tags: the reduce-scatter's and the all-gather's. Rings in flight at the same time on

@@ -16,7 +16,7 @@ one ring then never waits for a rank blocked on another.
 """
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from minimp.backend import array_module
 from minimp.distributed.protocol import Communicator, Tag
@@ -53,7 +53,7 @@ class OverlappedUnits:
         return xp.empty(size, like.dtype), xp.empty(size, like.dtype)
 
     def start(
-        self, unit: int, send: Any, receive: Any, bounds: list, then: Callable[[Any], None]
+        self, unit: int, send: Any, receive: Any, bounds: Sequence, then: Callable[[Any], None]
     ) -> None:
         """Start unit's reduce-scatter of send (packed) into receive; then(receive) runs when
         receive[bounds[rank]] holds this rank's chunk of the sum."""
