@@ -4,25 +4,9 @@ shard skips the step on every rank; 16-bit and fp8 runs keep the shards' whole c
 
 import numpy as np
 import pytest
+from test_train_tensor_parallel import GPT, run
 
-from minimp import backend
-from minimp import distributed as dist
-from minimp.train import TrainConfig
-from minimp.train.loop import train
-
-GPT = dict(
-    dataset="shakespeare", layers=2, hidden=32, heads=4, context=16, batch_size=8, steps=3,
-    eval_every=0, log_every=1000, dropout=0.1, precision="fp32",
-)  # fmt: skip
 MLP = dict(hidden=32, layers=4, batch_size=32, steps=3, log_every=1000, precision="fp32")
-
-
-def run(world_size, **flags):
-    """Every rank's train() result on the simulated world."""
-    config = TrainConfig(**flags)
-    config.validate(world_size)
-    with backend.limit_cpu_threads(1):
-        return dist.simulate(world_size, lambda comm: train(config, lambda line: None, comm))
 
 
 def assert_same_masters(result, reference):

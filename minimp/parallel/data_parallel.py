@@ -202,18 +202,24 @@ class DataParallel(GradientSync):
     def check_replicas(self, extra: Sequence[Any] = ()) -> None:
         """Raise ReplicaMismatchError naming the ranks whose masters (and `extra` arrays, such as
         fp8 scaling state) differ from rank 0's."""
-        checksum = 0
-        for array in [*self.optimizer.master_weights, *extra]:
-            checksum = zlib.crc32(to_numpy(array).tobytes(), checksum)
-        table = np.zeros(self.comm.size)
-        table[self.comm.rank] = checksum  # a 32-bit integer: exact in float64
-        table = self.comm.allreduce_scalars(table, op="sum")
-        differing = [rank for rank in range(self.comm.size) if table[rank] != table[0]]
+        differing = ranks_differing_from_rank_0(self.comm, [*self.optimizer.master_weights, *extra])
         if differing:
             what = "master weights or fp8 state" if extra else "master weights"
             raise ReplicaMismatchError(
                 f"{what} of rank(s) {differing} differ from rank 0's (replicas drifted apart)"
             )
+
+
+def ranks_differing_from_rank_0(comm: Communicator, arrays: Sequence[Any]) -> list[int]:
+    """The ranks whose arrays' bytes differ from rank 0's: one CRC-32 of them per rank, summed into
+    a table by one scalar all-reduce (no array travels)."""
+    checksum = 0
+    for array in arrays:
+        checksum = zlib.crc32(to_numpy(array).tobytes(), checksum)
+    table = np.zeros(comm.size)
+    table[comm.rank] = checksum  # a 32-bit integer: exact in float64
+    table = comm.allreduce_scalars(table, op="sum")
+    return [rank for rank in range(comm.size) if table[rank] != table[0]]
 
 
 def any_rank(comm: Communicator, found_inf: bool) -> bool:

@@ -14,14 +14,12 @@ on every rank, bit for bit, because it is computed from the same activations and
   one's are the same on every rank and are counted on tensor-parallel rank 0 only.
 """
 
-import zlib
 from typing import Any, Sequence
 
-import numpy as np
 
-from minimp.backend import array_module, to_numpy
+from minimp.backend import array_module
 from minimp.distributed.protocol import Communicator
-from minimp.parallel.data_parallel import ReplicaMismatchError
+from minimp.parallel.data_parallel import ReplicaMismatchError, ranks_differing_from_rank_0
 from minimp.parallel.tensor_parallel import all_reduce
 
 
@@ -65,13 +63,8 @@ class TensorParallelGradients:
     def check_replicated(self, masters: Sequence[Any], extra: Sequence[Any] = ()) -> None:
         """Raise ReplicaMismatchError unless every rank holds the same whole parameters (and
         `extra` arrays: fp8 state, the same on every rank after its MAX agreement)."""
-        checksum = 0
-        for array in [*(masters[i] for i in self.replicated), *extra]:
-            checksum = zlib.crc32(to_numpy(array).tobytes(), checksum)
-        table = np.zeros(self.comm.size)
-        table[self.comm.rank] = checksum  # a 32-bit integer: exact in float64
-        table = self.comm.allreduce_scalars(table, op="sum")
-        differing = [rank for rank in range(self.comm.size) if table[rank] != table[0]]
+        whole = [*(masters[i] for i in self.replicated), *extra]
+        differing = ranks_differing_from_rank_0(self.comm, whole)
         if differing:
             raise ReplicaMismatchError(
                 f"the whole (replicated) parameters of tensor-parallel rank(s) {differing} "
