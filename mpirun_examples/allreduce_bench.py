@@ -3,6 +3,7 @@
     mpirun -n 4 python mpirun_examples/allreduce_bench.py            # table, 4 KiB .. 64 MiB
     mpirun -n 2 python mpirun_examples/allreduce_bench.py --json     # one JSON object for machines
     mpirun -n 4 python mpirun_examples/allreduce_bench.py --max-mib 4
+    mpirun -n 2 python mpirun_examples/allreduce_bench.py --max-mib 1 --no-calibration
     mpirun -n 2 python mpirun_examples/allreduce_bench.py --device gpu --json   # CuPy, NCCL
 
 Each time is the slowest rank's, the median of many runs after a warm-up (at least 50 up to
@@ -10,7 +11,8 @@ Each time is the slowest rank's, the median of many runs after a warm-up (at lea
 3 x 2^k bytes, and prints the model's prediction of each algorithm beside its measured time: every
 size measured here is a power of two, one the fit never saw (held out). With --shipped the
 prediction is that of the model minimp ships for this many ranks (minimp.machinemodel.SHIPPED),
-the one `auto` uses, instead of the one fitted in this run.
+the one `auto` uses, instead of the one fitted in this run; --no-calibration skips the terms.
+"planned" is auto again as a PersistentAllreduce (the ranks agree once, not at every call).
 """
 
 import argparse
@@ -46,6 +48,11 @@ def main(argv=None):
     parser.add_argument(
         "--shipped", action="store_true", help="predict with the shipped model, not this run's fit"
     )
+    parser.add_argument(
+        "--no-calibration",
+        action="store_true",
+        help="measure no terms first (implies --shipped): the all-reduces on a fresh process",
+    )
     parser.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     parser.add_argument("--repeats", type=int, default=5, help="repetitions per size (GPU)")
     args = parser.parse_args(argv)
@@ -53,7 +60,10 @@ def main(argv=None):
     if args.device == "gpu":
         return gpu_main(comm, args)
     sizes, p = sizes_from(args.min_kib, args.max_mib), comm.size
-    model, terms = calibrate(comm, calibration_sizes(sizes[0] // p, sizes[-1]))
+    if args.no_calibration:
+        model, terms = shipped_model(p), None
+    else:
+        model, terms = calibrate(comm, calibration_sizes(sizes[0] // p, sizes[-1]))
     if args.shipped:
         model = shipped_model(p)
     rows = [measure_size(comm, nbytes) for nbytes in sizes]
@@ -81,8 +91,16 @@ def measure_size(comm, nbytes):
     for algorithm in ALGORITHMS:  # the same reused output buffer that MPI gets
         run = lambda: dist.allreduce(comm, x, algorithm=algorithm, out=out)  # noqa: E731
         row[algorithm] = timed(comm, run, repeats)
+    # auto again, planned once (agreement and choice at construction) as DataParallel's buckets run
+    planned = dist.PersistentAllreduce(comm, x.shape, x.dtype)
+    row["planned"] = timed(comm, lambda: planned(x, out=out), repeats)
     row["auto_choice"] = dist.choose_algorithm(nbytes, comm.size)
     return row
+
+
+def best_own(row):
+    """The fastest of minimp's own algorithms at this size, measured (what auto should pick)."""
+    return min(row[a] for a in ALGORITHMS if a != "auto")
 
 
 def held_out_errors(model, rows, algorithm):
@@ -105,17 +123,18 @@ def print_table(report):
             f"{line.intercept * 1e6:.1f} us + n / {1 / max(line.slope, 1e-30) / 1e9:.2f} GB/s"
             + (f" up to {line.limit:.0f} B" if line.above else "") for line in pieces
         ))  # fmt: skip
-    header = f"{'size':>9} {'MPI':>8}" + "".join(f" {a:>19}" for a in ALGORITHMS)
+    shown = ALGORITHMS + ("planned",)
+    header = f"{'size':>9} {'MPI':>8}" + "".join(f" {a:>19}" for a in shown)
     print(header + f" {'busbw ring':>11}   model/measured: " + " ".join(MODELLED))
     for row in report["rows"]:
         nbytes = row["bytes"]
         size = f"{nbytes // 1024} KiB" if nbytes < 2**20 else f"{nbytes // 2**20} MiB"
-        cells = "".join(f" {row[a] * 1e3:8.3f} ({row[a] / row['mpi']:5.2f}x)" for a in ALGORITHMS)
+        cells = "".join(f" {row[a] * 1e3:8.3f} ({row[a] / row['mpi']:5.2f}x)" for a in shown)
         busbw = costmodel.bus_bandwidth(nbytes, row["ring"], p) / 1e9 if p > 1 else float("nan")
         ratios = " ".join(f"{row['predicted'][a] / row[a]:5.2f}" for a in MODELLED)
         print(
             f"{size:>9} {row['mpi'] * 1e3:8.3f}{cells} {busbw:8.2f} GB/s   {ratios}"
-            f"  auto={row['auto_choice']}"
+            f"  auto={row['auto_choice']} ({row['auto'] / best_own(row):.2f}x the best of ours)"
         )
     for algorithm, errors in report["held_out"].items():
         print(

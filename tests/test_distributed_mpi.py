@@ -75,6 +75,18 @@ def test_the_examples_run(tmp_path):
     # every measured size is a power of two; the model was fitted at 3 x 2^k bytes only
     assert all(row["bytes"] not in report["terms"]["sizes"] for row in report["rows"])
     assert all(row["predicted"]["ring"] > 0 for row in report["rows"])
+    # auto planned once (PersistentAllreduce) is timed beside the checked call
+    assert all(row["planned"] > 0 and row["auto"] > 0 for row in report["rows"])
+    fresh = subprocess.run(
+        [MPIRUN, "-n", "2", PYTHON, os.path.join(examples, "allreduce_bench.py"), "--max-mib", "1",
+         "--no-calibration", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    uncalibrated = json.loads(fresh.stdout)
+    assert uncalibrated["terms"] is None and "shipped" in uncalibrated["model"]["name"]
 
 
 def test_cuda_awareness_query_answers_and_can_be_overridden(monkeypatch):

@@ -17,6 +17,7 @@ from minimp.distributed.collectives import (
 from minimp.distributed.gather import gather_named_arrays
 from minimp.distributed.launch import run_or_abort
 from minimp.distributed.mpi import MPICommunicator, world
+from minimp.distributed.persistent import PersistentAllreduce
 from minimp.distributed.protocol import REDUCE_OPS, Communicator, Tag
 from minimp.distributed.ring import all_gather, chunk_bounds, reduce_scatter, ring_allreduce
 from minimp.distributed.simulated import (
@@ -34,6 +35,7 @@ __all__ = [
     "Communicator",
     "DeadlockError",
     "MPICommunicator",
+    "PersistentAllreduce",
     "Message",
     "SimulatedCommunicator",
     "SimulatedWorld",

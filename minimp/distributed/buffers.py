@@ -31,11 +31,17 @@ class CollectiveMismatchError(ValueError):
 
 def agree_on_array(comm: Communicator, array: Any, name: str) -> None:
     """Raise CollectiveMismatchError on every rank unless all ranks pass the same length and
+    dtype (agree_on_layout of the array's)."""
+    agree_on_layout(comm, array.size, array.dtype, name)
+
+
+def agree_on_layout(comm: Communicator, size: int, dtype: Any, name: str) -> None:
+    """Raise CollectiveMismatchError on every rank unless all ranks name the same length and
     dtype. One all-reduce of four numbers: the max of (size, dtype) and of their negatives."""
     if comm.size == 1:
         return
-    code = _DTYPE_CODES.get(array.dtype, 99)
-    highest = comm.allreduce_scalars([array.size, code, -array.size, -code], op="max")
+    code = _DTYPE_CODES.get(dtype, 99)
+    highest = comm.allreduce_scalars([size, code, -size, -code], op="max")
     if highest[0] != -highest[2] or highest[1] != -highest[3]:
         raise CollectiveMismatchError(
             f"{name}: ranks disagree on the array (lengths {int(-highest[2])}..{int(highest[0])}, "
@@ -46,6 +52,8 @@ def agree_on_array(comm: Communicator, array: Any, name: str) -> None:
 
 def contiguous_flat(x: Any) -> Any:
     """x as a flat contiguous array (a view when it already is one; it is only read)."""
+    if x.ndim == 1 and x.flags.c_contiguous:  # a bucket, a flat gradient: as it is, no calls
+        return x
     return array_module(x).ascontiguousarray(x).reshape(-1)
 
 

@@ -5,7 +5,8 @@ simulated world and under mpirun, and returns a new array (the input is not modi
 itself, with its two halves, lives in minimp/distributed/ring.py.
 """
 
-from typing import Any
+from functools import lru_cache
+from typing import Any, Callable
 
 from minimp import costmodel
 from minimp.backend import array_module
@@ -14,12 +15,11 @@ from minimp.machinemodel import MachineModel, shipped_model
 from minimp.distributed.buffers import (
     agree_on_array,
     contiguous_flat,
-    flat_copy,
     output_buffer,
     reduce_into,
 )
 from minimp.distributed.protocol import REDUCE_OPS, Communicator, Tag, check_op
-from minimp.distributed.ring import ring_allreduce
+from minimp.distributed.ring import ring_allreduce, ring_allreduce_into
 from minimp.precision.casting import round_to, widen
 
 
@@ -30,9 +30,18 @@ def naive_allreduce(
     order) and broadcasts the result: 2(p - 1) full-size messages through one rank."""
     check_op(op)
     agree_on_array(comm, x, "naive_allreduce")
-    flat = flat_copy(x, out)
+    flat = output_buffer(x, out)
+    naive_allreduce_into(comm, contiguous_flat(x), flat, op, root)
+    return flat.reshape(x.shape)
+
+
+def naive_allreduce_into(
+    comm: Communicator, x_flat: Any, flat: Any, op: str = "sum", root: int = 0
+) -> None:
+    """naive_allreduce's messages and additions alone, from x_flat into flat (no checks)."""
+    flat[...] = x_flat
     if comm.size == 1:
-        return flat.reshape(x.shape)
+        return
     if comm.rank == root:
         total = widen(flat).copy() if widen(flat) is not flat else flat
         incoming = array_module(flat).empty_like(flat)
@@ -44,7 +53,6 @@ def naive_allreduce(
     else:
         comm.send(flat, root, tag=Tag.NAIVE_TO_ROOT)
     comm.bcast(flat, root=root)
-    return flat.reshape(x.shape)
 
 
 def recursive_doubling_allreduce(
@@ -57,14 +65,20 @@ def recursive_doubling_allreduce(
     """
     check_op(op)
     agree_on_array(comm, x, "recursive_doubling_allreduce")
-    x_flat, flat = contiguous_flat(x), output_buffer(x, out)
+    flat = output_buffer(x, out)
+    recursive_doubling_into(comm, contiguous_flat(x), flat, op)
+    return flat.reshape(x.shape)
+
+
+def recursive_doubling_into(comm: Communicator, x_flat: Any, flat: Any, op: str = "sum") -> None:
+    """recursive_doubling_allreduce's messages and additions alone, from x_flat into flat."""
     p, r = comm.size, comm.rank
     power = 1 << (p.bit_length() - 1)  # the largest power of two <= p
     extra = p - power
     if r >= power:  # fold into rank r - power, wait for the answer
         comm.send(x_flat, r - power, tag=Tag.DOUBLING_FOLD)
         comm.recv(flat, r - power, tag=Tag.DOUBLING_UNFOLD)
-        return flat.reshape(x.shape)
+        return
     # What this rank holds so far: its own input (only read), then the partial result in flat.
     current, incoming = x_flat, array_module(flat).empty_like(flat)
     if r < extra:
@@ -85,13 +99,19 @@ def recursive_doubling_allreduce(
         flat[...] = x_flat
     if r < extra:
         comm.send(flat, r + power, tag=Tag.DOUBLING_UNFOLD)
-    return flat.reshape(x.shape)
 
 
 ALGORITHMS = {
     "ring": ring_allreduce,
     "naive": naive_allreduce,
     "recursive_doubling": recursive_doubling_allreduce,
+}
+# Each algorithm's messages and additions alone, (comm, x_flat, out_flat, op), for callers that
+# made the checks once (minimp/distributed/persistent.py)
+BODIES: dict[str, Callable[[Communicator, Any, Any, str], None]] = {
+    "ring": ring_allreduce_into,
+    "naive": naive_allreduce_into,
+    "recursive_doubling": recursive_doubling_into,
 }
 
 
@@ -103,8 +123,16 @@ def choose_algorithm(
     the textbook alpha-beta formulas of a Network given (minimp/costmodel.py)."""
     if isinstance(network, Network):
         return costmodel.fastest_allreduce(nbytes, world_size, network, tuple(ALGORITHMS))
-    model = network if network is not None else shipped_model(world_size)
-    return model.fastest(nbytes, tuple(ALGORITHMS))
+    if network is None:
+        return _shipped_choice(nbytes, world_size)
+    return network.fastest(nbytes, tuple(ALGORITHMS))
+
+
+@lru_cache(maxsize=4096)
+def _shipped_choice(nbytes: int, world_size: int) -> str:
+    # The shipped model is constants, so its answer per (size, ranks) never changes: evaluating
+    # it costs ~5 us of Python per call, as much as a 4 KiB message, and a cache lookup ~0.1 us.
+    return shipped_model(world_size).fastest(nbytes, tuple(ALGORITHMS))
 
 
 def allreduce(

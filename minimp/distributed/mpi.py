@@ -78,7 +78,7 @@ class MPICommunicator(Communicator):
         """(buffer to hand MPI, whether it is a host copy of a device array). A CUDA-aware MPI reads
         GPU memory itself (after the stream is synchronised); otherwise the bytes go through host
         memory, which rank 0 says once."""
-        if not backend.is_device_array(array):
+        if type(array) is np.ndarray or not backend.is_device_array(array):
             return array, False
         backend.synchronize()
         if self._cuda_aware is None:
@@ -153,12 +153,13 @@ class MPICommunicator(Communicator):
         send_buffer = byte_view(self._on_host(send_array)[0])
         recv_host, staged = self._on_host(recv_array)
         recv_buffer = byte_view(recv_host)
-        self._wait(f"send to rank {dest} and receive from", source)
+        if self._watchdog is not None:  # the description is built only for a watchdog to print
+            self._wait(f"send to rank {dest} and receive from", source)
         self._comm.Sendrecv(
-            self._bytes(send_buffer),
+            (send_buffer, self._MPI.BYTE),
             dest=dest,
             sendtag=tag,
-            recvbuf=self._bytes(recv_buffer),
+            recvbuf=(recv_buffer, self._MPI.BYTE),
             source=source,
             recvtag=tag if recv_tag is None else recv_tag,
             status=self._status,

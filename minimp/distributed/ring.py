@@ -91,12 +91,17 @@ def ring_allreduce(comm: Communicator, x: Any, op: str = "sum", out: Any = None)
     agree_on_array(comm, x, "ring_allreduce")
     if comm.size == 1:
         return flat_copy(x, out).reshape(x.shape)
-    flat_x = contiguous_flat(x)
     flat_out = output_buffer(x, out)
+    ring_allreduce_into(comm, contiguous_flat(x), flat_out, op)
+    return flat_out.reshape(x.shape)
+
+
+def ring_allreduce_into(comm: Communicator, flat_x: Any, flat_out: Any, op: str = "sum") -> None:
+    """The ring's messages and additions alone, on flat arrays (p >= 2; no checks, no agreement:
+    ring_allreduce and minimp/distributed/persistent.py make them)."""
     bounds = chunk_bounds(flat_x.size, comm.size)
     ring_reduce_scatter_into(comm, flat_x, flat_out, bounds, op)
     ring_all_gather_inplace(comm, flat_out, bounds)
-    return flat_out.reshape(x.shape)
 
 
 def reduce_scatter(comm: Communicator, x: Any, op: str = "sum") -> Any:

@@ -24,7 +24,7 @@ import numpy as np
 
 from minimp.backend import array_module, to_numpy
 from minimp.distributed.protocol import Communicator
-from minimp.distributed.ring import ring_allreduce
+from minimp.distributed.persistent import PersistentAllreduce
 from minimp.precision.casting import round_to, widen
 from minimp.parallel.overlap import OverlappedBuckets
 from minimp.parallel.tied import TiedGradients
@@ -76,6 +76,12 @@ class DataParallel(GradientSync):
         # faults); one replica sends nothing and needs none.
         self.buffers = [
             (xp.empty(size, self.comm_dtype), xp.empty(size, self.comm_dtype))
+            for _, size in (self.buckets if comm.size > 1 else [])
+        ]
+        # The ranks agree on every bucket's length and dtype here, once, instead of at every
+        # all-reduce of every step (the overlapped rings never check: they rely on this).
+        self.plans = [
+            PersistentAllreduce(comm, (size,), self.comm_dtype, algorithm="ring")
             for _, size in (self.buckets if comm.size > 1 else [])
         ]
         self.overlap: OverlappedBuckets | None = None
@@ -171,7 +177,7 @@ class DataParallel(GradientSync):
             return
         for bucket in range(len(self.buckets)):
             send, receive = self._pack(bucket, gradients)
-            ring_allreduce(self.comm, send, out=receive)
+            self.plans[bucket](send, out=receive)
             self._unpack(bucket, gradients)
 
     def _pack(self, bucket: int, gradients: list) -> tuple[Any, Any]:

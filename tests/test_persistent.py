@@ -1,0 +1,105 @@
+"""The persistent all-reduce: the same bits as the checked call, the ranks' agreement made once at
+construction (none per call), a wrong array refused on its rank before any message."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from minimp import distributed as dist
+from minimp.distributed.persistent import PersistentAllreduce
+
+ALGORITHMS = ["ring", "naive", "recursive_doubling", "auto"]
+
+
+def rank_data(rank, size, dtype, call):
+    rng = np.random.default_rng(1000 * rank + call)
+    return rng.normal(0, 3, size).astype(np.float32).astype(dtype)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_each_call_equals_the_checked_allreduce_bit_for_bit(ranks, algorithm, dtype):
+    def run(comm):
+        plan = PersistentAllreduce(comm, (3, 7), dtype, algorithm=algorithm)
+        out = np.empty((3, 7), dtype)
+        pairs = []
+        for call in range(3):  # reused step after step, with and without `out`
+            x = rank_data(comm.rank, 21, dtype, call).reshape(3, 7)
+            expected = dist.allreduce(comm, x, algorithm=algorithm)
+            given = plan(x, out=out) if call % 2 else plan(x)
+            pairs.append((expected.view(np.uint8).copy(), given.view(np.uint8).copy()))
+            assert given.shape == (3, 7) and given.dtype == np.dtype(dtype)
+            assert np.shares_memory(given, out) == bool(call % 2)
+        return pairs
+
+    for pairs in dist.simulate(ranks, run):
+        for expected, given in pairs:
+            np.testing.assert_array_equal(given, expected)
+
+
+def test_the_ranks_agree_once_at_construction_and_never_per_call():
+    def run(comm):
+        plan = PersistentAllreduce(comm, (64,), np.float32, algorithm="recursive_doubling")
+        after_construction = comm.scalar_allreduces
+        x = np.ones(64, np.float32)
+        for _ in range(5):
+            plan(x)
+        after_plan = comm.scalar_allreduces
+        dist.allreduce(comm, x, algorithm="recursive_doubling")
+        return after_construction, after_plan, comm.scalar_allreduces
+
+    for constructed, planned, checked in dist.simulate(4, run):
+        assert (constructed, planned, checked) == (1, 1, 2)
+
+
+@pytest.mark.parametrize("by", ["length", "dtype"])
+def test_ranks_planning_different_arrays_fail_together_at_construction(by):
+    def run(comm):
+        length = 8 + (comm.rank if by == "length" else 0)
+        dtype = np.float16 if (by == "dtype" and comm.rank == 1) else np.float32
+        try:
+            PersistentAllreduce(comm, (length,), dtype)
+        except dist.CollectiveMismatchError as error:
+            return str(error)
+        return None
+
+    messages = dist.simulate(3, run)
+    assert all(m and "PersistentAllreduce: ranks disagree on the array" in m for m in messages)
+
+
+def test_an_array_other_than_the_planned_one_is_refused_before_any_message():
+    def run(comm):
+        plan = PersistentAllreduce(comm, (4, 2), np.float32)
+        refusals = []
+        for wrong in (np.ones((8,), np.float32), np.ones((4, 2), np.float16)):
+            with pytest.raises(ValueError, match="planned for float32 arrays of shape \\(4, 2\\)"):
+                plan(wrong)
+            refusals.append(True)
+        return refusals
+
+    results = dist.simulate(2, run)
+    assert results == [[True, True]] * 2
+    assert results.trace == []  # nothing was sent: the agreement is a scalar all-reduce
+
+
+def test_auto_plans_the_algorithm_allreduce_would_choose():
+    def run(comm):
+        return [
+            PersistentAllreduce(comm, (n,), np.float32).algorithm for n in (1024, 2**20, 2**24)
+        ]
+
+    for ranks in (2, 4):
+        chosen = dist.simulate(ranks, run)[0]
+        assert chosen == [dist.choose_algorithm(4 * n, ranks) for n in (1024, 2**20, 2**24)]
+
+
+def test_an_unknown_algorithm_or_op_is_refused_in_one_line():
+    def run(comm):
+        with pytest.raises(ValueError, match="unknown all-reduce algorithm 'tree'"):
+            PersistentAllreduce(comm, (4,), np.float32, algorithm="tree")
+        with pytest.raises(ValueError, match="op must be one of"):
+            PersistentAllreduce(comm, (4,), np.float32, op="mean")
+        return True
+
+    assert dist.simulate(2, run) == [True, True]
