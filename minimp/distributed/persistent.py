@@ -61,7 +61,7 @@ class PersistentAllreduce:
             flat_out[...] = flat_x
         else:
             self._body(self.comm, flat_x, flat_out, self.op)
-        return flat_out.reshape(self.shape)
+        return flat_out if len(self.shape) == 1 else flat_out.reshape(self.shape)
 
     def __repr__(self) -> str:
         return (
