@@ -1,8 +1,8 @@
 """Fused optimizer updates on a GPU: unscale, update and round into float16 in one CuPy kernel.
 
-Unfused, one parameter's AdamW step on CuPy arrays is some fifteen elementwise kernels, each
-reading and writing whole arrays in GPU memory (the unscale, the two moments, the denominator,
-the step, then the cast into the float16 copy). Fused, it is one ElementwiseKernel that reads the
+Unfused, one parameter's AdamW step on CuPy arrays is an elementwise kernel per arithmetic
+operation of optim.py (the unscale, the two moments, the denominator, the step), then the cast
+and the copy into the float16 parameter, each reading and writing whole arrays in GPU memory. Fused, it is one ElementwiseKernel that reads the
 gradient, the master and the two moments once and writes the master, the moments and the
 float16 copy once, as PyTorch's `fused=True` optimizers and apex's FusedAdam do.
 
