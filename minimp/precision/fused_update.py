@@ -2,9 +2,10 @@
 
 Unfused, one parameter's AdamW step on CuPy arrays is an elementwise kernel per arithmetic
 operation of optim.py (the unscale, the two moments, the denominator, the step), then the cast
-and the copy into the float16 parameter, each reading and writing whole arrays in GPU memory. Fused, it is one ElementwiseKernel that reads the
-gradient, the master and the two moments once and writes the master, the moments and the
-float16 copy once, as PyTorch's `fused=True` optimizers and apex's FusedAdam do.
+and the copy into the float16 parameter, each reading and writing whole arrays in GPU memory.
+Fused, it is one ElementwiseKernel that reads the gradient, the master and the two moments once
+and writes the master, the moments and the float16 copy once, as PyTorch's `fused=True`
+optimizers and apex's FusedAdam do.
 
 The arithmetic is not written here: the kernel body is rendered from the same program the CPU
 tests run through NumPy (minimp/precision/update_programs.py), so the fused update performs the
