@@ -62,3 +62,29 @@ def test_the_profile_times_the_gemms_the_step_runs():
     linears = [layer for layer in model if isinstance(layer, nn.Linear)]
     weights = sum(int(np.prod(layer.weight.shape)) for layer in linears)
     assert flops == 6 * 32 * weights - 2 * 32 * 8 * 16  # 6 N B, less the first layer's dL/dx
+
+
+def test_the_phases_cover_the_step_and_leave_it_as_it_was():
+    """The profile's phase timer runs on the CPU too (synchronising is then a no-op): every phase
+    is timed, and step.py's helpers and the optimizer's methods are restored afterwards."""
+    from gpu_step_profile import phases
+    from step_bench import build
+
+    from minimp import Tensor
+    from minimp.precision import StaticLossScaler
+    from minimp.precision import step as step_module
+
+    model, optimizer = build(16, 2, 10, np.float16)
+    helpers = {name: getattr(step_module, name) for name in ("all_finite", "unscale_")}
+    rng = np.random.default_rng(0)
+    x = Tensor(rng.standard_normal((8, 16)).astype(np.float16))
+    targets = rng.integers(0, 10, 8)
+    timings = phases(model, optimizer, StaticLossScaler(8.0), x, targets, repeats=2)
+    assert set(timings) == {
+        "forward", "backward", "accumulate", "finite checks", "unscale", "update + round",
+        "whole step function",
+    }  # fmt: skip
+    assert all(ms > 0 for ms in timings.values())
+    assert timings["whole step function"] >= timings["update + round"]
+    assert all(getattr(step_module, name) is f for name, f in helpers.items())
+    assert "step" not in vars(optimizer) and "accumulate_gradients" not in vars(optimizer)
