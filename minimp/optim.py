@@ -15,6 +15,7 @@ from typing import Any, Iterable
 from minimp.backend import array_module
 from minimp.precision import casting
 from minimp.precision.casting import MASTER_DTYPE
+from minimp.precision.fused_update import fused_step
 
 
 class Optimizer:
@@ -25,6 +26,10 @@ class Optimizer:
     """
 
     slot_names: tuple[str, ...] = ()
+    # On CuPy arrays: unscale, update and rounding in one kernel per parameter (PyTorch's
+    # fused=True; minimp/precision/fused_update.py). Off until a GPU run has shown its bits equal
+    # the unfused path's (scripts/gpu_check.sh runs that test; no GPU has run it yet).
+    fused: bool = False
 
     def __init__(self, params: Iterable[Any], lr: float, weight_decay: float = 0.0):
         """params: Parameters, or groups as in PyTorch, dicts {"params": [...], "weight_decay":
@@ -91,10 +96,11 @@ class Optimizer:
             self.accumulators[index] = array_module(master).empty_like(master)
         return self.accumulators[index]
 
-    def step(self) -> None:
-        """Update every master with its accumulated float32 gradient, as it is (unscaled and
-        clipped already), then round the masters into the parameters. Parameters without a
-        gradient are left alone; the accumulated gradients are consumed."""
+    def step(self, grad_scale: float = 1.0) -> None:
+        """Update every master with its accumulated float32 gradient times grad_scale (1: as it
+        is, unscaled and clipped already; 1 / S: the unscale, done here), then round the masters
+        into the parameters. Parameters without a gradient are left alone; the accumulated
+        gradients are consumed."""
         pending = sum(parameter.grad is not None for parameter in self.params)
         if pending:
             raise RuntimeError(
@@ -106,6 +112,10 @@ class Optimizer:
         for index, grad in enumerate(self.master_gradients):
             if grad is None:
                 continue
+            if self.fused and fused_step(self, index, grad, grad_scale):
+                continue  # one GPU kernel: unscale, update, round into the compute copy
+            if grad_scale != 1.0:  # as unscale_ in minimp/precision/step.py
+                grad *= grad_scale
             weight_decay = self.weight_decays[index]
             self.update(self.master_weights[index], grad, self.slots[index], weight_decay)
             self._write_back(index)

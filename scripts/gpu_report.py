@@ -35,6 +35,8 @@ def main(logs, out_path):
         "command": "bash scripts/gpu_check.sh",
         "tests": tests[-6:],
         "step_benchmark": read_json(os.path.join(logs, "step.json")),
+        "step_profile": read_json(os.path.join(logs, "profile.json")),
+        "ring_staged_2_ranks": read_json(os.path.join(logs, "ring2.json")),
         "allreduce_2_ranks": read_json(os.path.join(logs, "allreduce2.json")),
         "allreduce_4_ranks": read_json(os.path.join(logs, "allreduce4.json")),
         "train_4_ranks": {

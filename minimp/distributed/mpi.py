@@ -81,6 +81,15 @@ class MPICommunicator(Communicator):
         if type(array) is np.ndarray or not backend.is_device_array(array):
             return array, False
         backend.synchronize()
+        if not self.stages_device_arrays:
+            return array, False
+        return array.get(), True
+
+    @property
+    def stages_device_arrays(self) -> bool:
+        """True when device arrays reach MPI as host copies (this MPI is not CUDA-aware); asked
+        once, and rank 0 says it once. The ring all-reduce then stages a whole collective at a
+        time (minimp/distributed/staging.py)."""
         if self._cuda_aware is None:
             self._cuda_aware = mpi_is_cuda_aware()
             if not self._cuda_aware and self.rank == 0:
@@ -90,9 +99,7 @@ class MPICommunicator(Communicator):
                     file=sys.stderr,
                     flush=True,
                 )
-        if self._cuda_aware:
-            return array, False
-        return array.get(), True
+        return not self._cuda_aware
 
     def _bytes(self, buffer: Any) -> list:
         return [buffer, self._MPI.BYTE]

@@ -29,6 +29,7 @@ from minimp.distributed.buffers import (
     reduce_into,
 )
 from minimp.distributed.protocol import Communicator, Tag, check_op
+from minimp.distributed.staging import host_staged, stages_through_host
 
 
 @functools.lru_cache(maxsize=1024)  # the same few sizes every step: a collective's plan, once
@@ -88,6 +89,8 @@ def ring_allreduce(comm: Communicator, x: Any, op: str = "sum", out: Any = None)
     """All-reduce by reduce-scatter + all-gather around a ring (bandwidth-optimal for large arrays).
     Returns a new array shaped like x, or `out` when given (it must not overlap x)."""
     check_op(op)
+    if stages_through_host(comm, x):  # one copy each way, not one per message (staging.py)
+        return host_staged(ring_allreduce, comm, x, op, out)
     agree_on_array(comm, x, "ring_allreduce")
     if comm.size == 1:
         return flat_copy(x, out).reshape(x.shape)

@@ -1,0 +1,100 @@
+"""The mutation score of the last `mutmut run`, by package, against the survivors docs/testing.md
+explains.
+
+    nice mutmut run --max-children 2        # resumable: results stay in mutants/
+    python scripts/mutation_score.py        # the score table
+    python scripts/mutation_score.py --undocumented   # survivors docs/testing.md does not list
+
+A mutant is detected when a test failed (killed), ran past mutmut's time limit (timeout: the mutant
+made the code loop or crawl, which a test run notices) or crashed the interpreter (segfault).
+Survivors that docs/testing.md's table marks "equivalent" (no input tells them apart from the
+code) leave the denominator; every other survivor, and every mutant no test reaches, counts
+against the score.
+"""
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import sys
+
+from mutmut.stats import status_by_exit_code
+
+DETECTED = ("killed", "timeout", "segfault")
+PACKAGES = (
+    "minimp.ops", "minimp.precision", "minimp.optim", "minimp.distributed", "minimp.parallel",
+    "minimp.train.loop",
+)  # fmt: skip
+# one table row per survivor: | `minimp.x.y__mutmut_3` | what it changes | why it survives |
+ROW = re.compile(r"^\|\s*`([\w.]+__mutmut_\d+)`\s*\|[^|]*\|\s*([^|]*?)\s*\|\s*$")
+
+
+def statuses(mutants_dir: str) -> dict[str, str]:
+    """{mutant name: status} over every .meta file mutmut wrote."""
+    found = {}
+    for path in glob.glob(os.path.join(mutants_dir, "**", "*.py.meta"), recursive=True):
+        with open(path) as file:
+            codes = json.load(file).get("exit_code_by_key", {})
+        found.update({name: status_by_exit_code[code] for name, code in codes.items()})
+    return found
+
+
+def documented(doc_path: str) -> dict[str, str]:
+    """{mutant name: why} from the survivors table of docs/testing.md."""
+    with open(doc_path) as file:
+        return {m[1]: m[2] for line in file if (m := ROW.match(line.strip()))}
+
+
+def package_of(name: str) -> str:
+    module = name.split("__mutmut_")[0].rsplit(".", 1)[0]  # minimp.ops.loss.x_cross_entropy
+    return next((p for p in PACKAGES if module == p or module.startswith(p + ".")), "other")
+
+
+def score_table(found: dict[str, str], why: dict[str, str]) -> list[dict]:
+    rows: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for name, status in found.items():
+        if package_of(name) == "other":  # left from a run with a wider scope: not counted
+            continue
+        row = rows[package_of(name)]
+        row["mutants"] += 1
+        if status in DETECTED:
+            row["detected"] += 1
+        elif status == "survived" and why.get(name, "").lower().startswith("equivalent"):
+            row["equivalent"] += 1
+        else:
+            row[status] += 1
+    table = []
+    rows["all"] = sum(rows.values(), collections.Counter())
+    for package in sorted(rows, key=lambda p: (p == "all", p)):
+        row = rows[package]
+        counted = row["mutants"] - row["equivalent"] - row["not checked"]
+        table.append({"package": package, **row, "score": row["detected"] / max(counted, 1)})
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mutants", default="mutants")
+    parser.add_argument("--doc", default=os.path.join("docs", "testing.md"))
+    parser.add_argument("--undocumented", action="store_true")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.mutants):
+        raise SystemExit(f"mutation_score: no {args.mutants}/ here: run `mutmut run` first")
+    found, why = statuses(args.mutants), documented(args.doc)
+    if args.undocumented:
+        for name in sorted(n for n, status in found.items() if status == "survived"):
+            if name not in why:
+                print(name)
+        return 0
+    columns = ("mutants", "detected", "survived", "equivalent", "no tests", "not checked")
+    print(f"{'package':22s}" + "".join(f"{c:>12s}" for c in columns) + f"{'score':>8s}")
+    for row in score_table(found, why):
+        cells = "".join(f"{row.get(c, 0):12d}" for c in columns)
+        print(f"{row['package']:22s}{cells}{row['score']:8.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
