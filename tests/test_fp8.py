@@ -189,3 +189,14 @@ def test_the_decoding_table_is_ml_dtypes_own_decoding():
         transposed = fp8.to_float32(codes.reshape(16, 16).T)  # a strided view decodes too
         assert np.array_equal(transposed.view(np.uint32), theirs.reshape(16, 16).T.view(np.uint32))
         assert ml_dtypes.finfo(fmt.dtype).bits == 8
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=repr)
+def test_the_decoding_table_holds_each_codes_float32_value(fmt):
+    # fp8._DECODE is built once, at import, which the tests above only read: a mutation tool that
+    # swaps functions after import never reaches the builder unless a test calls it, as here
+    table = fp8._decoding_table(fmt)
+    assert table.dtype == np.float32 and table.shape == (256,)
+    expected = np.array([decode_from_definition(code, fmt.name) for code in range(256)])
+    assert_same_values(table.astype(np.float64), expected, f"{fmt} decoding table")
+    assert np.array_equal(fp8._DECODE[fmt.dtype].view(np.uint32), table.view(np.uint32))

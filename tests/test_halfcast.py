@@ -201,5 +201,26 @@ def test_without_numba_the_default_is_numpys_astype(monkeypatch):
     monkeypatch.delenv(halfcast.ENVIRONMENT_VARIABLE, raising=False)
     monkeypatch.setattr(halfcast_numba, "available", lambda: False)
     assert halfcast.selected_casts() == "astype"
-    with pytest.raises(ValueError, match="pip install 'minimp\\[fast\\]'"):
+    with pytest.raises(ValueError) as caught:
         halfcast.use_casts("numba")
+    assert str(caught.value) == "float16 cast 'numba' needs numba: pip install 'minimp[fast]'"
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_the_numpy_casts_run_a_chunk_at_a_time(dtype, monkeypatch):
+    sizes = []
+    name = "float32_to_float16_numpy" if dtype == np.float16 else "float16_to_float32_numpy"
+    convert = getattr(halfcast, name)
+
+    def counted(chunk):
+        sizes.append(chunk.size)
+        return convert(chunk)
+
+    monkeypatch.setattr(halfcast, name, counted)
+    monkeypatch.setattr(halfcast, "NUMPY_CHUNK", 1000)
+    source = np.random.default_rng(0).standard_normal(2500).astype(
+        np.float32 if dtype == np.float16 else np.float16
+    )
+    result = halfcast._numpy_in_chunks(source, dtype)
+    assert sizes == [1000, 1000, 500]  # 2500 elements, chunks of 1000
+    np.testing.assert_array_equal(result.view(np.uint8), numpy_astype(source, dtype).view(np.uint8))

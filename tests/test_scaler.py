@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minimp import DynamicLossScaler, StaticLossScaler
+from minimp import DynamicLossScaler, StaticLossScaler, Tensor
 
 
 def gradscaler_reference(found_infs, scale, growth_factor, backoff_factor, growth_interval):
@@ -150,8 +150,17 @@ def test_dynamic_scaler_refuses_bad_arguments(arguments):
 
 @pytest.mark.parametrize("scale", ["abc", None, float("nan"), float("inf"), 0.0, -2.0])
 def test_static_scaler_refuses_what_is_not_a_positive_finite_number(scale):
-    with pytest.raises(ValueError, match="must be a positive finite"):
+    with pytest.raises(ValueError, match="^loss scale must be a positive finite"):
         StaticLossScaler(scale)
+
+
+def test_static_scaler_flags_are_the_protocols_bools():
+    scaler = StaticLossScaler(8.0)
+    assert scaler.hit_min_scale is False and scaler.applied is False  # nothing scaled yet
+    assert float(scaler.scale(Tensor(np.float32(3.0))).data) == 24.0 and scaler.applied is True
+    scaler.update(found_inf=True)
+    assert (scaler.loss_scale, scaler.applied, scaler.hit_min_scale) == (8.0, False, False)
+    assert scaler.applied is False and scaler.hit_min_scale is False
 
 
 @pytest.mark.parametrize(

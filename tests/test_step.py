@@ -1,13 +1,14 @@
 """Mixed-precision step: skipped steps change nothing, unscaling is exact, masters stay float32."""
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minimp import DynamicLossScaler, Tensor, nn, optim
+from minimp import DynamicLossScaler, StaticLossScaler, Tensor, nn, optim
 from minimp import functional as F
 from minimp.precision import mixed_precision_step
 
@@ -169,6 +170,21 @@ def test_forgetting_to_scale_the_loss_warns():
     F.cross_entropy(model(x), rng.integers(0, 3, 5)).backward()  # not scaler.scale(loss)
     with pytest.warns(UserWarning, match="scale was not applied"):
         mixed_precision_step(optimizer, scaler)
+
+
+def test_a_static_scaler_warns_on_each_step_whose_loss_was_not_scaled():
+    model, optimizer, rng = fp16_model_and_optimizer("sgd")
+    scaler = StaticLossScaler(256.0)
+    for scaled in (False, True, False):  # a fresh scaler, then one just updated, was not applied
+        x = Tensor(rng.standard_normal((5, 6)).astype(np.float16))
+        loss = F.cross_entropy(model(x), rng.integers(0, 3, 5))
+        (scaler.scale(loss) if scaled else loss).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mixed_precision_step(optimizer, scaler)
+        assert [str(w.message) for w in caught if "scale was not applied" in str(w.message)] == (
+            [] if scaled else [str(caught[0].message)]
+        )
 
 
 def test_an_optimizer_built_after_the_cast_is_refused():

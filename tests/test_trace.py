@@ -8,7 +8,7 @@ import pytest
 
 from minimp import distributed as dist
 from minimp.train import TrainConfig, train
-from minimp.parallel.trace import read_timeline
+from minimp.parallel.trace import NAMES, read_timeline
 
 REQUIRED = {"X": {"name", "ph", "ts", "dur", "pid", "tid"}, "M": {"name", "ph", "pid", "args"}}
 
@@ -61,3 +61,13 @@ def test_the_gantt_rows_come_back_from_the_same_file(tmp_path):
     assert (timeline["schedule"], timeline["stages"], timeline["micro_batches"]) == ("gpipe", 2, 4)
     assert timeline["peak_stored_micro_batches"] == [4, 4]
     assert len(timeline["events"]) == 3 * 2 * 4 * 2  # steps x stages x micro-batches x F/B
+
+
+def test_a_steps_own_communication_belongs_to_no_micro_batch(tmp_path):
+    # what the sync does once per step (all-reduce, overflow agreement, ...) is recorded with
+    # micro-batch -1; only a pipeline's sends and receives carry a micro-batch number
+    document, _ = traced(tmp_path, 2, dp=2)
+    per_step = {op for op, (label, _) in NAMES.items() if "{mb}" not in label}
+    events = [e for e in document["traceEvents"] if e["ph"] == "X" and e["args"]["op"] in per_step]
+    assert {e["name"] for e in events} >= {"all-reduce gradients", "agree on overflow"}
+    assert {e["args"]["micro_batch"] for e in events} == {-1}

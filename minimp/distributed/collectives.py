@@ -43,7 +43,7 @@ def naive_allreduce_into(
     if comm.size == 1:
         return
     if comm.rank == root:
-        total = widen(flat).copy() if widen(flat) is not flat else flat
+        total = widen(flat)  # float32: flat itself; 16-bit: a float32 copy to sum into
         incoming = array_module(flat).empty_like(flat)
         for source in range(comm.size):
             if source != root:

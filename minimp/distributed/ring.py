@@ -135,6 +135,5 @@ def all_gather(comm: Communicator, chunk: Any, length: int | None = None) -> Any
     flat = array_module(chunk).empty(length, chunk.dtype)
     agree_on_array(comm, flat, "all_gather")
     flat[start:stop] = chunk.reshape(-1)
-    if comm.size > 1:
-        ring_all_gather_inplace(comm, flat, bounds)
+    ring_all_gather_inplace(comm, flat, bounds)  # p - 1 steps: none on one rank
     return flat

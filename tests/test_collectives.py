@@ -1,0 +1,123 @@
+"""minimp/distributed/collectives.py pinned value by value on the simulated world: the algorithm
+`auto` picks for a Network, a MachineModel or neither, which one then runs (seen in the message
+trace), `op` and `out` reaching it, and the naive all-reduce's float32 sum and error names."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from minimp import distributed as dist
+from minimp.costmodel import Network, fastest_allreduce
+from minimp.distributed.collectives import ALGORITHMS, choose_algorithm
+from minimp.distributed.protocol import Tag
+from minimp.machinemodel import Line, MachineModel, shipped_model
+
+# Which tags each algorithm's messages carry (at p = 4, a power of two: no folding).
+TAGS = {
+    "ring": {Tag.RING_REDUCE_SCATTER, Tag.RING_ALL_GATHER},
+    "naive": {Tag.NAIVE_TO_ROOT, Tag.BROADCAST},
+    "recursive_doubling": {Tag.DOUBLING_EXCHANGE},
+}
+# alpha = beta = 1 s: a latency as dear as a byte. At p = 4 and 10 bytes the textbook formulas give
+# ring 2(p-1) + 2(p-1)/p * 10 = 21, recursive doubling log2(p) (1 + 10) = 22, naive
+# 2(p-1)(1 + 10) = 66 (and Rabenseifner, which minimp does not implement, 2 log2(p) + 15 = 19).
+COSTLY_LATENCY = Network(alpha=1.0, beta=1.0)
+
+
+def model_of(python: dict[str, float], ranks: int = 4) -> MachineModel:
+    """A MachineModel whose only costs are fixed Python overheads (messages and adds are free)."""
+    lines = {name: Line(seconds, 0.0) for name, seconds in python.items()}
+    return MachineModel(
+        ranks=ranks, agree=0.0, python=lines, message=Line(0.0, 0.0), reduce=Line(0.0, 0.0)
+    )
+
+
+def test_a_network_given_decides_among_the_algorithms_minimp_implements():
+    assert choose_algorithm(10, 4, COSTLY_LATENCY) == "ring"
+    # what the two mutants that drop the network or the candidates would return instead:
+    assert fastest_allreduce(10, 4, COSTLY_LATENCY) == "rabenseifner"
+    assert choose_algorithm(10, 4) == shipped_model(4).fastest(10) == "recursive_doubling"
+
+
+def test_a_machine_model_given_replaces_the_shipped_one():
+    cheapest_naive = model_of({"ring": 1.0, "recursive_doubling": 1.0, "naive": 0.0})
+    assert choose_algorithm(10, 4, cheapest_naive) == "naive"
+    assert shipped_model(4).fastest(10) != "naive"  # so the model given is what decided
+
+
+def test_a_tie_goes_to_the_algorithm_collectives_lists_first():
+    tied = model_of({"ring": 1.0, "recursive_doubling": 0.0, "naive": 0.0})
+    first = next(name for name in ALGORITHMS if name in ("recursive_doubling", "naive"))
+    assert choose_algorithm(10, 4, tied) == first
+
+
+def algorithm_that_ran(trace) -> str:
+    tags = {message.tag for message in trace}
+    (name,) = [name for name, expected in TAGS.items() if tags == expected]
+    return name
+
+
+def test_allreduce_auto_is_the_default_and_hands_it_the_network():
+    inputs = [np.arange(4, dtype=np.float32) * (rank + 1) for rank in range(4)]
+    # 4 float32 = 16 bytes: ring 6 + 1.5 * 16 = 30 s against recursive doubling 2 (1 + 16) = 34 s;
+    # at 4 / 4 = 1 "byte" recursive doubling would win (4 s against 7.5 s), as it does for the
+    # shipped model at 16 bytes.
+    results = dist.simulate(
+        4, lambda comm: dist.allreduce(comm, inputs[comm.rank], network=COSTLY_LATENCY)
+    )
+    assert algorithm_that_ran(results.trace) == "ring"
+    for result in results:
+        np.testing.assert_array_equal(result, np.arange(4, dtype=np.float32) * 10)
+    plain = dist.simulate(4, lambda comm: dist.allreduce(comm, inputs[comm.rank]))
+    assert algorithm_that_ran(plain.trace) == shipped_model(4).fastest(16) == "recursive_doubling"
+    np.testing.assert_array_equal(plain[3], results[3])
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_allreduce_passes_op_and_out_to_the_algorithm(algorithm):
+    def max_into_buffer(comm):
+        x = np.array([[comm.rank, -comm.rank], [10 - comm.rank, 0.5]], np.float32)
+        out = np.full((2, 2), np.nan, np.float32)
+        result = dist.allreduce(comm, x, op="max", algorithm=algorithm, out=out)
+        assert np.shares_memory(result, out) and result.shape == (2, 2)
+        return out
+
+    for out in dist.simulate(3, max_into_buffer):
+        np.testing.assert_array_equal(out, [[2, 0], [10, 0.5]])
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_naive_allreduce_writes_into_out_in_the_input_shape(world_size):
+    def into_buffer(comm):
+        x = np.arange(6, dtype=np.float32).reshape(2, 3) + comm.rank
+        out = np.empty((2, 3), np.float32)
+        result = dist.naive_allreduce(comm, x, out=out)
+        assert result.shape == (2, 3) and np.shares_memory(result, out)
+        return out
+
+    offsets = sum(range(world_size))  # rank r adds r to every element
+    expected = np.arange(6, dtype=np.float32).reshape(2, 3) * world_size + offsets
+    for out in dist.simulate(world_size, into_buffer):
+        np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_naive_allreduce_sums_16_bit_arrays_in_float32_and_rounds_once(dtype):
+    # 1 + u/2 + u/2 with u the dtype's spacing at 1: in float32 the sum is 1 + u, exact in the
+    # dtype; rounded into the dtype after each addition, 1 + u/2 is a tie that goes to the even 1,
+    # twice, and the sum stays 1.
+    u = float(ml_dtypes.finfo(dtype).eps)
+    inputs = [np.array([1.0], dtype), np.array([u / 2], dtype), np.array([u / 2], dtype)]
+    results = dist.simulate(3, lambda comm: dist.naive_allreduce(comm, inputs[comm.rank]))
+    for result in results:
+        assert result.dtype == np.dtype(dtype) and float(result[0]) == 1.0 + u
+
+
+def test_a_naive_allreduce_mismatch_names_the_naive_allreduce():
+    def mismatched(comm):
+        with pytest.raises(dist.CollectiveMismatchError) as caught:
+            dist.naive_allreduce(comm, np.ones(4 + comm.rank, np.float32))
+        return str(caught.value)
+
+    for message in dist.simulate(2, mismatched):
+        assert message.startswith("naive_allreduce: ranks disagree on the array (lengths 4..5")
