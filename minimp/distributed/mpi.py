@@ -15,7 +15,12 @@ from typing import Any
 import numpy as np
 
 from minimp import backend
-from minimp.distributed.protocol import Communicator, byte_view, check_byte_count, check_op
+from minimp.distributed.protocol import (
+    Communicator,
+    check_byte_count,
+    check_op,
+    contiguous_for_wire,
+)
 from minimp.distributed.watchdog import Waiting, Watchdog, print_and_abort
 
 
@@ -105,7 +110,7 @@ class MPICommunicator(Communicator):
         return [buffer, self._MPI.BYTE]
 
     def send(self, array: Any, dest: int, tag: int = 0) -> None:
-        buffer = byte_view(self._on_host(array)[0])
+        buffer = contiguous_for_wire(self._on_host(array)[0])
         self._wait("send to", dest)
         self._comm.Send(self._bytes(buffer), dest=dest, tag=tag)
         self.waiting = None
@@ -114,7 +119,7 @@ class MPICommunicator(Communicator):
     def recv(self, array: Any, source: int, tag: int = 0) -> None:
         """Receive into `array` (its size must equal the message's)."""
         host, staged = self._on_host(array)
-        buffer = byte_view(host)
+        buffer = contiguous_for_wire(host)
         self._wait("receive from", source)
         self._comm.Recv(self._bytes(buffer), source=source, tag=tag, status=self._status)
         self.waiting = None
@@ -124,7 +129,7 @@ class MPICommunicator(Communicator):
 
     def isend(self, array: Any, dest: int, tag: int = 0) -> "MPIRequest":
         """MPI_Isend of the array's bytes (a host copy of a device array, kept by the request)."""
-        buffer = byte_view(self._on_host(array)[0])
+        buffer = contiguous_for_wire(self._on_host(array)[0])
         request = self._comm.Isend(self._bytes(buffer), dest=dest, tag=tag)
         self._count(buffer)
         return MPIRequest(self, request, buffer, f"finish a send to rank {dest}")
@@ -132,7 +137,7 @@ class MPICommunicator(Communicator):
     def irecv(self, array: Any, source: int, tag: int = 0) -> "MPIRequest":
         """MPI_Irecv into the array (through a host buffer when MPI cannot write the device's)."""
         host, staged = self._on_host(array)
-        buffer = byte_view(host)
+        buffer = contiguous_for_wire(host)
         request = self._comm.Irecv(self._bytes(buffer), source=source, tag=tag)
         def copy_back() -> None:  # a device array received through a host buffer
             array[...] = backend.to_device(host)
@@ -157,9 +162,9 @@ class MPICommunicator(Communicator):
     ) -> None:
         """Send to dest and receive from source at once: no ordering of the two can deadlock.
         The receive matches `recv_tag` (default: the same tag as the send)."""
-        send_buffer = byte_view(self._on_host(send_array)[0])
+        send_buffer = contiguous_for_wire(self._on_host(send_array)[0])
         recv_host, staged = self._on_host(recv_array)
-        recv_buffer = byte_view(recv_host)
+        recv_buffer = contiguous_for_wire(recv_host)
         if self._watchdog is not None:  # the description is built only for a watchdog to print
             self._wait(f"send to rank {dest} and receive from", source)
         self._comm.Sendrecv(
@@ -180,7 +185,7 @@ class MPICommunicator(Communicator):
     def bcast(self, array: Any, root: int = 0) -> None:
         """Overwrite `array` on every rank with root's (in place)."""
         host, staged = self._on_host(array)
-        buffer = byte_view(host)
+        buffer = contiguous_for_wire(host)
         self._wait("broadcast from", root)
         self._comm.Bcast(self._bytes(buffer), root=root)
         self.waiting = None

@@ -41,17 +41,22 @@ def check_op(op: str) -> None:
         raise ValueError(f"op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
 
 
-def byte_view(array: Any) -> Any:
-    """The array's memory as a flat uint8 array (no copy). Both communicators send through this,
-    so both refuse the same arrays: a non-contiguous one would need a hidden copy."""
+def contiguous_for_wire(array: Any) -> Any:
+    """The array itself, if C-contiguous. Both communicators send through this, so both refuse
+    the same arrays: a non-contiguous one would need a hidden copy."""
     if not array.flags.c_contiguous:
         raise ValueError(
             "communication needs a C-contiguous array (use numpy.ascontiguousarray); "
             f"got one of shape {array.shape} with strides {array.strides}"
         )
-    # A flat array (what the collectives send) views its bytes directly; the reshape, a call
-    # more per message, is only for arrays of other shapes.
-    return array.view(np.uint8) if array.ndim == 1 else array.reshape(-1).view(np.uint8)
+    return array
+
+
+def byte_view(array: Any) -> Any:
+    """The array's memory as a flat uint8 array (no copy), if C-contiguous. MPI is handed the
+    array itself (with MPI.BYTE it reads the bytes of any dtype, bfloat16 too); the simulated world
+    copies these bytes."""
+    return contiguous_for_wire(array).reshape(-1).view(np.uint8)
 
 
 def check_byte_count(received: int, expected: int, source: int) -> None:
