@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from minimp import backend
 from minimp.backend import array_module
 from minimp.function import Function, unbroadcast
 from minimp.precision import casting
@@ -160,7 +161,8 @@ class ReLU(Function):
         if casting.is_low_precision(x.dtype):
             y = _keep_where(x, ~_negative_and_not_nan(x))
         else:
-            y = array_module(x).maximum(x, x.dtype.type(0))  # float32/float64 have fast SIMD max
+            # float32/float64 have a fast SIMD max; the output comes from the memory pool
+            y = array_module(x).maximum(x, x.dtype.type(0), out=backend.empty(x.shape, x.dtype, x))
         ctx.save_for_backward(y)
         return y
 
@@ -198,8 +200,9 @@ def _keep_where(x, keep):
     here, 15x the AND). Why not x * keep: inf * 0 is NaN, and a gradient must be exactly 0 there.
     """
     integer = np.dtype(f"int{8 * x.dtype.itemsize}")
-    mask = -keep.astype(integer)  # True -> -1 (every bit set), False -> 0
-    return (x.view(integer) & mask).view(x.dtype)
+    xp = array_module(x)
+    mask = xp.negative(keep, out=backend.empty(x.shape, integer, x), dtype=integer)  # True -> -1
+    return xp.bitwise_and(x.view(integer), mask, out=mask).view(x.dtype)
 
 
 def _negative_and_not_nan(x):
