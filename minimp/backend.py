@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy
 
-from minimp.memory_pool import MemoryPool
+from minimp.memory_pool import MemoryPool, held_only_by
 
 DEVICE_ENVIRONMENT_VARIABLE = "MINIMP_DEVICE"
 DEVICES = ("cpu", "gpu")
@@ -119,6 +119,14 @@ def empty(shape: tuple[int, ...], dtype: Any, like: Any) -> Any:
     if xp is numpy and _memory_pool_enabled:
         return memory_pool().empty(shape, dtype)
     return xp.empty(shape, dtype)
+
+
+def sole_holder(holder: list, index: int) -> bool:
+    """True when nothing but `holder` (and this thread's memory pool) refers to holder[index]: no
+    other variable, container or view, so whoever holds `holder` may keep or change that array."""
+    pool = getattr(_memory_pools, "pool", None)
+    pooled = pool is not None and pool.holds(holder[index])
+    return held_only_by(holder, index, others=1 if pooled else 0)
 
 
 def to_device(array: Any) -> Any:

@@ -37,6 +37,12 @@ def _reference_count(arrays: list, index: int) -> int:
 _FREE_REFERENCE_COUNT = _reference_count([numpy.empty(1)], 0)
 
 
+def held_only_by(holder: list, index: int, others: int = 0) -> bool:
+    """True when nothing refers to holder[index] but `holder` and `others` known references: no
+    other variable, container or view anywhere."""
+    return _reference_count(holder, index) <= _FREE_REFERENCE_COUNT + others
+
+
 def _first_free(arrays: list, start: int = 0) -> int:
     """Index of the first array from `start` on that nobody but the list holds, or -1."""
     for index in range(start, len(arrays)):
@@ -79,6 +85,11 @@ class MemoryPool:
             arrays.append(array)
             self.pooled_bytes += array.nbytes
         return array
+
+    def holds(self, array: Any) -> bool:
+        """True when `array` is one this pool handed out (the pool keeps a reference to it)."""
+        key = (type(array).__module__.split(".")[0], array.shape, array.dtype)
+        return any(pooled is array for pooled in self._arrays.get(key, ()))
 
     def free_bytes(self) -> int:
         """Bytes of pooled arrays that nobody holds now (ready to be handed out again)."""

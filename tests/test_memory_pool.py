@@ -192,3 +192,16 @@ def test_training_is_bit_identical_with_the_pool_on_and_off(world_size, override
         assert rank_pooled.keys() == rank_plain.keys()
         for name in rank_pooled:
             assert rank_pooled[name].tobytes() == rank_plain[name].tobytes(), name
+
+
+def test_sole_holder_allows_for_the_pool_s_own_reference_and_nothing_else():
+    like = np.zeros(1, np.float32)
+    for holder in ([backend.empty((3,), np.float32, like)], [np.empty(3, np.float32)]):
+        assert backend.sole_holder(holder, 0)
+        other = holder[0]
+        assert not backend.sole_holder(holder, 0)
+        del other
+        view = holder[0][1:]
+        assert not backend.sole_holder(holder, 0)
+        del view
+        assert backend.sole_holder(holder, 0)
