@@ -159,7 +159,7 @@ class ReLU(Function):
     @staticmethod
     def forward(ctx, x):
         if casting.is_low_precision(x.dtype):
-            y = _keep_where(x, ~_negative_and_not_nan(x))
+            y = _keep_where(x, _negative_and_not_nan(x), keep=False)
         else:
             # float32/float64 have a fast SIMD max; the output comes from the memory pool
             y = array_module(x).maximum(x, x.dtype.type(0), out=backend.empty(x.shape, x.dtype, x))
