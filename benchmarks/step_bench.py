@@ -5,17 +5,19 @@
     python benchmarks/step_bench.py --device gpu --batch 4096 --width 4096   # CuPy, no NumPy line
 
 Prints ratios measured side by side in this run (targets from the core issue):
-  fp32 minimp / hand-written NumPy   <= 1.10
+  fp32 minimp / hand-written NumPy   <= 1.10   (wall clock; also on CPU time, which load hurts less)
   fp16 minimp / fp32 minimp          <= 1.80   (with minimp's float16 casts, halfcast.py)
   bytes kept for backward fp16/fp32  <= 0.52
 and counts the casts (calls and elements) of one fp16 step, so it is clear where the time goes. On
 the CPU, "fp16 astype" is the same fp16 step with NumPy's own float16 casts, timed in the same
-round-robin, so the two cast implementations are compared side by side.
+round-robin, so the two cast implementations are compared side by side. Each variant's line also
+shows its CPU time and the minor page faults of one step (fresh memory the kernel hands over).
 """
 
 import argparse
 import functools
 import json
+import resource
 import statistics
 import sys
 import time
@@ -80,19 +82,33 @@ def numpy_step(weights, biases, x, targets, lr=1e-3):
         biases[index] -= lr * grad_b
 
 
-def median_seconds(functions, repeats):
+def median_seconds(functions, repeats, counters=None):
     """{name: median seconds}, timing the functions round-robin (one step of each in turn), so drift
-    on a noisy machine hits every variant alike instead of whichever ran last."""
+    on a noisy machine hits every variant alike instead of whichever ran last. With `counters` (a
+    dict), also counters[name] = {"cpu_seconds": median CPU seconds of this process per call (time
+    the machine gave to other processes is not in it), "page_faults": minor page faults per call
+    (each one the kernel handing a page of fresh memory over; mean of the calls)}."""
     for function in functions.values():
         function()  # warm-up
     samples = {name: [] for name in functions}
+    cpu = {name: [] for name in functions}
+    faults = dict.fromkeys(functions, 0)
     for _ in range(repeats):
         for name, function in functions.items():
             backend.synchronize()
-            start = time.perf_counter()
+            faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            cpu_start, start = time.process_time(), time.perf_counter()
             function()
             backend.synchronize()  # GPU work is queued: wait for it before reading the clock
             samples[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - cpu_start)
+            faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
+    if counters is not None:
+        for name in functions:
+            counters[name] = {
+                "cpu_seconds": statistics.median(cpu[name]),
+                "page_faults": faults[name] / repeats,
+            }
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
@@ -201,7 +217,8 @@ def main(argv=None):
         weights = [layer.weight.data.copy() for layer in linears]
         biases = [layer.bias.data.copy() for layer in linears]
         steps["numpy"] = functools.partial(numpy_step, weights, biases, x32, targets)
-    results["seconds"] = median_seconds(steps, args.repeats)
+    results["counters"] = {}
+    results["seconds"] = median_seconds(steps, args.repeats, results["counters"])
     seconds, kept = results["seconds"], results["kept_bytes"]
     results["ratios"] = {
         "fp16_over_fp32": seconds["fp16"] / seconds["fp32"],
@@ -225,6 +242,10 @@ def main(argv=None):
     results["ratios"].update(
         {
             "fp32_over_numpy": seconds["fp32"] / seconds["numpy"],
+            "fp32_over_numpy_cpu": (
+                results["counters"]["fp32"]["cpu_seconds"]
+                / results["counters"]["numpy"]["cpu_seconds"]
+            ),
             "fp16_astype_over_fp32": seconds["fp16 astype"] / seconds["fp32"],
             "bf16_over_fp32": seconds["bf16"] / seconds["fp32"],
         }
@@ -237,7 +258,12 @@ def main(argv=None):
         f"median of {args.repeats}"
     )
     for name in ("numpy", "fp32", "fp16", "fp16 astype", "bf16"):
-        print(f"  {name:>11}: {seconds[name] * 1e3:8.2f} ms")
+        cpu_ms = results["counters"][name]["cpu_seconds"] * 1e3
+        faults = results["counters"][name]["page_faults"]
+        print(
+            f"  {name:>11}: {seconds[name] * 1e3:8.2f} ms   (CPU {cpu_ms:6.2f} ms, "
+            f"{faults:6.1f} page faults per step)"
+        )
     casts = results["fp16_casts_per_step"]
     elements = casts["elements"]
     print(f"  fp16 casts per step: {casts['calls']} calls, {elements / 1e6:.2f} M elements")
@@ -250,6 +276,7 @@ def main(argv=None):
         )
     targets_text = {
         "fp32_over_numpy": 1.10,
+        "fp32_over_numpy_cpu": 1.10,
         "fp16_over_fp32": 1.80,
         "kept_bytes_fp16_over_fp32": 0.52,
     }

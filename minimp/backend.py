@@ -6,16 +6,25 @@ flag `--device gpu`, or the environment variable MINIMP_DEVICE=gpu.
 """
 
 import os
+import threading
 from types import ModuleType
 from typing import Any
 
 import numpy
+
+from minimp.memory_pool import MemoryPool, held_only_by
 
 DEVICE_ENVIRONMENT_VARIABLE = "MINIMP_DEVICE"
 DEVICES = ("cpu", "gpu")
 
 # The one process-wide choice (like torch's default device); everything else is passed as arguments.
 _selected_device = None
+
+
+# The caching allocator (minimp/memory_pool.py), one per thread, and whether ops use it: a
+# process-wide setting like the device (tests train with it on and off and compare the bits).
+_memory_pools = threading.local()
+_memory_pool_enabled = True
 
 
 class DeviceError(RuntimeError):
@@ -86,6 +95,38 @@ def array_module(*arrays: Any) -> ModuleType:
 
             return cupy
     return numpy
+
+
+def use_memory_pool(enabled: bool) -> None:
+    """Turn the caching allocator on (the default) or off; off, `empty` allocates afresh."""
+    global _memory_pool_enabled
+    _memory_pool_enabled = bool(enabled)
+
+
+def memory_pool() -> MemoryPool:
+    """This thread's caching allocator (each rank of the simulated world is a thread)."""
+    pool = getattr(_memory_pools, "pool", None)
+    if pool is None:
+        pool = _memory_pools.pool = MemoryPool()
+    return pool
+
+
+def empty(shape: tuple[int, ...], dtype: Any, like: Any) -> Any:
+    """An uninitialised array on `like`'s device, for an op to write its result into (out=).
+    NumPy arrays come from the memory pool, reused across steps once nothing holds them; CuPy
+    arrays from CuPy's own memory pool, which does the same for GPU memory."""
+    xp = array_module(like)
+    if xp is numpy and _memory_pool_enabled:
+        return memory_pool().empty(shape, dtype)
+    return xp.empty(shape, dtype)
+
+
+def sole_holder(holder: list, index: int) -> bool:
+    """True when nothing but `holder` (and this thread's memory pool) refers to holder[index]: no
+    other variable, container or view, so whoever holds `holder` may keep or change that array."""
+    pool = getattr(_memory_pools, "pool", None)
+    pooled = pool is not None and pool.holds(holder[index])
+    return held_only_by(holder, index, others=1 if pooled else 0)
 
 
 def to_device(array: Any) -> Any:

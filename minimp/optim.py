@@ -12,6 +12,7 @@ the exact float32 initial values.
 
 from typing import Any, Iterable
 
+from minimp import backend
 from minimp.backend import array_module
 from minimp.precision import casting
 from minimp.precision.casting import MASTER_DTYPE
@@ -49,9 +50,11 @@ class Optimizer:
         # A float32 parameter is its own master (the same array); others get a float32 copy.
         self.master_weights = [casting.round_to(p.data, MASTER_DTYPE) for p in self.params]
         # This step's float32 sums of each parameter's gradients over micro-batches (None: nothing
-        # arrived yet). They are written into buffers allocated at the first gradient and kept
-        # between steps (as DDP keeps its gradient buckets): no allocation, no page faults per
-        # step, and ZeRO's memory account (minimp/parallel/memory.py) counts them as held.
+        # arrived yet). They live in one buffer per parameter, kept between steps (as DDP keeps
+        # its gradient buckets; ZeRO's memory account, minimp/parallel/zero_accounts.py, counts
+        # them as held): a step's first gradient is copied into it, or, when nothing else holds
+        # that gradient, becomes it (no copy; the one it replaces is released, to the memory pool
+        # when it came from there).
         self.master_gradients: list[Any] = [None] * len(self.params)
         self.accumulators: list[Any] = [None] * len(self.params)
         self.slots: list[dict[str, Any]] = [dict.fromkeys(self.slot_names) for _ in self.params]
@@ -81,13 +84,37 @@ class Optimizer:
         parameter = self.params[index]
         if parameter.grad is None:
             return
-        grad = casting.round_to(parameter.grad, MASTER_DTYPE)  # 16-bit: widened, exactly
-        if self.master_gradients[index] is None:  # the first gradient of this step
-            self.master_gradients[index] = self._accumulator(index)
-            self.master_gradients[index][...] = grad
-        else:
-            self.master_gradients[index] += grad
+        # In a list, so that backend.sole_holder can tell whether anything else holds it.
+        incoming = [casting.round_to(parameter.grad, MASTER_DTYPE)]  # 16-bit: widened, exactly
         parameter.grad = None
+        if self.master_gradients[index] is not None:
+            self.master_gradients[index] += incoming[0]
+        elif self._can_adopt(index, incoming):
+            # The step's first gradient, held by nothing else: it becomes the accumulator instead
+            # of being copied into it (PyTorch's AccumulateGrad steals such a gradient too).
+            self.accumulators[index] = self.master_gradients[index] = incoming.pop()
+        else:
+            self.master_gradients[index] = self._accumulator(index)
+            self.master_gradients[index][...] = incoming[0]
+
+    def _can_adopt(self, index: int, incoming: list) -> bool:
+        """Whether incoming[0] may become parameter index's accumulator: nothing else refers to
+        it (the step changes the accumulator in place: unscale, clip, weight decay) nor to the
+        accumulator it replaces, and it is a float32 array of the master's shape, type and
+        layout that owns its memory (ZeRO writes accumulators through reshape(-1) views)."""
+        replaced_is_free = self.accumulators[index] is None or backend.sole_holder(
+            self.accumulators, index
+        )
+        if not (replaced_is_free and backend.sole_holder(incoming, 0)):
+            return False
+        array, master = incoming[0], self.master_weights[index]
+        return (
+            type(array) is type(master)
+            and array.dtype == MASTER_DTYPE
+            and array.shape == master.shape
+            and array.base is None
+            and array.flags.c_contiguous
+        )
 
     def _accumulator(self, index: int) -> Any:
         """Parameter index's float32 gradient buffer, allocated once and kept."""

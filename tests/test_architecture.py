@@ -12,7 +12,8 @@ PACKAGE = os.path.join(os.path.dirname(__file__), "..", "minimp")
 LAYERS = [
     (
         "arrays",
-        ("minimp.backend", "minimp.precision.casting", "minimp.precision.halfcast")
+        ("minimp.backend", "minimp.memory_pool", "minimp.precision.casting")
+        + ("minimp.precision.halfcast",)
         + ("minimp.precision.halfcast_numba", "minimp.precision.fp8"),
     ),
     (

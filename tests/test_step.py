@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from minimp import DynamicLossScaler, StaticLossScaler, Tensor, nn, optim
 from minimp import functional as F
-from minimp.precision import mixed_precision_step
+from minimp.precision import all_finite, mixed_precision_step
 
 
 def fp16_model_and_optimizer(kind, seed=0):
@@ -206,3 +206,27 @@ def test_mixed_precision_step_is_importable_from_the_top():
     import minimp
 
     assert minimp.mixed_precision_step is mixed_precision_step
+
+
+@pytest.mark.parametrize("size", [1, 7, 8, 31, 64, 65, 1000, 4099])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_all_finite_finds_one_bad_value_anywhere(size, bad, dtype):
+    """The sum-of-squares shortcut sees a single inf or NaN at every position that BLAS's
+    vector loops and their tails treat differently."""
+    for position in sorted({0, 1, size // 2, size - 2, size - 1} & set(range(size))):
+        array = np.ones(size, dtype)
+        array[position] = bad
+        assert not all_finite([np.ones(3, dtype), None, array]), (position, bad)
+    assert all_finite([np.ones(size, dtype), None])
+
+
+def test_all_finite_is_exact_when_the_squares_overflow():
+    """Finite values whose squares overflow float32 are still finite: the exact check decides."""
+    huge = np.full(10, 1e30, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the overflow is expected and must not warn
+        assert all_finite([huge, np.ones(3, np.float32)])
+        assert not all_finite([huge, np.array([np.nan], np.float32)])
+    assert all_finite([np.full(4, 60000.0, np.float16)])  # 16-bit: element by element
+    assert not all_finite([np.array([1.0, np.inf], np.float16)])

@@ -81,6 +81,21 @@ def test_relu_sends_every_negative_and_minus_infinity_to_plus_zero(dtype):
     same_bits(grad, np.where(passes, g, np.zeros_like(g)))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_relu_in_float32_and_float64_keeps_the_same_rule(dtype):
+    """The wide dtypes take another path (maximum forward, one comparison backward): every float16
+    value widened, both NaN signs, every gradient value, and the same rule as in 16 bits."""
+    with np.errstate(invalid="ignore"):  # NaNs widened
+        x = wide(every_value(np.float16)).astype(dtype)
+    g = np.random.default_rng(2).permutation(x)
+    y, grad = with_grad(lambda t: t.relu(), x, g)
+    with np.errstate(invalid="ignore"):
+        same_bits(y, np.maximum(x, dtype(0)))
+        passes = (y > 0) | np.isnan(y)
+    same_bits(grad, np.where(passes, g, np.zeros_like(g)))
+    assert np.signbit(grad[~passes]).sum() == 0  # dropped gradients are +0.0, even -0, inf, NaN
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float16", "bfloat16"])
 def test_gelu_rounds_its_float32_tanh_form_once(dtype):
     x = every_value(dtype)

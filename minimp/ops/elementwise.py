@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from minimp import backend
 from minimp.backend import array_module
 from minimp.function import Function, unbroadcast
 from minimp.precision import casting
@@ -158,15 +159,18 @@ class ReLU(Function):
     @staticmethod
     def forward(ctx, x):
         if casting.is_low_precision(x.dtype):
-            y = _keep_where(x, ~_negative_and_not_nan(x))
+            y = _keep_where(x, _negative_and_not_nan(x), keep=False)
         else:
-            y = array_module(x).maximum(x, x.dtype.type(0))  # float32/float64 have fast SIMD max
+            # float32/float64 have a fast SIMD max; the output comes from the memory pool
+            y = array_module(x).maximum(x, x.dtype.type(0), out=backend.empty(x.shape, x.dtype, x))
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
     def backward(ctx, grad_output):
         (y,) = ctx.saved_arrays
+        if not casting.is_low_precision(y.dtype):  # float32/float64 compare in SIMD: one pass
+            return _keep_where(grad_output, y <= 0, keep=False)
         # y is +0, -0, positive or NaN. Read as signed integers, zeros' bits are 0 and the most
         # negative value; positives and +NaNs are > 0; -NaNs lie between -inf's bits and 0.
         bits = _signed_bits(y)
@@ -191,15 +195,21 @@ def _signed_bits(x):
     return x.view(np.dtype(f"int{8 * x.dtype.itemsize}"))
 
 
-def _keep_where(x, keep):
-    """x where keep is True and +0.0 elsewhere, by a bitwise AND with an all-ones or all-zeros mask.
+def _keep_where(x, where, keep=True):
+    """x where `where` is True and +0.0 elsewhere (keep=False: the other way round), by a bitwise
+    AND with an all-ones or all-zeros mask.
 
     Why not np.where: with a data-dependent mask it mispredicts branches (~6 ns per element measured
     here, 15x the AND). Why not x * keep: inf * 0 is NaN, and a gradient must be exactly 0 there.
     """
     integer = np.dtype(f"int{8 * x.dtype.itemsize}")
-    mask = -keep.astype(integer)  # True -> -1 (every bit set), False -> 0
-    return (x.view(integer) & mask).view(x.dtype)
+    xp = array_module(x)
+    mask = backend.empty(x.shape, integer, x)
+    if keep:
+        xp.negative(where, out=mask, dtype=integer)  # True -> -1 (every bit set), False -> 0
+    else:
+        xp.subtract(where, 1, out=mask, dtype=integer)  # True -> 0, False -> -1
+    return xp.bitwise_and(x.view(integer), mask, out=mask).view(x.dtype)
 
 
 def _negative_and_not_nan(x):

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from minimp import backend
 from minimp.backend import array_module
 from minimp.function import Function, unbroadcast
 from minimp.precision import casting
@@ -28,6 +29,13 @@ def gemm_operand(array: Any) -> Any:
     if array.dtype == casting.FLOAT16 and array_module(array) is not np and array.ndim == 2:
         return array
     return widen(array)
+
+
+def pooled_matmul(a: Any, b: Any) -> Any:
+    """a @ b for 2-D operands, written into an array from the memory pool: the same BLAS call as
+    `a @ b`, without fresh memory (and its page faults) in every step."""
+    out = backend.empty((a.shape[0], b.shape[1]), np.result_type(a.dtype, b.dtype), like=a)
+    return array_module(a).matmul(a, b, out=out)
 
 
 class MatMul(Function):
@@ -84,7 +92,13 @@ class Linear(Function):
         rows = x.reshape(-1, x.shape[-1])  # (N, in) with N = all leading axes together
         # CPU: one float32 product, the bias added, one rounding. GPU float16: cuBLAS rounds the
         # product, the bias add rounds again (as an unfused bias add does in PyTorch).
-        output = widen(gemm_operand(rows) @ gemm_operand(weight).T) + widen(bias)  # (N, out)
+        product = pooled_matmul(gemm_operand(rows), gemm_operand(weight).T)  # (N, out)
+        wide_bias = widen(bias)
+        if product.dtype == wide_bias.dtype:
+            product += wide_bias  # in place: the product is this op's own array
+            output = product
+        else:
+            output = widen(product) + wide_bias
         dtype = casting.result_dtype(x.dtype, weight.dtype)
         return round_to(output, dtype).reshape(*x.shape[:-1], weight.shape[0])
 
@@ -94,9 +108,10 @@ class Linear(Function):
         grad = gemm_operand(grad_output.reshape(-1, weight.shape[0]))  # (N, out)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = round_to(grad @ gemm_operand(weight), x.dtype).reshape(x.shape)
+            grad_x = round_to(pooled_matmul(grad, gemm_operand(weight)), x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1]:
-            grad_weight = round_to(grad.T @ gemm_operand(x.reshape(-1, x.shape[-1])), weight.dtype)
+            rows = gemm_operand(x.reshape(-1, x.shape[-1]))  # (N, in)
+            grad_weight = round_to(pooled_matmul(grad.T, rows), weight.dtype)
         if ctx.needs_input_grad[2]:
             grad_bias = round_to(widen(grad).sum(axis=0), ctx.bias_dtype)
         return grad_x, grad_weight, grad_bias
