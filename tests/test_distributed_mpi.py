@@ -87,6 +87,23 @@ def test_the_examples_run(tmp_path):
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     uncalibrated = json.loads(fresh.stdout)
     assert uncalibrated["terms"] is None and "shipped" in uncalibrated["model"]["name"]
+    coherence = subprocess.run(
+        [MPIRUN, "-n", "2", PYTHON, os.path.join(examples, "coherence.py"), "--kib", "4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert coherence.returncode == 0, coherence.stderr[-2000:]
+    seconds = json.loads(coherence.stdout)["seconds"]
+    assert set(seconds) == {"unchanged", "add", "add then send", "ring step"}
+    assert all(value > 0 for value in seconds.values())
+    refused = subprocess.run(
+        [MPIRUN, "-n", "1", PYTHON, os.path.join(examples, "coherence.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0 and "run it on 2 ranks" in refused.stderr
 
 
 def test_cuda_awareness_query_answers_and_can_be_overridden(monkeypatch):
