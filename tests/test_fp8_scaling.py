@@ -133,3 +133,32 @@ def test_the_delayed_state_saves_and_loads_and_refuses_what_does_not_fit():
     with pytest.raises(ValueError, match="amax_history of shape"):
         load_quantizers_state_dict(fresh, short)
     assert quantizers_state_dict([("x", Fp8Quantizer(E4M3, NoScaling()))]) == {}
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0])
+def test_a_loaded_scale_below_or_above_one_is_taken_as_is(scale):
+    quantizer = Fp8Quantizer(E4M3, DelayedScaling(amax_history_len=2))
+    quantizer.load_state_dict({"amax_history": np.zeros(2, np.float32), "scale": np.array([scale])})
+    assert quantizer.scale == np.float32(scale) and quantizer.scale.dtype == np.float32
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, np.inf, np.nan])
+def test_a_loaded_scale_must_be_positive_and_finite(scale):
+    quantizer = Fp8Quantizer(E4M3, DelayedScaling(amax_history_len=2))
+    state = {"amax_history": np.zeros(2, np.float32), "scale": np.array([scale], np.float32)}
+    with pytest.raises(ValueError, match="is not a positive finite number"):
+        quantizer.load_state_dict(state)
+    assert quantizer.scale == 1.0  # unchanged
+
+
+def test_check_only_checks_the_state_and_loads_nothing():
+    recipe = DelayedScaling(amax_history_len=2)
+    named = [("a.input", Fp8Quantizer(E4M3, recipe))]
+    state = {"a.input/amax_history": np.array([3.0, 1.0], np.float32),
+             "a.input/scale": np.array([8.0], np.float32)}  # fmt: skip
+    load_quantizers_state_dict(named, state, check_only=True)
+    assert named[0][1].scale == 1.0 and not named[0][1].amax_history.any()
+    with pytest.raises(ValueError, match="scale 0.0 is not"):
+        load_quantizers_state_dict(named, {**state, "a.input/scale": np.zeros(1)}, check_only=True)
+    load_quantizers_state_dict(named, state)
+    assert named[0][1].scale == 8.0 and named[0][1].amax_history.tolist() == [3.0, 1.0]

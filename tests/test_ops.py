@@ -194,3 +194,21 @@ def test_sum_and_mean_reduce_every_axis_unless_told():
     x = Tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
     total, mean = ops.Sum.apply(x), ops.Mean.apply(x)
     assert (total.shape, float(total.data), mean.shape, float(mean.data)) == ((), 15.0, (), 2.5)
+
+
+class _NoArithmeticNegative(np.ndarray):
+    """An array that refuses np.negative (and so `-x`); every other ufunc runs as usual."""
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if ufunc is np.negative:
+            raise AssertionError("16-bit negation went through arithmetic")
+        plain = tuple(np.asarray(i) if isinstance(i, _NoArithmeticNegative) else i for i in inputs)
+        return getattr(ufunc, method)(*plain, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16])
+def test_16_bit_negation_flips_the_bit_without_arithmetic(dtype):
+    # -x would give the same bits; _negate's docstring promises them without slow arithmetic
+    x = np.array([1.5, -0.0, np.nan], dtype).view(_NoArithmeticNegative)
+    y = ops.elementwise._negate(x)
+    assert np.array_equal(np.asarray(y).view(np.uint16), np.asarray(x).view(np.uint16) ^ 0x8000)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minimp import DynamicLossScaler, StaticLossScaler, Tensor
+from minimp import DynamicLossScaler, NoLossScaler, StaticLossScaler, Tensor
 
 
 def gradscaler_reference(found_infs, scale, growth_factor, backoff_factor, growth_interval):
@@ -182,3 +182,49 @@ def test_load_state_dict_refuses_a_bad_state_and_changes_nothing(change):
     with pytest.raises(ValueError):
         scaler.load_state_dict({**DynamicLossScaler().state_dict(), **change})
     assert scaler.state_dict() == before
+
+
+def test_growth_at_float32s_edge_ignores_the_callers_overflow_setting():
+    # the grown scale overflows float32: _times must return inf quietly, whatever np.errstate says
+    scaler = DynamicLossScaler(init_scale=2.0**127, growth_interval=1)
+    with np.errstate(over="raise"):
+        scaler.update(False)
+    assert scaler.loss_scale == 2.0**127 and scaler.growth_tracker == 0
+
+
+def test_load_state_dict_names_the_missing_keys():
+    state = DynamicLossScaler().state_dict()
+    del state["growth_factor"], state["min_scale"]
+    with pytest.raises(ValueError, match=r"state lacks \['growth_factor', 'min_scale'\]$"):
+        DynamicLossScaler().load_state_dict(state)
+
+
+def test_load_state_dict_restores_every_setting():
+    a = DynamicLossScaler(
+        init_scale=2.0**10, growth_factor=3.0, backoff_factor=0.25, growth_interval=5,
+        hysteresis=3, min_scale=256.0,
+    )
+    a.update(True)
+    b = DynamicLossScaler()  # every setting differs from a's
+    b.load_state_dict(a.state_dict())
+    assert b.state_dict() == a.state_dict()
+    assert (b.growth_factor, b.backoff_factor, b.min_scale) == (3.0, 0.25, 256.0)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"growth_tracker": 1.0}, "^growth_tracker must be an integer, got 1.0$"),
+        ({"hysteresis_tracker": 1.0}, "^hysteresis_tracker must be an integer, got 1.0$"),
+        ({"growth_tracker": 2000}, "^growth_tracker must be below growth_interval$"),
+        ({"hysteresis_tracker": 2}, "^hysteresis_tracker must not exceed hysteresis$"),
+    ],
+)
+def test_load_state_dict_says_which_field_is_wrong(change, message):
+    with pytest.raises(ValueError, match=message):
+        DynamicLossScaler().load_state_dict({**DynamicLossScaler().state_dict(), **change})
+
+
+def test_no_loss_scaler_state_records_scale_one():
+    scaler = NoLossScaler()
+    assert scaler.state_dict() == {"kind": "none", "loss_scale": 1.0} and scaler.loss_scale == 1.0
