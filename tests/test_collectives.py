@@ -1,6 +1,7 @@
 """minimp/distributed/collectives.py pinned value by value on the simulated world: the algorithm
 `auto` picks for a Network, a MachineModel or neither, which one then runs (seen in the message
-trace), `op` and `out` reaching it, and the naive all-reduce's float32 sum and error names."""
+trace), `op` and `out` reaching it, the naive all-reduce's float32 sum, root and NaN bits, and the
+error messages."""
 
 import ml_dtypes
 import numpy as np
