@@ -1,14 +1,25 @@
-"""Calibration: the sizes it measures, and the terms it measures, on the simulated world."""
+"""Calibration: the sizes it measures, and the terms it measures, on the simulated world; what it
+times, how often and with which arguments, on a recording communicator and a fake clock."""
 
+import itertools
+
+import numpy as np
 import pytest
 
+from minimp.distributed import calibrate as calibration
 from minimp.distributed.calibrate import (
     PRETENDED_RANKS,
     calibrate,
     calibration_sizes,
+    measure_terms,
+    python_seconds,
     repeats_for,
+    rotating_chunks,
+    timed,
 )
 from minimp.distributed.simulated import simulate
+from minimp.machinemodel import ALGORITHMS as MODELLED
+from minimp.machinemodel import fit_lines
 
 
 def test_calibration_sizes_bracket_the_range_and_skip_every_power_of_two():
@@ -35,3 +46,153 @@ def test_calibrate_measures_every_term_on_every_rank_alike(ranks):
         assert model.ring_allreduce(4096) > model.agree
     # each time is the slowest rank's, agreed by all-reduce: every rank holds the same numbers
     assert all(terms == results[0][1] for _, terms in results)
+
+
+def test_calibration_sizes_pinned():
+    assert calibration_sizes(1024, 16384) == [768, 1536, 3072, 6144, 12288, 24576]
+    # a smallest size that is exactly 2 x 12: it starts there; a largest it reaches: it stops there
+    assert calibration_sizes(24, 24) == [24]
+    assert calibration_sizes(1, 12) == [12]
+
+
+def test_repeats_for_is_50_up_to_a_mebibyte_then_a_budget_of_bytes_at_least_7_times():
+    assert repeats_for(4) == repeats_for(2**20) == 50
+    assert repeats_for(2**20 + 4) == 51  # int(0.05 * 2**30 / (2**20 + 4)) = int(51.19...)
+    assert repeats_for(2**21) == 25  # int(25.6)
+    assert repeats_for(2**30) == 7  # the budget alone would allow 0
+    assert repeats_for(2**21, budget=0.1) == 51
+
+
+class Recorder:
+    """A communicator of one rank that records what it is asked, and answers each scalar
+    all-reduce with the values it was given (the slowest rank's, were there others)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+        self.calls: list = []
+
+    def barrier(self):
+        self.calls.append(("barrier",))
+
+    def allreduce_scalars(self, values, op=None):
+        self.calls.append(("allreduce_scalars", np.array(values), op))
+        return np.asarray(values, np.float64)
+
+    def sendrecv(self, send, dest, recv, source, tag=None):
+        self.calls.append(("sendrecv", send.dtype, send.nbytes, dest, recv.nbytes, source))
+
+
+class FakeClock:
+    def __init__(self, now: float):
+        self.now = now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_timed_is_the_median_of_the_slowest_ranks_seconds_after_one_untimed_run(monkeypatch):
+    clock = FakeClock(1000.0)  # far from 0: a sum of two clock readings would show
+    monkeypatch.setattr(calibration, "time", clock)
+    durations = iter([9.0, 3.0, 1.0, 2.0])  # the untimed run, then three timed ones
+
+    def work():
+        clock.now += next(durations)
+
+    comm = Recorder(0, 2)
+    assert timed(comm, work, 3) == 2.0
+    reduced = [call for call in comm.calls if call[0] == "allreduce_scalars"]
+    reduced_values = [(list(values), op) for _, values, op in reduced]
+    assert reduced_values == [([3.0], "max"), ([1.0], "max"), ([2.0], "max")]
+    assert [call[0] for call in comm.calls].count("barrier") == 3
+
+
+def fake_timed(log: list):
+    """timed() that runs the function once and notes how many repetitions it was asked for."""
+
+    def run_once(comm, function, repeats):
+        log.append(repeats)
+        function()
+        return 1.0
+
+    return run_once
+
+
+@pytest.mark.parametrize("rank, size, partner", [(0, 2, 1), (1, 2, 0), (2, 3, 2)])
+def test_measure_terms_times_the_agreement_exchanges_with_the_partner_and_adds(
+    monkeypatch, rank, size, partner
+):
+    repeats: list = []
+    adds: list = []
+    monkeypatch.setattr(calibration, "timed", fake_timed(repeats))
+    def record_add(target, incoming, *rest):
+        adds.append((target.nbytes, incoming.nbytes, rest))
+
+    monkeypatch.setattr(calibration, "reduce_into", record_add)
+    comm = Recorder(rank, size)
+    terms = measure_terms(comm, [12, 24])
+    # the agreement: four float64 zeros, reduced with max, timed 200 times
+    _, values, op = comm.calls[0]
+    assert values.dtype == np.float64 and values.tolist() == [0.0] * 4 and op == "max"
+    python_repeats = [100] * len(PRETENDED_RANKS) * len(MODELLED)
+    assert repeats == [200] + python_repeats + [50, 50, 50, 50]
+    exchanges = [call[1:] for call in comm.calls if call[0] == "sendrecv"]
+    assert exchanges == [
+        (np.float32, 12, partner, 12, partner),
+        (np.float32, 24, partner, 24, partner),
+    ]
+    assert adds == [(12, 12, ("sum",)), (24, 24, ("sum",))]
+    assert terms["sizes"] == [12, 24] and terms["message"] == terms["reduce"] == [1.0, 1.0]
+
+
+def test_rotating_chunks_are_float32_chunks_of_nbytes_taken_in_turn():
+    chunks = list(itertools.islice(rotating_chunks(12, 3), 4))
+    assert all(chunk.dtype == np.float32 and chunk.nbytes == 12 for chunk in chunks)
+    assert chunks[3] is chunks[0] and chunks[1] is not chunks[0] and chunks[2] is not chunks[1]
+    assert chunks[0].base is chunks[1].base is chunks[2].base  # three views of one array
+
+
+def test_python_seconds_runs_the_algorithm_silently_on_each_pretended_world(monkeypatch):
+    repeats: list = []
+    seen: list = []
+
+    def algorithm(comm, x, out=None):
+        seen.append(
+            (comm.rank, comm.size, x.dtype, x.tolist(), out.dtype, out.tolist(), np.geterr())
+        )
+        # the silent communicator keeps the Protocol's word: float64 scalars, even from ints
+        scalars = comm.allreduce_scalars([x.size, 7])
+        assert scalars.dtype == np.float64 and scalars.tolist() == [x.size, 7]
+
+    monkeypatch.setattr(calibration, "timed", fake_timed(repeats))
+    monkeypatch.setitem(calibration.ALGORITHMS, "ring", algorithm)
+    python_seconds(Recorder(5, 8), "ring")
+    assert repeats == [100] * len(PRETENDED_RANKS)
+    ignore_all = {"divide": "ignore", "over": "ignore", "under": "ignore", "invalid": "ignore"}
+    assert seen == [
+        (5 % p, p, np.float32, [1.0] * p, np.float32, [0.0] * p, ignore_all)
+        for p in PRETENDED_RANKS
+    ]
+
+
+def test_calibrate_fits_each_term_and_names_the_model(monkeypatch):
+    sizes = [12, 24, 48, 96]
+    terms = {
+        "agree": 3e-6,
+        "python": {
+            name: [1e-6 * (i + 1) * p for p in PRETENDED_RANKS] for i, name in enumerate(MODELLED)
+        },
+        "sizes": sizes,
+        "message": [2e-6 + 1e-9 * n for n in sizes],
+        "reduce": [1e-7 + 4e-10 * n for n in sizes],
+    }
+    monkeypatch.setattr(calibration, "measure_terms", lambda comm, sizes: terms)
+    model, measured = calibrate(Recorder(0, 4), sizes)
+    assert measured is terms and model.ranks == 4 and model.agree == 3e-6
+    assert model.message == fit_lines(sizes, terms["message"])
+    assert model.reduce == fit_lines(sizes, terms["reduce"])
+    assert model.message != model.reduce  # neither is the other, nor the default Line(0, 0)
+    assert model.reduce(48) == pytest.approx(1e-7 + 4e-10 * 48)
+    assert model.python == {
+        name: fit_lines(PRETENDED_RANKS, seconds) for name, seconds in terms["python"].items()
+    }
+    assert model.name == "fitted in this run"

@@ -1,6 +1,7 @@
 """minimp/distributed/collectives.py pinned value by value on the simulated world: the algorithm
 `auto` picks for a Network, a MachineModel or neither, which one then runs (seen in the message
-trace), `op` and `out` reaching it, and the naive all-reduce's float32 sum and error names."""
+trace), `op` and `out` reaching it, the naive all-reduce's float32 sum, root and NaN bits, and the
+error messages."""
 
 import ml_dtypes
 import numpy as np
@@ -121,3 +122,47 @@ def test_a_naive_allreduce_mismatch_names_the_naive_allreduce():
 
     for message in dist.simulate(2, mismatched):
         assert message.startswith("naive_allreduce: ranks disagree on the array (lengths 4..5")
+
+
+def test_a_recursive_doubling_mismatch_names_the_recursive_doubling_allreduce():
+    def mismatched(comm):
+        with pytest.raises(dist.CollectiveMismatchError) as caught:
+            dist.recursive_doubling_allreduce(comm, np.ones(4 + comm.rank, np.float32))
+        return str(caught.value)
+
+    for message in dist.simulate(2, mismatched):
+        assert message.startswith("recursive_doubling_allreduce: ranks disagree on the array")
+
+
+def test_an_unknown_algorithm_is_a_value_error_that_lists_the_known_ones():
+    def unknown(comm):
+        dist.allreduce(comm, np.ones(4, np.float32), algorithm="tree")
+
+    message = "unknown all-reduce algorithm 'tree': use auto or one of " + str(sorted(ALGORITHMS))
+    with pytest.raises(ValueError) as caught:
+        dist.simulate(1, unknown)
+    assert str(caught.value) == message
+
+
+def test_naive_allreduce_broadcasts_from_the_root_it_is_given():
+    # Rank 0 is not the root here: a broadcast from rank 0 would hand every rank rank 0's input.
+    inputs = [np.array([1.0, 2.0], np.float32) * 10**rank for rank in range(3)]
+    results = dist.simulate(3, lambda comm: dist.naive_allreduce(comm, inputs[comm.rank], root=2))
+    for result in results:
+        np.testing.assert_array_equal(result, [111.0, 222.0])
+
+
+@pytest.mark.parametrize("dtype, nan_bits", [(np.float16, 0x7C01), (np.float32, 0x7F800001)])
+def test_naive_allreduce_max_keeps_the_roots_nan_bit_for_bit(dtype, nan_bits):
+    # A signalling NaN (quiet bit clear): the float32 total goes back into the array's dtype by
+    # minimp's own cast, which keeps its bits; a detour through float64 (a hardware cast) would set
+    # the quiet bit on the way.
+    unsigned = np.uint16 if dtype == np.float16 else np.uint32
+    nan = np.array([nan_bits], unsigned).view(dtype)
+
+    def reduce_max(comm):
+        x = nan.copy() if comm.rank == 0 else np.zeros(1, dtype)
+        return dist.naive_allreduce(comm, x, op="max")
+
+    for result in dist.simulate(2, reduce_max):
+        assert result.view(unsigned)[0] == nan_bits

@@ -151,3 +151,26 @@ def test_the_simulated_timeline_is_the_trace_format(tmp_path):
     assert len(weights) == 18 and all(e["kind"] == "backward" for e in weights)
     last = max(e["end"] for e in timeline["events"])
     assert last == pytest.approx(step.span)
+
+
+def test_a_step_that_takes_no_time_has_no_bubble():
+    step = simulate_schedule(gpipe(2, 2), Costs(0.0, 0.0))
+    assert step.span == 0.0 and step.bubble == 0.0 and step.busy == [0.0, 0.0]
+
+
+def test_the_simulated_trace_names_its_sizes_and_calls_its_step_1():
+    step = simulate_schedule(one_f_one_b(3, 4), Costs(1.0, 2.0))
+    document = simulated_trace(step, "1f1b", 4)
+    assert document["otherData"] == {
+        "schedule": "1f1b",
+        "stages": 3,
+        "replicas": 1,
+        "micro_batches": 4,
+        "peak_stored_micro_batches": [3, 2, 1],  # 1F1B: at most P - s on stage s
+        "stage_of_rank": {"0": 0, "1": 1, "2": 2},
+        "replica_0_ranks": [0, 1, 2],
+        "simulated": True,
+    }
+    events = [e for e in document["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == 3 * 4 * 2 and all(e["args"]["step"] == 1 for e in events)
+    assert all(row[1] == 1 for rank_rows in step.rows for row in rank_rows)

@@ -36,7 +36,8 @@ def timed(comm: Communicator, function: Callable[[], Any], repeats: int) -> floa
 
 def repeats_for(nbytes: int, budget: float = 0.05) -> int:
     """More repetitions for smaller sizes: at least 50 below 1 MiB, at least 7 above."""
-    return 50 if nbytes <= 2**20 else max(7, int(budget * 2**30 / max(nbytes, 1)))
+    # nbytes > 1 MiB in the second branch: no division by zero to guard against
+    return 50 if nbytes <= 2**20 else max(7, int(budget * 2**30 / nbytes))
 
 
 class _Silent:
