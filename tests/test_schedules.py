@@ -6,7 +6,12 @@ from hypothesis import strategies as st
 
 from minimp.parallel.interleaved import interleaved
 from minimp.parallel.schedules import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
     SCHEDULES,
+    SEND_FORWARD,
     Action,
     format_schedule,
     gpipe,
@@ -113,3 +118,17 @@ def test_format_names_the_chunk_when_a_rank_holds_several():
 def test_bad_sizes_are_rejected():
     with pytest.raises(ValueError):
         gpipe(0, 1)
+
+
+def test_peak_activations_counts_a_micro_batch_until_its_weight_gradient():
+    """The peak may come after a backward: F0 F1 B0 F2 B1(input) W1 F3 F4 holds 1 2 1 2 2 1 2 3."""
+    actions = [Action(FORWARD, 0), Action(FORWARD, 1), Action(BACKWARD, 0), Action(FORWARD, 2),
+               Action(BACKWARD_INPUT, 1), Action(BACKWARD_WEIGHT, 1), Action(FORWARD, 3),
+               Action(FORWARD, 4)]  # fmt: skip
+    assert peak_activations(actions) == 3
+
+
+def test_an_action_prints_as_its_label_or_op_and_micro_batch():
+    assert [str(Action(op, 3)) for op in (FORWARD, BACKWARD_WEIGHT, SEND_FORWARD)] == [
+        "F3", "W3", "send_forward3",
+    ]  # fmt: skip

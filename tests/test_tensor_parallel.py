@@ -21,6 +21,7 @@ from minimp.parallel import (
 )
 from minimp.parallel.tensor_parallel_accounts import block_activation_bytes_tp, korthikanti_bytes
 from minimp.parallel.tensor_parallel_layers import join_shards, partitions, take_shard
+from minimp.parallel.tensor_parallel_models import paired_counts
 from minimp.tensor import saved_bytes
 
 # (name, op(x, comm), input held the same by every rank?, does every rank compute the same loss
@@ -274,6 +275,14 @@ def test_a_parallel_linear_keeps_the_fp8_meta_and_partitions_name_its_parameters
         return repr(model[0]), repr(model[2]), partitions(model)
 
     column, row, cut = dist.simulate(2, build)[0]
-    assert column.startswith("ColumnParallelLinear(4, 4 of 8")
-    assert row.startswith("RowParallelLinear(4 of 8, 4")
+    assert column == "ColumnParallelLinear(4, 4 of 8, bias=True)"
+    assert row == "RowParallelLinear(4 of 8, 4, bias=True)"
     assert cut == {"0.weight": (0, 1), "0.bias": (0, 1), "2.weight": (1, 1)}
+
+
+def test_paired_counts_moves_each_hidden_pair_onto_its_first_layer():
+    """Five weighted layers (ReLUs between them count 0): the first four hidden layers pair,
+    (0, 2) and (4, 6); the output layer (8) is never paired."""
+    counts = [10, 0, 20, 0, 30, 0, 40, 0, 50]
+    assert paired_counts(counts) == [10 + 20, 0, 0, 0, 30 + 40, 0, 0, 0, 50]
+

@@ -4,11 +4,14 @@ downloads a binary at run time)."""
 
 import json
 
+import numpy as np
 import pytest
 
 from minimp import distributed as dist
 from minimp.train import TrainConfig, train
-from minimp.parallel.trace import NAMES, read_timeline
+from minimp.parallel.trace import (
+    NAMES, OPS, TraceRecorder, read_timeline, timeline_of, trace_document, trace_events,
+)  # fmt: skip
 
 REQUIRED = {"X": {"name", "ph", "ts", "dur", "pid", "tid"}, "M": {"name", "ph", "pid", "args"}}
 
@@ -71,3 +74,71 @@ def test_a_steps_own_communication_belongs_to_no_micro_batch(tmp_path):
     events = [e for e in document["traceEvents"] if e["ph"] == "X" and e["args"]["op"] in per_step]
     assert {e["name"] for e in events} >= {"all-reduce gradients", "agree on overflow"}
     assert {e["args"]["micro_batch"] for e in events} == {-1}
+
+
+def test_the_recorder_keeps_float64_seconds_from_its_origin():
+    recorder = TraceRecorder(origin=100)
+    assert recorder.array().shape == (0, 5)  # no event yet: still five columns
+    recorder.record("forward", 2, 1, 101, 103)
+    assert recorder.array().dtype == np.float64  # integers in, float64 out
+    recorder.record("reduce", 2, -1, 103.5, 104.25)
+    rows = recorder.array()
+    assert rows.tolist() == [
+        [OPS.index("forward"), 2, 1, 1.0, 3.0], [OPS.index("reduce"), 2, -1, 3.5, 4.25],
+    ]  # fmt: skip
+
+
+def pinned_ranks():
+    """Two ranks, given out of order, with times that need all three decimals of a microsecond."""
+    forward, reduce = OPS.index("forward"), OPS.index("reduce")
+    return {
+        1: {"rows": np.array([[reduce, 0, -1, 0.0012345678, 0.0013580245]]), "name": "rank 1"},
+        0: {"rows": np.array([[forward, 3, 2, 0.0012345678, 0.001]]), "name": "rank 0"},
+    }
+
+
+def test_trace_events_pins_every_field():
+    def metadata(kind, pid, tid, args):
+        return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": args}
+
+    expected = []
+    for rank in (0, 1):  # sorted by rank, whatever the dict's order
+        expected += [
+            metadata("process_name", rank, 0, {"name": f"rank {rank}"}),
+            metadata("process_sort_index", rank, 0, {"sort_index": rank}),
+            metadata("thread_name", rank, 0, {"name": "compute"}),
+            metadata("thread_name", rank, 1, {"name": "communication"}),
+        ]
+        if rank == 0:  # 1234.5678 us rounds to the nanosecond; a negative duration is 0
+            expected.append({
+                "name": "F2", "cat": "compute", "ph": "X", "ts": 1234.568, "dur": 0.0,
+                "pid": 0, "tid": 0, "args": {"step": 3, "micro_batch": 2, "op": "forward"},
+            })  # fmt: skip
+        else:  # 1358.0245 - 1234.5678 us = 123.4567 us
+            expected.append({
+                "name": "all-reduce gradients", "cat": "communication", "ph": "X",
+                "ts": 1234.568, "dur": 123.457, "pid": 1, "tid": 1,
+                "args": {"step": 0, "micro_batch": -1, "op": "reduce"},
+            })  # fmt: skip
+    assert trace_events(pinned_ranks()) == expected
+
+
+def test_timeline_of_pins_every_field():
+    forward, backward = OPS.index("forward"), OPS.index("backward_weight")
+    ranks = {
+        0: {"rows": np.array([[forward, 1, 0, 0.25, 0.5]]), "name": "rank 0"},
+        1: {"rows": np.array([[backward, 2, 3, 0.75, 1.5]]), "name": "rank 1"},
+        2: {"rows": np.array([[forward, 1, 0, 0.25, 0.5]]), "name": "rank 2"},  # replica 1
+    }
+    other = {"schedule": "gpipe", "stage_of_rank": {"0": 0, "1": 1, "2": 0},
+             "replica_0_ranks": [0, 1]}  # fmt: skip
+    timeline = timeline_of(trace_document(ranks, other))
+    assert timeline == {
+        "virtual_stages": 1, **other,
+        "events": [
+            {"stage": 0, "step": 1, "micro_batch": 0, "kind": "forward", "op": "forward",
+             "start": 0.25, "end": 0.5},
+            {"stage": 1, "step": 2, "micro_batch": 3, "kind": "backward", "op": "backward_weight",
+             "start": 0.75, "end": 1.5},
+        ],
+    }  # fmt: skip

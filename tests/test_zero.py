@@ -40,6 +40,15 @@ def test_fp32_on_two_replicas_is_bit_identical_to_zero_0(replicated, zero):
     assert same_bits(sharded[0]["master_weights"], replicated)
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_one_replica_under_zero_2_and_3_trains_as_zero_0(zero):
+    """With one replica a unit's chunk is the whole unit: its gradients are concatenated and
+    added into the float32 sums with no collective, and the update is the plain one, bit for bit."""
+    alone = simulated(1, precision="fp32", steps=3)[0]["master_weights"]
+    sharded = simulated(1, precision="fp32", steps=3, zero=zero)[0]["master_weights"]
+    assert same_bits(sharded, alone)
+
+
 def test_four_replicas_and_micro_batches_agree_to_float32_rounding():
     """Four replicas add four terms in an order set by the chunk an element falls in (ZeRO cuts
     layer by layer, data parallelism one bucket); stages 2-3 average every micro-batch before

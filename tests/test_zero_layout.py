@@ -10,7 +10,9 @@ from minimp import distributed as dist
 from minimp.models import GPT, GPTConfig
 from minimp.parallel import Topology, Unit, ZeroLayout
 from minimp.parallel.tied import tied_indices
-from minimp.parallel.zero_accounts import paper_per_parameter, per_parameter
+from minimp.parallel.zero_accounts import (
+    memory_formula, paper_per_parameter, peak_formula, per_parameter,
+)  # fmt: skip
 from minimp.parallel.zero_layout import plan_units
 from minimp.train import TrainConfig
 from minimp.train.build import build_stage
@@ -32,6 +34,34 @@ def test_more_ranks_than_elements_leaves_the_last_ranks_empty():
     layout = [ZeroLayout([Unit((0,), (3,))], rank, 5) for rank in range(5)]
     assert [one.shard_size() for one in layout] == [1, 1, 1, 0, 0]
     assert [len(one.pieces[0]) for one in layout] == [1, 1, 1, 0, 0]
+
+
+def test_shard_size_of_another_rank_counts_that_rank_s_chunks():
+    layout = ZeroLayout([Unit((0,), (5,)), Unit((1,), (7,))], rank=0, world_size=3)
+    # 5 = 2 + 2 + 1 and 7 = 3 + 2 + 2: the first length % 3 chunks get one extra element
+    assert [layout.shard_size(rank) for rank in range(3)] == [2 + 3, 2 + 2, 1 + 2]
+    assert layout.shard_size() == layout.shard_size(0)  # its own by default
+
+
+@pytest.mark.parametrize("compute_bytes", [2, 4])
+def test_masters_by_stage_vanish_only_where_the_compute_copy_is_float32_and_whole(compute_bytes):
+    """Units of 4 and 6 elements over 2 ranks: P = 10, S_r = 2 + 3 = 5. In float32 the compute
+    copy is the master in stage 0 (both whole) and in stage 3 (both the shard)."""
+    masters = [
+        memory_formula(stage, unit_sizes=[4, 6], rank=1, world_size=2,
+                       compute_bytes=compute_bytes, wire_bytes=4, slots=2)["masters"]
+        for stage in range(4)
+    ]  # fmt: skip
+    assert masters == ([0, 20, 20, 0] if compute_bytes == 4 else [40, 20, 20, 20])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_stage_with_no_units_holds_and_peaks_at_nothing(stage):
+    held = memory_formula(stage, unit_sizes=[], rank=0, world_size=2, compute_bytes=2,
+                          wire_bytes=4, slots=2)  # fmt: skip
+    assert held == dict.fromkeys(held, 0)
+    assert len(held) == 7
+    assert peak_formula(stage, unit_sizes=[], compute_bytes=2) == 0
 
 
 @given(

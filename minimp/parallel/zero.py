@@ -183,7 +183,8 @@ class ZeroDataParallel(GradientSync):
         spec = self.layout.units[unit]
         flats = [self._gradient(index) for index in spec.indices]
         if self.comm.size == 1:
-            self.optimizer.add_reduced(unit, widen(_concatenate(flats)))
+            # flats is never empty: a unit has a parameter, and this runs once one arrived
+            self.optimizer.add_reduced(unit, widen(array_module(*flats).concatenate(flats)))
         else:
             self._reduce_scatter(unit, flats, lambda chunk: self._add_reduced(unit, chunk))
         for index in spec.indices:
@@ -271,10 +272,6 @@ class ZeroDataParallel(GradientSync):
     def sample_peak(self) -> None:
         """Note the bytes held now, if they are the most this rank has held (`peak`)."""
         self.peak.sample(self.held())
-
-
-def _concatenate(flats: list[Any]) -> Any:
-    return array_module(*flats).concatenate(flats) if flats else np.zeros(0, np.float32)
 
 
 def zero_data_parallel(
