@@ -45,9 +45,10 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     world = MPI.COMM_WORLD
-    if world.size != 2 or args.kib < 1:
+    if world.size != 2 or not 1 <= args.kib <= 2**20:
         if world.rank == 0:
-            print("coherence: run it on 2 ranks (mpirun -n 2) with --kib >= 1", file=sys.stderr)
+            message = "run it on 2 ranks (mpirun -n 2) with 1 <= --kib <= 1048576 (1 GiB)"
+            print(f"coherence: {message}", file=sys.stderr)
         return 2
     partner = world.rank ^ 1
     n = args.kib * 1024 // 4

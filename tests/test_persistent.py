@@ -100,6 +100,9 @@ def test_an_unknown_algorithm_or_op_is_refused_in_one_line():
             PersistentAllreduce(comm, (4,), np.float32, algorithm="tree")
         with pytest.raises(ValueError, match="op must be one of"):
             PersistentAllreduce(comm, (4,), np.float32, op="mean")
+        for shape in ((-1,), (2.5,), (4, -3)):
+            with pytest.raises(ValueError, match="shape must be non-negative integers"):
+                PersistentAllreduce(comm, shape, np.float32)
         return True
 
     assert dist.simulate(2, run) == [True, True]

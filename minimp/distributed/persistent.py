@@ -37,8 +37,12 @@ class PersistentAllreduce:
         network: Network | MachineModel | None = None,
     ):
         check_op(op)
+        if not all(isinstance(n, (int, np.integer)) and n >= 0 for n in shape):
+            raise ValueError(
+                f"PersistentAllreduce: shape must be non-negative integers, got {shape}"
+            )
         self.comm, self.op = comm, op
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.shape, self.dtype = tuple(int(n) for n in shape), np.dtype(dtype)
         size = math.prod(self.shape)
         if algorithm == "auto":
             algorithm = choose_algorithm(size * self.dtype.itemsize, comm.size, network)
