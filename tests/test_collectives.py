@@ -114,24 +114,21 @@ def test_naive_allreduce_sums_16_bit_arrays_in_float32_and_rounds_once(dtype):
         assert result.dtype == np.dtype(dtype) and float(result[0]) == 1.0 + u
 
 
-def test_a_naive_allreduce_mismatch_names_the_naive_allreduce():
+@pytest.mark.parametrize(
+    "allreduce, expected",
+    [
+        (dist.naive_allreduce, "naive_allreduce: ranks disagree on the array (lengths 4..5"),
+        (dist.recursive_doubling_allreduce, "recursive_doubling_allreduce: ranks disagree on"),
+    ],
+)
+def test_a_mismatch_names_the_allreduce_it_happened_in(allreduce, expected):
     def mismatched(comm):
         with pytest.raises(dist.CollectiveMismatchError) as caught:
-            dist.naive_allreduce(comm, np.ones(4 + comm.rank, np.float32))
+            allreduce(comm, np.ones(4 + comm.rank, np.float32))
         return str(caught.value)
 
     for message in dist.simulate(2, mismatched):
-        assert message.startswith("naive_allreduce: ranks disagree on the array (lengths 4..5")
-
-
-def test_a_recursive_doubling_mismatch_names_the_recursive_doubling_allreduce():
-    def mismatched(comm):
-        with pytest.raises(dist.CollectiveMismatchError) as caught:
-            dist.recursive_doubling_allreduce(comm, np.ones(4 + comm.rank, np.float32))
-        return str(caught.value)
-
-    for message in dist.simulate(2, mismatched):
-        assert message.startswith("recursive_doubling_allreduce: ranks disagree on the array")
+        assert message.startswith(expected)
 
 
 def test_an_unknown_algorithm_is_a_value_error_that_lists_the_known_ones():
