@@ -69,7 +69,7 @@ def bits(array):
     return np.asarray(array).view(np.uint32 if array.dtype == np.float32 else np.uint16)
 
 
-@pytest.mark.parametrize("grad_scale", [1.0, 2.0**-12])
+@pytest.mark.parametrize("grad_scale", [1.0, 2.0, 2.0**-12])  # 2.0: neither 1 nor small
 @pytest.mark.parametrize("name, settings", CASES, ids=IDS)
 def test_the_programs_arithmetic_is_minimps_update_bit_for_bit(name, settings, grad_scale):
     """The lines the kernel is rendered from, run by NumPy, against optim.py's own update and
@@ -201,3 +201,41 @@ def test_numpys_power_of_one_half_is_its_square_root():
     values = awkward_values(np.random.default_rng(5), (100_000,), 1.0)
     values = np.abs(values)
     np.testing.assert_array_equal(bits(values**0.5), bits(np.sqrt(values)))
+
+
+def test_an_update_rule_without_a_qualname_is_not_fused():
+    """A callable object set as `_update` (no __qualname__) is someone else's rule: fuses() says
+    no instead of raising."""
+
+    class Rule:
+        def __call__(self, master, grad, slots, weight_decay):
+            master -= grad
+
+    class Custom(optim.SGD):
+        _update = Rule()
+
+    assert not hasattr(Custom._update, "__qualname__")
+    assert fused_update.fuses(Custom([nn.Parameter(np.ones(3, np.float32))], lr=0.1)) is False
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_fused_step_runs_the_kernel_and_without_a_grad_scale_leaves_the_gradient_unscaled():
+    """On CuPy arrays fused_step does the update (returns True) and, given no grad_scale, gives
+    the bits of the unfused step with none."""
+    rng = np.random.default_rng(13)
+    initial, grad = awkward_values(rng, (33,), 1.0), awkward_values(rng, (33,), 1.0)
+    masters = []
+    for fused in (True, False):
+        parameter = nn.Parameter(cupy.asarray(initial))
+        optimizer = optim.AdamW([parameter], lr=1e-2)
+        optimizer.fused = False
+        parameter.grad = cupy.asarray(grad)
+        gradients = optimizer.accumulate_gradients()
+        if fused:
+            optimizer.step_count += 1  # what step() does before it calls fused_step
+            assert fused_update.fused_step(optimizer, 0, gradients[0]) is True
+        else:
+            optimizer.step()
+        masters.append(bits(cupy.asnumpy(optimizer.master_weights[0])))
+    np.testing.assert_array_equal(masters[0], masters[1])
