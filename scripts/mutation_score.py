@@ -30,7 +30,9 @@ PACKAGES = (
     "minimp.train.loop",
 )  # fmt: skip
 # one table row per survivor: | `minimp.x.y__mutmut_3` | what it changes | why it survives |
-ROW = re.compile(r"^\|\s*`([\w.]+__mutmut_\d+)`\s*\|[^|]*\|\s*([^|]*?)\s*\|\s*$")
+# (a cell may hold an escaped pipe, `\|`, as Markdown tables write one)
+CELL = r"(?:[^|\\]|\\.)*"
+ROW = re.compile(rf"^\|\s*`([\w.]+__mutmut_\d+)`\s*\|{CELL}\|\s*({CELL}?)\s*\|\s*$")
 
 
 def statuses(mutants_dir: str) -> dict[str, str]:

@@ -49,3 +49,12 @@ def test_restore_refuses_to_overwrite_results_and_names_a_missing_file(tmp_path)
         mutation_state.restore(str(tmp_path / "mutants"), str(tmp_path / "r.json"), "doc")
     with pytest.raises(SystemExit, match="no .*nothing.json"):
         mutation_state.restore(str(tmp_path / "empty"), str(tmp_path / "nothing.json"), "doc")
+
+
+def test_a_row_whose_cells_hold_escaped_pipes_is_read(tmp_path):
+    """Markdown writes a pipe inside a cell as `\\|`: such a row still documents its mutant."""
+    import mutation_score
+
+    doc = tmp_path / "testing.md"
+    doc.write_text("| `m.x_f__mutmut_5` | `a \\| b` -> `a & b` | equivalent: `x \\| y` is y |\n")
+    assert mutation_score.documented(str(doc)) == {"m.x_f__mutmut_5": "equivalent: `x \\| y` is y"}
