@@ -1,12 +1,19 @@
 """Data parallelism on the simulated world: gradient averaging, the float16 wire, one skip decision,
 replica checks, and the trainer's equivalence with one process."""
 
+import zlib
+
 import numpy as np
 import pytest
 
 from minimp import distributed as dist
 from minimp import nn, optim
-from minimp.parallel.data_parallel import DataParallel, ReplicaMismatchError, shard
+from minimp.parallel.data_parallel import (
+    DataParallel,
+    ReplicaMismatchError,
+    ranks_differing_from_rank_0,
+    shard,
+)
 from minimp.train import TrainConfig, train
 
 
@@ -77,6 +84,44 @@ def test_check_replicas_names_the_rank_that_drifted():
         m == "master weights of rank(s) [1] differ from rank 0's (replicas drifted apart)"
         for m in messages
     )
+
+
+def test_check_replicas_sees_drift_in_any_array_and_names_the_fp8_state():
+    """Drift in the first master (the checksum chains every array, not just the last), with fp8
+    state passed as `extra`: the message names both kinds of state."""
+
+    def body(comm):
+        optimizer = replica_optimizer()
+        if comm.rank == 2:
+            optimizer.master_weights[0][2] = 1e-7
+        try:
+            DataParallel(comm, optimizer).check_replicas([np.ones(4, np.float32)])
+        except ReplicaMismatchError as error:
+            return str(error)
+
+    expected = (
+        "master weights or fp8 state of rank(s) [2] differ from rank 0's (replicas drifted apart)"
+    )
+    assert dist.simulate(3, body) == [expected] * 3
+
+
+class RecordingComm:
+    """One rank of a 2-rank group that records the scalar table it contributes."""
+
+    size, rank = 2, 1
+
+    def allreduce_scalars(self, values, op="max"):
+        self.sent = np.array(values)
+        return np.array([self.sent[1], self.sent[1]])
+
+
+def test_each_rank_contributes_the_crc32_of_its_arrays_bytes_chained_in_order():
+    arrays = [np.arange(3, dtype=np.float32), np.full(2, 0.5, np.float16)]
+    comm = RecordingComm()
+    assert ranks_differing_from_rank_0(comm, arrays) == []
+    expected = zlib.crc32(arrays[1].tobytes(), zlib.crc32(arrays[0].tobytes()))
+    assert expected == zlib.crc32(arrays[0].tobytes() + arrays[1].tobytes())
+    np.testing.assert_array_equal(comm.sent, [0.0, float(expected)])
 
 
 def test_broadcast_makes_replicas_identical():
