@@ -40,6 +40,13 @@ def test_fp32_on_two_replicas_is_bit_identical_to_zero_0(replicated, zero):
     assert same_bits(sharded[0]["master_weights"], replicated)
 
 
+
+def test_stage_1_averaging_after_the_reduce_scatter_gives_the_same_bits(replicated):
+    """--grad-average after: each chunk of the float32 sums is times 1/2 once it arrives (exact,
+    as the halving before the reduce-scatter is), so the masters are data parallelism's bits."""
+    sharded = simulated(2, precision="fp32", steps=10, zero=1, grad_average="after")
+    assert same_bits(sharded[0]["master_weights"], replicated)
+
 @pytest.mark.parametrize("zero", [2, 3])
 def test_one_replica_under_zero_2_and_3_trains_as_zero_0(zero):
     """With one replica a unit's chunk is the whole unit: its gradients are concatenated and
