@@ -1,0 +1,124 @@
+"""What the training loop says, in-process (mutation testing cannot see the subprocess runs):
+its progress lines, the layout and replica-check lines on rank 0 only, the progress bar where a
+person watches, the --metrics file, and the rate's units."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+from test_train_gpt import TINY as GPT
+
+from minimp import distributed as dist
+from minimp.train import TrainConfig, train
+from minimp.train.loop import Run
+
+MLP = dict(hidden=16, layers=1, batch_size=32)
+PROGRESS = r"step +{step}/{steps}  loss \d\.\d{{4}}  lr 1\.0e-03  loss scale 65536  skipped 0  " \
+    r"[\d,]+ samples/s  ETA 0m00s"  # fmt: skip
+
+
+def config(world_size=1, **overrides):
+    settings = TrainConfig(**{**MLP, **overrides})
+    settings.validate(world_size)
+    return settings
+
+
+def progress(step, steps):
+    return re.compile(PROGRESS.format(step=step, steps=steps))
+
+
+def test_one_rank_logs_a_line_every_log_every_steps_then_the_summary():
+    """No layout line and no replica check (one replica, nothing to compare) on one rank."""
+    lines = []
+    train(config(steps=4, log_every=2, check_replicas=1), log=lines.append)
+    assert len(lines) == 3, lines
+    assert progress(2, 4).fullmatch(lines[0]) and progress(4, 4).fullmatch(lines[1])
+    assert re.fullmatch(r"done: 4 steps, 0 skipped, test accuracy 0\.\d{4}", lines[2])
+
+
+def test_rank_0_alone_logs_the_layout_and_the_replica_checks():
+    def body(comm):
+        lines = []
+        train(config(2, steps=2, log_every=1, check_replicas=1), log=lines.append, comm=comm)
+        return lines
+
+    first, second = dist.simulate(2, body)
+    layout = (
+        "layout: --dp 2 x --tp 1 x --pp 1 = 2 ranks (tensor-parallel ranks adjacent, then "
+        "replicas, then stages)\n  rank 0: replica 0\n  rank 1: replica 1"
+    )
+    said = "step {}: replicas identical (the 2 replicas' float32 masters have the same checksum)"
+    assert first[:2] == [layout, said.format(1)] and first[3] == said.format(2)
+    assert progress(1, 2).fullmatch(first[2]) and progress(2, 2).fullmatch(first[4])
+    assert len(first) == 6 and first[5].startswith("done: 2 steps, 0 skipped, test accuracy ")
+    assert second == []
+
+
+def test_tensor_parallel_shards_say_their_whole_parameters_agree():
+    def body(comm):
+        lines = []
+        settings = config(2, layers=2, tp=2, steps=1, log_every=1, check_replicas=1)
+        train(settings, log=lines.append, comm=comm)
+        return lines
+
+    first, second = dist.simulate(2, body)
+    assert first[1] == "step 1: the 2 shards' whole parameters agree" and len(first) == 4
+    assert second == []
+
+
+def test_a_run_logs_lines_unless_told_a_person_watches_one_rank():
+    """interactive: one tqdm bar instead of progress lines, and only on one rank (mpirun's ranks
+    share one terminal)."""
+    one = dist.simulate(1, lambda comm: comm)[0]
+    quiet = Run(config(steps=1), one, log=lambda line: None)
+    assert quiet.history.bar is None
+    watched = Run(config(steps=1), one, log=lambda line: None, interactive=True)
+    assert watched.history.bar is not None
+    watched.history.bar.close()
+
+    def body(comm):
+        return Run(config(2, steps=1), comm, log=lambda line: None, interactive=True).history.bar
+
+    assert dist.simulate(2, body) == [None, None]
+
+
+def test_train_passes_interactive_on_so_the_bar_replaces_the_progress_lines():
+    lines = []
+    train(config(steps=2, log_every=1), log=lines.append, interactive=True)
+    assert len(lines) == 1 and lines[0].startswith("done: 2 steps")
+
+
+@pytest.mark.parametrize(
+    "overrides, units, unit",
+    [(dict(batch_size=32), 32, "samples"), (GPT, 8 * 16, "tokens")],
+    ids=["mlp", "gpt"],
+)
+def test_the_rate_counts_the_samples_or_tokens_of_a_step(overrides, units, unit):
+    one = dist.simulate(1, lambda comm: comm)[0]
+    settings = config(**{**overrides, "steps": 3, "log_every": 2})
+    history = Run(settings, one, log=lambda line: None).history
+    assert (history.units_per_step, history.unit) == (units, unit)
+    assert type(history.units_per_step) is int
+    assert (history.steps, history.log_every) == (3, 2)
+
+
+def test_rank_0_alone_writes_the_metrics_file(tmp_path, monkeypatch):
+    """Its rows are rank 0's records, to the bit (timings included), then the summary row."""
+    monkeypatch.chdir(tmp_path)
+    settings = config(2, steps=3, metrics="metrics.jsonl")
+    first = dist.simulate(2, lambda comm: train(settings, log=lambda line: None, comm=comm))[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[:3] == json.loads(json.dumps(first["history"]))
+    assert len(rows) == 4 and rows[3]["test_accuracy"] == first["test_accuracy"]
+
+
+def test_the_float_errors_of_fp16_overflow_are_silenced_inside_train():
+    """lr 1e4 overflows float16 every step; numpy must not warn or raise, whatever the caller
+    set (the skipped steps handle it)."""
+    settings = TrainConfig(steps=20, lr=1e4, hidden=16, layers=2, log_every=1000)
+    settings.validate()
+    with np.errstate(over="raise", invalid="raise"):
+        result = train(settings, log=lambda line: None)
+    assert result["history"][-1]["loss_scale"] == 1.0
