@@ -3,13 +3,17 @@ subprocess and mpirun runs): the resumed schedule's length and metrics file, the
 the thread count."""
 
 import json
+import re
 
+import numpy as np
 import pytest
 
 from minimp import backend, lr_schedule
 from minimp import distributed as dist
 from minimp.distributed.simulated import SimulatedCommunicator
+from minimp.tensor import Tensor
 from minimp.train import TrainConfig, train
+from minimp.train.loop import Run
 
 TINY = dict(
     hidden=16, layers=1, batch_size=32, lr=0.01, lr_schedule="cosine", warmup=1, min_lr=1e-4
@@ -100,3 +104,66 @@ def test_a_resume_with_lr_decay_steps_uses_the_given_length(checkpoint_of_6_step
     expected = [lr_schedule.warmup_cosine(s, 0.01, 1e-4, 1, 12) for s in range(7, 11)]
     assert lrs(resumed) == expected
     assert min(lrs(resumed)) > 1e-4
+
+
+def one_rank():
+    return dist.simulate(1, lambda comm: comm)[0]
+
+
+def test_a_step_s_gradient_is_the_batch_mean_loss_s_whatever_the_micro_batches():
+    """fp32 SGD (no momentum, no decay): w moves by exactly -lr x dL/dw of the batch's mean loss,
+    with 1 or 4 micro-batches (each carries 1/M of it)."""
+    for micro_batches in (1, 4):
+        config = TrainConfig(
+            hidden=16, layers=1, batch_size=32, optimizer="sgd", precision="fp32", lr=0.5,
+            micro_batches=micro_batches, log_every=1000,
+        )  # fmt: skip
+        config.validate()
+        run = Run(config, one_rank(), log=lambda line: None)
+        inputs, targets = run.task.global_batch(1)
+        run.stage.loss_fn(run.model(Tensor(inputs)), targets).backward()
+        masters, parameters = run.optimizer.master_weights, run.model.parameters()
+        expected = [m - 0.5 * p.grad for m, p in zip(masters, parameters)]
+        for p in run.model.parameters():
+            p.grad = None
+        run.step(1)
+        for master, want in zip(run.optimizer.master_weights, expected):
+            np.testing.assert_allclose(master, want, rtol=1e-5, atol=1e-7)
+
+
+def test_the_flags_a_resume_must_repeat_are_named_as_on_the_command_line():
+    run = Run(TrainConfig(steps=1, **TINY), one_rank(), log=lambda line: None)
+    assert run.resume_flags == {
+        "--dataset": "digits", "--layers": 1, "--hidden": 16, "--seed": 0, "--batch-size": 32,
+        "--optimizer": "adam",
+    }  # fmt: skip
+    fp8 = TrainConfig(steps=1, precision="fp8", **TINY)
+    fp8.validate()
+    flags = Run(fp8, one_rank(), log=lambda line: None).resume_flags
+    fp8_flags = ["--fp8-recipe", "--fp8-amax-history", "--fp8-margin"]
+    assert list(flags)[-4:] == ["--optimizer", *fp8_flags]
+    assert len(flags) == 9 and flags["--fp8-recipe"] == fp8.fp8_recipe
+
+
+def test_the_device_is_chosen_with_this_rank_s_place_on_its_node(monkeypatch):
+    chosen = []
+    choose = lambda name, local_rank: chosen.append((name, local_rank))  # noqa: E731
+    monkeypatch.setattr(backend, "use_device", choose)
+    monkeypatch.setattr(SimulatedCommunicator, "node_rank_and_size", lambda self: (self.rank, 2))
+    config = TrainConfig(steps=1, device="cpu", **TINY)
+    config.validate(2)
+    dist.simulate(2, lambda comm: Run(config, comm, log=lambda line: None) and None)
+    assert sorted(chosen) == [("cpu", 0), ("cpu", 1)]
+
+
+def test_the_trainer_says_exactly_why_a_scale_stuck_at_its_minimum_is_bad():
+    lines = []
+    config = TrainConfig(steps=20, lr=1e4, hidden=16, layers=2, log_every=1000)
+    config.validate()
+    train(config, log=lines.append)
+    warned = [line for line in lines if "minimum loss scale" in line]
+    assert warned and warned[0] == (
+        f"{warned[0].split(':')[0]}: gradients overflow at the minimum loss scale 1; training is "
+        "diverging in fp16 (lower --lr, clip with --max-grad-norm, or use bf16)"
+    )
+    assert re.fullmatch(r"step \d+", warned[0].split(":")[0])

@@ -123,3 +123,23 @@ def test_the_float_errors_of_fp16_overflow_are_silenced_inside_train(lr):
     with np.errstate(over="raise", invalid="raise"):
         result = train(settings, log=lambda line: None)
     assert any(r["skipped"] for r in result["history"])
+
+
+@pytest.mark.parametrize(
+    "layout, said",
+    [
+        (dict(dp=2), "step 1: replicas identical (the 2 replicas' float32 masters and fp8 scaling "
+         "state have the same checksum)"),
+        (dict(tp=2), "step 1: the 2 shards' whole parameters and fp8 scaling state agree"),
+    ],
+    ids=["dp", "tp"],
+)  # fmt: skip
+def test_fp8_runs_check_their_scaling_state_with_the_masters(layout, said):
+    def body(comm):
+        lines = []
+        settings = config(2, layers=2, precision="fp8", steps=1, check_replicas=1, **layout)
+        train(settings, log=lines.append, comm=comm)
+        return lines
+
+    first, second = dist.simulate(2, body)
+    assert first[1] == said and second == []
