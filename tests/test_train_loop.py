@@ -53,8 +53,10 @@ def test_a_resume_says_so_and_continues_the_metrics_file(tmp_path):
 
 
 def test_a_fresh_run_rewrites_the_metrics_file(tmp_path):
+    """Whatever the file held, even a row of step 0 (which a resume after step 0 would keep)."""
     metrics = tmp_path / "metrics.jsonl"
     quiet_train(steps=3, metrics=str(metrics), **TINY)
+    metrics.write_text('{"step": 0}\n' + metrics.read_text())
     quiet_train(steps=2, metrics=str(metrics), **TINY)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row.get("step") for row in rows] == [1, 2, None]
