@@ -98,10 +98,18 @@ def test_a_run_whose_steps_all_overflow_stops_after_max_consecutive_skips():
     assert int(step) > 3 and float(scale) < 65536
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(dp=2), dict(pp=2, micro_batches=2)], ids=str)
+@pytest.mark.parametrize(
+    "layout",
+    [dict(), dict(dp=2), dict(pp=2, micro_batches=2), dict(dp=2, straggler_barrier=True)],
+    ids=str,
+)
 def test_the_step_s_seconds_split_into_non_negative_parts(layout):
+    """The straggler barrier's wait is its own part, only with --straggler-barrier."""
     world_size = layout.get("dp", 1) * layout.get("pp", 1)
     for record in run(world_size, steps=3, layers=2, **layout)["history"]:
         total = record["communication_seconds"]
         assert record["compute_seconds"] > 0 and total >= 0
         assert 0 <= record["exposed_communication_seconds"] <= total + 1e-9
+        waited = record.get("straggler_seconds")
+        assert (waited is not None) == ("straggler_barrier" in layout)
+        assert waited is None or 0 <= waited < 60
