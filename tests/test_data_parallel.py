@@ -44,6 +44,21 @@ def test_gradients_become_the_mean_over_replicas(average, comm_dtype):
         assert buckets == 2  # a 10-byte bucket limit puts each parameter in its own bucket
 
 
+
+@pytest.mark.parametrize(
+    "elements, buckets",
+    [
+        (7, [([2, 1], 7), ([0], 3)]),  # 2 + 5 elements fill 28 bytes exactly: one bucket
+        (6, [([2], 2), ([1], 5), ([0], 3)]),  # a parameter never splits: 5 is alone
+        (100, [([2, 1, 0], 10)]),
+    ],
+)
+def test_buckets_take_the_parameters_last_to_first_up_to_the_byte_limit(elements, buckets):
+    """float32 on the wire: 4 bytes an element; parameters of 3, 5 and 2 elements."""
+    comm = dist.simulate(1, lambda comm: comm)[0]
+    replicas = DataParallel(comm, replica_optimizer((3, 5, 2)), bucket_mb=elements * 4 / 2**20)
+    assert replicas.buckets == buckets
+
 def test_a_float16_wire_overflows_when_averaging_after_but_not_before():
     """Four replicas with gradient 30000 each: the sum 120000 is past float16's 65504."""
 
