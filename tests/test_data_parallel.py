@@ -51,6 +51,7 @@ def test_gradients_become_the_mean_over_replicas(average, comm_dtype):
         (7, [([2, 1], 7), ([0], 3)]),  # 2 + 5 elements fill 28 bytes exactly: one bucket
         (6, [([2], 2), ([1], 5), ([0], 3)]),  # a parameter never splits: 5 is alone
         (100, [([2, 1, 0], 10)]),
+        (1, [([2], 2), ([1], 5), ([0], 3)]),  # each parameter past the limit: one bucket each
     ],
 )
 def test_buckets_take_the_parameters_last_to_first_up_to_the_byte_limit(elements, buckets):
