@@ -113,3 +113,17 @@ def test_the_step_s_seconds_split_into_non_negative_parts(layout):
         waited = record.get("straggler_seconds")
         assert (waited is not None) == ("straggler_barrier" in layout)
         assert waited is None or 0 <= waited < 60
+
+
+def test_the_fp8_collectives_and_the_replica_check_count_as_the_step_s_communication():
+    """The Stopwatch hears every timed call of a step by name (what --timeline would record)."""
+    config = TrainConfig(**{**MLP, "layers": 2, "precision": "fp8", "check_replicas": 1})
+    config.validate()
+    training = Run(config, dist.simulate(1, lambda comm: comm)[0], log=lambda line: None)
+    heard = []
+    training.communication.listener = lambda name, start, end: heard.append(name)
+    training.step(1)
+    assert heard == [
+        "finalize_backward", "any_rank", "reduce", "any_rank", "fp8_statistics", "fp8_amax",
+        "check_replicas", "mean_loss",
+    ]  # fmt: skip
