@@ -180,3 +180,27 @@ def test_zb_h1_holds_a_micro_batch_until_its_w_and_no_longer():
     assert (held_0, held_1) == (2, 1)
     zero_bubble = stage_accounts("zb-h1")
     assert zero_bubble == [(2, bytes_0, 0), (2, 2 * bytes_1, 0)]
+
+
+def tied_state(world_size, **flags):
+    """Each stage's TiedGradients as (indices, counts_in_norm), or None."""
+    config = TrainConfig(**{**dict(hidden=32, layers=3, batch_size=32, steps=1), **flags})
+    config.validate(world_size)
+
+    def body(comm):
+        tied = Run(config, comm, log=lambda line: None).data_parallel.tied
+        return None if tied is None else (tied.indices, tied.counts_in_norm, tied.comm.size)
+
+    return dist.simulate(world_size, body)
+
+
+def test_only_the_ends_of_a_gpt_pipeline_share_the_tied_embedding():
+    """The token embedding's copies: the first stage's (counted in the norm) and the head's (the
+    last of the last stage's 15 parameters); the stages between, an MLP and a single stage have
+    none."""
+    from test_train_gpt import TINY
+
+    first, middle, last = tied_state(3, **{**TINY, "layers": 2, "pp": 3})
+    assert first == ([0], True, 2) and middle is None and last == ([14], False, 2)
+    assert tied_state(1, **TINY) == [None]
+    assert tied_state(2, pp=2) == [None, None]
