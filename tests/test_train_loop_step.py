@@ -100,7 +100,10 @@ def test_a_run_whose_steps_all_overflow_stops_after_max_consecutive_skips():
 
 @pytest.mark.parametrize(
     "layout",
-    [dict(), dict(dp=2), dict(pp=2, micro_batches=2), dict(dp=2, straggler_barrier=True)],
+    [
+        dict(), dict(dp=2), dict(pp=2, micro_batches=2), dict(dp=2, straggler_barrier=True),
+        dict(dp=2, zero=1, micro_batches=2), dict(dp=2, zero=2, micro_batches=2),
+    ],
     ids=str,
 )
 def test_the_step_s_seconds_split_into_non_negative_parts(layout):
