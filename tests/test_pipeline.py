@@ -202,5 +202,6 @@ def test_only_the_ends_of_a_gpt_pipeline_share_the_tied_embedding():
 
     first, middle, last = tied_state(3, **{**TINY, "layers": 2, "pp": 3})
     assert first == ([0], True, 2) and middle is None and last == ([14], False, 2)
+    assert tied_state(2, **{**TINY, "pp": 2}) == [([0], True, 2), ([14], False, 2)]
     assert tied_state(1, **TINY) == [None]
     assert tied_state(2, pp=2) == [None, None]
