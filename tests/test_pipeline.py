@@ -205,3 +205,19 @@ def test_only_the_ends_of_a_gpt_pipeline_share_the_tied_embedding():
     assert tied_state(2, **{**TINY, "pp": 2}) == [([0], True, 2), ([14], False, 2)]
     assert tied_state(1, **TINY) == [None]
     assert tied_state(2, pp=2) == [None, None]
+
+
+def test_a_weight_gradient_before_its_input_gradient_is_refused():
+    from minimp.parallel.schedules import BACKWARD_WEIGHT, FORWARD, Action
+
+    config = TrainConfig(hidden=32, layers=3, batch_size=32, steps=1)
+    config.validate(1)
+    run = Run(config, dist.simulate(1, lambda comm: comm)[0], log=lambda line: None)
+    inputs, targets, _ = run._micro_batches(1)
+    w0 = Action(BACKWARD_WEIGHT, 0)
+    with pytest.raises(RuntimeError) as refused:
+        run.stage.run(
+            [Action(FORWARD, 0), w0], inputs=inputs, targets=targets,
+            scale_loss=run._scale_loss, after_backward=lambda: None,
+        )  # fmt: skip
+    assert str(refused.value) == f"{w0!r}: W before the micro-batch's B on this chunk"
