@@ -11,6 +11,7 @@ from test_train_gpt import TINY as GPT
 
 from minimp import distributed as dist
 from minimp.train import TrainConfig, train
+from minimp.parallel.data_parallel import ReplicaMismatchError
 from minimp.train.loop import Run
 
 MLP = dict(hidden=16, layers=1, batch_size=32)
@@ -143,3 +144,25 @@ def test_fp8_runs_check_their_scaling_state_with_the_masters(layout, said):
 
     first, second = dist.simulate(2, body)
     assert first[1] == said and second == []
+
+
+def test_the_tensor_parallel_check_compares_the_fp8_scaling_state_too():
+    """Shard 1's fp8 state drifts (pretended): the shards' check refuses it on both ranks."""
+
+    def body(comm):
+        settings = config(2, layers=2, precision="fp8", steps=1, check_replicas=1, tp=2)
+        run = Run(settings, comm, log=lambda line: None)
+        run.step(1)
+        if comm.rank == 1:
+            drifted = {k: v + 1 for k, v in run.fp8.state_arrays().items()}
+            run.fp8.state_arrays = lambda: drifted
+        try:
+            run._check_replicas(1)
+        except ReplicaMismatchError as error:
+            return str(error)
+
+    said = (
+        "the whole (replicated) parameters of tensor-parallel rank(s) [1] differ from rank 0's "
+        "(tensor-parallel copies drifted apart)"
+    )
+    assert dist.simulate(2, body) == [said, said]
