@@ -150,6 +150,19 @@ def test_broadcast_makes_replicas_identical():
     assert all(np.array_equal(r, np.zeros(3)) for r in dist.simulate(3, body))
 
 
+def test_broadcast_from_another_root_gives_everyone_that_root_s_masters():
+    def body(comm):
+        optimizer = replica_optimizer()
+        for master in optimizer.master_weights:
+            master[...] = comm.rank
+        DataParallel(comm, optimizer).broadcast_parameters(root=2)
+        return [m.copy() for m in optimizer.master_weights], optimizer.params[1].data.copy()
+
+    for masters, compute in dist.simulate(3, body):
+        assert [m.tolist() for m in masters] == [[2.0] * 3, [2.0] * 5]
+        assert compute.tolist() == [2.0] * 5
+
+
 def test_shards_tile_the_global_batch():
     indices = np.arange(12)
     assert np.array_equal(np.concatenate([shard(indices, r, 3) for r in range(3)]), indices)
