@@ -130,6 +130,14 @@ def test_zb_h1_refuses_zero_stages_or_micro_batches(stages, micro_batches):
         zb_h1(stages, micro_batches)
 
 
+def test_zb_h1_on_one_stage_runs_each_w_right_after_its_b():
+    """One stage: nothing to wait for, so W(m) comes at once (stage 0 runs W 0 micro-batches
+    late), and there are no messages."""
+    F, B, W = FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
+    assert zb_h1(1, 2) == [[Action(F, 0), Action(B, 0), Action(W, 0),
+                            Action(F, 1), Action(B, 1), Action(W, 1)]]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "micro_batches, virtual_stages, message",
     [
