@@ -77,12 +77,13 @@ def test_a_float16_wire_overflows_when_averaging_after_but_not_before():
     np.testing.assert_array_equal(before, 30000.0)
 
 
-def test_one_rank_overflowing_is_everyone_s_overflow():
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_one_rank_overflowing_is_everyone_s_overflow(world_size):
     def body(comm):
         replicas = DataParallel(comm, replica_optimizer())
-        return replicas.any_rank(comm.rank == 2)
+        return replicas.any_rank(comm.rank == 1), replicas.any_rank(False)
 
-    assert dist.simulate(4, body) == [True] * 4
+    assert dist.simulate(world_size, body) == [(True, False)] * world_size
 
 
 def test_check_replicas_names_the_rank_that_drifted():
