@@ -10,6 +10,7 @@ from minimp import distributed as dist
 from minimp.distributed.ring import ring_reduce_scatter_into
 from minimp.distributed.ring_nonblocking import RingAllreduce
 from minimp.parallel.data_parallel import DataParallel
+from minimp.parallel.zero_overlap import OverlappedUnits
 from minimp.precision import NoLossScaler, mixed_precision_step
 from minimp.tensor import Tensor
 from minimp.train import TrainConfig, train
@@ -114,6 +115,14 @@ def test_a_parameter_reached_more_often_than_the_micro_batches_is_refused():
         return True
 
     assert dist.simulate(2, body) == [True, True]
+
+
+def test_zero_stage_1_starts_a_parameter_on_its_last_micro_batch_and_refuses_one_more():
+    units = OverlappedUnits(comm=None, sent=None, parameters=2, micro_batches=2)
+    assert [units.is_last(1), units.is_last(1), units.is_last(0)] == [False, True, False]
+    with pytest.raises(RuntimeError, match="parameter 1 received 3 gradients in a step of 2 "):
+        units.is_last(1)
+    assert units.arrivals == [1, 3]
 
 
 TINY = dict(hidden=16, layers=3, batch_size=24, steps=5, log_every=1000, bucket_mb=1e-4)

@@ -15,6 +15,7 @@ from minimp import nn
 from minimp.parallel.stages import PipelineError, split_stages, stage_parameters
 from minimp.train import TrainConfig, build_model, train
 from minimp.train.errors import ConfigError
+from minimp.train.loop import Run
 
 
 def test_stages_are_balanced_by_parameter_count_and_keep_relus_with_their_linear():
@@ -153,3 +154,70 @@ def test_balanced_cuts_find_the_smallest_possible_largest_stage(costs, data):
 
     every_way = itertools.combinations(range(1, len(costs)), parts - 1)
     assert largest(cuts) == min(largest(points) for points in every_way)
+
+
+def stage_accounts(schedule, stages=2, micro_batches=4):
+    """Each stage's (micro-batches held at peak, activation bytes at peak, micro-batches left
+    over) after one step of a pipeline run."""
+    config = TrainConfig(hidden=32, layers=3, batch_size=32, precision="fp32", steps=1)
+    config.pp, config.schedule, config.micro_batches = stages, schedule, micro_batches
+    config.validate(stages)
+
+    def body(comm):
+        run = Run(config, comm, log=lambda line: None)
+        run.step(1)
+        stage = run.stage
+        return stage.peak_stored, stage.peak_activation_bytes, len(stage._micro_batches)
+
+    return dist.simulate(stages, body)
+
+
+def test_zb_h1_holds_a_micro_batch_until_its_w_and_no_longer():
+    """ZB-H1 keeps 1F1B's first-stage peak on every stage (P = 2 of M = 4 micro-batches, W
+    runs `stage` micro-batches late), and forgets each micro-batch once its W has run. Every
+    micro-batch of a stage keeps the same bytes: 1F1B's last stage holds one."""
+    (held_0, bytes_0, _), (held_1, bytes_1, _) = stage_accounts("1f1b")
+    assert (held_0, held_1) == (2, 1)
+    zero_bubble = stage_accounts("zb-h1")
+    assert zero_bubble == [(2, bytes_0, 0), (2, 2 * bytes_1, 0)]
+
+
+def tied_state(world_size, **flags):
+    """Each stage's TiedGradients as (indices, counts_in_norm), or None."""
+    config = TrainConfig(**{**dict(hidden=32, layers=3, batch_size=32, steps=1), **flags})
+    config.validate(world_size)
+
+    def body(comm):
+        tied = Run(config, comm, log=lambda line: None).data_parallel.tied
+        return None if tied is None else (tied.indices, tied.counts_in_norm, tied.comm.size)
+
+    return dist.simulate(world_size, body)
+
+
+def test_only_the_ends_of_a_gpt_pipeline_share_the_tied_embedding():
+    """The token embedding's copies: the first stage's (counted in the norm) and the head's (the
+    last of the last stage's 15 parameters); the stages between, an MLP and a single stage have
+    none."""
+    from test_train_gpt import TINY
+
+    first, middle, last = tied_state(3, **{**TINY, "layers": 2, "pp": 3})
+    assert first == ([0], True, 2) and middle is None and last == ([14], False, 2)
+    assert tied_state(2, **{**TINY, "pp": 2}) == [([0], True, 2), ([14], False, 2)]
+    assert tied_state(1, **TINY) == [None]
+    assert tied_state(2, pp=2) == [None, None]
+
+
+def test_a_weight_gradient_before_its_input_gradient_is_refused():
+    from minimp.parallel.schedules import BACKWARD_WEIGHT, FORWARD, Action
+
+    config = TrainConfig(hidden=32, layers=3, batch_size=32, steps=1)
+    config.validate(1)
+    run = Run(config, dist.simulate(1, lambda comm: comm)[0], log=lambda line: None)
+    inputs, targets, _ = run._micro_batches(1)
+    w0 = Action(BACKWARD_WEIGHT, 0)
+    with pytest.raises(RuntimeError) as refused:
+        run.stage.run(
+            [Action(FORWARD, 0), w0], inputs=inputs, targets=targets,
+            scale_loss=run._scale_loss, after_backward=lambda: None,
+        )  # fmt: skip
+    assert str(refused.value) == f"{w0!r}: W before the micro-batch's B on this chunk"

@@ -1,5 +1,7 @@
 """Pipeline schedules without MPI: order, message pairing (no deadlock), and activation memory."""
 
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -18,6 +20,7 @@ from minimp.parallel.schedules import (
     one_f_one_b,
     peak_activations,
 )
+from minimp.parallel.zero_bubble import zb_h1
 
 CASES = st.tuples(st.sampled_from(sorted(SCHEDULES)), st.integers(1, 8), st.integers(1, 16))
 
@@ -118,6 +121,35 @@ def test_format_names_the_chunk_when_a_rank_holds_several():
 def test_bad_sizes_are_rejected():
     with pytest.raises(ValueError):
         gpipe(0, 1)
+
+
+@pytest.mark.parametrize("stages, micro_batches", [(0, 3), (2, 0)])
+def test_zb_h1_refuses_zero_stages_or_micro_batches(stages, micro_batches):
+    message = f"a schedule needs stages and micro_batches >= 1, got {stages}, {micro_batches}"
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        zb_h1(stages, micro_batches)
+
+
+def test_zb_h1_on_one_stage_runs_each_w_right_after_its_b():
+    """One stage: nothing to wait for, so W(m) comes at once (stage 0 runs W 0 micro-batches
+    late), and there are no messages."""
+    F, B, W = FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
+    assert zb_h1(1, 2) == [[Action(F, 0), Action(B, 0), Action(W, 0),
+                            Action(F, 1), Action(B, 1), Action(W, 1)]]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "micro_batches, virtual_stages, message",
+    [
+        (4, 0, "--virtual-stages and --micro-batches of 1 or more, got 0 and 4"),
+        (0, 2, "--virtual-stages and --micro-batches of 1 or more, got 2 and 0"),
+        # one micro-batch is 1 or more: what is wrong is the group of --pp 2
+        (1, 2, "--micro-batches 1 is not a multiple of 2"),
+    ],
+)
+def test_interleaving_names_the_size_that_cannot_work(micro_batches, virtual_stages, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        interleaved(2, micro_batches, virtual_stages)
 
 
 def test_peak_activations_counts_a_micro_batch_until_its_weight_gradient():

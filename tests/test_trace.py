@@ -142,3 +142,11 @@ def test_timeline_of_pins_every_field():
              "start": 0.75, "end": 1.5},
         ],
     }  # fmt: skip
+
+
+def test_every_event_of_a_traced_run_carries_its_step(tmp_path):
+    """Compute and communication alike: steps 1, 2, 3 of the run, nothing else."""
+    document, _ = traced(tmp_path, 2, pp=2, micro_batches=2)
+    events = [e for e in document["traceEvents"] if e["ph"] == "X"]
+    for lane in ("compute", "communication"):
+        assert {e["args"]["step"] for e in events if e["cat"] == lane} == {1, 2, 3}

@@ -16,10 +16,15 @@ from minimp.train.sizes import zero_unit_sizes
 SMALL = dict(hidden=32, layers=2, batch_size=32, log_every=1000)
 
 
-def simulated(world_size, **overrides):
-    """Every rank's result of a training run on the simulated world."""
+def simulated_config(world_size, **overrides):
     config = TrainConfig(**{**SMALL, **overrides})
     config.validate(world_size)
+    return config
+
+
+def simulated(world_size, **overrides):
+    """Every rank's result of a training run on the simulated world."""
+    config = simulated_config(world_size, **overrides)
     return dist.simulate(world_size, lambda comm: train(config, log=lambda line: None, comm=comm))
 
 
@@ -39,6 +44,13 @@ def test_fp32_on_two_replicas_is_bit_identical_to_zero_0(replicated, zero):
     sharded = simulated(2, precision="fp32", steps=10, zero=zero)
     assert same_bits(sharded[0]["master_weights"], replicated)
 
+
+
+def test_stage_1_averaging_after_the_reduce_scatter_gives_the_same_bits(replicated):
+    """--grad-average after: each chunk of the float32 sums is times 1/2 once it arrives (exact,
+    as the halving before the reduce-scatter is), so the masters are data parallelism's bits."""
+    sharded = simulated(2, precision="fp32", steps=10, zero=1, grad_average="after")
+    assert same_bits(sharded[0]["master_weights"], replicated)
 
 @pytest.mark.parametrize("zero", [2, 3])
 def test_one_replica_under_zero_2_and_3_trains_as_zero_0(zero):
@@ -199,3 +211,26 @@ def test_the_tied_embedding_s_chunks_stay_identical_across_the_pipeline(zero):
 def test_zero_flags_that_cannot_work_are_refused_before_any_work(flags, world_size, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         TrainConfig(**{**SMALL, **flags}).validate(world_size)
+
+
+def test_between_steps_stage_3_holds_no_compute_copy():
+    """After a step every parameter is freed: a read-only broadcast of one NaN of its shape and
+    compute dtype (one element of memory); no unit is counted, held or gathered."""
+
+    def body(comm):
+        plain = Run(simulated_config(2, steps=1), comm, log=lambda line: None)
+        shapes = [parameter.shape for parameter in plain.model.parameters()]
+        run = Run(simulated_config(2, steps=1, zero=3), comm, log=lambda line: None)
+        run.step(1)
+        gatherer = run.data_parallel.gatherer
+        for parameter, shape in zip(run.model.parameters(), shapes, strict=True):
+            data = parameter.data
+            assert data.shape == shape and data.dtype == np.float16
+            assert np.isnan(data).all() and set(data.strides) == {0}
+            assert not data.flags.writeable
+        units = len(gatherer.counts)
+        assert gatherer.counts == [0] * units and gatherer.holds == [0] * units
+        assert gatherer.arrays_by_kind() == {"gathered": []} and units > 1
+        return True
+
+    assert dist.simulate(2, body) == [True, True]
