@@ -150,3 +150,23 @@ def test_every_event_of_a_traced_run_carries_its_step(tmp_path):
     events = [e for e in document["traceEvents"] if e["ph"] == "X"]
     for lane in ("compute", "communication"):
         assert {e["args"]["step"] for e in events if e["cat"] == lane} == {1, 2, 3}
+
+
+@pytest.mark.parametrize(
+    "flags, names",
+    [
+        (dict(precision="fp8"), {"all-reduce fp8 statistics", "agree on fp8 amax"}),
+        (dict(tp=2, layers=4, check_replicas=1), {"compare tensor-parallel copies"}),
+    ],
+    ids=["fp8", "tp-check-replicas"],
+)
+def test_every_collective_the_loop_times_has_a_name_in_the_trace(tmp_path, flags, names):
+    """fp8's agreements and tensor parallelism's replica check are timed like the others: a
+    --timeline run with them writes them (it once stopped with "'fp8_amax' is not in list")."""
+    path = tmp_path / "trace.json"
+    config = TrainConfig(**dict(dict(hidden=32, layers=3, batch_size=32, steps=2, log_every=1000,
+                                     timeline=str(path)), **flags))  # fmt: skip
+    config.validate(flags.get("tp", 1))
+    dist.simulate(flags.get("tp", 1), lambda comm: train(config, log=lambda line: None, comm=comm))
+    events = json.loads(path.read_text())["traceEvents"]
+    assert names <= {e["name"] for e in events if e.get("cat") == "communication"}

@@ -37,6 +37,9 @@ NAMES = {
     "global_squared_norm": ("sum gradient norms", COMMUNICATION),
     "mean_loss": ("all-reduce loss", COMMUNICATION),
     "check_replicas": ("compare replicas", COMMUNICATION),
+    "check_replicated": ("compare tensor-parallel copies", COMMUNICATION),
+    "fp8_statistics": ("all-reduce fp8 statistics", COMMUNICATION),
+    "fp8_amax": ("agree on fp8 amax", COMMUNICATION),
 }
 OPS = sorted(NAMES)
 
