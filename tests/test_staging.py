@@ -51,3 +51,25 @@ def test_host_staged_without_a_copier_copies_through_cupy_copies(monkeypatch):
     assert HostCopies.made == 2  # one per rank, made by host_staged itself
     for result in results:
         np.testing.assert_array_equal(result, [3.0, 6.0, 12.0])
+
+
+class DeviceLike(np.ndarray):
+    """A NumPy array that backend.is_device_array takes for a CuPy one (its type's module)."""
+
+    __module__ = "cupy.stand_in"
+
+
+def test_a_staged_ring_writes_into_the_out_it_is_given(monkeypatch):
+    # ring_allreduce hands a device array on a staging communicator to host_staged, `out` included
+    monkeypatch.setattr(staging, "CupyCopies", HostCopies)
+
+    def into_buffer(comm):
+        comm.stages_device_arrays = True  # what an MPI that is not CUDA-aware says
+        x = (np.array([[1.0, 2.0], [4.0, 8.0]], np.float32) * (comm.rank + 1)).view(DeviceLike)
+        out = np.full((2, 2), np.nan, np.float32)
+        result = ring_allreduce(comm, x, out=out)
+        return np.shares_memory(result, out), out
+
+    for shares, out in dist.simulate(2, into_buffer):
+        assert shares
+        np.testing.assert_array_equal(out, [[3.0, 6.0], [12.0, 24.0]])
