@@ -73,7 +73,9 @@ def test_a_watched_bcast_says_it_waits_for_a_broadcast_from_the_root():
     assert comm.waiting is None  # cleared once MPI returned
 
 
-@pytest.mark.parametrize("make", [np.array, lambda values: values.view(np.recarray)])
+@pytest.mark.parametrize(
+    "make", [np.array, lambda values: values.view(np.recarray)], ids=["ndarray", "recarray"]
+)
 def test_a_host_array_goes_to_mpi_as_it_is_and_is_not_copied_back(make, monkeypatch):
     # a host array of any ndarray type: no host copy, no staging, no to_device on the way back,
     # even where MPI cannot read GPU memory
