@@ -13,6 +13,7 @@ from minimp.distributed.buffers import (
     contiguous_flat,
     flat_copy,
     output_buffer,
+    reduce_into,
 )
 
 
@@ -139,3 +140,16 @@ def test_an_out_overlapping_x_is_refused_in_one_sentence():
     with pytest.raises(ValueError) as caught:
         output_buffer(x[:4], x[2:6])
     assert str(caught.value) == "out must not overlap x (x is read while out is written)"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_reduce_into_combines_first_and_incoming_into_target(dtype):
+    target = np.full(3, 100.0, dtype)
+    reduce_into(target, np.array([2.0, -1.0, 0.5], dtype), "sum", first=np.ones(3, dtype))
+    assert target.dtype == np.dtype(dtype) and target.tolist() == [3.0, 0.0, 1.5]
+    reduce_into(target, np.array([1.0, 1.0, 1.0], dtype), "max")  # first: target itself
+    assert target.tolist() == [3.0, 1.0, 1.5]
+    one = np.array([4.0], dtype)
+    reduce_into(one, np.array([3.0], dtype), "sum")  # a one-element chunk is reduced too
+    assert one.tolist() == [7.0]
+
