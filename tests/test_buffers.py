@@ -153,3 +153,20 @@ def test_reduce_into_combines_first_and_incoming_into_target(dtype):
     reduce_into(one, np.array([3.0], dtype), "sum")  # a one-element chunk is reduced too
     assert one.tolist() == [7.0]
 
+
+
+def test_reduce_into_keeps_a_16_bit_signalling_nan_bit_for_bit():
+    # minimp's own cast back from float32 keeps the NaN's bits; a hardware cast would set the
+    # quiet bit (0x7C01 -> 0x7E01)
+    target = np.array([0x7C01], np.uint16).view(np.float16)
+    reduce_into(target, np.zeros(1, np.float16), "max")
+    assert target.view(np.uint16)[0] == 0x7C01
+
+
+def test_reduce_into_sums_two_16_bit_nans_to_the_first_ones_payload():
+    # added in float32, x86 keeps the first operand's NaN (quieted: 0x7D25 -> 0x7F25); a float16
+    # ufunc on the raw arrays gives the second's here (0xFC91 -> 0xFE91)
+    target = np.zeros(1, np.float16)
+    first = np.array([0x7D25], np.uint16).view(np.float16)
+    reduce_into(target, np.array([0xFC91], np.uint16).view(np.float16), "sum", first=first)
+    assert target.view(np.uint16)[0] == 0x7F25
