@@ -16,6 +16,7 @@ from minimp.distributed.collectives import (
     recursive_doubling_into,
 )
 from minimp.distributed.protocol import Tag
+from minimp.distributed.ring import ring_allreduce_into
 from minimp.machinemodel import Line, MachineModel, shipped_model
 
 # Which tags each algorithm's messages carry (at p = 4, a power of two: no folding).
@@ -193,7 +194,9 @@ def run_body(body, inputs, **kwargs):
     return dist.simulate(len(inputs), rank)
 
 
-@pytest.mark.parametrize("body", [naive_allreduce_into, recursive_doubling_into])
+@pytest.mark.parametrize(
+    "body", [naive_allreduce_into, recursive_doubling_into, ring_allreduce_into]
+)
 def test_the_bodies_sum_unless_told_otherwise(body):
     # persistent.py always passes op; a caller of the body alone gets the default, a sum
     inputs = [np.array([1.0, -2.0], np.float32) * (rank + 1) for rank in range(3)]
