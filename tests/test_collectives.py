@@ -1,7 +1,7 @@
 """minimp/distributed/collectives.py pinned value by value on the simulated world: the algorithm
 `auto` picks for a Network, a MachineModel or neither, which one then runs (seen in the message
-trace), `op` and `out` reaching it, the naive all-reduce's float32 sum, root and NaN bits, and the
-error messages."""
+trace), `op` and `out` reaching it, the naive all-reduce's float32 sum, root and NaN bits, the
+error messages, and the defaults of the algorithms' bodies (op, root) called alone."""
 
 import ml_dtypes
 import numpy as np
@@ -9,8 +9,14 @@ import pytest
 
 from minimp import distributed as dist
 from minimp.costmodel import Network, fastest_allreduce
-from minimp.distributed.collectives import ALGORITHMS, choose_algorithm
+from minimp.distributed.collectives import (
+    ALGORITHMS,
+    choose_algorithm,
+    naive_allreduce_into,
+    recursive_doubling_into,
+)
 from minimp.distributed.protocol import Tag
+from minimp.distributed.ring import ring_allreduce_into
 from minimp.machinemodel import Line, MachineModel, shipped_model
 
 # Which tags each algorithm's messages carry (at p = 4, a power of two: no folding).
@@ -163,3 +169,45 @@ def test_naive_allreduce_max_keeps_the_roots_nan_bit_for_bit(dtype, nan_bits):
 
     for result in dist.simulate(2, reduce_max):
         assert result.view(unsigned)[0] == nan_bits
+
+
+def test_naive_allreduce_sends_to_and_sums_on_the_root_it_is_given():
+    # The sum order shows who reduced: the root starts from its own array and adds the others in
+    # rank order. Root 2: (1 + 1e8) rounds to 1e8 in float32, minus 1e8 is 0; root 0 would give
+    # (1e8 - 1e8) + 1 = 1. The trace shows where the arrays went.
+    inputs = [np.array([value], np.float32) for value in (1e8, -1e8, 1.0)]
+    results = dist.simulate(3, lambda comm: dist.naive_allreduce(comm, inputs[comm.rank], root=2))
+    to_root = [(m.source, m.dest) for m in results.trace if m.tag == Tag.NAIVE_TO_ROOT]
+    assert sorted(to_root) == [(0, 2), (1, 2)]
+    for result in results:
+        assert result[0] == 0.0
+
+
+def run_body(body, inputs, **kwargs):
+    """Each rank's flat result of body(comm, inputs[rank], out, **kwargs), and the trace."""
+
+    def rank(comm):
+        flat = np.full(inputs[comm.rank].shape, np.nan, inputs[comm.rank].dtype)
+        body(comm, inputs[comm.rank], flat, **kwargs)
+        return flat
+
+    return dist.simulate(len(inputs), rank)
+
+
+@pytest.mark.parametrize(
+    "body", [naive_allreduce_into, recursive_doubling_into, ring_allreduce_into]
+)
+def test_the_bodies_sum_unless_told_otherwise(body):
+    # persistent.py always passes op; a caller of the body alone gets the default, a sum
+    inputs = [np.array([1.0, -2.0], np.float32) * (rank + 1) for rank in range(3)]
+    for flat in run_body(body, inputs):
+        np.testing.assert_array_equal(flat, [6.0, -12.0])
+
+
+def test_the_naive_body_reduces_on_rank_0_unless_told_otherwise():
+    inputs = [np.array([value], np.float32) for value in (1e8, -1e8, 1.0)]
+    results = run_body(naive_allreduce_into, inputs, op="sum")
+    to_root = [(m.source, m.dest) for m in results.trace if m.tag == Tag.NAIVE_TO_ROOT]
+    assert sorted(to_root) == [(1, 0), (2, 0)]
+    for flat in results:  # (1e8 - 1e8) + 1, in rank order from rank 0
+        assert flat[0] == 1.0

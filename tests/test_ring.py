@@ -1,6 +1,6 @@
 """minimp/distributed/ring.py's two halves as collectives of their own, pinned on the simulated
 world: reduce_scatter's `op`, all_gather's default length and chunk shapes, and the names their
-mismatch errors carry."""
+(and the whole ring all-reduce's) mismatch errors carry."""
 
 import numpy as np
 import pytest
@@ -32,13 +32,15 @@ def test_all_gather_without_a_length_concatenates_equal_chunks_of_any_shape():
     assert alone.shape == (4,) and alone.dtype == np.float16
 
 
-@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather", "ring_allreduce"])
 def test_a_mismatch_names_the_collective(collective):
     def mismatched(comm):
         length = 4 + 2 * comm.rank  # 4 on rank 0, 6 on rank 1
         with pytest.raises(dist.CollectiveMismatchError) as caught:
             if collective == "reduce_scatter":
                 dist.reduce_scatter(comm, np.ones(length, np.float32))
+            elif collective == "ring_allreduce":
+                dist.ring_allreduce(comm, np.ones(length, np.float32))
             else:  # each rank's chunk fits its own length: chunk 0 of 4 is 2, chunk 1 of 6 is 3
                 dist.all_gather(comm, np.ones(length // 2, np.float32), length=length)
         return str(caught.value)
