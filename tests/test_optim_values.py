@@ -107,3 +107,27 @@ def test_the_fused_kernel_is_asked_only_when_fused_is_on(monkeypatch, fused):
     optimizer.step(grad_scale=0.25)
     assert asked == ([(optimizer, 0, gradient, 0.25)] if fused else [])
     np.testing.assert_array_equal(parameter.data, np.array([0.75, 0.5], np.float32))
+
+
+def test_set_master_weight_rounds_it_into_the_float16_copy_with_numpys_bits():
+    # a signalling NaN shows the cast: float32 -> float16 directly keeps its payload (0x7C01),
+    # a detour through float64 would quiet it first (0x7E00)
+    model = nn.Linear(3, 1, rng=np.random.default_rng(0))
+    optimizer = optim.SGD(model.parameters(), lr=0.1)
+    model.to(np.float16)
+    bits = np.array([[0x3F800001, 0x7F800001, 0xC0490FDB]], np.uint32)  # 1 + 2^-23, sNaN, -pi
+    optimizer.set_master_weight(0, bits.view(np.float32))
+    np.testing.assert_array_equal(optimizer.master_weights[0].view(np.uint32), bits)
+    expected = bits.view(np.float32).astype(np.float16).view(np.uint16)
+    assert expected[0, 1] == 0x7C01
+    np.testing.assert_array_equal(model.parameters()[0].data.view(np.uint16), expected)
+
+
+def test_parameter_groups_set_their_own_weight_decay_and_nothing_else():
+    decayed, plain = nn.Parameter(np.ones(2, np.float32)), nn.Parameter(np.ones(2, np.float32))
+    groups = [{"params": [decayed], "weight_decay": 0.5}, {"params": [plain]}]
+    optimizer = optim.SGD(groups, lr=0.25, weight_decay=0.125)
+    assert optimizer.weight_decays == [0.5, 0.125]
+    assert [id(p) for p in optimizer.params] == [id(decayed), id(plain)]  # in the groups' order
+    with pytest.raises(ValueError, match=r"^optimizer: unknown parameter group settings \['lr'\]$"):
+        optim.SGD([{"params": [plain], "lr": 1.0}], lr=0.25)
