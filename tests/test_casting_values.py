@@ -40,3 +40,12 @@ def test_widen_gives_float32_with_the_exact_values_whichever_cast_is_selected(dt
     widened = casting.widen(source)
     assert widened.dtype == np.float32
     np.testing.assert_array_equal(widened, source.astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", [BFLOAT16, np.float64])
+def test_round_to_from_float32_gives_the_asked_dtype_by_numpys_cast(dtype):
+    # only float32 -> float16 takes halfcast's bit tricks; every other pair is astype
+    source = np.array([1.0 + 2.0**-20, -3.0e38, 65519.0, 2.0**-30], np.float32)
+    rounded = casting.round_to(source, dtype)
+    assert rounded.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(rounded.view(np.uint8), source.astype(dtype).view(np.uint8))
