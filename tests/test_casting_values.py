@@ -49,3 +49,15 @@ def test_round_to_from_float32_gives_the_asked_dtype_by_numpys_cast(dtype):
     rounded = casting.round_to(source, dtype)
     assert rounded.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(rounded.view(np.uint8), source.astype(dtype).view(np.uint8))
+
+
+@pytest.mark.parametrize(
+    "source_dtype, dtype", [(np.float16, np.float64), (np.float64, np.float32)]
+)
+def test_round_to_between_other_pairs_is_numpys_cast(source_dtype, dtype, monkeypatch):
+    # 2048 elements with the NumPy bit tricks selected: only float16 <-> float32 may take them
+    monkeypatch.setattr(halfcast, "_selected", "numpy")
+    source = np.linspace(-5, 5, 2048).astype(source_dtype)
+    rounded = casting.round_to(source, dtype)
+    assert rounded.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(rounded, source.astype(dtype))
