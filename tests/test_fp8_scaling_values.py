@@ -2,7 +2,15 @@
 
 import numpy as np
 
-from minimp.precision.fp8_scaling import delayed_scaling_update, scale_from_amax
+from minimp.precision import fp8
+from minimp.precision.fp8 import E4M3
+from minimp.precision.fp8_scaling import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Fp8Quantizer,
+    delayed_scaling_update,
+    scale_from_amax,
+)
 
 
 def test_a_quotient_past_float32_is_float32s_max_quietly_whatever_the_callers_errstate():
@@ -19,3 +27,27 @@ def test_delayed_scaling_without_a_margin_scales_the_largest_amax_to_fp8s_max():
     new_history, scale = delayed_scaling_update(history, 1.0, 1.0, 448.0)
     np.testing.assert_array_equal(new_history, [1.0, 2.0, 4.0])  # 16, the oldest, is dropped
     assert scale == np.float32(448.0) / np.float32(4.0)
+
+
+def test_delayed_scaling_uses_the_stored_scale_as_float32():
+    scale = DelayedScaling().scale_for(4.0, 1000.0, E4M3)  # the tensor's own amax plays no part
+    assert scale == 4.0 and scale.dtype == np.float32
+
+
+def test_a_new_quantizer_keeps_a_float32_history_of_zeros():
+    history = Fp8Quantizer(E4M3, DelayedScaling(amax_history_len=3)).amax_history
+    assert history.dtype == np.float32
+    np.testing.assert_array_equal(history, np.zeros(3, np.float32))
+
+
+def test_delayed_scaling_does_not_measure_the_amax_of_what_it_does_not_record(monkeypatch):
+    # evaluation (record=False) under delayed scaling: the stored scale is used, so the amax
+    # pass over the tensor is skipped; the stateless recipes still need it for their scale
+    measured = []
+    amax = fp8.amax
+    monkeypatch.setattr(fp8, "amax", lambda array: measured.append(1) or amax(array))
+    values = np.array([1.0, -3.0], np.float32)
+    Fp8Quantizer(E4M3, DelayedScaling()).quantize(values, record=False)
+    assert measured == []
+    q, inverse = Fp8Quantizer(E4M3, Float8CurrentScaling()).quantize(values, record=False)
+    assert measured == [1] and inverse == np.float32(3.0) / np.float32(448.0)
