@@ -249,3 +249,18 @@ def test_arrays_from_small_array_elements_on_take_the_named_cast(size, converted
     result = halfcast.to_float16(source, "numpy")
     assert calls == converted
     np.testing.assert_array_equal(result.view(np.uint16), source.astype(np.float16).view(np.uint16))
+
+
+def test_the_numba_cast_is_asked_for_the_dtype_wanted(monkeypatch):
+    # numba itself need not be installed: its cast is replaced by one that records its arguments
+    asked = []
+
+    def fake_cast(flat, dtype):
+        asked.append((flat.shape, np.dtype(dtype)))
+        return flat.astype(dtype)
+
+    monkeypatch.setattr(halfcast_numba, "cast", fake_cast)
+    source = np.linspace(-3, 3, 2 * halfcast.SMALL_ARRAY, dtype=np.float32).reshape(2, -1)
+    result = halfcast.to_float16(source, "numba")
+    assert asked == [((source.size,), np.dtype(np.float16))]
+    np.testing.assert_array_equal(result, source.astype(np.float16))
