@@ -8,6 +8,7 @@ from minimp.precision.fp8_scaling import (
     DelayedScaling,
     Float8CurrentScaling,
     Fp8Quantizer,
+    NoScaling,
     delayed_scaling_update,
     scale_from_amax,
 )
@@ -52,3 +53,18 @@ def test_delayed_scaling_does_not_measure_the_amax_of_what_it_does_not_record(mo
     np.testing.assert_array_equal(q.astype(np.float32), values)
     q, inverse = Fp8Quantizer(E4M3, Float8CurrentScaling()).quantize(values, record=False)
     assert measured == [1] and inverse == np.float32(3.0) / np.float32(448.0)
+
+
+def test_an_all_zero_step_keeps_the_delayed_scale():
+    quantizer = Fp8Quantizer(E4M3, DelayedScaling())
+    quantizer.end_step(0.0)  # nothing to scale by: the previous scale stays
+    assert quantizer.scale == 1.0 and quantizer.scale.dtype == np.float32
+
+
+def test_a_value_exactly_at_the_saturation_threshold_is_not_counted_as_saturated():
+    # only values beyond the threshold needed the clip; the threshold itself rounds to max
+    quantizer = Fp8Quantizer(E4M3, NoScaling())
+    quantizer.quantize(np.array([E4M3.saturation_threshold], np.float32))
+    assert quantizer.saturated == 0
+    quantizer.quantize(np.array([np.nextafter(np.float32(E4M3.saturation_threshold), 1e9)]))
+    assert quantizer.saturated == 1
