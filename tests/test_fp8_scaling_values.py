@@ -1,4 +1,4 @@
-"""fp8 delayed scaling pinned: the scale from a tiny amax, whatever the caller's errstate."""
+"""fp8 scaling pinned: scale_from_amax, delayed scaling's update and the quantizer's state."""
 
 import numpy as np
 
@@ -68,3 +68,9 @@ def test_a_value_exactly_at_the_saturation_threshold_is_not_counted_as_saturated
     assert quantizer.saturated == 0
     quantizer.quantize(np.array([np.nextafter(np.float32(E4M3.saturation_threshold), 1e9)]))
     assert quantizer.saturated == 1
+
+
+def test_end_step_scales_by_the_recipes_margin():
+    quantizer = Fp8Quantizer(E4M3, DelayedScaling(margin=1))
+    quantizer.end_step(4.0)
+    assert quantizer.scale == np.float32(448.0 / 2 / 4.0)  # (max / 2^margin) / amax
