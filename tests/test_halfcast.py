@@ -224,3 +224,43 @@ def test_the_numpy_casts_run_a_chunk_at_a_time(dtype, monkeypatch):
     result = halfcast._numpy_in_chunks(source, dtype)
     assert sizes == [1000, 1000, 500]  # 2500 elements, chunks of 1000
     np.testing.assert_array_equal(result.view(np.uint8), numpy_astype(source, dtype).view(np.uint8))
+
+
+def test_with_numba_the_default_is_numba(monkeypatch):
+    monkeypatch.setattr(halfcast, "_selected", None)
+    monkeypatch.delenv(halfcast.ENVIRONMENT_VARIABLE, raising=False)
+    monkeypatch.setattr(halfcast_numba, "available", lambda: True)  # only asked, not run here
+    assert halfcast.selected_casts() == "numba"
+
+
+@pytest.mark.parametrize(
+    "size, converted", [(halfcast.SMALL_ARRAY - 1, []), (halfcast.SMALL_ARRAY, [1])]
+)
+def test_arrays_from_small_array_elements_on_take_the_named_cast(size, converted, monkeypatch):
+    # below SMALL_ARRAY a call costs more than the work: astype; from it on, the bit tricks
+    calls, convert = [], halfcast.float32_to_float16_numpy
+
+    def counted(chunk):
+        calls.append(1)
+        return convert(chunk)
+
+    monkeypatch.setattr(halfcast, "float32_to_float16_numpy", counted)
+    source = np.linspace(-3, 3, size, dtype=np.float32)
+    result = halfcast.to_float16(source, "numpy")
+    assert calls == converted
+    np.testing.assert_array_equal(result.view(np.uint16), source.astype(np.float16).view(np.uint16))
+
+
+def test_the_numba_cast_is_asked_for_the_dtype_wanted(monkeypatch):
+    # numba itself need not be installed: its cast is replaced by one that records its arguments
+    asked = []
+
+    def fake_cast(flat, dtype):
+        asked.append((flat.shape, np.dtype(dtype)))
+        return flat.astype(dtype)
+
+    monkeypatch.setattr(halfcast_numba, "cast", fake_cast)
+    source = np.linspace(-3, 3, 2 * halfcast.SMALL_ARRAY, dtype=np.float32).reshape(2, -1)
+    result = halfcast.to_float16(source, "numba")
+    assert asked == [((source.size,), np.dtype(np.float16))]
+    np.testing.assert_array_equal(result, source.astype(np.float16))

@@ -228,3 +228,22 @@ def test_load_state_dict_says_which_field_is_wrong(change, message):
 def test_no_loss_scaler_state_records_scale_one():
     scaler = NoLossScaler()
     assert scaler.state_dict() == {"kind": "none", "loss_scale": 1.0} and scaler.loss_scale == 1.0
+
+
+SCALERS = {"dynamic": DynamicLossScaler, "static": lambda: StaticLossScaler(2.0)}
+
+
+@pytest.mark.parametrize(
+    "kind, state, found",
+    [
+        ("dynamic", {"kind": "static", "loss_scale": 4.0}, "'static'"),
+        ("static", DynamicLossScaler().state_dict(), "'dynamic'"),
+        ("dynamic", {"loss_scale": 4.0}, "None"),  # a dict without a kind
+        ("static", [("kind", "static")], "'list'"),  # not a dict: its type is named instead
+    ],
+)
+def test_a_state_of_another_kind_is_refused_naming_what_it_is_for(kind, state, found):
+    # the message names both kinds, so a mixed-up checkpoint is recognized at once
+    message = f"^this is a {kind} loss scaler; the state is for {found}$"
+    with pytest.raises(ValueError, match=message):
+        SCALERS[kind]().load_state_dict(state)
