@@ -99,3 +99,21 @@ def test_a_linear_without_bias_works_in_fp8(bias, rng):
     x = Tensor(rng.standard_normal((5, 8)).astype(BFLOAT16), requires_grad=True)
     layer(x).sum().backward()
     assert x.grad.shape == (5, 8) and layer.weight.grad.shape == (3, 8)
+
+
+@pytest.mark.parametrize("needs", [(False, True, False), (True, False, False), (False, False, True)])
+def test_the_fp8_backward_skips_the_gradients_nobody_asked_for(needs):
+    """Fp8Linear's own contract, as the other ops': a gradient not asked for is None (through the
+    graph node_backward drops it anyway, so only a direct call tells)."""
+    from minimp.function import Context
+    from minimp.ops.fp8_linear import Fp8Linear
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 3)).astype(np.float32)
+    weight = rng.standard_normal((2, 3)).astype(np.float32)
+    bias = np.zeros(2, np.float32)
+    ctx = Context(needs)
+    Fp8Linear.forward(ctx, x, weight, bias, Fp8Meta(DelayedScaling()))
+    grads = Fp8Linear.backward(ctx, np.ones((4, 2), np.float32))
+    for grad, needed in zip(grads, needs):
+        assert (grad is None) != needed

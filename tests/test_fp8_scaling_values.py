@@ -74,3 +74,23 @@ def test_end_step_scales_by_the_recipes_margin():
     quantizer = Fp8Quantizer(E4M3, DelayedScaling(margin=1))
     quantizer.end_step(4.0)
     assert quantizer.scale == np.float32(448.0 / 2 / 4.0)  # (max / 2^margin) / amax
+
+
+def test_fp8_meta_names_its_recipe():
+    from minimp.precision import DelayedScaling, Float8CurrentScaling, Fp8Meta
+
+    assert repr(Fp8Meta(DelayedScaling())) == "Fp8Meta(DelayedScaling)"
+    assert repr(Fp8Meta(Float8CurrentScaling())) == "Fp8Meta(Float8CurrentScaling)"
+
+
+def test_a_stateless_recipe_keeps_the_last_amax_in_front_of_its_history():
+    """Current scaling needs no history to scale, but the quantizer still records the step's
+    amax in front, as delayed scaling does (what lesson 14 and a reader of amax_history see)."""
+    from minimp.precision import Float8CurrentScaling
+    from minimp.precision.fp8 import E4M3
+    from minimp.precision.fp8_scaling import Fp8Quantizer
+
+    quantizer = Fp8Quantizer(E4M3, Float8CurrentScaling())
+    quantizer.end_step(3.0)
+    assert quantizer.amax_history.dtype == np.float32
+    assert quantizer.amax_history[0] == np.float32(3.0)
