@@ -234,3 +234,32 @@ def test_between_steps_stage_3_holds_no_compute_copy():
         return True
 
     assert dist.simulate(2, body) == [True, True]
+
+
+def test_one_replica_under_stage_3_times_no_all_gather():
+    """With one replica the gatherer copies its chunk (the whole unit) and sends nothing: no
+    all-gather is counted or timed, so the step's report shows no communication that never ran."""
+
+    def body(comm):
+        run = Run(simulated_config(1, steps=1, zero=3), comm, log=lambda line: None)
+        run.step(1)
+        sent = run.data_parallel.gatherer.sent
+        return "all_gather" in sent.seconds, sent.by_collective.get("all_gather", 0)
+
+    assert dist.simulate(1, body) == [(False, 0)]
+
+
+def test_stage_3_runs_a_layer_it_holds_no_units_for_without_gathering():
+    """A layer the gatherer was not given (one with no parameters of the stage's) reads no unit:
+    it runs as it is, and nothing is gathered or held for it."""
+    from minimp import Tensor
+
+    def body(comm):
+        run = Run(simulated_config(1, steps=1, zero=3), comm, log=lambda line: None)
+        gatherer = run.data_parallel.gatherer
+        x = Tensor(np.ones((2, 3), np.float32), requires_grad=True)
+        y = gatherer.run([object()], x, lambda layers, tensor: tensor * 2.0)
+        counts = len(gatherer.counts)
+        return y.data.tolist(), gatherer.counts == [0] * counts, gatherer.holds == [0] * counts
+
+    assert dist.simulate(1, body) == [([[2.0] * 3] * 2, True, True)]
