@@ -101,7 +101,9 @@ def test_a_linear_without_bias_works_in_fp8(bias, rng):
     assert x.grad.shape == (5, 8) and layer.weight.grad.shape == (3, 8)
 
 
-@pytest.mark.parametrize("needs", [(False, True, False), (True, False, False), (False, False, True)])
+@pytest.mark.parametrize(
+    "needs", [(False, True, False), (True, False, False), (False, False, True)]
+)
 def test_the_fp8_backward_skips_the_gradients_nobody_asked_for(needs):
     """Fp8Linear's own contract, as the other ops': a gradient not asked for is None (through the
     graph node_backward drops it anyway, so only a direct call tells)."""
