@@ -1,0 +1,38 @@
+"""The test suite's own machinery: the fastest-first order it takes under mutmut."""
+
+import os
+import subprocess
+import sys
+
+from conftest import fastest_first
+
+
+def test_fastest_first_orders_by_duration_and_puts_unknown_tests_last_in_their_order():
+    durations = {"a": 3.0, "b": 0.5, "c": 1.0}
+    assert fastest_first(["a", "x", "b", "y", "c"], durations) == ["b", "c", "a", "x", "y"]
+
+
+def test_under_a_mutant_the_collected_tests_run_fastest_first(tmp_path):
+    """A test file of three tests, mutmut's stats file beside it: pytest runs them by duration."""
+    (tmp_path / "conftest.py").write_text(
+        open(os.path.join(os.path.dirname(__file__), "conftest.py")).read()
+    )
+    (tmp_path / "test_three.py").write_text(
+        "def test_slow(): pass\ndef test_quick(): pass\ndef test_middle(): pass\n"
+    )
+    durations = {f"test_three.py::test_{name}": t for name, t in
+                 (("slow", 9.0), ("quick", 0.1), ("middle", 1.0))}  # fmt: skip
+    (tmp_path / "mutmut-stats.json").write_text(
+        __import__("json").dumps({"duration_by_test": durations})
+    )
+    ran = {}
+    for mutant in ("", "minimp.x_f__mutmut_1"):
+        env = {**os.environ, "MUTANT_UNDER_TEST": mutant}
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "test_three.py"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        ran[mutant] = [line.split("::")[1].split()[0] for line in result.stdout.splitlines()
+                       if "PASSED" in line]  # fmt: skip
+    assert ran[""] == ["test_slow", "test_quick", "test_middle"]  # the file's order
+    assert ran["minimp.x_f__mutmut_1"] == ["test_quick", "test_middle", "test_slow"]
