@@ -712,7 +712,7 @@ def lesson10_layer_norm_float16(x):
     return centered / np.sqrt(variance + f16(1e-5)), variance
 
 
-def test_lesson10_float16_layer_norm_statistics_five_times_the_error_then_overflow_at_16x():
+def test_lesson10_float16_layer_norm_statistics_six_times_the_error_then_overflow_at_16x():
     with np.errstate(over="ignore"):
         assert np.isfinite(f16(255.875) * f16(255.875)) and np.isinf(f16(256) * f16(256))
     assert 65504 / 64 == 1023.5 and round(math.sqrt(1023.5)) == 32
@@ -732,7 +732,7 @@ def test_lesson10_float16_layer_norm_statistics_five_times_the_error_then_overfl
         overflowed = np.isinf(variance[..., 0])
         assert np.all(naive[overflowed] == 0)  # x / inf: the whole row zero
         results[k] = (np.mean(overflowed), np.abs(naive - exact).max(), np.abs(ours - exact).max())
-    assert results[0][0] == results[2][0] == 0 and 4 < results[0][1] / results[0][2] < 7
+    assert results[0][0] == results[2][0] == 0 and 5.5 < results[0][1] / results[0][2] < 6.5
     assert all(2**-10 - 1e-6 < ours <= 2**-10 * 1.001 for _, _, ours in results.values())
     assert float(np.spacing(f16(2))) == 2**-9 and round(2**-10, 4) == 0.0010
     assert 0.04 < results[4][0] < 0.08 and results[5][0] > 0.95
@@ -787,11 +787,12 @@ def test_lesson10_bf16_scores_lose_precision_not_range_and_the_three_losses():
     assert 4 < errors[ml_dtypes.bfloat16] / errors[f16] < 7  # "about five times"
     assert round(math.log(float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)), 1) == 88.7
     ids, targets = lesson10_batch()
-    with no_grad():
+    with no_grad(), limit_cpu_threads(1):  # the notebook's one BLAS thread
         losses = {d: lesson10_loss(lesson10_model(d).eval(), ids, targets).item()
                   for d in (np.float32, f16, ml_dtypes.bfloat16)}
-    assert 1e-6 < abs(losses[f16] - losses[np.float32]) < 1e-4  # "the fifth decimal"
-    assert 1e-4 < abs(losses[ml_dtypes.bfloat16] - losses[np.float32]) < 1e-3  # "the fourth"
+    moved = {d: abs(losses[d] - losses[np.float32]) for d in (f16, ml_dtypes.bfloat16)}
+    assert all(1e-5 < m < 1e-4 for m in moved.values())  # "both ... in the fifth decimal"
+    assert moved[f16] < moved[ml_dtypes.bfloat16]  # "bf16 the more"
 
 
 def test_lesson10_one_block_keeps_what_the_formula_says_korthikanti_plus_16sb():

@@ -10,6 +10,7 @@ import numpy as np
 from minimp import Tensor, nn
 from minimp import distributed as dist
 from minimp import functional as F
+from minimp.backend import limit_cpu_threads
 from minimp.lessons import cutting
 from minimp.parallel.tensor_parallel import all_reduce
 from minimp.parallel.tensor_parallel_layers import ColumnParallelLinear, RowParallelLinear
@@ -23,7 +24,8 @@ H, B = 8, 3
 
 @functools.cache
 def runs():
-    return cutting.measure()
+    with limit_cpu_threads(1):  # the notebook's one BLAS thread: the losses depend on it
+        return cutting.measure()
 
 
 def pair(comm, first, second, x, grad_y):
@@ -82,7 +84,7 @@ def test_the_gpt_blocks_cut():
 
 def test_the_losses():
     measured = runs()
-    assert f"{measured['one process'][0]['loss']:.6f}" == "4.205116"
+    assert f"{measured['one process'][0]['loss']:.6f}" == "4.205114"
     for layout in ("tp 2", "tp 2 + sp"):
         assert [f"{r['loss']:.6f}" for r in measured[layout]] == ["4.205112"] * 2
     assert measured["pp 2"][0]["loss"] is None

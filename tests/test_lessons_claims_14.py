@@ -168,13 +168,13 @@ def test_lesson14_where_the_linears_tensors_lie_against_each_format():
         for kind in ("input", "weight"):
             (below, zero4, error4), (_, _, error5) = (stored(relative(tensors[kind]), f)
                                                       for f in (E4M3, E5M2))
-            assert below <= 0.00021 and zero4 <= 0.000041  # "at most 0.021%", "0.0041%"
-            assert 0.021 <= error4 < 0.0225 and 0.0425 <= error5 < 0.0445
+            assert below < 0.000225 and zero4 < 0.0000175  # "at most 0.022%", "0.0017%"
+            assert 0.021 <= error4 < 0.0225 and 0.0415 <= error5 < 0.0445
         assert stored(relative(tensors["grad_output"]), E5M2)[:2] == (0, 0)
     below, zero, _ = stored(relative(at_step_1["grad_output"]), E4M3)
     assert round(below, 3) == 0.016 and round(zero, 4) == 0.0013
     below, zero, _ = stored(relative(after_100["grad_output"]), E4M3)
-    assert round(below, 4) == 0.0043 and round(zero, 5) == 0.00034
+    assert round(below, 4) == 0.0041 and round(zero, 5) == 0.00026
     q, k, v = np.split(np.abs(at_step_1["grad_output"]["1.attn.c_attn"]), 3, axis=-1)
     assert all(120 < v.max() / part.max() < 140 for part in (q, k))  # "about 130 times (2^7)"
 
@@ -184,8 +184,8 @@ def test_lesson14_the_runs_validation_losses_against_bf16():
     above = {name: run(*key)[2] / bf16 - 1 for name, key in (
         ("delayed", ("delayed",)), ("current", ("current",)), ("none", ("none",)),
         ("e4m3", ("delayed", "E4M3")))}
-    assert [round(above[n] * 100, 2) for n in ("delayed", "current")] == [0.08, 0.67]
-    assert round(above["none"] * 100, 1) == 6.8 and round(above["e4m3"] * 100, 1) == 1.2
+    assert [round(above[n] * 100, 2) for n in ("delayed", "current")] == [-0.10, 0.50]
+    assert round(above["none"] * 100, 1) == 6.5 and round(above["e4m3"] * 100, 2) == 0.55
     assert np.mean(run("none")[1][20:30]) - np.mean(run()[1][20:30]) > 0.03  # behind by step 30
 
     def running_mean(losses):
@@ -203,7 +203,7 @@ def test_lesson14_delayed_scaling_step_by_step():
     assert round(delayed[GRADIENT]["underflow"][0], 2) == 0.79
     assert round(delayed["1.attn.c_attn.weight"]["underflow"][0], 3) == 0.041
     saturated_steps = {t: int(np.sum(delayed[t]["saturated"] > 0)) for t in WATCHED}
-    assert list(saturated_steps.values()) == [3, 0, 6]
+    assert list(saturated_steps.values()) == [3, 0, 5]
     assert round(delayed[GRADIENT]["saturated"].max() * 100, 2) == 0.11
     amax, aim = delayed[GRADIENT]["amax"], E5M2.max / delayed[GRADIENT]["scale"]
     assert np.min(np.diff(np.log2(amax))) < -5  # "fell by more than 5 binades" in a step
@@ -217,7 +217,7 @@ def test_lesson14_delayed_scaling_step_by_step():
 
 def test_lesson14_what_e5m2_buys_and_what_no_scaling_loses():
     lost = run("delayed", "E4M3")[3][GRADIENT]["underflow"][1:]
-    assert round(lost.max(), 2) == 0.22 and round(lost.mean(), 3) == 0.021
+    assert round(lost.max(), 2) == 0.21 and round(lost.mean(), 3) == 0.020
     none = run("none")[3][GRADIENT]
     assert round(none["underflow"][0], 2) == 0.79 and round(none["underflow"].max(), 2) == 0.98
     binades = np.log2(E5M2.max / none["amax"])
