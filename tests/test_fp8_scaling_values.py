@@ -1,6 +1,7 @@
 """fp8 scaling pinned: scale_from_amax, delayed scaling's update and the quantizer's state."""
 
 import numpy as np
+import pytest
 
 from minimp.precision import fp8
 from minimp.precision.fp8 import E4M3
@@ -94,3 +95,9 @@ def test_a_stateless_recipe_keeps_the_last_amax_in_front_of_its_history():
     quantizer.end_step(3.0)
     assert quantizer.amax_history.dtype == np.float32
     assert quantizer.amax_history[0] == np.float32(3.0)
+
+
+def test_a_history_that_is_not_one_amax_per_step_is_refused_in_one_line():
+    for history in (np.zeros((4, 2), np.float32), np.zeros((4, 1), np.float32), np.float32(0)):
+        with pytest.raises(ValueError, match=r"1-D history; got shape .*one tensor's history"):
+            delayed_scaling_update(history, 1.0, 1.0, E4M3.max)

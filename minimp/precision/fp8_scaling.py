@@ -47,11 +47,16 @@ def delayed_scaling_update(
     amax_history: np.ndarray, amax: float, scale: float, fp8_max: float, margin: int = 0
 ) -> tuple[np.ndarray, np.float32]:
     """One step of delayed scaling: (the history with this step's amax in front and the oldest
-    dropped, the next scale from the largest amax it holds). Row 0 is the newest step."""
-    history = np.roll(amax_history, 1, axis=0)
+    dropped, the next scale from the largest amax it holds). Element 0 is the newest step."""
+    if np.ndim(amax_history) != 1:
+        raise ValueError(
+            "delayed scaling keeps one amax per step, a 1-D history; got shape "
+            f"{np.shape(amax_history)}: pass one tensor's history at a time"
+        )
+    history = np.roll(amax_history, 1)
     history[0] = amax
     scaled_max = np.float32(fp8_max) * np.float32(2.0**-margin)  # exact: a power of two
-    return history, scale_from_amax(float(history.max(axis=0)), float(scaled_max), scale)
+    return history, scale_from_amax(float(history.max()), float(scaled_max), scale)
 
 
 @dataclass(frozen=True)
