@@ -1,0 +1,34 @@
+"""Sequence parallelism's operators, value by value on the simulated world: what a Function does
+with its defaults, checked against slices and sums written out in NumPy."""
+
+import numpy as np
+
+from minimp import Tensor
+from minimp import distributed as dist
+from minimp.parallel.tensor_parallel import GatherFromSequenceParallelRegion
+
+RANKS, BATCH, SLICE, WIDTH = 2, 2, 3, 4  # each rank holds (BATCH, SLICE, WIDTH)
+
+
+def _upstream(rank):
+    """The gradient rank `rank` sends back into the gathered (BATCH, RANKS * SLICE, WIDTH)."""
+    shape = (BATCH, RANKS * SLICE, WIDTH)
+    return np.arange(np.prod(shape), dtype=np.float64).reshape(shape) * (rank + 1)
+
+
+def _gather_with_defaults(comm):
+    x = Tensor(np.full((BATCH, SLICE, WIDTH), float(comm.rank)), requires_grad=True)
+    y = GatherFromSequenceParallelRegion.apply(x, comm=comm)  # tensor_parallel_output_grad left out
+    y.backward(_upstream(comm.rank))
+    return y.data, x.grad
+
+
+def test_gather_s_backward_reduce_scatters_unless_told_otherwise():
+    """By default every rank's dL/dy is a different part of the loss's gradient: x's gradient is
+    this rank's sequence slice of their sum (with the split alone, rank 0 would get 1x, not 3x)."""
+    results = dist.simulate(RANKS, _gather_with_defaults)
+    total = sum(_upstream(rank) for rank in range(RANKS))
+    gathered = np.concatenate([np.full((BATCH, SLICE, WIDTH), float(r)) for r in range(RANKS)], 1)
+    for rank, (y, grad) in enumerate(results):
+        np.testing.assert_array_equal(y, gathered)
+        np.testing.assert_array_equal(grad, total[:, rank * SLICE : (rank + 1) * SLICE])

@@ -1,0 +1,40 @@
+"""ShardedOptimizer's compute copies, bit by bit: after `publish()` every float16 parameter is its
+float32 master rounded straight into float16, on one replica and gathered from two."""
+
+import numpy as np
+import pytest
+
+from minimp import nn
+from minimp import distributed as dist
+from minimp.optim import SGD
+from minimp.parallel.zero import zero_data_parallel
+
+# float32 bit patterns a detour through float64 would change: a signalling NaN (quiet bit clear)
+# becomes quiet when widened, so its float16 rounding gains the quiet bit; with the NaN's top ten
+# fraction bits (0x7D00) or the lowest one set (0x7C01: ten zero bits would read as infinity).
+SIGNALLING_NANS = np.array([0x7F800001, 0x7FA00000, 0xFF800001], np.uint32).view(np.float32)
+FINITE = np.array([1.0, 65519.0, 65520.0, 2.0**-25, -(2.0**-24) * 1.5], np.float32)
+
+
+def _published(comm, stage):
+    """(this rank's float16 weight bits after publish, the float32 masters it came from)."""
+    layer = nn.Linear(4, 2, bias=False)
+    layer.weight.data[...] = np.concatenate([SIGNALLING_NANS, FINITE]).reshape(2, 4)
+    masters = layer.weight.data.copy()
+    optimizer = SGD(layer.parameters(), lr=0.1)
+    with np.errstate(over="ignore"):  # 65520 rounds to infinity on purpose
+        layer.to(np.float16)
+    sync = zero_data_parallel(stage, optimizer, [layer], comm)
+    layer.weight.data[...] = 0  # publish must write every element
+    with np.errstate(over="ignore"):
+        sync.optimizer.publish()
+    return layer.weight.data.view(np.uint16).copy(), masters
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_publish_rounds_each_master_straight_into_float16(ranks, stage):
+    for bits, masters in dist.simulate(ranks, _published, stage):
+        with np.errstate(invalid="ignore", over="ignore"):
+            expected = masters.astype(np.float16).view(np.uint16)  # NumPy's own cast
+        assert [hex(b) for b in bits.ravel()] == [hex(b) for b in expected.ravel()]
