@@ -39,6 +39,15 @@ class OneRank:
         self.calls.append((values.copy(), op, self.waits_for()))
         result[...] = values
 
+    def Sendrecv(self, sendbuf, **kwargs):
+        """A message to itself: the receive buffer gets the send buffer's bytes, and the status
+        says how many arrived (as MPI's would)."""
+        (send, _), (recv, _) = sendbuf, kwargs.pop("recvbuf")
+        status = kwargs.pop("status")
+        self.calls.append(("Sendrecv", kwargs, self.waits_for()))
+        recv.reshape(-1).view(np.uint8)[: send.nbytes] = send.reshape(-1).view(np.uint8)
+        status.Set_elements(self.owner._MPI.BYTE, send.nbytes)
+
     def Barrier(self):
         self.calls.append(("Barrier", self.waits_for()))
 
@@ -235,3 +244,40 @@ def test_the_world_is_mpi_comm_world_and_a_message_to_itself_arrives_whole():
     comm.sendrecv(x, 0, y, 0, tag=3)  # the byte count is read from the reused status
     np.testing.assert_array_equal(y, x)
     assert (comm.bytes_sent, comm.messages_sent) == (16, 1)
+
+
+def test_sendrecv_hands_mpi_the_peers_and_by_default_tag_0_both_ways():
+    comm, mpi = communicator()
+    x, y = np.arange(3, dtype=np.float32), np.zeros(3, np.float32)
+    comm.sendrecv(x, 0, y, 0)
+    assert mpi.calls == [("Sendrecv", dict(dest=0, sendtag=0, source=0, recvtag=0), None)]
+    np.testing.assert_array_equal(y, x)
+    assert (comm.bytes_sent, comm.messages_sent) == (12, 1)
+    assert comm.waiting is None
+
+
+def test_sendrecv_receives_with_recv_tag_when_given_one_and_else_with_the_send_tag():
+    comm, mpi = communicator()
+    x, y = np.ones(2, np.float32), np.zeros(2, np.float32)
+    comm.sendrecv(x, 0, y, 0, tag=3, recv_tag=7)
+    comm.sendrecv(x, 0, y, 0, tag=3)
+    tags = [(call[1]["sendtag"], call[1]["recvtag"]) for call in mpi.calls]
+    assert tags == [(3, 7), (3, 3)]
+
+
+def test_a_watched_sendrecv_says_both_peers_and_clears_it():
+    comm, mpi = communicator()
+    stop = watched(comm)
+    try:
+        comm.sendrecv(np.ones(2, np.float32), 0, np.zeros(2, np.float32), 0)
+    finally:
+        stop()
+    assert mpi.calls[0][2] == "send to rank 0 and receive from rank 0"
+    assert comm.waiting is None
+
+
+def test_a_sendrecv_message_shorter_than_its_buffer_is_an_error_naming_the_source():
+    comm, _ = communicator()
+    with pytest.raises(ValueError, match="received 12 bytes from rank 0 into a 16-byte buffer"):
+        comm.sendrecv(np.ones(3, np.float32), 0, np.zeros(4, np.float32), 0)
+
