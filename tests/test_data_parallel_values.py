@@ -16,7 +16,8 @@ def test_a_parameter_no_loss_reached_on_one_replica_takes_part_with_zeros(averag
     reached = np.arange(6, dtype=np.float32).reshape(2, 3)
 
     def body(comm):
-        parameters = [nn.Parameter(np.zeros((2, 3), np.float32)), nn.Parameter(np.zeros(4, np.float32))]
+        weight, bias = np.zeros((2, 3), np.float32), np.zeros(4, np.float32)
+        parameters = [nn.Parameter(weight), nn.Parameter(bias)]
         replicas = DataParallel(comm, optim.SGD(parameters, lr=0.1), average=average)
         grads = [None if comm.rank == 0 else reached.copy(), np.full(4, comm.rank, np.float32)]
         replicas.reduce(grads)
