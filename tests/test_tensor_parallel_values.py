@@ -1,11 +1,14 @@
 """Sequence parallelism's operators, value by value on the simulated world: what a Function does
 with its defaults, checked against slices and sums written out in NumPy."""
 
+import sys
+import types
+
 import numpy as np
 
 from minimp import Tensor
 from minimp import distributed as dist
-from minimp.parallel.tensor_parallel import GatherFromSequenceParallelRegion
+from minimp.parallel.tensor_parallel import GatherFromSequenceParallelRegion, all_gather_sequence
 
 RANKS, BATCH, SLICE, WIDTH = 2, 2, 3, 4  # each rank holds (BATCH, SLICE, WIDTH)
 
@@ -32,3 +35,32 @@ def test_gather_s_backward_reduce_scatters_unless_told_otherwise():
     for rank, (y, grad) in enumerate(results):
         np.testing.assert_array_equal(y, gathered)
         np.testing.assert_array_equal(grad, total[:, rank * SLICE : (rank + 1) * SLICE])
+
+
+class DeviceLike(np.ndarray):
+    """A NumPy array that backend.is_device_array takes for a CuPy one (its type's module)."""
+
+    __module__ = "cupy.stand_in"
+
+
+def _cupy_stand_in():
+    """A `cupy` module that is NumPy, except that the arrays it makes are DeviceLike."""
+    cupy = types.ModuleType("cupy")
+    cupy.__getattr__ = lambda name: getattr(np, name)  # moveaxis, ... (PEP 562)
+    cupy.empty = lambda shape, dtype: np.empty(shape, dtype).view(DeviceLike)
+    cupy.ascontiguousarray = lambda a: np.ascontiguousarray(a).view(DeviceLike)
+    return cupy
+
+
+def test_all_gather_sequence_keeps_a_device_array_on_the_device(monkeypatch):
+    """A device slice is gathered with its own array module: the whole sequence is one too."""
+    monkeypatch.setitem(sys.modules, "cupy", _cupy_stand_in())
+
+    def gather(comm):
+        mine = np.full((BATCH, SLICE, WIDTH), float(comm.rank), np.float32).view(DeviceLike)
+        return all_gather_sequence(comm, mine)
+
+    gathered = np.concatenate([np.full((BATCH, SLICE, WIDTH), float(r)) for r in range(RANKS)], 1)
+    for whole in dist.simulate(RANKS, gather):
+        assert type(whole) is DeviceLike and whole.dtype == np.float32
+        np.testing.assert_array_equal(whole, gathered)
