@@ -81,6 +81,18 @@ def test_relu_sends_every_negative_and_minus_infinity_to_plus_zero(dtype):
     same_bits(grad, np.where(passes, g, np.zeros_like(g)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float16", "bfloat16"])
+def test_relu_in_16_bits_compares_no_floats_so_a_nan_raises_no_invalid_flag(dtype):
+    """Both directions of a 16-bit ReLU read the bits (as its docstring says), so every value,
+    NaNs included, goes through with floating-point errors raised. A float comparison would not:
+    bfloat16's `NaN <= 0` sets the invalid flag."""
+    x = every_value(dtype)
+    with np.errstate(all="raise"):
+        y, grad = with_grad(lambda t: t.relu(), x, np.ones_like(x))
+    assert np.isnan(wide(y)).sum() == np.isnan(wide(x)).sum() > 0
+    np.testing.assert_array_equal(wide(grad), (wide(x) > 0) | np.isnan(wide(x)))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_relu_in_float32_and_float64_keeps_the_same_rule(dtype):
     """The wide dtypes take another path (maximum forward, one comparison backward): every float16
