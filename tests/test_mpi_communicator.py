@@ -14,7 +14,7 @@ from minimp.distributed.mpi import MPICommunicator
 
 
 class OneRank:
-    """An mpi4py communicator of one rank that records each Bcast and writes `incoming` into it."""
+    """An mpi4py communicator of one rank that records each call; a Bcast gets `incoming`."""
 
     def __init__(self, incoming=None):
         self.incoming, self.calls, self.owner = incoming, [], None
