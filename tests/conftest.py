@@ -1,9 +1,11 @@
-"""Shared fixtures: a seeded generator, and the venv's interpreter path for subprocess tests."""
+"""Shared fixtures: a seeded generator, the venv's interpreter path for subprocess tests, and a
+stand-in `cupy` module for device code on the CPU."""
 
 import os
 import shutil
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -46,6 +48,23 @@ def _gpu_available():
 
 HAS_GPU = _gpu_available()
 requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs CuPy and a CUDA device")
+
+
+class DeviceLike(np.ndarray):
+    """A NumPy array that backend.is_device_array takes for a CuPy one (its type's module)."""
+
+    __module__ = "cupy.stand_in"
+
+
+def cupy_stand_in():
+    """A `cupy` module that is NumPy, except that the arrays it makes are DeviceLike: put it in
+    sys.modules (monkeypatch.setitem) to see, without a GPU, whether code keeps a device array on
+    the device. NumPy's functions return DeviceLike arrays too, as CuPy's take NumPy's calls."""
+    cupy = types.ModuleType("cupy")
+    cupy.__getattr__ = lambda name: getattr(np, name)  # moveaxis, ... (PEP 562)
+    cupy.empty = lambda shape, dtype: np.empty(shape, dtype).view(DeviceLike)
+    cupy.ascontiguousarray = lambda a: np.ascontiguousarray(a).view(DeviceLike)
+    return cupy
 
 
 def fastest_first(nodeids, duration_by_test):

@@ -1,7 +1,7 @@
 """Overlap's values on the simulated world: the seconds it counts, a step without after_backward,
-a parameter no backward reaches, and the tags of every bucket's and unit's messages in the trace
-(protocol.py: bucket b's reduce-scatter goes under GRADIENT_BUCKETS + 2b, its all-gather under
-GRADIENT_BUCKETS + 2b + 1)."""
+a parameter no backward reaches, the chunks a ZeRO unit's ring is given, and the tags of every
+bucket's and unit's messages in the trace (protocol.py: bucket b's reduce-scatter goes under
+GRADIENT_BUCKETS + 2b, its all-gather under GRADIENT_BUCKETS + 2b + 1)."""
 
 import time
 from collections import Counter
@@ -133,6 +133,26 @@ def test_each_zero_unit_s_reduce_scatter_goes_under_its_own_tag():
         for unit, size in enumerate(sizes):
             start, stop = chunk_bounds(size, p)[rank]
             assert chunks[unit].tolist() == (3 * np.arange(start, stop) + 30.0).tolist()
+
+
+def test_a_unit_s_reduce_scatter_leaves_the_sum_in_the_chunks_it_was_given():
+    """start's bounds are the chunks of the ring, not chunk_bounds' cut (ZeroDataParallel passes
+    its layout's, which are that cut today): rank r finds the sum in receive[bounds[r]]."""
+    p, size, bounds = 3, 7, ((0, 4), (4, 5), (5, 7))  # chunk_bounds(7, 3) is 0-3, 3-5, 5-7
+
+    def body(comm):
+        units = OverlappedUnits(comm, BytesSent(), parameters=1, micro_batches=1)
+        send, receive = units.new_buffers(np.zeros(1, np.float32), size)
+        send[...] = np.arange(size) + 10.0 * comm.rank
+        start, stop = bounds[comm.rank]
+        mine = []
+        units.start(0, send, receive, bounds, lambda out: mine.append(out[start:stop].copy()))
+        units.wait()
+        return mine
+
+    for rank, mine in enumerate(dist.simulate(p, body)):  # the sum of arange + 10 rank, r < 3
+        start, stop = bounds[rank]
+        assert len(mine) == 1 and mine[0].tolist() == (3 * np.arange(start, stop) + 30.0).tolist()
 
 
 @requires_gpu

@@ -2,9 +2,9 @@
 with its defaults, checked against slices and sums written out in NumPy."""
 
 import sys
-import types
 
 import numpy as np
+from conftest import DeviceLike, cupy_stand_in
 
 from minimp import Tensor
 from minimp import distributed as dist
@@ -37,24 +37,9 @@ def test_gather_s_backward_reduce_scatters_unless_told_otherwise():
         np.testing.assert_array_equal(grad, total[:, rank * SLICE : (rank + 1) * SLICE])
 
 
-class DeviceLike(np.ndarray):
-    """A NumPy array that backend.is_device_array takes for a CuPy one (its type's module)."""
-
-    __module__ = "cupy.stand_in"
-
-
-def _cupy_stand_in():
-    """A `cupy` module that is NumPy, except that the arrays it makes are DeviceLike."""
-    cupy = types.ModuleType("cupy")
-    cupy.__getattr__ = lambda name: getattr(np, name)  # moveaxis, ... (PEP 562)
-    cupy.empty = lambda shape, dtype: np.empty(shape, dtype).view(DeviceLike)
-    cupy.ascontiguousarray = lambda a: np.ascontiguousarray(a).view(DeviceLike)
-    return cupy
-
-
 def test_all_gather_sequence_keeps_a_device_array_on_the_device(monkeypatch):
     """A device slice is gathered with its own array module: the whole sequence is one too."""
-    monkeypatch.setitem(sys.modules, "cupy", _cupy_stand_in())
+    monkeypatch.setitem(sys.modules, "cupy", cupy_stand_in())
 
     def gather(comm):
         mine = np.full((BATCH, SLICE, WIDTH), float(comm.rank), np.float32).view(DeviceLike)
