@@ -8,7 +8,12 @@ from conftest import DeviceLike, cupy_stand_in
 
 from minimp import Tensor
 from minimp import distributed as dist
-from minimp.parallel.tensor_parallel import GatherFromSequenceParallelRegion, all_gather_sequence
+from minimp.parallel.tensor_parallel import (
+    GatherFromSequenceParallelRegion,
+    all_gather_sequence,
+    reduce_scatter_sequence,
+    split_sequence,
+)
 
 RANKS, BATCH, SLICE, WIDTH = 2, 2, 3, 4  # each rank holds (BATCH, SLICE, WIDTH)
 
@@ -49,3 +54,26 @@ def test_all_gather_sequence_keeps_a_device_array_on_the_device(monkeypatch):
     for whole in dist.simulate(RANKS, gather):
         assert type(whole) is DeviceLike and whole.dtype == np.float32
         np.testing.assert_array_equal(whole, gathered)
+
+
+def test_reduce_scatter_sequence_keeps_a_device_array_on_the_device(monkeypatch):
+    """Device partial sums are reduce-scattered with their own array module (numpy's
+    ascontiguousarray would make a host array here and raise TypeError on a CuPy one)."""
+    monkeypatch.setitem(sys.modules, "cupy", cupy_stand_in())
+
+    def reduce_scatter(comm):
+        return reduce_scatter_sequence(comm, _upstream(comm.rank).view(DeviceLike))
+
+    total = sum(_upstream(rank) for rank in range(RANKS))
+    for rank, mine in enumerate(dist.simulate(RANKS, reduce_scatter)):
+        assert type(mine) is DeviceLike and mine.flags.c_contiguous
+        np.testing.assert_array_equal(mine, total[:, rank * SLICE : (rank + 1) * SLICE])
+
+
+def test_split_sequence_keeps_a_device_array_on_the_device(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", cupy_stand_in())
+    whole = _upstream(0)  # (BATCH, RANKS * SLICE, WIDTH)
+    slices = dist.simulate(RANKS, lambda comm: split_sequence(comm, whole.view(DeviceLike)))
+    for rank, mine in enumerate(slices):
+        assert type(mine) is DeviceLike and mine.flags.c_contiguous
+        np.testing.assert_array_equal(mine, whole[:, rank * SLICE : (rank + 1) * SLICE])

@@ -1,0 +1,102 @@
+"""Device arrays stay on the device: buffers, the ring's all-gather, ZeRO's overlapped rings and
+stage 3's gathered units, each run on DeviceLike arrays (conftest) with a stand-in `cupy` installed.
+
+What the stand-in may honestly stand for: NumPy functions that CuPy takes over through
+__array_function__ (moveaxis, empty_like) return CuPy arrays for CuPy input, and return DeviceLike
+arrays here too. NumPy's creation functions do not dispatch (numpy.empty, ascontiguousarray and
+lib.stride_tricks.as_strided have no __array_function__ hook): on a GPU they make host arrays, or
+raise TypeError when they must read a CuPy array (CuPy refuses implicit conversion); here they
+make plain ndarrays. So a plain ndarray in a result below is a host array (or an error) on a GPU.
+"""
+
+import sys
+import types
+
+import numpy as np
+from conftest import DeviceLike, cupy_stand_in
+
+from minimp import distributed as dist
+from minimp import nn
+from minimp.distributed.buffers import contiguous_flat, output_buffer
+from minimp.distributed.ring import all_gather
+from minimp.optim import SGD
+from minimp.parallel.zero import zero_data_parallel
+from minimp.parallel.zero_overlap import OverlappedUnits
+from minimp.parallel.zero_stage3 import _Packed
+
+RANKS = 2
+
+
+def _stand_in_with_strides():
+    """The stand-in `cupy` with cupy.lib.stride_tricks.as_strided, which returns a CuPy view."""
+    cupy = cupy_stand_in()
+
+    def as_strided(x, shape=None, strides=None):
+        return np.lib.stride_tricks.as_strided(x, shape, strides, subok=True)
+
+    cupy.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(as_strided=as_strided))
+    return cupy
+
+
+def test_contiguous_flat_of_a_strided_device_array_is_a_device_array(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", cupy_stand_in())
+    x = np.arange(6, dtype=np.float32).reshape(2, 3).T.view(DeviceLike)  # (3, 2), not contiguous
+    flat = contiguous_flat(x)
+    assert type(flat) is DeviceLike and flat.flags.c_contiguous
+    np.testing.assert_array_equal(flat, [0.0, 3.0, 1.0, 4.0, 2.0, 5.0])
+
+
+def test_a_new_output_buffer_lives_on_its_array_s_device(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", cupy_stand_in())
+    x = np.ones((2, 3), np.float16).view(DeviceLike)
+    out = output_buffer(x)
+    assert type(out) is DeviceLike and out.shape == (6,) and out.dtype == np.float16
+
+
+def test_all_gather_of_device_chunks_is_a_device_array(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", cupy_stand_in())
+
+    def gather(comm):
+        chunk = np.full(3, float(comm.rank + 1), np.float32).view(DeviceLike)
+        return all_gather(comm, chunk)
+
+    for flat in dist.simulate(RANKS, gather):
+        assert type(flat) is DeviceLike and flat.dtype == np.float32
+        np.testing.assert_array_equal(flat, [1.0, 1.0, 1.0, 2.0, 2.0, 2.0])
+
+
+def test_an_overlapped_ring_s_buffers_live_where_the_array_they_are_like_lives(monkeypatch):
+    """The CPU twin of test_overlap_values' GPU test: the ring adds into these buffers with the
+    gradients' own array module, so they must be device arrays."""
+    monkeypatch.setitem(sys.modules, "cupy", cupy_stand_in())
+    units = OverlappedUnits(comm=None, sent=None, parameters=1, micro_batches=1)
+    for array in units.new_buffers(np.zeros(4, np.float16).view(DeviceLike), 7):
+        assert type(array) is DeviceLike and array.shape == (7,) and array.dtype == np.float16
+
+
+def _gather_a_device_unit(comm):
+    """Stage 3 on Linear(3, 2) with device chunks: (the gathered weight, a transposed view of it
+    rebuilt as backward would, the weight before sharding)."""
+    layer = nn.Linear(3, 2, rng=np.random.default_rng(5))
+    weight = layer.weight.data.copy()  # float32: the compute copy is the master's bits
+    gatherer = zero_data_parallel(3, SGD(layer.parameters(), lr=0.1), [layer], comm).gatherer
+    chunks = gatherer.optimizer.compute_chunks
+    chunks[:] = [chunk.view(DeviceLike) for chunk in chunks]
+    (unit,) = gatherer.units_of_layer[id(layer)]
+    gatherer._acquire(unit)
+    spec = gatherer.layout.units[unit]
+    offset = spec.offsets()[spec.indices.index(gatherer.params.index(layer.weight))]
+    itemsize = weight.itemsize
+    packed = _Packed(unit, offset, (3, 2), (itemsize, 3 * itemsize))  # W.T's strides
+    return layer.weight.data, gatherer._unpack(packed), weight
+
+
+def test_stage_3_gathers_device_chunks_into_a_device_unit(monkeypatch):
+    """_acquire all-gathers the unit into a new array on the chunks' device (the parameters become
+    views of it), and _unpack rebuilds a saved view of it with the unit's own array module."""
+    monkeypatch.setitem(sys.modules, "cupy", _stand_in_with_strides())
+    for gathered, transposed, weight in dist.simulate(RANKS, _gather_a_device_unit):
+        assert type(gathered) is DeviceLike and gathered.dtype == np.float32
+        np.testing.assert_array_equal(gathered, weight)
+        assert type(transposed) is DeviceLike
+        np.testing.assert_array_equal(transposed, weight.T)
