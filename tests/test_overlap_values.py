@@ -61,6 +61,24 @@ def test_the_seconds_communicating_inside_backward_are_part_of_backward_s_wall_t
         assert before == 0.0 and 0.0 < after <= wall
 
 
+def test_the_seconds_of_every_start_and_progress_of_a_zero_unit_s_ring_add_up():
+    """On one rank a ring is done the moment it starts, so each unit's then() runs inside the
+    progress that start calls; each sleeps 50 ms, so the count holds both sleeps, not the last."""
+    nap = 0.05
+
+    def body(comm):
+        units = OverlappedUnits(comm, BytesSent(), parameters=1, micro_batches=1)
+        started = time.perf_counter()
+        for unit in (0, 1):
+            send, receive = units.new_buffers(np.zeros(1, np.float32), 3)
+            send[...] = 1.0
+            units.start(unit, send, receive, chunk_bounds(3, 1), lambda out: time.sleep(nap))
+        return units.in_flight, units.seconds, time.perf_counter() - started
+
+    [(in_flight, seconds, wall)] = dist.simulate(1, body)
+    assert in_flight == {} and 2 * nap <= seconds <= wall
+
+
 def test_a_step_without_after_backward_still_waits_for_the_buckets_of_its_backward():
     """One micro-batch needs no after_backward (the step accumulates): the hooks themselves
     tell finalize_backward that a backward ran, so the step averages as without overlap."""
