@@ -1,6 +1,9 @@
 """ZeroDataParallel's values on the simulated world: each rank's chunk of the mean gradient
 (averaged before or after the reduce-scatter), the buffers of a stage with no parameters, and
-gather_state's whole masters under a parameter name that holds an "@"."""
+gather_state's whole masters under a parameter name that holds an "@"; with overlap, the seconds
+backward spends on the rings; gradients no hook saw; and the peak memory of stage 3's forward."""
+
+import time
 
 import numpy as np
 import pytest
@@ -10,7 +13,7 @@ from minimp import nn
 from minimp.distributed.ring import chunk_bounds
 from minimp.optim import SGD
 from minimp.parallel.zero import zero_data_parallel
-from minimp.tensor import Tensor
+from minimp.tensor import Tensor, no_grad
 
 
 def rank_batch(rank):
@@ -71,3 +74,61 @@ def test_gather_state_stitches_pieces_whose_parameter_name_holds_an_at_sign():
     assert list(whole) == ["master/w@1", "master/b"]
     for name, master in zip(names, masters):
         assert whole[f"master/{name}"].tobytes() == master.tobytes()
+
+
+def _backward_seconds(comm, stage, overlap):
+    """(the seconds overlap counted inside one backward, that backward's wall time)."""
+    layer = nn.Linear(3, 2)
+    optimizer = SGD(layer.parameters(), lr=0.1)
+    sync = zero_data_parallel(stage, optimizer, [layer], comm, overlap=overlap)
+    started = time.perf_counter()
+    layer(Tensor(rank_batch(comm.rank))).sum().backward()
+    return sync.backward_communication_seconds(), time.perf_counter() - started
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_with_overlap_two_replicas_start_their_rings_inside_backward(stage):
+    """Overlap on two replicas (and micro_batches left at its default, one): the unit's ring
+    starts from backward's hook once W and b are complete, so backward counts its seconds."""
+    for seconds, wall in dist.simulate(2, _backward_seconds, stage, True):
+        assert 0.0 < seconds <= wall
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_one_replica_sends_nothing_so_backward_spends_no_seconds_communicating(stage, overlap):
+    """One replica has nothing to send: overlap is off whatever was asked, and the count is 0."""
+    [(seconds, _)] = dist.simulate(1, _backward_seconds, stage, overlap)
+    assert seconds == 0.0
+
+
+def _pieces_of_gradients_set_by_hand(comm):
+    parameter = nn.Parameter(np.zeros(6, np.float32))
+    sync = zero_data_parallel(2, SGD([parameter], lr=0.1), [], comm)  # a unit of its own
+    parameter.grad = np.arange(6, dtype=np.float32) * (comm.rank + 1)  # no backward, no hook
+    sync.after_backward()
+    return np.concatenate(sync.optimizer.gradient_pieces()), parameter.grad
+
+
+def test_after_backward_reduces_gradients_no_hook_saw_arrive():
+    """A gradient written into .grad by hand reaches no post-accumulate hook; after_backward
+    still finds it and leaves each rank its chunk of the mean, (1 + 2)/2 * arange(6)."""
+    mean = np.arange(6, dtype=np.float32) * np.float32(1.5)
+    for rank, (pieces, grad) in enumerate(dist.simulate(2, _pieces_of_gradients_set_by_hand)):
+        start, stop = chunk_bounds(6, 2)[rank]
+        assert grad is None and pieces.tolist() == mean[start:stop].tolist()
+
+
+def _peak_of_a_forward(comm):
+    layer = nn.Linear(3, 2)
+    sync = zero_data_parallel(3, SGD(layer.parameters(), lr=0.1), [layer], comm)
+    with no_grad():
+        sync.run_group([layer], Tensor(rank_batch(comm.rank)), lambda ls, x: ls[0](x))
+    return sync.peak.by_kind, sync.held()
+
+
+def test_stage_3_s_peak_holds_the_unit_its_forward_gathered():
+    """The gathered unit lives only during the forward, so the peak must be sampled there: W and
+    b, 8 float32 numbers, on each rank; once the forward is done nothing gathered is held."""
+    for peak, held in dist.simulate(2, _peak_of_a_forward):
+        assert peak["gathered"] == 8 * 4 and held["gathered"] == 0
