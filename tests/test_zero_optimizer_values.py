@@ -1,11 +1,13 @@
 """ShardedOptimizer's compute copies, bit by bit: after `publish()` every float16 parameter is its
-float32 master rounded straight into float16, on one replica and gathered from two."""
+float32 master rounded straight into float16, on one replica and gathered from two; stage 3's
+chunks alike; and stage 2's refusal of a gradient left out of the reduce-scatter."""
 
 import numpy as np
 import pytest
 
 from minimp import nn
 from minimp import distributed as dist
+from minimp.distributed.ring import chunk_bounds
 from minimp.optim import SGD
 from minimp.parallel.zero import zero_data_parallel
 
@@ -38,3 +40,43 @@ def test_publish_rounds_each_master_straight_into_float16(ranks, stage):
         with np.errstate(invalid="ignore", over="ignore"):
             expected = masters.astype(np.float16).view(np.uint16)  # NumPy's own cast
         assert [hex(b) for b in bits.ravel()] == [hex(b) for b in expected.ravel()]
+
+
+def _stage_3_published(comm):
+    """(this rank's float16 compute chunk after publish, the float32 masters it came from)."""
+    layer = nn.Linear(4, 2, bias=False)
+    layer.weight.data[...] = np.concatenate([SIGNALLING_NANS, FINITE]).reshape(2, 4)
+    masters = layer.weight.data.copy()
+    optimizer = SGD(layer.parameters(), lr=0.1)
+    with np.errstate(over="ignore"):  # stage 3 rounds its compute chunks when it is built
+        layer.to(np.float16)
+        sharded = zero_data_parallel(3, optimizer, [layer], comm).optimizer
+    [chunk] = sharded.compute_chunks  # the weight is the one unit; stage 3 keeps only chunks
+    chunk[...] = 0  # publish must write every element
+    with np.errstate(over="ignore"):
+        sharded.publish()
+    return chunk.view(np.uint16).copy(), masters
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_stage_3_publish_rounds_each_master_chunk_straight_into_float16(ranks):
+    """Stage 3 gathers nothing in publish: each rank rounds its chunk of the masters (8 elements
+    cut by chunk_bounds) into the float16 chunk the layers gather from."""
+    for rank, (bits, masters) in enumerate(dist.simulate(ranks, _stage_3_published)):
+        start, stop = chunk_bounds(masters.size, ranks)[rank]
+        with np.errstate(invalid="ignore", over="ignore"):
+            expected = masters.ravel()[start:stop].astype(np.float16).view(np.uint16)
+        assert [hex(b) for b in bits] == [hex(b) for b in expected]
+
+
+def _unreduced_gradient(comm):
+    parameter = nn.Parameter(np.zeros(3, np.float32))
+    sharded = zero_data_parallel(2, SGD([parameter], lr=0.1), [], comm).optimizer
+    parameter.grad = np.ones(3, np.float32)  # no after_backward reduce-scattered it
+    with pytest.raises(RuntimeError, match=r"ZeRO stage 2: parameter\(s\) \[0\] hold gradients"):
+        sharded.accumulate_gradients()
+
+
+def test_stage_2_refuses_to_step_past_a_gradient_that_was_never_reduce_scattered():
+    """Stage 2 keeps only the reduced chunks: a whole gradient left in .grad would be lost."""
+    dist.simulate(2, _unreduced_gradient)
