@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minimp import Tensor, ops
+from minimp.function import Context
 from minimp import functional as F
 
 F16, BF16, F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
@@ -91,6 +92,21 @@ def test_relu_in_16_bits_compares_no_floats_so_a_nan_raises_no_invalid_flag(dtyp
         y, grad = with_grad(lambda t: t.relu(), x, np.ones_like(x))
     assert np.isnan(wide(y)).sum() == np.isnan(wide(x)).sum() > 0
     np.testing.assert_array_equal(wide(grad), (wide(x) > 0) | np.isnan(wide(x)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float16", "bfloat16"])
+def test_relu_backward_keeps_its_rule_for_every_saved_16_bit_pattern(dtype):
+    """dL/dx = dL/dy where y is not <= 0, read from the saved y's bits: for every pattern, also
+    those forward never outputs (negatives and -inf; -NaNs lie between -inf and 0 as integers),
+    so that the rule stays the docstring's, and the wide path's, whatever backward is given."""
+    y = every_value(dtype)
+    g = np.random.default_rng(3).permutation(every_value(dtype))
+    ctx = Context((True,))
+    ctx.save_for_backward(y)
+    grad = ops.elementwise.ReLU.backward(ctx, g)
+    with np.errstate(invalid="ignore"):  # bfloat16's NaN <= 0
+        passes = ~(wide(y) <= 0)
+    same_bits(grad, np.where(passes, g, np.zeros_like(g)))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
