@@ -38,7 +38,8 @@ class TiedGradients:
 
 
 def tied_group(pp_group: Communicator, stage: int, stages: int) -> Communicator | None:
-    """The first and the last stage of this replica as one 2-rank group (every stage of the
+    """The first and the last stage of this replica as one 2-rank group, ranked by stage (the
+    first stage is its rank 0), whatever order pp_group numbers them in (every stage of the
     pipeline must call this: it splits pp_group); None on the stages between, and with one stage."""
     ends = stage in (0, stages - 1)
     group = pp_group.split(color=0 if ends else 1, key=stage)
