@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minimp import distributed as dist
+from minimp import nn
 from minimp.models import GPT, GPTConfig
 from minimp.parallel import Topology, Unit, ZeroLayout
 from minimp.parallel.tied import tied_indices
@@ -99,6 +100,31 @@ def test_a_parameter_two_layers_read_is_a_unit_of_its_own():
     wte = next(u for u, unit in enumerate(units) if unit.indices == (0,))
     assert wte in reads[0] and wte in reads[-1]
     assert sorted(i for unit in units for i in unit.indices) == list(range(len(params)))
+
+
+def test_units_follow_the_forward_each_layer_s_own_then_the_shared_ones_it_reads_first():
+    """A shared parameter is a unit of its own where the forward first reads it: the token
+    embedding right after the position embedding (Embeddings' own), not after the head."""
+    model = GPT(GPTConfig(context=8, layers=2, heads=2, width=16), np.random.default_rng(0))
+    params = model.parameters()
+    position = {id(p): index for index, p in enumerate(params)}
+    embeddings, *blocks, head = model.layers
+    expected = [{position[id(embeddings.wpe.weight)]}, {position[id(embeddings.wte.weight)]}]
+    expected += [{position[id(p)] for p in layer.parameters()} for layer in (*blocks, head)]
+    units, reads = plan_units(model.layers, params, tied=set())
+    assert [set(unit.indices) for unit in units] == expected
+    assert reads == [[0, 1], [2], [3], [1, 4]]  # the head reads the token embedding's unit
+
+
+def test_a_tied_parameter_is_a_unit_of_its_own_right_after_its_layer_s_others():
+    """tied: another stage holds a copy (parallel/tied.py), so the one layer reading it here
+    does not own it: [bias], [weight], then the next layer's unit."""
+    layers = [nn.Linear(2, 3), nn.Linear(3, 2)]
+    params = [p for layer in layers for p in layer.parameters()]  # weight, bias, weight, bias
+    units, reads = plan_units(layers, params, tied={0})
+    assert [unit.indices for unit in units] == [(1,), (0,), (2, 3)]
+    assert [unit.sizes for unit in units] == [(3,), (6,), (6, 2)]
+    assert reads == [[0, 1], [2]]
 
 
 @pytest.mark.parametrize(

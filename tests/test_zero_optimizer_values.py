@@ -1,6 +1,10 @@
 """ShardedOptimizer's compute copies, bit by bit: after `publish()` every float16 parameter is its
 float32 master rounded straight into float16, on one replica and gathered from two; stage 3's
-chunks alike; and stage 2's refusal of a gradient left out of the reduce-scatter."""
+chunks alike; stage 2's refusal of a gradient left out of the reduce-scatter; and the whole slots
+let go once cut into a rank's chunks."""
+
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -8,7 +12,7 @@ import pytest
 from minimp import nn
 from minimp import distributed as dist
 from minimp.distributed.ring import chunk_bounds
-from minimp.optim import SGD
+from minimp.optim import SGD, Adam
 from minimp.parallel.zero import zero_data_parallel
 
 # float32 bit patterns a detour through float64 would change: a signalling NaN (quiet bit clear)
@@ -80,3 +84,28 @@ def _unreduced_gradient(comm):
 def test_stage_2_refuses_to_step_past_a_gradient_that_was_never_reduce_scattered():
     """Stage 2 keeps only the reduced chunks: a whole gradient left in .grad would be lost."""
     dist.simulate(2, _unreduced_gradient)
+
+
+def _slots_after_cutting(comm):
+    """(this rank's exp_avg chunk, the whole exp_avg it came from, whether every whole slot
+    array the wrapped optimizer held is gone) for a resumed Adam over Linear(4, 3)."""
+    layer = nn.Linear(4, 3)
+    optimizer = Adam(layer.parameters(), lr=0.1)
+    saved = [{"exp_avg": p.data + 1, "exp_avg_sq": p.data * p.data} for p in layer.parameters()]
+    optimizer.load_state_dict({"step_count": 1, "lr": 0.1, "slots": saved})  # copies them
+    whole = [weakref.ref(array) for slots in optimizer.slots for array in slots.values()]
+    sharded = zero_data_parallel(2, optimizer, [layer], comm).optimizer
+    gc.collect()
+    [pieces] = sharded.slots  # the weight and the bias are one unit
+    chunk = np.concatenate([piece["exp_avg"] for piece in pieces])
+    flat = np.concatenate([slots["exp_avg"].ravel() for slots in saved])
+    return chunk, flat, [ref() is None for ref in whole]
+
+
+def test_the_whole_slots_are_let_go_once_cut_into_this_rank_s_chunks():
+    """Each rank keeps copies of its chunk (15 elements: [0, 8) and [8, 15)); a view would keep
+    the whole slot alive behind it, and ZeRO would save none of the slots' memory."""
+    for rank, (chunk, flat, freed) in enumerate(dist.simulate(2, _slots_after_cutting)):
+        start, stop = chunk_bounds(flat.size, 2)[rank]
+        assert chunk.tolist() == flat[start:stop].tolist()
+        assert freed == [True] * 4
