@@ -1,0 +1,42 @@
+"""join_shards value by value: shards written out with NumPy slicing, joined back along either
+axis, in sections (q, k and v), on worlds of 1, 2 and 4 ranks."""
+
+import numpy as np
+import pytest
+
+from minimp.parallel.tensor_parallel_layers import join_shards
+
+SECTIONS, SECTION = 3, 4  # three sections (q, k, v) of 4 rows or columns each
+
+
+def _shards_by_hand(whole, axis, ranks):
+    """Rank r's shard: its SECTION // ranks rows (axis 0) or columns (axis 1) of every section,
+    sections in order, cut with plain slices (no minimp code)."""
+    width = SECTION // ranks
+    shards = []
+    for rank in range(ranks):
+        starts = [section * SECTION + rank * width for section in range(SECTIONS)]
+        if axis == 0:
+            shards.append(np.concatenate([whole[s : s + width] for s in starts], axis=0))
+        else:
+            shards.append(np.concatenate([whole[:, s : s + width] for s in starts], axis=1))
+    return shards
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_join_shards_puts_every_rank_s_part_of_each_section_back_in_place(axis, ranks):
+    # the other axis is 2 long, which 3 sections do not divide: cutting or joining along it fails
+    shape = (SECTIONS * SECTION, 2) if axis == 0 else (2, SECTIONS * SECTION)
+    whole = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    shards = _shards_by_hand(whole, axis, ranks)
+    joined = join_shards(shards, axis, SECTIONS)
+    assert joined.shape == whole.shape
+    np.testing.assert_array_equal(joined, whole)
+
+
+def test_one_rank_s_shard_is_the_whole_array():
+    # a world of size 1: the single shard comes back unchanged, whatever the sections
+    whole = np.arange(12.0).reshape(2, 6)
+    for axis, sections in [(0, 1), (0, 2), (1, 1), (1, 3)]:
+        np.testing.assert_array_equal(join_shards([whole], axis, sections), whole)
