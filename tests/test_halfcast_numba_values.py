@@ -37,3 +37,22 @@ def test_cast_asks_for_the_loops_compiled_with_its_parallel_flag(monkeypatch, pa
     assert asked == [parallel]
     assert result.dtype == dtype
     np.testing.assert_array_equal(result, source.astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_cast_asks_for_the_serial_loops_unless_told_otherwise(monkeypatch, dtype):
+    # halfcast calls cast(flat, dtype): every cast of the library runs the serial loops (whose
+    # machine code numba caches on disk); threads only when asked for (cast_bench.py --parallel)
+    asked = []
+
+    def fake_compiled(flag):
+        asked.append(flag)
+        return astype_loops()
+
+    monkeypatch.setattr(halfcast_numba, "_compiled", fake_compiled)
+    source = np.array([0.5, -3.0, 2.0**-20], dtype=np.float32)
+    if dtype == np.float32:
+        source = source.astype(np.float16)
+    result = halfcast_numba.cast(source, dtype)
+    assert asked == [False]
+    np.testing.assert_array_equal(result, source.astype(dtype))
