@@ -1,10 +1,13 @@
 """join_shards value by value: shards written out with NumPy slicing, joined back along either
-axis, in sections (q, k and v), on worlds of 1, 2 and 4 ranks."""
+axis, in sections (q, k and v), on worlds of 1, 2 and 4 ranks; a row-parallel Linear without a
+bias against the product written out in NumPy."""
 
 import numpy as np
 import pytest
 
-from minimp.parallel.tensor_parallel_layers import join_shards
+from minimp import Tensor, nn
+from minimp import distributed as dist
+from minimp.parallel.tensor_parallel_layers import RowParallelLinear, join_shards
 
 SECTIONS, SECTION = 3, 4  # three sections (q, k, v) of 4 rows or columns each
 
@@ -40,3 +43,27 @@ def test_one_rank_s_shard_is_the_whole_array():
     whole = np.arange(12.0).reshape(2, 6)
     for axis, sections in [(0, 1), (0, 2), (1, 1), (1, 3)]:
         np.testing.assert_array_equal(join_shards([whole], axis, sections), whole)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_a_row_parallel_linear_without_a_bias_gives_the_sum_of_the_partial_products(
+    sequence_parallel,
+):
+    """Linear(6, 3, bias=False) cut over 2 ranks: rank r reads input features 3r .. 3r + 3 and
+    every rank ends with x @ W^T (with sequence parallelism, its half of the positions); no bias
+    is added, and the layer has none to train."""
+    ranks, batch, sequence = 2, 2, 4
+    linear = nn.Linear(6, 3, bias=False, rng=np.random.default_rng(7)).to(np.float64)
+    x = np.random.default_rng(8).standard_normal((batch, sequence, 6))
+    weight = linear.weight.data.copy()  # (out, in), read before any rank cuts it
+
+    def forward(comm):
+        row = RowParallelLinear(linear, comm, sequence_parallel=sequence_parallel)
+        mine = x[..., comm.rank * 3 : (comm.rank + 1) * 3]  # this rank's input features
+        return row(Tensor(mine)).data, row.bias, [name for name, _ in row.named_parameters()]
+
+    whole = np.einsum("bsi,oi->bso", x, weight)
+    for rank, (y, bias, names) in enumerate(dist.simulate(ranks, forward)):
+        expected = whole[:, rank * 2 : (rank + 1) * 2] if sequence_parallel else whole
+        np.testing.assert_allclose(y, expected, rtol=1e-12, atol=1e-15)
+        assert bias is None and names == ["weight"]

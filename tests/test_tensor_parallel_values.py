@@ -11,6 +11,7 @@ from minimp import distributed as dist
 from minimp.parallel.tensor_parallel import (
     GatherFromSequenceParallelRegion,
     all_gather_sequence,
+    all_reduce,
     reduce_scatter_sequence,
     split_sequence,
 )
@@ -77,3 +78,20 @@ def test_split_sequence_keeps_a_device_array_on_the_device(monkeypatch):
     for rank, mine in enumerate(slices):
         assert type(mine) is DeviceLike and mine.flags.c_contiguous
         np.testing.assert_array_equal(mine, whole[:, rank * SLICE : (rank + 1) * SLICE])
+
+
+def test_all_reduce_keeps_a_device_array_on_the_device(monkeypatch):
+    """Device partial sums are all-reduced with their own array module, on one rank (the copy)
+    and on two (the ring): numpy's ascontiguousarray would make a host array here, and raise
+    TypeError on a CuPy one."""
+    monkeypatch.setitem(sys.modules, "cupy", cupy_stand_in())
+
+    def reduce(comm):
+        return all_reduce(comm, _upstream(comm.rank).view(DeviceLike))
+
+    for ranks in (1, 2):
+        results = dist.simulate(ranks, reduce)
+        total = sum(_upstream(rank) for rank in range(ranks))
+        for summed in results:
+            assert type(summed) is DeviceLike and summed.shape == total.shape
+            np.testing.assert_array_equal(summed, total)
