@@ -1,13 +1,13 @@
-"""join_shards value by value: shards written out with NumPy slicing, joined back along either
-axis, in sections (q, k and v), on worlds of 1, 2 and 4 ranks; a row-parallel Linear without a
-bias against the product written out in NumPy."""
+"""take_shard and join_shards value by value: shards written out with NumPy slicing, cut from and
+joined back along either axis, in sections (q, k and v), on worlds of 1, 2 and 4 ranks; a
+row-parallel Linear without a bias against the product written out in NumPy."""
 
 import numpy as np
 import pytest
 
 from minimp import Tensor, nn
 from minimp import distributed as dist
-from minimp.parallel.tensor_parallel_layers import RowParallelLinear, join_shards
+from minimp.parallel.tensor_parallel_layers import RowParallelLinear, join_shards, take_shard
 
 SECTIONS, SECTION = 3, 4  # three sections (q, k, v) of 4 rows or columns each
 
@@ -36,6 +36,17 @@ def test_join_shards_puts_every_rank_s_part_of_each_section_back_in_place(axis, 
     joined = join_shards(shards, axis, SECTIONS)
     assert joined.shape == whole.shape
     np.testing.assert_array_equal(joined, whole)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_take_shard_gives_each_rank_its_part_of_each_section_along_either_axis(axis, ranks):
+    shape = (SECTIONS * SECTION, 2) if axis == 0 else (2, SECTIONS * SECTION)
+    whole = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    for rank, expected in enumerate(_shards_by_hand(whole, axis, ranks)):
+        shard = take_shard(whole, axis, SECTIONS, rank, ranks)
+        assert shard.shape == expected.shape and shard.flags.c_contiguous
+        np.testing.assert_array_equal(shard, expected)
 
 
 def test_one_rank_s_shard_is_the_whole_array():
