@@ -1,6 +1,7 @@
 """Shared fixtures: a seeded generator, the venv's interpreter path for subprocess tests, and a
 stand-in `cupy` module for device code on the CPU."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -64,6 +65,11 @@ def cupy_stand_in():
     cupy.__getattr__ = lambda name: getattr(np, name)  # moveaxis, ... (PEP 562)
     cupy.empty = lambda shape, dtype: np.empty(shape, dtype).view(DeviceLike)
     cupy.ascontiguousarray = lambda a: np.ascontiguousarray(a).view(DeviceLike)
+    # cupy.lib.stride_tricks.as_strided returns a CuPy view of a CuPy array
+    as_strided = lambda x, shape=None, strides=None: np.lib.stride_tricks.as_strided(  # noqa: E731
+        x, shape, strides, subok=True
+    )
+    cupy.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(as_strided=as_strided))
     return cupy
 
 
@@ -83,15 +89,11 @@ def pytest_collection_modifyitems(config, items):
     """
     if "__mutmut_" not in os.environ.get("MUTANT_UNDER_TEST", ""):
         return
-    durations = _mutmut_durations()
-    order = {nodeid: n for n, nodeid in enumerate(fastest_first(
-        [item.nodeid for item in items], durations))}  # fmt: skip
-    items.sort(key=lambda item: order[item.nodeid])
+    by_id = {item.nodeid: item for item in items}
+    items[:] = [by_id[nodeid] for nodeid in fastest_first(list(by_id), _mutmut_durations())]
 
 
 def _mutmut_durations():
-    import json
-
     try:
         with open("mutmut-stats.json") as stats:
             return json.load(stats)["duration_by_test"]

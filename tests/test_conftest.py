@@ -1,5 +1,6 @@
 """The test suite's own machinery: the fastest-first order it takes under mutmut."""
 
+import json
 import os
 import subprocess
 import sys
@@ -20,19 +21,17 @@ def test_under_a_mutant_the_collected_tests_run_fastest_first(tmp_path):
     (tmp_path / "test_three.py").write_text(
         "def test_slow(): pass\ndef test_quick(): pass\ndef test_middle(): pass\n"
     )
-    durations = {f"test_three.py::test_{name}": t for name, t in
-                 (("slow", 9.0), ("quick", 0.1), ("middle", 1.0))}  # fmt: skip
-    (tmp_path / "mutmut-stats.json").write_text(
-        __import__("json").dumps({"duration_by_test": durations})
-    )
+    durations = {"test_three.py::test_slow": 9.0, "test_three.py::test_quick": 0.1}
+    durations["test_three.py::test_middle"] = 1.0
+    (tmp_path / "mutmut-stats.json").write_text(json.dumps({"duration_by_test": durations}))
     ran = {}
     for mutant in ("", "minimp.x_f__mutmut_1"):
         env = {**os.environ, "MUTANT_UNDER_TEST": mutant}
+        command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "test_three.py"]
         result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "test_three.py"],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        ran[mutant] = [line.split("::")[1].split()[0] for line in result.stdout.splitlines()
-                       if "PASSED" in line]  # fmt: skip
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
+        passed = [line for line in result.stdout.splitlines() if "PASSED" in line]
+        ran[mutant] = [line.split("::")[1].split()[0] for line in passed]
     assert ran[""] == ["test_slow", "test_quick", "test_middle"]  # the file's order
     assert ran["minimp.x_f__mutmut_1"] == ["test_quick", "test_middle", "test_slow"]

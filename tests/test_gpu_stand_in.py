@@ -10,7 +10,6 @@ make plain ndarrays. So a plain ndarray in a result below is a host array (or an
 """
 
 import sys
-import types
 
 import numpy as np
 from conftest import DeviceLike, cupy_stand_in
@@ -25,17 +24,6 @@ from minimp.parallel.zero_overlap import OverlappedUnits
 from minimp.parallel.zero_stage3 import _Packed
 
 RANKS = 2
-
-
-def _stand_in_with_strides():
-    """The stand-in `cupy` with cupy.lib.stride_tricks.as_strided, which returns a CuPy view."""
-    cupy = cupy_stand_in()
-
-    def as_strided(x, shape=None, strides=None):
-        return np.lib.stride_tricks.as_strided(x, shape, strides, subok=True)
-
-    cupy.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(as_strided=as_strided))
-    return cupy
 
 
 def test_contiguous_flat_of_a_strided_device_array_is_a_device_array(monkeypatch):
@@ -94,7 +82,7 @@ def _gather_a_device_unit(comm):
 def test_stage_3_gathers_device_chunks_into_a_device_unit(monkeypatch):
     """_acquire all-gathers the unit into a new array on the chunks' device (the parameters become
     views of it), and _unpack rebuilds a saved view of it with the unit's own array module."""
-    monkeypatch.setitem(sys.modules, "cupy", _stand_in_with_strides())
+    monkeypatch.setitem(sys.modules, "cupy", cupy_stand_in())
     for gathered, transposed, weight in dist.simulate(RANKS, _gather_a_device_unit):
         assert type(gathered) is DeviceLike and gathered.dtype == np.float32
         np.testing.assert_array_equal(gathered, weight)

@@ -3,6 +3,7 @@ otherwise, and copies through CupyCopies when no copier is given (a NumPy stand-
 here; tests/test_gpu_staging.py checks the copies and bits, and the real CuPy path on a GPU)."""
 
 import numpy as np
+from conftest import DeviceLike
 
 from minimp import distributed as dist
 from minimp.distributed import staging
@@ -51,12 +52,6 @@ def test_host_staged_without_a_copier_copies_through_cupy_copies(monkeypatch):
     assert HostCopies.made == 2  # one per rank, made by host_staged itself
     for result in results:
         np.testing.assert_array_equal(result, [3.0, 6.0, 12.0])
-
-
-class DeviceLike(np.ndarray):
-    """A NumPy array that backend.is_device_array takes for a CuPy one (its type's module)."""
-
-    __module__ = "cupy.stand_in"
 
 
 def test_a_staged_ring_writes_into_the_out_it_is_given(monkeypatch):
