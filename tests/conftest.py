@@ -3,6 +3,7 @@ stand-in `cupy` module for device code on the CPU."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -79,18 +80,42 @@ def fastest_first(nodeids, duration_by_test):
     return sorted(nodeids, key=lambda nodeid: duration_by_test.get(nodeid, float("inf")))
 
 
+def named_first(nodeids, named):
+    """The test ids with those `named` (a test function, any of its parameters) first, each group
+    in its own order."""
+    def is_named(nodeid):
+        return nodeid.split("[")[0] in named
+    return [n for n in nodeids if is_named(n)] + [n for n in nodeids if not is_named(n)]
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under mutmut (a mutant's name in MUTANT_UNDER_TEST), run the mutant's tests fastest first.
+    """Under mutmut (a mutant's name in MUTANT_UNDER_TEST), run the mutant's tests fastest first,
+    and before them the tests docs/testing.md names in the mutant's row.
 
     mutmut hands pytest the tests that reach the mutated function in no set order and stops at
     the first failure (-x), so a mutant a 0.1 s test kills could first wait for a 20 s training
     test. The durations are the ones mutmut measured (mutmut-stats.json, in the mutants/ folder
-    it runs the tests from). Nothing changes outside mutmut.
+    it runs the tests from). A survivor of an earlier run whose row names the test written to
+    kill it would otherwise rerun every test that passed before that one. The order changes what
+    runs first, not the verdict: every test still runs until one fails. Nothing changes outside
+    mutmut.
     """
-    if "__mutmut_" not in os.environ.get("MUTANT_UNDER_TEST", ""):
+    mutant = os.environ.get("MUTANT_UNDER_TEST", "")
+    if "__mutmut_" not in mutant:
         return
     by_id = {item.nodeid: item for item in items}
-    items[:] = [by_id[nodeid] for nodeid in fastest_first(list(by_id), _mutmut_durations())]
+    order = named_first(fastest_first(list(by_id), _mutmut_durations()), _row_tests(mutant))
+    items[:] = [by_id[nodeid] for nodeid in order]
+
+
+def _row_tests(mutant):
+    """The test ids (tests/...py::name) docs/testing.md's row for `mutant` names."""
+    try:
+        with open(os.path.join("docs", "testing.md")) as doc:
+            rows = [line for line in doc if line.startswith(f"| `{mutant}` |")]
+    except OSError:
+        return set()
+    return {test for row in rows for test in re.findall(r"tests/[\w/]+\.py::\w+", row)}
 
 
 def _mutmut_durations():
