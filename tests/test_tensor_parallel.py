@@ -267,7 +267,7 @@ def test_saved_bytes_of_one_rank_s_block_equal_the_formula(
         assert expected == paper + statistics + gathered
 
 
-def test_a_parallel_linear_keeps_the_fp8_meta_and_partitions_name_its_parameters():
+def test_parallel_linears_say_their_shards_and_partitions_name_their_parameters():
     def build(comm):
         layers = [nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2)]
         model = nn.Sequential(*layers)
