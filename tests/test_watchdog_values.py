@@ -4,13 +4,14 @@ which communicators it reads, and MPICommunicator.start_watchdog's wiring to pri
 The watchdog ending a real job whose rank froze is checked under mpirun
 (tests/test_distributed_mpi.py)."""
 
+import inspect
 import math
 import threading
 import time
 
 import pytest
 
-from minimp.distributed import watchdog
+from minimp.distributed import launch, watchdog
 from minimp.distributed.mpi import MPICommunicator
 from minimp.distributed.watchdog import Waiting, Watchdog
 
@@ -195,3 +196,16 @@ def test_start_watchdog_prints_the_ranks_message_and_aborts_the_job_with_code_3(
         "[rank 3] minimp: waited 42 s to meet all 4 ranks at a barrier; a rank is frozen,"
         " deadlocked or far slower than the others. Aborting the job (--timeout 30 s).\n"
     )
+
+
+def test_print_and_abort_writes_then_pauses_as_long_as_launch_does_then_aborts(clock, capfd):
+    # the pause lets mpirun forward the line before MPI_Abort tears the job down: the same
+    # pause as launch's for a failing rank's message (docs/reliability.md: 0.5 s)
+    pause = inspect.signature(launch._flush_and_pause).parameters["seconds"].default
+    seen = []
+
+    def abort(code):  # what had happened when MPI_Abort was called
+        seen.append((code, list(clock.sleeps), capfd.readouterr().err))
+
+    watchdog.print_and_abort(abort)("[rank 1] minimp: waited 42 s")
+    assert seen == [(3, [pause], "[rank 1] minimp: waited 42 s\n")]
