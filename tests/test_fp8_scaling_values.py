@@ -101,3 +101,12 @@ def test_a_history_that_is_not_one_amax_per_step_is_refused_in_one_line():
     for history in (np.zeros((4, 2), np.float32), np.zeros((4, 1), np.float32), np.float32(0)):
         with pytest.raises(ValueError, match=r"1-D history; got shape .*one tensor's history"):
             delayed_scaling_update(history, 1.0, 1.0, E4M3.max)
+
+
+def test_the_refusal_is_one_sentence_that_names_the_shape_it_was_given():
+    with pytest.raises(ValueError) as refused:
+        delayed_scaling_update(np.zeros((4, 2), np.float32), 1.0, 1.0, E4M3.max)
+    assert str(refused.value) == (
+        "delayed scaling keeps one amax per step, a 1-D history; got shape (4, 2): "
+        "pass one tensor's history at a time"
+    )

@@ -14,10 +14,11 @@ import sys
 import numpy as np
 from conftest import DeviceLike, cupy_stand_in
 
+from minimp import Tensor, nn, ops
 from minimp import distributed as dist
-from minimp import nn
 from minimp.distributed.buffers import contiguous_flat, output_buffer
 from minimp.distributed.ring import all_gather
+from minimp.ops.dropout import keep_mask
 from minimp.optim import SGD
 from minimp.parallel.zero import zero_data_parallel
 from minimp.parallel.zero_overlap import OverlappedUnits
@@ -88,3 +89,18 @@ def test_stage_3_gathers_device_chunks_into_a_device_unit(monkeypatch):
         np.testing.assert_array_equal(gathered, weight)
         assert type(transposed) is DeviceLike
         np.testing.assert_array_equal(transposed, weight.T)
+
+
+def test_dropout_draws_its_mask_on_the_input_s_device(monkeypatch):
+    """The mask Dropout saves for backward is made by the input's array module: CuPy's asarray
+    and arange make CuPy arrays, so on a GPU it is a device array (a host mask would make
+    cupy.where refuse it, as CuPy converts no NumPy array implicitly)."""
+    cupy = cupy_stand_in()
+    cupy.asarray = lambda a, dtype=None: np.asarray(a, dtype).view(DeviceLike)
+    cupy.arange = lambda *args, **kwargs: np.arange(*args, **kwargs).view(DeviceLike)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    x = Tensor(np.ones((2, 3, 4), np.float32).view(DeviceLike), requires_grad=True)
+    y = ops.Dropout.apply(x, p=0.5, seed=1, step=2, layer=3, sample_indices=[0, 1], offset=0)
+    (keep,) = y.node.context.saved_arrays
+    assert type(keep) is DeviceLike and keep.dtype == np.bool_ and keep.shape == (2, 3, 4)
+    np.testing.assert_array_equal(keep, keep_mask((2, 3, 4), 0.5, 1, 2, 3, [0, 1]))
