@@ -84,3 +84,64 @@ def test_a_probability_outside_0_to_1_is_refused_by_the_op(p):
     x = Tensor(np.ones((2, 3), np.float32))
     with pytest.raises(ValueError, match=r"lie in \[0, 1\)"):
         F.dropout(x, p, 1, 2, 3, [0, 1])
+
+
+def test_keep_mask_draws_the_positions_from_0_when_no_offset_is_given():
+    got = keep_mask((2, 3, 4), 0.5, 1, 2, 3, np.array([4, 9]))
+    np.testing.assert_array_equal(got, expected_mask((2, 3, 4), 0.5, 1, 2, 3, [4, 9], offset=0))
+
+
+def test_sample_indices_are_read_flat_whatever_their_shape():
+    one = keep_mask((1, 5), 0.5, 1, 2, 3, 7)  # a lone sample index, as a scalar
+    np.testing.assert_array_equal(one, expected_mask((1, 5), 0.5, 1, 2, 3, [7]))
+    grid = keep_mask((6, 5), 0.5, 1, 2, 3, np.arange(6).reshape(2, 3))  # row-major: 0, 1, ..., 5
+    np.testing.assert_array_equal(grid, expected_mask((6, 5), 0.5, 1, 2, 3, range(6)))
+
+
+@pytest.mark.parametrize("samples", [[-1], [2**32], [3, 2**32], [-1, 2**32]])
+def test_sample_indices_outside_0_to_2_32_minus_1_are_refused(samples):
+    # 2^32 would shift out of the counter's top half: sample 2^32 would draw sample 0's bits.
+    with pytest.raises(ValueError, match=r"sample indices must lie in 0\.\.2\^32 - 1"):
+        keep_mask((len(samples), 4), 0.5, 1, 2, 3, np.array(samples))
+
+
+@pytest.mark.parametrize("offset", [-1, 2**32 - 4, 2**32])
+def test_positions_must_end_below_2_32_minus_1(offset):
+    # A sample of 4 elements (2 x 2) from `offset` on: offset + 4 >= 2^32 is refused.
+    with pytest.raises(ValueError, match=r"a sample may hold at most 2\^32 - 1 elements"):
+        keep_mask((2, 2, 2), 0.5, 1, 2, 3, np.array([0, 1]), offset=offset)
+
+
+def test_the_last_positions_allowed_draw_their_own_bits():
+    offset = 2**32 - 5  # positions 2^32 - 5 .. 2^32 - 2: offset + 4 = 2^32 - 1, the largest allowed
+    got = keep_mask((2, 2, 2), 0.5, 1, 2, 3, np.array([0, 2**32 - 1]), offset=offset)
+    np.testing.assert_array_equal(
+        got, expected_mask((2, 2, 2), 0.5, 1, 2, 3, [0, 2**32 - 1], offset=offset)
+    )
+
+
+def splitmix64_unmix(z):
+    """The inverse of splitmix64_mix: undo each xorshift and multiply, last first."""
+    z = z ^ (z >> 31) ^ (z >> 62)
+    z = (z * pow(0x94D049BB133111EB, -1, WORD)) % WORD
+    z = z ^ (z >> 27) ^ (z >> 54)
+    z = (z * pow(0xBF58476D1CE4E5B9, -1, WORD)) % WORD
+    return z ^ (z >> 30) ^ (z >> 60)
+
+
+def counter_drawing(bits, key):
+    """The counter n whose hash mix(key + (n + 1) g) is `bits`, as (sample, position)."""
+    n = ((splitmix64_unmix(bits) - key) * pow(GAMMA, -1, WORD) - 1) % WORD
+    assert splitmix64_mix((key + (n + 1) * GAMMA) % WORD) == bits  # the inverse is right
+    return n >> 32, n % 2**32
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25, 0.5])
+def test_an_element_whose_bits_equal_p_2_64_is_kept_and_one_below_is_dropped(p):
+    seed, step, layer = 5, 3, 7
+    key, threshold = expected_key(seed, step, layer), int(p * 2**64)  # exact for these p
+    for bits, kept in [(threshold, True), (threshold - 1, False)][: 2 if threshold else 1]:
+        sample, position = counter_drawing(bits, key)
+        assert position < 2**32 - 1, "pick another seed: this position is out of range"
+        got = keep_mask((1, 1), p, seed, step, layer, np.array([sample]), offset=position)
+        assert got[0, 0] == kept, f"bits {bits:#x} against p 2^64 = {threshold:#x}"
