@@ -1,12 +1,16 @@
 """DataParallel's gradient averaging value by value on the simulated world, against means written
-out in NumPy."""
+out in NumPy; and pack's one rounding onto a float16 wire, bit for bit against NumPy's astype."""
 
 import numpy as np
 import pytest
 
 from minimp import distributed as dist
 from minimp import nn, optim
-from minimp.parallel.data_parallel import DataParallel
+from minimp.parallel.data_parallel import DataParallel, pack
+from minimp.precision import halfcast, halfcast_numba
+
+needs_numba = pytest.mark.skipif(not halfcast_numba.available(), reason="numba is not installed")
+CASTS = ["numpy", "astype", pytest.param("numba", marks=needs_numba)]
 
 
 @pytest.mark.parametrize("average", ["before", "after"])
@@ -27,3 +31,54 @@ def test_a_parameter_no_loss_reached_on_one_replica_takes_part_with_zeros(averag
         assert grads[0].dtype == np.float32 and grads[0].shape == (2, 3)
         np.testing.assert_array_equal(grads[0], (np.zeros((2, 3)) + reached) / 2)
         np.testing.assert_array_equal(grads[1], np.full(4, 0.5))
+
+
+def signalling_nans_and_edges():
+    """2048 float32 gradients (past halfcast.SMALL_ARRAY, so the selected cast's bit tricks run):
+    a ramp to +-3e5, past float16's 65504, then NaNs whose top fraction bit is clear (signalling;
+    0x7F800001's top 10 fraction bits are zero), a quiet NaN, float16 subnormals and a tie."""
+    gradient = np.linspace(-3e5, 3e5, 2048, dtype=np.float32)
+    nans = np.array([0x7F800001, 0xFF800001, 0x7FA00000, 0x7FC00000], np.uint32)
+    gradient[:4] = nans.view(np.float32)
+    gradient[4:8] = [1e-6, -3e-7, 6e-8, 65520]  # 65520: halfway to 65536, rounds to infinity
+    return gradient
+
+
+def float16_bits(array):
+    with np.errstate(all="ignore"):  # NumPy's own cast: the reference, flags and all
+        return array.astype(np.float16).view(np.uint16)
+
+
+@pytest.mark.parametrize("implementation", CASTS)
+def test_pack_rounds_a_float32_gradient_once_into_a_float16_wire_signalling_nans_kept(
+    implementation, monkeypatch
+):
+    """average "after": the gradient goes straight into the wire, rounded once from float32 as
+    NumPy's float32 -> float16 astype rounds it, bit for bit: a signalling NaN stays signalling
+    (halfcast.py's docstring). Through float64 first, the CPU's float32 -> float64 conversion would
+    quieten it (0x7FA00000 would land as 0x7F00, not 0x7D00)."""
+    monkeypatch.setattr(halfcast, "_selected", implementation)
+    gradient, wire = signalling_nans_and_edges(), np.empty(2048, np.float16)
+    with np.errstate(over="ignore"):  # the "astype" choice is NumPy's cast, which flags overflow
+        pack(wire, gradient, 0.5, "after")
+    np.testing.assert_array_equal(wire.view(np.uint16), float16_bits(gradient))
+    assert wire.view(np.uint16)[2] == 0x7D00  # sign 0, exponent 31, fraction 0x100: signalling
+
+
+@pytest.mark.parametrize("average", ["before", "after"])
+@pytest.mark.parametrize("implementation", ["numpy", pytest.param("numba", marks=needs_numba)])
+def test_pack_into_a_float16_wire_raises_no_floating_point_flag(
+    implementation, average, monkeypatch
+):
+    """minimp's float32 -> float16 cast sets no floating-point flag where NumPy's astype would
+    warn "overflow encountered in cast" (halfcast.py): under np.errstate(all="raise"), packing
+    values past 65504 gives infinities, and the bits of NumPy's own rounding, without raising."""
+    monkeypatch.setattr(halfcast, "_selected", implementation)
+    gradient = signalling_nans_and_edges()[4:]  # NaNs left out: a product quietens them anyway
+    gradient = np.concatenate([gradient, gradient[:4]])  # 2048 again
+    wire = np.empty(2048, np.float16)
+    with np.errstate(all="raise"):
+        pack(wire, gradient, 0.5, average)
+    scaled = gradient * np.float32(0.5) if average == "before" else gradient
+    np.testing.assert_array_equal(wire.view(np.uint16), float16_bits(scaled))
+    assert np.isinf(wire).sum() > 0 and np.isfinite(wire).sum() > 0
