@@ -52,3 +52,18 @@ def test_the_non_blocking_ring_sends_the_blocking_ring_s_messages_under_its_tags
     assert len(ring.trace) == 2 * p * (p - 1)
     for got, expected in zip(ring, reference):
         np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("p", [1, 3])
+@pytest.mark.parametrize(
+    "out", [np.empty(LENGTH, np.float64), np.empty(LENGTH + 1, np.float32)], ids=["dtype", "size"]
+)
+def test_an_out_of_another_dtype_or_another_size_is_refused_before_any_message(p, out):
+    """Either mismatch alone is refused, by name, at construction: no message is sent (on one rank
+    out = x would cast silently; on three, float32 chunks would land in float64 slots)."""
+
+    def body(comm):
+        RingAllreduce(comm, rank_data(comm.rank), out.copy()).wait()
+
+    with pytest.raises(ValueError, match="out must be a float32 array of 11 elements"):
+        dist.simulate(p, body, timeout=5.0)
