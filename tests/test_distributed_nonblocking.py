@@ -78,3 +78,20 @@ def test_a_message_that_does_not_fill_the_receive_buffer_is_named_at_wait():
 
     with pytest.raises(ValueError, match="received 12 bytes from rank 0 into a 20-byte buffer"):
         dist.simulate(2, body)
+
+
+def test_a_rank_waiting_on_an_irecv_is_named_with_its_source_and_tag():
+    """The deadlock report says what each rank's irecv waits for, by world rank and tag: here the
+    group of world ranks 1 and 2, where each receives from the other and nobody sends."""
+
+    def body(comm):
+        group = comm.split(0 if comm.rank == 0 else 1)
+        if comm.rank > 0:
+            group.irecv(np.empty(3, np.float32), 1 - group.rank, tag=5).wait()
+
+    with pytest.raises(dist.DeadlockError) as caught:
+        dist.simulate(3, body, timeout=5.0)
+    assert str(caught.value) == (
+        "deadlock: rank 1 waits to receive from rank 2 (tag 5); "
+        "rank 2 waits to receive from rank 1 (tag 5); rank 0 has returned"
+    )
