@@ -90,6 +90,19 @@ def test_each_rank_takes_its_share_of_the_cores_unless_threads_is_given(
     assert asked == [expected] and type(asked[0]) is int
 
 
+def test_simulated_ranks_share_one_process_so_each_takes_every_core(monkeypatch):
+    """The simulated ranks are threads of this one process (one BLAS thread pool): they count as
+    one rank on this node, so on 8 cores each asks for 8 threads, not 8 / 2."""
+    asked = []
+    monkeypatch.setattr(backend, "available_cores", lambda: 8)
+    real = backend.limit_cpu_threads
+    monkeypatch.setattr(backend, "limit_cpu_threads", lambda n: asked.append(n) or real(n))
+    config = TrainConfig(steps=1, threads=0, log_every=1000, **TINY)
+    config.validate(2)
+    dist.simulate(2, lambda comm: train(config, log=lambda line: None, comm=comm))
+    assert asked == [8, 8]
+
+
 def test_a_resume_without_lr_decay_steps_continues_the_checkpoints_schedule(
     checkpoint_of_6_steps,
 ):
