@@ -1,5 +1,6 @@
 """DataParallel's gradient averaging value by value on the simulated world, against means written
-out in NumPy; and pack's one rounding onto a float16 wire, bit for bit against NumPy's astype."""
+out in NumPy, and its squared gradient norm; and pack's one rounding onto a float16 wire, bit for
+bit against NumPy's astype."""
 
 import numpy as np
 import pytest
@@ -82,3 +83,18 @@ def test_pack_into_a_float16_wire_raises_no_floating_point_flag(
     scaled = gradient * np.float32(0.5) if average == "before" else gradient
     np.testing.assert_array_equal(wire.view(np.uint16), float16_bits(scaled))
     assert np.isinf(wire).sum() > 0 and np.isfinite(wire).sum() > 0
+
+
+def test_without_other_stages_the_squared_norm_is_this_replica_s_own():
+    """No stages_comm (the default: one stage, no tensor shards): the squared norm is the sum of
+    squares of this rank's gradients (a parameter without one counts nothing), and the other
+    replica's, which hold the same averaged gradients, are not added again."""
+    gradients = [np.array([3.0, -4.0], np.float32), None, np.arange(6, dtype=np.float32)]
+    expected = sum(float(np.sum(np.float64(g) ** 2)) for g in gradients if g is not None)
+
+    def body(comm):
+        parameters = [nn.Parameter(np.zeros(n, np.float32)) for n in (2, 3, 6)]
+        replicas = DataParallel(comm, optim.SGD(parameters, lr=0.1))
+        return replicas.global_squared_norm(gradients)
+
+    assert dist.simulate(2, body) == [expected, expected]
