@@ -44,6 +44,13 @@ def test_sizes_a_schedule_cannot_run_are_named():
     assert all(schedule_problem(name, 2, 4, 1) == "" for name in CHOICES)
 
 
+def test_an_unknown_schedule_s_message_lists_every_name_to_choose_from():
+    problem = schedule_problem("zigzag", 2, 4, 1)
+    assert problem.startswith("unknown schedule 'zigzag' (choose from ") and problem.endswith(")")
+    listed = problem.removeprefix("unknown schedule 'zigzag' (choose from ").removesuffix(")")
+    assert listed.split(", ") == list(CHOICES)
+
+
 @pytest.mark.parametrize("name", CHOICES)
 def test_each_schedules_bubble_formula_is_what_the_simulator_finds(name):
     """Equal costs: F = 1 and B = 2 (B = W = 1 where backward is split), messages free."""
