@@ -1,5 +1,6 @@
 """Device arrays stay on the device: buffers, the ring's all-gather, ZeRO's overlapped rings and
-stage 3's gathered units, each run on DeviceLike arrays (conftest) with a stand-in `cupy` installed.
+stage 3's gathered and freed units, each run on DeviceLike arrays (conftest) with a stand-in
+`cupy` installed.
 
 What the stand-in may honestly stand for: NumPy functions that CuPy takes over through
 __array_function__ (moveaxis, empty_like) return CuPy arrays for CuPy input, and return DeviceLike
@@ -22,7 +23,7 @@ from minimp.ops.dropout import keep_mask
 from minimp.optim import SGD
 from minimp.parallel.zero import zero_data_parallel
 from minimp.parallel.zero_overlap import OverlappedUnits
-from minimp.parallel.zero_stage3 import _Packed
+from minimp.parallel.zero_stage3 import _Packed, free
 
 RANKS = 2
 
@@ -104,3 +105,19 @@ def test_dropout_draws_its_mask_on_the_input_s_device(monkeypatch):
     (keep,) = y.node.context.saved_arrays
     assert type(keep) is DeviceLike and keep.dtype == np.bool_ and keep.shape == (2, 3, 4)
     np.testing.assert_array_equal(keep, keep_mask((2, 3, 4), 0.5, 1, 2, 3, [0, 1]))
+
+
+def test_a_freed_stage_3_parameter_is_a_nan_on_its_own_device(monkeypatch):
+    """free() makes the NaN with the parameter's array module: numpy.full has no array to follow
+    (it would make a host array on a GPU), cupy.full a CuPy one, and CuPy's broadcast_to keeps
+    it a CuPy array; one element of memory, the parameter's shape and dtype."""
+    cupy = cupy_stand_in()
+    cupy.full = lambda shape, value, dtype=None: np.full(shape, value, dtype).view(DeviceLike)
+    cupy.broadcast_to = lambda array, shape: np.broadcast_to(array, shape, subok=True)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    parameter = nn.Parameter(np.ones((2, 3), np.float16))
+    parameter.data = parameter.data.view(DeviceLike)
+    free(parameter)
+    freed = parameter.data
+    assert type(freed) is DeviceLike and freed.shape == (2, 3) and freed.dtype == np.float16
+    assert np.isnan(freed).all() and freed.strides == (0, 0)
