@@ -98,3 +98,31 @@ def test_without_other_stages_the_squared_norm_is_this_replica_s_own():
         return replicas.global_squared_norm(gradients)
 
     assert dist.simulate(2, body) == [expected, expected]
+
+
+@pytest.mark.parametrize("last_elements, buckets", [(1, 1), (2, 2)])
+def test_the_default_bucket_limit_is_25_mib_of_wire(last_elements, buckets):
+    """bucket_mb defaults to 25 (PyTorch DDP's bucket_cap_mb): a float32 wire holds 25 * 2**20 / 4
+    elements a bucket. A parameter one element short of that and one more parameter of 1 element
+    fill the limit exactly (one bucket); of 2 elements, they pass it by one (two buckets)."""
+    limit = 25 * 2**20 // np.dtype(np.float32).itemsize
+    comm = dist.simulate(1, lambda comm: comm)[0]
+    sizes = (last_elements, limit - 1)  # taken last to first: the big one opens the first bucket
+    parameters = [nn.Parameter(np.zeros(n, np.float32)) for n in sizes]
+    replicas = DataParallel(comm, optim.SGD(parameters, lr=0.1))
+    assert len(replicas.buckets) == buckets
+    assert replicas.buckets[0][0][0] == 1 and sum(n for _, n in replicas.buckets) == sum(sizes)
+
+
+def test_a_rank_without_parameters_has_no_buckets_and_nothing_to_reduce():
+    """A stage may hold no parameters: the replicas build with no buckets, buffers or plans (no
+    array to take an array module from), and reduce leaves the empty gradient list as it was."""
+
+    def body(comm):
+        replicas = DataParallel(comm, optim.SGD([], lr=0.1))
+        gradients: list = []
+        replicas.reduce(gradients)
+        return replicas.buckets, replicas.buffers, replicas.plans, gradients
+
+    assert dist.simulate(2, body) == [([], [], [], [])] * 2
+
