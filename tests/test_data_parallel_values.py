@@ -8,6 +8,7 @@ import pytest
 from minimp import distributed as dist
 from minimp import nn, optim
 from minimp.parallel.data_parallel import DataParallel, pack
+from minimp.parallel.tensor_parallel_grads import TensorParallelGradients
 from minimp.precision import halfcast, halfcast_numba
 
 needs_numba = pytest.mark.skipif(not halfcast_numba.available(), reason="numba is not installed")
@@ -126,3 +127,39 @@ def test_a_rank_without_parameters_has_no_buckets_and_nothing_to_reduce():
 
     assert dist.simulate(2, body) == [([], [], [], [])] * 2
 
+
+def test_without_overlap_no_communication_happens_inside_backward():
+    """The all-reduce of reduce() runs after backward, not inside it: without overlap (asked for
+    or not: one replica has nothing to overlap) the running total stays exactly 0 seconds."""
+
+    def body(comm, overlap):
+        parameters = [nn.Parameter(np.zeros(3, np.float32))]
+        replicas = DataParallel(comm, optim.SGD(parameters, lr=0.1), overlap=overlap)
+        replicas.reduce([np.ones(3, np.float32)])
+        return replicas.backward_communication_seconds()
+
+    assert dist.simulate(2, body, False) == [0.0, 0.0]
+    assert dist.simulate(1, body, True) == [0.0]
+
+
+def test_a_partial_tensor_parallel_gradient_no_loss_reached_is_summed_as_zeros():
+    """One replica (nothing to average) and two tensor-parallel ranks: position 0 holds partial
+    gradients (sequence parallelism), position 1 a whole copy. Rank 0's loss did not reach
+    position 0: it takes part with zeros shaped like its master, and both ranks get rank 1's
+    gradient (0 + g); position 1 is left as it was."""
+    reached = np.arange(6, dtype=np.float32).reshape(2, 3)
+
+    def body(comm):
+        replica = comm.split(color=comm.rank)  # each rank its own data-parallel group of one
+        parameters = [nn.Parameter(np.zeros((2, 3), np.float32)), nn.Parameter(np.zeros(4))]
+        shards = TensorParallelGradients(comm, replicated=[0, 1], partial=[0])
+        optimizer = optim.SGD(parameters, lr=0.1)
+        replicas = DataParallel(replica, optimizer, tensor_parallel=shards)
+        grads = [None if comm.rank == 0 else reached.copy(), np.full(4, comm.rank, np.float32)]
+        replicas.reduce(grads)
+        return grads
+
+    for rank, grads in enumerate(dist.simulate(2, body)):
+        assert grads[0].dtype == np.float32 and grads[0].shape == (2, 3)
+        np.testing.assert_array_equal(grads[0], np.zeros((2, 3)) + reached)
+        np.testing.assert_array_equal(grads[1], np.full(4, rank))
