@@ -1,6 +1,6 @@
-"""Device arrays stay on the device: buffers, the ring's all-gather, ZeRO's overlapped rings and
-stage 3's gathered and freed units, each run on DeviceLike arrays (conftest) with a stand-in
-`cupy` installed.
+"""Device arrays stay on the device: buffers, the ring's all-gather, DataParallel's buckets, ZeRO's
+overlapped rings and stage 3's gathered and freed units, each run on DeviceLike arrays (conftest)
+with a stand-in `cupy` installed.
 
 What the stand-in may honestly stand for: NumPy functions that CuPy takes over through
 __array_function__ (moveaxis, empty_like) return CuPy arrays for CuPy input, and return DeviceLike
@@ -21,6 +21,7 @@ from minimp.distributed.buffers import contiguous_flat, output_buffer
 from minimp.distributed.ring import all_gather
 from minimp.ops.dropout import keep_mask
 from minimp.optim import SGD
+from minimp.parallel.data_parallel import DataParallel
 from minimp.parallel.zero import zero_data_parallel
 from minimp.parallel.zero_overlap import OverlappedUnits
 from minimp.parallel.zero_stage3 import _Packed, free
@@ -121,3 +122,23 @@ def test_a_freed_stage_3_parameter_is_a_nan_on_its_own_device(monkeypatch):
     freed = parameter.data
     assert type(freed) is DeviceLike and freed.shape == (2, 3) and freed.dtype == np.float16
     assert np.isnan(freed).all() and freed.strides == (0, 0)
+
+
+def _replicas_of_device_masters(comm):
+    """DataParallel over two replicas whose float32 masters (a (2, 3) and a 4) are device arrays:
+    its bucket buffers, (send, receive) for each bucket."""
+    parameters = [nn.Parameter(np.zeros((2, 3), np.float32)), nn.Parameter(np.zeros(4, np.float32))]
+    optimizer = SGD(parameters, lr=0.1)
+    optimizer.master_weights[:] = [master.view(DeviceLike) for master in optimizer.master_weights]
+    return DataParallel(comm, optimizer, bucket_mb=1e-5, comm_dtype=np.float16).buffers
+
+
+def test_data_parallel_s_bucket_buffers_live_on_the_masters_device(monkeypatch):
+    """The buffers are made, once, by the masters' array module (cupy.empty): the gradients are
+    packed onto them and the ring adds into them on the device. A limit of about 10 bytes: the
+    two float16 parameters (20 bytes together) take a bucket each, last to first."""
+    monkeypatch.setitem(sys.modules, "cupy", cupy_stand_in())
+    for buffers in dist.simulate(RANKS, _replicas_of_device_masters):
+        assert [(send.size, receive.size) for send, receive in buffers] == [(4, 4), (6, 6)]
+        for array in (array for pair in buffers for array in pair):
+            assert type(array) is DeviceLike and array.dtype == np.float16
