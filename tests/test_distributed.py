@@ -230,5 +230,6 @@ def test_the_simulated_world_refuses_a_non_contiguous_array_as_mpi_does():
         else:
             comm.recv(np.zeros(4, np.float32), 0)
 
+    # rank 1 then waits for a message that never comes: a short timeout ends it soon
     with pytest.raises(ValueError, match="C-contiguous"):
-        dist.simulate(2, body)
+        dist.simulate(2, body, timeout=5)
