@@ -153,7 +153,7 @@ class SimulatedCommunicator(Communicator):
         )
         world.sends_by_rank[source] += 1
         world.trace.append(record)
-        envelope = _Envelope(payload, record)
+        envelope = _Envelope(payload)
         key = (self.context, source, target, tag)
         if world.posted[key]:  # a receive is waiting for it (irecv): delivered at once
             world.posted[key].popleft().deliver(envelope)

@@ -27,10 +27,10 @@ class Message:
 
 
 class _Envelope:
-    __slots__ = ("payload", "taken", "record")
+    __slots__ = ("payload", "taken")
 
-    def __init__(self, payload, record):
-        self.payload, self.taken, self.record = payload, False, record
+    def __init__(self, payload):
+        self.payload, self.taken = payload, False
 
 
 class WorldState:
