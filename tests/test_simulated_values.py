@@ -1,6 +1,7 @@
 """The simulated communicator's rules at their edges: a message of exactly `eager_limit` bytes is
 still eager (MPI's eager protocol covers sizes up to and including the threshold), and sendrecv's
-default tags are send's and recv's (0), so it pairs with them. Also what it reports: each message's
+default tags are send's and recv's (0), so it pairs with them; bcast's default root and split's
+default key are MPI's (0), as the Communicator Protocol says. Also what it reports: each message's
 place among its sender's (the trace's `step`), the sender a wrong-sized message came from, and a
 receive no rank will ever match, as a deadlock naming who it waits for."""
 
@@ -126,3 +127,35 @@ def test_a_receive_no_rank_will_match_is_a_deadlock_naming_source_and_tag():
     expected = r"rank 0 waits to receive from rank 1 \(tag 5\); rank 1 has returned"
     with pytest.raises(dist.DeadlockError, match=expected):
         dist.simulate(2, body, timeout=1.0)
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_bcast_without_a_root_sends_rank_0_s_array(size):
+    """Each rank starts with its own array (rank r holds r + 1); bcast(x) names no root, so every
+    rank ends with rank 0's, sent by rank 0 alone. On one rank it is a no-op: no peer to wait on.
+    """
+
+    def body(comm):
+        array = np.full(3, comm.rank + 1.0, np.float32)
+        comm.bcast(array)
+        return array
+
+    received = dist.simulate(size, body, timeout=5.0)
+    for array in received:
+        np.testing.assert_array_equal(array, np.ones(3, np.float32))
+    assert [message.source for message in received.trace] == [0] * (size - 1)
+
+
+def test_split_without_a_key_ranks_as_key_0_among_ranks_that_give_one():
+    """One color, four ranks: rank 0 gives no key, ranks 1, 2, 3 give keys 1, 0, -1. MPI orders
+    the group by (key, old rank) with key 0 for rank 0, so the new order is 3, 0, 2, 1."""
+    keys = {1: 1, 2: 0, 3: -1}
+
+    def body(comm):
+        group = comm.split(7) if comm.rank == 0 else comm.split(7, key=keys[comm.rank])
+        return group.rank, group.size
+
+    expected_order = sorted(range(4), key=lambda r: (keys.get(r, 0), r))
+    answers = dist.simulate(4, body, timeout=5.0)
+    assert [rank for rank, _ in answers] == [expected_order.index(r) for r in range(4)]
+    assert {size for _, size in answers} == {4}
