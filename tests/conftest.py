@@ -64,8 +64,14 @@ def cupy_stand_in():
     the device. NumPy's functions return DeviceLike arrays too, as CuPy's take NumPy's calls."""
     cupy = types.ModuleType("cupy")
     cupy.__getattr__ = lambda name: getattr(np, name)  # moveaxis, ... (PEP 562)
+    # constructors follow no array, so NumPy's would make host arrays: CuPy's make device ones
     cupy.empty = lambda shape, dtype: np.empty(shape, dtype).view(DeviceLike)
+    cupy.zeros = lambda shape, dtype=float: np.zeros(shape, dtype).view(DeviceLike)
+    cupy.full = lambda shape, value, dtype=None: np.full(shape, value, dtype).view(DeviceLike)
+    cupy.arange = lambda *args, **kwargs: np.arange(*args, **kwargs).view(DeviceLike)
+    cupy.asarray = lambda a, dtype=None: np.asarray(a, dtype).view(DeviceLike)
     cupy.ascontiguousarray = lambda a: np.ascontiguousarray(a).view(DeviceLike)
+    cupy.broadcast_to = lambda array, shape: np.broadcast_to(array, shape, subok=True)
     # cupy.lib.stride_tricks.as_strided returns a CuPy view of a CuPy array
     as_strided = lambda x, shape=None, strides=None: np.lib.stride_tricks.as_strided(  # noqa: E731
         x, shape, strides, subok=True

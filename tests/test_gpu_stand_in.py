@@ -97,10 +97,7 @@ def test_dropout_draws_its_mask_on_the_input_s_device(monkeypatch):
     """The mask Dropout saves for backward is made by the input's array module: CuPy's asarray
     and arange make CuPy arrays, so on a GPU it is a device array (a host mask would make
     cupy.where refuse it, as CuPy converts no NumPy array implicitly)."""
-    cupy = cupy_stand_in()
-    cupy.asarray = lambda a, dtype=None: np.asarray(a, dtype).view(DeviceLike)
-    cupy.arange = lambda *args, **kwargs: np.arange(*args, **kwargs).view(DeviceLike)
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy", cupy_stand_in())
     x = Tensor(np.ones((2, 3, 4), np.float32).view(DeviceLike), requires_grad=True)
     y = ops.Dropout.apply(x, p=0.5, seed=1, step=2, layer=3, sample_indices=[0, 1], offset=0)
     (keep,) = y.node.context.saved_arrays
@@ -112,10 +109,7 @@ def test_a_freed_stage_3_parameter_is_a_nan_on_its_own_device(monkeypatch):
     """free() makes the NaN with the parameter's array module: numpy.full has no array to follow
     (it would make a host array on a GPU), cupy.full a CuPy one, and CuPy's broadcast_to keeps
     it a CuPy array; one element of memory, the parameter's shape and dtype."""
-    cupy = cupy_stand_in()
-    cupy.full = lambda shape, value, dtype=None: np.full(shape, value, dtype).view(DeviceLike)
-    cupy.broadcast_to = lambda array, shape: np.broadcast_to(array, shape, subok=True)
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy", cupy_stand_in())
     parameter = nn.Parameter(np.ones((2, 3), np.float16))
     parameter.data = parameter.data.view(DeviceLike)
     free(parameter)
