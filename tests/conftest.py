@@ -9,8 +9,16 @@ import subprocess
 import sys
 import types
 
-import numpy as np
-import pytest
+# The lessons' figures, and the tests that pin them, were made under OpenBLAS's Haswell kernel:
+# another (SkylakeX, on AVX-512) adds float32 products in another order and moves last digits.
+# Machines here once set this in the environment and no longer do, so the suite sets it itself,
+# for this process and the notebooks and mpirun ranks it starts, before NumPy loads OpenBLAS.
+if "numpy" not in sys.modules:
+    os.environ["OPENBLAS_CORETYPE"] = "Haswell"
+    os.environ["OPENBLAS_L2_SIZE"] = "512"
+
+import numpy as np  # noqa: E402  (after the kernel is chosen)
+import pytest  # noqa: E402
 
 # Subprocesses (python -m minimp.train, mpirun) must use this interpreter and its mpirun.
 PYTHON = sys.executable

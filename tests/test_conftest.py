@@ -73,3 +73,14 @@ def test_under_a_mutant_its_rows_tests_run_first_then_the_rest_fastest_first(tmp
         ran[mutant] = [line.split("::")[1].split()[0] for line in passed]
     assert ran["minimp.x_f__mutmut_1"] == ["test_slow", "test_quick", "test_middle"]
     assert ran["minimp.x_f__mutmut_2"] == ["test_quick", "test_middle", "test_slow"]
+
+
+def test_the_suite_runs_numpy_s_openblas_on_the_haswell_kernel_the_figures_were_made_with():
+    """conftest pins OPENBLAS_CORETYPE before NumPy loads; had NumPy been imported first (by a
+    plugin), the kernel would be the CPU's own and kernel-dependent figures would drift."""
+    from threadpoolctl import threadpool_info
+
+    openblas = [pool for pool in threadpool_info() if pool["internal_api"] == "openblas"]
+    assert openblas, "NumPy's BLAS is not OpenBLAS here: the pinned figures assume it"
+    assert {pool["architecture"] for pool in openblas} == {"Haswell"}
+    assert os.environ["OPENBLAS_CORETYPE"] == "Haswell"  # the notebooks and mpirun ranks inherit it
