@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from minimp.npz import read_arrays
+
 
 @dataclass
 class Dataset:
@@ -41,14 +43,14 @@ def load_digits() -> Dataset:
     """The 8x8 handwritten digits (1,797 images; see minimp/datasets/README.md for source and
     license), pixels scaled from 0..16 to 0..1, with the fixed 1,437 / 360 train/test split."""
     with resources.files("minimp.datasets").joinpath("digits.npz").open("rb") as handle:
-        arrays = np.load(handle)
-        return Dataset(
-            name="digits",
-            train_images=arrays["train_images"].astype(np.float32) / 16.0,
-            train_labels=arrays["train_labels"].astype(np.int64),
-            test_images=arrays["test_images"].astype(np.float32) / 16.0,
-            test_labels=arrays["test_labels"].astype(np.int64),
-        )
+        arrays = read_arrays(handle)
+    return Dataset(
+        name="digits",
+        train_images=arrays["train_images"].astype(np.float32) / 16.0,
+        train_labels=arrays["train_labels"].astype(np.int64),
+        test_images=arrays["test_images"].astype(np.float32) / 16.0,
+        test_labels=arrays["test_labels"].astype(np.int64),
+    )
 
 
 DATASETS = {"digits": load_digits}

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from minimp import backend
+from minimp.npz import read_arrays
 from minimp.optim import Optimizer
 from minimp.precision import LossScaler
 from minimp.train.errors import CheckpointError
@@ -84,11 +85,7 @@ def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path} does not exist (check the --resume path)")
     try:
-        loaded = np.load(path, allow_pickle=False)
-        if not isinstance(loaded, np.lib.npyio.NpzFile):  # an .npy renamed: one bare array
-            raise ValueError("it holds a single array, not an .npz archive")
-        with loaded as archive:
-            arrays = {name: archive[name] for name in archive.files}
+        arrays = read_arrays(path)  # refuses an .npy renamed (one bare array) with ValueError
         meta = json.loads(str(arrays.pop("meta")))
     except (zipfile.BadZipFile, ValueError, KeyError, OSError, EOFError) as error:
         raise CheckpointError(
