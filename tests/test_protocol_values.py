@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from minimp import distributed as dist
-from minimp.distributed.protocol import byte_view
+from minimp.distributed.protocol import byte_view, contiguous_for_wire
 
 SHAPES = [(), (5,), (2, 3), (2, 3, 4)]
 
@@ -50,3 +50,19 @@ def test_a_message_fits_any_buffer_of_its_byte_count_whatever_its_shape():
     np.testing.assert_array_equal(other, matrix.reshape(3, 2))
     np.testing.assert_array_equal(one, [2.5])
     assert back.shape == () and back == 2.5
+
+
+def test_the_wire_refuses_a_strided_array_with_the_whole_message():
+    """The message names the fix and the array's shape and strides, and nothing else."""
+    strided = np.zeros(8, np.float32)[::2]
+    with pytest.raises(ValueError) as caught:
+        contiguous_for_wire(strided)
+    assert str(caught.value) == (
+        "communication needs a C-contiguous array (use numpy.ascontiguousarray); "
+        "got one of shape (4,) with strides (8,)"
+    )
+
+
+def test_the_wire_hands_back_a_contiguous_array_itself():
+    array = np.zeros((2, 3), np.float32)
+    assert contiguous_for_wire(array) is array
