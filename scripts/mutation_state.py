@@ -12,7 +12,9 @@ when `mutmut run` then generates the mutants, it keeps a stored result only wher
 hash is unchanged (mutmut's own rule when it regenerates a file), so an edited function is checked
 again. restore keeps the detected mutants (killed, timeout, segfault) and the survivors
 docs/testing.md marks equivalent; every other result (a survivor, a mutant no test reached) is left
-for the run to redo, since the tests may have changed since it was saved. A detected mutant stays
+for the run to redo, since the tests may have changed since it was saved; `save` keeps what the
+results file holds for a mutant the run did not check, while its function's hash is unchanged,
+so a run stopped before it reran them does not lose them. A detected mutant stays
 detected unless a test was removed or weakened: for a score after such a change, rerun it
 (`mutmut run NAME`) or start fresh.
 """
@@ -30,16 +32,35 @@ from mutmut.stats import status_by_exit_code
 RESULTS = os.path.join("docs", "mutation_results.json")
 
 
+def function_of(mutant: str) -> str:
+    """The mangled name of its function, as mutmut hashes it: `a.b.x_f__mutmut_3` -> `x_f`."""
+    return mutant.rsplit("__mutmut_", 1)[0].rsplit(".", 1)[1]
+
+
 def save(mutants_dir: str, results_path: str) -> int:
-    """Write every .meta file's hashes and non-empty exit codes; returns the mutants saved."""
+    """Write every .meta file's hashes and non-empty exit codes; returns the mutants saved.
+
+    A result the results file already holds is kept for a mutant this run did not check, while
+    its function's hash is unchanged: restore leaves undocumented survivors out for a rerun, and a
+    run stopped before it reached them must not lose that they were checked and survived."""
     files, saved = {}, 0
+    previous = {}
+    if os.path.exists(results_path):
+        with open(results_path) as file:
+            previous = json.load(file)["files"]
     pattern = os.path.join(mutants_dir, "**", "*.py.meta")
     for meta_path in sorted(glob.glob(pattern, recursive=True)):
         with open(meta_path) as file:
             meta = json.load(file)
         source = os.path.relpath(meta_path, mutants_dir)[: -len(".meta")]
+        hashes = meta["hash_by_function_name"]
         codes = {name: code for name, code in meta["exit_code_by_key"].items() if code is not None}
-        files[source] = {"hashes": meta["hash_by_function_name"], "exit_codes": codes}
+        before = previous.get(source, {"hashes": {}, "exit_codes": {}})
+        for name, code in before["exit_codes"].items():
+            function = function_of(name)
+            if name not in codes and before["hashes"].get(function) == hashes.get(function):
+                codes[name] = code
+        files[source] = {"hashes": hashes, "exit_codes": dict(sorted(codes.items()))}
         saved += len(codes)
     with open(results_path, "w") as file:
         json.dump({"mutmut": mutmut_version, "files": files}, file, indent=0, sort_keys=True)

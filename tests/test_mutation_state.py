@@ -58,3 +58,33 @@ def test_a_row_whose_cells_hold_escaped_pipes_is_read(tmp_path):
     doc = tmp_path / "testing.md"
     doc.write_text("| `m.x_f__mutmut_5` | `a \\| b` -> `a & b` | equivalent: `x \\| y` is y |\n")
     assert mutation_score.documented(str(doc)) == {"m.x_f__mutmut_5": "equivalent: `x \\| y` is y"}
+
+
+def test_save_keeps_an_earlier_result_of_a_mutant_this_run_did_not_check_while_its_hash_holds(
+    tmp_path,
+):
+    """restore leaves the survivors out to be rerun; a run stopped before it reached them would
+    otherwise save them as never checked. A result this run has wins, and a function whose hash
+    has moved loses its old results (its mutants are new)."""
+    results = str(tmp_path / "results.json")
+    write_meta(tmp_path / "first", CODES)
+    assert mutation_state.save(str(tmp_path / "first"), results) == 5
+    rerun = {"pkg.f.x_g__mutmut_1": 1, "pkg.f.x_g__mutmut_3": 1}  # _3 now killed, the rest unrun
+    write_meta(tmp_path / "second", rerun)
+    assert mutation_state.save(str(tmp_path / "second"), results) == 5
+    with open(results) as file:
+        saved = json.load(file)["files"]["pkg/f.py"]
+    assert saved["exit_codes"] == {"pkg.f.x_g__mutmut_1": 1, "pkg.f.x_g__mutmut_2": 0,
+                                   "pkg.f.x_g__mutmut_3": 1, "pkg.f.x_g__mutmut_4": 33,
+                                   "pkg.f.x_g__mutmut_6": 36}  # fmt: skip
+    write_meta(tmp_path / "edited", {"pkg.f.x_g__mutmut_1": 0})
+    meta_path = tmp_path / "edited" / "pkg" / "f.py.meta"
+    meta = json.loads(meta_path.read_text())
+    meta["hash_by_function_name"] = {"x_g": "def"}
+    meta_path.write_text(json.dumps(meta))
+    assert mutation_state.save(str(tmp_path / "edited"), results) == 1
+
+
+def test_a_mutant_s_function_is_the_mangled_name_mutmut_hashes():
+    assert mutation_state.function_of("a.b.x_f__mutmut_12") == "x_f"
+    assert mutation_state.function_of("a.b.xǁCǁ__init____mutmut_3") == "xǁCǁ__init__"
