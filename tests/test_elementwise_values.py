@@ -63,3 +63,20 @@ def test_relu_of_a_device_array_is_a_device_array_forward_and_backward(dtype, mo
     np.testing.assert_array_equal(
         grad.view(np.ndarray).view(np.uint8), expected_grad.view(np.uint8)
     )
+
+
+@pytest.mark.parametrize("a_dtype, b_dtype", [(np.float32, np.float16), (np.float16, np.float32),
+                                              (np.float16, ml_dtypes.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize("op", ["add", "mul"])
+def test_a_binary_op_of_two_dtypes_rounds_once_into_their_promotion(a_dtype, b_dtype, op):
+    """float16 with float32 is float32 whichever side each is on, and float16 with bfloat16 is
+    float32 too (ml_dtypes has no rule for it): one operand's dtype alone would round the exact
+    float32 result into 16 bits."""
+    from minimp.ops.elementwise import Add, Mul
+
+    a = np.array([1.0 + 2.0**-10, 3.0], a_dtype)
+    b = np.array([2.0**-12, 1.0 / 3.0], b_dtype)
+    exact = {"add": np.add, "mul": np.multiply}[op](a.astype(np.float32), b.astype(np.float32))
+    out = {"add": Add, "mul": Mul}[op].forward(Context((True, True)), a, b)
+    assert out.dtype == np.float32
+    assert np.array_equal(out.view(np.uint32), exact.view(np.uint32))
