@@ -109,3 +109,26 @@ def test_linear_writes_its_output_and_gradients_into_arrays_from_the_memory_pool
     for array in (y, grad_x, grad_weight):
         assert pool.holds(owner(array)) and array.dtype == np.float32
     np.testing.assert_array_equal(y, x @ weight.T + bias)
+
+
+@pytest.mark.parametrize("needs", [(True, False, False), (False, True, False),
+                                   (False, False, True), (True, True, True)])  # fmt: skip
+def test_linear_backward_computes_exactly_the_gradients_asked_for(needs):
+    """Each gradient asked for is the float32 product (x: dy W, weight: dy^T x, bias: the sum
+    over rows), on a 3-D input; each one not asked for is None, not computed and not a
+    placeholder (the engine skips inputs that need no gradient, such as the data)."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    weight = rng.standard_normal((5, 4)).astype(np.float32)
+    bias = rng.standard_normal(5).astype(np.float32)
+    ctx = Context(needs)
+    Linear.forward(ctx, x, weight, bias)
+    dy = rng.standard_normal((2, 3, 5)).astype(np.float32)
+    rows, dy_rows = x.reshape(6, 4), dy.reshape(6, 5)
+    expected = ((dy_rows @ weight).reshape(x.shape), dy_rows.T @ rows, dy_rows.sum(axis=0))
+    for needed, grad, want in zip(needs, Linear.backward(ctx, dy), expected):
+        if needed:
+            assert grad.dtype == np.float32 and grad.shape == want.shape
+            np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-6)
+        else:
+            assert grad is None
