@@ -132,3 +132,4 @@ def test_linear_backward_computes_exactly_the_gradients_asked_for(needs):
             np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-6)
         else:
             assert grad is None
+
