@@ -14,7 +14,7 @@ LAYERS = [
         "arrays",
         ("minimp.backend", "minimp.memory_pool", "minimp.precision.casting")
         + ("minimp.precision.halfcast",)
-        + ("minimp.precision.halfcast_numba", "minimp.precision.fp8"),
+        + ("minimp.precision.halfcast_numba", "minimp.precision.fp8", "minimp.npz"),
     ),
     (
         "autograd",
