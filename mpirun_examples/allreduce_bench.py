@@ -117,7 +117,9 @@ def print_table(report):
     print(f"model: {model['name']}; agree {model['agree'] * 1e6:.1f} us; Python " + ", ".join(
         f"{name} {seconds * 1e6:.1f} us" for name, seconds in python.items()
     ))  # fmt: skip
-    for term in ("message", "reduce"):
+    for term in ("message", "reduce", "ring_step"):
+        if model.get(term) is None:
+            continue
         pieces = Line.from_dict(model[term]).pieces()
         print(f"{term}: " + "; ".join(
             f"{line.intercept * 1e6:.1f} us + n / {1 / max(line.slope, 1e-30) / 1e9:.2f} GB/s"

@@ -1,12 +1,12 @@
 """Fit the machine models minimp ships (minimp/machine_models.json) from allreduce_bench runs.
 
-    for i in 1 2 3 4 5; do
-        mpirun -n 2 python mpirun_examples/allreduce_bench.py --json > runs/p2-$i.json
-        mpirun -n 4 python mpirun_examples/allreduce_bench.py --json > runs/p4-$i.json
-    done
-    for i in 1 2 3 4 5; do   # held out by launch too: the rows of fresh processes
-        mpirun -n 2 python mpirun_examples/allreduce_bench.py --no-calibration --json \
-            > runs/e2-$i.json
+    for i in 1 2 3 4 5; do   # e*: held out by launch too, the rows of fresh processes
+        for p in 2 4; do
+            mpirun -bind-to core -n $p python mpirun_examples/allreduce_bench.py --json \
+                > runs/p$p-$i.json
+            mpirun -bind-to core -n $p python mpirun_examples/allreduce_bench.py \
+                --no-calibration --json > runs/e$p-$i.json
+        done
     done
     python scripts/fit_machine_models.py runs/p*.json runs/e*.json
 
@@ -30,7 +30,7 @@ import sys
 
 import numpy as np
 
-from minimp.distributed.calibrate import PRETENDED_RANKS
+from minimp.distributed.calibrate import PRETENDED_RANKS, ring_step_line
 from minimp.machinemodel import ALGORITHMS, SHIPPED_PATH, MachineModel, fit_lines, relative_errors
 
 
@@ -56,6 +56,10 @@ def fit_from_runs(runs: list[dict]) -> MachineModel:
         python=python,
         message=fit_lines(sizes, median("message")),
         reduce=fit_lines(sizes, median("reduce")),
+        ring_step=ring_step_line(
+            sizes, median("ring_step"),
+            float(np.median([run["terms"]["ring_step_python"] for run in runs])),
+        ),  # fmt: skip
         name=f"shipped: medians of {len(runs)} runs",
     )
 

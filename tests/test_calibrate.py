@@ -14,9 +14,11 @@ from minimp.distributed.calibrate import (
     measure_terms,
     python_seconds,
     repeats_for,
+    ring_step_line,
     rotating_chunks,
     timed,
 )
+from minimp.distributed.protocol import Tag
 from minimp.distributed.simulated import simulate
 from minimp.machinemodel import ALGORITHMS as MODELLED
 from minimp.machinemodel import fit_lines
@@ -40,7 +42,9 @@ def test_calibrate_measures_every_term_on_every_rank_alike(ranks):
     for model, terms in results:
         assert model.ranks == ranks and terms["sizes"] == sizes
         assert len(terms["message"]) == len(terms["reduce"]) == len(sizes)
-        assert terms["agree"] > 0 and all(t > 0 for t in terms["message"] + terms["reduce"])
+        assert len(terms["ring_step"]) == len(sizes)
+        measured = terms["message"] + terms["reduce"] + terms["ring_step"]
+        assert terms["agree"] > 0 and all(t > 0 for t in measured)
         for name, seconds in terms["python"].items():
             assert len(seconds) == len(PRETENDED_RANKS) and min(seconds) > 0, name
         assert model.ring_allreduce(4096) > model.agree
@@ -70,6 +74,7 @@ class Recorder:
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
         self.calls: list = []
+        self.tags: list = []
 
     def barrier(self):
         self.calls.append(("barrier",))
@@ -80,6 +85,7 @@ class Recorder:
 
     def sendrecv(self, send, dest, recv, source, tag=None):
         self.calls.append(("sendrecv", send.dtype, send.nbytes, dest, recv.nbytes, source))
+        self.tags.append(tag)
 
 
 class FakeClock:
@@ -134,14 +140,18 @@ def test_measure_terms_times_the_agreement_exchanges_with_the_partner_and_adds(
     _, values, op = comm.calls[0]
     assert values.dtype == np.float64 and values.tolist() == [0.0] * 4 and op == "max"
     python_repeats = [100] * len(PRETENDED_RANKS) * len(MODELLED)
-    assert repeats == [200] + python_repeats + [50, 50, 50, 50]
+    # message, reduce, ring step per size; then the ring step's Python
+    assert repeats == [200] + python_repeats + [50] * 6 + [100]
     exchanges = [call[1:] for call in comm.calls if call[0] == "sendrecv"]
-    assert exchanges == [
-        (np.float32, 12, partner, 12, partner),
-        (np.float32, 24, partner, 24, partner),
-    ]
+    # per size: the message, then the ring's two steps between the pair, chunks of that size
+    assert exchanges == [(np.float32, 12, partner, 12, partner)] * 3 + [
+        (np.float32, 24, partner, 24, partner)
+    ] * 3
     assert adds == [(12, 12, ("sum",)), (24, 24, ("sum",))]
     assert terms["sizes"] == [12, 24] and terms["message"] == terms["reduce"] == [1.0, 1.0]
+    assert terms["ring_step"] == [1.0, 1.0] and terms["ring_step_python"] == 1.0
+    # the silent step comes last: its two messages never reach the communicator
+    assert len(exchanges) == 6
 
 
 def test_rotating_chunks_are_float32_chunks_of_nbytes_taken_in_turn():
@@ -184,15 +194,55 @@ def test_calibrate_fits_each_term_and_names_the_model(monkeypatch):
         "sizes": sizes,
         "message": [2e-6 + 1e-9 * n for n in sizes],
         "reduce": [1e-7 + 4e-10 * n for n in sizes],
+        "ring_step": [9e-6 + 3e-9 * n for n in sizes],
+        "ring_step_python": 4e-6,
     }
     monkeypatch.setattr(calibration, "measure_terms", lambda comm, sizes: terms)
     model, measured = calibrate(Recorder(0, 4), sizes)
     assert measured is terms and model.ranks == 4 and model.agree == 3e-6
     assert model.message == fit_lines(sizes, terms["message"])
     assert model.reduce == fit_lines(sizes, terms["reduce"])
+    # the step less its Python, which the ring's Python term holds already
+    assert model.ring_step(48) == pytest.approx(5e-6 + 3e-9 * 48)
+    assert model.ring_step == ring_step_line(sizes, terms["ring_step"], 4e-6)
     assert model.message != model.reduce  # neither is the other, nor the default Line(0, 0)
     assert model.reduce(48) == pytest.approx(1e-7 + 4e-10 * 48)
     assert model.python == {
         name: fit_lines(PRETENDED_RANKS, seconds) for name, seconds in terms["python"].items()
     }
     assert model.name == "fitted in this run"
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_ring_step_is_the_ring_itself_between_each_pair(ranks):
+    """Rank r and r ^ 1 run ring.py's all-reduce as a ring of two: each ends with its pair's sum."""
+
+    def body(comm):
+        pair = calibration._Pair(comm, comm.rank ^ 1)
+        x = np.arange(4, dtype=np.float32) + 10 * comm.rank
+        out = np.zeros(4, np.float32)
+        calibration.ring_allreduce_into(pair, x, out)
+        return (pair.rank, pair.size), out.tolist()
+
+    results = simulate(ranks, body)
+    for rank, (place, out) in enumerate(results):
+        low = rank & ~1
+        assert place == (rank & 1, 2)
+        assert out == [2 * v + 10 * (2 * low + 1) for v in range(4)]
+
+
+def test_a_rank_without_a_partner_rings_with_itself_under_the_rings_tags():
+    comm = Recorder(2, 3)
+    pair = calibration._Pair(comm, 2)
+    x, out = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+    calibration.ring_allreduce_into(pair, x, out)
+    exchanges = [call[1:] for call in comm.calls if call[0] == "sendrecv"]
+    assert pair.rank == 0 and exchanges == [(np.float32, 8, 2, 8, 2)] * 2
+    assert comm.tags == [Tag.RING_REDUCE_SCATTER, Tag.RING_ALL_GATHER]
+
+
+def test_ring_step_line_fits_the_steps_less_their_python_keeping_a_tenth():
+    sizes = [12, 24, 48, 96]
+    line = ring_step_line(sizes, [4e-6, 5e-6, 9e-6, 17e-6], 4e-6)
+    expected = fit_lines(sizes, [4e-7, 1e-6, 5e-6, 13e-6])
+    assert [line(n) for n in sizes] == pytest.approx([expected(n) for n in sizes], rel=1e-9)

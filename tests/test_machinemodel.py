@@ -85,6 +85,17 @@ def test_the_ring_is_its_steps_summed():
     assert MODEL.ring_allreduce(n) == MODEL.allreduce_time("ring", n)
 
 
+def test_a_measured_ring_step_replaces_the_rings_messages_and_adds():
+    n, p = 2**20, 4
+    stepped = MachineModel(**{**MODEL.__dict__, "ring_step": Line(40e-6, 3e-10)})
+    step = 40e-6 + (n / p) * 3e-10
+    expected = 5e-6 + (8e-6 + 2e-6 * p) + (p - 1) * step
+    assert stepped.allreduce_time("ring", n) == pytest.approx(expected)
+    # the other algorithms keep their messages and adds
+    for name in ("recursive_doubling", "naive"):
+        assert stepped.allreduce_time(name, n) == MODEL.allreduce_time(name, n)
+
+
 def test_recursive_doubling_and_naive_are_their_steps_summed():
     n = 4096  # eager: message 6 us + n 1e-10
     message, adds = 6e-6 + n * 1e-10, n * 1e-10
@@ -116,6 +127,8 @@ def test_small_messages_choose_fewer_steps_and_big_ones_the_ring():
 def test_a_model_survives_json():
     text = json.dumps(MODEL.as_dict())
     assert MachineModel.from_dict(json.loads(text)) == MODEL
+    stepped = MachineModel(**{**MODEL.__dict__, "ring_step": Line(4e-5, 3e-10, 96, Line(1, 2))})
+    assert MachineModel.from_dict(json.loads(json.dumps(stepped.as_dict()))) == stepped
 
 
 def test_relative_errors_are_model_over_measured_minus_one():
@@ -132,6 +145,7 @@ def test_minimp_ships_models_for_two_and_four_ranks_and_they_load():
     for p, model in SHIPPED.items():
         assert model.ranks == p and set(model.python) == {"ring", "recursive_doubling", "naive"}
         assert all(model.ring_allreduce(n) > 0 for n in (4096, 2**26))
+        assert model.ring_step is not None  # the ring priced as whole steps (README)
 
 
 def test_other_rank_counts_borrow_the_nearest_terms_below():

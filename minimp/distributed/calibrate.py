@@ -2,7 +2,9 @@
 
 `calibrate(comm, sizes)` times, on every rank at once as the collectives run them: the agreement
 all-reduce; each algorithm's Python with messages that cost nothing (a communicator that only
-counts); one Sendrecv between pairs of ranks at each size; one in-place add of each size.
+counts); one Sendrecv between pairs of ranks at each size; one in-place add of each size; and the
+ring itself between pairs of ranks (one reduce-scatter step and one all-gather step), whose
+messages carry bytes written just before and so cost more than the Sendrecv timed alone.
 Small sizes are timed over many repetitions (a 4 KiB message is near the clock's noise floor).
 Every time is the slowest rank's (what a collective waits for), the median of its repetitions.
 """
@@ -15,9 +17,10 @@ import numpy as np
 
 from minimp.distributed.buffers import reduce_into
 from minimp.distributed.protocol import Communicator
+from minimp.distributed.ring import ring_allreduce_into
 from minimp.distributed.collectives import ALGORITHMS
 from minimp.machinemodel import ALGORITHMS as MODELLED
-from minimp.machinemodel import MachineModel, fit_lines
+from minimp.machinemodel import Line, MachineModel, fit_lines
 
 
 def timed(comm: Communicator, function: Callable[[], Any], repeats: int) -> float:
@@ -79,7 +82,9 @@ def measure_terms(comm: Communicator, sizes: Sequence[int]) -> dict:
         "sizes": list(sizes),
         "message": [],
         "reduce": [],
+        "ring_step": [],
     }
+    pair = cast(Communicator, _Pair(comm, partner))
     for nbytes in sizes:
         outgoing, incoming = rotating_chunks(nbytes, comm.size), rotating_chunks(nbytes, comm.size)
         repeats = repeats_for(nbytes)
@@ -88,7 +93,32 @@ def measure_terms(comm: Communicator, sizes: Sequence[int]) -> dict:
         terms["message"].append(timed(comm, exchange, repeats))
         add = lambda: reduce_into(next(incoming), next(outgoing), "sum")  # noqa: E731
         terms["reduce"].append(timed(comm, add, repeats))
+        # the ring on two chunks of nbytes, the same arrays every call, as a training step's
+        # buckets are: what each of its p - 1 step pairs costs at p ranks
+        x, out = np.ones(nbytes // 2, np.float32), np.zeros(nbytes // 2, np.float32)
+        step = lambda: ring_allreduce_into(pair, x, out)  # noqa: E731
+        terms["ring_step"].append(timed(comm, step, repeats_for(2 * nbytes)))
+    # the same step's Python alone, which python["ring"] counts already
+    silent = cast(Communicator, _Pair(cast(Communicator, _Silent(comm.rank, comm.size)), partner))
+    tiny = np.ones(2, np.float32)
+    step = lambda: ring_allreduce_into(silent, tiny, tiny * 0)  # noqa: E731
+    with np.errstate(all="ignore"):  # nothing arrives: the add sums whatever was there
+        terms["ring_step_python"] = timed(comm, step, 100)
     return terms
+
+
+class _Pair:
+    """This rank and its partner as a ring of two: what ring.py sends to the right and receives
+    from the left both go to the partner (a rank without one sends to itself)."""
+
+    def __init__(self, comm: Communicator, partner: int):
+        self.comm, self.partner = comm, partner
+        self.rank, self.size = comm.rank & 1, 2  # a rank without a partner is even: rank 0
+
+    def sendrecv(
+        self, outgoing: Any, dest: int, incoming: Any, source: int, tag: int = 0, **tags: Any
+    ) -> None:
+        self.comm.sendrecv(outgoing, self.partner, incoming, self.partner, tag=tag, **tags)
 
 
 def rotating_chunks(nbytes: int, chunks: int) -> Iterator[np.ndarray]:
@@ -123,6 +153,13 @@ def python_seconds(comm: Communicator, algorithm: str) -> list[float]:
     return seconds
 
 
+def ring_step_line(sizes: Sequence[int], seconds: Sequence[float], python: float) -> Line:
+    """The ring_step term: the steps' measured seconds less their Python. A Python timed at
+    nine tenths of a step or more is noise, not the step: a tenth of the step stays (the fit
+    weighs relative errors and cannot take a zero)."""
+    return fit_lines(sizes, [max(t - python, t / 10) for t in seconds])
+
+
 def calibrate(comm: Communicator, sizes: Sequence[int]) -> tuple[MachineModel, dict]:
     """The machine model fitted from terms measured at these message sizes, and the measurements."""
     terms = measure_terms(comm, sizes)
@@ -134,6 +171,7 @@ def calibrate(comm: Communicator, sizes: Sequence[int]) -> tuple[MachineModel, d
         },
         message=fit_lines(sizes, terms["message"]),
         reduce=fit_lines(sizes, terms["reduce"]),
+        ring_step=ring_step_line(sizes, terms["ring_step"], terms["ring_step_python"]),
         name="fitted in this run",
     )
     return model, terms
