@@ -246,3 +246,31 @@ def test_ring_step_line_fits_the_steps_less_their_python_keeping_a_tenth():
     line = ring_step_line(sizes, [4e-6, 5e-6, 9e-6, 17e-6], 4e-6)
     expected = fit_lines(sizes, [4e-7, 1e-6, 5e-6, 13e-6])
     assert [line(n) for n in sizes] == pytest.approx([expected(n) for n in sizes], rel=1e-9)
+
+
+def test_the_ring_step_is_timed_on_its_own_arrays_and_its_python_on_two_silent_zeros(monkeypatch):
+    """measure_terms times the ring of two on two chunks of each size (repetitions for both
+    chunks' bytes), then the same ring's Python on the silent communicator: two float32
+    elements into two zeros, floating-point errors ignored (nothing arrives: garbage is added)."""
+    repeats: list = []
+    runs: list = []
+    monkeypatch.setattr(calibration, "timed", fake_timed(repeats))
+
+    def record(pair, x, out):
+        runs.append(
+            (type(pair.comm).__name__, pair.rank, pair.size, x.dtype, x.shape, out.dtype,
+             out.tolist() if out.size < 8 else out.shape, np.geterr())
+        )  # fmt: skip
+
+    monkeypatch.setattr(calibration, "ring_allreduce_into", record)
+    nbytes = 2**20  # where the ring's two chunks get fewer repetitions than one message
+    measure_terms(Recorder(1, 2), [nbytes])
+    python_repeats = [100] * len(PRETENDED_RANKS) * len(MODELLED)
+    assert repeats == [200] + python_repeats + [50, 50, repeats_for(2 * nbytes), 100]
+    assert repeats_for(2 * nbytes) == 25
+    ignore_all = {"divide": "ignore", "over": "ignore", "under": "ignore", "invalid": "ignore"}
+    timed_run, silent_run = runs
+    half = (nbytes // 2,)  # two chunks of nbytes, in float32 elements
+    assert timed_run[:7] == ("Recorder", 1, 2, np.float32, half, np.float32, half)
+    assert timed_run[7] != ignore_all  # the real step keeps NumPy's error settings
+    assert silent_run == ("_Silent", 1, 2, np.float32, (2,), np.float32, [0.0, 0.0], ignore_all)
