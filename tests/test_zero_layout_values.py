@@ -39,6 +39,17 @@ def test_a_module_graph_with_a_cycle_is_visited_once_and_ends():
     assert [p.shape for p in found] == [(2,), (3,)]
 
 
+def test_a_module_seen_twice_does_not_end_the_visit_of_the_others():
+    """The same module held twice comes off the stack a second time while another module still
+    waits under it: the visit skips the copy and goes on to that one."""
+    top, first, shared = nn.Module(), nn.Module(), nn.Module()
+    first.weight = nn.Parameter(np.ones(2, np.float32))
+    shared.bias = nn.Parameter(np.zeros(3, np.float32))
+    top.first, top.shared, top.again = first, shared, shared  # the stack: first, shared, shared
+    found = within(2.0, lambda: reachable_parameters(top))
+    assert {id(p) for p in found} == {id(first.weight), id(shared.bias)} and len(found) == 2
+
+
 def test_a_shared_module_s_parameters_are_listed_once():
     shared = nn.Module()
     shared.weight = nn.Parameter(np.ones(4, np.float32))
