@@ -100,7 +100,7 @@ class MachineModel:
     message: Line = Line(0.0, 0.0)  # one Sendrecv of c bytes
     reduce: Line = Line(0.0, 0.0)  # adding c bytes in place
     name: str = ""
-    ring_step: "Line | None" = None  # a reduce-scatter step and an all-gather step of c bytes
+    ring_step: Line | None = None  # a reduce-scatter step and an all-gather step of c bytes
 
     def adds(self, nbytes: float) -> float:
         return max(self.reduce(nbytes) - self.reduce(0.0), 0.0)

@@ -44,6 +44,9 @@ def fit_from_runs(runs: list[dict]) -> MachineModel:
     def median(term):
         return list(np.median([run["terms"][term] for run in runs], axis=0))
 
+    def median_scalar(term):
+        return float(np.median([run["terms"][term] for run in runs]))
+
     python = {
         name: fit_lines(
             PRETENDED_RANKS, list(np.median([r["terms"]["python"][name] for r in runs], axis=0))
@@ -52,14 +55,11 @@ def fit_from_runs(runs: list[dict]) -> MachineModel:
     }
     return MachineModel(
         ranks=first["ranks"],
-        agree=float(np.median([run["terms"]["agree"] for run in runs])),
+        agree=median_scalar("agree"),
         python=python,
         message=fit_lines(sizes, median("message")),
         reduce=fit_lines(sizes, median("reduce")),
-        ring_step=ring_step_line(
-            sizes, median("ring_step"),
-            float(np.median([run["terms"]["ring_step_python"] for run in runs])),
-        ),  # fmt: skip
+        ring_step=ring_step_line(sizes, median("ring_step"), median_scalar("ring_step_python")),
         name=f"shipped: medians of {len(runs)} runs",
     )
 

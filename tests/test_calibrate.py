@@ -150,8 +150,6 @@ def test_measure_terms_times_the_agreement_exchanges_with_the_partner_and_adds(
     assert adds == [(12, 12, ("sum",)), (24, 24, ("sum",))]
     assert terms["sizes"] == [12, 24] and terms["message"] == terms["reduce"] == [1.0, 1.0]
     assert terms["ring_step"] == [1.0, 1.0] and terms["ring_step_python"] == 1.0
-    # the silent step comes last: its two messages never reach the communicator
-    assert len(exchanges) == 6
 
 
 def test_rotating_chunks_are_float32_chunks_of_nbytes_taken_in_turn():
@@ -257,10 +255,9 @@ def test_the_ring_step_is_timed_on_its_own_arrays_and_its_python_on_two_silent_z
     monkeypatch.setattr(calibration, "timed", fake_timed(repeats))
 
     def record(pair, x, out):
-        runs.append(
-            (type(pair.comm).__name__, pair.rank, pair.size, x.dtype, x.shape, out.dtype,
-             out.tolist() if out.size < 8 else out.shape, np.geterr())
-        )  # fmt: skip
+        seen = out.tolist() if out.size < 8 else out.shape
+        runs.append((type(pair.comm).__name__, pair.rank, pair.size, x.dtype, x.shape, out.dtype))
+        runs[-1] += (seen, np.geterr())
 
     monkeypatch.setattr(calibration, "ring_allreduce_into", record)
     nbytes = 2**20  # where the ring's two chunks get fewer repetitions than one message
