@@ -6,10 +6,16 @@
     mpirun -n 2 python mpirun_examples/allreduce_bench.py --max-mib 1 --no-calibration
     mpirun -n 2 python mpirun_examples/allreduce_bench.py --device gpu --json   # CuPy, NCCL
 
-Each time is the slowest rank's, the median of many runs after a warm-up (at least 50 up to
-1 MiB). Before that it measures the machine model's terms (minimp/machinemodel.py) at sizes of
-3 x 2^k bytes, and prints the model's prediction of each algorithm beside its measured time: every
-size measured here is a power of two, one the fit never saw (held out). With --shipped the
+It measures the machine model's terms (minimp/machinemodel.py) at sizes of 3 x 2^k bytes, then
+every size, in --rounds rounds (10), each with a share of the repetitions (at least 50 calls in all
+up to 1 MiB, 3 per round); then it prints the model's prediction of each algorithm beside its
+measured time: every size measured here is a power of two, one the fit never saw (held out).
+Each time is the slowest rank's: in a round, the median of its calls after a warm-up; reported,
+the mean of the rounds' medians. Why rounds and a mean: this machine runs some stretches of a
+launch 1.3-1.5x slower than others, for seconds at a time; timing the terms first and the sizes
+after, a model fitted to a slow stretch was checked against a fast one. Rounds spread the
+terms and the sizes over the same stretches, and a mean, unlike a median, keeps the model's sum
+of terms the sum of their means. With --shipped the
 prediction is that of the model minimp ships for this many ranks (minimp.machinemodel.SHIPPED),
 the one `auto` uses, instead of the one fitted in this run; --no-calibration skips the terms.
 "planned" is auto again as a PersistentAllreduce (the ranks agree once, not at every call).
@@ -24,7 +30,16 @@ from mpi4py import MPI
 
 from minimp import backend, costmodel
 from minimp import distributed as dist
-from minimp.distributed.calibrate import calibrate, calibration_sizes, repeats_for, timed
+from minimp.distributed.calibrate import (
+    FRESH_MEMORY_WARMUPS,
+    calibration_sizes,
+    fit_model,
+    measure_terms,
+    join_rounds,
+    per_round,
+    repeats_for,
+    timed,
+)
 from minimp.machinemodel import ALGORITHMS as MODELLED
 from minimp.machinemodel import Line, relative_errors, shipped_model
 
@@ -55,18 +70,26 @@ def main(argv=None):
     )
     parser.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     parser.add_argument("--repeats", type=int, default=5, help="repetitions per size (GPU)")
+    parser.add_argument(
+        "--rounds", type=int, default=10,
+        help="rounds, each timing the terms and then every size with a share of the repetitions",
+    )
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1 (got {args.rounds})")
     comm = dist.world()
     if args.device == "gpu":
         return gpu_main(comm, args)
     sizes, p = sizes_from(args.min_kib, args.max_mib), comm.size
-    if args.no_calibration:
-        model, terms = shipped_model(p), None
-    else:
-        model, terms = calibrate(comm, calibration_sizes(sizes[0] // p, sizes[-1]))
-    if args.shipped:
-        model = shipped_model(p)
-    rows = [measure_size(comm, nbytes) for nbytes in sizes]
+    calibrated, measured = [], []
+    for _ in range(args.rounds):  # a machine that drifts drifts under the terms and the sizes alike
+        if not args.no_calibration:
+            terms_sizes = calibration_sizes(sizes[0] // p, sizes[-1])
+            calibrated.append(measure_terms(comm, terms_sizes, args.rounds))
+        measured.append([measure_size(comm, nbytes, args.rounds) for nbytes in sizes])
+    rows = join_rounds(measured)
+    terms = join_rounds(calibrated) if calibrated else None
+    model = shipped_model(p) if terms is None or args.shipped else fit_model(p, terms)
     if comm.rank != 0:
         return 0
     for row in rows:
@@ -74,6 +97,7 @@ def main(argv=None):
     errors = {a: held_out_errors(model, rows, a) for a in MODELLED}
     report = {"ranks": p, "model": model.as_dict(), "terms": terms, "held_out": errors}
     report["rows"] = rows
+    report["rounds"] = {"terms": calibrated, "rows": measured}  # each round's own medians
     if args.json:
         print(json.dumps(report))
     else:
@@ -81,13 +105,15 @@ def main(argv=None):
     return 0
 
 
-def measure_size(comm, nbytes):
-    """MPI's Allreduce and each of minimp's algorithms on the same buffers, slowest rank."""
+def measure_size(comm, nbytes, rounds=1):
+    """MPI's Allreduce and each of minimp's algorithms on the same buffers, slowest rank (one of
+    `rounds` rounds: a share of the repetitions)."""
     x = np.random.default_rng(comm.rank).uniform(-1, 1, nbytes // 4).astype(np.float32)
     out = np.empty_like(x)
-    repeats = repeats_for(nbytes)
-    row = {"bytes": nbytes, "repeats": repeats}
-    row["mpi"] = timed(comm, lambda: MPI.COMM_WORLD.Allreduce(x, out, op=MPI.SUM), repeats)
+    repeats = per_round(repeats_for(nbytes), rounds)
+    row = {"bytes": nbytes, "repeats": repeats * rounds}
+    mpi = lambda: MPI.COMM_WORLD.Allreduce(x, out, op=MPI.SUM)  # noqa: E731
+    row["mpi"] = timed(comm, mpi, repeats, FRESH_MEMORY_WARMUPS)  # x and out: new memory
     for algorithm in ALGORITHMS:  # the same reused output buffer that MPI gets
         run = lambda: dist.allreduce(comm, x, algorithm=algorithm, out=out)  # noqa: E731
         row[algorithm] = timed(comm, run, repeats)
@@ -112,19 +138,24 @@ def held_out_errors(model, rows, algorithm):
 
 def print_table(report):
     p, model = report["ranks"], report["model"]
-    print(f"all-reduce of float32 on {p} ranks (slowest rank, median); ratio = time / MPI's")
+    print(f"all-reduce of float32 on {p} ranks (slowest rank; the mean of the rounds' medians); "
+          "ratio = time / MPI's")  # fmt: skip
     python = {name: Line.from_dict(line)(p) for name, line in model["python"].items()}
     print(f"model: {model['name']}; agree {model['agree'] * 1e6:.1f} us; Python " + ", ".join(
         f"{name} {seconds * 1e6:.1f} us" for name, seconds in python.items()
     ))  # fmt: skip
-    for term in ("message", "reduce", "ring_step"):
-        if model.get(term) is None:
-            continue
+    for term in ("message", "reduce"):
         pieces = Line.from_dict(model[term]).pieces()
         print(f"{term}: " + "; ".join(
             f"{line.intercept * 1e6:.1f} us + n / {1 / max(line.slope, 1e-30) / 1e9:.2f} GB/s"
             + (f" up to {line.limit:.0f} B" if line.above else "") for line in pieces
         ))  # fmt: skip
+    if model.get("ring_step") is not None:  # straight lines between its measured sizes
+        step = Line.from_dict(model["ring_step"])
+        chunks = [line.limit for line in step.pieces()[:-1]]
+        print(f"ring_step: {len(chunks)} sizes, {step(chunks[0]) * 1e6:.1f} us at "
+              f"{chunks[0]:.0f} B .. {step(chunks[-1]) * 1e6:.0f} us at {chunks[-1] / 2**20:g} MiB,"
+              f" joined by straight lines")  # fmt: skip
     shown = ALGORITHMS + ("planned",)
     header = f"{'size':>9} {'MPI':>8}" + "".join(f" {a:>19}" for a in shown)
     print(header + f" {'busbw ring':>11}   model/measured: " + " ".join(MODELLED))

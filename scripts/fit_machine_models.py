@@ -30,38 +30,17 @@ import sys
 
 import numpy as np
 
-from minimp.distributed.calibrate import PRETENDED_RANKS, ring_step_line
-from minimp.machinemodel import ALGORITHMS, SHIPPED_PATH, MachineModel, fit_lines, relative_errors
+from minimp.distributed.calibrate import fit_model, join_rounds
+from minimp.machinemodel import ALGORITHMS, SHIPPED_PATH, MachineModel, relative_errors
 
 
 def fit_from_runs(runs: list[dict]) -> MachineModel:
     """One model from the terms of several runs at the same number of ranks (medians per term)."""
-    first = runs[0]
-    sizes = first["terms"]["sizes"]
+    sizes = runs[0]["terms"]["sizes"]
     if any(run["terms"]["sizes"] != sizes for run in runs):
         raise SystemExit("fit_machine_models: runs measured different sizes; use one command")
-
-    def median(term):
-        return list(np.median([run["terms"][term] for run in runs], axis=0))
-
-    def median_scalar(term):
-        return float(np.median([run["terms"][term] for run in runs]))
-
-    python = {
-        name: fit_lines(
-            PRETENDED_RANKS, list(np.median([r["terms"]["python"][name] for r in runs], axis=0))
-        )
-        for name in first["terms"]["python"]
-    }
-    return MachineModel(
-        ranks=first["ranks"],
-        agree=median_scalar("agree"),
-        python=python,
-        message=fit_lines(sizes, median("message")),
-        reduce=fit_lines(sizes, median("reduce")),
-        ring_step=ring_step_line(sizes, median("ring_step"), median_scalar("ring_step_python")),
-        name=f"shipped: medians of {len(runs)} runs",
-    )
+    terms = join_rounds([run["terms"] for run in runs], np.median)
+    return fit_model(runs[0]["ranks"], terms, f"shipped: medians of {len(runs)} runs")
 
 
 def held_out_band(model: MachineModel, runs: list[dict]) -> dict:

@@ -8,10 +8,14 @@ import pytest
 
 from minimp.distributed import calibrate as calibration
 from minimp.distributed.calibrate import (
+    FRESH_MEMORY_WARMUPS,
     PRETENDED_RANKS,
     calibrate,
     calibration_sizes,
+    fit_model,
+    join_rounds,
     measure_terms,
+    per_round,
     python_seconds,
     repeats_for,
     ring_step_line,
@@ -21,7 +25,7 @@ from minimp.distributed.calibrate import (
 from minimp.distributed.protocol import Tag
 from minimp.distributed.simulated import simulate
 from minimp.machinemodel import ALGORITHMS as MODELLED
-from minimp.machinemodel import fit_lines
+from minimp.machinemodel import fit_lines, interpolate_lines
 
 
 def test_calibration_sizes_bracket_the_range_and_skip_every_power_of_two():
@@ -112,11 +116,47 @@ def test_timed_is_the_median_of_the_slowest_ranks_seconds_after_one_untimed_run(
     assert [call[0] for call in comm.calls].count("barrier") == 3
 
 
-def fake_timed(log: list):
-    """timed() that runs the function once and notes how many repetitions it was asked for."""
+def test_timed_runs_the_warmups_asked_for_untimed(monkeypatch):
+    clock = FakeClock(0.0)
+    monkeypatch.setattr(calibration, "time", clock)
+    durations = iter([50.0, 40.0, 30.0, 5.0, 7.0])  # three untimed runs, then two timed ones
 
-    def run_once(comm, function, repeats):
+    def work():
+        clock.now += next(durations)
+
+    comm = Recorder(0, 2)
+    assert timed(comm, work, 2, warmups=3) == 6.0  # the median of two: their mean
+    assert [call[0] for call in comm.calls].count("barrier") == 2
+    assert next(durations, None) is None  # five runs in all
+
+
+def test_per_round_shares_the_repeats_with_at_least_three_a_round():
+    assert per_round(50, 1) == 50 and per_round(50, 5) == 10 and per_round(51, 5) == 11
+    assert per_round(7, 5) == 3 and per_round(2, 1) == 3 and per_round(200, 5) == 40
+
+
+def test_join_rounds_averages_every_number_and_keeps_what_the_rounds_agree_on():
+    rounds = [
+        {"sizes": [12, 24], "agree": 1.0, "python": {"ring": [1.0, 4.0]}, "choice": "ring"},
+        {"sizes": [12, 24], "agree": 2.0, "python": {"ring": [2.0, 4.0]}, "choice": "ring"},
+        {"sizes": [12, 24], "agree": 6.0, "python": {"ring": [6.0, 4.0]}, "choice": "ring"},
+    ]
+    joined = join_rounds(rounds)
+    assert joined == {"sizes": [12, 24], "agree": 3.0, "python": {"ring": [3.0, 4.0]},
+                      "choice": "ring"}  # fmt: skip
+    assert all(type(n) is int for n in joined["sizes"])  # sizes stay sizes
+    assert join_rounds(rounds, np.median)["agree"] == 2.0
+    assert join_rounds([[{"ring": 1.0}, 5.0]] * 2 + [[{"ring": 4.0}, 8.0]]) == [{"ring": 2.0}, 6.0]
+
+
+def fake_timed(log: list, warmups: list | None = None):
+    """timed() that runs the function once and notes how many repetitions it was asked for (and,
+    given a second list, how many untimed runs)."""
+
+    def run_once(comm, function, repeats, warmups_asked=1):
         log.append(repeats)
+        if warmups is not None:
+            warmups.append(warmups_asked)
         function()
         return 1.0
 
@@ -128,8 +168,9 @@ def test_measure_terms_times_the_agreement_exchanges_with_the_partner_and_adds(
     monkeypatch, rank, size, partner
 ):
     repeats: list = []
+    warmups: list = []
     adds: list = []
-    monkeypatch.setattr(calibration, "timed", fake_timed(repeats))
+    monkeypatch.setattr(calibration, "timed", fake_timed(repeats, warmups))
     def record_add(target, incoming, *rest):
         adds.append((target.nbytes, incoming.nbytes, rest))
 
@@ -142,6 +183,10 @@ def test_measure_terms_times_the_agreement_exchanges_with_the_partner_and_adds(
     python_repeats = [100] * len(PRETENDED_RANKS) * len(MODELLED)
     # message, reduce, ring step per size; then the ring step's Python
     assert repeats == [200] + python_repeats + [50] * 6 + [100]
+    # new memory (the message's and the ring step's arrays) is run three times before timing
+    per_size = [FRESH_MEMORY_WARMUPS, 1, FRESH_MEMORY_WARMUPS]
+    assert warmups == [1] * (1 + len(python_repeats)) + per_size * 2 + [1]
+    assert FRESH_MEMORY_WARMUPS == 3
     exchanges = [call[1:] for call in comm.calls if call[0] == "sendrecv"]
     # per size: the message, then the ring's two steps between the pair, chunks of that size
     assert exchanges == [(np.float32, 12, partner, 12, partner)] * 3 + [
@@ -150,6 +195,18 @@ def test_measure_terms_times_the_agreement_exchanges_with_the_partner_and_adds(
     assert adds == [(12, 12, ("sum",)), (24, 24, ("sum",))]
     assert terms["sizes"] == [12, 24] and terms["message"] == terms["reduce"] == [1.0, 1.0]
     assert terms["ring_step"] == [1.0, 1.0] and terms["ring_step_python"] == 1.0
+
+
+def test_measure_terms_in_rounds_takes_a_share_of_each_terms_repeats(monkeypatch):
+    repeats: list = []
+    monkeypatch.setattr(calibration, "timed", fake_timed(repeats))
+    monkeypatch.setattr(calibration, "reduce_into", lambda *args: None)
+    measure_terms(Recorder(0, 2), [12, 2**22], rounds=5)
+    python_repeats = [20] * len(PRETENDED_RANKS) * len(MODELLED)
+    # 4 MiB: 12 repeats in all for the message and the add, 7 for the ring step's two chunks;
+    # a round takes 3 of either
+    assert repeats == [40] + python_repeats + [10] * 3 + [3] * 3 + [20]
+    assert repeats_for(2**22) == 12 and repeats_for(2**23) == 7
 
 
 def test_rotating_chunks_are_float32_chunks_of_nbytes_taken_in_turn():
@@ -209,6 +266,8 @@ def test_calibrate_fits_each_term_and_names_the_model(monkeypatch):
         name: fit_lines(PRETENDED_RANKS, seconds) for name, seconds in terms["python"].items()
     }
     assert model.name == "fitted in this run"
+    assert fit_model(4, terms) == model
+    assert fit_model(2, terms, "other").name == "other" and fit_model(2, terms).ranks == 2
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -239,11 +298,13 @@ def test_a_rank_without_a_partner_rings_with_itself_under_the_rings_tags():
     assert comm.tags == [Tag.RING_REDUCE_SCATTER, Tag.RING_ALL_GATHER]
 
 
-def test_ring_step_line_fits_the_steps_less_their_python_keeping_a_tenth():
+def test_ring_step_line_joins_the_steps_less_their_python_keeping_a_tenth():
     sizes = [12, 24, 48, 96]
     line = ring_step_line(sizes, [4e-6, 5e-6, 9e-6, 17e-6], 4e-6)
-    expected = fit_lines(sizes, [4e-7, 1e-6, 5e-6, 13e-6])
-    assert [line(n) for n in sizes] == pytest.approx([expected(n) for n in sizes], rel=1e-9)
+    expected = interpolate_lines(sizes, [4e-7, 1e-6, 5e-6, 13e-6])
+    between = [6, 12, 18, 24, 36, 48, 72, 96, 192]
+    assert [line(n) for n in between] == pytest.approx([expected(n) for n in between], rel=1e-9)
+    assert line(12) == pytest.approx(4e-7) and line(36) == pytest.approx(3e-6)
 
 
 def test_the_ring_step_is_timed_on_its_own_arrays_and_its_python_on_two_silent_zeros(monkeypatch):

@@ -42,31 +42,18 @@ def test_mismatched_lengths_are_reported_on_every_rank():
     assert result.stdout.count("ranks disagree on the array") == 3
 
 
-def test_the_examples_run(tmp_path):
+def run_example(ranks, name, *args):
+    """mpirun -n ranks python mpirun_examples/name args..., its output captured."""
     examples = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples")
-    ring = subprocess.run(
-        [MPIRUN, "-n", "3", PYTHON, os.path.join(examples, "ring_allreduce.py")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    command = [MPIRUN, "-n", str(ranks), PYTHON, os.path.join(examples, name), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_the_examples_run(tmp_path):
+    ring = run_example(3, "ring_allreduce.py")
     assert ring.returncode == 0 and ring.stdout.count("-> [3.0, 3.0, 3.0, 3.0, 3.0, 3.0]") == 3
-    bench = subprocess.run(
-        [
-            MPIRUN,
-            "-n",
-            "2",
-            PYTHON,
-            os.path.join(examples, "allreduce_bench.py"),
-            "--max-mib",
-            "1",
-            "--repeats",
-            "3",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    bench = run_example(
+        2, "allreduce_bench.py", "--max-mib", "1", "--repeats", "3", "--rounds", "2", "--json"
     )
     assert bench.returncode == 0, bench.stderr[-2000:]
     report = json.loads(bench.stdout)
@@ -77,33 +64,38 @@ def test_the_examples_run(tmp_path):
     assert all(row["predicted"]["ring"] > 0 for row in report["rows"])
     # auto planned once (PersistentAllreduce) is timed beside the checked call
     assert all(row["planned"] > 0 and row["auto"] > 0 for row in report["rows"])
-    fresh = subprocess.run(
-        [MPIRUN, "-n", "2", PYTHON, os.path.join(examples, "allreduce_bench.py"), "--max-mib", "1",
-         "--no-calibration", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )  # fmt: skip
+    # two rounds, each timing the terms and then every size; reported: their means
+    rounds = report["rounds"]
+    assert len(rounds["terms"]) == len(rounds["rows"]) == 2
+    first, second = (r[0]["ring"] for r in rounds["rows"])
+    assert report["rows"][0]["ring"] == pytest.approx((first + second) / 2, rel=1e-12)
+    first, second = (t["agree"] for t in rounds["terms"])
+    assert report["terms"]["agree"] == pytest.approx((first + second) / 2, rel=1e-12)
+    assert report["rows"][0]["repeats"] == 2 * 25  # 50 calls at 4 KiB, 25 in each round
+    fresh = run_example(2, "allreduce_bench.py", "--max-mib", "1", "--no-calibration", "--json")
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     uncalibrated = json.loads(fresh.stdout)
     assert uncalibrated["terms"] is None and "shipped" in uncalibrated["model"]["name"]
-    coherence = subprocess.run(
-        [MPIRUN, "-n", "2", PYTHON, os.path.join(examples, "coherence.py"), "--kib", "4", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    assert uncalibrated["rounds"]["terms"] == [] and len(uncalibrated["rounds"]["rows"]) == 10
+    no_rounds = run_example(1, "allreduce_bench.py", "--rounds", "0")
+    assert no_rounds.returncode == 2 and "--rounds must be at least 1 (got 0)" in no_rounds.stderr
+    coherence = run_example(2, "coherence.py", "--kib", "4", "--json")
     assert coherence.returncode == 0, coherence.stderr[-2000:]
     seconds = json.loads(coherence.stdout)["seconds"]
     assert set(seconds) == {"unchanged", "add", "add then send", "ring step"}
     assert all(value > 0 for value in seconds.values())
-    refused = subprocess.run(
-        [MPIRUN, "-n", "1", PYTHON, os.path.join(examples, "coherence.py")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    refused = run_example(1, "coherence.py")
     assert refused.returncode != 0 and "run it on 2 ranks" in refused.stderr
+    new_arrays = run_example(2, "new_memory.py", "--kib", "4", "64", "--trials", "1", "--json")
+    assert new_arrays.returncode == 0, new_arrays.stderr[-2000:]
+    ratios = json.loads(new_arrays.stdout)["calls_over_steady"]
+    assert set(ratios) == {"ring 4 KiB", "mpi 4 KiB", "ring 64 KiB", "mpi 64 KiB"}
+    # twelve calls each, over the median of the last four (one trial: its own), which straddle 1
+    for calls in ratios.values():
+        assert len(calls) == 12 and all(r > 0 for r in calls)
+        assert min(calls[8:]) <= 1.0 <= max(calls[8:])
+    refused = run_example(2, "new_memory.py", "--trials", "0")
+    assert refused.returncode == 2 and "--trials >= 1" in refused.stderr
 
 
 def test_cuda_awareness_query_answers_and_can_be_overridden(monkeypatch):

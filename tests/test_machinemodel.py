@@ -2,6 +2,7 @@
 and `auto` choosing by them."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from minimp.machinemodel import (
     Line,
     MachineModel,
     fit_lines,
+    interpolate_lines,
     load_models,
     relative_errors,
     shipped_model,
@@ -65,6 +67,34 @@ def test_at_most_three_pieces():
     times = [1e-6 * (1 + (n / 1e3) ** 0.5) for n in SIZES]  # a curve: every split helps
     assert len(fit_lines(SIZES, times).pieces()) <= 3
     assert len(fit_lines(SIZES, times, most=2).pieces()) <= 2
+
+
+def test_interpolated_lines_pass_through_every_point_and_join_neighbours_straight():
+    sizes, times = [48, 12, 24], [9e-6, 2e-6, 4e-6]  # unsorted: sorted by size first
+    line = interpolate_lines(sizes, times)
+    assert [line(n) for n in (12, 24, 48)] == pytest.approx([2e-6, 4e-6, 9e-6], rel=1e-12)
+    assert line(18) == pytest.approx(3e-6) and line(36) == pytest.approx(6.5e-6)
+    assert line(1) == line(0) == 2e-6  # below the smallest: its time, all latency
+    assert line(96) == pytest.approx(18e-6)  # above the largest: its time per byte
+    assert len(line.pieces()) == 4
+
+
+def test_interpolation_follows_a_climb_three_fitted_pieces_cannot():
+    """Why the ring step is interpolated: its time per byte climbs gradually over decades of
+    sizes as its arrays outgrow the caches, a curve that three straight pieces fitted in
+    relative error miss by half between the sizes they saw."""
+
+    def climbing(n):  # time per byte from 0.1 to 0.4 ns, the climb centred on 2 MiB
+        return 1e-5 + n * 1e-10 * (1 + 3 / (1 + math.exp(21 - math.log2(n))))
+
+    between = [4 * n // 3 for n in SIZES[:-1]]  # the powers of two between measured sizes
+
+    def worst(line):
+        return max(abs(line(n) / climbing(n) - 1) for n in between)
+
+    measured = [climbing(n) for n in SIZES]
+    assert worst(interpolate_lines(SIZES, measured)) < 0.05
+    assert worst(fit_lines(SIZES, measured)) > 0.5
 
 
 MODEL = MachineModel(
