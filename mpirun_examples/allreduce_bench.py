@@ -12,10 +12,10 @@ up to 1 MiB, 3 per round); then it prints the model's prediction of each algorit
 measured time: every size measured here is a power of two, one the fit never saw (held out).
 Each time is the slowest rank's: in a round, the median of its calls after a warm-up; reported,
 the mean of the rounds' medians. Why rounds and a mean: this machine runs some stretches of a
-launch 1.3-1.5x slower than others, for seconds at a time; timing the terms first and the sizes
-after, a model fitted to a slow stretch was checked against a fast one. Rounds spread the
-terms and the sizes over the same stretches, and a mean, unlike a median, keeps the model's sum
-of terms the sum of their means. With --shipped the
+launch 1.3-1.7x slower than others, for seconds at a time; timing the terms first and the sizes
+after, a model fitted in a slow stretch was checked against a fast one. Rounds spread the terms
+and the sizes over the same stretches; the model adds terms, and the mean of a sum is the sum of
+the means (the median of a sum is not the sum of the medians). With --shipped the
 prediction is that of the model minimp ships for this many ranks (minimp.machinemodel.SHIPPED),
 the one `auto` uses, instead of the one fitted in this run; --no-calibration skips the terms.
 "planned" is auto again as a PersistentAllreduce (the ranks agree once, not at every call).

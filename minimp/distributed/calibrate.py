@@ -107,7 +107,7 @@ def measure_terms(comm: Communicator, sizes: Sequence[int], rounds: int = 1) -> 
         # pairs of ranks exchange at once, as in a ring step or a recursive-doubling round
         exchange = lambda: comm.sendrecv(next(outgoing), partner, next(incoming), partner)  # noqa: E731
         # arrays allocated just before run slower for more than one call (here the second call
-        # took 1.13-1.38x the time of calls 9-12 on the same arrays, the fourth 0.98-1.10x:
+        # took 0.99-1.59x the time of calls 9-12 on the same arrays, the fourth 0.98-1.23x:
         # mpirun_examples/new_memory.py); a training step's buckets are old arrays
         terms["message"].append(timed(comm, exchange, repeats, FRESH_MEMORY_WARMUPS))
         add = lambda: reduce_into(next(incoming), next(outgoing), "sum")  # noqa: E731
