@@ -25,10 +25,10 @@ costs what these terms say:
                 terms summed missed the ring by up to 3.8x (2026-11-30). The step is timed
                 whole, less its Python (timed on the silent communicator), which python counts
                 already, and its sizes are joined by straight lines (interpolate_lines), not
-                fitted: its time per byte is no straight line (at p = 2 here, per byte of chunk, a bump
-                near 768 KiB, 0.44-0.50 ns; 0.35-0.40 ns at 6 MiB; 0.53-0.63 ns at 48 MiB as
-                its arrays outgrow the caches), and fit_lines' up to three pieces missed it by
-                14-34% at the worst of the very sizes they were fitted on
+                fitted: its time per byte is no straight line (at p = 2 here, per byte of
+                chunk, a bump near 768 KiB, 0.44-0.50 ns; 0.35-0.40 ns at 6 MiB; 0.53-0.63 ns
+                at 48 MiB as its arrays outgrow the caches), and fit_lines' up to three pieces
+                missed it by 14-34% at the worst of the very sizes they were fitted on
 
   ring(n)                = agree + python + (p-1) ring_step(n/p)
   recursive_doubling(n)  = agree + python + log2(p) (message(n) + adds(n))  [p a power of 2]
