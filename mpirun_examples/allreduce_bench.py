@@ -71,7 +71,9 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     parser.add_argument("--repeats", type=int, default=5, help="repetitions per size (GPU)")
     parser.add_argument(
-        "--rounds", type=int, default=10,
+        "--rounds",
+        type=int,
+        default=10,
         help="rounds, each timing the terms and then every size with a share of the repetitions",
     )
     args = parser.parse_args(argv)
@@ -81,10 +83,10 @@ def main(argv=None):
     if args.device == "gpu":
         return gpu_main(comm, args)
     sizes, p = sizes_from(args.min_kib, args.max_mib), comm.size
+    terms_sizes = calibration_sizes(sizes[0] // p, sizes[-1])
     calibrated, measured = [], []
     for _ in range(args.rounds):  # a machine that drifts drifts under the terms and the sizes alike
         if not args.no_calibration:
-            terms_sizes = calibration_sizes(sizes[0] // p, sizes[-1])
             calibrated.append(measure_terms(comm, terms_sizes, args.rounds))
         measured.append([measure_size(comm, nbytes, args.rounds) for nbytes in sizes])
     rows = join_rounds(measured)

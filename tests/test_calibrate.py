@@ -142,8 +142,8 @@ def test_join_rounds_averages_every_number_and_keeps_what_the_rounds_agree_on():
         {"sizes": [12, 24], "agree": 6.0, "python": {"ring": [6.0, 4.0]}, "choice": "ring"},
     ]
     joined = join_rounds(rounds)
-    assert joined == {"sizes": [12, 24], "agree": 3.0, "python": {"ring": [3.0, 4.0]},
-                      "choice": "ring"}  # fmt: skip
+    expected = {"sizes": [12, 24], "agree": 3.0, "python": {"ring": [3.0, 4.0]}, "choice": "ring"}
+    assert joined == expected
     assert all(type(n) is int for n in joined["sizes"])  # sizes stay sizes
     assert join_rounds(rounds, np.median)["agree"] == 2.0
     assert join_rounds([[{"ring": 1.0}, 5.0]] * 2 + [[{"ring": 4.0}, 8.0]]) == [{"ring": 2.0}, 6.0]
