@@ -24,9 +24,9 @@ import numpy as np
 
 from minimp.data import load_shakespeare
 from minimp.precision.casting import ACTIVATION_DTYPES, round_to
-from minimp.train import checkpoint
-from minimp.train.errors import CheckpointError, ConfigError
-from minimp.train.files import atomic_write, check_output_path, exit_cleanly_on_sigterm
+from minimp.checkpoints import checkpoint
+from minimp.checkpoints.errors import CheckpointError, ConfigError
+from minimp.checkpoints.files import atomic_write, check_output_path, exit_cleanly_on_sigterm
 
 PROGRAM = "minimp.export"
 

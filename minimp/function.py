@@ -20,7 +20,7 @@ class saved_tensors_hooks:
 
     ZeRO stage 3 uses it to keep gathered weights out of the graph: pack turns a weight into a
     note of where it lives, the weight is freed after the forward, and unpack finds it again once
-    it has been gathered anew for the backward (minimp/parallel/zero_stage3.py).
+    it has been gathered anew for the backward (minimp/parallel/zero/stage3.py).
     """
 
     def __init__(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]):

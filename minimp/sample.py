@@ -18,9 +18,9 @@ from minimp import backend
 from minimp.data import TextDataset, load_shakespeare
 from minimp.models.gpt import GPT, GPTConfig
 from minimp.tensor import Tensor, no_grad
-from minimp.train import checkpoint
-from minimp.train.errors import CheckpointError, ConfigError
-from minimp.train.files import exit_cleanly_on_sigterm
+from minimp.checkpoints import checkpoint
+from minimp.checkpoints.errors import CheckpointError, ConfigError
+from minimp.checkpoints.files import exit_cleanly_on_sigterm
 
 PROGRAM = "minimp.sample"
 

@@ -6,19 +6,19 @@
     mpirun -n 2 python mpirun_examples/allreduce_bench.py --max-mib 1 --no-calibration
     mpirun -n 2 python mpirun_examples/allreduce_bench.py --device gpu --json   # CuPy, NCCL
 
-It measures the machine model's terms (minimp/machinemodel.py) at sizes of 3 x 2^k bytes, then
-every size, in --rounds rounds (10), each with a share of the repetitions (at least 50 calls in all
-up to 1 MiB, 3 per round); then it prints the model's prediction of each algorithm beside its
-measured time: every size measured here is a power of two, one the fit never saw (held out).
-Each time is the slowest rank's: in a round, the median of its calls after a warm-up; reported,
-the mean of the rounds' medians. Why rounds and a mean: this machine runs some stretches of a
-launch 1.3-1.7x slower than others, for seconds at a time; timing the terms first and the sizes
-after, a model fitted in a slow stretch was checked against a fast one. Rounds spread the terms
-and the sizes over the same stretches; the model adds terms, and the mean of a sum is the sum of
-the means (the median of a sum is not the sum of the medians). With --shipped the
-prediction is that of the model minimp ships for this many ranks (minimp.machinemodel.SHIPPED),
-the one `auto` uses, instead of the one fitted in this run; --no-calibration skips the terms.
-"planned" is auto again as a PersistentAllreduce (the ranks agree once, not at every call).
+It measures the machine model's terms (minimp/measure/machinemodel.py) at sizes of 3 x 2^k bytes,
+then every size, in --rounds rounds (10), each with a share of the repetitions (at least 50 calls in
+all up to 1 MiB, 3 per round); then it prints the model's prediction of each algorithm beside its
+measured time: every size measured here is a power of two, one the fit never saw (held out). Each
+time is the slowest rank's: in a round, the median of its calls after a warm-up; reported, the mean
+of the rounds' medians. Why rounds and a mean: this machine runs some stretches of a launch 1.3-1.7x
+slower than others, for seconds at a time; timing the terms first and the sizes after, a model
+fitted in a slow stretch was checked against a fast one. Rounds spread the terms and the sizes over
+the same stretches; the model adds terms, and the mean of a sum is the sum of the means (the median
+of a sum is not the sum of the medians). With --shipped the prediction is that of the model minimp
+ships for this many ranks (minimp.measure.machinemodel.SHIPPED), the one `auto` uses, instead of the
+one fitted in this run; --no-calibration skips the terms. "planned" is auto again as a
+PersistentAllreduce (the ranks agree once, not at every call).
 """
 
 import argparse
@@ -28,9 +28,10 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from minimp import backend, costmodel
+from minimp import backend
+from minimp.measure import costmodel
 from minimp import distributed as dist
-from minimp.distributed.calibrate import (
+from minimp.measure.calibrate import (
     FRESH_MEMORY_WARMUPS,
     calibration_sizes,
     fit_model,
@@ -40,8 +41,8 @@ from minimp.distributed.calibrate import (
     repeats_for,
     timed,
 )
-from minimp.machinemodel import ALGORITHMS as MODELLED
-from minimp.machinemodel import Line, relative_errors, shipped_model
+from minimp.measure.machinemodel import ALGORITHMS as MODELLED
+from minimp.measure.machinemodel import Line, relative_errors, shipped_model
 
 ALGORITHMS = ("ring", "naive", "recursive_doubling", "auto")
 

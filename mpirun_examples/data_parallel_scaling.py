@@ -6,7 +6,7 @@
 For two model sizes and both gradient wire dtypes it runs `mpirun -n p python -m minimp.train` (fp16
 training, global batch 256), reads each run's metrics (compute seconds, communication seconds, bytes
 sent per step), and prints them beside the cost models: the ring all-reduce time the machine model
-predicts for the same run on this machine (minimp/machinemodel.py), and for p = 1,024 replicas on a
+predicts for the same run on this machine (measure/machinemodel.py), and for p = 1,024 replicas on a
 stated data-centre network (weak scaling: each replica keeps the local batch of the p = 4 run). On a
 2-core machine 4 ranks are oversubscribed: each rank gets half a core, and MPICH's waiting ranks
 spin, so compute slows down too. The table says so rather than hiding it.
@@ -21,8 +21,8 @@ import subprocess
 import sys
 import tempfile
 
-from minimp import costmodel
-from minimp.machinemodel import shipped_model
+from minimp.measure import costmodel
+from minimp.measure.machinemodel import shipped_model
 
 MODELS = {
     "small": ["--hidden", "128", "--layers", "4"],
@@ -96,7 +96,7 @@ def main(argv=None):
                     row = run(ranks, model, wire, args.steps, folder)
                     gradient_bytes = parameters * (2 if wire == "fp16" else 4)
                     row["parameters"] = parameters
-                    # the shipped machine model (minimp/machinemodel.py): this machine's terms
+                    # the shipped machine model (measure/machinemodel.py): this machine's terms
                     row["predicted_communication_s"] = (
                         shipped_model(ranks).ring_allreduce(gradient_bytes) if ranks > 1 else 0.0
                     )

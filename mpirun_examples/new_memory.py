@@ -8,7 +8,7 @@ ring.py's all-reduce on them between the two ranks, and the same with MPI's Allr
 timed on its own (slowest rank, ranks starting together). Printed: each call's time over the
 median of calls 9-12 (the arrays' steady time), the median over the repetitions. A time kept from
 the second call on new arrays is not the time of a training step's buckets, which are old
-arrays; minimp/distributed/calibrate.py runs FRESH_MEMORY_WARMUPS calls before it times.
+arrays; minimp/measure/calibrate.py runs FRESH_MEMORY_WARMUPS calls before it times.
 """
 
 import argparse

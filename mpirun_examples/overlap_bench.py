@@ -11,16 +11,16 @@ mode, the median over the steps after the first of the exposed seconds, of all c
 seconds and of the whole step, and the ratio exposed(overlap) / exposed(no overlap).
 
 Then the cost model's prediction of the same ratio for the same buckets on a stated data-centre
-network (minimp/costmodel.py DATACENTER, as between GPUs) at four backward times, where the rings
-take nothing from the compute, unlike here: on a CPU core each rank also has to copy and add the
-messages itself, between its own matrix products.
+network (minimp/measure/costmodel.py DATACENTER, as between GPUs) at four backward times, where the
+rings take nothing from the compute, unlike here: on a CPU core each rank also has to copy and add
+the messages itself, between its own matrix products.
 """
 
 import argparse
 import json
 import statistics
 
-from minimp import costmodel
+from minimp.measure import costmodel
 from minimp.distributed import world
 from minimp.distributed.launch import run_or_abort
 from minimp.train import TrainConfig, train

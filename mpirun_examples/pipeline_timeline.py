@@ -7,15 +7,15 @@ real timelines; the bubble measured, its formula, and the step simulated from me
 
 It launches `mpirun -n P python -m minimp.train --pp P --schedule S --timeline ...` for each
 schedule (interleaved with --virtual-stages 2), reads each stage's forward/backward times from the
-trace (the Chrome trace-event file that Perfetto opens, minimp/train/trace.py), and measures the
+trace (the Chrome trace-event file that Perfetto opens, minimp/measure/trace.py), and measures the
 bubble of a step as 1 - (mean busy time of a stage) / (time from the first forward to the last
-backward), beside the formula of minimp.parallel.schedule_choice (with a backward twice a
-forward). The model (8 hidden layers of 512) splits into stages of nearly equal parameter count.
-The schedule simulator (minimp/parallel/simulator.py), fed with the run's median times of each
+backward), beside the formula of minimp.parallel.pipeline.schedules (with a backward twice a
+forward). The model (8 hidden layers of 512) splits into stages of nearly equal parameter count. The
+schedule simulator (minimp/parallel/pipeline/simulator.py), fed with the run's median times of each
 compute per stage and the shipped machine model's time for one activation message, predicts the
-measured step. On a 2-core machine P = 4 is oversubscribed and waiting MPICH ranks spin, which
-slows the computing ones: the measured bubble is then a property of this machine as much as of
-the schedule.
+measured step. On a 2-core machine P = 4 is oversubscribed and waiting MPICH ranks spin, which slows
+the computing ones: the measured bubble is then a property of this machine as much as of the
+schedule.
 """
 
 import argparse
@@ -32,8 +32,8 @@ from minimp.lessons.timelines import (  # lesson 7's measurements and model
     simulate_parts,
     span,
 )
-from minimp.parallel.schedule_choice import CHOICES, schedule_problem
-from minimp.parallel.trace import read_timeline
+from minimp.parallel.pipeline.schedules import CHOICES, schedule_problem
+from minimp.measure.trace import read_timeline
 
 MODEL = [
     *("--hidden", str(HIDDEN), "--layers", "8"),

@@ -5,7 +5,7 @@
 
 1. One process with one BLAS thread trains the GPT (python -m minimp.train --dataset shakespeare:
    4 blocks of 128, context 64, fp16, AdamW) on batches of 16 in 4 micro-batches of 4 rows; its
-   median step time and the step's FLOPs (planning/steptime.py's count, Narayanan et al.'s Eq. 3
+   median step time and the step's FLOPs (plan/steptime.py's count, Narayanan et al.'s Eq. 3
    without recomputation) give the compute rate of one process.
 2. Every layout of 4 ranks with dp x tp x pp = 4 (and each ZeRO stage when dp > 1) trains the same
    model on the same batch of 16 in micro-batches of 4 rows (M = 16 / (4 dp) per replica), and
@@ -32,9 +32,9 @@ import sys
 import tempfile
 
 from minimp.backend import available_memory
-from minimp.planning.inputs import Job, Layout, divisors
-from minimp.planning.presets import SHAKESPEARE, this_machine
-from minimp.planning.steptime import step_flops, step_time
+from minimp.plan.inputs import Job, Layout, divisors
+from minimp.plan.presets import SHAKESPEARE, this_machine
+from minimp.plan.steptime import step_flops, step_time
 
 RANKS, CORES = 4, os.cpu_count() or 2
 BATCH, ROWS = 16, 4  # samples per step, rows per micro-batch

@@ -8,7 +8,7 @@ formulas, step time, and the bytes one block keeps for backward against Korthika
    CPU model: 4 blocks of width 128, 4 heads, context 64; batch 16 in 2 micro-batches, fp16,
    dropout 0.1) and reads rank 0's metrics: bytes sent per step in each group (tensor_parallel,
    data_parallel, pipeline, tied), and the step time (median after the first step). Beside them
-   the formulas (minimp/parallel/tensor_parallel_accounts.py, zero_accounts.py) for rank 0.
+   the formulas (minimp/measure/tensor_parallel_accounts.py, accounts.py) for rank 0.
 2. One block on each of t = 1, 2, 4 simulated ranks, with and without sequence parallelism: the
    bytes it keeps for backward, the formula, and Korthikanti et al.'s count.
 """
@@ -28,13 +28,13 @@ from minimp import Tensor
 from minimp import distributed as dist
 from minimp.models import GPT, GPTConfig, block_activation_bytes
 from minimp.parallel import parallelize
-from minimp.parallel.tensor_parallel_accounts import (
+from minimp.measure.tensor_parallel_accounts import (
     block_activation_bytes_tp,
     gpt_tensor_parallel_bytes,
     korthikanti_bytes,
     pipeline_bytes,
 )
-from minimp.parallel.zero_accounts import bytes_sent_formula
+from minimp.measure.accounts import bytes_sent_formula
 from minimp.tensor import saved_bytes
 from minimp.train import TrainConfig
 from minimp.train.sizes import SHAKESPEARE_VOCABULARY, rank_layer_counts, stage_bounds

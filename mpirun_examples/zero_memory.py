@@ -7,7 +7,7 @@ formulas, the bytes a step sends, the paper's 7.5B-parameter example, and recomp
 1. For each stage and N it runs `mpirun -n N python -m minimp.train --zero S` (an MLP of 8 hidden
    layers of 256, fp16, Adam) and reads the metrics: the final row's bytes held by every rank, by
    kind, at the end of the last step (and the peak inside a step), and every step's bytes sent by
-   collective and time. Beside them, minimp/parallel/zero_accounts.py's formulas for the same rank.
+   collective and time. Beside them, minimp/measure/accounts.py's formulas for the same rank.
 2. The formulas for a 7.5B-parameter model: ZeRO's (section 5.1 of the paper: 120 GB replicated,
    31.4 / 16.6 / 1.9 GB at N = 64) and minimp's (float32 gradient accumulators), N = 8, 64, 1,024.
 3. A GPT on one process with and without --recompute: the bytes kept for backward against the
@@ -28,8 +28,8 @@ import numpy as np
 
 from minimp import distributed as dist
 from minimp.models import block_activation_bytes
-from minimp.parallel.trace import OPS
-from minimp.parallel.zero_accounts import (
+from minimp.measure.trace import OPS
+from minimp.measure.accounts import (
     KINDS,
     bytes_sent_formula,
     memory_formula,
@@ -133,7 +133,7 @@ def _timed_steps(comm, config) -> tuple[int, float, float]:
     run = Run(config, comm, log=lambda line: None)
     for step in range(1, config.steps + 1):
         run.step(step)
-    rows = run.trace.array()  # op, step, micro-batch, start, end (minimp/parallel/trace.py)
+    rows = run.trace.array()  # op, step, micro-batch, start, end (minimp/measure/trace.py)
     later = rows[rows[:, 1] > 1]
     seconds = later[:, 4] - later[:, 3]
     forward = float(np.median(seconds[later[:, 0] == OPS.index("forward")]))

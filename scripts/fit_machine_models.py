@@ -1,4 +1,4 @@
-"""Fit the machine models minimp ships (minimp/machine_models.json) from allreduce_bench runs.
+"""Fit the machine models minimp ships (minimp/measure/machine_models.json) from benchmark runs.
 
     for i in 1 2 3 4 5; do   # e*: held out by launch too, the rows of fresh processes
         for p in 2 4; do
@@ -30,8 +30,8 @@ import sys
 
 import numpy as np
 
-from minimp.distributed.calibrate import fit_model, join_rounds
-from minimp.machinemodel import ALGORITHMS, SHIPPED_PATH, MachineModel, relative_errors
+from minimp.measure.calibrate import fit_model, join_rounds
+from minimp.measure.machinemodel import ALGORITHMS, SHIPPED_PATH, MachineModel, relative_errors
 
 
 def fit_from_runs(runs: list[dict]) -> MachineModel:

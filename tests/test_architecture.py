@@ -12,9 +12,8 @@ PACKAGE = os.path.join(os.path.dirname(__file__), "..", "minimp")
 LAYERS = [
     (
         "arrays",
-        ("minimp.backend", "minimp.memory_pool", "minimp.precision.casting")
-        + ("minimp.precision.halfcast",)
-        + ("minimp.precision.halfcast_numba", "minimp.precision.fp8", "minimp.npz"),
+        ("minimp.backend", "minimp.memory_pool", "minimp.npz", "minimp.precision.casting")
+        + ("minimp.precision.halfcast", "minimp.precision.halfcast_numba", "minimp.precision.fp8"),
     ),
     (
         "autograd",
@@ -23,13 +22,15 @@ LAYERS = [
     ),
     (
         "nn/optim/precision",
-        ("minimp.nn", "minimp.optim", "minimp.precision", "minimp.data", "minimp.datasets")
-        + ("minimp.costmodel", "minimp.machinemodel", "minimp.lr_schedule"),
+        ("minimp.nn", "minimp.optim", "minimp.precision", "minimp.data", "minimp.datasets"),
     ),
     ("models", ("minimp.models",)),
     ("distributed", ("minimp.distributed",)),
+    ("measure", ("minimp.measure",)),
     ("parallel", ("minimp.parallel",)),
-    ("train", ("minimp.train", "minimp.sample", "minimp.plan", "minimp.planning", "minimp.export")),
+    ("plan", ("minimp.plan",)),
+    ("checkpoints", ("minimp.checkpoints",)),
+    ("train", ("minimp.train", "minimp.sample", "minimp.export")),
     ("lessons", ("minimp.lessons",)),  # the notebooks' checkers and figures: nothing imports them
 ]
 # The Tensor <-> op cycle: a Tensor's operators are Functions, and a Function makes Tensors.
@@ -91,10 +92,20 @@ def test_imports_go_one_way(module):
         )
 
 
-def test_the_transport_layer_never_imports_a_strategy():
+# What a wing must never import, whatever the layers above say: the transport knows no strategy,
+# meter, planner or trainer; the strategies know no planner or trainer.
+FORBIDDEN = {
+    "minimp.distributed": ("minimp.measure", "minimp.plan", "minimp.parallel", "minimp.train"),
+    "minimp.parallel": ("minimp.train", "minimp.plan"),
+}
+
+
+@pytest.mark.parametrize("wing", sorted(FORBIDDEN))
+def test_the_transport_and_the_strategies_import_nothing_above_them(wing):
     for module, path in MODULES.items():
-        if module.startswith("minimp.distributed"):
-            assert not any(i.startswith("minimp.parallel") for i in imported_modules(path))
+        if module == wing or module.startswith(wing + "."):
+            for imported in imported_modules(path):
+                assert not imported.startswith(FORBIDDEN[wing]), f"{module} imports {imported}"
 
 
 def test_no_import_cycle_but_the_autograd_one():
@@ -121,9 +132,13 @@ def test_no_import_cycle_but_the_autograd_one():
             visit(node, [])
 
 
-def test_every_file_says_its_job_and_stays_short():
-    for module, path in MODULES.items():
-        text = open(path).read()
-        docstring = ast.get_docstring(ast.parse(text))
-        assert docstring, f"{path}: the first docstring line says the file's one job"
-        assert len(text.splitlines()) <= 300, f"{path}: over 300 lines; split where a job hides"
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_every_file_says_its_one_job_first_and_stays_under_the_hard_limit(module):
+    """A file is one job, said in its docstring's first line (one sentence, ending in a period or
+    a colon); a long file is fine when it is one idea read top to bottom, up to 500 lines."""
+    text = open(MODULES[module]).read()
+    docstring = ast.get_docstring(ast.parse(text))
+    assert docstring, f"{module}: the first docstring line says the file's one job"
+    first = docstring.split("\n\n")[0].replace("\n", " ")
+    assert first.rstrip().endswith((".", ":", "?", ".)")), f"{module}: one sentence: {first!r}"
+    assert len(text.splitlines()) <= 500, f"{module}: over 500 lines; split where a job hides"

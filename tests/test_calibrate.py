@@ -6,8 +6,8 @@ import itertools
 import numpy as np
 import pytest
 
-from minimp.distributed import calibrate as calibration
-from minimp.distributed.calibrate import (
+from minimp.measure import calibrate as calibration
+from minimp.measure.calibrate import (
     FRESH_MEMORY_WARMUPS,
     PRETENDED_RANKS,
     calibrate,
@@ -24,8 +24,8 @@ from minimp.distributed.calibrate import (
 )
 from minimp.distributed.protocol import Tag
 from minimp.distributed.simulated import simulate
-from minimp.machinemodel import ALGORITHMS as MODELLED
-from minimp.machinemodel import fit_lines, interpolate_lines
+from minimp.measure.machinemodel import ALGORITHMS as MODELLED
+from minimp.measure.machinemodel import fit_lines, interpolate_lines
 
 
 def test_calibration_sizes_bracket_the_range_and_skip_every_power_of_two():

@@ -1,6 +1,7 @@
 """minimp/distributed/collectives.py pinned value by value on the simulated world: the algorithm
-`auto` picks for a Network, a MachineModel or neither, which one then runs (seen in the message
-trace), `op` and `out` reaching it, the naive all-reduce's float32 sum, root and NaN bits, the
+`auto`'s rule picks and the one a policy given picks (a model's: FastestPredicted of a Network, a
+MachineModel or the shipped one), which one then runs (seen in the message trace), `op` and `out`
+reaching it, the naive all-reduce's float32 sum, root and NaN bits, the
 error messages, and the defaults of the algorithms' bodies (op, root) called alone."""
 
 import ml_dtypes
@@ -8,16 +9,17 @@ import numpy as np
 import pytest
 
 from minimp import distributed as dist
-from minimp.costmodel import Network, fastest_allreduce
+from minimp.measure.costmodel import Network, fastest_allreduce
 from minimp.distributed.collectives import (
     ALGORITHMS,
+    RING_FROM_BYTES,
     choose_algorithm,
     naive_allreduce_into,
     recursive_doubling_into,
 )
 from minimp.distributed.protocol import Tag
 from minimp.distributed.ring import ring_allreduce_into
-from minimp.machinemodel import Line, MachineModel, shipped_model
+from minimp.measure.machinemodel import FastestPredicted, Line, MachineModel, shipped_model
 
 # Which tags each algorithm's messages carry (at p = 4, a power of two: no folding).
 TAGS = {
@@ -39,23 +41,43 @@ def model_of(python: dict[str, float], ranks: int = 4) -> MachineModel:
     )
 
 
+def test_auto_runs_recursive_doubling_below_512_kib_and_the_ring_from_there_at_any_p():
+    assert RING_FROM_BYTES == 512 * 1024
+    for p in (1, 2, 3, 4, 8, 16):
+        assert choose_algorithm(0, p) == choose_algorithm(RING_FROM_BYTES - 1, p)
+        assert choose_algorithm(RING_FROM_BYTES - 1, p) == "recursive_doubling"
+        assert choose_algorithm(RING_FROM_BYTES, p) == choose_algorithm(2**30, p) == "ring"
+
+
+def test_the_rule_chooses_as_the_shipped_model_at_powers_of_two_but_256_kib_at_p4():
+    # The rule replaced the shipped model's choice (issue 34). At p = 4 and 256 KiB the model
+    # predicted the ring and the launches measured recursive doubling faster (0.91-0.96x).
+    for p in (2, 4, 8, 16):
+        for k in range(12, 27):  # 4 KiB to 64 MiB
+            modelled = shipped_model(p).fastest(2**k, tuple(ALGORITHMS))
+            if (p, k) == (4, 18):
+                assert (choose_algorithm(2**k, p), modelled) == ("recursive_doubling", "ring")
+            else:
+                assert choose_algorithm(2**k, p) == modelled, (p, k)
+
+
 def test_a_network_given_decides_among_the_algorithms_minimp_implements():
-    assert choose_algorithm(10, 4, COSTLY_LATENCY) == "ring"
+    assert FastestPredicted(COSTLY_LATENCY)(10, 4) == "ring"
     # what the two mutants that drop the network or the candidates would return instead:
     assert fastest_allreduce(10, 4, COSTLY_LATENCY) == "rabenseifner"
-    assert choose_algorithm(10, 4) == shipped_model(4).fastest(10) == "recursive_doubling"
+    assert FastestPredicted()(10, 4) == shipped_model(4).fastest(10) == "recursive_doubling"
 
 
 def test_a_machine_model_given_replaces_the_shipped_one():
     cheapest_naive = model_of({"ring": 1.0, "recursive_doubling": 1.0, "naive": 0.0})
-    assert choose_algorithm(10, 4, cheapest_naive) == "naive"
+    assert FastestPredicted(cheapest_naive)(10, 4) == "naive"
     assert shipped_model(4).fastest(10) != "naive"  # so the model given is what decided
 
 
 def test_a_tie_goes_to_the_algorithm_collectives_lists_first():
     tied = model_of({"ring": 1.0, "recursive_doubling": 0.0, "naive": 0.0})
     first = next(name for name in ALGORITHMS if name in ("recursive_doubling", "naive"))
-    assert choose_algorithm(10, 4, tied) == first
+    assert FastestPredicted(tied)(10, 4) == first
 
 
 def algorithm_that_ran(trace) -> str:
@@ -64,20 +86,32 @@ def algorithm_that_ran(trace) -> str:
     return name
 
 
-def test_allreduce_auto_is_the_default_and_hands_it_the_network():
+def test_allreduce_auto_is_the_default_and_a_policy_given_decides_instead():
     inputs = [np.arange(4, dtype=np.float32) * (rank + 1) for rank in range(4)]
     # 4 float32 = 16 bytes: ring 6 + 1.5 * 16 = 30 s against recursive doubling 2 (1 + 16) = 34 s;
-    # at 4 / 4 = 1 "byte" recursive doubling would win (4 s against 7.5 s), as it does for the
-    # shipped model at 16 bytes.
+    # at 4 / 4 = 1 "byte" recursive doubling would win (4 s against 7.5 s), as the rule picks at
+    # 16 bytes.
+    policy = FastestPredicted(COSTLY_LATENCY)
     results = dist.simulate(
-        4, lambda comm: dist.allreduce(comm, inputs[comm.rank], network=COSTLY_LATENCY)
+        4, lambda comm: dist.allreduce(comm, inputs[comm.rank], algorithm=policy)
     )
     assert algorithm_that_ran(results.trace) == "ring"
     for result in results:
         np.testing.assert_array_equal(result, np.arange(4, dtype=np.float32) * 10)
     plain = dist.simulate(4, lambda comm: dist.allreduce(comm, inputs[comm.rank]))
-    assert algorithm_that_ran(plain.trace) == shipped_model(4).fastest(16) == "recursive_doubling"
+    assert algorithm_that_ran(plain.trace) == choose_algorithm(16, 4) == "recursive_doubling"
     np.testing.assert_array_equal(plain[3], results[3])
+    asked = []
+
+    def naive(nbytes, ranks):
+        asked.append((nbytes, ranks))
+        return "naive"
+
+    named = dist.simulate(4, lambda comm: dist.allreduce(comm, inputs[comm.rank], algorithm=naive))
+    assert algorithm_that_ran(named.trace) == "naive" and asked == [(16, 4)] * 4
+    tree = lambda nbytes, ranks: "tree"  # noqa: E731
+    with pytest.raises(ValueError, match="unknown all-reduce algorithm 'tree'"):
+        dist.simulate(1, lambda comm: dist.allreduce(comm, inputs[0], algorithm=tree))
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from minimp import costmodel
-from minimp.costmodel import Network
+from minimp.measure import costmodel
+from minimp.measure.costmodel import Network
 
 NET = Network(alpha=1e-5, beta=1e-9, gamma=5e-10)
 

@@ -8,7 +8,7 @@ import pytest
 
 from minimp import distributed as dist
 from minimp import nn, optim
-from minimp.parallel.data_parallel import (
+from minimp.parallel.data.data_parallel import (
     DataParallel,
     ReplicaMismatchError,
     ranks_differing_from_rank_0,

@@ -7,8 +7,8 @@ import pytest
 
 from minimp import distributed as dist
 from minimp import nn, optim
-from minimp.parallel.data_parallel import DataParallel, pack
-from minimp.parallel.tensor_parallel_grads import TensorParallelGradients
+from minimp.parallel.data.data_parallel import DataParallel, pack
+from minimp.parallel.tensor.grads import TensorParallelGradients
 from minimp.precision import halfcast, halfcast_numba
 
 needs_numba = pytest.mark.skipif(not halfcast_numba.available(), reason="numba is not installed")

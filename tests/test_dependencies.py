@@ -1,9 +1,10 @@
-"""minimp/parallel/dependencies.py pinned on hand-made schedules: which problems check_schedule
-finds, their words and their order, on one rank with two chunks, three ranks, split backwards."""
+"""minimp/parallel/pipeline/schedules/dependencies.py pinned on hand-made schedules: which
+problems check_schedule finds, their words and their order, on one rank with two chunks, three
+ranks, split backwards."""
 
-from minimp.parallel import schedules as s
-from minimp.parallel.dependencies import check_schedule
-from minimp.parallel.schedules import Action
+from minimp.parallel.pipeline.schedules import actions as s
+from minimp.parallel.pipeline.schedules.dependencies import check_schedule
+from minimp.parallel.pipeline.schedules.actions import Action
 
 F, B = s.FORWARD, s.BACKWARD
 

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from minimp.distributed.calibrate import PRETENDED_RANKS, ring_step_line
-from minimp.machinemodel import MachineModel, fit_lines
+from minimp.measure.calibrate import PRETENDED_RANKS, ring_step_line
+from minimp.measure.machinemodel import MachineModel, fit_lines
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "fit_machine_models.py")
 spec = importlib.util.spec_from_file_location("fit_machine_models", SCRIPT)

@@ -21,10 +21,10 @@ from minimp.distributed.buffers import contiguous_flat, output_buffer
 from minimp.distributed.ring import all_gather
 from minimp.ops.dropout import keep_mask
 from minimp.optim import SGD
-from minimp.parallel.data_parallel import DataParallel
-from minimp.parallel.zero import zero_data_parallel
-from minimp.parallel.zero_overlap import OverlappedUnits
-from minimp.parallel.zero_stage3 import _Packed, free
+from minimp.parallel.data.data_parallel import DataParallel
+from minimp.parallel.zero.data_parallel import zero_data_parallel
+from minimp.parallel.zero.overlap import OverlappedUnits
+from minimp.parallel.zero.stage3 import _Packed, free
 
 RANKS = 2
 

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minimp import DynamicLossScaler, Tensor, costmodel, mixed_precision_step, nn, no_grad, optim
+from minimp import DynamicLossScaler, Tensor, mixed_precision_step, nn, no_grad, optim
+from minimp.measure import costmodel
 from minimp import distributed as dist
 from minimp import functional as F
 from minimp.backend import limit_cpu_threads

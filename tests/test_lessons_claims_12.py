@@ -12,12 +12,12 @@ from minimp import distributed as dist
 from minimp import functional as F
 from minimp.backend import limit_cpu_threads
 from minimp.lessons import cutting
-from minimp.parallel.tensor_parallel import all_reduce
-from minimp.parallel.tensor_parallel_layers import ColumnParallelLinear, RowParallelLinear
-from minimp.planning.inputs import Job
-from minimp.planning.presets import DATACENTER, MODELS, NVLINK, selene
-from minimp.planning.search import best_plans
-from minimp.planning.steptime import step_time
+from minimp.parallel.tensor.mappings import all_reduce
+from minimp.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from minimp.plan.inputs import Job
+from minimp.plan.presets import DATACENTER, MODELS, NVLINK, selene
+from minimp.plan.search import best_plans
+from minimp.plan.steptime import step_time
 
 H, B = 8, 3
 

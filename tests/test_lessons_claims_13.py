@@ -8,12 +8,13 @@ import re
 import numpy as np
 import pytest
 
-from minimp import Tensor, costmodel, nn
+from minimp import Tensor, nn
+from minimp.measure import costmodel
 from minimp import distributed as dist
 from minimp.distributed.ring_nonblocking import RingAllreduce
 from minimp.lessons import overlap_timeline, timelines
 from minimp.parallel import Costs, format_schedule, peak_activations, simulate_schedule
-from minimp.parallel.schedule_choice import CHOICES, build_schedule
+from minimp.parallel.pipeline.schedules import CHOICES, build_schedule
 from minimp.split_backward import backward_input, backward_weight
 
 P, M = 4, 8

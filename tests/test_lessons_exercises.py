@@ -595,7 +595,7 @@ def plan_with_an_empty_bucket(sizes, bucket_bytes, itemsize):
 def row_parallel_functions():
     """Row-parallel Linears, each wrong in one way."""
     from minimp.function import Function
-    from minimp.parallel.tensor_parallel import all_reduce
+    from minimp.parallel.tensor.mappings import all_reduce
 
     class RowParallelWithoutTheSum(Function):
         """Each rank keeps its partial output: g forgotten."""

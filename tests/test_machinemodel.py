@@ -7,10 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from minimp import costmodel
+from minimp.measure import costmodel
 from minimp import distributed as dist
-from minimp.machinemodel import (
+from minimp.measure.machinemodel import (
     SHIPPED,
+    FastestPredicted,
     Line,
     MachineModel,
     fit_lines,
@@ -185,12 +186,12 @@ def test_other_rank_counts_borrow_the_nearest_terms_below():
     assert shipped_model(1).ranks == 1 and shipped_model(1).message == SHIPPED[2].message
 
 
-def test_auto_follows_the_shipped_model_unless_given_a_network():
+def test_the_policy_follows_the_shipped_model_unless_given_a_network_or_a_model():
     for p in (2, 4, 8):
         for n in (4096, 2**20, 2**26):
-            assert dist.choose_algorithm(n, p) == shipped_model(p).fastest(n, dist.ALGORITHMS)
+            assert FastestPredicted()(n, p) == shipped_model(p).fastest(n, dist.ALGORITHMS)
     network = costmodel.THIS_MACHINE
-    assert dist.choose_algorithm(4096, 4, network) == costmodel.fastest_allreduce(
+    assert FastestPredicted(network)(4096, 4) == costmodel.fastest_allreduce(
         4096, 4, network, tuple(dist.ALGORITHMS)
     )
-    assert dist.choose_algorithm(4096, 4, MODEL) == MODEL.fastest(4096)
+    assert FastestPredicted(MODEL)(4096, 4) == MODEL.fastest(4096)

@@ -97,7 +97,7 @@ def test_the_fused_kernel_is_asked_only_when_fused_is_on(monkeypatch, fused):
         asked.append(arguments)
         return False
 
-    monkeypatch.setattr(optim, "fused_step", not_here)
+    monkeypatch.setattr("minimp.optim.optimizer.fused_step", not_here)
     parameter = nn.Parameter(np.ones(2, np.float32))
     optimizer = optim.SGD([parameter], lr=0.5)
     optimizer.fused = fused

@@ -5,12 +5,13 @@ skip decision, the flags, the metrics and the cost model's prediction."""
 import numpy as np
 import pytest
 
-from minimp import costmodel, nn, optim
+from minimp import nn, optim
+from minimp.measure import costmodel
 from minimp import distributed as dist
 from minimp.distributed.ring import ring_reduce_scatter_into
 from minimp.distributed.ring_nonblocking import RingAllreduce
-from minimp.parallel.data_parallel import DataParallel
-from minimp.parallel.zero_overlap import OverlappedUnits
+from minimp.parallel.data.data_parallel import DataParallel
+from minimp.parallel.zero.overlap import OverlappedUnits
 from minimp.precision import NoLossScaler, mixed_precision_step
 from minimp.tensor import Tensor
 from minimp.train import TrainConfig, train

@@ -13,9 +13,9 @@ from minimp import distributed as dist
 from minimp import nn, optim
 from minimp.distributed.protocol import Tag
 from minimp.distributed.ring import chunk_bounds
-from minimp.parallel.data_parallel import DataParallel
-from minimp.parallel.zero_accounts import BytesSent
-from minimp.parallel.zero_overlap import OverlappedUnits
+from minimp.parallel.data.data_parallel import DataParallel
+from minimp.measure.accounts import BytesSent
+from minimp.parallel.zero.overlap import OverlappedUnits
 from minimp.precision import NoLossScaler, mixed_precision_step
 from minimp.tensor import Tensor
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from minimp import distributed as dist
-from minimp.costmodel import Network
+from minimp.measure.costmodel import Network
+from minimp.measure.machinemodel import FastestPredicted
 from minimp.distributed.persistent import PersistentAllreduce
 
 ALGORITHMS = ["ring", "naive", "recursive_doubling", "auto"]
@@ -132,12 +133,13 @@ def test_a_one_dimensional_plan_returns_the_out_it_is_given_itself(ranks):
         np.testing.assert_array_equal(out, np.arange(5, dtype=np.float32) * ranks)
 
 
-def test_a_plan_takes_an_empty_dimension_and_auto_uses_the_network_given():
+def test_a_plan_takes_an_empty_dimension_and_a_policy_given():
     # alpha = beta = 1 s at p = 4 and 16 bytes: the ring (30 s) beats recursive doubling (34 s),
     # which the shipped model picks (tests/test_collectives.py)
     def run(comm):
         empty = PersistentAllreduce(comm, (0, 3), np.float32)
-        costly = PersistentAllreduce(comm, (4,), np.float32, network=Network(alpha=1.0, beta=1.0))
+        policy = FastestPredicted(Network(alpha=1.0, beta=1.0))
+        costly = PersistentAllreduce(comm, (4,), np.float32, algorithm=policy)
         return empty(np.zeros((0, 3), np.float32)).shape, costly.algorithm
 
     assert dist.simulate(4, run) == [((0, 3), "ring")] * 4

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from minimp import distributed as dist
 from minimp import nn
-from minimp.parallel.stages import PipelineError, split_stages, stage_parameters
+from minimp.parallel.pipeline.split import PipelineError, split_stages, stage_parameters
 from minimp.train import TrainConfig, build_model, train
-from minimp.train.errors import ConfigError
+from minimp.checkpoints.errors import ConfigError
 from minimp.train.loop import Run
 
 
@@ -120,7 +120,7 @@ def test_an_overflow_on_the_last_stage_makes_every_stage_skip():
 
 
 def test_timeline_records_every_forward_and_backward(tmp_path):
-    from minimp.parallel.trace import read_timeline
+    from minimp.measure.trace import read_timeline
 
     path = tmp_path / "timeline.json"
     run(2, pp=2, micro_batches=4, steps=2, timeline=str(path))
@@ -141,7 +141,7 @@ def test_pipeline_stages_split_the_parameters():
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=8), st.data())
 def test_balanced_cuts_find_the_smallest_possible_largest_stage(costs, data):
     """Against brute force over every way to cut: the binary search + greedy pass is optimal."""
-    from minimp.parallel.stages import _balanced_cuts
+    from minimp.parallel.pipeline.split import _balanced_cuts
 
     parts = data.draw(st.integers(1, len(costs)))
     cuts = _balanced_cuts(costs, parts)
@@ -208,7 +208,7 @@ def test_only_the_ends_of_a_gpt_pipeline_share_the_tied_embedding():
 
 
 def test_a_weight_gradient_before_its_input_gradient_is_refused():
-    from minimp.parallel.schedules import BACKWARD_WEIGHT, FORWARD, Action
+    from minimp.parallel.pipeline.schedules.actions import BACKWARD_WEIGHT, FORWARD, Action
 
     config = TrainConfig(hidden=32, layers=3, batch_size=32, steps=1)
     config.validate(1)

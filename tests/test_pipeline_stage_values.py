@@ -1,5 +1,5 @@
-"""PipelineStage's values pinned directly (minimp/parallel/pipeline.py): what a new stage holds,
-the chunk forward() runs by default, an empty step, the timing of the buffered sends, the
+"""PipelineStage's values pinned directly (minimp/parallel/pipeline/stage.py): what a new stage
+holds, the chunk forward() runs by default, an empty step, the timing of the buffered sends, the
 micro-batches peak_stored counts, and the sizes the schedule builders and the stage cutter take."""
 
 import re
@@ -11,9 +11,9 @@ import pytest
 from minimp import Tensor, nn
 from minimp import distributed as dist
 from minimp import functional as F
-from minimp.parallel.pipeline import PipelineStage
-from minimp.parallel.schedule_choice import build_schedule
-from minimp.parallel.schedules import (
+from minimp.parallel.pipeline.stage import PipelineStage
+from minimp.parallel.pipeline.schedules import build_schedule
+from minimp.parallel.pipeline.schedules.actions import (
     BACKWARD,
     FORWARD,
     RECV_BACKWARD,
@@ -24,7 +24,7 @@ from minimp.parallel.schedules import (
     gpipe,
     one_f_one_b,
 )
-from minimp.parallel.stages import StageChunk, split_counts
+from minimp.parallel.pipeline.split import StageChunk, split_counts
 from minimp.parallel.topology import Topology
 
 ROWS, WIDTH, CLASSES = 4, 3, 2

@@ -1,10 +1,10 @@
 """The pipeline's message tags, read from the simulated world's message trace: the layout
-minimp/parallel/pipeline.py's FIRST_TAG and minimp/train/layout_checks.py promise."""
+minimp/parallel/pipeline/stage.py's FIRST_TAG and minimp/train/layout_checks.py promise."""
 
 from collections import Counter
 
 from minimp import distributed as dist
-from minimp.parallel.pipeline import FIRST_TAG
+from minimp.parallel.pipeline.stage import FIRST_TAG
 from minimp.train import TrainConfig
 from minimp.train.loop import Run
 

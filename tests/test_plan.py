@@ -13,19 +13,19 @@ import pytest
 
 from minimp import functional as F
 from minimp import nn
-from minimp.costmodel import Network
-from minimp.machinemodel import shipped_model
+from minimp.measure.costmodel import Network
+from minimp.measure.machinemodel import shipped_model
 from minimp.models import GPT, GPTConfig, block_activation_bytes
-from minimp.parallel.zero_accounts import bytes_sent_formula
-from minimp.plan import main
-from minimp.planning import memory as mem
-from minimp.planning.inputs import Cluster, Job, Layout, ModelShape, PlanError, check_inputs
-from minimp.planning.inputs import shape_for_parameters
-from minimp.planning.links import AlphaBeta, Measured
-from minimp.planning.narayanan import TABLE_1, compare, comparison_table, format_comparison
-from minimp.planning.presets import MEGATRON, SHAKESPEARE, selene
-from minimp.planning.search import best_plans, search
-from minimp.planning.steptime import SCALAR_BYTES, narayanan_flops, step_flops, step_time
+from minimp.measure.accounts import bytes_sent_formula
+from minimp.plan.cli import main
+from minimp.plan import memory as mem
+from minimp.plan.inputs import Cluster, Job, Layout, ModelShape, PlanError, check_inputs
+from minimp.plan.inputs import shape_for_parameters
+from minimp.plan.links import AlphaBeta, Measured
+from minimp.plan.narayanan import TABLE_1, compare, comparison_table, format_comparison
+from minimp.plan.presets import MEGATRON, SHAKESPEARE, selene
+from minimp.plan.search import best_plans, search
+from minimp.plan.steptime import SCALAR_BYTES, narayanan_flops, step_flops, step_time
 from minimp.tensor import Tensor, saved_bytes
 from minimp.train import TrainConfig
 from minimp.train.sizes import parameter_count, zero_unit_sizes
@@ -293,7 +293,7 @@ def test_every_bad_flag_is_one_line_exit_2_before_any_work(flags, message, capsy
     def no_search(*args, **kwargs):
         raise AssertionError("searched despite bad input")
 
-    monkeypatch.setattr("minimp.plan.best_plans", no_search)
+    monkeypatch.setattr("minimp.plan.cli.best_plans", no_search)
     valid = ["--model", "shakespeare", "--gpus", "4", "--global-batch", "8"]
     with pytest.raises(SystemExit) if message.startswith("argument") else nullcontext():
         assert main(valid + flags) == 2
@@ -313,7 +313,7 @@ def test_argparse_errors_exit_2_in_one_line(capsys):
 def test_global_batch_and_gpus_are_required_but_not_for_the_comparison(capsys, monkeypatch):
     assert main(["--model", "shakespeare", "--gpus", "4"]) == 2
     assert "--global-batch is required" in capsys.readouterr().err
-    monkeypatch.setattr("minimp.plan.comparison_table", lambda: "the table")
+    monkeypatch.setattr("minimp.plan.cli.comparison_table", lambda: "the table")
     assert main(["--compare-narayanan"]) == 0
     assert capsys.readouterr().out == "the table\n"
 
@@ -433,7 +433,7 @@ def test_plan_check_runs_every_grid_of_4_ranks_and_tp_only_when_the_trainer_has_
 @pytest.mark.parametrize("value", ["inf", "nan", "1e30", "0.5"])
 def test_a_parameter_count_out_of_range_is_one_line_before_any_work(value, capsys, monkeypatch):
     """1e24 once searched for minutes and inf raised OverflowError: both are refused now."""
-    monkeypatch.setattr("minimp.plan.best_plans", lambda *a, **k: pytest.fail("searched"))
+    monkeypatch.setattr("minimp.plan.cli.best_plans", lambda *a, **k: pytest.fail("searched"))
     assert main(["--parameters", value, "--gpus", "8", "--global-batch", "32"]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "--parameters must be between 1 and 1e+15" in error

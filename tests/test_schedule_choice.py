@@ -5,9 +5,9 @@ named."""
 
 import pytest
 
-from minimp.parallel.dependencies import check_schedule
-from minimp.parallel.schedule_choice import CHOICES, build_schedule, schedule_problem
-from minimp.parallel.simulator import Costs, simulate_schedule
+from minimp.parallel.pipeline.schedules.dependencies import check_schedule
+from minimp.parallel.pipeline.schedules import CHOICES, build_schedule, schedule_problem
+from minimp.parallel.pipeline.simulator import Costs, simulate_schedule
 
 SIZES = [(2, 2, 1), (2, 4, 1), (4, 4, 1), (4, 8, 1), (2, 4, 2), (4, 8, 2), (2, 6, 3), (3, 9, 2)]
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minimp.parallel.interleaved import interleaved
-from minimp.parallel.schedules import (
+from minimp.parallel.pipeline.schedules.interleaved import interleaved
+from minimp.parallel.pipeline.schedules.actions import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -20,7 +20,7 @@ from minimp.parallel.schedules import (
     one_f_one_b,
     peak_activations,
 )
-from minimp.parallel.zero_bubble import zb_h1
+from minimp.parallel.pipeline.schedules.zero_bubble import zb_h1
 
 CASES = st.tuples(st.sampled_from(sorted(SCHEDULES)), st.integers(1, 8), st.integers(1, 16))
 

@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from minimp.parallel import schedules as s
-from minimp.parallel.dependencies import check_schedule, with_messages
-from minimp.parallel.interleaved import interleaved
-from minimp.parallel.schedules import Action, gpipe, one_f_one_b
-from minimp.parallel.simulator import Costs, simulate_schedule, simulated_trace
-from minimp.parallel.trace import read_timeline
-from minimp.parallel.zero_bubble import zb_h1
+from minimp.parallel.pipeline.schedules import actions as s
+from minimp.parallel.pipeline.schedules.dependencies import check_schedule, with_messages
+from minimp.parallel.pipeline.schedules.interleaved import interleaved
+from minimp.parallel.pipeline.schedules.actions import Action, gpipe, one_f_one_b
+from minimp.parallel.pipeline.simulator import Costs, simulate_schedule, simulated_trace
+from minimp.measure.trace import read_timeline
+from minimp.parallel.pipeline.schedules.zero_bubble import zb_h1
 
 SIZES = [(P, M) for P in (2, 3, 4, 5) for M in (1, 2, 3, 4, 6, 8, 9)]
 

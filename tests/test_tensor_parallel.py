@@ -19,9 +19,9 @@ from minimp.parallel import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
-from minimp.parallel.tensor_parallel_accounts import block_activation_bytes_tp, korthikanti_bytes
-from minimp.parallel.tensor_parallel_layers import join_shards, partitions, take_shard
-from minimp.parallel.tensor_parallel_models import paired_counts
+from minimp.measure.tensor_parallel_accounts import block_activation_bytes_tp, korthikanti_bytes
+from minimp.parallel.tensor.layers import join_shards, partitions, take_shard
+from minimp.parallel.tensor.models import paired_counts
 from minimp.tensor import saved_bytes
 
 # (name, op(x, comm), input held the same by every rank?, does every rank compute the same loss
@@ -144,7 +144,7 @@ def test_a_column_then_row_pair_computes_the_whole_pair(ranks, sequence_parallel
     ]:
         np.testing.assert_allclose(joined, layer.grad, rtol=1e-12, atol=1e-15)
     # The row layer's bias is whole on every rank: its gradient is whole, or with sequence
-    # parallelism each rank's positions' part (tensor_parallel_grads.py sums them once a step).
+    # parallelism each rank's positions' part (parallel/tensor/grads.py sums them once a step).
     row_bias = [r.bias.grad for r in rows]
     got = sum(row_bias) if sequence_parallel else row_bias[0]
     np.testing.assert_allclose(got, second.bias.grad, rtol=1e-12, atol=1e-15)

@@ -3,7 +3,7 @@ step sends, on sizes small enough to add up in a docstring."""
 
 import numpy as np
 
-from minimp.parallel.tensor_parallel_accounts import (
+from minimp.measure.tensor_parallel_accounts import (
     block_activation_bytes_tp, gpt_tensor_parallel_bytes,
 )  # fmt: skip
 

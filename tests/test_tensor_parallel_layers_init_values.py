@@ -12,7 +12,7 @@ from conftest import DeviceLike, cupy_stand_in
 
 from minimp import Tensor, nn
 from minimp import distributed as dist
-from minimp.parallel.tensor_parallel_layers import (
+from minimp.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     partitions,

@@ -7,7 +7,7 @@ import pytest
 
 from minimp import Tensor, nn
 from minimp import distributed as dist
-from minimp.parallel.tensor_parallel_layers import RowParallelLinear, join_shards, take_shard
+from minimp.parallel.tensor.layers import RowParallelLinear, join_shards, take_shard
 
 SECTIONS, SECTION = 3, 4  # three sections (q, k, v) of 4 rows or columns each
 

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from minimp.parallel.tensor_parallel_state import shard_selector
+from minimp.parallel.tensor.checkpoint import shard_selector
 
 
 def test_a_cut_parameter_gives_each_rank_its_slice_of_every_section():

@@ -8,7 +8,7 @@ from conftest import DeviceLike, cupy_stand_in
 
 from minimp import Tensor
 from minimp import distributed as dist
-from minimp.parallel.tensor_parallel import (
+from minimp.parallel.tensor.mappings import (
     GatherFromSequenceParallelRegion,
     all_gather_sequence,
     all_reduce,

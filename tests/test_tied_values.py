@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from minimp.distributed.simulated import simulate
-from minimp.parallel.tied import TiedGradients, tied_group
+from minimp.parallel.pipeline.tied import TiedGradients, tied_group
 
 
 def stage_of(rank: int, stages: int, reversed_order: bool) -> int:

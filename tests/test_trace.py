@@ -9,7 +9,7 @@ import pytest
 
 from minimp import distributed as dist
 from minimp.train import TrainConfig, train
-from minimp.parallel.trace import (
+from minimp.measure.trace import (
     NAMES, OPS, TraceRecorder, read_timeline, timeline_of, trace_document, trace_events,
 )  # fmt: skip
 

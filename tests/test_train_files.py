@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from conftest import PYTHON
 
-from minimp.train import files
-from minimp.train.errors import AgreedError, ConfigError, DivergenceError
+from minimp.checkpoints import files
+from minimp.checkpoints.errors import AgreedError, ConfigError, DivergenceError
 from minimp.train.config import TrainConfig
 from minimp.train.guards import Guards
 

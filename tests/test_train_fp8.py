@@ -15,7 +15,7 @@ from minimp import distributed as dist
 from minimp.parallel import amax
 from minimp.train import TrainConfig
 from minimp.train.cli import parse_config
-from minimp.train.errors import AgreedError, ConfigError
+from minimp.checkpoints.errors import AgreedError, ConfigError
 from minimp.train.loop import Run
 
 TINY = {**test_train_gpt.TINY, "steps": 6, "precision": "fp8"}  # 2 blocks of width 32

@@ -8,7 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from minimp import backend, lr_schedule
+from minimp import backend
+from minimp.optim import lr_scheduler as lr_schedule
 from minimp import distributed as dist
 from minimp.distributed.simulated import SimulatedCommunicator
 from minimp.tensor import Tensor

@@ -11,7 +11,7 @@ from test_train_gpt import TINY as GPT
 from minimp import distributed as dist
 from minimp import nn
 from minimp.train import TrainConfig, train
-from minimp.train.errors import AgreedError
+from minimp.checkpoints.errors import AgreedError
 from minimp.train.loop import Run
 
 MLP = dict(hidden=16, layers=1, batch_size=32, log_every=1000)

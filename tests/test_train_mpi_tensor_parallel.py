@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import MPIRUN, PYTHON, masters, run_train
 
-from minimp.parallel.tensor_parallel_accounts import gpt_tensor_parallel_bytes
+from minimp.measure.tensor_parallel_accounts import gpt_tensor_parallel_bytes
 
 pytestmark = [
     pytest.mark.mpi,

@@ -8,16 +8,16 @@ import pytest
 from minimp import backend
 from minimp import distributed as dist
 from minimp.parallel import Topology, amax
-from minimp.parallel.data_parallel import ReplicaMismatchError
-from minimp.parallel.tensor_parallel_accounts import (
+from minimp.parallel.data.data_parallel import ReplicaMismatchError
+from minimp.measure.tensor_parallel_accounts import (
     gpt_tensor_parallel_bytes,
     mlp_tensor_parallel_bytes,
     pipeline_bytes,
 )
-from minimp.parallel.tensor_parallel_grads import TensorParallelGradients
-from minimp.parallel.zero_accounts import bytes_sent_formula
+from minimp.parallel.tensor.grads import TensorParallelGradients
+from minimp.measure.accounts import bytes_sent_formula
 from minimp.train import TrainConfig
-from minimp.train.errors import ConfigError
+from minimp.checkpoints.errors import ConfigError
 from minimp.train.loop import train
 from minimp.train.sizes import rank_layer_counts, stage_bounds
 
@@ -221,7 +221,7 @@ def test_a_checkpoint_array_that_does_not_split_is_refused_naming_it(tmp_path):
 
 
 def test_the_timeline_names_every_rank_by_its_place_and_draws_shard_0(tmp_path):
-    from minimp.parallel.trace import read_timeline
+    from minimp.measure.trace import read_timeline
 
     path = tmp_path / "timeline.json"
     run(4, **{**GPT, "steps": 2}, tp=2, pp=2, micro_batches=2, timeline=str(path))

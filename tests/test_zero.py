@@ -7,9 +7,9 @@ import pytest
 from test_train_gpt import TINY, assert_same_weights
 
 from minimp import distributed as dist
-from minimp.parallel.zero_accounts import bytes_sent_formula, memory_formula, peak_formula
+from minimp.measure.accounts import bytes_sent_formula, memory_formula, peak_formula
 from minimp.train import TrainConfig, saving, train
-from minimp.train.errors import ConfigError
+from minimp.checkpoints.errors import ConfigError
 from minimp.train.loop import Run
 from minimp.train.sizes import zero_unit_sizes
 

@@ -3,7 +3,7 @@ names it, and PeakMemory keeps the first breakdown of a tied peak."""
 
 import numpy as np
 
-from minimp.parallel.zero_accounts import KINDS, PeakMemory, held_bytes
+from minimp.measure.accounts import KINDS, PeakMemory, held_bytes
 
 
 def kinds(**held):

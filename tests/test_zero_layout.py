@@ -10,11 +10,11 @@ from minimp import distributed as dist
 from minimp import nn
 from minimp.models import GPT, GPTConfig
 from minimp.parallel import Topology, Unit, ZeroLayout
-from minimp.parallel.tied import tied_indices
-from minimp.parallel.zero_accounts import (
+from minimp.parallel.pipeline.tied import tied_indices
+from minimp.measure.accounts import (
     memory_formula, paper_per_parameter, peak_formula, per_parameter,
 )  # fmt: skip
-from minimp.parallel.zero_layout import plan_units
+from minimp.parallel.zero.layout import plan_units
 from minimp.train import TrainConfig
 from minimp.train.build import build_stage
 from minimp.train.tasks import TASKS
@@ -117,8 +117,8 @@ def test_units_follow_the_forward_each_layer_s_own_then_the_shared_ones_it_reads
 
 
 def test_a_tied_parameter_is_a_unit_of_its_own_right_after_its_layer_s_others():
-    """tied: another stage holds a copy (parallel/tied.py), so the one layer reading it here
-    does not own it: [bias], [weight], then the next layer's unit."""
+    """tied: another stage holds a copy (parallel/pipeline/tied.py), so the one layer reading it
+    here does not own it: [bias], [weight], then the next layer's unit."""
     layers = [nn.Linear(2, 3), nn.Linear(3, 2)]
     params = [p for layer in layers for p in layer.parameters()]  # weight, bias, weight, bias
     units, reads = plan_units(layers, params, tied={0})

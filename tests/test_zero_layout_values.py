@@ -6,7 +6,7 @@ import signal
 import numpy as np
 
 from minimp import nn
-from minimp.parallel.zero_layout import reachable_parameters
+from minimp.nn.module import reachable_parameters
 
 
 def within(seconds, fn):

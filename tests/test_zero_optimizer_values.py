@@ -13,7 +13,7 @@ from minimp import nn
 from minimp import distributed as dist
 from minimp.distributed.ring import chunk_bounds
 from minimp.optim import SGD, Adam
-from minimp.parallel.zero import zero_data_parallel
+from minimp.parallel.zero.data_parallel import zero_data_parallel
 
 # float32 bit patterns a detour through float64 would change: a signalling NaN (quiet bit clear)
 # becomes quiet when widened, so its float16 rounding gains the quiet bit; with the NaN's top ten

@@ -9,7 +9,7 @@ import numpy as np
 from minimp import Tensor, nn
 from minimp import distributed as dist
 from minimp.optim import SGD
-from minimp.parallel.zero import zero_data_parallel
+from minimp.parallel.zero.data_parallel import zero_data_parallel
 
 
 def _forward_and_backward(comm):

@@ -12,7 +12,7 @@ from minimp import distributed as dist
 from minimp import nn
 from minimp.distributed.ring import chunk_bounds
 from minimp.optim import SGD
-from minimp.parallel.zero import zero_data_parallel
+from minimp.parallel.zero.data_parallel import zero_data_parallel
 from minimp.tensor import Tensor, no_grad
 
 

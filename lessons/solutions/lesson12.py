@@ -2,7 +2,7 @@
 
 
 from minimp.function import Function
-from minimp.parallel.tensor_parallel import all_reduce
+from minimp.parallel.tensor.mappings import all_reduce
 
 
 class RowParallel(Function):

@@ -9,6 +9,7 @@ never the other way round.
 from minimp.distributed.buffers import CollectiveMismatchError
 from minimp.distributed.collectives import (
     ALGORITHMS,
+    AlgorithmPolicy,
     allreduce,
     choose_algorithm,
     naive_allreduce,
@@ -30,6 +31,7 @@ from minimp.distributed.simulated import (
 
 __all__ = [
     "ALGORITHMS",
+    "AlgorithmPolicy",
     "REDUCE_OPS",
     "CollectiveMismatchError",
     "Communicator",

@@ -1,17 +1,13 @@
-"""All-reduce algorithms besides the ring, and `allreduce`, which picks one by a cost model.
+"""All-reduce algorithms besides the ring, and `allreduce`, which picks one by a rule or a policy.
 
 Each function takes the communicator as its first argument, works on a world of size 1, on the
 simulated world and under mpirun, and returns a new array (the input is not modified). The ring
 itself, with its two halves, lives in minimp/distributed/ring.py.
 """
 
-from functools import lru_cache
 from typing import Any, Callable
 
-from minimp import costmodel
 from minimp.backend import array_module
-from minimp.costmodel import Network
-from minimp.machinemodel import MachineModel, shipped_model
 from minimp.distributed.buffers import (
     agree_on_array,
     contiguous_flat,
@@ -115,41 +111,45 @@ BODIES: dict[str, Callable[[Communicator, Any, Any, str], None]] = {
 }
 
 
-def choose_algorithm(
-    nbytes: int, world_size: int, network: Network | MachineModel | None = None
-) -> str:
-    """The algorithm predicted fastest for this message size and world size: by the machine
-    model minimp ships for this machine (minimp/machinemodel.py), by a MachineModel given, or by
-    the textbook alpha-beta formulas of a Network given (minimp/costmodel.py)."""
-    if isinstance(network, Network):
-        return costmodel.fastest_allreduce(nbytes, world_size, network, tuple(ALGORITHMS))
-    if network is None:
-        return _shipped_choice(nbytes, world_size)
-    return network.fastest(nbytes, tuple(ALGORITHMS))
+# How an all-reduce picks its algorithm for a message: (bytes, ranks) -> a name in ALGORITHMS.
+# Every rank must pick the same one, so a policy may depend on nothing but its arguments: constants,
+# never a per-rank measurement (minimp.measure.machinemodel.FastestPredicted asks a fitted model).
+AlgorithmPolicy = Callable[[int, int], str]
+
+# Below this, an all-reduce is latency-bound and recursive doubling's log2(p) whole-array exchanges
+# beat the ring's 2(p - 1) steps; from it the ring's (p - 1)/p of the bytes per rank win. Measured
+# on this project's machine (README, "all-reduce"): at p = 4 recursive doubling took 0.91-0.96x the
+# ring's time at 256 KiB and 1.07-1.20x at 512 KiB; the model fitted at p = 2 switches at 448 KiB.
+RING_FROM_BYTES = 512 * 1024
 
 
-@lru_cache(maxsize=4096)
-def _shipped_choice(nbytes: int, world_size: int) -> str:
-    # The shipped model is constants, so its answer per (size, ranks) never changes: evaluating
-    # it costs ~5 us of Python per call, as much as a 4 KiB message, and a cache lookup ~0.1 us.
-    return shipped_model(world_size).fastest(nbytes, tuple(ALGORITHMS))
+def choose_algorithm(nbytes: int, world_size: int) -> str:
+    """minimp's rule for `algorithm="auto"`: recursive doubling below RING_FROM_BYTES, the ring
+    from there (MPICH switches the same way, at its own sizes: Thakur et al. 2005)."""
+    return "ring" if nbytes >= RING_FROM_BYTES else "recursive_doubling"
+
+
+def resolve_algorithm(algorithm: "str | AlgorithmPolicy", nbytes: int, world_size: int) -> str:
+    """The algorithm's name: as given, chosen by the rule ("auto"), or by a policy (a callable)."""
+    name = algorithm(nbytes, world_size) if callable(algorithm) else algorithm
+    if name == "auto":
+        name = choose_algorithm(nbytes, world_size)
+    if name not in ALGORITHMS:
+        raise ValueError(
+            f"unknown all-reduce algorithm {name!r}: use auto or one of {sorted(ALGORITHMS)}"
+        )
+    return name
 
 
 def allreduce(
     comm: Communicator,
     x: Any,
     op: str = "sum",
-    algorithm: str = "auto",
-    network: Network | MachineModel | None = None,
+    algorithm: "str | AlgorithmPolicy" = "auto",
     out: Any = None,
 ) -> Any:
-    """All-reduce with the named algorithm, or with the one choose_algorithm picks ("auto"), the
-    way MPI libraries switch from latency- to bandwidth-optimal algorithms as messages grow. Every
-    rank must pick the same one, so the model is constants, never a per-rank measurement."""
-    if algorithm == "auto":
-        algorithm = choose_algorithm(x.size * x.dtype.itemsize, comm.size, network)
-    if algorithm not in ALGORITHMS:
-        raise ValueError(
-            f"unknown all-reduce algorithm {algorithm!r}: use auto or one of {sorted(ALGORITHMS)}"
-        )
-    return ALGORITHMS[algorithm](comm, x, op, out=out)
+    """All-reduce with the named algorithm, with the one choose_algorithm picks ("auto"), or with
+    the one a policy picks, the way MPI libraries switch from latency- to bandwidth-optimal
+    algorithms as messages grow."""
+    name = resolve_algorithm(algorithm, x.size * x.dtype.itemsize, comm.size)
+    return ALGORITHMS[name](comm, x, op, out=out)

@@ -15,11 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from minimp.costmodel import Network
 from minimp.distributed.buffers import agree_on_layout, contiguous_flat, output_buffer
-from minimp.distributed.collectives import BODIES, choose_algorithm
+from minimp.distributed.collectives import BODIES, AlgorithmPolicy, resolve_algorithm
 from minimp.distributed.protocol import Communicator, check_op
-from minimp.machinemodel import MachineModel
 
 
 class PersistentAllreduce:
@@ -33,8 +31,7 @@ class PersistentAllreduce:
         shape: tuple[int, ...],
         dtype: Any,
         op: str = "sum",
-        algorithm: str = "auto",
-        network: Network | MachineModel | None = None,
+        algorithm: "str | AlgorithmPolicy" = "auto",
     ):
         check_op(op)
         if not all(isinstance(n, (int, np.integer)) and n >= 0 for n in shape):
@@ -44,15 +41,9 @@ class PersistentAllreduce:
         self.comm, self.op = comm, op
         self.shape, self.dtype = tuple(int(n) for n in shape), np.dtype(dtype)
         size = math.prod(self.shape)
-        if algorithm == "auto":
-            algorithm = choose_algorithm(size * self.dtype.itemsize, comm.size, network)
-        if algorithm not in BODIES:
-            raise ValueError(
-                f"unknown all-reduce algorithm {algorithm!r}: use auto or one of {sorted(BODIES)}"
-            )
-        self.algorithm = algorithm
+        self.algorithm = resolve_algorithm(algorithm, size * self.dtype.itemsize, comm.size)
         agree_on_layout(comm, size, self.dtype, "PersistentAllreduce")
-        self._body = BODIES[algorithm]
+        self._body = BODIES[self.algorithm]
 
     def __call__(self, x: Any, out: Any = None) -> Any:
         if x.shape != self.shape or x.dtype != self.dtype:

@@ -1,11 +1,11 @@
 """The ring all-reduce as a state machine of non-blocking messages: start it, advance it, wait.
 
 The same chunks, the same messages and the same additions in the same order as `ring_allreduce`
-(minimp/distributed/ring.py), so the same bits; but each of its 2(p - 1) steps is an irecv from
-the left and an isend to the right, posted when the step before it has completed, and nothing
-waits unless asked to. Whoever holds it calls `progress()` between other work (data parallelism
-calls it from backward's hooks, minimp/parallel/overlap.py): progress tests the step in flight and,
-once both of its messages are complete, adds the received chunk and posts the next step.
+(minimp/distributed/ring.py), so the same bits; but each of its 2(p - 1) steps is an irecv from the
+left and an isend to the right, posted when the step before it has completed, and nothing waits
+unless asked to. Whoever holds it calls `progress()` between other work (data parallelism calls it
+from backward's hooks, minimp/parallel/data/overlap.py): progress tests the step in flight and, once
+both of its messages are complete, adds the received chunk and posts the next step.
 
 Why no communication thread: every MPI call is made by the thread that runs backward, between two
 of its ops, so the MPI library only needs MPI_THREAD_FUNNELED (MPI_THREAD_SINGLE would do for
@@ -47,7 +47,7 @@ class RingAllreduce:
         posted for its (source, tag), whichever ring posted it. bounds: the chunks (by default
         chunk_bounds(x.size, p)). all_gather=False stops after the reduce-scatter half, as
         `ring_reduce_scatter_into`: out[bounds[rank]] then holds this rank's chunk of the sum
-        (ZeRO's reduce-scatters during backward, minimp/parallel/zero_overlap.py)."""
+        (ZeRO's reduce-scatters during backward, minimp/parallel/zero/overlap.py)."""
         check_op(op)
         if out.size != x.size or out.dtype != x.dtype:
             raise ValueError(f"out must be a {x.dtype} array of {x.size} elements")

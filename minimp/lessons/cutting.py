@@ -18,7 +18,7 @@ from minimp import functional as F
 from minimp.data import load_shakespeare, text_batch
 from minimp.models.gpt import GPT, GPTConfig
 from minimp.parallel import parallelize
-from minimp.parallel.tensor_parallel import all_reduce
+from minimp.parallel.tensor.mappings import all_reduce
 from minimp.tensor import saved_bytes
 
 CONFIG = GPTConfig(vocab_size=65, context=32, layers=4, heads=4, width=64, dropout=0.1)

@@ -1,7 +1,7 @@
 """Checkers for lesson 8 (the cost model): the ring's time from its messages, alpha and beta fitted
 from three measurements, where the ring overtakes recursive doubling. The reference formulas are
 the textbook ones (Thakur, Rabenseifner & Gropp 2005) written here, not imported from
-minimp.costmodel, so the exercises stay what the lesson derives whatever that model becomes.
+minimp.measure.costmodel, so the exercises stay what the lesson derives whatever that model becomes.
 Reference solutions: lessons/solutions/lesson08.py."""
 
 import math

@@ -12,7 +12,7 @@ from minimp.lessons.checking import Report, call, expect
 from minimp.lessons.cutting import one_step
 from minimp.lessons.lesson02 import numerical_gradient
 from minimp.lessons.lesson05 import _run
-from minimp.parallel.tensor_parallel_accounts import gpt_tensor_parallel_bytes, ring_fraction
+from minimp.measure.tensor_parallel_accounts import gpt_tensor_parallel_bytes, ring_fraction
 from minimp.train import TrainConfig, train
 
 RTOL = 1e-12  # float64 sums in another order: a few units in the last place
@@ -60,7 +60,7 @@ def check_row_parallel(RowParallel: Any, quiet: bool = False) -> Report:
 
     @report.case("forward on 1, 2, 3 and 4 ranks: every rank holds x W^T, one process's output",
                  hint="y_r = x_r @ weight_r.T is a partial sum; return all_reduce(comm, y_r) "
-                 "(minimp.parallel.tensor_parallel.all_reduce): g")
+                 "(minimp.parallel.tensor.mappings.all_reduce): g")
     def _():
         for ranks in (1, 2, 3, 4):
             x, weight, grad_output = _cases(shape, out, ranks, seed=ranks)

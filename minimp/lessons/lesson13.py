@@ -5,15 +5,15 @@ Reference solutions: lessons/solutions/lesson13.py."""
 
 from typing import Callable
 
-from minimp import costmodel
+from minimp.measure import costmodel
 from minimp.lessons.checking import Report, call, close, expect
 from minimp.parallel import Action
-from minimp.parallel.dependencies import check_schedule, with_messages
-from minimp.parallel.interleaved import interleaved
-from minimp.parallel.schedule_choice import CHOICES
-from minimp.parallel.schedules import peak_activations
-from minimp.parallel.simulator import Costs, simulate_schedule
-from minimp.parallel.zero_bubble import zb_h1
+from minimp.parallel.pipeline.schedules.dependencies import check_schedule, with_messages
+from minimp.parallel.pipeline.schedules.interleaved import interleaved
+from minimp.parallel.pipeline.schedules import CHOICES
+from minimp.parallel.pipeline.schedules.actions import peak_activations
+from minimp.parallel.pipeline.simulator import Costs, simulate_schedule
+from minimp.parallel.pipeline.schedules.zero_bubble import zb_h1
 
 # (P, M, V): two chunks and more, M = P (one group) and M a few groups
 INTERLEAVED_SHAPES = [(2, 4, 2), (4, 8, 2), (2, 2, 3), (3, 6, 2), (4, 4, 2), (2, 8, 4)]
@@ -184,7 +184,7 @@ def data_parallel_plan(sizes: list[int], bucket_bytes: float, itemsize: int) -> 
 
     from minimp import optim
     from minimp.distributed import simulate
-    from minimp.parallel.data_parallel import DataParallel
+    from minimp.parallel.data.data_parallel import DataParallel
     from minimp.tensor import Tensor
 
     def plan(comm):

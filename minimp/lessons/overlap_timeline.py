@@ -16,7 +16,7 @@ import numpy as np
 
 from minimp import nn, optim
 from minimp.backend import limit_cpu_threads
-from minimp.parallel.data_parallel import DataParallel
+from minimp.parallel.data.data_parallel import DataParallel
 from minimp.tensor import Tensor
 
 # The traced MLP: 64 features, 4 hidden layers of 512, 10 classes, 128 rows per replica, fp32;

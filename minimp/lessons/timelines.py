@@ -12,11 +12,16 @@ from typing import Any, Callable
 
 from minimp.lessons.checking import Failed
 from minimp.lessons.processes import run_job
-from minimp.machinemodel import shipped_model
-from minimp.parallel.dependencies import with_messages
-from minimp.parallel.schedule_choice import build_schedule
-from minimp.parallel.simulator import Costs, SimulatedStep, simulate_schedule, simulated_trace
-from minimp.parallel.trace import read_timeline, timeline_of
+from minimp.measure.machinemodel import shipped_model
+from minimp.parallel.pipeline.schedules.dependencies import with_messages
+from minimp.parallel.pipeline.schedules import build_schedule
+from minimp.parallel.pipeline.simulator import (
+    Costs,
+    SimulatedStep,
+    simulate_schedule,
+    simulated_trace,
+)
+from minimp.measure.trace import read_timeline, timeline_of
 
 # The model mpirun_examples/pipeline_timeline.py uses: 8 hidden layers of 512, batch 256, fp32.
 HIDDEN, BATCH = 512, 256
@@ -28,7 +33,7 @@ def measure(stages: int, micro_batches: int, schedule: str, steps: int = 4,
             virtual_stages: int = 1) -> dict:
     """Train `steps` steps with --pp stages and return the --timeline trace read back as rows:
     each stage's forward and backward of every step, in seconds from the run's common origin
-    (minimp.parallel.trace.read_timeline)."""
+    (minimp.measure.trace.read_timeline)."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "timeline.json")
         run_job(stages, ["-m", "minimp.train", *MODEL, "--pp", str(stages), "--schedule", schedule,
@@ -117,7 +122,7 @@ def _medians(timeline: dict, keep: Callable[[dict], bool], skip_steps: int) -> l
 def replay(schedule: list, forward: Any, backward: Any) -> tuple[float, list[float]]:
     """Run each stage's compute actions in its order, each as early as its stage is free and its
     inputs exist (F(s, m) after F(s - 1, m); B(s, m) after F(s, m) and B(s + 1, m)), with
-    messages taking no time: minimp's schedule simulator (minimp/parallel/simulator.py).
+    messages taking no time: minimp's schedule simulator (minimp/parallel/pipeline/simulator.py).
     forward / backward: seconds, one number or one per stage.
     Returns (step time, busy seconds per stage); Failed says who waits if no stage can go on."""
     computes = [[a for a in actions if a.op in ("forward", "backward")] for actions in schedule]

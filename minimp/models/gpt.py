@@ -160,7 +160,7 @@ class GPT(nn.Sequential):
     def tied_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(name, Parameter) of the weights two layers share: the token embedding, which the head
         reads too. A pipeline holding layer 0 and the head on different ranks keeps a copy on
-        each (minimp/parallel/tied.py)."""
+        each (minimp/parallel/pipeline/tied.py)."""
         head = self.layers[-1]
         assert isinstance(head, Head)  # for the type checker: a Sequential holds Modules
         return [("0.wte.weight", head.wte.weight)]

@@ -53,7 +53,7 @@ class Module:
     def register_forward_pre_hook(self, hook: Any) -> RemovableHandle:
         """Call hook(module, args) before each forward; a non-None return replaces the arguments
         (as torch.nn.Module's). Tensor parallelism moves a layer's input between ranks here
-        without changing the layer (minimp/parallel/tensor_parallel_models.py)."""
+        without changing the layer (minimp/parallel/tensor/models.py)."""
         self._forward_pre_hooks.append(hook)
         return RemovableHandle(self._forward_pre_hooks, hook)
 
@@ -140,3 +140,21 @@ class Module:
             # No copy when already there: a float32 parameter stays its optimizer's master.
             parameter.data = casting.round_to(parameter.data, dtype)
         return self
+
+
+def reachable_parameters(module: Any) -> list[Parameter]:
+    """Every Parameter a module's forward can read: its own and those of any module it holds,
+    registered or not (the GPT's head holds the token embedding without registering it)."""
+    found: dict[int, Any] = {}
+    stack, seen = [module], set()
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for value in vars(current).values():
+            if isinstance(value, Parameter):
+                found.setdefault(id(value), value)
+            elif isinstance(value, Module):
+                stack.append(value)
+    return list(found.values())

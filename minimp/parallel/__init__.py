@@ -10,11 +10,11 @@ under mpirun.
 """
 
 from minimp.parallel.amax import AmaxReduction
-from minimp.parallel.data_parallel import DataParallel, ReplicaMismatchError, shard
-from minimp.parallel.dependencies import check_schedule
-from minimp.parallel.interleaved import interleaved
-from minimp.parallel.pipeline import MicroBatch, PipelineStage
-from minimp.parallel.schedules import (
+from minimp.parallel.data.data_parallel import DataParallel, ReplicaMismatchError, shard
+from minimp.parallel.pipeline.schedules.dependencies import check_schedule
+from minimp.parallel.pipeline.schedules.interleaved import interleaved
+from minimp.parallel.pipeline.stage import MicroBatch, PipelineStage
+from minimp.parallel.pipeline.schedules.actions import (
     SCHEDULES,
     Action,
     format_schedule,
@@ -22,33 +22,38 @@ from minimp.parallel.schedules import (
     one_f_one_b,
     peak_activations,
 )
-from minimp.parallel.simulator import Costs, SimulatedStep, simulate_schedule, simulated_trace
-from minimp.parallel.stages import (
+from minimp.parallel.pipeline.simulator import (
+    Costs,
+    SimulatedStep,
+    simulate_schedule,
+    simulated_trace,
+)
+from minimp.parallel.pipeline.split import (
     PipelineError,
     cut_shapes,
     layer_groups,
     split_stages,
     stage_parameters,
 )
-from minimp.parallel.tensor_parallel import (
+from minimp.parallel.tensor.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
-from minimp.parallel.tensor_parallel_grads import TensorParallelGradients
-from minimp.parallel.tensor_parallel_layers import ColumnParallelLinear, RowParallelLinear
-from minimp.parallel.tensor_parallel_models import (
+from minimp.parallel.tensor.grads import TensorParallelGradients
+from minimp.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from minimp.parallel.tensor.models import (
     TensorParallelError,
     TensorParallelPlan,
     parallelize,
 )
 from minimp.parallel.topology import Topology, TopologyError
-from minimp.parallel.zero import ZeroDataParallel, zero_data_parallel
-from minimp.parallel.zero_bubble import zb_h1
-from minimp.parallel.zero_layout import Piece, Unit, ZeroLayout
-from minimp.parallel.zero_optimizer import ShardedOptimizer
+from minimp.parallel.zero.data_parallel import ZeroDataParallel, zero_data_parallel
+from minimp.parallel.pipeline.schedules.zero_bubble import zb_h1
+from minimp.parallel.zero.layout import Piece, Unit, ZeroLayout
+from minimp.parallel.zero.optimizer import ShardedOptimizer
 
 __all__ = [
     "SCHEDULES",

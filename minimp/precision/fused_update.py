@@ -29,7 +29,7 @@ from minimp.precision.update_programs import (
 )
 
 
-FUSED_RULES = ("SGD._update", "Adam._update")  # minimp/optim.py's rules (AdamW is Adam's)
+FUSED_RULES = ("SGD._update", "Adam._update")  # minimp/optim/optimizer.py's rules (AdamW is Adam's)
 
 
 def fuses(optimizer: Any) -> bool:

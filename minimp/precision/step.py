@@ -3,8 +3,8 @@
     accumulate (fp16 -> fp32) -> finite? -> agree across ranks -> reduce -> finite again?
       -> unscale -> clip -> update masters, round into compute copies -> scaler update
 
-With overlap (minimp/parallel/overlap.py) the reduce's bytes move into backward: the step starts
-by waiting for what is still in flight, and the first check then looks at the reduced gradients.
+With overlap (minimp/parallel/data/overlap.py) the reduce's bytes move into backward: the step
+starts by waiting for what is still in flight; the first check then looks at the reduced gradients.
 
 A step whose gradients hold any inf or NaN (on any rank) is skipped whole: masters, optimizer state
 (Adam's step count included) and the compute copies stay exactly as they were; only the loss scaler

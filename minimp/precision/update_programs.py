@@ -1,9 +1,9 @@
 """The optimizers' update arithmetic as data: one program, run by NumPy here and compiled for CuPy.
 
-A program is a list of lines `name = a OP b` (OP one of * / + - **), each one float32
-operation rounded once, or `name = a` (a copy), in the order minimp/optim.py performs them.
-`run_on_numpy` executes the lines with NumPy ufuncs (the CPU tests check that this equals
-minimp's own update bit for bit), and `cuda_source` renders the same lines as the body of a CuPy
+A program is a list of lines `name = a OP b` (OP one of * / + - **), each one float32 operation
+rounded once, or `name = a` (a copy), in the order minimp/optim/optimizer.py performs them.
+`run_on_numpy` executes the lines with NumPy ufuncs (the CPU tests check that this equals minimp's
+own update bit for bit), and `cuda_source` renders the same lines as the body of a CuPy
 ElementwiseKernel (minimp/precision/fused_update.py), so both devices compute one description.
 
 Why intrinsics in the CUDA text: nvcc and NVRTC contract `a * b + c` into one fused multiply-add

@@ -17,8 +17,8 @@ from minimp.distributed import MPICommunicator, run_or_abort, world
 from minimp.distributed.protocol import Communicator
 from minimp.train.cli import parse_config
 from minimp.train.config import TrainConfig
-from minimp.train.errors import USER_ERRORS, AgreedError, agree_on_error
-from minimp.train.files import check_output_path, exit_cleanly_on_sigterm
+from minimp.checkpoints.errors import USER_ERRORS, AgreedError, agree_on_error
+from minimp.checkpoints.files import check_output_path, exit_cleanly_on_sigterm
 from minimp.train.loop import train
 from minimp.train.report import plot_formats
 

@@ -13,7 +13,7 @@ pipeline for activations, tensor_parallel for --tp's activations and partial gra
 `scalar_allreduces` (calls: the overflow flags, the norm, the loss) and `peak_activation_bytes`
 (the most bytes kept for backward at once, the largest over the ranks). In the final row:
 `model_state_bytes`, one total per rank, held at the end of the last step, with
-`model_state_by_kind` and `peak_model_state_bytes` beside it (minimp/parallel/zero_accounts.py has
+`model_state_by_kind` and `peak_model_state_bytes` beside it (minimp/measure/accounts.py has
 the formulas they are checked against).
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from minimp.parallel.zero_accounts import KINDS
+from minimp.measure.accounts import KINDS
 
 
 class StepCounters:

@@ -19,14 +19,14 @@ from minimp.parallel import (
     stage_parameters,
     zero_data_parallel,
 )
-from minimp.parallel.data_parallel import broadcast_masters
-from minimp.parallel.schedule_choice import CHOICES as SCHEDULE_CHOICES
-from minimp.parallel.stages import StageChunk, run_layers, split_counts
-from minimp.parallel.tensor_parallel_grads import TensorParallelGradients
-from minimp.parallel.tensor_parallel_models import TensorParallelPlan, paired_counts, parallelize
-from minimp.parallel.tensor_parallel_state import shard_selector
-from minimp.parallel.tied import TiedGradients
-from minimp.parallel.zero_stage3 import free
+from minimp.parallel.data.data_parallel import broadcast_masters
+from minimp.parallel.pipeline.schedules import CHOICES as SCHEDULE_CHOICES
+from minimp.parallel.pipeline.split import StageChunk, run_layers, split_counts
+from minimp.parallel.tensor.grads import TensorParallelGradients
+from minimp.parallel.tensor.models import TensorParallelPlan, paired_counts, parallelize
+from minimp.parallel.tensor.checkpoint import shard_selector
+from minimp.parallel.pipeline.tied import TiedGradients
+from minimp.parallel.zero.stage3 import free
 from minimp.precision import (
     ACTIVATION_DTYPES,
     DynamicLossScaler,
@@ -152,7 +152,7 @@ def build_sync(
     masters: DataParallel (--zero 0), or ZeRO's, which shards the stage's optimizer (its
     `.optimizer` is the one the step must use from now on) and, in stage 3, gathers the
     parameters around the stage's groups of layers. With --tp both also sum the stage's partial
-    gradients and count its whole parameters once (tensor_parallel_grads.py)."""
+    gradients and count its whole parameters once (parallel/tensor/grads.py)."""
     options: dict[str, Any] = dict(
         comm_dtype=ACTIVATION_DTYPES[config.grad_comm_dtype],
         average=config.grad_average,

@@ -10,10 +10,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from minimp.parallel.schedule_choice import CHOICES as SCHEDULE_CHOICES
+from minimp.parallel.pipeline.schedules import CHOICES as SCHEDULE_CHOICES
 from minimp.precision.casting import ACTIVATION_DTYPES, BFLOAT16
 from minimp.train import sizes, validation
-from minimp.train.errors import ConfigError
+from minimp.checkpoints.errors import ConfigError
 
 # The settings that differ by dataset. shakespeare: nanoGPT's README command for a CPU
 # (`--block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000

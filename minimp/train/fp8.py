@@ -27,7 +27,7 @@ from minimp.precision.fp8_scaling import (
     quantizers_state_dict,
     update_scales,
 )
-from minimp.train.errors import CheckpointError
+from minimp.checkpoints.errors import CheckpointError
 
 PREFIX = "fp8/"
 

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from minimp import backend
-from minimp.train.errors import AgreedError, DivergenceError
+from minimp.checkpoints.errors import AgreedError, DivergenceError
 
 
 class Guards:

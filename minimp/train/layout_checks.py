@@ -7,9 +7,9 @@ Each check raises ConfigError naming the flag and the fix; nothing here allocate
 
 from typing import Any
 
-from minimp.parallel.pipeline import FIRST_TAG
-from minimp.parallel.schedule_choice import schedule_problem
-from minimp.train.errors import ConfigError
+from minimp.parallel.pipeline.stage import FIRST_TAG
+from minimp.parallel.pipeline.schedules import schedule_problem
+from minimp.checkpoints.errors import ConfigError
 from minimp.train.sizes import weighted_layers
 
 

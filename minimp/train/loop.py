@@ -11,20 +11,22 @@ from typing import Any, Callable
 
 import numpy as np
 
-from minimp import backend, lr_schedule, nn
+from minimp import backend, nn
+from minimp.optim import lr_scheduler as lr_schedule
 from minimp.distributed import world
 from minimp.distributed.protocol import Communicator
 from minimp.parallel import Topology, shard
-from minimp.parallel.schedule_choice import build_schedule
-from minimp.parallel.tied import TiedGradients, tied_group, tied_indices
+from minimp.parallel.pipeline.schedules import build_schedule
+from minimp.parallel.pipeline.tied import TiedGradients, tied_group, tied_indices
 from minimp.precision import mixed_precision_step
-from minimp.train import accounts, checkpoint, progress, report, saving
+from minimp.train import accounts, progress, report, saving
+from minimp.checkpoints import checkpoint
 from minimp.train.build import build_scaler, build_stage, build_sync
 from minimp.train.config import TrainConfig
-from minimp.train.errors import USER_ERRORS, agree_on_error
+from minimp.checkpoints.errors import USER_ERRORS, agree_on_error
 from minimp.train.guards import Guards
 from minimp.train.tasks import TASKS
-from minimp.parallel.trace import TraceRecorder, common_origin
+from minimp.measure.trace import TraceRecorder, common_origin
 
 
 def train(

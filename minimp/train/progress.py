@@ -7,7 +7,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from minimp.train import files
+from minimp.checkpoints import files
 
 
 class History:

@@ -6,7 +6,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 
-from minimp.train import files
+from minimp.checkpoints import files
 
 
 class Stopwatch:

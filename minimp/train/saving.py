@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 
 from minimp.distributed import gather_named_arrays
-from minimp.parallel import trace
-from minimp.parallel.tensor_parallel_state import gather_shards
-from minimp.train import accounts, checkpoint, files, report
+from minimp.measure import trace
+from minimp.parallel.tensor.checkpoint import gather_shards
+from minimp.train import accounts, report
+from minimp.checkpoints import checkpoint, files
 
 
 def gather_state(run: Any) -> dict | None:
@@ -144,7 +145,7 @@ def _write_reports(run: Any, traces: dict | None) -> None:
 
 
 def _write_trace(run: Any, traces: dict) -> None:
-    """The Chrome trace of every rank (minimp/train/trace.py), named by its place in the grid
+    """The Chrome trace of every rank (minimp/measure/trace.py), named by its place in the grid
     (minimp/parallel/topology.py); replica 0's shard 0 is the pipeline a reader draws."""
     config, topology = run.config, run.topology
     ranks = {

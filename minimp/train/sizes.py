@@ -3,9 +3,9 @@ layer, ZeRO's units per stage, and whether the ranks on this machine have the me
 
 from typing import Any
 
-from minimp.parallel.stages import split_counts
-from minimp.parallel.tensor_parallel_models import paired_counts
-from minimp.train.errors import ConfigError
+from minimp.parallel.pipeline.split import split_counts
+from minimp.parallel.tensor.models import paired_counts
+from minimp.checkpoints.errors import ConfigError
 
 # (input features, classes) of the digits, and the characters of shakespeare: known before the
 # data is loaded (tests check they match the data).
@@ -64,7 +64,7 @@ def stage_bounds(config: Any) -> list[tuple[int, int]]:
 
 
 def zero_unit_sizes(config: Any) -> list[list[int]]:
-    """The sizes of ZeRO's units (minimp/parallel/zero_layout.py) on each pipeline stage: one
+    """The sizes of ZeRO's units (minimp/parallel/zero/layout.py) on each pipeline stage: one
     per layer with weights, the GPT's token and position embeddings apart (the head reads the
     first too), and the last stage's copy of the token embedding (whole with --tp too)."""
     counts = rank_layer_counts(config)
@@ -91,7 +91,7 @@ def check_memory(config: Any, ranks_on_this_node: int, available: int) -> None:
     parameter; with --tp a second float32 copy to cut, 4 more), and keeps for its stage a
     float32 master, gradient accumulator and two optimizer slots, a 16-bit gradient and two wire
     buffers (26 bytes a parameter, over --pp stages and --tp shards; with
-    ZeRO, minimp/parallel/zero_accounts.py's per-rank share and a 16-bit gradient), plus its
+    ZeRO, minimp/measure/accounts.py's per-rank share and a 16-bit gradient), plus its
     activations: at most the whole batch, bounded by 12 bytes per row, width and layer for
     the MLP and by the GPT block's 34 sbh + 5 a s^2 b (models/gpt.py) with room for float32."""
     parameters = parameter_count(config)

@@ -15,7 +15,7 @@ from minimp import backend, functional, nn
 from minimp.data import global_batch_indices, load_digits, load_shakespeare, text_batch
 from minimp.models.gpt import GPT, Block, GPTConfig
 from minimp.tensor import Tensor, no_grad
-from minimp.train.errors import ConfigError
+from minimp.checkpoints.errors import ConfigError
 
 
 def build_model(

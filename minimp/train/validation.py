@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from minimp.backend import DEVICE_ENVIRONMENT_VARIABLE
-from minimp.train.errors import ConfigError
+from minimp.checkpoints.errors import ConfigError
 from minimp.train.layout_checks import check_layout
 from minimp.train.sizes import zero_unit_sizes
 

@@ -1,0 +1,241 @@
+"""Checkpoints: one .npz of fp32 masters under stable names, optimizer and scaler state, flags.
+
+Layout (readable with plain `numpy.load`, no pickle):
+  meta                        JSON text: format, version, step, the flags a resume must repeat,
+                              optimizer and scaler state
+  master/<parameter name>     float32 master weights, e.g. master/0.weight
+  optimizer/<name>/<slot>     float32 optimizer slots, e.g. optimizer/0.weight/exp_avg
+  fp8/<quantizer>/<field>     fp8 delayed scaling's state, float32: amax_history and scale, e.g.
+                              fp8/1.attn.c_attn.input/scale (only --precision fp8 runs)
+The batch order is a pure function of (seed, step, batch size) (minimp.data), so those flags and
+the step are all the random state a resume needs. Everything read is checked before anything is
+loaded: a file that cannot continue the run correctly is one clear error naming what is wrong.
+
+Versions: 1 was "minimp-checkpoint-1" (no batch size, no scaler configuration); 2 adds "version",
+"flags" and the dynamic scaler's configuration. Version 1 files are still read; newer ones are
+refused. The fp8 arrays came within version 2: a reader that does not know them ignores them.
+"""
+
+import json
+import math
+import os
+import zipfile
+from typing import Any, Callable
+
+import numpy as np
+
+from minimp import backend
+from minimp.npz import read_arrays
+from minimp.optim import Optimizer
+from minimp.precision import LossScaler
+from minimp.checkpoints.errors import CheckpointError
+from minimp.checkpoints.files import atomic_write
+
+FORMAT = "minimp-checkpoint"
+VERSION = 2
+SCALER_KINDS = ("dynamic", "static", "none")
+
+
+def state_arrays(names: list[str], optimizer: Optimizer) -> dict[str, np.ndarray]:
+    """One stage's {array name: host array}: these parameters' masters and optimizer slots."""
+    arrays = {}
+    slots_by_index = optimizer.state_dict()["slots"]
+    for name, master, slots in zip(names, optimizer.master_weights, slots_by_index):
+        arrays[f"master/{name}"] = backend.to_numpy(master)
+        for slot, value in slots.items():
+            arrays[f"optimizer/{name}/{slot}"] = backend.to_numpy(value)
+    return arrays
+
+
+def save(
+    path: str,
+    *,
+    step: int,
+    flags: dict[str, Any],
+    optimizer: Optimizer,
+    scaler: LossScaler,
+    arrays: dict[str, Any],
+    schedule: dict[str, Any] | None = None,
+) -> None:
+    """Write the checkpoint atomically. `arrays` holds every stage's state_arrays; `flags` the
+    settings a resume must repeat ({"--seed": 0, ...}); optimizer and scaler give the step count,
+    learning rate and scaler state, which all stages share; `schedule` the learning-rate
+    schedule's resolved settings, which a resume continues unless told otherwise."""
+    optimizer_state = optimizer.state_dict()
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "flags": flags,
+        "optimizer": {
+            "kind": type(optimizer).__name__,
+            "step_count": optimizer_state["step_count"],
+            "lr": optimizer_state["lr"],
+        },
+        "scaler": scaler.state_dict(),
+        "schedule": schedule or {},
+    }
+    arrays = {"meta": np.array(json.dumps(meta)), **arrays}
+    atomic_write(path, lambda file: np.savez(file, **arrays))
+
+
+def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(meta, {array name: array}) from a checkpoint file whose meta is complete and well typed,
+    or CheckpointError saying what is wrong."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path} does not exist (check the --resume path)")
+    try:
+        arrays = read_arrays(path)  # refuses an .npy renamed (one bare array) with ValueError
+        meta = json.loads(str(arrays.pop("meta")))
+    except (zipfile.BadZipFile, ValueError, KeyError, OSError, EOFError) as error:
+        raise CheckpointError(
+            f"checkpoint {path} is not a readable minimp checkpoint ({error}); "
+            "it may be truncated or not an .npz written by --save"
+        ) from None
+    return _checked_meta(path, meta), arrays
+
+
+def _checked_meta(path: str, meta: Any) -> dict:
+    """The meta of a known version with every field present and of the right type and range."""
+
+    def fail(what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {path}: {what}")
+
+    if not isinstance(meta, dict):
+        raise fail("its metadata is not a JSON object")
+    if meta.get("format") == "minimp-checkpoint-1":
+        meta = _upgraded_from_version_1(meta)
+    if meta.get("format") != FORMAT:
+        raise fail(f"format {meta.get('format')!r} is not {FORMAT!r}")
+    version = meta.get("version")
+    if not _is_int(version, 1):
+        raise fail(f"version {version!r} is not a positive integer")
+    if version > VERSION:
+        raise fail(
+            f"written by a newer minimp (format version {version}; this one reads up to "
+            f"{VERSION}): upgrade minimp to resume it"
+        )
+    for key in ("step", "flags", "optimizer", "scaler"):
+        if key not in meta:
+            raise fail(f"its metadata lacks {key!r}")
+    if not _is_int(meta["step"], 0):
+        raise fail(f"step {meta['step']!r} is not an integer >= 0")
+    for key in ("flags", "optimizer", "scaler"):
+        if not isinstance(meta[key], dict):
+            raise fail(f"{key} is {meta[key]!r}, not a JSON object")
+    optimizer = meta["optimizer"]
+    if not isinstance(optimizer.get("kind"), str) or not _is_int(optimizer.get("step_count"), 0):
+        raise fail(f"optimizer state {optimizer!r} needs a kind and a step_count >= 0")
+    lr = optimizer.get("lr")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise fail(f"optimizer lr {lr!r} is not a positive finite number")
+    scaler = meta["scaler"]
+    if scaler.get("kind") not in SCALER_KINDS:
+        raise fail(f"loss scaler kind {scaler.get('kind')!r} is not one of {SCALER_KINDS}")
+    scale = scaler.get("loss_scale")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise fail(f"loss scale {scale!r} is not a positive finite number")
+    return meta
+
+
+def _upgraded_from_version_1(meta: dict) -> dict:
+    """A version-1 meta in version 2's shape (its batch size was not recorded, so not checked)."""
+    model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+    optimizer = meta.get("optimizer") if isinstance(meta.get("optimizer"), dict) else {}
+    flags = {f"--{key}": value for key, value in model.items()}
+    flags["--seed"] = meta.get("seed")
+    flags["--optimizer"] = str(optimizer.get("kind", "")).lower()
+    upgraded = {key: value for key, value in meta.items() if key not in ("model", "seed")}
+    return {**upgraded, "format": FORMAT, "version": 1, "flags": flags}
+
+
+def _is_int(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def restore(
+    path: str,
+    *,
+    flags: dict[str, Any],
+    steps: int,
+    names: list[str],
+    optimizer: Optimizer,
+    scaler: LossScaler,
+    fp8: Any = None,
+    select: Callable[[str, np.ndarray], np.ndarray] | None = None,
+) -> tuple[int, dict]:
+    """Check everything, then load masters, optimizer and scaler state (and with `fp8`, a
+    train.fp8.Fp8Run, the fp8 scaling state of its stage); returns the step the checkpoint was
+    saved after and its schedule settings. `flags`: this run's values of the settings a resume
+    must repeat; `steps`: the run's --steps, which must lie beyond the checkpoint's step;
+    `select(name, array)`: the part of each (whole) array this rank holds (--tp's shard), or
+    ValueError saying why it cannot be cut."""
+    meta, arrays = read(path)
+    if select is not None:
+        try:
+            arrays = {name: select(name, array) for name, array in arrays.items()}
+        except ValueError as error:
+            raise CheckpointError(f"checkpoint {path}: {error}") from None
+    for flag, value in flags.items():
+        if flag in meta["flags"] and meta["flags"][flag] != value:
+            raise CheckpointError(
+                f"checkpoint {path} was trained with {flag} {meta['flags'][flag]}, this run has "
+                f"{flag} {value}: resume with the same {flag} (the model, the batch order, "
+                "the optimizer state or the fp8 scaling state depend on it)"
+            )
+    if meta["step"] >= steps:
+        raise CheckpointError(
+            f"checkpoint {path} was saved after step {meta['step']}; --steps {steps} leaves "
+            f"nothing to run (use --steps {meta['step'] + 1} or more)"
+        )
+    _check_arrays(path, arrays, names, optimizer, meta["optimizer"]["step_count"])
+    fp8_state = fp8.checked_state(path, arrays) if fp8 is not None else None
+    try:  # the scaler checks its own state; fields a version-1 file lacks keep this run's
+        scaler.load_state_dict({**scaler.state_dict(), **meta["scaler"]})
+    except ValueError as error:
+        raise CheckpointError(f"checkpoint {path}: loss scaler state: {error}") from None
+    for index, name in enumerate(names):
+        optimizer.set_master_weight(index, backend.to_device(arrays[f"master/{name}"]))
+    slots = [
+        {
+            slot: backend.to_device(arrays[f"optimizer/{name}/{slot}"])
+            for slot in optimizer.slot_names
+            if f"optimizer/{name}/{slot}" in arrays
+        }
+        for name in names
+    ]
+    step_count = meta["optimizer"]["step_count"]
+    optimizer.load_state_dict({"step_count": step_count, "lr": optimizer.lr, "slots": slots})
+    if fp8_state is not None:
+        fp8.load_state(fp8_state)
+    schedule = meta.get("schedule")
+    return meta["step"], schedule if isinstance(schedule, dict) else {}
+
+
+def _check_arrays(
+    path: str, arrays: dict, names: list[str], optimizer: Optimizer, step_count: int
+) -> None:
+    """Every master and optimizer slot this stage needs: present, float32, shaped like the
+    model's parameter, finite."""
+    for name, master in zip(names, optimizer.master_weights):
+        expected = [f"master/{name}"]
+        if step_count > 0:  # slots exist once the optimizer has stepped
+            expected += [f"optimizer/{name}/{slot}" for slot in _slots_in_use(optimizer)]
+        for key in expected:
+            array = arrays.get(key)
+            if array is None:
+                raise CheckpointError(f"checkpoint {path} lacks {key}")
+            if array.shape != master.shape or array.dtype != np.float32:
+                raise CheckpointError(
+                    f"checkpoint {path}: {key} is {array.dtype} of shape {array.shape}, the "
+                    f"model needs float32 of shape {master.shape}"
+                )
+            if not np.isfinite(array).all():
+                raise CheckpointError(f"checkpoint {path}: {key} holds inf or NaN")
+
+
+def _slots_in_use(optimizer: Optimizer) -> tuple[str, ...]:
+    """The slots an optimizer keeps once it has stepped (SGD without momentum keeps none)."""
+    if optimizer.slot_names == ("momentum_buffer",) and not getattr(optimizer, "momentum", 0):
+        return ()
+    return optimizer.slot_names

@@ -1,0 +1,139 @@
+"""Timelines in the Chrome trace-event format: what PyTorch's profiler writes, and what Perfetto
+(https://ui.perfetto.dev, "Open trace file") and chrome://tracing open.
+
+`--timeline run.json` (and the schedule simulator, minimp/parallel/pipeline/simulator.py) writes one
+JSON object {"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}: one process per
+rank ("rank 2: stage 0, replica 1"), two lanes (threads) in each, "compute" and "communication", and
+one complete event ("ph": "X") per forward, backward, message and collective, named F3 / B3 / "send
+activation 3" / "all-reduce gradients", with the step and the micro-batch in its args. Times are
+microseconds from a common origin that every rank takes right after one barrier, so the ranks' lanes
+line up (to the barrier's skew). `read_timeline` turns a file back into the rows the Gantt chart of
+mpirun_examples/pipeline_timeline.py draws.
+"""
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+COMPUTE, COMMUNICATION = 0, 1  # the two lanes (trace "threads") of a rank
+# What each recorded op is called in the trace; its lane follows from it.
+NAMES = {
+    "forward": ("F{mb}", COMPUTE),
+    "backward": ("B{mb}", COMPUTE),
+    "backward_input": ("B{mb}", COMPUTE),
+    "backward_weight": ("W{mb}", COMPUTE),
+    "recv_forward": ("receive activation {mb}", COMMUNICATION),
+    "send_forward": ("send activation {mb}", COMMUNICATION),
+    "recv_backward": ("receive gradient {mb}", COMMUNICATION),
+    "send_backward": ("send gradient {mb}", COMMUNICATION),
+    "send_forward_recv_backward": ("send activation {mb}, receive gradient", COMMUNICATION),
+    "send_backward_recv_forward": ("send gradient {mb}, receive activation", COMMUNICATION),
+    "wait_sends": ("wait for the step's sends", COMMUNICATION),
+    "finalize_backward": ("wait for gradient buckets", COMMUNICATION),
+    "any_rank": ("agree on overflow", COMMUNICATION),
+    "reduce": ("all-reduce gradients", COMMUNICATION),
+    "global_squared_norm": ("sum gradient norms", COMMUNICATION),
+    "mean_loss": ("all-reduce loss", COMMUNICATION),
+    "check_replicas": ("compare replicas", COMMUNICATION),
+    "check_replicated": ("compare tensor-parallel copies", COMMUNICATION),
+    "fp8_statistics": ("all-reduce fp8 statistics", COMMUNICATION),
+    "fp8_amax": ("agree on fp8 amax", COMMUNICATION),
+}
+OPS = sorted(NAMES)
+
+
+class TraceRecorder:
+    """This rank's events: [op, step, micro-batch, start, end] rows, seconds from the origin."""
+
+    def __init__(self, origin: float):
+        self.origin = origin
+        self.rows: list[list[float]] = []
+
+    def record(self, op: str, step: int, micro_batch: int, start: float, end: float) -> None:
+        self.rows.append([OPS.index(op), step, micro_batch, start - self.origin, end - self.origin])
+
+    def array(self) -> np.ndarray:
+        return np.array(self.rows, np.float64).reshape(-1, 5)
+
+
+def common_origin(comm: Any) -> float:
+    """time.perf_counter() right after a barrier: the same moment on every rank, to the
+    barrier's skew (perf_counter is the system's monotonic clock, shared by a machine's ranks)."""
+    comm.barrier()
+    return time.perf_counter()
+
+
+def trace_events(ranks: dict[int, dict]) -> list[dict]:
+    """Trace events from each rank's {"rows": array, "name": str}: metadata naming the processes
+    and lanes, then one complete event per row."""
+    events: list[dict] = []
+    for rank, info in sorted(ranks.items()):
+        events.append(_metadata("process_name", rank, 0, info["name"]))
+        events.append(_metadata("process_sort_index", rank, 0, rank, key="sort_index"))
+        for lane, name in ((COMPUTE, "compute"), (COMMUNICATION, "communication")):
+            events.append(_metadata("thread_name", rank, lane, name))
+        for op, step, micro_batch, start, end in info["rows"].tolist():
+            label, lane = NAMES[OPS[int(op)]]
+            events.append(
+                {
+                    "name": label.format(mb=int(micro_batch)),
+                    "cat": "compute" if lane == COMPUTE else "communication",
+                    "ph": "X",
+                    "ts": round(start * 1e6, 3),
+                    "dur": round(max(end - start, 0.0) * 1e6, 3),
+                    "pid": rank,
+                    "tid": lane,
+                    "args": {
+                        "step": int(step),
+                        "micro_batch": int(micro_batch),
+                        "op": OPS[int(op)],
+                    },
+                }
+            )
+    return events
+
+
+def _metadata(kind: str, pid: int, tid: int, value: Any, key: str = "name") -> dict:
+    return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {key: value}}
+
+
+def trace_document(ranks: dict[int, dict], other: dict) -> dict:
+    """The whole trace as one JSON-ready object; `other` (schedule, stages, ...) goes in
+    "otherData" (the training command writes it with minimp.checkpoints.files.atomic_write)."""
+    return {"traceEvents": trace_events(ranks), "displayTimeUnit": "ms", "otherData": other}
+
+
+def read_timeline(path: str) -> dict:
+    """A trace file as {schedule, stages, micro_batches, virtual_stages,
+    peak_stored_micro_batches, events}, the
+    events being replica 0's forwards and backwards as {stage, step, micro_batch, kind, op, start,
+    end} with times in seconds (what a Gantt chart of the pipeline needs); kind is forward or
+    backward, op the compute's own name (a split backward's two halves apart)."""
+    with open(path) as file:
+        return timeline_of(json.load(file))
+
+
+def timeline_of(document: dict) -> dict:
+    """A trace document (trace_document's, or a file's) as read_timeline's rows."""
+    other = document["otherData"]
+    stage_of_rank = {int(rank): stage for rank, stage in other["stage_of_rank"].items()}
+    events = []
+    for event in document["traceEvents"]:
+        if event["ph"] != "X" or event["cat"] != "compute":
+            continue
+        if event["pid"] not in other["replica_0_ranks"]:
+            continue
+        events.append(
+            {
+                "stage": stage_of_rank[event["pid"]],
+                "step": event["args"]["step"],
+                "micro_batch": event["args"]["micro_batch"],
+                "kind": "forward" if event["args"]["op"] == "forward" else "backward",
+                "op": event["args"]["op"],  # backward_input and backward_weight stay apart
+                "start": event["ts"] / 1e6,
+                "end": (event["ts"] + event["dur"]) / 1e6,
+            }
+        )
+    return {"virtual_stages": 1, **other, "events": events}  # traces before interleaving: 1

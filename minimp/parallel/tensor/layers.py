@@ -1,0 +1,159 @@
+"""Column- and row-parallel Linear layers (Megatron-LM's split of a matrix product), and the slicing
+that cuts a whole weight into a rank's shard and joins the shards again.
+
+A Linear computes y = x W^T + b with W of shape (out, in). Cut W by rows (output features) and
+each rank computes its own columns of y from the whole x: ColumnParallelLinear, whose output stays
+split. Cut W by columns (input features) and each rank multiplies its slice of x by its slice of
+W, giving a partial sum of the whole y: RowParallelLinear, whose outputs add up (g). Chained
+column -> row (attention: the heads; the MLP: the 4h features) the split activation in between
+never travels; only the row layer's output does, once forward and once backward (through f).
+
+The bias of a column layer is cut with its rows; a row layer's bias is whole on every rank and
+added once, after the sum. With sequence parallelism the column layer gathers its input along the
+sequence instead of f, and the row layer reduce-scatters its output instead of g.
+
+Weights are cut from the whole float32 model every rank builds from the seed, so the shards hold
+exactly the one-process values. `sections`: a weight that stacks several matrices along the cut
+axis (attention's (3h, h) q, k, v projection) is cut section by section, so each rank gets the
+q, k and v rows of the same heads.
+"""
+
+from typing import Any
+
+import numpy as np
+
+from minimp import functional, nn
+from minimp.backend import array_module
+from minimp.distributed.protocol import Communicator
+from minimp.parallel.tensor.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from minimp.tensor import Tensor
+
+
+def take_shard(array: Any, axis: int, sections: int, rank: int, ranks: int) -> Any:
+    """Rank's shard: each of `sections` equal parts of `axis` cut into `ranks` equal slices, the
+    rank-th slice of every part, in order (a contiguous copy)."""
+    xp = array_module(array)
+    parts = xp.split(array, sections, axis=axis)
+    slices = [xp.split(part, ranks, axis=axis)[rank] for part in parts]
+    return xp.ascontiguousarray(xp.concatenate(slices, axis=axis))
+
+
+def join_shards(shards: list, axis: int, sections: int) -> Any:
+    """The whole array again from every rank's shard, in rank order (take_shard's inverse)."""
+    xp = array_module(shards[0])
+    cut = [xp.split(shard, sections, axis=axis) for shard in shards]  # [rank][section]
+    parts = [xp.concatenate([cut[r][s] for r in range(len(shards))], axis) for s in range(sections)]
+    return xp.concatenate(parts, axis=axis)
+
+
+def _parameter(array: Any) -> nn.Parameter:
+    return nn.Parameter(array_module(array).ascontiguousarray(array))
+
+
+class ColumnParallelLinear(nn.Linear):
+    """y_r = f(x) W_r^T + b_r: this rank's rows W_r of the weight, its slice of the output features.
+
+    partition: {parameter: (axis, sections)} of the parameters cut across the ranks (both here).
+    """
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        comm: Communicator,
+        sections: int = 1,
+        sequence_parallel: bool = False,
+    ):
+        """The shard of a whole (float32) Linear that rank comm.rank of comm.size holds."""
+        nn.Module.__init__(self)  # not Linear's: the values come from `linear`, none are drawn
+        ranks, rank = comm.size, comm.rank
+        if linear.out_features % (sections * ranks):
+            raise ValueError(
+                f"ColumnParallelLinear: {linear.out_features} output features do not split into "
+                f"{sections} section(s) over {ranks} ranks"
+            )
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.in_features, self.out_features = linear.in_features, linear.out_features // ranks
+        self.weight = _parameter(take_shard(linear.weight.data, 0, sections, rank, ranks))
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = _parameter(take_shard(linear.bias.data, 0, sections, rank, ranks))
+        self.fp8_meta = linear.fp8_meta
+        self.partition = {"weight": (0, sections), "bias": (0, sections)}
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.sequence_parallel:  # (B, S/tp, in) -> (B, S, in): every position's input
+            x = gather_from_sequence_parallel_region(x, self.comm)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.comm)
+        return functional.linear(x, self.weight, self.bias, self.fp8_meta)  # (..., out/tp)
+
+    def __repr__(self) -> str:
+        return (
+            f"ColumnParallelLinear({self.in_features}, {self.out_features} of "
+            f"{self.out_features * self.comm.size}, bias={self.bias is not None})"
+        )
+
+
+class RowParallelLinear(nn.Linear):
+    """y = g(x_r W_r^T) + b: this rank's columns W_r of the weight read its slice x_r of the input
+    features; the partial products add up over the ranks, then the (whole) bias is added once."""
+
+    def __init__(self, linear: nn.Linear, comm: Communicator, sequence_parallel: bool = False):
+        """The shard of a whole (float32) Linear that rank comm.rank of comm.size holds."""
+        nn.Module.__init__(self)
+        ranks, rank = comm.size, comm.rank
+        if linear.in_features % ranks:
+            raise ValueError(
+                f"RowParallelLinear: {linear.in_features} input features do not split over "
+                f"{ranks} ranks"
+            )
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.in_features, self.out_features = linear.in_features // ranks, linear.out_features
+        self.weight = _parameter(take_shard(linear.weight.data, 1, 1, rank, ranks))
+        self.bias = None if linear.bias is None else _parameter(linear.bias.data.copy())
+        self.fp8_meta = linear.fp8_meta
+        self.partition = {"weight": (1, 1)}
+
+    def forward(self, x: Tensor) -> Tensor:
+        # The partial product is rounded into the activation dtype before the sum, and the bias
+        # is added after it (one rounding each; one process fuses both into one rounding).
+        partial = functional.linear(x, self.weight, None, self.fp8_meta)  # (..., out), partial
+        if self.sequence_parallel:  # (B, S, out) partial sums -> (B, S/tp, out) whole sums
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.comm)
+        else:
+            y = reduce_from_tensor_parallel_region(partial, self.comm)
+        return y if self.bias is None else y + self.bias
+
+    def __repr__(self) -> str:
+        return (
+            f"RowParallelLinear({self.in_features} of {self.in_features * self.comm.size}, "
+            f"{self.out_features}, bias={self.bias is not None})"
+        )
+
+
+def partitions(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """{parameter name: (axis, sections)} of every parameter of the model cut across the
+    tensor-parallel ranks; the parameters not listed are whole (replicated) on every rank."""
+    cut = {}
+    for name, module in model.named_modules():
+        for parameter, spec in getattr(module, "partition", {}).items():
+            if getattr(module, parameter, None) is not None:
+                cut[f"{name}.{parameter}" if name else parameter] = spec
+    return cut
+
+
+def whole_shape(shape: tuple[int, ...], spec: tuple[int, int], ranks: int) -> tuple[int, ...]:
+    """The whole parameter's shape from a shard's."""
+    axis, _ = spec
+    return tuple(size * ranks if i == axis else size for i, size in enumerate(shape))
+
+
+def shard_of(array: np.ndarray, spec: tuple[int, int], rank: int, ranks: int) -> np.ndarray:
+    """Rank's shard of a whole (host) array cut as `spec` says."""
+    axis, sections = spec
+    return take_shard(array, axis, sections, rank, ranks)

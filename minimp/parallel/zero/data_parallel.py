@@ -1,0 +1,297 @@
+"""ZeRO stages 1, 2 and 3 from the ring's two halves: the GradientSync, and building all of it.
+
+Rajbhandari et al. 2020. Data parallelism all-reduces the gradients and every replica then takes
+the same step on the same whole state. An all-reduce is a reduce-scatter followed by an all-gather
+(minimp/distributed/ring.py), so ZeRO splits it at the seam: after the reduce-scatter each rank
+holds the mean of 1/N of the gradients, updates just those 1/N of the masters and optimizer state
+(ShardedOptimizer), and the all-gather then carries the updated compute copies instead of the
+gradients. Same bytes on the wire (2 (N - 1)/N of the model), 1/N of the optimizer's memory.
+
+  stage 1  optimizer state and masters sharded; the reduce-scatter happens in `reduce`, once a step,
+           out of the whole float32 accumulators
+  stage 2  gradients sharded too: each unit (a layer's parameters, layout.py) is
+           reduce-scattered as soon as a backward completes its gradients, every micro-batch,
+           and only this rank's chunk of the sum is kept
+  stage 3  parameters sharded: layers gather their compute copies when they run
+           (stage3.py), at one more all-gather per micro-batch
+
+`ZeroDataParallel` is the GradientSync of the mixed-precision step (minimp/precision/step.py), whose
+order of decisions does not change: overflow agreed by every rank, `reduce` (here: the
+reduce-scatter, or nothing left to do), overflow agreed again, unscale, clip by the norm summed over
+every rank's chunks and every stage, update, scaler. What changes is where the bytes move and that
+`reduce` leaves in the list this rank's gradient pieces instead of whole gradients.
+"""
+
+from typing import Any, Callable
+
+import numpy as np
+
+from minimp.backend import array_module
+from minimp.distributed.protocol import Communicator
+from minimp.distributed.ring import ring_reduce_scatter_into
+from minimp.parallel.data.data_parallel import any_rank, pack, unpack
+from minimp.parallel.pipeline.tied import TiedGradients
+from minimp.measure.accounts import BytesSent, PeakMemory, held_bytes
+from minimp.parallel.zero.layout import ZeroLayout, plan_units
+from minimp.parallel.zero.optimizer import ShardedOptimizer
+from minimp.parallel.zero.overlap import OverlappedUnits
+from minimp.parallel.zero.stage3 import ParameterGatherer
+from minimp.precision.casting import widen
+from minimp.precision.step import GradientSync, squared_norm
+from minimp.tensor import Tensor
+
+
+class ZeroDataParallel(GradientSync):
+    """ZeRO's GradientSync over one stage's replicas; build it with `zero_data_parallel`."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        optimizer: ShardedOptimizer,
+        *,
+        comm_dtype: Any = np.float32,
+        average: str = "before",
+        decision_comm: Communicator | None = None,
+        tied: TiedGradients | None = None,
+        sent: BytesSent | None = None,
+        tensor_parallel: Any = None,
+        overlap: bool = False,
+        micro_batches: int = 1,
+    ):
+        """As DataParallel's: comm the replicas of this stage, decision_comm every rank that
+        shares the skip decision and the gradient norm (by default the replicas), tied the
+        parameters this stage shares with another, tensor_parallel the partial gradients and
+        whole copies of --tp; sent counts the bytes by collective. overlap: each unit's
+        reduce-scatter progresses during backward (minimp/parallel/zero/overlap.py); stage 1
+        then needs to know which backward is the step's last (of `micro_batches`)."""
+        if average not in ("before", "after"):
+            raise ValueError(f"average must be 'before' or 'after', got {average!r}")
+        self.comm, self.optimizer, self.average = comm, optimizer, average
+        self.decision_comm, self.tied = decision_comm or comm, tied
+        self.tensor_parallel = tensor_parallel
+        self.layout, self.stage, self.params = optimizer.layout, optimizer.stage, optimizer.params
+        self.sent, self.peak = sent or BytesSent(), PeakMemory()
+        self.gatherer: ParameterGatherer | None = None
+        xp = array_module(*optimizer.masters)
+        largest = self.layout.largest_unit() if comm.size > 1 else 0  # one replica sends nothing
+        # One send and one receive buffer, as large as the largest unit, reused by every unit
+        # (without overlap).
+        self.send, self.receive = xp.empty(largest, comm_dtype), xp.empty(largest, comm_dtype)
+        self.piece_indices = [p.index for pieces in self.layout.pieces for p in pieces]
+        self.unit_of = self.layout.unit_of()
+        self.arrived: list[set[int]] = [set() for _ in self.layout.units]
+        wanted = overlap and comm.size > 1  # one replica has nothing to send
+        units = OverlappedUnits(comm, self.sent, len(self.params), micro_batches)
+        self.overlap = units if wanted else None
+        self.started: set[int] = set()  # stage 1 with overlap: units whose ring started this step
+        if self.stage >= 2 or self.overlap is not None:
+            position = {id(parameter): index for index, parameter in enumerate(self.params)}
+            for parameter in self.params:
+                parameter.register_post_accumulate_grad_hook(
+                    lambda tensor: self._arrived(position[id(tensor)])
+                )
+
+    # ----- GradientSync -----------------------------------------------------------------------
+    def finalize_backward(self) -> None:
+        """Stage 1 with overlap: start the units backward did not complete, wait for every ring
+        (this rank's chunks of the accumulators then hold the mean), and reset for the next step.
+        Stages 2-3 waited in after_backward."""
+        if self.overlap is not None and self.stage == 1:
+            self._reduce_scatter_accumulators()
+            self.overlap.arrivals = [0] * len(self.params)
+
+    def backward_communication_seconds(self) -> float:
+        """Seconds spent starting and advancing rings inside backward (0 without overlap)."""
+        return self.overlap.seconds if self.overlap is not None else 0.0
+
+    def any_rank(self, found_inf: bool) -> bool:
+        """One decision for all: True on every rank when any rank saw a non-finite gradient."""
+        return any_rank(self.decision_comm, found_inf)
+
+    def reduce(self, gradients: list) -> None:
+        """Leave in `gradients` (replacing its contents) this rank's gradient pieces, each the
+        mean over the replicas (stage 1 reduce-scatters them now, or with overlap did in
+        finalize_backward; stages 2-3 did during backward),
+        the tied ones summed with the other stage's copy."""
+        if self.stage == 1 and self.overlap is None:
+            self._reduce_scatter_accumulators()
+        pieces = self.optimizer.gradient_pieces()
+        by_index = dict(zip(self.piece_indices, pieces))
+        if self.tied is not None:
+            self.tied.sum_across_stages([by_index[i] for i in self.tied.indices if i in by_index])
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.reduce_pieces(by_index)
+        gradients[:] = pieces
+        self.sample_peak()
+
+    def global_squared_norm(self, gradients: Any) -> float:
+        """The squares of this rank's pieces, summed over every rank of the job (each element of
+        the model lies in one chunk of one stage; a tied copy counts once)."""
+        uncounted = self.tied.uncounted() if self.tied is not None else set()
+        if self.tensor_parallel is not None:
+            uncounted |= self.tensor_parallel.uncounted()
+        local = squared_norm(
+            [g for g, index in zip(gradients, self.piece_indices) if index not in uncounted]
+        )
+        if self.decision_comm.size == 1:
+            return local
+        return float(self.decision_comm.allreduce_scalars([local], op="sum")[0])
+
+    # ----- during backward --------------------------------------------------------------------
+    def after_backward(self) -> None:
+        """What runs after every micro-batch's backward: stage 1 accumulates (float32, whole);
+        stages 2-3 reduce-scatter the units the backward left incomplete."""
+        self.sample_peak()
+        if self.stage == 1:
+            self.optimizer.accumulate_gradients()
+            self.sample_peak()
+            return
+        for unit, spec in enumerate(self.layout.units):
+            if self.arrived[unit] or any(self.params[i].grad is not None for i in spec.indices):
+                self._reduce_unit(unit)
+        if self.overlap is not None:
+            self.overlap.wait()
+        if self.gatherer is not None:
+            self.gatherer.release_holds()
+
+    def run_group(self, layers: list, x: Tensor, run_layers: Any) -> Tensor:
+        """The pipeline stage's way of running a group of layers: stage 3 gathers around it."""
+        if self.gatherer is None:
+            return run_layers(layers, x)
+        return self.gatherer.run(layers, x, run_layers)
+
+    def _arrived(self, index: int) -> None:
+        """A backward completed parameter index's gradient (the hook). Stage 1 (with overlap)
+        takes it into its float32 sum on the last micro-batch and starts the unit once all of
+        its sums are complete; stages 2-3 reduce-scatter a unit once a backward completed it."""
+        unit = self.unit_of[index]
+        if self.stage == 1:
+            assert self.overlap is not None  # stage 1 hooks only with overlap
+            if not self.overlap.is_last(index):
+                return  # an earlier micro-batch: after_backward accumulates it
+            self.optimizer.inner.accumulate_gradient(index)
+        self.arrived[unit].add(index)
+        if len(self.arrived[unit]) == len(self.layout.units[unit].indices):
+            (self._reduce_scatter_accumulator if self.stage == 1 else self._reduce_unit)(unit)
+        elif self.overlap is not None:
+            self.overlap.progress()
+
+    def _reduce_unit(self, unit: int) -> None:
+        """Reduce-scatter one unit's 16-bit gradients; add this rank's chunk of the mean into its
+        float32 sums; free the 16-bit gradients (and, in stage 3, the gathered unit)."""
+        self.sample_peak()
+        spec = self.layout.units[unit]
+        flats = [self._gradient(index) for index in spec.indices]
+        if self.comm.size == 1:
+            # flats is never empty: a unit has a parameter, and this runs once one arrived
+            self.optimizer.add_reduced(unit, widen(array_module(*flats).concatenate(flats)))
+        else:
+            self._reduce_scatter(unit, flats, lambda chunk: self._add_reduced(unit, chunk))
+        for index in spec.indices:
+            self.params[index].grad = None
+        self.arrived[unit].clear()
+        if self.gatherer is not None:
+            self.gatherer.unit_reduced(unit)
+
+    def _add_reduced(self, unit: int, chunk: Any) -> None:
+        if self.average == "after":
+            chunk = chunk * np.float32(1.0 / self.comm.size)
+        self.optimizer.add_reduced(unit, chunk)
+
+    def _gradient(self, index: int) -> Any:
+        """A parameter's gradient, flat (zeros when backward gave it none, as the all-reduce)."""
+        parameter = self.params[index]
+        if parameter.grad is None:
+            return array_module(self.send).zeros(parameter.size, parameter.dtype)
+        return parameter.grad.reshape(-1)
+
+    def _reduce_scatter(self, unit: int, flats: list[Any], then: Callable[[Any], None]) -> None:
+        """Pack the unit's flat gradients (times 1/N before, by default), reduce-scatter them
+        around the ring and call then(this rank's chunk of the sum, widened to float32): at once,
+        or, with overlap, when the ring in flight is done."""
+        size, inverse = self.layout.units[unit].size, 1.0 / self.comm.size
+        if self.overlap is None:
+            send, receive = self.send[:size], self.receive[:size]
+        else:  # rings in flight at once need buffers of their own
+            send, receive = self.overlap.new_buffers(self.send, size)
+        offset = 0
+        for flat in flats:
+            pack(send[offset : offset + flat.size], flat, inverse, self.average)
+            offset += flat.size
+        (start, stop), bounds = self.layout.chunk(unit), self.layout.bounds[unit]
+        if self.overlap is not None:
+            self.overlap.start(unit, send, receive, bounds, lambda o: then(widen(o[start:stop])))
+            return
+        with self.sent.counting(self.comm, "reduce_scatter"):
+            ring_reduce_scatter_into(self.comm, send, receive, bounds)
+        then(widen(receive[start:stop]))
+
+    def _reduce_scatter_accumulators(self) -> None:
+        """Stage 1: every unit's whole float32 accumulators, reduce-scattered; this rank's chunks
+        of the mean are written into its own chunks of them."""
+        inner = self.optimizer.inner
+        for index, summed in enumerate(inner.master_gradients):
+            if summed is None:  # no gradient reached it: zeros, as the all-reduce sends
+                inner.accumulators[index][...] = 0
+        if self.comm.size == 1:
+            return
+        for unit in range(len(self.layout.units)):
+            if unit not in self.started:  # with overlap, the complete units started in backward
+                self._reduce_scatter_accumulator(unit)
+        if self.overlap is not None:
+            self.overlap.wait()
+        self.started = set()
+
+    def _reduce_scatter_accumulator(self, unit: int) -> None:
+        """Stage 1: one unit's float32 accumulators, reduce-scattered; this rank's chunk of the
+        mean written into its own chunks of them."""
+        inner, inverse = self.optimizer.inner, 1.0 / self.comm.size
+        self.started.add(unit)
+        self.arrived[unit].clear()
+
+        def write(chunk: Any) -> None:
+            for piece in self.layout.pieces[unit]:
+                target = inner.accumulators[piece.index].reshape(-1)[piece.start : piece.stop]
+                received = chunk[piece.offset : piece.offset + piece.size]
+                unpack(target, received, inverse, self.average)
+
+        flats = [inner.accumulators[index].reshape(-1) for index in self.layout.units[unit].indices]
+        self._reduce_scatter(unit, flats, write)
+
+    # ----- the memory account -----------------------------------------------------------------
+    def held(self) -> dict[str, int]:
+        """Bytes this rank holds now, by kind (minimp/measure/accounts.py)."""
+        arrays = self.optimizer.arrays_by_kind()
+        arrays["buffers"] = arrays["buffers"] + [self.send, self.receive]
+        if self.overlap is not None:
+            arrays["buffers"] += self.overlap.buffers()
+        if self.gatherer is not None:
+            arrays.update(self.gatherer.arrays_by_kind())
+        return held_bytes(arrays)
+
+    def sample_peak(self) -> None:
+        """Note the bytes held now, if they are the most this rank has held (`peak`)."""
+        self.peak.sample(self.held())
+
+
+def zero_data_parallel(
+    stage: int,
+    optimizer: Any,
+    layers: list,
+    comm: Communicator,
+    *,
+    tied: TiedGradients | None = None,
+    **options: Any,
+) -> ZeroDataParallel:
+    """Shard a stage's optimizer (built, and resumed, as without ZeRO) over comm's replicas and
+    return its GradientSync; `.optimizer` is the ShardedOptimizer the step must use, and
+    `.run_group` the way the pipeline stage must run its layers. layers: the stage's layers, in
+    order; options: those of ZeroDataParallel."""
+    tied_indices = set(tied.indices) if tied is not None else set()
+    units, layer_units = plan_units(layers, optimizer.params, tied_indices)
+    layout, sent = ZeroLayout(units, comm.rank, comm.size), BytesSent()
+    sharded = ShardedOptimizer(optimizer, layout, comm, stage, sent=sent)
+    sync = ZeroDataParallel(comm, sharded, tied=tied, sent=sent, **options)
+    if stage == 3:
+        sync.gatherer = ParameterGatherer(sharded, layers, layer_units, sent, sync.sample_peak)
+    return sync

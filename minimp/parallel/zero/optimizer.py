@@ -1,0 +1,241 @@
+"""ZeRO's optimizer: the float32 masters and optimizer state of this rank's chunks only, updated
+piece by piece with the wrapped optimizer's rule, and the compute copies made whole again.
+
+Rajbhandari et al. 2020 ("ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"),
+section 5. With N data-parallel ranks each rank keeps 1/N of the masters and of Adam's two slots
+(minimp/parallel/zero/layout.py says which 1/N), so those 12 bytes a parameter become 12/N. The
+gradients it updates with are its chunks of the mean over the ranks, which the ZeRO GradientSync
+(minimp/parallel/zero/data_parallel.py) reduce-scatters into place:
+
+  stage 1  the float32 accumulators stay whole (every micro-batch adds into them, as without ZeRO);
+           the reduce-scatter writes this rank's chunks of the mean into its own chunks of them
+  stage 2  only this rank's chunks of the accumulators exist (`gradient_chunks`); each unit's
+           16-bit gradients are reduce-scattered into them as soon as a backward completes them
+  stage 3  as stage 2, and the compute copies are chunks too (`compute_chunks`); the layers gather
+           them when they run (minimp/parallel/zero/stage3.py)
+
+Its part of the mixed-precision step is the optimizer's: `accumulate_gradients()`, `step()`,
+`zero_grad()`. `step()` updates every piece with `Optimizer.update` (elementwise, so a piece gets
+the bits the whole parameter would), rounds the chunks into the compute dtype and, in stages 1 and
+2, all-gathers them into every rank's whole compute copies.
+"""
+
+from typing import Any
+
+import numpy as np
+
+from minimp.backend import array_module
+from minimp.distributed import gather_named_arrays
+from minimp.distributed.protocol import Communicator
+from minimp.distributed.ring import ring_all_gather_inplace
+from minimp.optim import Optimizer
+from minimp.measure.accounts import BytesSent
+from minimp.parallel.zero.layout import ZeroLayout
+from minimp.precision.casting import MASTER_DTYPE, round_to
+
+
+class ShardedOptimizer:
+    """Masters, slots (and, from stage 2, gradient sums) of this rank's chunks; see the module."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        layout: ZeroLayout,
+        comm: Communicator,
+        stage: int,
+        sent: BytesSent | None = None,
+    ):
+        """optimizer: the whole optimizer of this stage, built (and resumed) as without ZeRO; its
+        masters and slots are cut into this rank's chunks and then dropped. comm: the
+        data-parallel replicas of this stage, over which the layout was cut. sent: counts the
+        all-gathers' bytes (shared with the GradientSync's counter)."""
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
+        self.inner, self.layout, self.comm, self.stage = optimizer, layout, comm, stage
+        self.params = optimizer.params
+        self.dtype = self.params[0].dtype if self.params else MASTER_DTYPE
+        xp = array_module(*optimizer.master_weights)
+        units = range(len(layout.units))
+        self.masters = [self._cut(unit, optimizer.master_weights, xp) for unit in units]
+        self.slots = [
+            [{name: _part(optimizer.slots[p.index][name], p) for name in optimizer.slot_names}
+             for p in pieces]
+            for pieces in layout.pieces
+        ]  # fmt: skip
+        if stage == 1:  # whole accumulators, allocated now: the masters they take shapes from go
+            for index, master in enumerate(optimizer.master_weights):
+                optimizer.accumulators[index] = xp.empty(master.shape, MASTER_DTYPE)
+        self.gradient_chunks = [xp.zeros_like(m) for m in self.masters] if stage > 1 else []
+        self.fresh = [True] * len(self.gradient_chunks)  # no reduced gradient arrived this step
+        # Stage 3's compute copies are chunks; in float32 the chunk is the master itself.
+        self.compute_chunks = [round_to(m, self.dtype) for m in self.masters] if stage == 3 else []
+        self.sent = sent or BytesSent()
+        many = comm.size > 1 and stage < 3
+        self.gather_buffer = xp.empty(layout.largest_unit(), self.dtype) if many else None
+        optimizer.master_weights = [None] * len(self.params)  # the whole masters are not kept
+        optimizer.slots = [dict.fromkeys(optimizer.slot_names) for _ in self.params]
+
+    def _cut(self, unit: int, arrays: list, xp: Any) -> Any:
+        """This rank's chunk of a unit, copied out of whole per-parameter arrays (float32)."""
+        chunk = xp.empty(self.layout.chunk_size(unit), MASTER_DTYPE)
+        for piece in self.layout.pieces[unit]:
+            chunk[piece.offset : piece.offset + piece.size] = _part(arrays[piece.index], piece)
+        return chunk
+
+    # ----- the wrapped optimizer's settings ---------------------------------------------------
+    @property
+    def lr(self) -> float:
+        """The learning rate (the wrapped optimizer's: the trainer sets it every step)."""
+        return self.inner.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.inner.lr = value
+
+    @property
+    def step_count(self) -> int:
+        """Steps taken (Adam's bias correction reads it from the wrapped optimizer)."""
+        return self.inner.step_count
+
+    def state_dict(self) -> dict:
+        """step_count and lr; the arrays are chunks: `gather_state` makes them whole."""
+        return {"step_count": self.step_count, "lr": self.lr}
+
+    # ----- the optimizer's part of the step ---------------------------------------------------
+    def accumulate_gradients(self) -> list[Any]:
+        """Stage 1: each parameter's 16-bit gradient into its whole float32 accumulator, as
+        Optimizer does; returns them. Stages 2-3: the gradients were reduce-scattered during
+        backward; returns this rank's gradient pieces (see `gradient_pieces`)."""
+        if self.stage == 1:
+            return list(self.inner.accumulate_gradients())
+        pending = [i for i, parameter in enumerate(self.params) if parameter.grad is not None]
+        if pending:
+            raise RuntimeError(
+                f"ZeRO stage {self.stage}: parameter(s) {pending} hold gradients that were not "
+                "reduce-scattered; call the GradientSync's after_backward() after each backward"
+            )
+        return self.gradient_pieces()
+
+    def gradient_pieces(self) -> list[Any]:
+        """This rank's gradients, one float32 view per piece (layout order): of the whole
+        accumulators in stage 1, of `gradient_chunks` from stage 2. A unit no gradient reached
+        this step gives zeros, as data parallelism's all-reduce does."""
+        pieces = []
+        for unit, unit_pieces in enumerate(self.layout.pieces):
+            for piece in unit_pieces:
+                pieces.append(self._gradient_piece(unit, piece))
+        return pieces
+
+    def _gradient_piece(self, unit: int, piece: Any) -> Any:
+        if self.stage == 1:
+            return _part(self.inner.accumulators[piece.index], piece, copy=False)
+        if self.fresh[unit]:
+            self.gradient_chunks[unit][...] = 0
+            self.fresh[unit] = False
+        return self.gradient_chunks[unit][piece.offset : piece.offset + piece.size]
+
+    def add_reduced(self, unit: int, chunk: Any) -> None:
+        """Stages 2-3: add one micro-batch's reduced chunk of a unit into this rank's sums
+        (float32; the first of the step is copied, so one micro-batch gives its exact bits)."""
+        if self.fresh[unit]:
+            self.gradient_chunks[unit][...] = chunk
+            self.fresh[unit] = False
+        else:
+            self.gradient_chunks[unit] += chunk
+
+    def step(self) -> None:
+        """Update every piece (its master, its slots) with its gradient, as it is (unscaled and
+        clipped already), then bring the compute copies up to date."""
+        self.inner.step_count += 1
+        for unit, unit_pieces in enumerate(self.layout.pieces):
+            for piece, slots in zip(unit_pieces, self.slots[unit]):
+                master = self.masters[unit][piece.offset : piece.offset + piece.size]
+                grad = self._gradient_piece(unit, piece)
+                self.inner.update(master, grad, slots, self.inner.weight_decays[piece.index])
+        self.publish()
+
+    def publish(self) -> None:
+        """Round the masters into the compute dtype: stage 3 keeps the chunks; stages 1-2
+        all-gather each unit, one unit at a time, into every rank's whole compute copies."""
+        for unit in range(len(self.layout.units)):
+            if self.stage == 3:
+                if self.compute_chunks[unit] is not self.masters[unit]:
+                    self.compute_chunks[unit][...] = round_to(self.masters[unit], self.dtype)
+                continue
+            self._unpack(unit, self._gathered(unit))
+
+    def _gathered(self, unit: int) -> Any:
+        """The unit's whole compute copy, flat: all-gathered from every rank's chunk."""
+        rounded = round_to(self.masters[unit], self.dtype)
+        if self.gather_buffer is None:  # one rank: the chunk is the unit
+            return rounded
+        flat = self.gather_buffer[: self.layout.units[unit].size]
+        start, stop = self.layout.chunk(unit)
+        flat[start:stop] = rounded
+        with self.sent.counting(self.comm, "all_gather"):
+            ring_all_gather_inplace(self.comm, flat, self.layout.bounds[unit])
+        return flat
+
+    def _unpack(self, unit: int, flat: Any) -> None:
+        spec = self.layout.units[unit]
+        for index, begin, size in zip(spec.indices, spec.offsets(), spec.sizes):
+            self.params[index].data.reshape(-1)[...] = flat[begin : begin + size]
+
+    def zero_grad(self) -> None:
+        """Forget the gradients: the parameters', and this step's sums (the buffers stay)."""
+        self.inner.zero_grad()
+        self.fresh = [True] * len(self.gradient_chunks)
+
+    # ----- checkpoints and the memory account -------------------------------------------------
+    def gather_state(self, names: list[str]) -> dict[str, Any] | None:
+        """Every rank sends its pieces to data-parallel rank 0, which returns this stage's whole
+        masters and slots under the one-process names (master/<name>, optimizer/<name>/<slot>);
+        None on the other ranks. A collective of the replicas."""
+        pieces: dict[str, Any] = {}
+        for unit, unit_pieces in enumerate(self.layout.pieces):
+            for piece, slots in zip(unit_pieces, self.slots[unit]):
+                name, at = names[piece.index], f"@{piece.start}"
+                chunk = self.masters[unit][piece.offset : piece.offset + piece.size]
+                pieces[f"master/{name}{at}"] = chunk
+                for slot, value in slots.items():
+                    if value is not None:
+                        pieces[f"optimizer/{name}/{slot}{at}"] = value
+        gathered = gather_named_arrays(self.comm, pieces)
+        return None if gathered is None else _stitch(gathered, names, self.params)
+
+    def arrays_by_kind(self) -> dict[str, list[Any]]:
+        """What this optimizer holds, by kind (minimp/measure/accounts.py adds the bytes up)."""
+        slots = [v for unit in self.slots for s in unit for v in s.values() if v is not None]
+        accumulators = self.gradient_chunks or [a for a in self.inner.accumulators]
+        compute = self.compute_chunks or [parameter.data for parameter in self.params]
+        buffers = [] if self.gather_buffer is None else [self.gather_buffer]
+        return {
+            "parameters": compute,
+            "gradients": [parameter.grad for parameter in self.params],
+            "accumulators": accumulators,
+            "masters": self.masters,
+            "optimizer_state": slots,
+            "buffers": buffers,
+        }
+
+
+def _part(array: Any, piece: Any, copy: bool = True) -> Any:
+    """A piece of a whole per-parameter array (flattened); None stays None."""
+    if array is None:
+        return None
+    part = array.reshape(-1)[piece.start : piece.stop]
+    return part.copy() if copy else part
+
+
+def _stitch(gathered: dict[str, Any], names: list[str], params: list) -> dict[str, Any]:
+    """{"master/w@0": piece, "master/w@5": piece, ...} -> {"master/w": whole array}."""
+    shapes = {name: params[index].shape for index, name in enumerate(names)}
+    whole: dict[str, Any] = {}
+    for key, piece in gathered.items():
+        base, start = key.rsplit("@", 1)
+        name = base.split("/")[1]
+        if base not in whole:
+            whole[base] = np.empty(shapes[name], np.float32)
+        whole[base].reshape(-1)[int(start) : int(start) + piece.size] = piece
+    order = {name: position for position, name in enumerate(names)}  # as one process lists them
+    return dict(sorted(whole.items(), key=lambda item: order[item[0].split("/")[1]]))

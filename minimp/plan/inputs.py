@@ -1,0 +1,183 @@
+"""What the planner is given: the model's shape, the cluster, the job; checked before any work.
+
+A model is a GPT (minimp's, and Megatron-LM's: pre-LayerNorm blocks, an MLP 4x wide, token and
+position embeddings, the head tied to the token embedding) of `layers` blocks of width `hidden`
+with `heads` heads, `context` tokens per sample and a vocabulary of `vocab`. Given only a number
+of parameters, `shape_for_parameters` picks one: GPT-3's proportions (Brown et al. 2020, Table
+2.1: 175B has 96 layers of 12,288, heads of 128 channels), hidden = 128 x layers, rounded to whole
+heads of 128.
+
+A cluster is `gpus` devices, `gpus_per_node` of them per node, each with `memory_bytes`,
+`peak_flops` of which `achievable` is reached on the model's matrix products, and two networks:
+`intra` inside a node (NVLink) and `inter` between nodes (InfiniBand), each a planning.links
+model of collectives.
+"""
+
+import math
+from dataclasses import dataclass
+
+from minimp.plan.links import Links
+
+PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes of an activation and a compute copy
+OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "sgd": 1}  # float32 slots per parameter (SGD: momentum)
+SCHEDULES = ("1f1b", "gpipe")
+
+
+class PlanError(ValueError):
+    """Input the planner cannot work with; the message names the fix (one line)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A GPT: blocks, width, heads, tokens per sample, vocabulary; dropout or not (its masks)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    context: int
+    vocab: int
+    dropout: bool = True  # Korthikanti et al.'s 34 sbh counts the dropout masks
+
+    def parameters(self) -> int:
+        """minimp's GPT: per block 12h^2 + 13h, embeddings (V + s) h, final LayerNorm 2h (the head
+        is tied). Narayanan et al.'s Eq. 2, 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)), plus 2h."""
+        h = self.hidden
+        return self.layers * (12 * h * h + 13 * h) + (self.vocab + self.context) * h + 2 * h
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines: how many devices, how they are grouped, what each can hold and compute."""
+
+    gpus: int
+    gpus_per_node: int
+    memory_bytes: float
+    peak_flops: float  # per device, in the compute precision
+    achievable: float  # fraction of peak_flops the matrix products reach
+    intra: Links  # collectives inside a node
+    inter: Links  # collectives between nodes
+    name: str = ""
+
+    @property
+    def flops(self) -> float:
+        """FLOP/s one device is assumed to compute at."""
+        return self.peak_flops * self.achievable
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one optimizer step does: samples, rows per micro-batch, precision, optimizer."""
+
+    global_batch: int
+    micro_batch_sizes: tuple[int, ...] = (1,)
+    precision: str = "bf16"
+    optimizer: str = "adam"
+    grad_comm_bytes: int = 4  # gradients on the wire (minimp's --grad-comm-dtype fp32)
+    schedule: str = "1f1b"
+    # Megatron-LM cuts the token embedding and the head over the vocabulary across the
+    # tensor-parallel ranks; minimp keeps both whole on every rank (parallel/tensor/models.py)
+    vocabulary_parallel: bool = True
+
+    @property
+    def compute_bytes(self) -> int:
+        return PRECISION_BYTES[self.precision]
+
+    @property
+    def slots(self) -> int:
+        return OPTIMIZER_SLOTS[self.optimizer]
+
+
+MAX_GLOBAL_BATCH = 2**20  # sequences a step; every layout's micro-batch count is searched
+MAX_SIMULATED_MICRO_BATCHES = 4096  # --simulate executes each micro-batch of each stage
+MAX_PARAMETERS = 1e15  # the largest trained models are ~1e12; above this nothing is meaningful
+
+
+def check_inputs(model: ModelShape, cluster: Cluster, job: Job) -> None:
+    """Raise PlanError with one line for the first input that cannot work."""
+    positive = {
+        "--layers": model.layers,
+        "--hidden": model.hidden,
+        "--heads": model.heads,
+        "--context": model.context,
+        "--vocab": model.vocab,
+        "--gpus": cluster.gpus,
+        "--gpus-per-node": cluster.gpus_per_node,
+        "--memory-gb": cluster.memory_bytes / 2**30,  # in the flags' units, for the message
+        "--peak-tflops": cluster.peak_flops / 1e12,
+        "--global-batch": job.global_batch,
+    }
+    for flag, value in positive.items():
+        if not (value > 0 and math.isfinite(value)):
+            raise PlanError(f"{flag} must be a positive finite number, got {value}")
+    if job.global_batch > MAX_GLOBAL_BATCH:
+        raise PlanError(
+            f"--global-batch {job.global_batch} is beyond what the planner searches (at most "
+            f"{MAX_GLOBAL_BATCH:,} sequences a step)"
+        )
+    if model.hidden % model.heads:
+        raise PlanError(
+            f"--heads {model.heads} must divide --hidden {model.hidden} "
+            f"(try --heads {largest_divisor_at_most(model.hidden, model.heads)})"
+        )
+    if not 0 < cluster.achievable <= 1:
+        raise PlanError(f"--achievable is a fraction of peak in (0, 1], got {cluster.achievable}")
+    if cluster.gpus > cluster.gpus_per_node and cluster.gpus % cluster.gpus_per_node:
+        raise PlanError(
+            f"--gpus {cluster.gpus} is not a whole number of nodes of --gpus-per-node "
+            f"{cluster.gpus_per_node}"
+        )
+    if any(size <= 0 for size in job.micro_batch_sizes):
+        raise PlanError(f"--micro-batch-size must be positive, got {job.micro_batch_sizes}")
+    if min(job.micro_batch_sizes) > job.global_batch:
+        raise PlanError(
+            f"--global-batch {job.global_batch} is smaller than the smallest "
+            f"--micro-batch-size {min(job.micro_batch_sizes)}"
+        )
+    if job.precision not in PRECISION_BYTES:
+        raise PlanError(f"--precision must be one of {sorted(PRECISION_BYTES)}")
+    if job.optimizer not in OPTIMIZER_SLOTS:
+        raise PlanError(f"--optimizer must be one of {sorted(OPTIMIZER_SLOTS)}")
+    if job.schedule not in SCHEDULES:
+        raise PlanError(f"--schedule must be one of {list(SCHEDULES)}")
+
+
+def largest_divisor_at_most(number: int, limit: int) -> int:
+    """The largest d <= limit that divides number (1 at least)."""
+    return max(d for d in range(1, min(number, limit) + 1) if number % d == 0)
+
+
+def shape_for_parameters(parameters: float, context: int, vocab: int) -> ModelShape:
+    """A GPT of about `parameters` with GPT-3's proportions: hidden = 128 x layers, heads of 128
+    channels (see the module docstring). The nearest whole number of layers to the cube root of
+    12 l h^2 = parameters; at least one layer and one head."""
+    layers = max(1, round((parameters / (12 * 128**2)) ** (1 / 3)))
+    heads = max(1, layers)  # hidden = 128 x layers = heads x 128
+    return ModelShape(layers, 128 * heads, heads, context, vocab)
+
+
+def divisors(number: int) -> list[int]:
+    """Every positive divisor of number, ascending."""
+    small = [d for d in range(1, math.isqrt(number) + 1) if number % d == 0]
+    return sorted(set(small + [number // d for d in small]))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One configuration: the grid (dp x tp x pp), ZeRO's stage over dp, rows per micro-batch and
+    micro-batches per step on each replica, full recomputation, sequence parallelism."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero: int = 0
+    micro_batch_size: int = 1
+    micro_batches: int = 1
+    recompute: bool = False
+    sequence_parallel: bool = False
+
+    def __str__(self) -> str:
+        flags = " recompute" * self.recompute + " sp" * self.sequence_parallel
+        return (
+            f"dp {self.dp} tp {self.tp} pp {self.pp} zero {self.zero} "
+            f"b {self.micro_batch_size} M {self.micro_batches}{flags}"
+        )

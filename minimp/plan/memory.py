@@ -1,0 +1,170 @@
+"""Bytes one device holds for a layout: model states by ZeRO stage, activations kept for backward.
+
+Parameters. A block holds 12h^2 + 13h; with tensor parallelism over t ranks (Megatron-LM, Shoeybi et
+al. 2019) its four matrices and the biases of the column-split ones are cut in t, the row-split
+biases (2h) and the LayerNorms (4h) are whole on every rank: 12h^2/t + 7h/t + 6h. The token
+embedding is split over the vocabulary (V h / t; whole, V h, with minimp's replicated embedding:
+Job.vocabulary_parallel), the position embedding is whole (s h). Pipeline stage 0 holds the
+embeddings, the last stage the final LayerNorm (2h) and, when it is not stage 0, its own copy of the
+tied token embedding (minimp/parallel/pipeline/tied.py; Megatron-LM does the same). ZeRO's units are
+minimp's (train/sizes.py): one per block, the two embeddings apart.
+
+Model states: minimp/measure/accounts.py's `memory_formula` over those units (parameters,
+float32 gradient accumulators, masters, optimizer slots, all-reduce buffers, by stage and dp) and
+its `peak_formula` for the 16-bit gradients alive inside a step: what minimp itself holds.
+
+Activations per block and micro-batch of b rows, d bytes an activation (Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", section 4; minimp's per-op count
+in models/gpt.py `block_activation_bytes`):
+
+  whole on every tp rank   4 d sbh (the LayerNorms' inputs, c_attn's and c_fc's) + 2 sbh masks
+  split over t             12 d sbh (q, k, v, c_proj's input, GELU's input 4, mlp.c_proj's 4)
+  attention, split over t  (2d + 1) as^2 b (softmax output, its dropout mask and output)
+  LayerNorm statistics     16 sb (float32 mean and 1/std of two LayerNorms: minimp's, whole)
+
+With d = 2 and dropout that is sbh (10 + 24/t + 5as/(ht)) + 16 sb; with sequence parallelism the
+whole parts are cut in t too: sbh/t (34 + 5as/h) + 16 sb/t. Without dropout the masks go and the
+softmax output is kept once: sbh (8 + 24/t) + 2as^2 b/t. Full recomputation keeps each block's
+input (2 sbh in 16 bits; a sequence-parallel input is a slice, 2 sbh/t) and, during one block's
+backward, that block's activations again.
+
+Stage 0 also keeps the token ids and positions (int64) and the embedding's dropout mask; the last
+stage keeps the final LayerNorm's input and statistics, the head's input, the logits (d sbV/t, or
+d sbV on every rank where the head is whole) and the targets (int64): minimp's GPT, measured to
+the byte by tests/test_plan.py at t = 1.
+
+In flight: 1F1B (Narayanan et al. 2021) keeps min(P - i, M) micro-batches on stage i, so stage 0
+keeps P of them (M if fewer); GPipe keeps all M on every stage. The device that needs most is stage
+0 or the last one (the middle stages hold stage 0's blocks with fewer micro-batches).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+from minimp.measure.accounts import memory_formula, peak_formula
+from minimp.plan.inputs import Job, Layout, ModelShape
+
+INT64 = 8  # token ids, positions and targets are int64 arrays
+
+
+def layer_parameters(model: ModelShape, tp: int) -> int:
+    """Parameters of one block on one tensor-parallel rank: 12h^2/t + 7h/t + 6h."""
+    h = model.hidden
+    return math.ceil((12 * h * h + 7 * h) / tp) + 6 * h
+
+
+def vocabulary_share(model: ModelShape, layout: Layout, job: Job) -> int:
+    """Rows of the token table (and logits per position) one tensor-parallel rank holds."""
+    return math.ceil(model.vocab / layout.tp) if job.vocabulary_parallel else model.vocab
+
+
+def stage_units(model: ModelShape, layout: Layout, stage: int, job: Job = Job(1)) -> list[int]:
+    """Sizes of ZeRO's units on one tensor-parallel rank of `stage` (train/sizes.py's with
+    job.vocabulary_parallel off)."""
+    first, last = stage == 0, stage == layout.pp - 1
+    token = vocabulary_share(model, layout, job) * model.hidden
+    units = [token, model.context * model.hidden] if first else []
+    units += [layer_parameters(model, layout.tp)] * (model.layers // layout.pp)
+    if last:
+        units += [2 * model.hidden] + ([] if first else [token])
+    return units
+
+
+def model_state_bytes(model: ModelShape, layout: Layout, job: Job, stage: int) -> dict[str, int]:
+    """{kind: bytes} of zero_accounts.memory_formula for rank 0 of the stage's data-parallel group
+    (the largest chunks), plus `gradients16`: the 16-bit gradients at the peak inside a step."""
+    units = stage_units(model, layout, stage, job)
+    held = memory_formula(
+        layout.zero,
+        unit_sizes=units,
+        rank=0,
+        world_size=layout.dp,
+        compute_bytes=job.compute_bytes,
+        wire_bytes=job.grad_comm_bytes,
+        slots=job.slots,
+    )
+    c = job.compute_bytes
+    held["gradients16"] = peak_formula(layout.zero, unit_sizes=units, compute_bytes=c)
+    return held
+
+
+def layer_activation_bytes(model: ModelShape, rows: int, d: int, tp: int, sp: bool) -> float:
+    """Bytes one block keeps for backward on one tp rank (the table in the module docstring)."""
+    s, h, a = model.context, model.hidden, model.heads
+    sbh = s * rows * h
+    whole = float(4 * d * sbh + (2 * sbh if model.dropout else 0))
+    split = 12 * d * sbh
+    attention = ((2 * d + 1) if model.dropout else d) * a * s * s * rows
+    statistics = float(2 * 2 * max(d, 4) * s * rows)
+    if sp:
+        whole, statistics = whole / tp, statistics / tp
+    return whole + (split + attention) / tp + statistics
+
+
+def stored_layer_bytes(model: ModelShape, layout: Layout, d: int) -> float:
+    """What one block keeps per micro-batch: everything, or its input alone with recomputation."""
+    rows, tp, sp = layout.micro_batch_size, layout.tp, layout.sequence_parallel
+    if layout.recompute:
+        return d * model.context * rows * model.hidden / (tp if sp else 1)
+    return layer_activation_bytes(model, rows, d, tp, sp)
+
+
+def embedding_bytes(model: ModelShape, layout: Layout) -> float:
+    """Stage 0's own: token ids and positions (int64) and the embedding's dropout mask."""
+    s, rows = model.context, layout.micro_batch_size
+    mask = s * rows * model.hidden if model.dropout else 0
+    return INT64 * s * rows + INT64 * s + mask / (layout.tp if layout.sequence_parallel else 1)
+
+
+def head_bytes(model: ModelShape, layout: Layout, job: Job) -> float:
+    """The last stage's own: ln_f's input and statistics, the head's input, logits, targets."""
+    s, rows, h, d = model.context, layout.micro_batch_size, model.hidden, job.compute_bytes
+    slice_ = layout.tp if layout.sequence_parallel else 1
+    inputs = (2 * d * h + 2 * max(d, 4)) / slice_
+    vocabulary = model.vocab / layout.tp if job.vocabulary_parallel else model.vocab
+    return s * rows * (inputs + d * vocabulary + INT64)
+
+
+def in_flight(layout: Layout, stage: int, schedule: str) -> int:
+    """Micro-batches whose activations a stage holds at once (see the module docstring)."""
+    if schedule == "gpipe":
+        return layout.micro_batches
+    return min(layout.pp - stage, layout.micro_batches)
+
+
+def activation_bytes(model: ModelShape, layout: Layout, job: Job, stage: int) -> float:
+    """Bytes kept for backward at the stage's peak: its in-flight micro-batches, and with
+    recomputation one block's activations rebuilt during its backward."""
+    d = job.compute_bytes
+    per_micro_batch = model.layers // layout.pp * stored_layer_bytes(model, layout, d)
+    if stage == 0:
+        per_micro_batch += embedding_bytes(model, layout)
+    if stage == layout.pp - 1:
+        per_micro_batch += head_bytes(model, layout, job)
+    rebuilt = 0.0
+    if layout.recompute:
+        rows, sp = layout.micro_batch_size, layout.sequence_parallel
+        rebuilt = layer_activation_bytes(model, rows, d, layout.tp, sp)
+    return in_flight(layout, stage, job.schedule) * per_micro_batch + rebuilt
+
+
+@dataclass
+class Memory:
+    """One device's bytes at its peak: by kind, and the stage whose device needs most."""
+
+    stage: int
+    by_kind: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.by_kind.values())
+
+
+def memory_per_device(model: ModelShape, layout: Layout, job: Job) -> Memory:
+    """The most any device of the layout holds: stage 0's or the last stage's."""
+    candidates = []
+    for stage in sorted({0, layout.pp - 1}):
+        by_kind: dict[str, float] = dict(model_state_bytes(model, layout, job, stage))
+        by_kind["activations"] = activation_bytes(model, layout, job, stage)
+        candidates.append(Memory(stage, by_kind))
+    return max(candidates, key=lambda memory: memory.total)

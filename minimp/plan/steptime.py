@@ -1,0 +1,185 @@
+"""Seconds one optimizer step takes for a layout: compute from FLOPs, then each communication.
+
+FLOPs (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+Using Megatron-LM", section 5.1, Eq. 3, matrix products only): a block's forward on b rows is
+24 b s h^2 (1 + s/(6h)), the logits' 2 b s h V; backward costs two forwards; full recomputation
+runs every block's forward once more (not the logits'). With recomputation a step of B samples is
+their 96 B s l h^2 (1 + s/(6h) + V/(16 l h)); without, 72 B s l h^2 (1 + s/(6h)) + 6 B s h V,
+about the "6 N tokens" rule (N ~ 12 l h^2). A device computes its share, FLOPs / t, at
+`Cluster.flops` (peak x achievable fraction), the same for every matrix shape; the logits' FLOPs
+are not cut where the head is whole on every rank (minimp's: Job.vocabulary_parallel off).
+
+Per micro-batch on pipeline stage i (l/P blocks; stage 0 the embeddings, the last the logits):
+  forward    its FLOPs / (t x flops) + 2 tensor-parallel all-reduces of b s h d bytes per block
+  backward   2x those FLOPs (+1x the blocks' with recomputation) + 2 all-reduces per block
+             (+2 with recomputation: the rebuilt forward all-reduces again); ZeRO 2-3's
+             reduce-scatter of the stage's gradients over dp, ZeRO 3's two all-gathers
+Tensor-parallel collectives run over the intra-node network (tp stays inside a node); with
+sequence parallelism each all-reduce is a reduce-scatter plus an all-gather of the same bytes
+(Korthikanti et al. 2022, section 4.2.2). Nothing overlaps compute: minimp runs one thing at a
+time, and Megatron-LM in 2021 did not overlap these either.
+
+The pipeline (1F1B or GPipe, same span): (M + P - 1) x (the slowest stage's forward + backward + 2
+messages of b s h d bytes): the bubble of Huang et al. 2019, (P - 1)/(M + P - 1) of the step, and in
+every micro-batch's slot one message each way, because 1F1B's exchanges block (minimp's Sendrecv
+pairs, Megatron-LM's send_forward_recv_backward). With `simulate`, the span of
+parallel/pipeline/simulator.py's `simulate_schedule` on the same per-stage costs instead, whose
+sends do not block: shorter when messages are long (tests/test_plan.py). Messages cross nodes when
+the job does (pipeline stages are the outermost dimension: Megatron-LM's order, tp, dp, pp).
+
+After the pipeline, each stage's gradients over its dp group, on the intra-node network when the
+group fits in a node (tp x dp <= GPUs per node), else inter-node: ZeRO 0 a ring all-reduce of
+w-byte gradients; ZeRO 1 a reduce-scatter and an all-gather of the d-byte compute copies; ZeRO 2
+the all-gather; ZeRO 3 nothing (measure/accounts.py has the bytes). The tied token embedding is
+all-reduced between the first and last stage (float32), and four scalar all-reduces span the
+job (the overflow flag before and after the reduce, the gradient norm, the loss: what minimp's
+metrics count per step on 4 ranks). Not counted: the optimizer's update, the vocabulary-
+parallel embedding's and loss's small all-reduces, kernel launches, and data loading.
+"""
+
+from dataclasses import dataclass
+
+from minimp.parallel.pipeline.schedules.actions import gpipe, one_f_one_b
+from minimp.parallel.pipeline.simulator import Costs, simulate_schedule
+from minimp.plan.inputs import Cluster, Job, Layout, ModelShape
+from minimp.plan.links import Links
+from minimp.plan.memory import stage_units, vocabulary_share
+
+# per step over the job: the overflow flag before and after the reduce, the norm, the loss
+SCALAR_ALLREDUCES = 4
+SCALAR_BYTES = 8
+TIED_GRADIENT_BYTES = 4  # the tied embedding's gradient is all-reduced from float32 accumulators
+
+
+def layer_forward_flops(model: ModelShape, rows: int) -> float:
+    """One block's forward on `rows` samples: 24 b s h^2 + 4 b s^2 h = 24 b s h^2 (1 + s/(6h))."""
+    s, h = model.context, model.hidden
+    return 24 * rows * s * h * h + 4 * rows * s * s * h
+
+
+def logits_forward_flops(model: ModelShape, rows: int) -> float:
+    """The head's forward on `rows` samples: 2 b s h V."""
+    return 2 * rows * model.context * model.hidden * model.vocab
+
+
+def step_flops(model: ModelShape, batch: int, recompute: bool) -> float:
+    """A step's matrix-product FLOPs: 3 forwards (forward, backward = 2), +1 blocks' forward with
+    recomputation (module docstring)."""
+    blocks = model.layers * layer_forward_flops(model, batch)
+    return 3 * (blocks + logits_forward_flops(model, batch)) + (blocks if recompute else 0.0)
+
+
+def narayanan_flops(model: ModelShape, batch: int) -> float:
+    """Narayanan et al. 2021's Eq. 3: 96 B s l h^2 (1 + s/(6h) + V/(16 l h))."""
+    s, layers, h, v = model.context, model.layers, model.hidden, model.vocab
+    return 96 * batch * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds of one step, by part (they add up to `total`)."""
+
+    compute: float  # the slowest stage's forwards and backwards, M of each
+    tensor_parallel: float  # its tensor-parallel collectives
+    zero_in_step: float  # its ZeRO 2-3 collectives inside the micro-batches
+    bubble: float  # the pipeline's fill and drain, and its messages
+    data_parallel: float  # the gradients' collectives after the last backward
+    other: float  # the tied embedding's all-reduce and the scalars
+
+    @property
+    def total(self) -> float:
+        parts = (self.compute, self.tensor_parallel, self.zero_in_step, self.bubble)
+        return sum(parts) + self.data_parallel + self.other
+
+
+def _links(cluster: Cluster, group_span: int) -> Links:
+    """The network a group of ranks spanning `group_span` consecutive devices uses."""
+    return cluster.intra if group_span <= cluster.gpus_per_node else cluster.inter
+
+
+def stage_costs(model: ModelShape, cluster: Cluster, job: Job, layout: Layout, stage: int):
+    """(compute, tensor-parallel, ZeRO) seconds of one micro-batch's forward and of its backward on
+    `stage`, as three (forward, backward) pairs."""
+    rows, tp, dp = layout.micro_batch_size, layout.tp, layout.dp
+    blocks = model.layers // layout.pp
+    block_flops = blocks * layer_forward_flops(model, rows)
+    head = logits_forward_flops(model, rows) if stage == layout.pp - 1 else 0.0
+    if not job.vocabulary_parallel:  # minimp: every tensor-parallel rank computes all logits
+        head *= tp
+    forward = (block_flops + head) / tp / cluster.flops
+    backward = 2 * forward + (block_flops / tp / cluster.flops if layout.recompute else 0.0)
+
+    intra = cluster.intra
+    activation = rows * model.context * model.hidden * job.compute_bytes
+    if layout.sequence_parallel:
+        one = intra.reduce_scatter(activation, tp) + intra.all_gather(activation, tp)
+    else:
+        one = intra.all_reduce(activation, tp)
+    tp_forward = 2 * blocks * one
+    tp_backward = (2 + 2 * layout.recompute) * blocks * one
+
+    stage_parameters = sum(stage_units(model, layout, stage, job))
+    dp_links = _links(cluster, tp * dp)
+    zero_forward = zero_backward = 0.0
+    if layout.zero >= 2:  # minimp reduce-scatters every micro-batch's gradients (accounts.py)
+        zero_backward += dp_links.reduce_scatter(stage_parameters * job.grad_comm_bytes, dp)
+    if layout.zero == 3:  # and gathers each layer before its forward and before its backward
+        gather = dp_links.all_gather(stage_parameters * job.compute_bytes, dp)
+        zero_forward, zero_backward = gather, zero_backward + gather
+    return (forward, backward), (tp_forward, tp_backward), (zero_forward, zero_backward)
+
+
+def gradient_sync_seconds(model: ModelShape, cluster: Cluster, job: Job, layout: Layout) -> float:
+    """The slowest stage's data-parallel collectives after the last backward (module docstring)."""
+    dp_links = _links(cluster, layout.tp * layout.dp)
+    slowest = 0.0
+    for stage in sorted({0, layout.pp - 1}):
+        parameters = sum(stage_units(model, layout, stage, job))
+        wire, copies = parameters * job.grad_comm_bytes, parameters * job.compute_bytes
+        if layout.zero == 0:
+            seconds = dp_links.all_reduce(wire, layout.dp)
+        elif layout.zero == 1:
+            scatter = dp_links.reduce_scatter(wire, layout.dp)
+            seconds = scatter + dp_links.all_gather(copies, layout.dp)
+        elif layout.zero == 2:  # reduce-scattered during backward already
+            seconds = dp_links.all_gather(copies, layout.dp)
+        else:  # stage 3: the update is on shards, nothing to gather
+            seconds = 0.0
+        slowest = max(slowest, seconds)
+    return slowest
+
+
+def step_time(
+    model: ModelShape, cluster: Cluster, job: Job, layout: Layout, simulate: bool = False
+) -> StepTime:
+    """Predicted seconds of one step, by part (module docstring)."""
+    pp, micro_batches = layout.pp, layout.micro_batches
+    costs = [stage_costs(model, cluster, job, layout, stage) for stage in range(pp)]
+    per_stage = [sum(f + b for f, b in parts) for parts in costs]
+    slowest = max(range(pp), key=lambda stage: per_stage[stage])
+    (compute_f, compute_b), (tp_f, tp_b), (zero_f, zero_b) = costs[slowest]
+
+    whole_job = _links(cluster, cluster.gpus)
+    activation = layout.micro_batch_size * model.context * model.hidden * job.compute_bytes
+    message = whole_job.send(activation) if pp > 1 else 0.0
+    if simulate and pp > 1:
+        schedule = (one_f_one_b if job.schedule == "1f1b" else gpipe)(pp, micro_batches)
+        forwards = [sum(parts[0] for parts in stage) for stage in costs]
+        backwards = [sum(parts[1] for parts in stage) for stage in costs]
+        span = simulate_schedule(schedule, Costs(forwards, backwards, message)).span
+    else:
+        span = (micro_batches + pp - 1) * (per_stage[slowest] + 2 * message)
+
+    tied = 0.0
+    if pp > 1:
+        token = vocabulary_share(model, layout, job) * model.hidden
+        tied = whole_job.all_reduce(token * TIED_GRADIENT_BYTES, 2)
+    scalars = SCALAR_ALLREDUCES * whole_job.all_reduce(SCALAR_BYTES, cluster.gpus)
+    return StepTime(
+        compute=micro_batches * (compute_f + compute_b),
+        tensor_parallel=micro_batches * (tp_f + tp_b),
+        zero_in_step=micro_batches * (zero_f + zero_b),
+        bubble=span - micro_batches * per_stage[slowest],
+        data_parallel=gradient_sync_seconds(model, cluster, job, layout),
+        other=tied + scalars,
+    )
