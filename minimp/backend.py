@@ -8,11 +8,17 @@ flag `--device gpu`, or the environment variable MINIMP_DEVICE=gpu.
 import os
 import threading
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy
 
 from minimp.memory_pool import MemoryPool, held_only_by
+
+if TYPE_CHECKING:
+    import cupy
+
+# An array on either device: NumPy's on the CPU, CuPy's on a GPU (one code path serves both).
+Array = Union[numpy.ndarray, "cupy.ndarray"]
 
 DEVICE_ENVIRONMENT_VARIABLE = "MINIMP_DEVICE"
 DEVICES = ("cpu", "gpu")

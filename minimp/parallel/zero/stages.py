@@ -1,0 +1,42 @@
+"""ZeRO's stages by name: what each one shards over the replicas, as a policy the rest asks.
+
+ZeRO's paper numbers its stages; FSDP and torchtitan name what they shard instead. minimp keeps
+the numbers (they are the --zero flag) and asks the named facts everywhere outside
+minimp/parallel/zero/, so no other file compares a stage number:
+
+  stage  optimizer state and masters  float32 gradients  compute copies (parameters)
+  0      whole on every replica       whole              whole   (plain data parallelism)
+  1      1/N each                     whole              whole
+  2      1/N each                     1/N each           whole
+  3      1/N each                     1/N each           1/N, gathered around each layer
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ZeroStage:
+    """One row of the table above."""
+
+    number: int
+    shards_optimizer_state: bool  # the optimizer's slots and the float32 masters: 1/N per replica
+    shards_gradients: bool  # the float32 gradient sums: each replica keeps only its chunks
+    shards_parameters: bool  # the compute copies: gathered just before each layer runs
+
+    def __str__(self) -> str:
+        return f"ZeRO stage {self.number}"
+
+
+STAGES = (
+    ZeroStage(0, False, False, False),
+    ZeroStage(1, True, False, False),
+    ZeroStage(2, True, True, False),
+    ZeroStage(3, True, True, True),
+)
+
+
+def zero_stage(number: int) -> ZeroStage:
+    """The stage --zero names; ValueError for a number ZeRO has no stage for."""
+    if isinstance(number, bool) or number not in range(len(STAGES)):
+        raise ValueError(f"--zero must be 0, 1, 2 or 3 (ZeRO's stages), got {number}")
+    return STAGES[number]
