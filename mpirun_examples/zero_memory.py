@@ -133,7 +133,7 @@ def _timed_steps(comm, config) -> tuple[int, float, float]:
     run = Run(config, comm, log=lambda line: None)
     for step in range(1, config.steps + 1):
         run.step(step)
-    rows = run.trace.array()  # op, step, micro-batch, start, end (minimp/measure/trace.py)
+    rows = run.meter.trace.array()  # op, step, micro-batch, start, end (measure/trace.py)
     later = rows[rows[:, 1] > 1]
     seconds = later[:, 4] - later[:, 3]
     forward = float(np.median(seconds[later[:, 0] == OPS.index("forward")]))

@@ -166,7 +166,7 @@ def stage_accounts(schedule, stages=2, micro_batches=4):
     def body(comm):
         run = Run(config, comm, log=lambda line: None)
         run.step(1)
-        stage = run.stage
+        stage = run.runner
         return stage.peak_stored, stage.peak_activation_bytes, len(stage._micro_batches)
 
     return dist.simulate(stages, body)
@@ -188,7 +188,7 @@ def tied_state(world_size, **flags):
     config.validate(world_size)
 
     def body(comm):
-        tied = Run(config, comm, log=lambda line: None).data_parallel.tied
+        tied = Run(config, comm, log=lambda line: None).sync.tied
         return None if tied is None else (tied.indices, tied.counts_in_norm, tied.comm.size)
 
     return dist.simulate(world_size, body)
@@ -216,7 +216,7 @@ def test_a_weight_gradient_before_its_input_gradient_is_refused():
     inputs, targets, _ = run._micro_batches(1)
     w0 = Action(BACKWARD_WEIGHT, 0)
     with pytest.raises(RuntimeError) as refused:
-        run.stage.run(
+        run.runner.run(
             [Action(FORWARD, 0), w0], inputs=inputs, targets=targets,
             scale_loss=run._scale_loss, after_backward=lambda: None,
         )  # fmt: skip

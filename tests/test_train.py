@@ -200,7 +200,7 @@ def test_a_model_too_big_for_this_machine_is_refused_up_front(flags):
 
 def test_the_plot_shows_losses_scale_rate_and_communication():
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the 'lessons' extra)")
-    from minimp.train.report import history_figure
+    from minimp.train.plot import history_figure
 
     rows = [
         {"step": s, "loss": 3.0 - s / 10, "loss_scale": 2.0**16 / (1 + (s > 3)), "skipped": s == 3,

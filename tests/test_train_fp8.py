@@ -111,7 +111,7 @@ def test_evaluating_during_training_changes_no_scale():
 
 def test_the_metrics_rows_and_the_plot_show_the_watched_tensors_scales():
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the 'lessons' extra)")
-    from minimp.train.report import history_figure
+    from minimp.train.plot import history_figure
 
     (_, _, rows), = run_steps(1, fp8_recipe="none")
     watched = list(rows[0]["fp8"])

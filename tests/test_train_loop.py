@@ -137,7 +137,7 @@ def test_a_step_s_gradient_is_the_batch_mean_loss_s_whatever_the_micro_batches()
         config.validate()
         run = Run(config, one_rank(), log=lambda line: None)
         inputs, targets = run.task.global_batch(1)
-        run.stage.loss_fn(run.model(Tensor(inputs)), targets).backward()
+        run.runner.loss_fn(run.model(Tensor(inputs)), targets).backward()
         masters, parameters = run.optimizer.master_weights, run.model.parameters()
         expected = [m - 0.5 * p.grad for m, p in zip(masters, parameters)]
         for p in run.model.parameters():

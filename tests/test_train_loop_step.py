@@ -124,7 +124,7 @@ def test_the_fp8_collectives_and_the_replica_check_count_as_the_step_s_communica
     config.validate()
     training = Run(config, dist.simulate(1, lambda comm: comm)[0], log=lambda line: None)
     heard = []
-    training.communication.listener = lambda name, start, end: heard.append(name)
+    training.meter.stopwatch.listener = lambda name, start, end: heard.append(name)
     training.step(1)
     assert heard == [
         "finalize_backward", "any_rank", "reduce", "any_rank", "fp8_statistics", "fp8_amax",

@@ -19,15 +19,15 @@ def test_a_run_without_timeline_keeps_no_trace_and_hears_no_communication():
     config = TrainConfig(steps=1, **TINY)
     config.validate()
     run = Run(config, one_rank(), log=lambda line: None)
-    assert run.trace is None
-    assert run.communication.listener is None
-    assert run._timeline_recorder(1) is None
+    assert run.meter.trace is None
+    assert run.meter.stopwatch.listener is None
+    assert run.meter.recorder() is None
 
 
 def test_a_run_with_timeline_records_its_communication(tmp_path):
     config = TrainConfig(steps=1, timeline=str(tmp_path / "trace.json"), **TINY)
     config.validate()
     run = Run(config, one_rank(), log=lambda line: None)
-    assert run.trace is not None
-    assert re.search("_record_communication", repr(run.communication.listener))
-    assert callable(run._timeline_recorder(1))
+    assert run.meter.trace is not None
+    assert re.search("_record_communication", repr(run.meter.stopwatch.listener))
+    assert callable(run.meter.recorder())

@@ -222,7 +222,7 @@ def test_between_steps_stage_3_holds_no_compute_copy():
         shapes = [parameter.shape for parameter in plain.model.parameters()]
         run = Run(simulated_config(2, steps=1, zero=3), comm, log=lambda line: None)
         run.step(1)
-        gatherer = run.data_parallel.gatherer
+        gatherer = run.sync.gatherer
         for parameter, shape in zip(run.model.parameters(), shapes, strict=True):
             data = parameter.data
             assert data.shape == shape and data.dtype == np.float16
@@ -243,7 +243,7 @@ def test_one_replica_under_stage_3_times_no_all_gather():
     def body(comm):
         run = Run(simulated_config(1, steps=1, zero=3), comm, log=lambda line: None)
         run.step(1)
-        sent = run.data_parallel.gatherer.sent
+        sent = run.sync.gatherer.sent
         return "all_gather" in sent.seconds, sent.by_collective.get("all_gather", 0)
 
     assert dist.simulate(1, body) == [(False, 0)]
@@ -256,7 +256,7 @@ def test_stage_3_runs_a_layer_it_holds_no_units_for_without_gathering():
 
     def body(comm):
         run = Run(simulated_config(1, steps=1, zero=3), comm, log=lambda line: None)
-        gatherer = run.data_parallel.gatherer
+        gatherer = run.sync.gatherer
         x = Tensor(np.ones((2, 3), np.float32), requires_grad=True)
         y = gatherer.run([object()], x, lambda layers, tensor: tensor * 2.0)
         counts = len(gatherer.counts)

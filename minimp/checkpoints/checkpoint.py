@@ -20,7 +20,7 @@ import json
 import math
 import os
 import zipfile
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -153,6 +153,16 @@ def _is_int(value: Any, low: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
+class Fp8State(Protocol):
+    """What restore needs of a run's fp8 scaling state (minimp/train/fp8.py's Fp8Run)."""
+
+    def checked_state(self, path: str, arrays: dict[str, np.ndarray]) -> dict | None:
+        """This stage's state from the checkpoint's arrays, checked; None when there is none."""
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        """Load what checked_state returned."""
+
+
 def restore(
     path: str,
     *,
@@ -161,7 +171,7 @@ def restore(
     names: list[str],
     optimizer: Optimizer,
     scaler: LossScaler,
-    fp8: Any = None,
+    fp8: Fp8State | None = None,
     select: Callable[[str, np.ndarray], np.ndarray] | None = None,
 ) -> tuple[int, dict]:
     """Check everything, then load masters, optimizer and scaler state (and with `fp8`, a

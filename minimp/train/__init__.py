@@ -4,5 +4,3 @@ from minimp.train.cli import parse_config
 from minimp.train.config import ConfigError, TrainConfig
 from minimp.train.loop import train
 from minimp.train.tasks import TASKS, build_model
-
-__all__ = ["TASKS", "ConfigError", "TrainConfig", "build_model", "parse_config", "train"]

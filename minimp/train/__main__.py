@@ -20,7 +20,8 @@ from minimp.train.config import TrainConfig
 from minimp.checkpoints.errors import USER_ERRORS, AgreedError, agree_on_error
 from minimp.checkpoints.files import check_output_path, exit_cleanly_on_sigterm
 from minimp.train.loop import train
-from minimp.train.report import plot_formats
+from minimp.train.plot import plot_formats
+from minimp.train.sizes import check_memory
 
 PROGRAM = "minimp.train"
 
@@ -33,7 +34,7 @@ def _say(error: BaseException, rank: int | None = None) -> None:
 def check_before_training(config: TrainConfig, comm: Communicator) -> None:
     """Raise the first user error this rank can find before any work is done."""
     config.validate(comm.size)
-    config.check_memory(comm.ranks_on_this_node(), backend.available_memory())
+    check_memory(config, comm.ranks_on_this_node(), backend.available_memory())
     if config.device:
         backend.check_device(config.device)  # CuPy and a GPU are there
     if comm.rank == 0:  # the files are rank 0's to write

@@ -4,23 +4,21 @@ with its default (or each dataset's) and its help; errors as one line.
 
 import argparse
 import dataclasses
+from typing import Any, NoReturn
 
+from minimp.train.checks import flag
 from minimp.train.config import DATASET_DEFAULTS, TrainConfig
-
-
-def dashed(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but its errors read `minimp.train: error: ...` like every other error of the
     command, and under mpirun only rank 0 prints them (every rank still exits with status 2)."""
 
-    def __init__(self, *args, quiet=False, **kwargs):
+    def __init__(self, *args: Any, quiet: bool = False, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.quiet = quiet
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, None if self.quiet else f"minimp.train: error: {message} (see --help)\n")
 
 
@@ -48,18 +46,18 @@ def build_parser(
         if _type_of(config_field.name) is bool and default is argparse.SUPPRESS:
             # A switch with a derived default: --overlap / --no-overlap, neither means "auto".
             parser.add_argument(
-                dashed(config_field.name), dest=config_field.name, default=argparse.SUPPRESS,
+                flag(config_field.name), dest=config_field.name, default=argparse.SUPPRESS,
                 action=argparse.BooleanOptionalAction, help=help_text,
             )  # fmt: skip
             continue
         if _type_of(config_field.name) is bool:  # a switch: present means True
             parser.add_argument(
-                dashed(config_field.name), dest=config_field.name, action="store_true",
+                flag(config_field.name), dest=config_field.name, action="store_true",
                 help=help_text,
             )  # fmt: skip
             continue
         parser.add_argument(
-            dashed(config_field.name),
+            flag(config_field.name),
             dest=config_field.name,
             type=_type_of(config_field.name),
             default=default,

@@ -3,17 +3,19 @@
 Fields whose default depends on the dataset are None in the dataclass and filled from
 DATASET_DEFAULTS when the config is made: the digits get the small MLP's settings, shakespeare
 gets nanoGPT's CPU configuration of its shakespeare_char example. `--help` lists both, and the
-resolved line rank 0 prints at start says which applied. The checks live in validation.py.
+resolved line rank 0 prints at start says which applied. The checks live in checks.py.
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from minimp.checkpoints.errors import ConfigError
+from minimp.parallel.apply import Parallelism
 from minimp.parallel.pipeline.schedules import CHOICES as SCHEDULE_CHOICES
 from minimp.precision.casting import ACTIVATION_DTYPES, BFLOAT16
-from minimp.train import sizes, validation
-from minimp.checkpoints.errors import ConfigError
+from minimp.train.checks import flag, validate
 
 # The settings that differ by dataset. shakespeare: nanoGPT's README command for a CPU
 # (`--block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000
@@ -36,11 +38,11 @@ DATASET_DEFAULTS = {
 }
 
 
-def _flag(default, help, **extra):
+def _flag(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
 
-def _by_dataset(help, **extra):
+def _by_dataset(help: str, **extra: Any) -> Any:
     """A flag whose default comes from DATASET_DEFAULTS."""
     return field(default=None, metadata={"help": help, "by_dataset": True, **extra})
 
@@ -210,29 +212,63 @@ class TrainConfig:
         return BFLOAT16 if self.precision == "fp8" else ACTIVATION_DTYPES[self.precision]
 
     def validate(self, world_size: int = 1) -> None:
-        """Raise ConfigError naming the flag and the fix for the first value that cannot work."""
-        validation.validate(self, world_size)
+        """Raise ConfigError naming the flag and the fix for the first value that cannot work
+        (checks.py)."""
+        validate(self, world_size)
 
-    def check_memory(self, ranks_on_this_node: int, available: int) -> None:
-        """Refuse, before anything is allocated, a model that cannot fit this machine."""
-        sizes.check_memory(self, ranks_on_this_node, available)
-
-    def parameter_count(self) -> int:
-        """Parameters of the model these flags build (before it is built)."""
-        return sizes.parameter_count(self)
+    def parallelism(self) -> Parallelism:
+        """The strategies' settings these flags give (minimp/parallel/apply.py)."""
+        return Parallelism(
+            schedule=self.schedule,
+            virtual_stages=self.virtual_stages,
+            micro_batches=self.micro_batches,
+            sequence_parallel=self.sequence_parallel,
+            recompute=self.recompute,
+            zero=self.zero,
+            overlap=self.overlap,
+            bucket_mb=self.bucket_mb,
+            comm_dtype=ACTIVATION_DTYPES[self.grad_comm_dtype],
+            average=self.grad_average,
+        )
 
     def loss_scale_kind(self) -> tuple[str, float | None]:
         """('dynamic'|'none'|'static', value) after resolving 'auto' by precision."""
-        return validation.loss_scale_kind(self)
+        text = self.loss_scale.strip().lower()
+        if text == "auto":
+            return ("dynamic", None) if self.precision == "fp16" else ("none", None)
+        if text in ("dynamic", "none"):
+            return text, None
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigError(
+                f"--loss-scale must be 'dynamic', 'none' or a number, got {self.loss_scale!r}"
+            ) from None
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(
+                f"--loss-scale must be a positive finite number, got {self.loss_scale}"
+            )
+        return "static", value
 
-    def overflow_injection(self, world_size: int = 1, after: int = 0) -> tuple[int, int] | None:
-        """(step, rank) from --inject-overflow STEP:RANK, or None; `after`: the step a resumed
-        run starts after (an injection that can never fire is an error, not silence)."""
-        return validation.injection(self, "--inject-overflow", world_size, after)
-
-    def fault_injection(self, world_size: int = 1, after: int = 0) -> tuple[int, int] | None:
-        """(step, rank) from --inject-fault STEP:RANK, or None."""
-        return validation.injection(self, "--inject-fault", world_size, after)
+    def injection(self, name: str, world_size: int, after: int = 0) -> tuple[int, int] | None:
+        """(step, rank) from STEP:RANK of --inject-overflow or --inject-fault (name:
+        "inject_overflow" or "inject_fault"), or None; `after`: the step a resumed run starts
+        after (an injection that can never fire is an error, not silence)."""
+        text = getattr(self, name)
+        if not text:
+            return None
+        try:
+            step, rank = (int(part) for part in text.split(":"))
+        except ValueError:
+            raise ConfigError(f"{flag(name)} takes STEP:RANK (e.g. 5:0), got {text!r}") from None
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"{flag(name)} {text}: the rank must lie in 0..{world_size - 1}")
+        if not after < step <= self.steps:
+            raise ConfigError(
+                f"{flag(name)} {text} can never fire: this run takes steps {after + 1}.."
+                f"{self.steps}"
+            )
+        return step, rank
 
     def describe(self) -> str:
         """The resolved configuration on one line, as rank 0 prints it at start."""

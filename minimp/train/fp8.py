@@ -11,7 +11,7 @@ the state of delayed scaling as "fp8/<quantizer>/amax_history" and ".../scale" (
 from the stages like the masters, so a resume continues bit for bit in any layout.
 """
 
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from minimp.precision.fp8_scaling import (
     update_scales,
 )
 from minimp.checkpoints.errors import CheckpointError
+from minimp.train.config import TrainConfig
 
 PREFIX = "fp8/"
 
@@ -36,11 +37,11 @@ def _untimed(function: Callable, name: str) -> Callable:
     return function
 
 
-def recipe(config: Any) -> Any:
+def recipe(config: TrainConfig) -> DelayedScaling | Float8CurrentScaling | NoScaling:
     """The scaling recipe --fp8-recipe names (with --fp8-amax-history and --fp8-margin)."""
     if config.fp8_recipe == "delayed":
         return DelayedScaling(margin=config.fp8_margin, amax_history_len=config.fp8_amax_history)
-    return {"current": Float8CurrentScaling, "none": NoScaling}[config.fp8_recipe]()
+    return Float8CurrentScaling() if config.fp8_recipe == "current" else NoScaling()
 
 
 class Fp8Run:

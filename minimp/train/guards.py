@@ -2,30 +2,39 @@
 failure looks like, and the divergence checks that stop a run that cannot learn."""
 
 import math
-from typing import Any
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 
 from minimp import backend
 from minimp.checkpoints.errors import AgreedError, DivergenceError
+from minimp.nn import Parameter
+from minimp.train.config import TrainConfig
 
 
 class Guards:
     """Injections (--inject-overflow, --inject-fault) and divergence checks of one rank's run."""
 
-    def __init__(self, config: Any, rank: int, start_step: int, world_size: int):
+    def __init__(self, config: TrainConfig, rank: int, start_step: int, world_size: int):
         self.config, self.rank = config, rank
-        self.overflow_at = config.overflow_injection(world_size, after=start_step)
-        self.fault_at = config.fault_injection(world_size, after=start_step)
+        self.overflow_at = config.injection("inject_overflow", world_size, after=start_step)
+        self.fault_at = config.injection("inject_fault", world_size, after=start_step)
         self.consecutive_skips = 0
 
-    def arm_overflow(self, step: int, parameter: Any) -> Any:
-        """--inject-overflow: on that step and rank, a gradient hook turns the parameter's
-        gradient into inf, as if backward had overflowed. Returns the hook's handle, or None."""
+    @contextmanager
+    def overflow_injected(self, step: int, parameter: Parameter) -> Iterator[None]:
+        """--inject-overflow: on that step and rank, inside this block, a gradient hook turns the
+        parameter's gradient into inf, as if backward had overflowed."""
         if self.overflow_at != (step, self.rank):
-            return None
+            yield
+            return
         xp = backend.array_module(parameter.data)
-        return parameter.register_hook(lambda grad: xp.full_like(grad, np.inf))
+        handle = parameter.register_hook(lambda grad: xp.full_like(grad, np.inf))
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def inject_fault(self, step: int) -> None:
         if self.fault_at == (step, self.rank):

@@ -1,37 +1,41 @@
 """Training loop of `python -m minimp.train`: build this rank's stage, (resume,) step, log, save.
 
-Every rank builds the whole float32 model from the seed, keeps the layers of its pipeline stage, and
-runs the schedule's actions for that stage each step (with one stage, the schedule is the plain
-micro-batch loop). Data-parallel replicas of a stage then average their gradients; every rank of the
-job takes part in the one decision to skip an overflowing step.
+Every rank builds the whole float32 model from the seed, keeps its share of it (minimp/parallel/
+apply.py: tensor, pipeline, recompute, data or ZeRO), and runs the schedule's actions for its
+stage each step (with one stage, the schedule is the plain micro-batch loop). Data-parallel
+replicas of a stage then average their gradients; every rank of the job takes part in the one
+decision to skip an overflowing step.
 """
 
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
 from minimp import backend, nn
-from minimp.optim import lr_scheduler as lr_schedule
+from minimp.checkpoints import checkpoint
+from minimp.checkpoints.errors import USER_ERRORS, agree_on_error
 from minimp.distributed import world
 from minimp.distributed.protocol import Communicator
-from minimp.parallel import Topology, shard
+from minimp.optim import lr_scheduler
+from minimp.parallel.apply import replicate
+from minimp.parallel.data.data_parallel import DataParallel, shard
 from minimp.parallel.pipeline.schedules import build_schedule
-from minimp.parallel.pipeline.tied import TiedGradients, tied_group, tied_indices
+from minimp.parallel.topology import Topology
 from minimp.precision import mixed_precision_step
-from minimp.train import accounts, progress, report, saving
-from minimp.checkpoints import checkpoint
-from minimp.train.build import build_scaler, build_stage, build_sync
+from minimp.tensor import Tensor
+from minimp.train import progress, saving
+from minimp.train.build import build_scaler, build_stage
 from minimp.train.config import TrainConfig
-from minimp.checkpoints.errors import USER_ERRORS, agree_on_error
+from minimp.train.fp8 import Fp8Run
 from minimp.train.guards import Guards
+from minimp.train.meter import Meter
 from minimp.train.tasks import TASKS
-from minimp.measure.trace import TraceRecorder, common_origin
 
 
 def train(
     config: TrainConfig,
-    log: Callable = print,
+    log: Callable[[str], None] = print,
     comm: Communicator | None = None,
     interactive: bool = False,
 ) -> dict:
@@ -51,34 +55,30 @@ def train(
 class Run:
     """One rank's share of a training run: its stage of the model, its optimizer, its groups."""
 
-    optimizer: Any  # the stage's optimizer, or (--zero) its ShardedOptimizer once set up
-
     def __init__(
-        self, config: TrainConfig, comm: Communicator, log: Callable, interactive: bool = False
+        self,
+        config: TrainConfig,
+        comm: Communicator,
+        log: Callable[[str], None],
+        interactive: bool = False,
     ):
         """interactive: a person watches this process's terminal (a progress bar, not lines)."""
         self.config, self.comm, self.dp = config, comm, config.data_parallel_size(comm.size)
-        self.interactive = interactive
         self.log = log if comm.rank == 0 else (lambda line: None)
         self.topology = Topology(comm, dp=self.dp, pp=config.pp, tp=config.tp)
         if comm.size > 1:
             self.log(self.topology.describe())
-        local_rank = comm.node_rank_and_size()[0]
         error = None
         try:  # everything that can fail for a user's reason, with no message in between
-            self._set_up_locally(local_rank)
+            self._set_up_locally(comm.node_rank_and_size()[0])
         except USER_ERRORS as caught:
             error = caught
         agree_on_error(comm, error)  # one rank says what failed; every rank stops here
         if config.resume:
             self.log(f"resumed from {config.resume} after step {self.start_step}")
-        tied = self._tied_gradients()
-        self.data_parallel: Any = build_sync(config, self.topology, self.built, tied, comm)
-        self.optimizer = self.data_parallel.optimizer  # ZeRO's sharded one, with --zero
-        self.counters = accounts.StepCounters(self)
-        self.communication = report.Stopwatch()
-        self.sync = report.TimedCalls(self.data_parallel, self.communication)
-        self.in_backward_before = self.data_parallel.backward_communication_seconds()
+        self.sync = replicate(self.share, self.topology, config.parallelism(), comm)
+        self.optimizer = self.sync.optimizer  # ZeRO's sharded one, with --zero
+        self.meter = Meter(config, comm, self.topology, self.sync, self.runner)
         self.history = progress.History(
             self.log,
             config.metrics if comm.rank == 0 else "",
@@ -87,11 +87,8 @@ class Run:
             log_every=config.log_every,
             units_per_step=config.batch_size * (config.context or 1),
             unit=self.task.unit,
-            interactive=comm.size == 1 and self.interactive,
+            interactive=comm.size == 1 and interactive,
         )
-        self.trace = TraceRecorder(common_origin(comm)) if config.timeline else None
-        if self.trace is not None:  # the sync's collectives go into the trace's communication lane
-            self.communication.listener = self._record_communication
 
     # ----- setup ------------------------------------------------------------------------------
     def _set_up_locally(self, local_rank: int) -> None:
@@ -102,14 +99,11 @@ class Run:
             backend.use_device(config.device, local_rank=local_rank)
         self.dtype = config.activation_dtype()
         self.task = TASKS[config.dataset](config, self.dtype)
-        self.built = build_stage(config, self.task, self.topology, self.dtype)
-        self.model, self.names = self.built.model, self.built.names
-        # The stage's whole optimizer; with --zero, replaced by its sharded one after setup.
-        self.optimizer = self.built.optimizer
-        self.stage = self.built.runner
-        self.tied_names = self.built.tied_names
-        self.tensor_parallel = self.built.tensor_parallel  # --tp's part of the step, or None
-        self.fp8 = self.built.fp8
+        self.share = build_stage(config, self.task, self.topology, self.dtype)
+        self.model, self.names, self.runner = self.share.model, self.share.names, self.share.runner
+        self.fp8 = None
+        if config.precision == "fp8":
+            self.fp8 = Fp8Run(self.share.trained, self.share.ranges, self.topology, self.model)
         self.scaler = build_scaler(config)
         schedule = build_schedule(
             config.schedule, config.pp, config.micro_batches, config.virtual_stages
@@ -133,76 +127,48 @@ class Run:
             flags=self.resume_flags,
             steps=self.config.steps,
             names=self.names,
-            optimizer=self.optimizer,
+            optimizer=self.share.optimizer,
             scaler=self.scaler,
             fp8=self.fp8,
-            select=self.built.select,
+            select=self.share.select,
         )
         if not self.config.lr_decay_steps and "lr_decay_steps" in schedule:
             self.lr_decay_steps = int(schedule["lr_decay_steps"])
         return step
 
-    def _tied_gradients(self) -> TiedGradients | None:
-        """The copies of parameters this stage shares with another (every stage calls this: the
-        group is split from the pipeline's); None where there are none."""
-        topology = self.topology
-        if topology.pp == 1 or not getattr(self.model, "tied_parameters", None):
-            return None
-        group = tied_group(topology.pp_group, topology.stage, topology.pp)
-        if group is None:
-            return None
-        indices = tied_indices(self.names, self.tied_names)
-        return TiedGradients(group, indices, counts_in_norm=topology.is_first_stage)
-
     # ----- one step ---------------------------------------------------------------------------
     def step(self, step: int) -> None:
-        """One optimizer step: the schedule's forwards and backwards,
-        then one shared skip-or-step."""
-        step_start = self._start_step()
+        """One optimizer step, as nanoGPT's loop reads: the batch, the schedule's forwards and
+        backwards, one shared skip-or-step, then the metrics, evaluations and saves."""
+        self.meter.start(step)
         inputs, targets, rows = self._micro_batches(step)
         self.optimizer.lr = self.learning_rate(step)
-        overflow = self.guards.arm_overflow(step, self.optimizer.params[0])
-        loss_sum = self.stage.run(
-            self.actions,
-            inputs=inputs,
-            targets=targets,
-            scale_loss=self._scale_loss,
-            after_backward=self.data_parallel.after_backward,
-            record=self._timeline_recorder(step),
-            before_forward=self._dropout_rows(step, rows),
-        )
-        if overflow is not None:
-            overflow.remove()
+        with self.guards.overflow_injected(step, self.optimizer.params[0]):
+            loss_sum = self.runner.run(
+                self.actions,
+                inputs=inputs,
+                targets=targets,
+                scale_loss=self._scale_loss,
+                after_backward=self.sync.after_backward,
+                record=self.meter.recorder(),
+                before_forward=self._dropout_rows(step, rows),
+            )
         self.guards.inject_fault(step)
-        straggler = accounts.straggler_barrier(self)
-        max_norm = self.config.max_grad_norm or None
-        before_step = self.communication.seconds  # what follows the last backward is exposed
-        result = mixed_precision_step(self.optimizer, self.scaler, max_norm, sync=self.sync)
-        exposed = self.communication.seconds - before_step
-        self.held = self.data_parallel.held()  # what this rank keeps until the next step
-        self.data_parallel.peak.sample(self.held)
+        self.meter.straggler_barrier()
+        with self.meter.exposed():
+            max_norm = self.config.max_grad_norm or None
+            result = mixed_precision_step(self.optimizer, self.scaler, max_norm, self.meter.sync)
         self._warn_if_stuck_at_min_scale(step)
-        fp8_entry = self._end_fp8_step()
+        fp8 = {} if self.fp8 is None else {"fp8": self.fp8.end_step(self.comm, self.meter.timed)}
         self._check_replicas(step)
-        loss, activation_bytes = accounts.step_scalars(self, loss_sum)
-        entry = {
-            "step": step,
-            "loss": loss,
-            "lr": self.optimizer.lr,
-            "loss_scale": result.loss_scale,
-            "skipped": result.skipped,
-            **accounts.step_seconds(self, step_start, exposed, straggler),
-            **self.counters.finish(),
-            "peak_activation_bytes": activation_bytes,
-            **fp8_entry,
-        }
-        every = self.config.eval_every
-        if every and step % every == 0:
+        row = dict(step=step, lr=self.optimizer.lr, loss_scale=result.loss_scale)
+        entry = self.meter.finish({**row, "skipped": result.skipped}, loss_sum, fp8)
+        if self.config.eval_every and step % self.config.eval_every == 0:
             started = time.perf_counter()
             entry["val_loss"] = saving.evaluate(self, batches=self.config.eval_batches or None)
             entry["eval_seconds"] = time.perf_counter() - started
         self.history.add(entry, loss_scale=self.scaler.loss_scale)
-        self.guards.stop_if_diverging(step, loss, result.skipped, self.scaler.loss_scale)
+        self.guards.stop_if_diverging(step, entry["loss"], result.skipped, self.scaler.loss_scale)
         every = self.config.save_every
         if every and step % every == 0 and step < self.config.steps:
             saving.save_checkpoint(self, step)
@@ -211,18 +177,9 @@ class Run:
         """The schedule's learning rate at this step."""
         config = self.config
         if config.lr_schedule == "constant":
-            return lr_schedule.constant(step, config.lr)
+            return lr_scheduler.constant(step, config.lr)
         warmup, decay = config.warmup, self.lr_decay_steps
-        return lr_schedule.warmup_cosine(step, config.lr, config.min_lr, warmup, decay)
-
-    def _start_step(self) -> float:
-        """The start time (the counters start too); with --timeline all ranks start the step
-        together, so the stages' clocks line up."""
-        if self.config.timeline:
-            self.comm.barrier()
-        self.communication.seconds = 0.0
-        self.counters.start()
-        return time.perf_counter()
+        return lr_scheduler.warmup_cosine(step, config.lr, config.min_lr, warmup, decay)
 
     def _micro_batches(self, step: int) -> tuple[list | None, list | None, list]:
         """This replica's rows of the step's global batch, cut into micro-batches: the inputs (on
@@ -244,12 +201,12 @@ class Run:
             return None
 
         def tell(micro_batch: int) -> None:
-            for layer in self.stage.layers:
+            for layer in self.runner.layers:
                 nn.set_dropout_state(layer, self.config.seed, step, rows[micro_batch])
 
         return tell
 
-    def _scale_loss(self, loss: Any) -> Any:
+    def _scale_loss(self, loss: Tensor) -> Tensor:
         """Each micro-batch carries 1/M of the batch mean; the loss scale lifts fp16 gradients."""
         return self.scaler.scale(loss) * (1.0 / self.config.micro_batches)
 
@@ -261,36 +218,20 @@ class Run:
                 "(lower --lr, clip with --max-grad-norm, or use bf16)"
             )
 
-    def _end_fp8_step(self) -> dict:
-        """fp8: the watched tensors' scales and lost fractions for the metrics row, then the next
-        step's scales (delayed scaling agrees on the amaxes across the replicas first)."""
-        if self.fp8 is None:
-            return {}
-        return {"fp8": self.fp8.end_step(self.comm, timed=self.communication.wrap)}
-
     def _check_replicas(self, step: int) -> None:
         every = self.config.check_replicas
         if every and step % every == 0:
             fp8_state = list(self.fp8.state_arrays().values()) if self.fp8 else []
-            self.communication.wrap(self.data_parallel.check_replicas)(fp8_state)  # raises
+            assert isinstance(self.sync, DataParallel)  # checks.py refuses it with ZeRO
+            self.meter.timed(self.sync.check_replicas)(fp8_state)  # raises
             what = " and fp8 scaling state" if fp8_state else ""
             if self.dp > 1:
                 self.log(
                     f"step {step}: replicas identical (the {self.dp} replicas' float32 masters"
                     f"{what} have the same checksum)"
                 )
-            if self.tensor_parallel is not None:
-                check = self.communication.wrap(self.tensor_parallel.check_replicated)
-                check(self.optimizer.master_weights, fp8_state)  # raises
+            tensor_parallel = self.share.tensor_parallel
+            if tensor_parallel is not None:
+                check = self.meter.timed(tensor_parallel.check_replicated)
+                check(self.share.optimizer.master_weights, fp8_state)  # raises
                 self.log(f"step {step}: the {self.config.tp} shards' whole parameters{what} agree")
-
-    def _timeline_recorder(self, step: int) -> Callable | None:
-        """With --timeline, every action of the step goes into this rank's trace."""
-        if self.trace is None:
-            return None
-        trace = self.trace
-        self.current_step = step
-        return lambda op, micro_batch, start, end: trace.record(op, step, micro_batch, start, end)
-
-    def _record_communication(self, op: str, start: float, end: float) -> None:
-        self.trace.record(op, self.current_step, -1, start, end)

@@ -8,32 +8,36 @@ the layout), so any layout resumes any other.
 """
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from minimp.checkpoints import checkpoint, files
 from minimp.distributed import gather_named_arrays
 from minimp.measure import trace
 from minimp.parallel.tensor.checkpoint import gather_shards
-from minimp.train import accounts, report
-from minimp.checkpoints import checkpoint, files
+from minimp.parallel.zero.stages import zero_stage
+from minimp.train import plot
+
+if TYPE_CHECKING:  # loop.py imports this module
+    from minimp.train.loop import Run
 
 
-def gather_state(run: Any) -> dict | None:
+def gather_state(run: "Run") -> dict | None:
     """Replica 0's stages send their masters, optimizer slots and fp8 scaling state to rank 0
     (replicas are identical, so replica 0 speaks for all; with ZeRO each replica first sends its
     chunks to replica 0, which stitches them whole; with --tp each stage's shards are joined on
     its tensor-parallel rank 0 first); None on every other rank."""
     topology = run.topology
-    if run.config.zero:
+    if zero_stage(run.config.zero).shards_optimizer_state:
         state = run.optimizer.gather_state(run.names)  # a collective of the replicas
     elif topology.dp_rank == 0:
-        state = checkpoint.state_arrays(run.names, run.optimizer)
+        state = checkpoint.state_arrays(run.names, run.share.optimizer)
     if topology.dp_rank != 0:
         return None
     if run.fp8 is not None:  # each stage's scaling state, as "fp8/<quantizer>/<field>"
         state.update(run.fp8.state_arrays())
-    plan = run.built.plan
+    plan = run.share.plan
     if plan is not None:
         state = gather_shards(topology.tp_group, state, plan.partitions)
         if state is None:  # not tensor-parallel rank 0
@@ -41,20 +45,25 @@ def gather_state(run: Any) -> dict | None:
     return gather_named_arrays(topology.pp_group, state)
 
 
-GATHER = object()  # the default of `merged` below: gather the stages' state first
+class _Gather:
+    """The default of `merged` below: gather the stages' state first."""
 
 
-def save_checkpoint(run: Any, step: int, merged: Any = GATHER) -> None:
+GATHER = _Gather()
+Merged = dict | None | _Gather  # what gather_state returned on this rank, or GATHER
+
+
+def save_checkpoint(run: "Run", step: int, merged: Merged = GATHER) -> None:
     """Write --save as of `step` (all ranks call this; `merged`: what gather_state returned on
     this rank, when the caller has gathered already)."""
-    if merged is GATHER:
+    if isinstance(merged, _Gather):
         merged = gather_state(run)
     if run.comm.rank == 0:
         checkpoint.save(
             run.config.save,
             step=step,
             flags=run.resume_flags,
-            optimizer=getattr(run.optimizer, "inner", run.optimizer),  # ZeRO's: the rule's
+            optimizer=run.share.optimizer,  # the rule's (ZeRO's own wraps it)
             scaler=run.scaler,
             arrays=merged,
             schedule={"lr_decay_steps": run.lr_decay_steps},
@@ -62,7 +71,7 @@ def save_checkpoint(run: Any, step: int, merged: Any = GATHER) -> None:
         run.log(f"saved checkpoint {run.config.save} after step {step}")
 
 
-def finish(run: Any) -> dict:
+def finish(run: "Run") -> dict:
     """Gather every stage onto rank 0; evaluate, save the checkpoint, the timeline and the plot
     there; returns the run's summary (history, skipped count, test accuracy, rank 0's masters)."""
     config = run.config
@@ -70,7 +79,7 @@ def finish(run: Any) -> dict:
     traces = _gather_traces(run)
     score = evaluate(run, batches=None, merged=merged)  # the whole test or validation set
     metric = run.task.final_metric
-    held = accounts.model_state(run, run.held) if hasattr(run, "held") else {}
+    held = run.meter.model_state()
     run.history.close({metric: score, **held})
     skipped = run.history.skipped
     what = metric.replace("_", " ")
@@ -94,20 +103,20 @@ def finish(run: Any) -> dict:
     }
 
 
-def _gather_traces(run: Any) -> dict | None:
+def _gather_traces(run: "Run") -> dict | None:
     """With --timeline: every rank's trace rows and its peak of stored micro-batches, on rank 0
     (None elsewhere, and without --timeline)."""
-    if run.trace is None:
+    if run.meter.trace is None:
         return None
     rank = run.comm.rank
     mine = {
-        f"rows{rank}": run.trace.array(),
-        f"peak{rank}": np.array([run.stage.peak_stored], np.int64),
+        f"rows{rank}": run.meter.trace.array(),
+        f"peak{rank}": np.array([run.runner.peak_stored], np.int64),
     }
     return gather_named_arrays(run.comm, mine)
 
 
-def evaluate(run: Any, batches: int | None, merged: Any = GATHER) -> float:
+def evaluate(run: "Run", batches: int | None, merged: Merged = GATHER) -> float:
     """The task's score of the current weights (every rank calls this; every rank returns it):
     replica 0's stages send their masters to rank 0 (when the pipeline splits the model, or ZeRO
     stage 3 shards it), rank 0 loads them into its whole model and evaluates it, one all-reduce
@@ -115,9 +124,10 @@ def evaluate(run: Any, batches: int | None, merged: Any = GATHER) -> float:
     gathered already. The model only borrows the gathered weights: its parameters get their own
     arrays back afterwards (the other stages' and ZeRO stage 3's stay freed, a float32 master
     stays its parameter)."""
-    if merged is GATHER:
+    if isinstance(merged, _Gather):
         topology = run.topology  # does rank 0 hold every weight?
-        whole = topology.pp == 1 and topology.tp == 1 and run.config.zero < 3
+        sharded = zero_stage(run.config.zero).shards_parameters
+        whole = topology.pp == 1 and topology.tp == 1 and not sharded
         merged = None if whole else gather_state(run)
     score = 0.0
     if run.comm.rank == 0:
@@ -133,18 +143,18 @@ def evaluate(run: Any, batches: int | None, merged: Any = GATHER) -> float:
     return float(run.comm.allreduce_scalars([score], "sum")[0])
 
 
-def _write_reports(run: Any, traces: dict | None) -> None:
+def _write_reports(run: "Run", traces: dict | None) -> None:
     config = run.config
     if config.timeline:
         _write_trace(run, traces)
         run.log(f"saved timeline {config.timeline} (open it in https://ui.perfetto.dev)")
     if config.plot:
         history = run.history
-        report.plot_history(config.plot, history.records, history.units_per_step, history.unit)
+        plot.plot_history(config.plot, history.records, history.units_per_step, history.unit)
         run.log(f"saved plot {config.plot}")
 
 
-def _write_trace(run: Any, traces: dict) -> None:
+def _write_trace(run: "Run", traces: dict) -> None:
     """The Chrome trace of every rank (minimp/measure/trace.py), named by its place in the grid
     (minimp/parallel/topology.py); replica 0's shard 0 is the pipeline a reader draws."""
     config, topology = run.config, run.topology

@@ -1,11 +1,16 @@
 """What the model a configuration describes weighs, before it is built: layers, parameters per
 layer, ZeRO's units per stage, and whether the ranks on this machine have the memory for it."""
 
-from typing import Any
+from typing import TYPE_CHECKING
 
+from minimp.checkpoints.errors import ConfigError
+from minimp.measure.accounts import memory_formula, peak_formula
 from minimp.parallel.pipeline.split import split_counts
 from minimp.parallel.tensor.models import paired_counts
-from minimp.checkpoints.errors import ConfigError
+from minimp.precision.casting import ACTIVATION_DTYPES
+
+if TYPE_CHECKING:  # config.py imports this module's callers (checks.py)
+    from minimp.train.config import TrainConfig
 
 # (input features, classes) of the digits, and the characters of shakespeare: known before the
 # data is loaded (tests check they match the data).
@@ -13,7 +18,7 @@ DIGITS_SHAPE = (64, 10)
 SHAKESPEARE_VOCABULARY = 65
 
 
-def weighted_layers(config: Any) -> int:
+def weighted_layers(config: "TrainConfig") -> int:
     """How many layers with parameters the model has: where the pipeline may cut (with --tp, an
     MLP's hidden layers in pairs, which stay together)."""
     if config.model == "mlp" and config.tp > 1:
@@ -21,7 +26,7 @@ def weighted_layers(config: Any) -> int:
     return config.layers + (2 if config.model == "gpt" else 1)
 
 
-def layer_parameter_counts(config: Any) -> list[int]:
+def layer_parameter_counts(config: "TrainConfig") -> list[int]:
     """Parameters of each layer of the model these flags build, in order (ReLUs hold none)."""
     width, layers = config.hidden, config.layers
     if config.model == "gpt":  # embeddings (tied head), per block 12 C^2 + 13 C, final LayerNorm
@@ -35,7 +40,7 @@ def layer_parameter_counts(config: Any) -> list[int]:
     return counts + [inputs * classes + classes]
 
 
-def rank_layer_counts(config: Any) -> list[int]:
+def rank_layer_counts(config: "TrainConfig") -> list[int]:
     """layer_parameter_counts of one tensor-parallel rank: a GPT block keeps 1/tp of its
     matrices and of the cut biases (12 C^2/tp + 7 C/tp) and whole LayerNorms and row biases (6 C);
     an MLP pair keeps 1/tp of both matrices and of the first bias, the second bias whole."""
@@ -53,7 +58,7 @@ def rank_layer_counts(config: Any) -> list[int]:
     return counts
 
 
-def stage_bounds(config: Any) -> list[tuple[int, int]]:
+def stage_bounds(config: "TrainConfig") -> list[tuple[int, int]]:
     """The pipeline's split of the layers into --pp x --virtual-stages chunks (the stages, with
     one virtual stage), as minimp/train/build.py cuts the built model; chunk i is pipeline rank
     i % pp's."""
@@ -63,7 +68,7 @@ def stage_bounds(config: Any) -> list[tuple[int, int]]:
     return split_counts(counts, config.pp * config.virtual_stages)
 
 
-def zero_unit_sizes(config: Any) -> list[list[int]]:
+def zero_unit_sizes(config: "TrainConfig") -> list[list[int]]:
     """The sizes of ZeRO's units (minimp/parallel/zero/layout.py) on each pipeline stage: one
     per layer with weights, the GPT's token and position embeddings apart (the head reads the
     first too), and the last stage's copy of the token embedding (whole with --tp too)."""
@@ -81,23 +86,32 @@ def zero_unit_sizes(config: Any) -> list[list[int]]:
     return sizes
 
 
-def parameter_count(config: Any) -> int:
+def parameter_count(config: "TrainConfig") -> int:
     """Parameters of the model these flags build (before it is built)."""
     return sum(layer_parameter_counts(config))
 
 
-def check_memory(config: Any, ranks_on_this_node: int, available: int) -> None:
-    """Every rank builds the whole model in float32 and in the compute dtype (6 bytes a
-    parameter; with --tp a second float32 copy to cut, 4 more), and keeps for its stage a
-    float32 master, gradient accumulator and two optimizer slots, a 16-bit gradient and two wire
-    buffers (26 bytes a parameter, over --pp stages and --tp shards; with
-    ZeRO, minimp/measure/accounts.py's per-rank share and a 16-bit gradient), plus its
-    activations: at most the whole batch, bounded by 12 bytes per row, width and layer for
-    the MLP and by the GPT block's 34 sbh + 5 a s^2 b (models/gpt.py) with room for float32."""
-    parameters = parameter_count(config)
-    dp = max(1, config.dp)
-    state = {0: 26, 1: 8 + 12 / dp, 2: 4 + 16 / dp, 3: 2 + 18 / dp}[config.zero]
-    per_rank = 6 * parameters + int(state * parameters) // (config.pp * config.tp)
+def check_memory(config: "TrainConfig", ranks_on_this_node: int, available: int) -> None:
+    """Refuse, before anything is allocated, a model that cannot fit this machine. Every rank
+    builds the whole model in float32 and in the compute dtype (6 bytes a parameter; with --tp a
+    second float32 copy to cut, 4 more); its stage's model states are ZeRO's formulas
+    (minimp/measure/accounts.py: what a rank holds between steps, and the most it adds inside
+    one), on the largest stage; its activations at most the whole batch, bounded by 12 bytes per
+    row, width and layer for the MLP and by the GPT block's 34 sbh + 5 a s^2 b (models/gpt.py)
+    with room for float32."""
+    parameters, dp = parameter_count(config), max(1, config.dp)
+    compute = config.activation_dtype().itemsize
+    wire = ACTIVATION_DTYPES[config.grad_comm_dtype].itemsize
+    slots = 1 if config.optimizer == "sgd" else 2  # SGD's momentum buffer, Adam's two moments
+    states = []
+    for units in zero_unit_sizes(config):  # each pipeline stage's units
+        held = memory_formula(
+            config.zero, unit_sizes=units, rank=0, world_size=dp, compute_bytes=compute,
+            wire_bytes=wire, slots=slots,
+        )  # fmt: skip
+        peak = peak_formula(config.zero, unit_sizes=units, compute_bytes=compute)
+        states.append(sum(held.values()) + peak)
+    per_rank = 6 * parameters + max(states)
     if config.tp > 1:  # the copy that is cut, whole in float32 until it is
         per_rank += 4 * parameters
     rows, width, layers = config.batch_size, config.hidden, config.layers

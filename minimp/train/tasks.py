@@ -7,15 +7,43 @@ evaluation. The training loop, the pipeline and data parallelism see only this i
                validation split at the end
 """
 
-from typing import Any
+from typing import Callable, Protocol
 
 import numpy as np
 
 from minimp import backend, functional, nn
+from minimp.backend import Array
+from minimp.checkpoints.errors import ConfigError
 from minimp.data import global_batch_indices, load_digits, load_shakespeare, text_batch
 from minimp.models.gpt import GPT, Block, GPTConfig
 from minimp.tensor import Tensor, no_grad
-from minimp.checkpoints.errors import ConfigError
+from minimp.train.config import TrainConfig
+
+
+class Task(Protocol):
+    """What a run trains on: all the training loop, the pipeline and data parallelism see of it."""
+
+    unit: str  # what the progress line counts per second
+    final_metric: str  # the name of evaluate's score in the summary and the metrics' last row
+    model_flags: tuple[str, ...]  # the flags a checkpoint must be resumed with (model shapes)
+
+    def build_model(self, rng: np.random.Generator) -> nn.Sequential:
+        """The whole float32 model, from the generator."""
+
+    def global_batch(self, step: int) -> tuple[Array, Array]:
+        """(inputs, targets) of the step's global batch, on the device; row r is sample r."""
+
+    def sample_input(self, rows: int) -> Array:
+        """A micro-batch of `rows` inputs, to learn the activation shapes at the pipeline cuts."""
+
+    def is_block(self, layers: list[nn.Module]) -> bool:
+        """What --recompute reruns."""
+
+    def loss(self, logits: Tensor, targets: Array) -> Tensor:
+        """The scalar loss of a micro-batch."""
+
+    def evaluate(self, model: nn.Module, batches: int | None = None) -> float:
+        """The score of the whole model's current weights."""
 
 
 def build_model(
@@ -36,9 +64,9 @@ class DigitsTask:
     unit = "samples"  # what the progress line counts per second
     final_metric = "test_accuracy"
     # The flags a checkpoint of this task must be resumed with (the model's shapes).
-    model_flags = ("dataset", "layers", "hidden")
+    model_flags: tuple[str, ...] = ("dataset", "layers", "hidden")
 
-    def __init__(self, config: Any, dtype: Any):
+    def __init__(self, config: TrainConfig, dtype: np.dtype):
         self.config, self.dtype = config, dtype
         self.dataset = load_digits()
         if config.batch_size > len(self.dataset.train_labels):
@@ -54,22 +82,22 @@ class DigitsTask:
         data, config = self.dataset, self.config
         return build_model(data.features, data.classes, config.hidden, config.layers, rng)
 
-    def global_batch(self, step: int) -> tuple[Any, Any]:
+    def global_batch(self, step: int) -> tuple[Array, Array]:
         """(inputs, targets) of the step's global batch, on the device; row r is sample r."""
         config = self.config
         rows = global_batch_indices(config.seed, step, config.batch_size, len(self.labels))
         rows = backend.to_device(rows)
         return self.images[rows], self.labels[rows]
 
-    def sample_input(self, rows: int) -> Any:
+    def sample_input(self, rows: int) -> Array:
         """A micro-batch of `rows` inputs, to learn the activation shapes at the pipeline cuts."""
         return self.images[:rows]
 
-    def is_block(self, layers: list) -> bool:
+    def is_block(self, layers: list[nn.Module]) -> bool:
         """What --recompute reruns: a hidden layer, Linear + ReLU (not the output Linear)."""
         return len(layers) > 1 and isinstance(layers[-1], nn.ReLU)
 
-    def loss(self, logits: Tensor, targets: Any) -> Tensor:
+    def loss(self, logits: Tensor, targets: Array) -> Tensor:
         return functional.cross_entropy(logits, targets)
 
     def evaluate(self, model: nn.Module, batches: int | None = None) -> float:
@@ -89,9 +117,9 @@ class ShakespeareTask:
 
     unit = "tokens"
     final_metric = "val_loss"
-    model_flags = ("dataset", "layers", "hidden", "heads", "context")
+    model_flags: tuple[str, ...] = ("dataset", "layers", "hidden", "heads", "context")
 
-    def __init__(self, config: Any, dtype: Any):
+    def __init__(self, config: TrainConfig, dtype: np.dtype):
         self.config, self.dtype = config, dtype
         self.dataset = load_shakespeare()
         self.gpt_config = GPTConfig(
@@ -106,21 +134,21 @@ class ShakespeareTask:
     def build_model(self, rng: np.random.Generator) -> GPT:
         return GPT(self.gpt_config, rng)
 
-    def global_batch(self, step: int) -> tuple[Any, Any]:
+    def global_batch(self, step: int) -> tuple[Array, Array]:
         config = self.config
         inputs, targets = text_batch(
             self.dataset.train, config.seed, step, config.batch_size, config.context
         )
         return backend.to_device(inputs), backend.to_device(targets)
 
-    def sample_input(self, rows: int) -> Any:
+    def sample_input(self, rows: int) -> Array:
         return backend.to_device(np.zeros((rows, self.config.context), np.int64))
 
-    def is_block(self, layers: list) -> bool:
+    def is_block(self, layers: list[nn.Module]) -> bool:
         """What --recompute reruns: a transformer block (not the embeddings or the head)."""
         return isinstance(layers[0], Block)
 
-    def loss(self, logits: Tensor, targets: Any) -> Tensor:
+    def loss(self, logits: Tensor, targets: Array) -> Tensor:
         """Mean cross-entropy over every position of every sample (nats per character)."""
         batch, tokens, vocabulary = logits.shape
         rows = logits.reshape(batch * tokens, vocabulary)  # (B*T, V)
@@ -154,4 +182,7 @@ class ShakespeareTask:
         return total / count
 
 
-TASKS: dict[str, Any] = {"digits": DigitsTask, "shakespeare": ShakespeareTask}
+TASKS: dict[str, Callable[[TrainConfig, np.dtype], Task]] = {
+    "digits": DigitsTask,
+    "shakespeare": ShakespeareTask,
+}

@@ -39,4 +39,4 @@ def zero_stage(number: int) -> ZeroStage:
     """The stage --zero names; ValueError for a number ZeRO has no stage for."""
     if isinstance(number, bool) or number not in range(len(STAGES)):
         raise ValueError(f"--zero must be 0, 1, 2 or 3 (ZeRO's stages), got {number}")
-    return STAGES[number]
+    return STAGES[int(number)]

@@ -1,45 +1,10 @@
-"""What training measures and draws: the communication stopwatch and the --plot figure."""
+"""The --plot figure of a run: its losses, loss scale, rate, communication and fp8 scales."""
 
 import os
-import time
 from types import ModuleType
-from typing import Any, Callable
-
+from typing import Any
 
 from minimp.checkpoints import files
-
-
-class Stopwatch:
-    """Seconds spent inside wrapped calls, summed (the communication time of a step's metrics);
-    `listener(name, start, end)`, when set, hears of every call (the --timeline trace)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.listener: Callable[[str, float, float], None] | None = None
-
-    def wrap(self, function: Callable, name: str = "") -> Callable:
-        def timed(*args):
-            start = time.perf_counter()
-            try:
-                return function(*args)
-            finally:
-                end = time.perf_counter()
-                self.seconds += end - start
-                if self.listener is not None:
-                    self.listener(name or function.__name__, start, end)
-
-        return timed
-
-
-class TimedCalls:
-    """Stands in for an object and adds the seconds spent in each of its method calls to a
-    Stopwatch (the trainer times its GradientSync this way: that is the step's communication)."""
-
-    def __init__(self, target: Any, stopwatch: Stopwatch):
-        self._target, self._stopwatch = target, stopwatch
-
-    def __getattr__(self, name: str) -> Any:
-        return self._stopwatch.wrap(getattr(self._target, name), name)
 
 
 def require_matplotlib() -> ModuleType:

@@ -1,0 +1,238 @@
+"""What a step costs this rank, for the metrics: its seconds, bytes, scalar all-reduces and memory.
+
+The training loop makes four calls: `start` before the step, `exposed` around the optimizer's
+step, `timed` around the collectives it makes itself, and `finish`, which returns the step's
+metrics row. Per step (every row): `bytes_sent` (every group but the scalar all-reduces),
+`compute_seconds`, `communication_seconds`, `exposed_communication_seconds` and, with
+--straggler-barrier, `straggler_seconds`; `bytes_by_group` (tensor_parallel, data_parallel,
+pipeline, tied), `bytes_by_collective` (all_reduce for --zero 0, reduce_scatter and all_gather for
+ZeRO, tied for the GPT's embedding across stages, pipeline for activations, tensor_parallel for
+--tp's activations and partial gradients), `seconds_by_collective` (ZeRO's run inside backward
+and the update, where `communication_seconds` does not look), `scalar_allreduces` (calls: the
+overflow flags, the norm, the loss) and `peak_activation_bytes` (the most bytes kept for backward
+at once, the largest over the ranks). In the final row: `model_state_bytes`, one total per rank,
+held at the end of the last step, with `model_state_by_kind` and `peak_model_state_bytes` beside
+it (minimp/measure/accounts.py has the formulas they are checked against). With --timeline every
+timed call also goes into this rank's trace (minimp/measure/trace.py).
+"""
+
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from minimp.distributed.protocol import Communicator
+from minimp.measure.accounts import KINDS
+from minimp.measure.trace import TraceRecorder, common_origin
+from minimp.parallel.data.data_parallel import DataParallel
+from minimp.parallel.pipeline.stage import PipelineStage
+from minimp.parallel.topology import Topology
+from minimp.parallel.zero.data_parallel import ZeroDataParallel
+from minimp.train.config import TrainConfig
+
+
+class Stopwatch:
+    """Seconds spent inside wrapped calls, summed (the communication time of a step's metrics);
+    `listener(name, start, end)`, when set, hears of every call (the --timeline trace)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.listener: Callable[[str, float, float], None] | None = None
+
+    def wrap(self, function: Callable, name: str = "") -> Callable:
+        def timed(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args)
+            finally:
+                end = time.perf_counter()
+                self.seconds += end - start
+                if self.listener is not None:
+                    self.listener(name or function.__name__, start, end)
+
+        return timed
+
+
+class TimedCalls:
+    """Stands in for an object and adds the seconds spent in each of its method calls to a
+    Stopwatch (the trainer times its GradientSync this way: that is the step's communication)."""
+
+    def __init__(self, target: Any, stopwatch: Stopwatch):
+        self._target, self._stopwatch = target, stopwatch
+
+    def __getattr__(self, name: str) -> Any:
+        return self._stopwatch.wrap(getattr(self._target, name), name)
+
+
+class StepCounters:
+    """Snapshots of this rank's communicators at the start of a step, and the differences."""
+
+    def __init__(
+        self, comm: Communicator, topology: Topology, sync: DataParallel | ZeroDataParallel
+    ):
+        self.sync = sync
+        self.groups = {"data_parallel": topology.dp_group, "pipeline": topology.pp_group}
+        if topology.tp > 1:
+            self.groups["tensor_parallel"] = topology.tp_group
+        if sync.tied is not None:
+            self.groups["tied"] = sync.tied.comm
+        self.every = [comm, *self.groups.values()]
+        self.start()
+
+    def _snapshot(self) -> tuple[dict, dict, dict, int]:
+        sent = {name: comm.bytes_sent for name, comm in self.groups.items()}
+        counter = self.sync.sent
+        calls = sum(comm.scalar_allreduces for comm in self.every)
+        return sent, dict(counter.by_collective), dict(counter.seconds), calls
+
+    def start(self) -> None:
+        self.before = self._snapshot()
+
+    def finish(self) -> dict[str, Any]:
+        """{bytes_sent, bytes_by_group, bytes_by_collective, seconds_by_collective,
+        scalar_allreduces} since `start`."""
+        sent0, bytes0, seconds0, calls0 = self.before
+        sent1, bytes1, seconds1, calls1 = self._snapshot()
+        by_collective = {name: bytes1[name] - bytes0.get(name, 0) for name in bytes1}
+        by_group = {name: sent1[name] - sent0[name] for name in sent1}
+        for name in ("pipeline", "tied", "tensor_parallel"):
+            if name in sent1:
+                by_collective[name] = by_group[name]
+        return {
+            "bytes_sent": sum(by_group.values()),
+            "bytes_by_group": by_group,
+            "bytes_by_collective": by_collective,
+            "seconds_by_collective": {n: seconds1[n] - seconds0.get(n, 0.0) for n in seconds1},
+            "scalar_allreduces": calls1 - calls0,
+        }
+
+
+class Meter:
+    """One rank's measurements of its steps (the module's docstring)."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        comm: Communicator,
+        topology: Topology,
+        sync: DataParallel | ZeroDataParallel,
+        runner: PipelineStage,
+    ):
+        self.config, self.comm, self.topology, self.runner = config, comm, topology, runner
+        self.stopwatch = Stopwatch()
+        self.counters = StepCounters(comm, topology, sync)
+        self.plain_sync = sync
+        # The GradientSync the step calls, timed: its calls are the step's communication.
+        self.sync = TimedCalls(sync, self.stopwatch)
+        self.in_backward_before = sync.backward_communication_seconds()
+        self.trace = TraceRecorder(common_origin(comm)) if config.timeline else None
+        if self.trace is not None:  # the sync's collectives go into the trace's communication lane
+            self.stopwatch.listener = self._record_communication
+        self.current_step, self.exposed_seconds = 0, 0.0
+        self.straggler: float | None = None
+        self.held: dict[str, int] | None = None  # after a step: the bytes kept until the next
+
+    def start(self, step: int) -> None:
+        """The step's clock and counters start; with --timeline all ranks start it together, so
+        the stages' clocks line up."""
+        if self.config.timeline:
+            self.comm.barrier()
+        self.current_step, self.straggler = step, None
+        self.stopwatch.seconds = 0.0
+        self.counters.start()
+        self.step_start = time.perf_counter()
+
+    def recorder(self) -> Callable[[str, int, float, float], None] | None:
+        """With --timeline, what the runner calls for each action of the step (None without)."""
+        if self.trace is None:
+            return None
+        trace, step = self.trace, self.current_step
+        return lambda op, micro_batch, start, end: trace.record(op, step, micro_batch, start, end)
+
+    def timed(self, function: Callable, name: str = "") -> Callable:
+        """function, its seconds counted as the step's communication (a collective)."""
+        return self.stopwatch.wrap(function, name)
+
+    def straggler_barrier(self) -> None:
+        """--straggler-barrier: seconds this replica waits for the slowest to end its backward:
+        time overlap cannot hide, kept out of the exposed seconds."""
+        if self.config.straggler_barrier:
+            started = time.perf_counter()
+            self.topology.dp_group.barrier()
+            self.straggler = time.perf_counter() - started
+
+    @contextmanager
+    def exposed(self) -> Iterator[None]:
+        """Around the optimizer's step: the communication from the end of the last backward until
+        the optimizer may step, which nothing overlaps; then the bytes this rank keeps until the
+        next step (and the peak inside it)."""
+        before = self.stopwatch.seconds
+        yield
+        self.exposed_seconds = self.stopwatch.seconds - before
+        self.held = self.plain_sync.held()
+        self.plain_sync.peak.sample(self.held)
+
+    def finish(self, row: dict[str, Any], loss_sum: float, fp8: dict) -> dict[str, Any]:
+        """The step's metrics row: `row` (step, lr, loss scale, skip), the batch's mean loss and
+        every measurement above, and the fp8 statistics."""
+        loss, activation_bytes = self._mean_loss_and_peak(loss_sum)
+        return {
+            "step": row["step"],
+            "loss": loss,
+            **{key: value for key, value in row.items() if key != "step"},
+            **self._seconds(),
+            **self.counters.finish(),
+            "peak_activation_bytes": activation_bytes,
+            **fp8,
+        }
+
+    def _seconds(self) -> dict[str, float]:
+        """Where the step's time went: `communication_seconds` in all (inside backward too), its
+        `exposed_communication_seconds`, `straggler_seconds` (the barrier's wait, with
+        --straggler-barrier; in neither of the others) and the rest, `compute_seconds`."""
+        in_backward = self.plain_sync.backward_communication_seconds()
+        communication = self.stopwatch.seconds + in_backward - self.in_backward_before
+        self.in_backward_before = in_backward
+        elapsed = time.perf_counter() - self.step_start
+        seconds = {
+            "compute_seconds": elapsed - communication - (self.straggler or 0.0),
+            "communication_seconds": communication,
+            "exposed_communication_seconds": self.exposed_seconds,
+        }
+        if self.straggler is not None:
+            seconds["straggler_seconds"] = self.straggler
+        return seconds
+
+    def _mean_loss_and_peak(self, loss_sum: float) -> tuple[float, int]:
+        """(the batch's mean loss, the most activation bytes any rank kept) on every rank, from
+        one SUM all-reduce: the last stages' loss shares, and each rank's peak in its own slot."""
+        topology, config = self.topology, self.config
+        values = np.zeros(1 + self.comm.size)
+        if topology.is_last_stage and topology.tp_rank == 0:  # the shards share one loss
+            values[0] = loss_sum / config.micro_batches / topology.dp
+        values[1 + self.comm.rank] = self.runner.peak_activation_bytes
+        total = self.timed(self.comm.allreduce_scalars, "mean_loss")(values, "sum")
+        return float(total[0]), int(total[1:].max())
+
+    def model_state(self) -> dict[str, Any]:
+        """The final row's memory fields: every rank's held bytes (total and by kind) at the end
+        of its last step and its peak inside a step, gathered with one SUM all-reduce of a (ranks
+        x kinds) table; nothing when no step ran."""
+        if self.held is None:
+            return {}
+        table = np.zeros((self.comm.size, len(KINDS) + 1))
+        table[self.comm.rank, :-1] = [self.held[kind] for kind in KINDS]
+        table[self.comm.rank, -1] = self.plain_sync.peak.total
+        table = self.comm.allreduce_scalars(table.reshape(-1), "sum").reshape(table.shape)
+        return {
+            "model_state_bytes": [int(row[:-1].sum()) for row in table],
+            "model_state_by_kind": [
+                {kind: int(value) for kind, value in zip(KINDS, row[:-1])} for row in table
+            ],
+            "peak_model_state_bytes": [int(row[-1]) for row in table],
+        }
+
+    def _record_communication(self, op: str, start: float, end: float) -> None:
+        assert self.trace is not None  # the listener is set only with a trace
+        self.trace.record(op, self.current_step, -1, start, end)
