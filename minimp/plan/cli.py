@@ -41,6 +41,7 @@ from minimp.plan.inputs import (
     ModelShape,
     MAX_PARAMETERS,
     MAX_SIMULATED_MICRO_BATCHES,
+    PRICED_SCHEDULES,
     PlanError,
     check_inputs,
     shape_for_parameters,
@@ -98,7 +99,7 @@ def parser() -> argparse.ArgumentParser:
     job.add_argument("--precision", default="bf16", choices=("fp32", "fp16", "bf16"))
     job.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
     job.add_argument("--grad-comm-dtype", default="fp32", choices=("fp32", "fp16"))
-    job.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    job.add_argument("--schedule", default="1f1b", choices=PRICED_SCHEDULES)
     job.add_argument("--vocabulary-parallel", default="on", choices=("on", "off"),
                      help="on: the token embedding and head cut over tp (Megatron-LM); off: "
                      "whole on every rank (minimp)")  # fmt: skip

@@ -20,7 +20,10 @@ from minimp.plan.links import Links
 
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes of an activation and a compute copy
 OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "sgd": 1}  # float32 slots per parameter (SGD: momentum)
-SCHEDULES = ("1f1b", "gpipe")
+# The schedules of minimp's registry (parallel/pipeline/schedules, by their --schedule names) that
+# the planner prices: a step of (M + P - 1) slots (steptime.py), micro-batches in flight as
+# memory.in_flight counts them; the interleaved and zero-bubble schedules are neither
+PRICED_SCHEDULES = ("1f1b", "gpipe")
 
 
 class PlanError(ValueError):
@@ -137,8 +140,8 @@ def check_inputs(model: ModelShape, cluster: Cluster, job: Job) -> None:
         raise PlanError(f"--precision must be one of {sorted(PRECISION_BYTES)}")
     if job.optimizer not in OPTIMIZER_SLOTS:
         raise PlanError(f"--optimizer must be one of {sorted(OPTIMIZER_SLOTS)}")
-    if job.schedule not in SCHEDULES:
-        raise PlanError(f"--schedule must be one of {list(SCHEDULES)}")
+    if job.schedule not in PRICED_SCHEDULES:
+        raise PlanError(f"--schedule must be one of {list(PRICED_SCHEDULES)}")
 
 
 def largest_divisor_at_most(number: int, limit: int) -> int:

@@ -39,7 +39,7 @@ parallel embedding's and loss's small all-reduces, kernel launches, and data loa
 
 from dataclasses import dataclass
 
-from minimp.parallel.pipeline.schedules.actions import gpipe, one_f_one_b
+from minimp.parallel.pipeline.schedules import build_schedule
 from minimp.parallel.pipeline.simulator import Costs, simulate_schedule
 from minimp.plan.inputs import Cluster, Job, Layout, ModelShape
 from minimp.plan.links import Links
@@ -163,7 +163,7 @@ def step_time(
     activation = layout.micro_batch_size * model.context * model.hidden * job.compute_bytes
     message = whole_job.send(activation) if pp > 1 else 0.0
     if simulate and pp > 1:
-        schedule = (one_f_one_b if job.schedule == "1f1b" else gpipe)(pp, micro_batches)
+        schedule = build_schedule(job.schedule, pp, micro_batches)
         forwards = [sum(parts[0] for parts in stage) for stage in costs]
         backwards = [sum(parts[1] for parts in stage) for stage in costs]
         span = simulate_schedule(schedule, Costs(forwards, backwards, message)).span
