@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Sequence, cast
 
 import numpy as np
 
+from minimp.backend import Array
 from minimp.distributed.buffers import reduce_into
 from minimp.distributed.protocol import Communicator
 from minimp.distributed.ring import ring_allreduce_into
@@ -29,7 +30,9 @@ from minimp.measure.machinemodel import Line, MachineModel, fit_lines, interpola
 FRESH_MEMORY_WARMUPS = 3
 
 
-def timed(comm: Communicator, function: Callable[[], Any], repeats: int, warmups: int = 1) -> float:
+def timed(
+    comm: Communicator, function: Callable[[], object], repeats: int, warmups: int = 1
+) -> float:
     """The median over `repeats` runs of the slowest rank's seconds for function(), after
     `warmups` untimed runs; the ranks start each run together (a barrier)."""
     for _ in range(warmups):
@@ -56,12 +59,12 @@ class _Silent:
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
 
-    def sendrecv(self, *args: Any, **kwargs: Any) -> None:
+    def sendrecv(self, *args: object, **kwargs: object) -> None:
         pass
 
     send = recv = bcast = sendrecv
 
-    def allreduce_scalars(self, values: Any, op: str = "max") -> np.ndarray:
+    def allreduce_scalars(self, values: Sequence[float] | Array, op: str = "max") -> np.ndarray:
         return np.asarray(values, np.float64)
 
 
@@ -136,7 +139,7 @@ class _Pair:
         self.rank, self.size = comm.rank & 1, 2  # a rank without a partner is even: rank 0
 
     def sendrecv(
-        self, outgoing: Any, dest: int, incoming: Any, source: int, tag: int = 0, **tags: Any
+        self, outgoing: Array, dest: int, incoming: Array, source: int, tag: int = 0, **tags: int
     ) -> None:
         self.comm.sendrecv(outgoing, self.partner, incoming, self.partner, tag=tag, **tags)
 

@@ -44,7 +44,7 @@ THIS_MACHINE = Network(
 DATACENTER = Network(alpha=5e-6, beta=1 / 25e9, gamma=1 / 1e12, name="200 Gb/s links, 5 us latency")
 
 
-def _log2_ceil(p):
+def _log2_ceil(p: int) -> int:
     return math.ceil(math.log2(p)) if p > 1 else 0
 
 

@@ -26,9 +26,8 @@ keeps the whole gathered input of the two column-parallel Linears (2 d s b h), w
 keeps this rank's slice and all-gathers it again in backward (one more all-gather per Linear).
 """
 
-from typing import Any
-
 import numpy as np
+from numpy.typing import DTypeLike
 
 
 def ring_fraction(ranks: int) -> float:
@@ -100,7 +99,7 @@ def block_activation_bytes_tp(
     b: int,
     h: int,
     a: int,
-    dtype: Any,
+    dtype: DTypeLike,
     tp: int,
     sequence_parallel: bool = False,
     dropout: bool = True,

@@ -13,9 +13,9 @@ mpirun_examples/pipeline_timeline.py draws.
 
 import json
 import time
-from typing import Any
-
 import numpy as np
+
+from minimp.distributed.protocol import Communicator
 
 COMPUTE, COMMUNICATION = 0, 1  # the two lanes (trace "threads") of a rank
 # What each recorded op is called in the trace; its lane follows from it.
@@ -58,7 +58,7 @@ class TraceRecorder:
         return np.array(self.rows, np.float64).reshape(-1, 5)
 
 
-def common_origin(comm: Any) -> float:
+def common_origin(comm: Communicator) -> float:
     """time.perf_counter() right after a barrier: the same moment on every rank, to the
     barrier's skew (perf_counter is the system's monotonic clock, shared by a machine's ranks)."""
     comm.barrier()
@@ -95,7 +95,7 @@ def trace_events(ranks: dict[int, dict]) -> list[dict]:
     return events
 
 
-def _metadata(kind: str, pid: int, tid: int, value: Any, key: str = "name") -> dict:
+def _metadata(kind: str, pid: int, tid: int, value: str | int, key: str = "name") -> dict:
     return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {key: value}}
 
 

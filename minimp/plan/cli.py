@@ -32,6 +32,7 @@ import json
 import os
 import sys
 from dataclasses import replace
+from typing import NoReturn
 
 from minimp.backend import available_memory
 from minimp.measure.costmodel import Network
@@ -59,7 +60,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line, `minimp.plan: error: ...`, like every other error of
     the command (argparse's own would print the whole usage first); exit status 2 all the same."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{PROGRAM}: error: {message} (see --help)\n")
 
 
