@@ -98,44 +98,31 @@ MAX_PARAMETERS = 1e15  # the largest trained models are ~1e12; above this nothin
 def check_inputs(model: ModelShape, cluster: Cluster, job: Job) -> None:
     """Raise PlanError with one line for the first input that cannot work."""
     positive = {
-        "--layers": model.layers,
-        "--hidden": model.hidden,
-        "--heads": model.heads,
-        "--context": model.context,
-        "--vocab": model.vocab,
-        "--gpus": cluster.gpus,
+        "--layers": model.layers, "--hidden": model.hidden, "--heads": model.heads,
+        "--context": model.context, "--vocab": model.vocab, "--gpus": cluster.gpus,
         "--gpus-per-node": cluster.gpus_per_node,
         "--memory-gb": cluster.memory_bytes / 2**30,  # in the flags' units, for the message
-        "--peak-tflops": cluster.peak_flops / 1e12,
-        "--global-batch": job.global_batch,
-    }
+        "--peak-tflops": cluster.peak_flops / 1e12, "--global-batch": job.global_batch,
+    }  # fmt: skip
     for flag, value in positive.items():
         if not (value > 0 and math.isfinite(value)):
             raise PlanError(f"{flag} must be a positive finite number, got {value}")
     if job.global_batch > MAX_GLOBAL_BATCH:
-        raise PlanError(
-            f"--global-batch {job.global_batch} is beyond what the planner searches (at most "
-            f"{MAX_GLOBAL_BATCH:,} sequences a step)"
-        )
+        raise PlanError(f"--global-batch {job.global_batch} is beyond what the planner searches "
+                        f"(at most {MAX_GLOBAL_BATCH:,} sequences a step)")
     if model.hidden % model.heads:
-        raise PlanError(
-            f"--heads {model.heads} must divide --hidden {model.hidden} "
-            f"(try --heads {largest_divisor_at_most(model.hidden, model.heads)})"
-        )
+        raise PlanError(f"--heads {model.heads} must divide --hidden {model.hidden} "
+                        f"(try --heads {largest_divisor_at_most(model.hidden, model.heads)})")
     if not 0 < cluster.achievable <= 1:
         raise PlanError(f"--achievable is a fraction of peak in (0, 1], got {cluster.achievable}")
     if cluster.gpus > cluster.gpus_per_node and cluster.gpus % cluster.gpus_per_node:
-        raise PlanError(
-            f"--gpus {cluster.gpus} is not a whole number of nodes of --gpus-per-node "
-            f"{cluster.gpus_per_node}"
-        )
+        raise PlanError(f"--gpus {cluster.gpus} is not a whole number of nodes of "
+                        f"--gpus-per-node {cluster.gpus_per_node}")
     if any(size <= 0 for size in job.micro_batch_sizes):
         raise PlanError(f"--micro-batch-size must be positive, got {job.micro_batch_sizes}")
     if min(job.micro_batch_sizes) > job.global_batch:
-        raise PlanError(
-            f"--global-batch {job.global_batch} is smaller than the smallest "
-            f"--micro-batch-size {min(job.micro_batch_sizes)}"
-        )
+        raise PlanError(f"--global-batch {job.global_batch} is smaller than the smallest "
+                        f"--micro-batch-size {min(job.micro_batch_sizes)}")
     if job.precision not in PRECISION_BYTES:
         raise PlanError(f"--precision must be one of {sorted(PRECISION_BYTES)}")
     if job.optimizer not in OPTIMIZER_SLOTS:

@@ -157,7 +157,8 @@ def step_time(
     costs = [stage_costs(model, cluster, job, layout, stage) for stage in range(pp)]
     per_stage = [sum(f + b for f, b in parts) for parts in costs]
     slowest = max(range(pp), key=lambda stage: per_stage[stage])
-    (compute_f, compute_b), (tp_f, tp_b), (zero_f, zero_b) = costs[slowest]
+    # its compute, tensor-parallel and ZeRO seconds, M micro-batches of each
+    compute, tensor_parallel, zero_in_step = (micro_batches * (f + b) for f, b in costs[slowest])
 
     whole_job = _links(cluster, cluster.gpus)
     activation = layout.micro_batch_size * model.context * model.hidden * job.compute_bytes
@@ -176,10 +177,6 @@ def step_time(
         tied = whole_job.all_reduce(token * TIED_GRADIENT_BYTES, 2)
     scalars = SCALAR_ALLREDUCES * whole_job.all_reduce(SCALAR_BYTES, cluster.gpus)
     return StepTime(
-        compute=micro_batches * (compute_f + compute_b),
-        tensor_parallel=micro_batches * (tp_f + tp_b),
-        zero_in_step=micro_batches * (zero_f + zero_b),
-        bubble=span - micro_batches * per_stage[slowest],
-        data_parallel=gradient_sync_seconds(model, cluster, job, layout),
-        other=tied + scalars,
+        compute, tensor_parallel, zero_in_step, bubble=span - micro_batches * per_stage[slowest],
+        data_parallel=gradient_sync_seconds(model, cluster, job, layout), other=tied + scalars,
     )
