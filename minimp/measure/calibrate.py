@@ -98,11 +98,8 @@ def measure_terms(comm: Communicator, sizes: Sequence[int], rounds: int = 1) -> 
         # the agreement's MPI all-reduce; its Python runs with the silent communicator
         "agree": timed(comm, agreement, per_round(200, rounds)),
         "python": {name: python_seconds(comm, name, rounds) for name in MODELLED},
-        "sizes": list(sizes),
-        "message": [],
-        "reduce": [],
-        "ring_step": [],
-    }
+        "sizes": list(sizes), "message": [], "reduce": [], "ring_step": [],
+    }  # fmt: skip
     pair = cast(Communicator, _Pair(comm, partner))
     for nbytes in sizes:
         outgoing, incoming = rotating_chunks(nbytes, comm.size), rotating_chunks(nbytes, comm.size)
@@ -198,18 +195,13 @@ def join_rounds(rounds: Sequence[Any], statistic: Callable = np.mean) -> Any:
 
 def fit_model(ranks: int, terms: dict, name: str = "fitted in this run") -> MachineModel:
     """The machine model of terms measured by measure_terms (or their median over runs)."""
-    sizes = terms["sizes"]
+    sizes, python = terms["sizes"], terms["python"]
     return MachineModel(
-        ranks=ranks,
-        agree=terms["agree"],
-        python={
-            name: fit_lines(PRETENDED_RANKS, seconds) for name, seconds in terms["python"].items()
-        },
-        message=fit_lines(sizes, terms["message"]),
-        reduce=fit_lines(sizes, terms["reduce"]),
-        ring_step=ring_step_line(sizes, terms["ring_step"], terms["ring_step_python"]),
-        name=name,
-    )
+        ranks=ranks, agree=terms["agree"],
+        python={name: fit_lines(PRETENDED_RANKS, seconds) for name, seconds in python.items()},
+        message=fit_lines(sizes, terms["message"]), reduce=fit_lines(sizes, terms["reduce"]),
+        ring_step=ring_step_line(sizes, terms["ring_step"], terms["ring_step_python"]), name=name,
+    )  # fmt: skip
 
 
 def calibrate(comm: Communicator, sizes: Sequence[int]) -> tuple[MachineModel, dict]:

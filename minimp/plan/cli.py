@@ -241,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.simulate:
         plans = resimulated(model, cluster, job, plans)
     if args.json:
-        document = {"model": vars(model), "cluster": cluster.name, "job": vars(job)}
-        document["plans"] = [plan.as_dict(cluster.gpus) for plan in plans]
+        document = {"model": vars(model), "cluster": cluster.name, "job": vars(job),
+                    "plans": [plan.as_dict(cluster.gpus) for plan in plans]}  # fmt: skip
         print(json.dumps(document, indent=1, default=str))
     else:
         print(describe(model, cluster, job))
