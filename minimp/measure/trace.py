@@ -13,6 +13,7 @@ mpirun_examples/pipeline_timeline.py draws.
 
 import json
 import time
+
 import numpy as np
 
 from minimp.distributed.protocol import Communicator

@@ -63,10 +63,9 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     """The command line, one flag per input (the module docstring says what each part assumes)."""
-    p = _Parser(
-        prog=f"python -m {PROGRAM}", description=__doc__.splitlines()[0].split(": ", 1)[1],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )  # fmt: skip
+    description = __doc__.splitlines()[0].split(": ", 1)[1]
+    p = _Parser(prog=f"python -m {PROGRAM}", description=description,
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--compare-narayanan", action="store_true", help="print the planner against "
                    "Narayanan et al. 2021's Table 1 (docs/planner.md) and stop")  # fmt: skip
     model = p.add_argument_group("model (a named one, --parameters, or every shape flag)")
@@ -144,11 +143,9 @@ def cluster_from(args: argparse.Namespace) -> Cluster:
     one process's measured rate, which the preset shares among the ranks)."""
     if args.gpus is None:
         raise PlanError("--gpus is required (how many devices the job has)")
-    overrides = {
-        "gpus_per_node": args.gpus_per_node,
-        "memory_bytes": None if args.memory_gb is None else args.memory_gb * GIB,
-        "achievable": args.achievable,
-    }
+    memory_bytes = None if args.memory_gb is None else args.memory_gb * GIB
+    overrides = {"gpus_per_node": args.gpus_per_node, "memory_bytes": memory_bytes,
+                 "achievable": args.achievable}  # fmt: skip
     if args.cluster == "this-machine":
         if args.peak_tflops is None:
             raise PlanError("--cluster this-machine needs --peak-tflops, one process's measured "

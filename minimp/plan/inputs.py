@@ -167,7 +167,5 @@ class Layout:
 
     def __str__(self) -> str:
         flags = " recompute" * self.recompute + " sp" * self.sequence_parallel
-        return (
-            f"dp {self.dp} tp {self.tp} pp {self.pp} zero {self.zero} "
-            f"b {self.micro_batch_size} M {self.micro_batches}{flags}"
-        )
+        return (f"dp {self.dp} tp {self.tp} pp {self.pp} zero {self.zero} "
+                f"b {self.micro_batch_size} M {self.micro_batches}{flags}")  # fmt: skip

@@ -99,10 +99,8 @@ TABLE_1 = [
     Row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52, 502.0),
 ]
 # Table 1's shapes: sequence length 2048, vocabulary 51,200 (section 5.1)
-MEGATRON = {
-    row.name: ModelShape(row.layers, row.hidden, row.heads, context=2048, vocab=51200)
-    for row in TABLE_1
-}
+MEGATRON = {row.name: ModelShape(row.layers, row.hidden, row.heads, context=2048, vocab=51200)
+            for row in TABLE_1}  # fmt: skip
 # minimp's own GPT as `python -m minimp.train --dataset shakespeare` builds it by default
 SHAKESPEARE = ModelShape(layers=4, hidden=128, heads=4, context=64, vocab=65, dropout=False)
 MODELS = {"shakespeare": SHAKESPEARE, **MEGATRON}
