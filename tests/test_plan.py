@@ -19,8 +19,9 @@ from minimp.models import GPT, GPTConfig, block_activation_bytes
 from minimp.measure.accounts import bytes_sent_formula
 from minimp.plan.cli import main
 from minimp.plan import memory as mem
+from minimp.parallel.pipeline.schedules import CHOICES
 from minimp.plan.inputs import Cluster, Job, Layout, ModelShape, PlanError, check_inputs
-from minimp.plan.inputs import shape_for_parameters
+from minimp.plan.inputs import PRICED_SCHEDULES, shape_for_parameters
 from minimp.plan.links import AlphaBeta, Measured
 from minimp.plan.narayanan import TABLE_1, compare, comparison_table, format_comparison
 from minimp.plan.presets import MEGATRON, SHAKESPEARE, selene
@@ -135,6 +136,12 @@ def test_in_flight_micro_batches_follow_1f1b_and_gpipe():
     assert [mem.in_flight(layout, stage, "1f1b") for stage in range(4)] == [4, 3, 2, 1]
     assert mem.in_flight(replace(layout, micro_batches=2), 0, "1f1b") == 2
     assert mem.in_flight(layout, 3, "gpipe") == 8
+
+
+def test_the_planner_prices_schedules_of_minimps_one_registry():
+    assert set(PRICED_SCHEDULES) <= set(CHOICES)
+    with pytest.raises(PlanError, match=r"--schedule must be one of \['1f1b', 'gpipe'\]"):
+        check_inputs(SMALL, small_cluster(), Job(8, schedule="interleaved"))
 
 
 def test_stage_zero_needs_p_micro_batches_of_activations():

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Sequence, cast
 
 import numpy as np
 
+from minimp.backend import Array
 from minimp.distributed.buffers import reduce_into
 from minimp.distributed.protocol import Communicator
 from minimp.distributed.ring import ring_allreduce_into
@@ -29,7 +30,9 @@ from minimp.measure.machinemodel import Line, MachineModel, fit_lines, interpola
 FRESH_MEMORY_WARMUPS = 3
 
 
-def timed(comm: Communicator, function: Callable[[], Any], repeats: int, warmups: int = 1) -> float:
+def timed(
+    comm: Communicator, function: Callable[[], object], repeats: int, warmups: int = 1
+) -> float:
     """The median over `repeats` runs of the slowest rank's seconds for function(), after
     `warmups` untimed runs; the ranks start each run together (a barrier)."""
     for _ in range(warmups):
@@ -56,12 +59,12 @@ class _Silent:
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
 
-    def sendrecv(self, *args: Any, **kwargs: Any) -> None:
+    def sendrecv(self, *args: object, **kwargs: object) -> None:
         pass
 
     send = recv = bcast = sendrecv
 
-    def allreduce_scalars(self, values: Any, op: str = "max") -> np.ndarray:
+    def allreduce_scalars(self, values: Sequence[float] | Array, op: str = "max") -> np.ndarray:
         return np.asarray(values, np.float64)
 
 
@@ -95,11 +98,8 @@ def measure_terms(comm: Communicator, sizes: Sequence[int], rounds: int = 1) -> 
         # the agreement's MPI all-reduce; its Python runs with the silent communicator
         "agree": timed(comm, agreement, per_round(200, rounds)),
         "python": {name: python_seconds(comm, name, rounds) for name in MODELLED},
-        "sizes": list(sizes),
-        "message": [],
-        "reduce": [],
-        "ring_step": [],
-    }
+        "sizes": list(sizes), "message": [], "reduce": [], "ring_step": [],
+    }  # fmt: skip
     pair = cast(Communicator, _Pair(comm, partner))
     for nbytes in sizes:
         outgoing, incoming = rotating_chunks(nbytes, comm.size), rotating_chunks(nbytes, comm.size)
@@ -136,7 +136,7 @@ class _Pair:
         self.rank, self.size = comm.rank & 1, 2  # a rank without a partner is even: rank 0
 
     def sendrecv(
-        self, outgoing: Any, dest: int, incoming: Any, source: int, tag: int = 0, **tags: Any
+        self, outgoing: Array, dest: int, incoming: Array, source: int, tag: int = 0, **tags: int
     ) -> None:
         self.comm.sendrecv(outgoing, self.partner, incoming, self.partner, tag=tag, **tags)
 
@@ -195,18 +195,13 @@ def join_rounds(rounds: Sequence[Any], statistic: Callable = np.mean) -> Any:
 
 def fit_model(ranks: int, terms: dict, name: str = "fitted in this run") -> MachineModel:
     """The machine model of terms measured by measure_terms (or their median over runs)."""
-    sizes = terms["sizes"]
+    sizes, python = terms["sizes"], terms["python"]
     return MachineModel(
-        ranks=ranks,
-        agree=terms["agree"],
-        python={
-            name: fit_lines(PRETENDED_RANKS, seconds) for name, seconds in terms["python"].items()
-        },
-        message=fit_lines(sizes, terms["message"]),
-        reduce=fit_lines(sizes, terms["reduce"]),
-        ring_step=ring_step_line(sizes, terms["ring_step"], terms["ring_step_python"]),
-        name=name,
-    )
+        ranks=ranks, agree=terms["agree"],
+        python={name: fit_lines(PRETENDED_RANKS, seconds) for name, seconds in python.items()},
+        message=fit_lines(sizes, terms["message"]), reduce=fit_lines(sizes, terms["reduce"]),
+        ring_step=ring_step_line(sizes, terms["ring_step"], terms["ring_step_python"]), name=name,
+    )  # fmt: skip
 
 
 def calibrate(comm: Communicator, sizes: Sequence[int]) -> tuple[MachineModel, dict]:

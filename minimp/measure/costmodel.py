@@ -44,15 +44,21 @@ THIS_MACHINE = Network(
 DATACENTER = Network(alpha=5e-6, beta=1 / 25e9, gamma=1 / 1e12, name="200 Gb/s links, 5 us latency")
 
 
-def _log2_ceil(p):
+def _log2_ceil(p: int) -> int:
     return math.ceil(math.log2(p)) if p > 1 else 0
 
 
-def ring_allreduce_time(nbytes: float, p: int, net: Network) -> float:
+def _bandwidth_optimal(latencies: float, nbytes: float, p: int, net: Network) -> float:
+    """`latencies` alpha, plus what a reduce-scatter and an all-gather move and add: each rank
+    sends 2(p-1)/p n bytes and reduces (p-1)/p n (the ring's and Rabenseifner's; 0 for p = 1)."""
     if p == 1:
         return 0.0
     share = (p - 1) / p
-    return 2 * (p - 1) * net.alpha + 2 * share * nbytes * net.beta + share * nbytes * net.gamma
+    return latencies * net.alpha + 2 * share * nbytes * net.beta + share * nbytes * net.gamma
+
+
+def ring_allreduce_time(nbytes: float, p: int, net: Network) -> float:
+    return _bandwidth_optimal(2 * (p - 1), nbytes, p, net)
 
 
 def naive_allreduce_time(nbytes: float, p: int, net: Network) -> float:
@@ -71,10 +77,7 @@ def recursive_doubling_allreduce_time(nbytes: float, p: int, net: Network) -> fl
 
 
 def rabenseifner_allreduce_time(nbytes: float, p: int, net: Network) -> float:
-    if p == 1:
-        return 0.0
-    share = (p - 1) / p
-    return 2 * math.log2(p) * net.alpha + 2 * share * nbytes * net.beta + share * nbytes * net.gamma
+    return _bandwidth_optimal(2 * math.log2(p), nbytes, p, net)
 
 
 ALLREDUCE_MODELS = {

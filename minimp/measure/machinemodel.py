@@ -86,13 +86,8 @@ class Line:
 
     @staticmethod
     def from_dict(fields: dict) -> "Line":
-        above = fields.get("above")
-        return Line(
-            fields["intercept"],
-            fields["slope"],
-            fields.get("limit", float("inf")),
-            Line.from_dict(above) if above else None,
-        )
+        above = Line.from_dict(fields["above"]) if fields.get("above") else None
+        return Line(fields["intercept"], fields["slope"], fields.get("limit", float("inf")), above)
 
 
 ALGORITHMS = ("ring", "recursive_doubling", "naive")
@@ -116,7 +111,8 @@ class MachineModel:
     def allreduce_time(self, algorithm: str, nbytes: float) -> float:
         """Predicted seconds for one all-reduce of nbytes with the named algorithm."""
         p = self.ranks
-        if algorithm not in self.python:
+        # a group of one rank runs only the Python, of any algorithm the model has a Line for
+        if algorithm not in self.python or (p > 1 and algorithm not in ALGORITHMS):
             raise ValueError(f"no model of {algorithm!r}: use one of {ALGORITHMS}")
         fixed = self.python[algorithm](p)
         if p == 1:
@@ -131,11 +127,9 @@ class MachineModel:
             rounds = p.bit_length() - 1  # rounds among the largest power of two <= p
             folded = 0 if p & (p - 1) == 0 else 2 * self.message(nbytes) + self.adds(nbytes)
             steps = rounds * (self.message(nbytes) + self.adds(nbytes)) + folded
-        elif algorithm == "naive":
+        else:  # naive
             broadcast = math.ceil(math.log2(p)) * self.message(nbytes)
             steps = (p - 1) * (self.message(nbytes) + self.adds(nbytes)) + broadcast
-        else:
-            raise ValueError(f"no model of {algorithm!r}: use one of {ALGORITHMS}")
         return self.agree + fixed + steps
 
     def ring_allreduce(self, nbytes: float) -> float:
@@ -151,14 +145,12 @@ class MachineModel:
     @staticmethod
     def from_dict(fields: dict) -> "MachineModel":
         return MachineModel(
-            ranks=int(fields["ranks"]),
-            agree=float(fields["agree"]),
+            ranks=int(fields["ranks"]), agree=float(fields["agree"]),
             python={name: Line.from_dict(line) for name, line in fields["python"].items()},
-            message=Line.from_dict(fields["message"]),
-            reduce=Line.from_dict(fields["reduce"]),
+            message=Line.from_dict(fields["message"]), reduce=Line.from_dict(fields["reduce"]),
             name=fields.get("name", ""),
             ring_step=Line.from_dict(fields["ring_step"]) if fields.get("ring_step") else None,
-        )
+        )  # fmt: skip
 
 
 NOISE_FLOOR = 0.02  # the relative spread of repeated medians on a quiet machine, about
@@ -229,11 +221,8 @@ def relative_errors(
     """model/measured - 1 at each size, with the median and the worst of their absolute values."""
     ratios = [model.allreduce_time(algorithm, n) / t - 1.0 for n, t in zip(nbytes, measured)]
     magnitudes = sorted(abs(r) for r in ratios)
-    return {
-        "errors": ratios,
-        "median": float(np.median(magnitudes)) if magnitudes else 0.0,
-        "worst": magnitudes[-1] if magnitudes else 0.0,
-    }
+    median = float(np.median(magnitudes)) if magnitudes else 0.0
+    return {"errors": ratios, "median": median, "worst": magnitudes[-1] if magnitudes else 0.0}
 
 
 SHIPPED_PATH = os.path.join(os.path.dirname(__file__), "machine_models.json")

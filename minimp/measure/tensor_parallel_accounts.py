@@ -26,9 +26,8 @@ keeps the whole gathered input of the two column-parallel Linears (2 d s b h), w
 keeps this rank's slice and all-gathers it again in backward (one more all-gather per Linear).
 """
 
-from typing import Any
-
 import numpy as np
+from numpy.typing import DTypeLike
 
 
 def ring_fraction(ranks: int) -> float:
@@ -37,19 +36,10 @@ def ring_fraction(ranks: int) -> float:
 
 
 def gpt_tensor_parallel_bytes(
-    *,
-    blocks: int,
-    rows: int,
-    context: int,
-    width: int,
-    tp: int,
-    micro_batches: int,
-    compute_bytes: int,
-    sequence_parallel: bool = False,
-    first_stage: bool = True,
-    last_stage: bool = True,
-    recompute: bool = False,
-) -> int:
+    *, blocks: int, rows: int, context: int, width: int, tp: int, micro_batches: int,
+    compute_bytes: int, sequence_parallel: bool = False, first_stage: bool = True,
+    last_stage: bool = True, recompute: bool = False,
+) -> int:  # fmt: skip
     """Bytes one rank sends in its tensor-parallel group in one GPT step: `blocks` on its stage,
     `rows` per micro-batch (see the module docstring)."""
     if tp == 1:
@@ -65,14 +55,9 @@ def gpt_tensor_parallel_bytes(
 
 
 def mlp_tensor_parallel_bytes(
-    *,
-    pairs: list[tuple[int, int]],
-    rows: int,
-    tp: int,
-    micro_batches: int,
-    compute_bytes: int,
+    *, pairs: list[tuple[int, int]], rows: int, tp: int, micro_batches: int, compute_bytes: int,
     first_input_is_data: bool,
-) -> int:
+) -> int:  # fmt: skip
     """Bytes one rank sends in its tensor-parallel group in one MLP step. pairs: (inputs,
     outputs) of each column -> row pair on its stage; a pair's output is all-reduced forward and
     its input's gradient backward, except the data's (nothing asks for that gradient)."""
@@ -96,15 +81,9 @@ def pipeline_bytes(
 
 
 def block_activation_bytes_tp(
-    s: int,
-    b: int,
-    h: int,
-    a: int,
-    dtype: Any,
-    tp: int,
-    sequence_parallel: bool = False,
+    s: int, b: int, h: int, a: int, dtype: DTypeLike, tp: int, sequence_parallel: bool = False,
     dropout: bool = True,
-) -> int:
+) -> int:  # fmt: skip
     """Bytes one tensor-parallel rank's share of a GPT block keeps for backward (the docstring's
     formulas; without dropout no masks are kept, and the product with v keeps the softmax)."""
     d = np.dtype(dtype).itemsize

@@ -13,11 +13,13 @@ mpirun_examples/pipeline_timeline.py draws.
 
 import json
 import time
-from typing import Any
 
 import numpy as np
 
+from minimp.distributed.protocol import Communicator
+
 COMPUTE, COMMUNICATION = 0, 1  # the two lanes (trace "threads") of a rank
+LANES = {COMPUTE: "compute", COMMUNICATION: "communication"}  # each lane's name and category
 # What each recorded op is called in the trace; its lane follows from it.
 NAMES = {
     "forward": ("F{mb}", COMPUTE),
@@ -58,7 +60,7 @@ class TraceRecorder:
         return np.array(self.rows, np.float64).reshape(-1, 5)
 
 
-def common_origin(comm: Any) -> float:
+def common_origin(comm: Communicator) -> float:
     """time.perf_counter() right after a barrier: the same moment on every rank, to the
     barrier's skew (perf_counter is the system's monotonic clock, shared by a machine's ranks)."""
     comm.barrier()
@@ -72,30 +74,21 @@ def trace_events(ranks: dict[int, dict]) -> list[dict]:
     for rank, info in sorted(ranks.items()):
         events.append(_metadata("process_name", rank, 0, info["name"]))
         events.append(_metadata("process_sort_index", rank, 0, rank, key="sort_index"))
-        for lane, name in ((COMPUTE, "compute"), (COMMUNICATION, "communication")):
-            events.append(_metadata("thread_name", rank, lane, name))
+        for lane, lane_name in LANES.items():
+            events.append(_metadata("thread_name", rank, lane, lane_name))
         for op, step, micro_batch, start, end in info["rows"].tolist():
-            label, lane = NAMES[OPS[int(op)]]
-            events.append(
-                {
-                    "name": label.format(mb=int(micro_batch)),
-                    "cat": "compute" if lane == COMPUTE else "communication",
-                    "ph": "X",
-                    "ts": round(start * 1e6, 3),
-                    "dur": round(max(end - start, 0.0) * 1e6, 3),
-                    "pid": rank,
-                    "tid": lane,
-                    "args": {
-                        "step": int(step),
-                        "micro_batch": int(micro_batch),
-                        "op": OPS[int(op)],
-                    },
-                }
-            )
+            name = OPS[int(op)]
+            label, lane = NAMES[name]
+            events.append({
+                "name": label.format(mb=int(micro_batch)), "cat": LANES[lane], "ph": "X",
+                "ts": round(start * 1e6, 3), "dur": round(max(end - start, 0.0) * 1e6, 3),
+                "pid": rank, "tid": lane,
+                "args": {"step": int(step), "micro_batch": int(micro_batch), "op": name},
+            })  # fmt: skip
     return events
 
 
-def _metadata(kind: str, pid: int, tid: int, value: Any, key: str = "name") -> dict:
+def _metadata(kind: str, pid: int, tid: int, value: str | int, key: str = "name") -> dict:
     return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {key: value}}
 
 
@@ -125,15 +118,12 @@ def timeline_of(document: dict) -> dict:
             continue
         if event["pid"] not in other["replica_0_ranks"]:
             continue
-        events.append(
-            {
-                "stage": stage_of_rank[event["pid"]],
-                "step": event["args"]["step"],
-                "micro_batch": event["args"]["micro_batch"],
-                "kind": "forward" if event["args"]["op"] == "forward" else "backward",
-                "op": event["args"]["op"],  # backward_input and backward_weight stay apart
-                "start": event["ts"] / 1e6,
-                "end": (event["ts"] + event["dur"]) / 1e6,
-            }
-        )
+        args = event["args"]
+        events.append({
+            "stage": stage_of_rank[event["pid"]], "step": args["step"],
+            "micro_batch": args["micro_batch"],
+            "kind": "forward" if args["op"] == "forward" else "backward",
+            "op": args["op"],  # backward_input and backward_weight stay apart
+            "start": event["ts"] / 1e6, "end": (event["ts"] + event["dur"]) / 1e6,
+        })  # fmt: skip
     return {"virtual_stages": 1, **other, "events": events}  # traces before interleaving: 1

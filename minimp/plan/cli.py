@@ -32,19 +32,13 @@ import json
 import os
 import sys
 from dataclasses import replace
+from typing import NoReturn
 
 from minimp.backend import available_memory
 from minimp.measure.costmodel import Network
-from minimp.plan.inputs import (
-    Cluster,
-    Job,
-    ModelShape,
-    MAX_PARAMETERS,
-    MAX_SIMULATED_MICRO_BATCHES,
-    PlanError,
-    check_inputs,
-    shape_for_parameters,
-)
+from minimp.plan.inputs import MAX_PARAMETERS, MAX_SIMULATED_MICRO_BATCHES, OPTIMIZER_SLOTS
+from minimp.plan.inputs import PRECISION_BYTES, PRICED_SCHEDULES, Cluster, Job, ModelShape
+from minimp.plan.inputs import PlanError, check_inputs, shape_for_parameters
 from minimp.plan.links import AlphaBeta
 from minimp.plan.narayanan import comparison_table
 from minimp.plan.presets import GIB, MODELS, selene, this_machine
@@ -52,33 +46,33 @@ from minimp.plan.search import Choices, Plan, best_plans, resimulated
 
 PROGRAM = "minimp.plan"
 CHOICE = {"any": (False, True), "on": (True,), "off": (False,)}
+# ModelShape's whole-number fields, each given by the flag of its name
+SHAPE_FLAGS = {
+    "layers": "transformer blocks", "hidden": "width of the residual stream",
+    "heads": "attention heads", "context": "tokens per sample", "vocab": "vocabulary size",
+}  # fmt: skip
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line, `minimp.plan: error: ...`, like every other error of
     the command (argparse's own would print the whole usage first); exit status 2 all the same."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{PROGRAM}: error: {message} (see --help)\n")
 
 
 def parser() -> argparse.ArgumentParser:
     """The command line, one flag per input (the module docstring says what each part assumes)."""
-    p = _Parser(
-        prog=f"python -m {PROGRAM}", description=__doc__.splitlines()[0].split(": ", 1)[1],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )  # fmt: skip
+    description = __doc__.splitlines()[0].split(": ", 1)[1]
+    p = _Parser(prog=f"python -m {PROGRAM}", description=description,
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--compare-narayanan", action="store_true", help="print the planner against "
                    "Narayanan et al. 2021's Table 1 (docs/planner.md) and stop")  # fmt: skip
     model = p.add_argument_group("model (a named one, --parameters, or every shape flag)")
     model.add_argument("--model", choices=sorted(MODELS), help="a named GPT shape")
     model.add_argument("--parameters", type=float, help="parameters; shape from GPT-3's ratios")
-    for flag, text in (
-        ("--layers", "transformer blocks"), ("--hidden", "width of the residual stream"),
-        ("--heads", "attention heads"), ("--context", "tokens per sample"),
-        ("--vocab", "vocabulary size"),
-    ):  # fmt: skip
-        model.add_argument(flag, type=int, help=text)
+    for name, text in SHAPE_FLAGS.items():
+        model.add_argument(f"--{name}", type=int, help=text)
     model.add_argument("--dropout", choices=("on", "off"), help="dropout masks kept (default on)")
     cluster = p.add_argument_group("cluster (a preset, each flag overriding it)")
     cluster.add_argument("--cluster", choices=("selene", "this-machine"), default="selene")
@@ -95,10 +89,10 @@ def parser() -> argparse.ArgumentParser:
     job = p.add_argument_group("job")
     job.add_argument("--global-batch", type=int, help="samples per step (required)")
     job.add_argument("--micro-batch-size", default="1", help="rows per micro-batch (list: 1,2,4)")
-    job.add_argument("--precision", default="bf16", choices=("fp32", "fp16", "bf16"))
-    job.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
+    job.add_argument("--precision", default="bf16", choices=PRECISION_BYTES)
+    job.add_argument("--optimizer", default="adam", choices=OPTIMIZER_SLOTS)
     job.add_argument("--grad-comm-dtype", default="fp32", choices=("fp32", "fp16"))
-    job.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    job.add_argument("--schedule", default="1f1b", choices=PRICED_SCHEDULES)
     job.add_argument("--vocabulary-parallel", default="on", choices=("on", "off"),
                      help="on: the token embedding and head cut over tp (Megatron-LM); off: "
                      "whole on every rank (minimp)")  # fmt: skip
@@ -124,30 +118,21 @@ def _integers(text: str, flag: str) -> tuple[int, ...]:
 def model_from(args: argparse.Namespace) -> ModelShape:
     """The model the flags describe: a name or --parameters, each shape flag given replacing
     its field; or every shape flag."""
-    fields = {
-        "layers": args.layers,
-        "hidden": args.hidden,
-        "heads": args.heads,
-        "context": args.context,
-        "vocab": args.vocab,
-        "dropout": None if args.dropout is None else args.dropout == "on",
-    }
+    fields = {name: getattr(args, name) for name in SHAPE_FLAGS}
+    fields["dropout"] = None if args.dropout is None else args.dropout == "on"
     given = {key: value for key, value in fields.items() if value is not None}
     if args.model and args.parameters is not None:
-        raise PlanError(
-            f"--model {args.model} and --parameters {args.parameters:g} each give the model: "
-            "choose one"
-        )
+        raise PlanError(f"--model {args.model} and --parameters {args.parameters:g} each give "
+                        "the model: choose one")
     if args.model:
         return replace(MODELS[args.model], **given)
     if args.parameters is not None:
         if not 1 <= args.parameters <= MAX_PARAMETERS:  # also refuses NaN and inf
-            raise PlanError(
-                f"--parameters must be between 1 and {MAX_PARAMETERS:g}, got {args.parameters}"
-            )
+            raise PlanError(f"--parameters must be between 1 and {MAX_PARAMETERS:g}, got "
+                            f"{args.parameters}")
         context, vocab = args.context or 2048, args.vocab or 51200
         return replace(shape_for_parameters(args.parameters, context, vocab), **given)
-    missing = [f"--{key}" for key, value in fields.items() if value is None and key != "dropout"]
+    missing = [f"--{name}" for name in SHAPE_FLAGS if fields[name] is None]
     if missing:
         raise PlanError(f"name a --model, give --parameters, or give {' '.join(missing)} too")
     return ModelShape(**given)
@@ -158,17 +143,14 @@ def cluster_from(args: argparse.Namespace) -> Cluster:
     one process's measured rate, which the preset shares among the ranks)."""
     if args.gpus is None:
         raise PlanError("--gpus is required (how many devices the job has)")
-    overrides = {
-        "gpus_per_node": args.gpus_per_node,
-        "memory_bytes": None if args.memory_gb is None else args.memory_gb * GIB,
-        "achievable": args.achievable,
-    }
+    memory_bytes = None if args.memory_gb is None else args.memory_gb * GIB
+    overrides = {"gpus_per_node": args.gpus_per_node, "memory_bytes": memory_bytes,
+                 "achievable": args.achievable}  # fmt: skip
     if args.cluster == "this-machine":
         if args.peak_tflops is None:
-            raise PlanError(
-                "--cluster this-machine needs --peak-tflops, one process's measured rate (the "
-                "first line of python mpirun_examples/plan_check.py, in GFLOP/s)"
-            )
+            raise PlanError("--cluster this-machine needs --peak-tflops, one process's measured "
+                            "rate (the first line of python mpirun_examples/plan_check.py, in "
+                            "GFLOP/s)")
         cores = (os.cpu_count() or 1) if args.cores is None else args.cores
         if not args.peak_tflops > 0 or cores < 1:  # `not >`: NaN is refused too
             raise PlanError("--peak-tflops must be positive and --cores at least 1")
@@ -234,27 +216,21 @@ def main(argv: list[str] | None = None) -> int:
             raise PlanError(f"--top must be at least 1, got {args.top}")
         model, cluster = model_from(args), cluster_from(args)
         job = Job(
-            args.global_batch,
-            _integers(args.micro_batch_size, "--micro-batch-size"),
-            precision=args.precision,
-            optimizer=args.optimizer,
-            grad_comm_bytes=4 if args.grad_comm_dtype == "fp32" else 2,
-            schedule=args.schedule,
+            args.global_batch, _integers(args.micro_batch_size, "--micro-batch-size"),
+            precision=args.precision, optimizer=args.optimizer,
+            grad_comm_bytes=PRECISION_BYTES[args.grad_comm_dtype], schedule=args.schedule,
             vocabulary_parallel=args.vocabulary_parallel == "on",
-        )
-        choices = Choices(
-            _integers(args.zero, "--zero"), CHOICE[args.recompute], CHOICE[args.sequence_parallel]
-        )
+        )  # fmt: skip
+        zero_stages = _integers(args.zero, "--zero")
+        choices = Choices(zero_stages, CHOICE[args.recompute], CHOICE[args.sequence_parallel])
         if not set(choices.zero_stages) <= {0, 1, 2, 3}:
             raise PlanError(f"--zero takes stages 0-3, got {args.zero}")
         check_inputs(model, cluster, job)
         most = MAX_SIMULATED_MICRO_BATCHES * min(job.micro_batch_sizes)
         if args.simulate and job.global_batch > most:
-            raise PlanError(
-                f"--simulate runs every micro-batch of a step, at most "
-                f"{MAX_SIMULATED_MICRO_BATCHES}: use --global-batch {most} or less, or leave "
-                "out --simulate"
-            )
+            raise PlanError(f"--simulate runs every micro-batch of a step, at most "
+                            f"{MAX_SIMULATED_MICRO_BATCHES}: use --global-batch {most} or less, "
+                            "or leave out --simulate")
         plans = best_plans(model, cluster, job, choices)[: args.top]
     except PlanError as error:
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
@@ -262,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.simulate:
         plans = resimulated(model, cluster, job, plans)
     if args.json:
-        document = {"model": vars(model), "cluster": cluster.name, "job": vars(job)}
-        document["plans"] = [plan.as_dict(cluster.gpus) for plan in plans]
+        document = {"model": vars(model), "cluster": cluster.name, "job": vars(job),
+                    "plans": [plan.as_dict(cluster.gpus) for plan in plans]}  # fmt: skip
         print(json.dumps(document, indent=1, default=str))
     else:
         print(describe(model, cluster, job))

@@ -20,7 +20,10 @@ from minimp.plan.links import Links
 
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes of an activation and a compute copy
 OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "sgd": 1}  # float32 slots per parameter (SGD: momentum)
-SCHEDULES = ("1f1b", "gpipe")
+# The schedules of minimp's registry (parallel/pipeline/schedules, by their --schedule names) that
+# the planner prices: a step of (M + P - 1) slots (steptime.py), micro-batches in flight as
+# memory.in_flight counts them; the interleaved and zero-bubble schedules are neither
+PRICED_SCHEDULES = ("1f1b", "gpipe")
 
 
 class PlanError(ValueError):
@@ -95,50 +98,37 @@ MAX_PARAMETERS = 1e15  # the largest trained models are ~1e12; above this nothin
 def check_inputs(model: ModelShape, cluster: Cluster, job: Job) -> None:
     """Raise PlanError with one line for the first input that cannot work."""
     positive = {
-        "--layers": model.layers,
-        "--hidden": model.hidden,
-        "--heads": model.heads,
-        "--context": model.context,
-        "--vocab": model.vocab,
-        "--gpus": cluster.gpus,
+        "--layers": model.layers, "--hidden": model.hidden, "--heads": model.heads,
+        "--context": model.context, "--vocab": model.vocab, "--gpus": cluster.gpus,
         "--gpus-per-node": cluster.gpus_per_node,
         "--memory-gb": cluster.memory_bytes / 2**30,  # in the flags' units, for the message
-        "--peak-tflops": cluster.peak_flops / 1e12,
-        "--global-batch": job.global_batch,
-    }
+        "--peak-tflops": cluster.peak_flops / 1e12, "--global-batch": job.global_batch,
+    }  # fmt: skip
     for flag, value in positive.items():
         if not (value > 0 and math.isfinite(value)):
             raise PlanError(f"{flag} must be a positive finite number, got {value}")
     if job.global_batch > MAX_GLOBAL_BATCH:
-        raise PlanError(
-            f"--global-batch {job.global_batch} is beyond what the planner searches (at most "
-            f"{MAX_GLOBAL_BATCH:,} sequences a step)"
-        )
+        raise PlanError(f"--global-batch {job.global_batch} is beyond what the planner searches "
+                        f"(at most {MAX_GLOBAL_BATCH:,} sequences a step)")
     if model.hidden % model.heads:
-        raise PlanError(
-            f"--heads {model.heads} must divide --hidden {model.hidden} "
-            f"(try --heads {largest_divisor_at_most(model.hidden, model.heads)})"
-        )
+        raise PlanError(f"--heads {model.heads} must divide --hidden {model.hidden} "
+                        f"(try --heads {largest_divisor_at_most(model.hidden, model.heads)})")
     if not 0 < cluster.achievable <= 1:
         raise PlanError(f"--achievable is a fraction of peak in (0, 1], got {cluster.achievable}")
     if cluster.gpus > cluster.gpus_per_node and cluster.gpus % cluster.gpus_per_node:
-        raise PlanError(
-            f"--gpus {cluster.gpus} is not a whole number of nodes of --gpus-per-node "
-            f"{cluster.gpus_per_node}"
-        )
+        raise PlanError(f"--gpus {cluster.gpus} is not a whole number of nodes of "
+                        f"--gpus-per-node {cluster.gpus_per_node}")
     if any(size <= 0 for size in job.micro_batch_sizes):
         raise PlanError(f"--micro-batch-size must be positive, got {job.micro_batch_sizes}")
     if min(job.micro_batch_sizes) > job.global_batch:
-        raise PlanError(
-            f"--global-batch {job.global_batch} is smaller than the smallest "
-            f"--micro-batch-size {min(job.micro_batch_sizes)}"
-        )
+        raise PlanError(f"--global-batch {job.global_batch} is smaller than the smallest "
+                        f"--micro-batch-size {min(job.micro_batch_sizes)}")
     if job.precision not in PRECISION_BYTES:
         raise PlanError(f"--precision must be one of {sorted(PRECISION_BYTES)}")
     if job.optimizer not in OPTIMIZER_SLOTS:
         raise PlanError(f"--optimizer must be one of {sorted(OPTIMIZER_SLOTS)}")
-    if job.schedule not in SCHEDULES:
-        raise PlanError(f"--schedule must be one of {list(SCHEDULES)}")
+    if job.schedule not in PRICED_SCHEDULES:
+        raise PlanError(f"--schedule must be one of {list(PRICED_SCHEDULES)}")
 
 
 def largest_divisor_at_most(number: int, limit: int) -> int:
@@ -177,7 +167,5 @@ class Layout:
 
     def __str__(self) -> str:
         flags = " recompute" * self.recompute + " sp" * self.sequence_parallel
-        return (
-            f"dp {self.dp} tp {self.tp} pp {self.pp} zero {self.zero} "
-            f"b {self.micro_batch_size} M {self.micro_batches}{flags}"
-        )
+        return (f"dp {self.dp} tp {self.tp} pp {self.pp} zero {self.zero} "
+                f"b {self.micro_batch_size} M {self.micro_batches}{flags}")  # fmt: skip

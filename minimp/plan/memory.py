@@ -126,10 +126,10 @@ def head_bytes(model: ModelShape, layout: Layout, job: Job) -> float:
 
 
 def in_flight(layout: Layout, stage: int, schedule: str) -> int:
-    """Micro-batches whose activations a stage holds at once (see the module docstring)."""
-    if schedule == "gpipe":
-        return layout.micro_batches
-    return min(layout.pp - stage, layout.micro_batches)
+    """Micro-batches whose activations a stage holds at once (see the module docstring): those
+    whose forwards run before its first backward, P - i of them in 1F1B and all M in GPipe."""
+    before_first_backward = {"1f1b": layout.pp - stage, "gpipe": layout.micro_batches}[schedule]
+    return min(before_first_backward, layout.micro_batches)
 
 
 def activation_bytes(model: ModelShape, layout: Layout, job: Job, stage: int) -> float:

@@ -1,5 +1,22 @@
 """Named models and clusters the planner knows: Narayanan et al.'s GPTs and cluster, this machine.
 
+Narayanan, Shoeybi, Casper, LeGresley, Patwary, Korthikanti, Vainbrand, Kashinkunti, Bernauer,
+Catanzaro, Phanishayee, Zaharia, "Efficient Large-Scale Language Model Training on GPU Clusters
+Using Megatron-LM", SC'21 (arXiv 2104.04473), Table 1, "weak-scaling throughput for GPT models
+ranging from 1 billion to 1 trillion parameters": A100 80 GB on Selene, 16-bit mixed precision,
+sequence length 2048, vocabulary 51,200. Per row: billions of parameters, heads, hidden, layers,
+tensor- and pipeline-parallel sizes t and p, GPUs, batch size, achieved TFLOP/s per GPU, % of the
+312 TFLOP/s peak, aggregate PFLOP/s. The TFLOP/s count each step's FLOPs with their Eq. 3, which
+includes a recomputation forward.
+
+Where the numbers come from: a Markdown transcription of the paper's text in the search tool's
+code index (which names no repository) has Table 1 as text; every number of TABLE_1 is as it gives
+them, checked cell by cell on 2026-11-30, and so are the section 5 facts this file uses
+(Selene's nodes, 312 TFLOP/s, V = 51,200, s = 2048, Eq. 2 and Eq. 3). Checks that do not rest on
+the transcription: the abstract (Hugging Face's page of arXiv 2104.04473) gives "502
+petaFLOP/s on 3072 GPUs", the 1008.0B row; Eq. 2's parameter counts of these shapes round to the
+first column; TFLOP/s x GPUs and TFLOP/s / 312 reproduce the last two (tests/test_plan.py).
+
 Selene as Narayanan et al. 2021 describe it (section 5): DGX A100 nodes of 8 80-GB A100s joined
 by NVLink and NVSwitch, 8 200 Gb/s HDR InfiniBand adapters per node (one per GPU), 312 TFLOP/s
 of 16-bit matrix math per GPU. Its networks, stated rather than measured: inside a node NVLink 3's
@@ -8,6 +25,8 @@ costmodel.DATACENTER, 200 Gb/s = 25 GB/s per GPU, 5 us. The achievable fraction,
 one round figure for every model and GPU count, not fitted to any row of their table (which
 reports 43-52% end to end: what the fraction leaves out, this planner leaves out too).
 """
+
+from typing import NamedTuple
 
 from minimp.measure.costmodel import DATACENTER, Network
 from minimp.measure.machinemodel import shipped_model
@@ -22,15 +41,11 @@ SELENE_ACHIEVABLE = 0.6
 def selene(gpus: int) -> Cluster:
     """`gpus` A100s of Selene (module docstring)."""
     return Cluster(
-        gpus=gpus,
-        gpus_per_node=8,
-        memory_bytes=80 * GIB,  # nvidia-smi's 81,920 MiB
-        peak_flops=312e12,
-        achievable=SELENE_ACHIEVABLE,
-        intra=AlphaBeta(NVLINK),
-        inter=AlphaBeta(DATACENTER),
+        gpus, gpus_per_node=8, memory_bytes=80 * GIB,  # nvidia-smi's 81,920 MiB
+        peak_flops=312e12, achievable=SELENE_ACHIEVABLE,
+        intra=AlphaBeta(NVLINK), inter=AlphaBeta(DATACENTER),
         name="Selene (DGX A100 80 GB, NVLink, 8 x 200 Gb/s HDR InfiniBand per node)",
-    )
+    )  # fmt: skip
 
 
 def this_machine(ranks: int, flops_per_process: float, memory_bytes: float, cores: int) -> Cluster:
@@ -41,30 +56,51 @@ def this_machine(ranks: int, flops_per_process: float, memory_bytes: float, core
     not freed), and the memory shared evenly."""
     links = Measured(shipped_model(ranks))
     return Cluster(
-        gpus=ranks,
-        gpus_per_node=ranks,
-        memory_bytes=memory_bytes / ranks,
-        peak_flops=flops_per_process * min(1.0, cores / ranks),
-        achievable=1.0,
-        intra=links,
-        inter=links,
-        name=f"this machine: {ranks} ranks on {cores} cores",
-    )
+        ranks, gpus_per_node=ranks, memory_bytes=memory_bytes / ranks,
+        peak_flops=flops_per_process * min(1.0, cores / ranks), achievable=1.0,
+        intra=links, inter=links, name=f"this machine: {ranks} ranks on {cores} cores",
+    )  # fmt: skip
 
 
-# Narayanan et al. 2021, Table 1's shapes: sequence length 2048, vocabulary 51,200 (section 5.1)
-MEGATRON = {
-    "1.7B": ModelShape(layers=24, hidden=2304, heads=24, context=2048, vocab=51200),
-    "3.6B": ModelShape(layers=30, hidden=3072, heads=32, context=2048, vocab=51200),
-    "7.5B": ModelShape(layers=36, hidden=4096, heads=32, context=2048, vocab=51200),
-    "18.4B": ModelShape(layers=40, hidden=6144, heads=48, context=2048, vocab=51200),
-    "39.1B": ModelShape(layers=48, hidden=8192, heads=64, context=2048, vocab=51200),
-    "76.1B": ModelShape(layers=60, hidden=10240, heads=80, context=2048, vocab=51200),
-    "145.6B": ModelShape(layers=80, hidden=12288, heads=96, context=2048, vocab=51200),
-    "310.1B": ModelShape(layers=96, hidden=16384, heads=128, context=2048, vocab=51200),
-    "529.6B": ModelShape(layers=105, hidden=20480, heads=128, context=2048, vocab=51200),
-    "1008.0B": ModelShape(layers=128, hidden=25600, heads=160, context=2048, vocab=51200),
-}
+class Row(NamedTuple):
+    """One row of Table 1."""
+
+    billions: float
+    heads: int
+    hidden: int
+    layers: int
+    t: int
+    p: int
+    gpus: int
+    batch: int
+    tflops: float  # achieved TFLOP/s per GPU (Eq. 3's FLOPs)
+    percent_of_peak: int
+    aggregate_pflops: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.billions:.1f}B"
+
+    @property
+    def d(self) -> int:
+        return self.gpus // (self.t * self.p)
+
+
+TABLE_1 = [
+    Row(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44, 4.4),
+    Row(3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44, 8.8),
+    Row(7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46, 18.2),
+    Row(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43, 34.6),
+    Row(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44, 70.8),
+    Row(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45, 143.8),
+    Row(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47, 227.1),
+    Row(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50, 297.4),
+    Row(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52, 410.2),
+    Row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52, 502.0),
+]
+# Table 1's shapes: sequence length 2048, vocabulary 51,200 (section 5.1)
+MEGATRON = {row.name: ModelShape(row.layers, row.hidden, row.heads, context=2048, vocab=51200)
+            for row in TABLE_1}  # fmt: skip
 # minimp's own GPT as `python -m minimp.train --dataset shakespeare` builds it by default
 SHAKESPEARE = ModelShape(layers=4, hidden=128, heads=4, context=64, vocab=65, dropout=False)
 MODELS = {"shakespeare": SHAKESPEARE, **MEGATRON}

@@ -16,7 +16,7 @@ less memory), then by fewer tensor- and pipeline-parallel ranks and lower ZeRO s
 """
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from minimp.plan.inputs import Cluster, Job, Layout, ModelShape, PlanError, divisors
 from minimp.plan.memory import Memory, memory_per_device
@@ -118,9 +118,8 @@ def search(model: ModelShape, cluster: Cluster, job: Job, choices: Choices | Non
                 memory = memory_per_device(model, layout, job)
                 if memory.total > cluster.memory_bytes:
                     found.rejected["memory"] += 1
-                    found.smallest_memory_rejected = min(
-                        found.smallest_memory_rejected, memory.total
-                    )
+                    smallest = min(found.smallest_memory_rejected, memory.total)
+                    found.smallest_memory_rejected = smallest
                     continue
                 time = step_time(model, cluster, job, layout)
                 found.plans.append(Plan(layout, memory, time, flops))
@@ -133,7 +132,9 @@ def _rank(plan: Plan) -> tuple:
     return (plan.time.total, plan.memory.total, layout.tp, layout.pp, layout.zero)
 
 
-def best_plans(model: ModelShape, cluster: Cluster, job: Job, choices: Choices | None = None):
+def best_plans(
+    model: ModelShape, cluster: Cluster, job: Job, choices: Choices | None = None
+) -> list[Plan]:
     """The feasible plans, best first; PlanError naming the rule that failed most when none is."""
     found = search(model, cluster, job, choices)
     if found.plans:
@@ -142,19 +143,14 @@ def best_plans(model: ModelShape, cluster: Cluster, job: Job, choices: Choices |
     total = sum(found.rejected.values())
     detail = RULES[rule]
     if rule == "memory":
-        need = found.smallest_memory_rejected / 2**30
-        have = cluster.memory_bytes / 2**30
+        need, have = found.smallest_memory_rejected / 2**30, cluster.memory_bytes / 2**30
         detail += f" (the smallest layout needs {need:.1f} GiB, a GPU has {have:.1f} GiB)"
-    raise PlanError(
-        f"no layout fits: {count} of {total} failed on {detail}; try more GPUs, "
-        "--recompute on, a smaller --micro-batch-size or another --gpus-per-node"
-    )
+    raise PlanError(f"no layout fits: {count} of {total} failed on {detail}; try more GPUs, "
+                    "--recompute on, a smaller --micro-batch-size or another --gpus-per-node")
 
 
 def resimulated(model: ModelShape, cluster: Cluster, job: Job, plans: list[Plan]) -> list[Plan]:
     """The same plans with step times from the pipeline simulator, ranked again."""
-    again = [
-        Plan(p.layout, p.memory, step_time(model, cluster, job, p.layout, True), p.model_flops)
-        for p in plans
-    ]
+    again = [replace(plan, time=step_time(model, cluster, job, plan.layout, simulate=True))
+             for plan in plans]  # fmt: skip
     return sorted(again, key=_rank)

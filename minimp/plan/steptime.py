@@ -39,7 +39,7 @@ parallel embedding's and loss's small all-reduces, kernel launches, and data loa
 
 from dataclasses import dataclass
 
-from minimp.parallel.pipeline.schedules.actions import gpipe, one_f_one_b
+from minimp.parallel.pipeline.schedules import build_schedule
 from minimp.parallel.pipeline.simulator import Costs, simulate_schedule
 from minimp.plan.inputs import Cluster, Job, Layout, ModelShape
 from minimp.plan.links import Links
@@ -157,13 +157,14 @@ def step_time(
     costs = [stage_costs(model, cluster, job, layout, stage) for stage in range(pp)]
     per_stage = [sum(f + b for f, b in parts) for parts in costs]
     slowest = max(range(pp), key=lambda stage: per_stage[stage])
-    (compute_f, compute_b), (tp_f, tp_b), (zero_f, zero_b) = costs[slowest]
+    # its compute, tensor-parallel and ZeRO seconds, M micro-batches of each
+    compute, tensor_parallel, zero_in_step = (micro_batches * (f + b) for f, b in costs[slowest])
 
     whole_job = _links(cluster, cluster.gpus)
     activation = layout.micro_batch_size * model.context * model.hidden * job.compute_bytes
     message = whole_job.send(activation) if pp > 1 else 0.0
     if simulate and pp > 1:
-        schedule = (one_f_one_b if job.schedule == "1f1b" else gpipe)(pp, micro_batches)
+        schedule = build_schedule(job.schedule, pp, micro_batches)
         forwards = [sum(parts[0] for parts in stage) for stage in costs]
         backwards = [sum(parts[1] for parts in stage) for stage in costs]
         span = simulate_schedule(schedule, Costs(forwards, backwards, message)).span
@@ -176,10 +177,6 @@ def step_time(
         tied = whole_job.all_reduce(token * TIED_GRADIENT_BYTES, 2)
     scalars = SCALAR_ALLREDUCES * whole_job.all_reduce(SCALAR_BYTES, cluster.gpus)
     return StepTime(
-        compute=micro_batches * (compute_f + compute_b),
-        tensor_parallel=micro_batches * (tp_f + tp_b),
-        zero_in_step=micro_batches * (zero_f + zero_b),
-        bubble=span - micro_batches * per_stage[slowest],
-        data_parallel=gradient_sync_seconds(model, cluster, job, layout),
-        other=tied + scalars,
+        compute, tensor_parallel, zero_in_step, bubble=span - micro_batches * per_stage[slowest],
+        data_parallel=gradient_sync_seconds(model, cluster, job, layout), other=tied + scalars,
     )
