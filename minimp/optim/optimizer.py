@@ -16,6 +16,7 @@ from minimp import backend
 from minimp.backend import Array, array_module
 from minimp.precision import casting
 from minimp.precision.casting import MASTER_DTYPE
+from minimp.precision.step import MixedPrecisionOptimizer
 from minimp.tensor import Tensor
 
 # What an optimizer is built from: Parameters, or groups of them (dicts, see Optimizer.__init__).
@@ -24,7 +25,7 @@ ParamsT = Iterable[Tensor | dict[str, Any]]  # PyTorch's name
 Slots = dict[str, Array | None]
 
 
-class Optimizer:
+class Optimizer(MixedPrecisionOptimizer):
     """Float32 masters and gradient accumulators; subclasses supply the update rule (`update`).
 
     Its part of the mixed-precision step (minimp/precision/step.py, which shows the whole):

@@ -34,9 +34,10 @@ from minimp.optim import Optimizer
 from minimp.measure.accounts import BytesSent
 from minimp.parallel.zero.layout import Piece, ZeroLayout
 from minimp.precision.casting import MASTER_DTYPE, round_to
+from minimp.precision.step import MixedPrecisionOptimizer
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(MixedPrecisionOptimizer):
     """Masters, slots (and, from stage 2, gradient sums) of this rank's chunks; see the module."""
 
     def __init__(
@@ -104,7 +105,7 @@ class ShardedOptimizer:
         return {"step_count": self.step_count, "lr": self.lr}
 
     # ----- the optimizer's part of the step ---------------------------------------------------
-    def accumulate_gradients(self) -> list[Any]:
+    def accumulate_gradients(self) -> list[Array | None]:
         """Stage 1: each parameter's 16-bit gradient into its whole float32 accumulator, as
         Optimizer does; returns them. Stages 2-3: the gradients were reduce-scattered during
         backward; returns this rank's gradient pieces (see `gradient_pieces`)."""
