@@ -116,12 +116,8 @@ def with_casts(implementation, function):
     """function, run with casting's float16 casts done by `implementation` (then restored)."""
 
     def run():
-        previous = halfcast.selected_casts()
-        halfcast.use_casts(implementation)
-        try:
+        with halfcast.casts(implementation):
             return function()
-        finally:
-            halfcast.use_casts(previous)
 
     return run
 

@@ -32,12 +32,12 @@ def test_dtype_named_reads_the_training_commands_names_and_numpys(name, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16])
-def test_widen_gives_float32_with_the_exact_values_whichever_cast_is_selected(dtype, monkeypatch):
+def test_widen_gives_float32_with_the_exact_values_whichever_cast_is_selected(dtype):
     # 2048 elements: past SMALL_ARRAY, so the selected NumPy bit tricks run (for float16 only:
     # they read float16 bits, and bfloat16's are laid out differently)
-    monkeypatch.setattr(halfcast, "_selected", "numpy")
     source = np.linspace(-5, 5, 2048, dtype=np.float32).astype(dtype)
-    widened = casting.widen(source)
+    with halfcast.casts("numpy"):
+        widened = casting.widen(source)
     assert widened.dtype == np.float32
     np.testing.assert_array_equal(widened, source.astype(np.float32))
 
@@ -54,10 +54,10 @@ def test_round_to_from_float32_gives_the_asked_dtype_by_numpys_cast(dtype):
 @pytest.mark.parametrize(
     "source_dtype, dtype", [(np.float16, np.float64), (np.float64, np.float32)]
 )
-def test_round_to_between_other_pairs_is_numpys_cast(source_dtype, dtype, monkeypatch):
+def test_round_to_between_other_pairs_is_numpys_cast(source_dtype, dtype):
     # 2048 elements with the NumPy bit tricks selected: only float16 <-> float32 may take them
-    monkeypatch.setattr(halfcast, "_selected", "numpy")
     source = np.linspace(-5, 5, 2048).astype(source_dtype)
-    rounded = casting.round_to(source, dtype)
+    with halfcast.casts("numpy"):
+        rounded = casting.round_to(source, dtype)
     assert rounded.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(rounded, source.astype(dtype))

@@ -53,15 +53,15 @@ def float16_bits(array):
 
 @pytest.mark.parametrize("implementation", CASTS)
 def test_pack_rounds_a_float32_gradient_once_into_a_float16_wire_signalling_nans_kept(
-    implementation, monkeypatch
+    implementation,
 ):
     """average "after": the gradient goes straight into the wire, rounded once from float32 as
     NumPy's float32 -> float16 astype rounds it, bit for bit: a signalling NaN stays signalling
     (halfcast.py's docstring). Through float64 first, the CPU's float32 -> float64 conversion would
     quieten it (0x7FA00000 would land as 0x7F00, not 0x7D00)."""
-    monkeypatch.setattr(halfcast, "_selected", implementation)
     gradient, wire = signalling_nans_and_edges(), np.empty(2048, np.float16)
-    with np.errstate(over="ignore"):  # the "astype" choice is NumPy's cast, which flags overflow
+    # the "astype" choice is NumPy's cast, which flags overflow
+    with halfcast.casts(implementation), np.errstate(over="ignore"):
         pack(wire, gradient, 0.5, "after")
     np.testing.assert_array_equal(wire.view(np.uint16), float16_bits(gradient))
     assert wire.view(np.uint16)[2] == 0x7D00  # sign 0, exponent 31, fraction 0x100: signalling
@@ -69,17 +69,14 @@ def test_pack_rounds_a_float32_gradient_once_into_a_float16_wire_signalling_nans
 
 @pytest.mark.parametrize("average", ["before", "after"])
 @pytest.mark.parametrize("implementation", ["numpy", pytest.param("numba", marks=needs_numba)])
-def test_pack_into_a_float16_wire_raises_no_floating_point_flag(
-    implementation, average, monkeypatch
-):
+def test_pack_into_a_float16_wire_raises_no_floating_point_flag(implementation, average):
     """minimp's float32 -> float16 cast sets no floating-point flag where NumPy's astype would
     warn "overflow encountered in cast" (halfcast.py): under np.errstate(all="raise"), packing
     values past 65504 gives infinities, and the bits of NumPy's own rounding, without raising."""
-    monkeypatch.setattr(halfcast, "_selected", implementation)
     gradient = signalling_nans_and_edges()[4:]  # NaNs left out: a product quietens them anyway
     gradient = np.concatenate([gradient, gradient[:4]])  # 2048 again
     wire = np.empty(2048, np.float16)
-    with np.errstate(all="raise"):
+    with halfcast.casts(implementation), np.errstate(all="raise"):
         pack(wire, gradient, 0.5, average)
     scaled = gradient * np.float32(0.5) if average == "before" else gradient
     np.testing.assert_array_equal(wire.view(np.uint16), float16_bits(scaled))

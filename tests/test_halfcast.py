@@ -1,5 +1,6 @@
 """minimp's float16 casts give NumPy's astype bit for bit: both implementations, every class."""
 
+import threading
 import warnings
 
 import numpy as np
@@ -142,22 +143,21 @@ def test_float32_values_with_subnormal_results_round_like_numpy(cast, values):
 
 @pytest.mark.parametrize("implementation", ["numpy", pytest.param("numba", marks=needs_numba)])
 @pytest.mark.parametrize("layout", ["C", "F", "strided"])
-def test_widen_and_round_to_take_the_fast_path_in_any_layout(implementation, layout, monkeypatch):
-    monkeypatch.setattr(halfcast, "_selected", None)
-    halfcast.use_casts(implementation)
+def test_widen_and_round_to_take_the_fast_path_in_any_layout(implementation, layout):
     rng = np.random.default_rng(0)
     scales = 2.0 ** rng.integers(-30, 12, (96, 64))  # float16 normals and subnormals
     x32 = (rng.standard_normal((96, 64)) * scales).astype(np.float32)
     x32 = {"C": x32, "F": np.asfortranarray(x32), "strided": x32[::2, ::3]}[layout]
-    x16 = casting.round_to(x32, np.float16)
-    theirs = numpy_astype(x32, np.float16)
-    np.testing.assert_array_equal(x16.view(np.uint16), theirs.view(np.uint16))
-    assert x16.flags.f_contiguous == theirs.flags.f_contiguous
-    widened = casting.widen(x16)
-    assert widened.dtype == np.float32 and widened.shape == x16.shape
-    np.testing.assert_array_equal(widened, x16.astype(np.float32))
-    np.testing.assert_array_equal(casting.round_to(x16, np.float32), widened)
-    assert casting.round_to(x16, np.float16) is x16 and casting.widen(widened) is widened
+    with halfcast.casts(implementation):
+        x16 = casting.round_to(x32, np.float16)
+        theirs = numpy_astype(x32, np.float16)
+        np.testing.assert_array_equal(x16.view(np.uint16), theirs.view(np.uint16))
+        assert x16.flags.f_contiguous == theirs.flags.f_contiguous
+        widened = casting.widen(x16)
+        assert widened.dtype == np.float32 and widened.shape == x16.shape
+        np.testing.assert_array_equal(widened, x16.astype(np.float32))
+        np.testing.assert_array_equal(casting.round_to(x16, np.float32), widened)
+        assert casting.round_to(x16, np.float16) is x16 and casting.widen(widened) is widened
 
 
 def test_widen_and_round_to_call_the_selected_implementation(monkeypatch):
@@ -170,39 +170,61 @@ def test_widen_and_round_to_call_the_selected_implementation(monkeypatch):
 
         return wrapper
 
-    monkeypatch.setattr(halfcast, "_selected", None)
     monkeypatch.setattr(halfcast, "_numpy_in_chunks", spy(halfcast._numpy_in_chunks, "numpy"))
     monkeypatch.setattr(halfcast_numba, "cast", spy(halfcast_numba.cast, "numba"))
     x32 = np.ones((64, 64), np.float32)
     x16 = x32.astype(np.float16)
     for implementation in ("astype", "numpy") + (("numba",) if halfcast_numba.available() else ()):
-        halfcast.use_casts(implementation)
         calls.clear()
-        casting.widen(x16), casting.round_to(x16, np.float32), casting.round_to(x32, np.float16)
+        with halfcast.casts(implementation):
+            casting.widen(x16), casting.round_to(x16, np.float32), casting.round_to(x32, np.float16)
         assert calls == ([] if implementation == "astype" else [implementation] * 3)
     calls.clear()
-    casting.round_to(x32.astype(np.float64), np.float16)  # one rounding from float64: astype's
-    casting.widen(x16[:8])  # smaller than SMALL_ARRAY: a call would cost more than the work
+    with halfcast.casts(implementation):  # the last one: NumPy's or numba's bit tricks
+        casting.round_to(x32.astype(np.float64), np.float16)  # one rounding from float64: astype's
+        casting.widen(x16[:8])  # smaller than SMALL_ARRAY: a call would cost more than the work
     assert calls == []
 
 
-def test_the_choice_comes_from_use_casts_or_the_environment(monkeypatch):
-    monkeypatch.setattr(halfcast, "_selected", None)
+@pytest.fixture
+def unread_environment():
+    """default_casts() reads the environment once per process: forget it before and after."""
+    halfcast.default_casts.cache_clear()
+    yield
+    halfcast.default_casts.cache_clear()
+
+
+def test_the_choice_comes_from_a_casts_block_or_the_environment(monkeypatch, unread_environment):
     monkeypatch.setenv(halfcast.ENVIRONMENT_VARIABLE, "numpy")
     assert halfcast.selected_casts() == "numpy"
-    halfcast.use_casts("astype")
-    assert halfcast.selected_casts() == "astype"
+    with halfcast.casts("astype"):
+        assert halfcast.selected_casts() == "astype"
+        with halfcast.casts("numpy"):  # blocks nest; leaving one restores the choice before it
+            assert halfcast.selected_casts() == "numpy"
+        assert halfcast.selected_casts() == "astype"
+    assert halfcast.selected_casts() == "numpy"
     with pytest.raises(ValueError, match="use one of numba, numpy, astype"):
-        halfcast.use_casts("fast")
+        with halfcast.casts("fast"):
+            pass
 
 
-def test_without_numba_the_default_is_numpys_astype(monkeypatch):
-    monkeypatch.setattr(halfcast, "_selected", None)
+def test_a_casts_block_does_not_reach_threads_started_inside_it():
+    """A context variable: a thread (a simulated world's rank) starts outside every block."""
+    seen, default = [], halfcast.default_casts()
+    with halfcast.casts("numpy" if default == "astype" else "astype"):
+        thread = threading.Thread(target=lambda: seen.append(halfcast.selected_casts()))
+        thread.start()
+        thread.join()
+    assert seen == [default]
+
+
+def test_without_numba_the_default_is_numpys_astype(monkeypatch, unread_environment):
     monkeypatch.delenv(halfcast.ENVIRONMENT_VARIABLE, raising=False)
     monkeypatch.setattr(halfcast_numba, "available", lambda: False)
     assert halfcast.selected_casts() == "astype"
     with pytest.raises(ValueError) as caught:
-        halfcast.use_casts("numba")
+        with halfcast.casts("numba"):
+            pass
     assert str(caught.value) == "float16 cast 'numba' needs numba: pip install 'minimp[fast]'"
 
 
@@ -226,8 +248,7 @@ def test_the_numpy_casts_run_a_chunk_at_a_time(dtype, monkeypatch):
     np.testing.assert_array_equal(result.view(np.uint8), numpy_astype(source, dtype).view(np.uint8))
 
 
-def test_with_numba_the_default_is_numba(monkeypatch):
-    monkeypatch.setattr(halfcast, "_selected", None)
+def test_with_numba_the_default_is_numba(monkeypatch, unread_environment):
     monkeypatch.delenv(halfcast.ENVIRONMENT_VARIABLE, raising=False)
     monkeypatch.setattr(halfcast_numba, "available", lambda: True)  # only asked, not run here
     assert halfcast.selected_casts() == "numba"

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from minimp import nn, optim
+from minimp.precision import unscale_
 
 
 def step_with(optimizer, grad):
@@ -45,9 +46,9 @@ def test_a_zero_learning_rate_is_refused():
 
 
 def test_an_optimizer_subclass_that_gives_no_weight_decay_gets_none():
-    # the base class is the extension point (subclasses supply _update): its default is no decay
+    # the base class is the extension point (subclasses supply update): its default is no decay
     class Plain(optim.Optimizer):
-        def _update(self, master, grad, slots, weight_decay):
+        def update(self, master, grad, slots, weight_decay):
             master -= self.lr * (grad + weight_decay * master)
 
     parameter = nn.Parameter(np.ones(2, np.float32))
@@ -55,17 +56,6 @@ def test_an_optimizer_subclass_that_gives_no_weight_decay_gets_none():
     assert optimizer.weight_decays == [0.0]
     step_with(optimizer, [2.0, -2.0])
     np.testing.assert_array_equal(parameter.data, np.array([0.0, 2.0], np.float32))
-
-
-@pytest.mark.parametrize("grad_scale", [0.5, 2.0])
-def test_step_multiplies_the_gradients_by_grad_scale_first(grad_scale):
-    parameter = nn.Parameter(np.ones(2, np.float32))
-    optimizer = optim.SGD([parameter], lr=0.5)
-    parameter.grad = np.array([2.0, 4.0], np.float32)
-    optimizer.accumulate_gradients()
-    optimizer.step(grad_scale=grad_scale)
-    expected = np.float32(1.0) - np.float32(0.5) * (np.array([2.0, 4.0], np.float32) * grad_scale)
-    np.testing.assert_array_equal(parameter.data, expected)
 
 
 def test_step_count_counts_every_step():
@@ -76,37 +66,18 @@ def test_step_count_counts_every_step():
 
 
 def test_a_gradient_that_views_another_array_is_copied_not_adopted():
-    # the step changes its accumulator in place (here: the unscale by grad_scale); adopting a
-    # view would write into the array it views
+    # the step changes its accumulator in place (here: the unscale, unscale_); adopting a view
+    # would write into the array it views
     buffer = np.arange(8, dtype=np.float32)
     parameter = nn.Parameter(np.zeros(4, np.float32))
     optimizer = optim.SGD([parameter], lr=1.0)
     parameter.grad = buffer[2:6]  # float32, the right shape, contiguous, not its own memory
     optimizer.accumulate_gradients()
     assert not np.shares_memory(optimizer.master_gradients[0], buffer)
-    optimizer.step(grad_scale=0.5)
+    unscale_(optimizer.master_gradients, 2.0)
+    optimizer.step()
     np.testing.assert_array_equal(buffer, np.arange(8, dtype=np.float32))
     np.testing.assert_array_equal(parameter.data, -np.arange(2, 6, dtype=np.float32) / 2)
-
-
-@pytest.mark.parametrize("fused", [False, True])
-def test_the_fused_kernel_is_asked_only_when_fused_is_on(monkeypatch, fused):
-    asked = []
-
-    def not_here(*arguments):  # a kernel that does not apply: the unfused update runs
-        asked.append(arguments)
-        return False
-
-    monkeypatch.setattr("minimp.optim.optimizer.fused_step", not_here)
-    parameter = nn.Parameter(np.ones(2, np.float32))
-    optimizer = optim.SGD([parameter], lr=0.5)
-    optimizer.fused = fused
-    parameter.grad = np.array([2.0, 4.0], np.float32)
-    optimizer.accumulate_gradients()
-    gradient = optimizer.master_gradients[0]
-    optimizer.step(grad_scale=0.25)
-    assert asked == ([(optimizer, 0, gradient, 0.25)] if fused else [])
-    np.testing.assert_array_equal(parameter.data, np.array([0.75, 0.5], np.float32))
 
 
 def test_set_master_weight_rounds_it_into_the_float16_copy_with_numpys_bits():

@@ -13,26 +13,28 @@ the exact float32 initial values.
 from typing import Any, Iterable
 
 from minimp import backend
-from minimp.backend import array_module
+from minimp.backend import Array, array_module
 from minimp.precision import casting
 from minimp.precision.casting import MASTER_DTYPE
-from minimp.precision.fused_update import fused_step
+from minimp.precision.step import MixedPrecisionOptimizer
+from minimp.tensor import Tensor
+
+# What an optimizer is built from: Parameters, or groups of them (dicts, see Optimizer.__init__).
+ParamsT = Iterable[Tensor | dict[str, Any]]  # PyTorch's name
+# One master's optimizer state by slot name ("exp_avg", ...): None until its update rule makes it.
+Slots = dict[str, Array | None]
 
 
-class Optimizer:
-    """Float32 masters and gradient accumulators, and the update; subclasses supply `_update`.
+class Optimizer(MixedPrecisionOptimizer):
+    """Float32 masters and gradient accumulators; subclasses supply the update rule (`update`).
 
     Its part of the mixed-precision step (minimp/precision/step.py, which shows the whole):
     `accumulate_gradients()` after each backward, `step()` to update, `zero_grad()` to forget.
     """
 
     slot_names: tuple[str, ...] = ()
-    # On CuPy arrays: unscale, update and rounding in one kernel per parameter (PyTorch's
-    # fused=True; minimp/precision/fused_update.py). Off until a GPU run has shown its bits equal
-    # the unfused path's (scripts/gpu_check.sh runs that test; no GPU has run it yet).
-    fused: bool = False
 
-    def __init__(self, params: Iterable[Any], lr: float, weight_decay: float = 0.0):
+    def __init__(self, params: ParamsT, lr: float, weight_decay: float = 0.0):
         """params: Parameters, or groups as in PyTorch, dicts {"params": [...], "weight_decay":
         x} whose settings override the optimizer's for their parameters (nanoGPT decays only the
         2-D weights this way)."""
@@ -55,9 +57,9 @@ class Optimizer:
         # them as held): a step's first gradient is copied into it, or, when nothing else holds
         # that gradient, becomes it (no copy; the one it replaces is released, to the memory pool
         # when it came from there).
-        self.master_gradients: list[Any] = [None] * len(self.params)
-        self.accumulators: list[Any] = [None] * len(self.params)
-        self.slots: list[dict[str, Any]] = [dict.fromkeys(self.slot_names) for _ in self.params]
+        self.master_gradients: list[Array | None] = [None] * len(self.params)
+        self.accumulators: list[Array | None] = [None] * len(self.params)
+        self.slots: list[Slots] = [dict.fromkeys(self.slot_names) for _ in self.params]
         self.step_count = 0
 
     def zero_grad(self) -> None:
@@ -66,7 +68,7 @@ class Optimizer:
             parameter.grad = None
         self.master_gradients = [None] * len(self.params)
 
-    def accumulate_gradients(self) -> list[Any]:
+    def accumulate_gradients(self) -> list[Array | None]:
         """Move each parameter's gradient into its float32 accumulator and clear it; returns the
         accumulators (None where no gradient arrived).
 
@@ -87,17 +89,18 @@ class Optimizer:
         # In a list, so that backend.sole_holder can tell whether anything else holds it.
         incoming = [casting.round_to(parameter.grad, MASTER_DTYPE)]  # 16-bit: widened, exactly
         parameter.grad = None
-        if self.master_gradients[index] is not None:
-            self.master_gradients[index] += incoming[0]
+        summed = self.master_gradients[index]
+        if summed is not None:
+            summed += incoming[0]
         elif self._can_adopt(index, incoming):
             # The step's first gradient, held by nothing else: it becomes the accumulator instead
             # of being copied into it (PyTorch's AccumulateGrad steals such a gradient too).
             self.accumulators[index] = self.master_gradients[index] = incoming.pop()
         else:
-            self.master_gradients[index] = self._accumulator(index)
-            self.master_gradients[index][...] = incoming[0]
+            accumulator = self.master_gradients[index] = self._accumulator(index)
+            accumulator[...] = incoming[0]
 
-    def _can_adopt(self, index: int, incoming: list) -> bool:
+    def _can_adopt(self, index: int, incoming: list[Array]) -> bool:
         """Whether incoming[0] may become parameter index's accumulator: nothing else refers to
         it (the step changes the accumulator in place: unscale, clip, weight decay) nor to the
         accumulator it replaces, and it is a float32 array of the master's shape, type and
@@ -116,18 +119,18 @@ class Optimizer:
             and array.flags.c_contiguous
         )
 
-    def _accumulator(self, index: int) -> Any:
+    def _accumulator(self, index: int) -> Array:
         """Parameter index's float32 gradient buffer, allocated once and kept."""
-        if self.accumulators[index] is None:
+        accumulator = self.accumulators[index]
+        if accumulator is None:
             master = self.master_weights[index]
-            self.accumulators[index] = array_module(master).empty_like(master)
-        return self.accumulators[index]
+            accumulator = self.accumulators[index] = array_module(master).empty_like(master)
+        return accumulator
 
-    def step(self, grad_scale: float = 1.0) -> None:
-        """Update every master with its accumulated float32 gradient times grad_scale (1: as it
-        is, unscaled and clipped already; 1 / S: the unscale, done here), then round the masters
-        into the parameters. Parameters without a gradient are left alone; the accumulated
-        gradients are consumed."""
+    def step(self) -> None:
+        """Update every master with its accumulated float32 gradient, as it is (unscaled and
+        clipped already), then round the masters into the parameters. Parameters without a
+        gradient are left alone; the accumulated gradients are consumed."""
         pending = sum(parameter.grad is not None for parameter in self.params)
         if pending:
             raise RuntimeError(
@@ -139,22 +142,20 @@ class Optimizer:
         for index, grad in enumerate(self.master_gradients):
             if grad is None:
                 continue
-            if self.fused and fused_step(self, index, grad, grad_scale):
-                continue  # one GPU kernel: unscale, update, round into the compute copy
-            if grad_scale != 1.0:  # as unscale_ in minimp/precision/step.py
-                grad *= grad_scale
             weight_decay = self.weight_decays[index]
             self.update(self.master_weights[index], grad, self.slots[index], weight_decay)
             self._write_back(index)
         self.master_gradients = [None] * len(self.params)
 
-    def update(self, master: Any, grad: Any, slots: dict[str, Any], weight_decay: float) -> None:
+    def update(self, master: Array, grad: Array, slots: Slots, weight_decay: float) -> None:
         """The update rule on float32 arrays, in place: a whole parameter's master here, a piece
         of a shard in ZeRO (minimp/parallel/zero/optimizer.py). Every rule is elementwise, so
-        updating a piece gives the same bits as updating the whole and taking the piece."""
-        self._update(master, grad, slots, weight_decay)
+        updating a piece gives the same bits as updating the whole and taking the piece. `slots`
+        holds the master's optimizer state by name (None before the first step); the rule keeps
+        what it makes there. Subclasses call their rule's function (`sgd`, `adam` below)."""
+        raise NotImplementedError
 
-    def set_master_weight(self, index: int, array: Any) -> None:
+    def set_master_weight(self, index: int, array: Array) -> None:
         """Overwrite master `index` with array (float32) and round it into its parameter."""
         master = self.master_weights[index]
         if array is not master:
@@ -166,14 +167,6 @@ class Optimizer:
         parameter, master = self.params[index], self.master_weights[index]
         if parameter.data is not master:
             parameter.data[...] = casting.round_to(master, parameter.dtype)
-
-    def _update(self, master: Any, grad: Any, slots: dict[str, Any], weight_decay: float) -> None:
-        raise NotImplementedError
-
-    def _slot(self, slots: dict[str, Any], name: str, like: Any) -> Any:
-        if slots[name] is None:
-            slots[name] = like * 0
-        return slots[name]
 
     def state_dict(self) -> dict:
         """step_count, lr and every slot array, by parameter index (float32 arrays)."""
@@ -192,100 +185,132 @@ class Optimizer:
                 slots[name] = saved[name].astype(MASTER_DTYPE) if name in saved else None
 
 
-def _parameter_groups(params: Iterable[Any], weight_decay: float) -> tuple[list, list[float]]:
+def _parameter_groups(params: ParamsT, weight_decay: float) -> tuple[list, list[float]]:
     """(every parameter, its weight decay) from Parameters and {"params": ...} groups."""
+    # `list`, not list[Tensor]: mypy cannot type the lambdas with a default argument that
+    # minimp/lessons/overlap_timeline.py registers as hooks on these parameters.
     parameters, decays = [], []
     for item in params:
-        if isinstance(item, dict):
-            unknown = set(item) - {"params", "weight_decay"}
-            if unknown:
-                raise ValueError(f"optimizer: unknown parameter group settings {sorted(unknown)}")
-            group = list(item["params"])
-            parameters += group
-            decays += [float(item.get("weight_decay", weight_decay))] * len(group)
-        else:
-            parameters.append(item)
-            decays.append(float(weight_decay))
+        # A lone Parameter is a group of one, with the optimizer's weight decay.
+        group: dict[str, Any] = item if isinstance(item, dict) else {"params": [item]}
+        unknown = set(group) - {"params", "weight_decay"}
+        if unknown:
+            raise ValueError(f"optimizer: unknown parameter group settings {sorted(unknown)}")
+        members = list(group["params"])
+        parameters += members
+        decays += [float(group.get("weight_decay", weight_decay))] * len(members)
     return parameters, decays
 
 
+def sgd(
+    master: Array, grad: Array, momentum_buffer: Array | None,
+    *, lr: float, momentum: float, weight_decay: float,
+) -> Array | None:  # fmt: skip
+    """SGD's update rule (PyTorch's, without dampening or Nesterov) on float32 arrays, in place:
+
+        g <- g + weight_decay * w
+        b <- momentum * b + g         (b <- g on the first step: b is the momentum buffer)
+        w <- w - lr * b               (w <- w - lr * g without momentum)
+
+    Each arithmetic operation rounds once in float32, in this order; `grad` is changed too (the
+    weight decay is added into it). Returns the momentum buffer for the caller to keep: a copy of
+    the gradient when momentum_buffer is None, momentum_buffer itself otherwise.
+    """
+    if weight_decay:
+        grad += weight_decay * master
+    if momentum:
+        if momentum_buffer is None:
+            momentum_buffer = grad.copy()
+        else:
+            momentum_buffer *= momentum
+            momentum_buffer += grad
+        grad = momentum_buffer
+    master -= lr * grad
+    return momentum_buffer
+
 
 class SGD(Optimizer):
-    """w -= lr * v,  v = momentum * v + (g + weight_decay * w)   (PyTorch's SGD, no dampening)."""
+    """SGD with momentum and weight decay on the masters (the rule: `sgd`)."""
 
     slot_names = ("momentum_buffer",)
 
     def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 0.01,
-        momentum: float = 0.0,
-        weight_decay: float = 0.0,
+        self, params: ParamsT, lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0
     ):
         super().__init__(params, lr, weight_decay)
         self.momentum = momentum
 
-    def _update(self, master, grad, slots, weight_decay):
-        if weight_decay:
-            grad += weight_decay * master
-        if self.momentum:
-            buffer = slots["momentum_buffer"]
-            if buffer is None:
-                buffer = slots["momentum_buffer"] = grad.copy()
-            else:
-                buffer *= self.momentum
-                buffer += grad
-            grad = buffer
-        master -= self.lr * grad
+    def update(self, master: Array, grad: Array, slots: Slots, weight_decay: float) -> None:
+        buffer = slots["momentum_buffer"]
+        slots["momentum_buffer"] = sgd(
+            master, grad, buffer, lr=self.lr, momentum=self.momentum, weight_decay=weight_decay
+        )
+
+
+def adam(
+    master: Array, grad: Array, exp_avg: Array | None, exp_avg_sq: Array | None,
+    *, step: int, lr: float, betas: tuple[float, float], eps: float,
+    weight_decay: float, decoupled_weight_decay: bool,
+) -> tuple[Array, Array]:  # fmt: skip
+    """Adam's update rule (Kingma & Ba 2015) on float32 arrays, in place, at step number `step`
+    (1 for the first); with decoupled_weight_decay, AdamW's (Loshchilov & Hutter 2019), whose
+    decay shrinks the weight directly instead of joining the gradient:
+
+        w <- w * (1 - lr * weight_decay)     AdamW
+        g <- g + weight_decay * w            Adam
+        m <- beta1 * m + (1 - beta1) * g
+        v <- beta2 * v + (1 - beta2) * g * g
+        w <- w - lr / (1 - beta1^step) * m / ((v / (1 - beta2^step)) ** 0.5 + eps)
+
+    Each arithmetic operation on an array rounds once in float32, in this order, left to right
+    (the scalars, such as lr / (1 - beta1^step), are computed in Python floats first); `grad` is
+    changed too. m and v start as `w * 0`, made here when they are None. Returns (m, v) for the
+    caller to keep.
+    """
+    beta1, beta2 = betas
+    if weight_decay and decoupled_weight_decay:
+        master *= 1.0 - lr * weight_decay
+    elif weight_decay:
+        grad += weight_decay * master
+    exp_avg = master * 0 if exp_avg is None else exp_avg
+    exp_avg_sq = master * 0 if exp_avg_sq is None else exp_avg_sq
+    exp_avg *= beta1
+    exp_avg += (1.0 - beta1) * grad
+    exp_avg_sq *= beta2
+    exp_avg_sq += (1.0 - beta2) * grad * grad
+    correction1 = 1.0 - beta1**step
+    correction2 = 1.0 - beta2**step
+    denominator = (exp_avg_sq / correction2) ** 0.5 + eps
+    master -= (lr / correction1) * exp_avg / denominator
+    return exp_avg, exp_avg_sq
 
 
 class Adam(Optimizer):
-    """Adam (Kingma & Ba 2015) on the masters.
-    `decoupled_weight_decay=True` gives AdamW (Loshchilov & Hutter 2019): the decay shrinks the
-    weight directly instead of joining the gradient."""
+    """Adam on the masters (the rule: `adam`); `decoupled_weight_decay=True` gives AdamW."""
 
     slot_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        decoupled_weight_decay: bool = False,
-    ):
+        self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8, weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
+    ):  # fmt: skip
         super().__init__(params, lr, weight_decay)
         self.betas, self.eps = betas, eps
         self.decoupled_weight_decay = decoupled_weight_decay
 
-    def _update(self, master, grad, slots, weight_decay):
-        beta1, beta2 = self.betas
-        if weight_decay and self.decoupled_weight_decay:
-            master *= 1.0 - self.lr * weight_decay
-        elif weight_decay:
-            grad += weight_decay * master
-        exp_avg = self._slot(slots, "exp_avg", master)
-        exp_avg_sq = self._slot(slots, "exp_avg_sq", master)
-        exp_avg *= beta1
-        exp_avg += (1.0 - beta1) * grad
-        exp_avg_sq *= beta2
-        exp_avg_sq += (1.0 - beta2) * grad * grad
-        correction1 = 1.0 - beta1**self.step_count
-        correction2 = 1.0 - beta2**self.step_count
-        denominator = (exp_avg_sq / correction2) ** 0.5 + self.eps
-        master -= (self.lr / correction1) * exp_avg / denominator
+    def update(self, master: Array, grad: Array, slots: Slots, weight_decay: float) -> None:
+        slots["exp_avg"], slots["exp_avg_sq"] = adam(
+            master, grad, slots["exp_avg"], slots["exp_avg_sq"], step=self.step_count,
+            lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=weight_decay,
+            decoupled_weight_decay=self.decoupled_weight_decay,
+        )  # fmt: skip
 
 
 class AdamW(Adam):
     """Adam with decoupled weight decay (default 0.01, as in PyTorch)."""
 
     def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.01,
-    ):
+        self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8, weight_decay: float = 0.01,
+    ):  # fmt: skip
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay=True)

@@ -14,11 +14,11 @@ fuses into its kernels.
 Every cast in minimp goes through `widen` and `round_to`, so a benchmark can count them.
 """
 
-from typing import Any
-
 import ml_dtypes
 import numpy as np
+from numpy.typing import DTypeLike
 
+from minimp.backend import Array
 from minimp.precision import halfcast
 
 FLOAT16 = np.dtype(np.float16)
@@ -35,17 +35,17 @@ ACTIVATION_DTYPES = {"fp32": FLOAT32, "fp16": FLOAT16, "bf16": BFLOAT16}
 LOW_PRECISION_DTYPES = (FLOAT16, BFLOAT16)
 
 
-def is_low_precision(dtype: Any) -> bool:
+def is_low_precision(dtype: DTypeLike) -> bool:
     """True for the 16-bit floats that must not be used as accumulators."""
     return np.dtype(dtype) in LOW_PRECISION_DTYPES
 
 
-def is_floating(dtype: Any) -> bool:
+def is_floating(dtype: DTypeLike) -> bool:
     """float16, bfloat16, float32 and float64: the dtypes that can carry gradients."""
     return is_low_precision(dtype) or np.issubdtype(np.dtype(dtype), np.floating)
 
 
-def dtype_named(dtype: Any) -> np.dtype:
+def dtype_named(dtype: DTypeLike) -> np.dtype:
     """A dtype from a NumPy dtype, a type, or a name the training command uses ("fp16", "bf16",
     "fp32"); a clear ValueError for anything else."""
     if isinstance(dtype, str) and dtype.strip().lower() in ACTIVATION_DTYPES:
@@ -57,16 +57,14 @@ def dtype_named(dtype: Any) -> np.dtype:
         raise ValueError(f"unknown dtype {dtype!r}: use a NumPy dtype or one of {names}") from None
 
 
-def widen(array: Any) -> Any:
+def widen(array: Array) -> Array:
     """The array in float32 when stored in 16 bits; float32/float64 arrays come back unchanged."""
     if array.dtype in LOW_PRECISION_DTYPES:
-        if array.dtype == FLOAT16 and type(array) is np.ndarray:  # CuPy keeps its own casts
-            return halfcast.to_float32(array)
-        return array.astype(ACCUMULATE_DTYPE)
+        return round_to(array, ACCUMULATE_DTYPE)  # exact: every 16-bit value is a float32 value
     return array
 
 
-def round_to(array: Any, dtype: Any) -> Any:
+def round_to(array: Array, dtype: DTypeLike) -> Array:
     """The array rounded (to nearest, ties to even) into dtype; no copy when it is already there."""
     if array.dtype == dtype:
         return array
@@ -79,7 +77,7 @@ def round_to(array: Any, dtype: Any) -> Any:
     return array.astype(dtype)
 
 
-def result_dtype(*dtypes: Any) -> np.dtype:
+def result_dtype(*dtypes: DTypeLike) -> np.dtype:
     """The dtype of an op on inputs of these dtypes
     (NumPy's promotion; float16 with bfloat16 -> float32)."""
     try:
@@ -88,7 +86,7 @@ def result_dtype(*dtypes: Any) -> np.dtype:
         return FLOAT32
 
 
-def finite_info(dtype: Any) -> tuple[float, float, float]:
+def finite_info(dtype: DTypeLike) -> tuple[float, float, float]:
     """Largest finite value, smallest normal and smallest subnormal of a float dtype."""
     info = ml_dtypes.finfo(dtype)
     return float(info.max), float(info.smallest_normal), float(info.smallest_subnormal)

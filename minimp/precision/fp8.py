@@ -23,8 +23,6 @@ whole tensor. NaN stays NaN. The cast runs on NumPy arrays: the emulation is for
 """
 
 from dataclasses import dataclass
-from typing import Any
-
 import ml_dtypes
 import numpy as np
 
@@ -84,14 +82,14 @@ def _decoding_table(fmt: Fp8Format) -> np.ndarray:
 _DECODE = {fmt.dtype: _decoding_table(fmt) for fmt in FORMATS.values()}
 
 
-def amax(array: Any) -> float:
+def amax(array: np.ndarray) -> float:
     """max |x| of the array, in float32 (NaN when it holds a NaN, as Transformer Engine's)."""
     if array.size == 0:
         return 0.0
     return float(np.abs(widen(array)).max())
 
 
-def scale_values(array: Any, scale: float) -> np.ndarray:
+def scale_values(array: np.ndarray, scale: float) -> np.ndarray:
     """x * s in float32, rounded once: the values the cast then rounds to fp8. Quietly: a NaN stays
     NaN and a product past float32's range is inf, which the cast saturates."""
     with np.errstate(invalid="ignore", over="ignore"):
@@ -106,7 +104,7 @@ def cast_saturating(scaled: np.ndarray, fmt: Fp8Format) -> np.ndarray:
         return np.clip(scaled, -fmt.max, fmt.max).astype(fmt.dtype)
 
 
-def quantize(array: Any, scale: float, fmt: Fp8Format) -> np.ndarray:
+def quantize(array: np.ndarray, scale: float, fmt: Fp8Format) -> np.ndarray:
     """The fp8 array q = saturate(round(x * s)) in fmt, one byte per value."""
     return cast_saturating(scale_values(array, scale), fmt)
 

@@ -103,6 +103,7 @@ class NoScaling:
 
 
 RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "none": NoScaling}
+Fp8Recipe = DelayedScaling | Float8CurrentScaling | NoScaling  # any one of the three
 
 
 class Fp8Quantizer:
@@ -112,7 +113,7 @@ class Fp8Quantizer:
     `step_amax`, `underflow` (nonzero values that became 0), `saturated` (values beyond the
     format's saturation_threshold, which only the clip brought back) and `count` (all values)."""
 
-    def __init__(self, fmt: Fp8Format, recipe: Any):
+    def __init__(self, fmt: Fp8Format, recipe: Fp8Recipe):
         self.fmt, self.recipe = fmt, recipe
         self.scale = np.float32(1.0)  # TE starts every scale at 1
         self.amax_history = np.zeros(recipe.amax_history_len, FLOAT32)
@@ -123,12 +124,12 @@ class Fp8Quantizer:
         self.step_amax = np.float32(0.0)  # max |x| over this step's quantizations
         self.underflow = self.saturated = self.count = 0
 
-    def quantize(self, array: Any, record: bool = True) -> tuple[np.ndarray, np.float32]:
+    def quantize(self, array: np.ndarray, record: bool = True) -> tuple[np.ndarray, np.float32]:
         """(q, 1/s): the array in fp8 with this step's scale. `record`: count the amax and the
         values lost into this step's statistics (training does; evaluation leaves them alone)."""
         delayed = self.recipe.has_state
         tensor_amax = fp8.amax(array) if record or not delayed else 0.0
-        self.scale = self.recipe.scale_for(self.scale, tensor_amax, self.fmt)
+        self.scale = self.recipe.scale_for(float(self.scale), tensor_amax, self.fmt)
         scaled = fp8.scale_values(array, float(self.scale))
         q = fp8.cast_saturating(scaled, self.fmt)
         if record:
@@ -145,7 +146,7 @@ class Fp8Quantizer:
     def end_step(self, amax: float) -> None:
         """Take the step's amax (agreed across ranks) into the history; delayed scaling computes
         the scale of the next step from it. The statistics start again."""
-        if self.recipe.has_state:
+        if isinstance(self.recipe, DelayedScaling):  # the one recipe with state
             margin = self.recipe.margin
             self.amax_history, self.scale = delayed_scaling_update(
                 self.amax_history, amax, float(self.scale), self.fmt.max, margin
@@ -184,7 +185,7 @@ class Fp8Meta:
 
     TENSORS = ("input", "weight", "grad_output")
 
-    def __init__(self, recipe: Any):
+    def __init__(self, recipe: Fp8Recipe):
         self.recipe = recipe
         self.input = Fp8Quantizer(E4M3, recipe)
         self.weight = Fp8Quantizer(E4M3, recipe)

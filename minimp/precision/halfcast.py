@@ -22,23 +22,31 @@ one is set, or the result would read as infinity. That is what NumPy's C code do
 instruction would also set the quiet bit; NumPy, and so minimp, leaves a signalling NaN signalling.
 float16 -> float32 keeps the sign and the whole fraction, shifted up: exact, NaNs included.
 
-Which implementation runs: `use_casts("numba" | "numpy" | "astype")`, or the environment variable
-MINIMP_HALF_CASTS; the default is numba when it is installed (`pip install 'minimp[fast]'`), else
-NumPy's own astype, which beats the NumPy version below except where its slow path starts.
+Which implementation runs: the one the innermost `with casts("numba" | "numpy" | "astype"):`
+block around the cast names, in the thread that entered it; outside any block, the environment
+variable MINIMP_HALF_CASTS (read once), else numba when it is installed (`pip install
+'minimp[fast]'`), else NumPy's own astype, which beats the NumPy version below except where its
+slow path starts.
 """
 
 import os
-from typing import Any
+from contextlib import contextmanager
+from contextvars import ContextVar
+from functools import cache
+from typing import Iterator
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from minimp.precision import halfcast_numba
 
 IMPLEMENTATIONS = ("numba", "numpy", "astype")
 ENVIRONMENT_VARIABLE = "MINIMP_HALF_CASTS"
 
-# The one process-wide choice (like backend's device), so a benchmark can compare paths in one run.
-_selected = None
+# The innermost casts(...) block's choice, None outside any. A context variable, as
+# decimal.localcontext keeps its precision: each thread starts outside every block (the simulated
+# world's ranks, threads, take the default even when started inside one).
+_chosen: ContextVar[str | None] = ContextVar("minimp_half_casts", default=None)
 
 SMALL_ARRAY = 1024  # elements; below this astype is faster than a call into numba
 NUMPY_CHUNK = 65536  # elements; 256 KiB of float32 per temporary
@@ -112,22 +120,36 @@ def float16_to_float32_numpy(array: np.ndarray) -> np.ndarray:
     return (result | sign).view(np.float32)
 
 
-def use_casts(name: str) -> None:
-    """Select which implementation casting.widen / round_to use for NumPy float16 arrays."""
-    global _selected
+@contextmanager
+def casts(name: str) -> Iterator[None]:
+    """Inside the block, casting.widen and round_to convert NumPy float16 arrays with `name`
+    ("numba", "numpy" or "astype"); blocks nest, and leaving one restores the choice before it."""
+    token = _chosen.set(_checked(name))
+    try:
+        yield
+    finally:
+        _chosen.reset(token)
+
+
+def selected_casts() -> str:
+    """The implementation in use: the innermost casts(...) block's, else default_casts()."""
+    return _chosen.get() or default_casts()
+
+
+@cache  # read at the first cast outside any block, once per process
+def default_casts() -> str:
+    """MINIMP_HALF_CASTS when it is set, else numba when it is installed, else astype."""
+    default = "numba" if halfcast_numba.available() else "astype"
+    return _checked(os.environ.get(ENVIRONMENT_VARIABLE, "").strip().lower() or default)
+
+
+def _checked(name: str) -> str:
+    """name, or a ValueError unless it is an implementation this process can run."""
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"unknown float16 cast {name!r}: use one of {', '.join(IMPLEMENTATIONS)}")
     if name == "numba" and not halfcast_numba.available():
         raise ValueError("float16 cast 'numba' needs numba: pip install 'minimp[fast]'")
-    _selected = name
-
-
-def selected_casts() -> str:
-    """The implementation in use: use_casts' choice, else MINIMP_HALF_CASTS, else the fastest."""
-    if _selected is None:
-        default = "numba" if halfcast_numba.available() else "astype"
-        use_casts(os.environ.get(ENVIRONMENT_VARIABLE, "").strip().lower() or default)
-    return _selected
+    return name
 
 
 def to_float16(array: np.ndarray, implementation: str | None = None) -> np.ndarray:
@@ -140,7 +162,7 @@ def to_float32(array: np.ndarray, implementation: str | None = None) -> np.ndarr
     return _cast(array, implementation or selected_casts(), np.float32)
 
 
-def _cast(array: np.ndarray, implementation: str, dtype: Any) -> np.ndarray:
+def _cast(array: np.ndarray, implementation: str, dtype: DTypeLike) -> np.ndarray:
     # The bit tricks run over one contiguous block of memory. A transposed (Fortran-ordered) array
     # is one too; the rare strided view, and a small array, where a call costs more than the work
     # (numba's ~1.5 us against astype's ~0.3 us), take astype.
@@ -161,7 +183,7 @@ def _cast(array: np.ndarray, implementation: str, dtype: Any) -> np.ndarray:
     return flat_result.reshape(array.T.shape).T  # the same Fortran order astype would keep
 
 
-def _numpy_in_chunks(flat: np.ndarray, dtype: Any) -> np.ndarray:
+def _numpy_in_chunks(flat: np.ndarray, dtype: DTypeLike) -> np.ndarray:
     """The NumPy implementation a chunk at a time: its ~30 temporaries then stay in the L2 cache
     instead of each making a trip to memory (3-4x faster on a million elements)."""
     convert = float32_to_float16_numpy if dtype == np.float16 else float16_to_float32_numpy

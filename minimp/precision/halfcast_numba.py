@@ -11,6 +11,7 @@ from functools import cache
 from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 
 @cache
@@ -23,7 +24,7 @@ def available() -> bool:
     return True
 
 
-def cast(flat: np.ndarray, dtype: Any, parallel: bool = False) -> np.ndarray:
+def cast(flat: np.ndarray, dtype: DTypeLike, parallel: bool = False) -> np.ndarray:
     """A 1-D contiguous float32 array rounded to float16, or a float16 one widened to float32.
     parallel=True splits the loop over numba's threads (measured in benchmarks/cast_bench.py)."""
     to_float16, to_float32 = _compiled(parallel)

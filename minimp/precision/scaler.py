@@ -8,9 +8,12 @@ only moves the exponent); the optimizer divides by S again in float32 (Micikevic
 "Mixed Precision Training", 2018).
 """
 
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:  # for annotations only: minimp.tensor imports this package
+    from minimp.tensor import Tensor
 
 
 @runtime_checkable
@@ -21,8 +24,11 @@ class LossScaler(Protocol):
     hit_min_scale: bool  # True after an update that could not back off any further
     applied: bool  # True when scale() was called since the last update()
 
-    def scale(self, loss: Any) -> Any:
-        """loss * S, the tensor to call backward() on."""
+    def scale(self, loss: "Tensor") -> "Tensor":
+        """loss * S, the tensor to call backward() on (the loss is float32, so the product cannot
+        overflow where float16 would); marks the scale as applied."""
+        self.applied = True
+        return loss * self.loss_scale
 
     def update(self, found_inf: bool) -> None:
         """Adjust S after a step; found_inf must already agree across all ranks."""
@@ -45,7 +51,8 @@ def _times(scale: float, factor: float) -> float:
 
 
 def _positive_scale(name: str, value: Any) -> float:
-    """value as a float, or ValueError unless it is a positive, finite float32 number."""
+    """value as a float, or ValueError unless it is a positive, finite float32 number. Any: value
+    is whatever a caller or a loaded state gave (None for a missing field)."""
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -55,7 +62,7 @@ def _positive_scale(name: str, value: Any) -> float:
     return number
 
 
-def _count(name: str, value: Any, low: int | None) -> int:
+def _count(name: str, value: object, low: int | None) -> int:
     """value as an int (>= low unless low is None); bools, floats and strings are refused."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -77,11 +84,6 @@ class StaticLossScaler(LossScaler):
         self.loss_scale = _positive_scale("loss scale", scale)
         self.hit_min_scale = False
         self.applied = False  # scale() called since the last update (see mixed_precision_step)
-
-    def scale(self, loss: Any) -> Any:
-        """loss * S (the loss is float32, so the product cannot overflow where float16 would)."""
-        self.applied = True
-        return loss * self.loss_scale
 
     def update(self, found_inf: bool) -> None:
         """A static scaler ignores overflows; the step itself is still skipped by the caller."""
@@ -107,15 +109,13 @@ class DynamicLossScaler(LossScaler):
     min_scale)), and sets `hit_min_scale`, so the trainer can say so.
     """
 
+    # The configuration, by constructor argument (init_scale aside: the state's loss_scale is it).
+    SETTINGS = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale")
+
     def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
-        min_scale: float = 1.0,
-    ):
+        self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+        growth_interval: int = 2000, hysteresis: int = 1, min_scale: float = 1.0,
+    ):  # fmt: skip
         init_scale = _positive_scale("init_scale", init_scale)
         growth_factor = _positive_scale("growth_factor", growth_factor)
         backoff_factor = _positive_scale("backoff_factor", backoff_factor)
@@ -136,11 +136,6 @@ class DynamicLossScaler(LossScaler):
         self.hysteresis_tracker = self.hysteresis  # overflows still tolerated before a back-off
         self.hit_min_scale = False
         self.applied = False  # scale() called since the last update (see mixed_precision_step)
-
-    def scale(self, loss: Any) -> Any:
-        """loss * S, the tensor to call backward() on."""
-        self.applied = True
-        return loss * self.loss_scale
 
     def update(self, found_inf: bool) -> None:
         """Adjust the scale after a step; found_inf must already agree across all ranks."""
@@ -170,11 +165,7 @@ class DynamicLossScaler(LossScaler):
             "loss_scale": self.loss_scale,
             "growth_tracker": self.growth_tracker,
             "hysteresis_tracker": self.hysteresis_tracker,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-            "hysteresis": self.hysteresis,
-            "min_scale": self.min_scale,
+            **{name: getattr(self, name) for name in self.SETTINGS},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -183,14 +174,8 @@ class DynamicLossScaler(LossScaler):
         missing = sorted(set(self.state_dict()) - set(state))
         if missing:
             raise ValueError(f"dynamic loss scaler state lacks {missing}")
-        checked = DynamicLossScaler(
-            init_scale=state["loss_scale"],
-            growth_factor=state["growth_factor"],
-            backoff_factor=state["backoff_factor"],
-            growth_interval=state["growth_interval"],
-            hysteresis=state["hysteresis"],
-            min_scale=state["min_scale"],
-        )
+        settings = {name: state[name] for name in self.SETTINGS}
+        checked = DynamicLossScaler(init_scale=state["loss_scale"], **settings)
         checked.growth_tracker = _count("growth_tracker", state["growth_tracker"], 0)
         # Below 1 while overflows continue (each one backs off) until the scale grows again.
         checked.hysteresis_tracker = _count("hysteresis_tracker", state["hysteresis_tracker"], None)
@@ -209,7 +194,7 @@ class NoLossScaler(LossScaler):
     hit_min_scale = False
     applied = False
 
-    def scale(self, loss: Any) -> Any:
+    def scale(self, loss: "Tensor") -> "Tensor":
         return loss
 
     def update(self, found_inf: bool) -> None:

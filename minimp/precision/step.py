@@ -8,18 +8,19 @@ starts by waiting for what is still in flight; the first check then looks at the
 
 A step whose gradients hold any inf or NaN (on any rank) is skipped whole: masters, optimizer state
 (Adam's step count included) and the compute copies stay exactly as they were; only the loss scaler
-hears about it. Other classes each do one part: the optimizer accumulates and updates, the scaler
-picks the scale, a `GradientSync` (data parallelism, pipelines) agrees and reduces across ranks.
+hears about it. Other classes each do one part: the optimizer accumulates and updates (what the
+step needs of it is `MixedPrecisionOptimizer`), the scaler picks the scale, a `GradientSync` (data
+parallelism, pipelines) agrees and reduces across ranks.
 """
 
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import numpy
 
-from minimp.backend import array_module
+from minimp.backend import Array, array_module
 from minimp.precision.scaler import LossScaler
 
 
@@ -28,6 +29,22 @@ class StepResult:
     skipped: bool  # True when a non-finite gradient was found (on any rank) and nothing was updated
     loss_scale: float  # the scale this step's gradients were computed with
     grad_norm: float | None  # norm of the unscaled gradients when clipping (inf if skipped)
+
+
+class MixedPrecisionOptimizer(Protocol):
+    """What mixed_precision_step needs of an optimizer (optim.Optimizer and ZeRO's
+    ShardedOptimizer both satisfy it): float32 gradient sums the step may check, reduce, unscale
+    and clip in place, then the update, then forgetting."""
+
+    def accumulate_gradients(self) -> list[Array | None]:
+        """Move the parameters' gradients into float32 sums; returns the sums (None where no
+        gradient arrived), which step() then updates with as they are."""
+
+    def step(self) -> None:
+        """Update the float32 masters with the sums, and round them into the compute copies."""
+
+    def zero_grad(self) -> None:
+        """Forget the gradients: the parameters' and this step's sums."""
 
 
 class GradientSync(Protocol):
@@ -52,12 +69,12 @@ class GradientSync(Protocol):
     def any_rank(self, found_inf: bool) -> bool:
         """True on every rank when it is True on any rank of the job (one decision for all)."""
 
-    def reduce(self, gradients: list) -> None:
+    def reduce(self, gradients: list[Array | None]) -> None:
         """Replace each float32 gradient, in place, by its mean over the data-parallel replicas.
         ZeRO replaces the list's contents instead: with this rank's pieces of the mean, which
         are all the rest of the step (unscale, clip, update) then touches."""
 
-    def global_squared_norm(self, gradients: Sequence[Any]) -> float:
+    def global_squared_norm(self, gradients: Sequence[Array | None]) -> float:
         """The squared norm of the whole model's gradient: this rank's part plus the parts of the
         ranks that hold other parameters (pipeline stages), each parameter counted once, so every
         rank clips by the same norm."""
@@ -69,14 +86,14 @@ class SingleProcess(GradientSync):
     def any_rank(self, found_inf: bool) -> bool:
         return found_inf
 
-    def reduce(self, gradients: list) -> None:
+    def reduce(self, gradients: list[Array | None]) -> None:
         pass
 
-    def global_squared_norm(self, gradients: Sequence[Any]) -> float:
+    def global_squared_norm(self, gradients: Sequence[Array | None]) -> float:
         return squared_norm(gradients)
 
 
-def all_finite(arrays: Sequence[Any]) -> bool:
+def all_finite(arrays: Sequence[Array | None]) -> bool:
     """True when no array holds inf or NaN (checked on the float32 gradients: cheap and exact).
 
     One read of every element and one answer per step: each float32/float64 array's sum of
@@ -101,12 +118,12 @@ def all_finite(arrays: Sequence[Any]) -> bool:
     return bool(xp.isfinite(total)) or _each_finite(present)
 
 
-def _each_finite(arrays: Sequence[Any]) -> bool:
+def _each_finite(arrays: Sequence[Array]) -> bool:
     """all_finite, element by element: an isfinite pass over every array."""
     return all(bool(array_module(array).isfinite(array).all()) for array in arrays)
 
 
-def squared_norm(arrays: Sequence[Any]) -> float:
+def squared_norm(arrays: Sequence[Array | None]) -> float:
     """Sum of squares over all arrays: float32 dot products per array, added in float64."""
     total = 0.0
     for array in arrays:
@@ -116,23 +133,20 @@ def squared_norm(arrays: Sequence[Any]) -> float:
     return total
 
 
-def global_norm(arrays: Sequence[Any]) -> float:
+def global_norm(arrays: Sequence[Array | None]) -> float:
     """sqrt(sum of squares) over all arrays (the L2 norm of them all as one vector)."""
     return math.sqrt(squared_norm(arrays))
 
 
-def unscale_(gradients: Sequence[Any], loss_scale: float) -> None:
+def unscale_(gradients: Sequence[Array | None], loss_scale: float) -> None:
     """Divide every gradient by the loss scale, in place, in float32: values that were subnormal
     (or zero) in float16 are normal float32 numbers after the division."""
     if loss_scale != 1.0:
-        inverse_scale = 1.0 / loss_scale  # exact: the scale is a power of two
-        for grad in gradients:
-            if grad is not None:
-                grad *= inverse_scale
+        _multiply_(gradients, 1.0 / loss_scale)  # 1 / S is exact: the scale is a power of two
 
 
 def clip_grad_norm_(
-    gradients: Sequence[Any], max_norm: float | None, sync: GradientSync
+    gradients: Sequence[Array | None], max_norm: float | None, sync: GradientSync
 ) -> float | None:
     """Scale the gradients so their global norm is at most max_norm
     (PyTorch's clip_grad_norm_: factor max_norm / (norm + 1e-6) when the norm is larger);
@@ -141,11 +155,15 @@ def clip_grad_norm_(
         return None
     norm = math.sqrt(sync.global_squared_norm(gradients))
     if norm > max_norm:
-        factor = max_norm / (norm + 1e-6)
-        for grad in gradients:
-            if grad is not None:
-                grad *= factor
+        _multiply_(gradients, max_norm / (norm + 1e-6))
     return norm
+
+
+def _multiply_(gradients: Sequence[Array | None], factor: float) -> None:
+    """Every gradient times factor, in place, in float32 (unscale_'s and clip_grad_norm_'s)."""
+    for grad in gradients:
+        if grad is not None:
+            grad *= factor
 
 
 SINGLE_PROCESS = SingleProcess()
@@ -164,7 +182,7 @@ def _warn_if_scale_unused(loss_scaler: LossScaler, sync: GradientSync) -> None:
 
 
 def mixed_precision_step(
-    optimizer: Any,
+    optimizer: MixedPrecisionOptimizer,
     loss_scaler: LossScaler,
     max_grad_norm: float | None = None,
     sync: GradientSync = SINGLE_PROCESS,

@@ -15,26 +15,29 @@ gradients it updates with are its chunks of the mean over the ranks, which the Z
            them when they run (minimp/parallel/zero/stage3.py)
 
 Its part of the mixed-precision step is the optimizer's: `accumulate_gradients()`, `step()`,
-`zero_grad()`. `step()` updates every piece with `Optimizer.update` (elementwise, so a piece gets
-the bits the whole parameter would), rounds the chunks into the compute dtype and, in stages 1 and
+`zero_grad()`. `step()` updates every piece with `Optimizer.update`, the wrapped optimizer's rule
+(minimp/optim/optimizer.py's `sgd` or `adam`: elementwise, so a piece gets the bits the whole
+parameter would), rounds the chunks into the compute dtype and, in stages 1 and
 2, all-gathers them into every rank's whole compute copies.
 """
 
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from minimp.backend import array_module
+from minimp.backend import Array, array_module
 from minimp.distributed import gather_named_arrays
 from minimp.distributed.protocol import Communicator
 from minimp.distributed.ring import ring_all_gather_inplace
 from minimp.optim import Optimizer
 from minimp.measure.accounts import BytesSent
-from minimp.parallel.zero.layout import ZeroLayout
+from minimp.parallel.zero.layout import Piece, ZeroLayout
 from minimp.precision.casting import MASTER_DTYPE, round_to
+from minimp.precision.step import MixedPrecisionOptimizer
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(MixedPrecisionOptimizer):
     """Masters, slots (and, from stage 2, gradient sums) of this rank's chunks; see the module."""
 
     def __init__(
@@ -75,7 +78,7 @@ class ShardedOptimizer:
         optimizer.master_weights = [None] * len(self.params)  # the whole masters are not kept
         optimizer.slots = [dict.fromkeys(optimizer.slot_names) for _ in self.params]
 
-    def _cut(self, unit: int, arrays: list, xp: Any) -> Any:
+    def _cut(self, unit: int, arrays: list, xp: ModuleType) -> Array:
         """This rank's chunk of a unit, copied out of whole per-parameter arrays (float32)."""
         chunk = xp.empty(self.layout.chunk_size(unit), MASTER_DTYPE)
         for piece in self.layout.pieces[unit]:
@@ -102,7 +105,7 @@ class ShardedOptimizer:
         return {"step_count": self.step_count, "lr": self.lr}
 
     # ----- the optimizer's part of the step ---------------------------------------------------
-    def accumulate_gradients(self) -> list[Any]:
+    def accumulate_gradients(self) -> list[Array | None]:
         """Stage 1: each parameter's 16-bit gradient into its whole float32 accumulator, as
         Optimizer does; returns them. Stages 2-3: the gradients were reduce-scattered during
         backward; returns this rank's gradient pieces (see `gradient_pieces`)."""
@@ -116,7 +119,7 @@ class ShardedOptimizer:
             )
         return self.gradient_pieces()
 
-    def gradient_pieces(self) -> list[Any]:
+    def gradient_pieces(self) -> list[Array]:
         """This rank's gradients, one float32 view per piece (layout order): of the whole
         accumulators in stage 1, of `gradient_chunks` from stage 2. A unit no gradient reached
         this step gives zeros, as data parallelism's all-reduce does."""
@@ -126,7 +129,7 @@ class ShardedOptimizer:
                 pieces.append(self._gradient_piece(unit, piece))
         return pieces
 
-    def _gradient_piece(self, unit: int, piece: Any) -> Any:
+    def _gradient_piece(self, unit: int, piece: Piece) -> Array:
         if self.stage == 1:
             return _part(self.inner.accumulators[piece.index], piece, copy=False)
         if self.fresh[unit]:
@@ -134,7 +137,7 @@ class ShardedOptimizer:
             self.fresh[unit] = False
         return self.gradient_chunks[unit][piece.offset : piece.offset + piece.size]
 
-    def add_reduced(self, unit: int, chunk: Any) -> None:
+    def add_reduced(self, unit: int, chunk: Array) -> None:
         """Stages 2-3: add one micro-batch's reduced chunk of a unit into this rank's sums
         (float32; the first of the step is copied, so one micro-batch gives its exact bits)."""
         if self.fresh[unit]:
@@ -164,7 +167,7 @@ class ShardedOptimizer:
                 continue
             self._unpack(unit, self._gathered(unit))
 
-    def _gathered(self, unit: int) -> Any:
+    def _gathered(self, unit: int) -> Array:
         """The unit's whole compute copy, flat: all-gathered from every rank's chunk."""
         rounded = round_to(self.masters[unit], self.dtype)
         if self.gather_buffer is None:  # one rank: the chunk is the unit
@@ -176,7 +179,7 @@ class ShardedOptimizer:
             ring_all_gather_inplace(self.comm, flat, self.layout.bounds[unit])
         return flat
 
-    def _unpack(self, unit: int, flat: Any) -> None:
+    def _unpack(self, unit: int, flat: Array) -> None:
         spec = self.layout.units[unit]
         for index, begin, size in zip(spec.indices, spec.offsets(), spec.sizes):
             self.params[index].data.reshape(-1)[...] = flat[begin : begin + size]
@@ -219,7 +222,7 @@ class ShardedOptimizer:
         }
 
 
-def _part(array: Any, piece: Any, copy: bool = True) -> Any:
+def _part(array: Array | None, piece: Piece, copy: bool = True) -> Array | None:
     """A piece of a whole per-parameter array (flattened); None stays None."""
     if array is None:
         return None
