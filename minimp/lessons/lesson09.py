@@ -9,6 +9,7 @@ import numpy as np
 from minimp.lessons.checking import Report, call, close, expect
 from minimp.lessons.lesson05 import _run
 from minimp.train import TrainConfig, train
+from minimp.train.sizes import parameter_count
 
 
 def zero_bytes(stage: int, p: int) -> float:
@@ -67,7 +68,7 @@ def check_dp_bytes_sent(dp_bytes_sent: Callable[[int, int, int], float],
         )
         def _():
             config = dict(hidden=32, layers=2, grad_comm_dtype=wire)
-            parameters = TrainConfig(**config).parameter_count()  # type: ignore[arg-type]
+            parameters = parameter_count(TrainConfig(**config))  # type: ignore[arg-type]
             itemsize = 4 if wire == "fp32" else 2
             got = float(call(dp_bytes_sent, parameters, p, itemsize))
             measured = float(np.mean(measured_bytes_per_step(p, **config)))
