@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 from numpy.typing import ArrayLike
 
+from minimp import backend
 from minimp.backend import Array
 from minimp.distributed.protocol import (
     REDUCE_OPS,
@@ -113,15 +114,17 @@ class SimulatedWorld:
         self.condition.notify_all()
 
     def run(self, fn: Callable[..., Any], *args: object) -> list:
-        """Run fn(comm, *args) on every rank.
+        """Run fn(comm, *args) on every rank, each on the device current where run was called.
         Returns the results in rank order, or raises the first rank's exception."""
         results: list = [None] * self.size
         errors: dict[int, BaseException] = {}
+        device = backend.current_device()  # a thread starts on MINIMP_DEVICE's: hand it the caller's
 
         def body(rank: int) -> None:
             try:
-                comm = SimulatedCommunicator(self, rank, list(range(self.size)), ())
-                results[rank] = fn(comm, *args)
+                with device:
+                    comm = SimulatedCommunicator(self, rank, list(range(self.size)), ())
+                    results[rank] = fn(comm, *args)
                 how = "returned"
             except BaseException as error:  # noqa: BLE001 - reported to the caller below
                 errors[rank] = error
