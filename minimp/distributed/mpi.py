@@ -10,7 +10,7 @@ are when the MPI library is CUDA-aware, and through host memory otherwise.
 import ctypes
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -203,12 +203,9 @@ class MPICommunicator(Communicator):
         self._comm.Barrier()
         self.waiting = None
 
-    def ranks_on_this_node(self) -> int:
-        """How many ranks of this communicator share this machine (MPI_COMM_TYPE_SHARED)."""
-        return self.node_rank_and_size()[1]
-
     def node_rank_and_size(self) -> tuple[int, int]:
-        """(this rank's number among the ranks on its machine, how many there are)."""
+        """(this rank's number among the ranks on its machine, how many there are): the ranks of
+        this communicator that share memory (MPI_COMM_TYPE_SHARED)."""
         local = self._comm.Split_type(self._MPI.COMM_TYPE_SHARED)
         try:
             return local.Get_rank(), local.Get_size()
@@ -225,7 +222,7 @@ class MPICommunicator(Communicator):
             self._watchdog.watch(child)
         return child
 
-    def abort(self, code: int = 1) -> None:
+    def abort(self, code: int = 1) -> NoReturn:
         """End every process of the job (MPI_Abort on COMM_WORLD)."""
         self._MPI.COMM_WORLD.Abort(code)
 

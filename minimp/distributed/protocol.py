@@ -6,7 +6,7 @@ this Protocol only, so the same code runs in a notebook, in a test and on a clus
 """
 
 from enum import IntEnum
-from typing import Protocol, runtime_checkable
+from typing import NoReturn, Protocol, runtime_checkable
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -89,7 +89,8 @@ class Communicator(Protocol):
     Arrays travel as their bytes (`byte_view`): they must be C-contiguous, and a receive
     buffer must have exactly the size of the message. Large sends may wait for their
     receiver (MPI's rendezvous protocol), so a pair of ranks that exchange data uses
-    `sendrecv`, never send-then-receive on both sides.
+    `sendrecv`, never send-then-receive on both sides. recv, sendrecv and ranks_on_this_node have
+    default bodies written with the other methods; a communicator may override them (MPI's does).
     """
 
     rank: int
@@ -102,7 +103,9 @@ class Communicator(Protocol):
         """Send the array's bytes to rank dest."""
 
     def recv(self, array: Array, source: int, tag: int = 0) -> None:
-        """Receive a message from rank source into array (in place)."""
+        """Receive a message from rank source into array (in place). By default an irecv waited
+        for at once (MPI_Recv's meaning)."""
+        self.irecv(array, source, tag).wait()
 
     def isend(self, array: Array, dest: int, tag: int = 0) -> Request:
         """Start sending the array's bytes to rank dest and return at once (MPI_Isend)."""
@@ -119,7 +122,13 @@ class Communicator(Protocol):
         tag: int = 0,
         recv_tag: int | None = None,
     ) -> None:
-        """Send to dest and receive from source at once (recv_tag defaults to tag)."""
+        """Send to dest and receive from source at once (recv_tag defaults to tag). By default an
+        irecv and an isend started together, then both waited for (MPI_Sendrecv's meaning), so no
+        order of the two can deadlock."""
+        receive = self.irecv(recv_array, source, tag if recv_tag is None else recv_tag)
+        send = self.isend(send_array, dest, tag)
+        receive.wait()
+        send.wait()
 
     def bcast(self, array: Array, root: int = 0) -> None:
         """Overwrite array on every rank with root's."""
@@ -134,10 +143,11 @@ class Communicator(Protocol):
         """Sub-groups as MPI_Comm_split: one per color, ranked by (key, old rank)."""
 
     def ranks_on_this_node(self) -> int:
-        """How many ranks of the group share this machine's cores."""
+        """How many ranks of the group share this machine's cores (node_rank_and_size's count)."""
+        return self.node_rank_and_size()[1]
 
     def node_rank_and_size(self) -> tuple[int, int]:
         """(this rank's number among the ranks on its machine, how many there are)."""
 
-    def abort(self, code: int = 1) -> None:
+    def abort(self, code: int = 1) -> NoReturn:
         """End the whole job (every rank) with this exit status."""

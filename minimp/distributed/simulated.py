@@ -10,14 +10,15 @@ whom, instead of hanging.
 
 The world's shared state comes first (mailboxes, the message trace, posted receives, and the
 deadlock detector that names who waits on whom), then the requests, then a rank's communicator.
-Every operation is a non-blocking one waited for: a blocking send or receive waits at once.
+Every operation is a non-blocking one waited for: send, recv and sendrecv wait at once (recv and
+sendrecv are the Protocol's default bodies).
 """
 
 import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -118,7 +119,7 @@ class SimulatedWorld:
         Returns the results in rank order, or raises the first rank's exception."""
         results: list = [None] * self.size
         errors: dict[int, BaseException] = {}
-        device = backend.current_device()  # a thread starts on MINIMP_DEVICE's: hand it the caller's
+        device = backend.current_device()  # a new thread would start on MINIMP_DEVICE's
 
         def body(rank: int) -> None:
             try:
@@ -220,10 +221,6 @@ class SimulatedCommunicator(Communicator):
     """A rank's view of a SimulatedWorld, or of a group split from it.
     Same API as MPICommunicator."""
 
-    # What a blocking send waits for, as MPI_Send does: nothing for an eager message, the receiver
-    # for a larger one.
-    SEND = "send {nbytes} bytes to rank {dest} (rendezvous: needs a matching receive)"
-
     def __init__(self, world: SimulatedWorld, rank: int, members: list[int], context: tuple):
         self.world, self.members, self.context = world, members, context
         self.rank, self.size = rank, len(members)  # rank within this group
@@ -266,10 +263,10 @@ class SimulatedCommunicator(Communicator):
         return SimulatedRequest(self, lambda: eager or envelope.taken, lambda: None, what)
 
     def send(self, array: Array, dest: int, tag: int = 0) -> None:
-        self._start_send(array, dest, tag, self.SEND).wait()
-
-    def recv(self, array: Array, source: int, tag: int = 0) -> None:
-        self.irecv(array, source, tag).wait()
+        """Returns at once for an eager message and once the receiver has taken a larger one
+        (rendezvous), as MPI_Send does."""
+        what = "send {nbytes} bytes to rank {dest} (rendezvous: needs a matching receive)"
+        self._start_send(array, dest, tag, what).wait()
 
     def isend(self, array: Array, dest: int, tag: int = 0) -> SimulatedRequest:
         """The bytes are copied and posted now; wait() returns at once for an eager message and
@@ -290,21 +287,6 @@ class SimulatedCommunicator(Communicator):
                 self.world.posted[key].append(posted)
         what = f"receive from rank {self.members[source]} (tag {tag})"
         return SimulatedRequest(self, lambda: posted.done, posted.raise_if_wrong, what)
-
-    def sendrecv(
-        self,
-        send_array: Array,
-        dest: int,
-        recv_array: Array,
-        source: int,
-        tag: int = 0,
-        recv_tag: int | None = None,
-    ) -> None:
-        """Both started, then both waited for (MPI_Sendrecv's meaning): no order can deadlock."""
-        receive = self.irecv(recv_array, source, tag if recv_tag is None else recv_tag)
-        send = self._start_send(send_array, dest, tag, self.SEND)
-        receive.wait()
-        send.wait()
 
     def bcast(self, array: Array, root: int = 0) -> None:
         """Root sends to every other rank (a linear broadcast: simple to read in a trace)."""
@@ -344,11 +326,9 @@ class SimulatedCommunicator(Communicator):
     def barrier(self) -> None:
         self._collective(None)
 
-    def ranks_on_this_node(self) -> int:
-        """Simulated ranks are threads sharing one process (and its BLAS thread pool): count one."""
-        return 1
-
     def node_rank_and_size(self) -> tuple[int, int]:
+        """Simulated ranks are threads sharing one process (and its BLAS thread pool): each counts
+        as the one rank of its node, so it takes every core."""
         return 0, 1
 
     def split(self, color: int, key: int = 0) -> "SimulatedCommunicator":
@@ -361,5 +341,5 @@ class SimulatedCommunicator(Communicator):
             self.world, rank, members, self.context + ((self._collective_calls, color),)
         )
 
-    def abort(self, code: int = 1) -> None:
+    def abort(self, code: int = 1) -> NoReturn:
         raise SystemExit(code)
