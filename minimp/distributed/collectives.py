@@ -27,10 +27,8 @@ def naive_allreduce(
 def naive_allreduce_into(
     comm: Communicator, x_flat: Array, flat: Array, op: str = "sum", root: int = 0
 ) -> None:
-    """naive_allreduce's messages and additions alone, from x_flat into flat (no checks)."""
+    """naive_allreduce's messages and additions alone, from x_flat into flat (p >= 2; no checks)."""
     flat[...] = x_flat
-    if comm.size == 1:
-        return
     if comm.rank == root:
         total = widen(flat)  # float32: flat itself; 16-bit: a float32 copy to sum into
         incoming = array_module(flat).empty_like(flat)
@@ -60,7 +58,8 @@ def recursive_doubling_allreduce(
 def recursive_doubling_into(
     comm: Communicator, x_flat: Array, flat: Array, op: str = "sum"
 ) -> None:
-    """recursive_doubling_allreduce's messages and additions alone, from x_flat into flat."""
+    """recursive_doubling_allreduce's messages and additions alone, from x_flat into flat (p >= 2:
+    every rank below 2^k exchanges at least once, so flat holds its result)."""
     p, r = comm.size, comm.rank
     power = 1 << (p.bit_length() - 1)  # the largest power of two <= p
     extra = p - power
@@ -84,8 +83,6 @@ def recursive_doubling_into(
         lower, higher = (current, incoming) if r < partner else (incoming, current)
         reduce_into(flat, higher, op, first=lower)
         current, distance = flat, distance * 2
-    if current is not flat:  # one rank: nothing was reduced
-        flat[...] = x_flat
     if r < extra:
         comm.send(flat, r + power, tag=Tag.DOUBLING_UNFOLD)
 

@@ -10,6 +10,7 @@ are when the MPI library is CUDA-aware, and through host memory otherwise.
 import ctypes
 import os
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
@@ -231,24 +232,17 @@ class MPICommunicator(Communicator):
         self.messages_sent += 1
 
 
+@dataclass(eq=False)
 class MPIRequest:
-    """An MPI request and the buffer it uses, held until it is complete (then dropped: the memory
-    pool reuses what nobody holds); wait() is watched by the communicator's watchdog like any
-    blocking call. A receive's message must fill its buffer exactly, and a host copy of a device
-    array goes back to the device."""
+    """An MPI request and the buffer it uses; wait() is watched by the communicator's watchdog like
+    any blocking call. A receive's message must fill its buffer exactly, and a host copy of a
+    device array goes back to the device."""
 
-    def __init__(
-        self,
-        comm: MPICommunicator,
-        request: "MPI.Request",
-        buffer: Array,
-        what: str,
-        receive: tuple[Array, int] | None = None,
-    ):
-        """receive: for a receive, (the array it is for, the rank it comes from)."""
-        self.comm, self.request, self.what = comm, request, what
-        self.buffer: Array | None = buffer  # None once complete
-        self.receive = receive
+    comm: MPICommunicator
+    request: "MPI.Request"
+    buffer: Array | None  # held until complete, then None: the memory pool reuses what nobody holds
+    what: str  # what the watchdog says this rank waits for
+    receive: tuple[Array, int] | None = None  # a receive's array and the rank it comes from
 
     def wait(self) -> None:
         if self.buffer is None:

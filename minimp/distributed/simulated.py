@@ -170,18 +170,16 @@ class PostedReceive:
             raise self.error
 
 
+@dataclass(eq=False)
 class SimulatedRequest:
     """A simulated non-blocking operation: complete when `done()` holds (checked under the world's
-    lock); wait() blocks like any simulated call, with deadlock detection."""
+    lock); wait() blocks like any simulated call, with deadlock detection, then calls `finish()`
+    (a receive raises its error there)."""
 
-    def __init__(
-        self,
-        comm: "SimulatedCommunicator",
-        done: Callable[[], bool],
-        finish: Callable[[], None],
-        what: str,
-    ):
-        self.comm, self.done, self.finish, self.what = comm, done, finish, what
+    comm: "SimulatedCommunicator"
+    done: Callable[[], bool]
+    finish: Callable[[], None]
+    what: str  # what a deadlock report says the rank waits to do
 
     def wait(self) -> None:
         world = self.comm.world
