@@ -2,10 +2,10 @@
 allocate them.
 
 Every other file asks this one for `xp` instead of importing numpy or cupy for array work, so one
-code path serves both devices. Operations follow their inputs (`array_module(x)`); only an array made
-from nothing (`to_device`, `current_device().xp.zeros`) asks for the current device. A `Device` is a
-value: 'cpu' or 'gpu', and whether ops take NumPy arrays from the caching allocator (`memory_pool`,
-minimp/memory_pool.py). This thread's current device is, innermost first:
+code path serves both devices. Operations follow their inputs (`array_module(x)`); only an array
+made from nothing (`to_device`, `current_device().xp.zeros`) asks for the current device. A
+`Device` is a value: 'cpu' or 'gpu', and whether ops take NumPy arrays from the caching allocator
+(`memory_pool`, minimp/memory_pool.py). This thread's current device is, innermost first:
 
     with backend.Device("gpu"):                      # in the block, as `with torch.device("cuda"):`
     with backend.Device("cpu", memory_pool=False):   # NumPy, every array allocated afresh
@@ -17,6 +17,7 @@ choice is per thread, as CUDA's current device is: nothing module-wide changes. 
 world's ranks are threads, and `simulate` runs each under the device current where it was called.
 """
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass
@@ -86,13 +87,12 @@ class Device:
 
 
 class _ThreadState(threading.local):
-    """What one thread chose: its devices, MINIMP_DEVICE's (else 'cpu') first and the innermost
-    last; its caching allocator (one per thread: each rank of the simulated world is a thread, and
-    a pool used by one thread needs no lock)."""
+    """What one thread chose: its devices, the innermost last (MINIMP_DEVICE's first, once asked);
+    its caching allocator (one per thread: each rank of the simulated world is a thread, and a
+    pool used by one thread needs no lock)."""
 
     def __init__(self) -> None:
-        name = os.environ.get(DEVICE_ENVIRONMENT_VARIABLE, "cpu").strip().lower() or "cpu"
-        self.devices = [Device(name)]
+        self.devices: list[Device] = []
         self.pool = MemoryPool()
 
 
@@ -101,6 +101,9 @@ _thread = _ThreadState()
 
 def current_device() -> Device:
     """This thread's device: the innermost `with device:` or use_device, else MINIMP_DEVICE's."""
+    if not _thread.devices:  # read when first asked, not at import: a bad name fails only then
+        name = os.environ.get(DEVICE_ENVIRONMENT_VARIABLE, "cpu").strip().lower() or "cpu"
+        _thread.devices.append(Device(name))
     return _thread.devices[-1]
 
 
@@ -112,9 +115,10 @@ def check_device(name: str) -> None:
 
 def use_device(name: str, local_rank: int = 0) -> None:
     """Make 'cpu' (NumPy) or 'gpu' (CuPy) this thread's device until its innermost `with` block
-    ends (for good outside any), keeping the memory-pool setting; raises DeviceError when impossible.
-    On a GPU machine, rank `local_rank` of this machine takes GPU local_rank % count (CUDA's current
-    device of this thread, as torch.cuda.set_device), so several ranks may share one GPU."""
+    ends (for good outside any), keeping the memory-pool setting; raises DeviceError when
+    impossible. On a GPU machine, rank `local_rank` of this machine takes GPU local_rank % count
+    (CUDA's current device of this thread, as torch.cuda.set_device), so several ranks may share
+    one GPU."""
     device = Device(name, current_device().memory_pool)
     if name == "gpu":
         cupy = device.xp
@@ -193,13 +197,10 @@ def available_cores() -> int:
 
 def available_memory() -> int:
     """Bytes of memory this machine can still give (MemAvailable on Linux; else all of it)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo") as meminfo:  # none off Linux
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
