@@ -14,8 +14,8 @@ from minimp.distributed.simulated import DeadlockError, SimulatedWorld
 
 
 def test_a_new_world_waits_60_seconds_by_default_and_has_diagnosed_nothing():
-    """simulate()'s default timeout is 60 s and so is SimulatedWorld's; a fresh world has no deadlock
-    (None, not some other falsy value), no waiting or finished ranks, no sends counted."""
+    """simulate()'s default timeout is 60 s and so is SimulatedWorld's; a fresh world has no
+    deadlock (None, not some other falsy value), no waiting or finished ranks, no sends counted."""
     state = SimulatedWorld(3)
     assert state.timeout == 60.0
     assert state.deadlock is None

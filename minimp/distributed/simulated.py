@@ -10,7 +10,7 @@ whom, instead of hanging.
 
 The world's shared state comes first (mailboxes, the message trace, posted receives, and the
 deadlock detector that names who waits on whom), then the requests, then a rank's communicator.
-Every operation is a non-blocking one waited for: send, recv and sendrecv wait at once (recv and
+A blocking message is a non-blocking one waited for at once: send, recv and sendrecv (recv and
 sendrecv are the Protocol's default bodies).
 """
 

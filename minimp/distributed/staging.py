@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 class DeviceCopies(Protocol):
-    """The four things staging asks of a device (CuPy here; a counting fake in the tests)."""
+    """The five things staging asks of a device (CuPy here; a counting fake in the tests)."""
 
     def pinned_empty(self, size: int, dtype: DTypeLike) -> np.ndarray:
         """A flat host array in page-locked memory."""
