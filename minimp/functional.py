@@ -37,7 +37,7 @@ def linear(
     (ops.Fp8Linear)."""
     if fp8_meta is not None:
         if bias is None:  # a constant zero bias: the fused op always adds one
-            bias = Tensor(backend.default_xp().zeros(weight.shape[0], weight.dtype))
+            bias = Tensor(backend.current_device().xp.zeros(weight.shape[0], weight.dtype))
         return ops.Fp8Linear.apply(x, weight, bias, meta=fp8_meta)
     if bias is not None:
         return ops.Linear.apply(x, weight, bias)

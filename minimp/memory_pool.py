@@ -18,9 +18,11 @@ as threads, and a pool scanned by one thread only needs no lock.
 """
 
 import sys
-from typing import Any
+from types import ModuleType
+from typing import Any, Iterator
 
 import numpy
+from numpy.typing import DTypeLike
 
 # Past this, freed arrays are dropped instead of cached: a run whose shapes keep changing (batches
 # of other sizes, evaluation) would otherwise keep a block of every shape it ever saw.
@@ -43,12 +45,10 @@ def held_only_by(holder: list, index: int, others: int = 0) -> bool:
     return _reference_count(holder, index) <= _FREE_REFERENCE_COUNT + others
 
 
-def _first_free(arrays: list, start: int = 0) -> int:
-    """Index of the first array from `start` on that nobody but the list holds, or -1."""
-    for index in range(start, len(arrays)):
-        if _reference_count(arrays, index) <= _FREE_REFERENCE_COUNT:
-            return index
-    return -1
+def _free_indices(arrays: list) -> Iterator[int]:
+    """Indices of the arrays that nobody but the list holds, first to last, each checked when it
+    is reached (a caller that stops at the first checks no more)."""
+    return (index for index in range(len(arrays)) if held_only_by(arrays, index))
 
 
 class MemoryPool:
@@ -65,18 +65,15 @@ class MemoryPool:
         self.hits = self.misses = 0  # requests served from the pool / by a new allocation
         self._arrays: dict[tuple, list] = {}
 
-    def empty(self, shape: tuple[int, ...], dtype: Any, xp: Any = numpy) -> Any:
+    def empty(self, shape: tuple[int, ...], dtype: DTypeLike, xp: ModuleType = numpy) -> Any:
         """An uninitialised array of this shape and dtype that shares memory with no live array."""
-        dtype = numpy.dtype(dtype)
-        key = (xp.__name__, tuple(shape), dtype)
+        key = (xp.__name__, tuple(shape), numpy.dtype(dtype))
         arrays = self._arrays.setdefault(key, [])
-        index = _first_free(arrays)
-        if index >= 0:
+        for index in _free_indices(arrays):  # the first free one, if there is one
             self.hits += 1
             # Least recently handed out first: in-use arrays gather at the end of the list.
-            array = arrays.pop(index)
-            arrays.append(array)
-            return array
+            arrays.append(arrays.pop(index))
+            return arrays[-1]
         self.misses += 1
         array = xp.empty(shape, dtype)
         if self.pooled_bytes + array.nbytes > self.max_bytes:
@@ -93,21 +90,14 @@ class MemoryPool:
 
     def free_bytes(self) -> int:
         """Bytes of pooled arrays that nobody holds now (ready to be handed out again)."""
-        total = 0
-        for arrays in self._arrays.values():
-            index = _first_free(arrays)
-            while index >= 0:
-                total += arrays[index].nbytes
-                index = _first_free(arrays, index + 1)
-        return total
+        pools = self._arrays.values()
+        return sum(arrays[index].nbytes for arrays in pools for index in _free_indices(arrays))
 
     def release_free(self) -> None:
         """Drop every array nobody holds (PyTorch's empty_cache); arrays in use stay pooled."""
-        for key in list(self._arrays):
-            arrays = self._arrays[key]
-            index = _first_free(arrays)
-            while index >= 0:
+        for key, arrays in list(self._arrays.items()):
+            # From the last to the first: popping one leaves the indices before it in place.
+            for index in reversed(list(_free_indices(arrays))):
                 self.pooled_bytes -= arrays.pop(index).nbytes
-                index = _first_free(arrays, index)
             if not arrays:
                 del self._arrays[key]

@@ -23,9 +23,8 @@ if HAS_GPU:
 
 @pytest.fixture(autouse=True)
 def on_gpu():
-    backend.use_device("gpu")
-    yield
-    backend.use_device("cpu")
+    with backend.Device("gpu"):
+        yield
 
 
 def test_float16_matmul_accumulates_in_float32_range():

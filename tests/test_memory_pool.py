@@ -87,9 +87,9 @@ def test_beyond_its_cap_the_pool_drops_free_arrays_and_never_one_in_use():
 
 def test_the_free_reference_count_is_measured_on_this_interpreter():
     holder = [np.empty(3)]
-    assert memory_pool._first_free(holder) == 0
+    assert list(memory_pool._free_indices(holder)) == [0]
     alias = holder[0]  # noqa: F841 (the second reference is the point)
-    assert memory_pool._first_free(holder) == -1
+    assert list(memory_pool._free_indices(holder)) == []
 
 
 def test_each_thread_has_its_own_pool():
@@ -109,14 +109,11 @@ def test_backend_empty_uses_the_pool_only_when_enabled():
     # the pool was asked once (a hit when an earlier test left a free (7, 3) array in it)
     assert pool.hits + pool.misses == hits + misses + 1
     hits, misses = pool.hits, pool.misses
-    try:
-        backend.use_memory_pool(False)
+    with backend.Device("cpu", memory_pool=False):
         del array
         array = backend.empty((7, 3), np.float32, like)
         assert (pool.hits, pool.misses) == (hits, misses)  # the pool was not asked
         assert data_address(array) != address or array.base is None
-    finally:
-        backend.use_memory_pool(True)
 
 
 def test_the_cupy_path_allocates_on_the_device():
@@ -158,13 +155,10 @@ def _train(world_size, pooled, **overrides):
     settings = dict(hidden=32, layers=2, batch_size=32, steps=4, log_every=1000)
     config = TrainConfig(**{**settings, **overrides})
     config.validate(world_size)
-    backend.use_memory_pool(pooled)
-    try:
+    with backend.Device("cpu", memory_pool=pooled):  # the simulated ranks run under it too
         results = dist.simulate(
             world_size, lambda comm: train(config, log=lambda line: None, comm=comm)
         )
-    finally:
-        backend.use_memory_pool(True)
     return [result["master_weights"] for result in results]
 
 

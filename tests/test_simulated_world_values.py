@@ -1,4 +1,4 @@
-"""The simulated world's shared state at its edges: what a new WorldState starts with (the 60 s
+"""The simulated world's shared state at its edges: what a new SimulatedWorld starts with (the 60 s
 default timeout, no deadlock diagnosed, no sends counted), the diagnosis raised by the rank whose
 wait completes a deadlock (word for word, and that rank no longer listed as waiting), and when a
 wait gives up: strictly past its deadline, at most one 0.2 s poll late, even if no rank ever
@@ -9,14 +9,14 @@ import types
 
 import pytest
 
-from minimp.distributed import simulated_world
-from minimp.distributed.simulated_world import DeadlockError, WorldState
+from minimp.distributed import simulated
+from minimp.distributed.simulated import DeadlockError, SimulatedWorld
 
 
 def test_a_new_world_waits_60_seconds_by_default_and_has_diagnosed_nothing():
-    """simulate()'s default timeout is 60 s and so is WorldState's; a fresh world has no deadlock
-    (None, not some other falsy value), no waiting or finished ranks, no sends counted."""
-    state = WorldState(3)
+    """simulate()'s default timeout is 60 s and so is SimulatedWorld's; a fresh world has no
+    deadlock (None, not some other falsy value), no waiting or finished ranks, no sends counted."""
+    state = SimulatedWorld(3)
     assert state.timeout == 60.0
     assert state.deadlock is None
     assert state.sends_by_rank == [0, 0, 0]
@@ -27,7 +27,7 @@ def test_the_rank_that_completes_a_deadlock_raises_the_whole_diagnosis_and_stops
     """Rank 1 has returned; rank 0, the only live rank, then waits for something that can't come.
     Its own block_until diagnoses the deadlock (no other thread is involved, so it is always this
     path) and raises it with the exact report, and rank 0 is no longer listed as waiting."""
-    state = WorldState(2, timeout=2.0)
+    state = SimulatedWorld(2, timeout=2.0)
     state.finished[1] = "returned"
     with state.condition, pytest.raises(DeadlockError) as caught:
         state.block_until(0, lambda: False, "receive from rank 1 (tag 5)")
@@ -67,8 +67,8 @@ def test_a_wait_whose_clock_reads_exactly_the_deadline_has_not_timed_out(monkeyp
     reached but not passed, so the rank waits one poll and sees its predicate hold instead of
     raising TimeoutError."""
     clock = _Clock(100.0)
-    monkeypatch.setattr(simulated_world, "time", types.SimpleNamespace(monotonic=clock.monotonic))
-    state = WorldState(2, timeout=0.0)  # rank 1 is not waiting: no deadlock to diagnose
+    monkeypatch.setattr(simulated, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    state = SimulatedWorld(2, timeout=0.0)  # rank 1 is not waiting: no deadlock to diagnose
     checks = []
 
     def predicate():
@@ -86,8 +86,8 @@ def test_a_wait_gives_up_at_most_one_fifth_of_a_second_past_its_timeout(monkeypa
     the test's clock) and raises TimeoutError at the first check past the deadline: 0.1 s late,
     never more than one 0.2 s poll."""
     clock = _Clock()
-    monkeypatch.setattr(simulated_world, "time", types.SimpleNamespace(monotonic=clock.monotonic))
-    state = WorldState(2, timeout=0.5)
+    monkeypatch.setattr(simulated, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    state = SimulatedWorld(2, timeout=0.5)
     state.condition = _ClockedCondition(clock)
     with pytest.raises(TimeoutError, match=r"^rank 0 waited 0.5 s to receive from rank 1"):
         state.block_until(0, lambda: False, "receive from rank 1 (tag 0)")
@@ -100,7 +100,7 @@ def test_a_wait_no_rank_ever_notifies_still_ends_in_a_timeout_error():
     """A real condition, a 0.1 s timeout, and no other thread to notify it: the rank must wake by
     itself and raise TimeoutError. The thread is joined for at most 5 s so a wait that never
     wakes fails this test instead of hanging it."""
-    state = WorldState(2, timeout=0.1)
+    state = SimulatedWorld(2, timeout=0.1)
     outcome = []
 
     def rank0():

@@ -6,14 +6,18 @@ contiguous buffers (the caller's `out`, reused step after step, or a new one); t
 only read. Reductions of 16-bit arrays widen both operands to float32 and round once.
 """
 
-from typing import Any
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
 
-from minimp.backend import array_module
-from minimp.distributed.protocol import REDUCE_OPS, Communicator
+from minimp.backend import Array, array_module
+from minimp.distributed.protocol import REDUCE_OPS, Communicator, check_op
 from minimp.precision.casting import LOW_PRECISION_DTYPES, round_to, widen
+
+# An all-reduce's messages and additions alone, (comm, x_flat, out_flat, op), for p >= 2: what runs
+# once the checks are made (by checked_allreduce at every call, by PersistentAllreduce once).
+AllreduceBody = Callable[[Communicator, Array, Array, str], None]
 
 # dtype -> the number that stands for it in the agreement (looked up by dtype: no name to build)
 _DTYPE_CODES = {
@@ -29,13 +33,13 @@ class CollectiveMismatchError(ValueError):
     """Ranks called the same collective with arrays of different lengths or dtypes."""
 
 
-def agree_on_array(comm: Communicator, array: Any, name: str) -> None:
+def agree_on_array(comm: Communicator, array: Array, name: str) -> None:
     """Raise CollectiveMismatchError on every rank unless all ranks pass the same length and
     dtype (agree_on_layout of the array's)."""
     agree_on_layout(comm, array.size, array.dtype, name)
 
 
-def agree_on_layout(comm: Communicator, size: int, dtype: Any, name: str) -> None:
+def agree_on_layout(comm: Communicator, size: int, dtype: np.dtype, name: str) -> None:
     """Raise CollectiveMismatchError on every rank unless all ranks name the same length and
     dtype. One all-reduce of four numbers: the max of (size, dtype) and of their negatives."""
     if comm.size == 1:
@@ -50,14 +54,14 @@ def agree_on_layout(comm: Communicator, size: int, dtype: Any, name: str) -> Non
         )
 
 
-def contiguous_flat(x: Any) -> Any:
+def contiguous_flat(x: Array) -> Array:
     """x as a flat contiguous array (a view when it already is one; it is only read)."""
     if x.ndim == 1 and x.flags.c_contiguous:  # a bucket, a flat gradient: as it is, no calls
         return x
     return array_module(x).ascontiguousarray(x).reshape(-1)
 
 
-def output_buffer(x: Any, out: Any = None) -> Any:
+def output_buffer(x: Array, out: Array | None = None) -> Array:
     """The flat array a result goes into: `out` (reused by callers that all-reduce every step, which
     saves the page faults of a fresh allocation) or a new array shaped like x."""
     if out is None:
@@ -71,14 +75,14 @@ def output_buffer(x: Any, out: Any = None) -> Any:
     return out if out.ndim == 1 else out.reshape(-1)
 
 
-def flat_copy(x: Any, out: Any = None) -> Any:
+def flat_copy(x: Array, out: Array | None = None) -> Array:
     """A contiguous 1-D copy to reduce into (the caller's array is never modified)."""
     flat = output_buffer(x, out)
     flat[...] = x.reshape(-1)
     return flat
 
 
-def reduce_into(target: Any, incoming: Any, op: str, first: Any = None) -> None:
+def reduce_into(target: Array, incoming: Array, op: str, first: Array | None = None) -> None:
     """target = op(first, incoming) in place (first defaults to target itself), computed in float32
     for 16-bit dtypes. Reading `first` from another array saves copying it into target first."""
     if target.size == 0:
@@ -89,3 +93,18 @@ def reduce_into(target: Any, incoming: Any, op: str, first: Any = None) -> None:
         reducer(first, incoming, out=target)  # float32/float64: no temporary
     else:
         target[...] = round_to(reducer(widen(first), widen(incoming)), target.dtype)
+
+
+def checked_allreduce(
+    body: AllreduceBody, name: str, comm: Communicator, x: Array, op: str, out: Array | None
+) -> Array:
+    """body's reduction of x over the ranks, with what every all-reduce does around it: the op
+    checked, the ranks agreed on the array (or CollectiveMismatchError on all), the result in
+    `out` or a new array, shaped like x. On one rank it is a copy of x."""
+    check_op(op)
+    agree_on_array(comm, x, name)
+    if comm.size == 1:
+        return flat_copy(x, out).reshape(x.shape)
+    flat = output_buffer(x, out)
+    body(comm, contiguous_flat(x), flat, op)
+    return flat.reshape(x.shape)

@@ -5,39 +5,30 @@ simulated world and under mpirun, and returns a new array (the input is not modi
 itself, with its two halves, lives in minimp/distributed/ring.py.
 """
 
-from typing import Any, Callable
+import functools
+from typing import Callable
 
-from minimp.backend import array_module
-from minimp.distributed.buffers import (
-    agree_on_array,
-    contiguous_flat,
-    output_buffer,
-    reduce_into,
-)
-from minimp.distributed.protocol import REDUCE_OPS, Communicator, Tag, check_op
+from minimp.backend import Array, array_module
+from minimp.distributed.buffers import AllreduceBody, checked_allreduce, reduce_into
+from minimp.distributed.protocol import REDUCE_OPS, Communicator, Tag
 from minimp.distributed.ring import ring_allreduce, ring_allreduce_into
 from minimp.precision.casting import round_to, widen
 
 
 def naive_allreduce(
-    comm: Communicator, x: Any, op: str = "sum", out: Any = None, root: int = 0
-) -> Any:
+    comm: Communicator, x: Array, op: str = "sum", out: Array | None = None, root: int = 0
+) -> Array:
     """Every rank sends its whole array to root, root reduces (in float32 for 16-bit dtypes, in rank
     order) and broadcasts the result: 2(p - 1) full-size messages through one rank."""
-    check_op(op)
-    agree_on_array(comm, x, "naive_allreduce")
-    flat = output_buffer(x, out)
-    naive_allreduce_into(comm, contiguous_flat(x), flat, op, root)
-    return flat.reshape(x.shape)
+    body = functools.partial(naive_allreduce_into, root=root)
+    return checked_allreduce(body, "naive_allreduce", comm, x, op, out)
 
 
 def naive_allreduce_into(
-    comm: Communicator, x_flat: Any, flat: Any, op: str = "sum", root: int = 0
+    comm: Communicator, x_flat: Array, flat: Array, op: str = "sum", root: int = 0
 ) -> None:
-    """naive_allreduce's messages and additions alone, from x_flat into flat (no checks)."""
+    """naive_allreduce's messages and additions alone, from x_flat into flat (p >= 2; no checks)."""
     flat[...] = x_flat
-    if comm.size == 1:
-        return
     if comm.rank == root:
         total = widen(flat)  # float32: flat itself; 16-bit: a float32 copy to sum into
         incoming = array_module(flat).empty_like(flat)
@@ -52,22 +43,23 @@ def naive_allreduce_into(
 
 
 def recursive_doubling_allreduce(
-    comm: Communicator, x: Any, op: str = "sum", out: Any = None
-) -> Any:
+    comm: Communicator, x: Array, op: str = "sum", out: Array | None = None
+) -> Array:
     """log2(p) rounds exchanging the whole array with partner rank ^ distance (latency-optimal).
 
     For p not a power of two, the first p - 2^k ranks above 2^k fold their data into a partner first
     and get the result back at the end (Thakur, Rabenseifner & Gropp 2005, section 4.1).
     """
-    check_op(op)
-    agree_on_array(comm, x, "recursive_doubling_allreduce")
-    flat = output_buffer(x, out)
-    recursive_doubling_into(comm, contiguous_flat(x), flat, op)
-    return flat.reshape(x.shape)
+    return checked_allreduce(
+        recursive_doubling_into, "recursive_doubling_allreduce", comm, x, op, out
+    )
 
 
-def recursive_doubling_into(comm: Communicator, x_flat: Any, flat: Any, op: str = "sum") -> None:
-    """recursive_doubling_allreduce's messages and additions alone, from x_flat into flat."""
+def recursive_doubling_into(
+    comm: Communicator, x_flat: Array, flat: Array, op: str = "sum"
+) -> None:
+    """recursive_doubling_allreduce's messages and additions alone, from x_flat into flat (p >= 2:
+    every rank below 2^k exchanges at least once, so flat holds its result)."""
     p, r = comm.size, comm.rank
     power = 1 << (p.bit_length() - 1)  # the largest power of two <= p
     extra = p - power
@@ -91,8 +83,6 @@ def recursive_doubling_into(comm: Communicator, x_flat: Any, flat: Any, op: str 
         lower, higher = (current, incoming) if r < partner else (incoming, current)
         reduce_into(flat, higher, op, first=lower)
         current, distance = flat, distance * 2
-    if current is not flat:  # one rank: nothing was reduced
-        flat[...] = x_flat
     if r < extra:
         comm.send(flat, r + power, tag=Tag.DOUBLING_UNFOLD)
 
@@ -102,9 +92,9 @@ ALGORITHMS = {
     "naive": naive_allreduce,
     "recursive_doubling": recursive_doubling_allreduce,
 }
-# Each algorithm's messages and additions alone, (comm, x_flat, out_flat, op), for callers that
-# made the checks once (minimp/distributed/persistent.py)
-BODIES: dict[str, Callable[[Communicator, Any, Any, str], None]] = {
+# Each algorithm's messages and additions alone, for callers that made the checks once
+# (minimp/distributed/persistent.py)
+BODIES: dict[str, AllreduceBody] = {
     "ring": ring_allreduce_into,
     "naive": naive_allreduce_into,
     "recursive_doubling": recursive_doubling_into,
@@ -143,11 +133,11 @@ def resolve_algorithm(algorithm: "str | AlgorithmPolicy", nbytes: int, world_siz
 
 def allreduce(
     comm: Communicator,
-    x: Any,
+    x: Array,
     op: str = "sum",
     algorithm: "str | AlgorithmPolicy" = "auto",
-    out: Any = None,
-) -> Any:
+    out: Array | None = None,
+) -> Array:
     """All-reduce with the named algorithm, with the one choose_algorithm picks ("auto"), or with
     the one a policy picks, the way MPI libraries switch from latency- to bandwidth-optimal
     algorithms as messages grow."""

@@ -5,11 +5,10 @@ raw bytes: the receiver learns the shapes first, so nothing is pickled.
 """
 
 import json
-from typing import Any
 
 import numpy as np
 
-from minimp.backend import to_numpy
+from minimp.backend import Array, to_numpy
 from minimp.distributed.protocol import Communicator, Tag
 from minimp.precision.casting import ACTIVATION_DTYPES
 
@@ -22,7 +21,7 @@ def _dtype_from_name(name: str) -> np.dtype:
 
 
 def gather_named_arrays(
-    comm: Communicator, arrays: dict[str, Any], root: int = 0
+    comm: Communicator, arrays: dict[str, Array], root: int = 0
 ) -> dict[str, np.ndarray] | None:
     """On root: the union of every rank's {name: host array}; on other ranks: None."""
     if comm.rank != root:

@@ -6,12 +6,14 @@ Plain mpi4py leaves the other ranks waiting forever in a receive that will never
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Callable, TypeVar
 
 from minimp.distributed.protocol import Communicator
 
+T = TypeVar("T")
 
-def run_or_abort(main: Callable, *args: Any, comm: Communicator | None = None) -> Any:
+
+def run_or_abort(main: Callable[..., T], *args: object, comm: Communicator | None = None) -> T:
     """Call main(*args). If it raises (or exits non-zero) on a job of several ranks,
     print this rank's error with its rank number, then MPI_Abort the whole job;
     on one rank, behave like a plain call."""

@@ -10,11 +10,14 @@ are when the MPI library is CUDA-aware, and through host memory otherwise.
 import ctypes
 import os
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from minimp import backend
+from minimp.backend import Array
 from minimp.distributed.protocol import (
     Communicator,
     check_byte_count,
@@ -22,6 +25,9 @@ from minimp.distributed.protocol import (
     contiguous_for_wire,
 )
 from minimp.distributed.watchdog import Waiting, Watchdog, print_and_abort
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 
 def mpi_is_cuda_aware() -> bool:
@@ -50,7 +56,7 @@ def mpi_is_cuda_aware() -> bool:
 class MPICommunicator(Communicator):
     """A group of MPI processes; satisfies minimp.distributed.protocol.Communicator."""
 
-    def __init__(self, mpi_comm: Any):
+    def __init__(self, mpi_comm: "MPI.Comm"):
         # Imported here, not at the top: importing mpi4py.MPI starts MPI, and `import minimp`
         # should not (the simulated world and one-process training never need it).
         from mpi4py import MPI
@@ -79,16 +85,21 @@ class MPICommunicator(Communicator):
     def __repr__(self) -> str:
         return f"MPICommunicator(rank={self.rank}, size={self.size})"
 
-    def _on_host(self, array: Any) -> tuple[Any, bool]:
-        """(buffer to hand MPI, whether it is a host copy of a device array). A CUDA-aware MPI reads
-        GPU memory itself (after the stream is synchronised); otherwise the bytes go through host
-        memory, which rank 0 says once."""
-        if type(array) is np.ndarray or not backend.is_device_array(array):
-            return array, False
-        backend.synchronize()
-        if not self.stages_device_arrays:
-            return array, False
-        return array.get(), True
+    def _wire(self, array: Array) -> Array:
+        """The buffer MPI reads or writes for `array`: the array itself (host memory, or GPU memory
+        that a CUDA-aware MPI reads once the stream is synchronised), else a host copy of a device
+        array, which `_copy_back` returns to the device once a message is received into it."""
+        if type(array) is not np.ndarray and backend.is_device_array(array):
+            backend.synchronize()
+            if self.stages_device_arrays:
+                return contiguous_for_wire(array.get())
+        return contiguous_for_wire(array)
+
+    @staticmethod
+    def _copy_back(array: Array, buffer: Array) -> None:
+        """After a receive into `_wire(array)`: a host copy's bytes go to the device array."""
+        if buffer is not array:
+            array[...] = backend.to_device(buffer)  # GPU memory of this rank's device
 
     @property
     def stages_device_arrays(self) -> bool:
@@ -106,65 +117,50 @@ class MPICommunicator(Communicator):
                 )
         return not self._cuda_aware
 
-    def _bytes(self, buffer: Any) -> list:
+    def _bytes(self, buffer: Array) -> list:
         return [buffer, self._MPI.BYTE]
 
-    def send(self, array: Any, dest: int, tag: int = 0) -> None:
-        buffer = contiguous_for_wire(self._on_host(array)[0])
+    def send(self, array: Array, dest: int, tag: int = 0) -> None:
+        buffer = self._wire(array)
         self._wait("send to", dest)
         self._comm.Send(self._bytes(buffer), dest=dest, tag=tag)
         self.waiting = None
         self._count(buffer)
 
-    def recv(self, array: Any, source: int, tag: int = 0) -> None:
+    def recv(self, array: Array, source: int, tag: int = 0) -> None:
         """Receive into `array` (its size must equal the message's)."""
-        host, staged = self._on_host(array)
-        buffer = contiguous_for_wire(host)
+        buffer = self._wire(array)
         self._wait("receive from", source)
         self._comm.Recv(self._bytes(buffer), source=source, tag=tag, status=self._status)
         self.waiting = None
         check_byte_count(self._status.Get_count(self._MPI.BYTE), buffer.nbytes, source)
-        if staged:
-            array[...] = backend.to_device(host)
+        self._copy_back(array, buffer)
 
-    def isend(self, array: Any, dest: int, tag: int = 0) -> "MPIRequest":
+    def isend(self, array: Array, dest: int, tag: int = 0) -> "MPIRequest":
         """MPI_Isend of the array's bytes (a host copy of a device array, kept by the request)."""
-        buffer = contiguous_for_wire(self._on_host(array)[0])
+        buffer = self._wire(array)
         request = self._comm.Isend(self._bytes(buffer), dest=dest, tag=tag)
         self._count(buffer)
         return MPIRequest(self, request, buffer, f"finish a send to rank {dest}")
 
-    def irecv(self, array: Any, source: int, tag: int = 0) -> "MPIRequest":
+    def irecv(self, array: Array, source: int, tag: int = 0) -> "MPIRequest":
         """MPI_Irecv into the array (through a host buffer when MPI cannot write the device's)."""
-        host, staged = self._on_host(array)
-        buffer = contiguous_for_wire(host)
+        buffer = self._wire(array)
         request = self._comm.Irecv(self._bytes(buffer), source=source, tag=tag)
-        def copy_back() -> None:  # a device array received through a host buffer
-            array[...] = backend.to_device(host)
-
-        return MPIRequest(
-            self,
-            request,
-            buffer,
-            f"receive from rank {source}",
-            source=source,
-            done=copy_back if staged else None,
-        )
+        return MPIRequest(self, request, buffer, f"receive from rank {source}", (array, source))
 
     def sendrecv(
         self,
-        send_array: Any,
+        send_array: Array,
         dest: int,
-        recv_array: Any,
+        recv_array: Array,
         source: int,
         tag: int = 0,
         recv_tag: int | None = None,
     ) -> None:
         """Send to dest and receive from source at once: no ordering of the two can deadlock.
         The receive matches `recv_tag` (default: the same tag as the send)."""
-        send_buffer = contiguous_for_wire(self._on_host(send_array)[0])
-        recv_host, staged = self._on_host(recv_array)
-        recv_buffer = contiguous_for_wire(recv_host)
+        send_buffer, recv_buffer = self._wire(send_array), self._wire(recv_array)
         if self._watchdog is not None:  # the description is built only for a watchdog to print
             self._wait(f"send to rank {dest} and receive from", source)
         self._comm.Sendrecv(
@@ -179,30 +175,27 @@ class MPICommunicator(Communicator):
         self.waiting = None
         check_byte_count(self._status.Get_count(self._MPI.BYTE), recv_buffer.nbytes, source)
         self._count(send_buffer)
-        if staged:
-            recv_array[...] = backend.to_device(recv_host)  # GPU memory of this rank's device
+        self._copy_back(recv_array, recv_buffer)
 
-    def bcast(self, array: Any, root: int = 0) -> None:
+    def bcast(self, array: Array, root: int = 0) -> None:
         """Overwrite `array` on every rank with root's (in place)."""
-        host, staged = self._on_host(array)
-        buffer = contiguous_for_wire(host)
+        buffer = self._wire(array)
         self._wait("broadcast from", root)
         self._comm.Bcast(self._bytes(buffer), root=root)
         self.waiting = None
         if self.rank == root:
             self._count(buffer)
-        if staged:
-            array[...] = backend.to_device(host)
+        self._copy_back(array, buffer)
 
-    def allreduce_scalars(self, values: Any, op: str = "max") -> np.ndarray:
+    def allreduce_scalars(self, values: ArrayLike, op: str = "max") -> np.ndarray:
         """Reduce a few float64 scalars (flags, lengths) over all ranks into a new float64 array."""
         check_op(op)
         mpi_op = {"max": self._MPI.MAX, "min": self._MPI.MIN, "sum": self._MPI.SUM}[op]
-        values = np.ascontiguousarray(values, dtype=np.float64)
-        result = np.empty_like(values)
+        contiguous = np.ascontiguousarray(values, dtype=np.float64)
+        result = np.empty_like(contiguous)
         self.scalar_allreduces += 1
         self._wait(f"all-reduce ({op}) with all {self.size} ranks")
-        self._comm.Allreduce(values, result, op=mpi_op)
+        self._comm.Allreduce(contiguous, result, op=mpi_op)
         self.waiting = None
         return result
 
@@ -211,12 +204,9 @@ class MPICommunicator(Communicator):
         self._comm.Barrier()
         self.waiting = None
 
-    def ranks_on_this_node(self) -> int:
-        """How many ranks of this communicator share this machine (MPI_COMM_TYPE_SHARED)."""
-        return self.node_rank_and_size()[1]
-
     def node_rank_and_size(self) -> tuple[int, int]:
-        """(this rank's number among the ranks on its machine, how many there are)."""
+        """(this rank's number among the ranks on its machine, how many there are): the ranks of
+        this communicator that share memory (MPI_COMM_TYPE_SHARED)."""
         local = self._comm.Split_type(self._MPI.COMM_TYPE_SHARED)
         try:
             return local.Get_rank(), local.Get_size()
@@ -233,55 +223,50 @@ class MPICommunicator(Communicator):
             self._watchdog.watch(child)
         return child
 
-    def abort(self, code: int = 1) -> None:
+    def abort(self, code: int = 1) -> NoReturn:
         """End every process of the job (MPI_Abort on COMM_WORLD)."""
         self._MPI.COMM_WORLD.Abort(code)
 
-    def _count(self, buffer: Any) -> None:
+    def _count(self, buffer: Array) -> None:
         self.bytes_sent += buffer.nbytes
         self.messages_sent += 1
 
 
+@dataclass(eq=False)
 class MPIRequest:
-    """An MPI request and the buffer it uses (kept alive until it is complete); wait() is watched
-    by the communicator's watchdog like any blocking call."""
+    """An MPI request and the buffer it uses; wait() is watched by the communicator's watchdog like
+    any blocking call. A receive's message must fill its buffer exactly, and a host copy of a
+    device array goes back to the device."""
 
-    def __init__(
-        self,
-        comm: MPICommunicator,
-        request: Any,
-        buffer: Any,
-        what: str,
-        source: int | None = None,
-        done: Any = None,
-    ):
-        self.comm, self.request, self.buffer, self.what = comm, request, buffer, what
-        self.source, self.done, self.complete = source, done, False
+    comm: MPICommunicator
+    request: "MPI.Request"
+    buffer: Array | None  # held until complete, then None: the memory pool reuses what nobody holds
+    what: str  # what the watchdog says this rank waits for
+    receive: tuple[Array, int] | None = None  # a receive's array and the rank it comes from
 
     def wait(self) -> None:
-        if self.complete:
+        if self.buffer is None:
             return
         self.comm._wait(self.what)
         status = self.comm._MPI.Status()
         self.request.Wait(status)
         self.comm.waiting = None
-        self._finish(status)
+        self._finish(self.buffer, status)
 
     def test(self) -> bool:
-        if not self.complete:
+        if self.buffer is not None:
             status = self.comm._MPI.Status()
             if self.request.Test(status):
-                self._finish(status)
-        return self.complete
+                self._finish(self.buffer, status)
+        return self.buffer is None
 
-    def _finish(self, status: Any) -> None:
-        self.complete = True
-        if self.source is not None:  # a receive: the message must fill the buffer exactly
-            received = status.Get_count(self.comm._MPI.BYTE)
-            check_byte_count(received, self.buffer.nbytes, self.source)
-        if self.done is not None:
-            self.done()
+    def _finish(self, buffer: Array, status: "MPI.Status") -> None:
         self.buffer = None
+        if self.receive is not None:
+            array, source = self.receive
+            self.receive = None
+            check_byte_count(status.Get_count(self.comm._MPI.BYTE), buffer.nbytes, source)
+            self.comm._copy_back(array, buffer)
 
 
 def world() -> MPICommunicator:

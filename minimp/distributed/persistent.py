@@ -11,10 +11,11 @@ the same messages and additions, so the same bits, as the checked call.
 """
 
 import math
-from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
+from minimp.backend import Array
 from minimp.distributed.buffers import agree_on_layout, contiguous_flat, output_buffer
 from minimp.distributed.collectives import BODIES, AlgorithmPolicy, resolve_algorithm
 from minimp.distributed.protocol import Communicator, check_op
@@ -29,7 +30,7 @@ class PersistentAllreduce:
         self,
         comm: Communicator,
         shape: tuple[int, ...],
-        dtype: Any,
+        dtype: DTypeLike,
         op: str = "sum",
         algorithm: "str | AlgorithmPolicy" = "auto",
     ):
@@ -45,7 +46,7 @@ class PersistentAllreduce:
         agree_on_layout(comm, size, self.dtype, "PersistentAllreduce")
         self._body = BODIES[self.algorithm]
 
-    def __call__(self, x: Any, out: Any = None) -> Any:
+    def __call__(self, x: Array, out: Array | None = None) -> Array:
         if x.shape != self.shape or x.dtype != self.dtype:
             raise ValueError(
                 f"PersistentAllreduce: planned for {self.dtype} arrays of shape {self.shape}, "

@@ -6,13 +6,16 @@ this Protocol only, so the same code runs in a notebook, in a test and on a clus
 """
 
 from enum import IntEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import NoReturn, Protocol, runtime_checkable
 
 import numpy as np
+from numpy.typing import ArrayLike
+
+from minimp.backend import Array
 
 # The reductions minimp's collectives and the scalar all-reduce know, by name. Array reductions
 # happen in minimp's own code (float32 for 16-bit inputs); MPI only ever reduces float64 scalars.
-REDUCE_OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+REDUCE_OPS: dict[str, np.ufunc] = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
 class Tag(IntEnum):
@@ -41,7 +44,7 @@ def check_op(op: str) -> None:
         raise ValueError(f"op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
 
 
-def contiguous_for_wire(array: Any) -> Any:
+def contiguous_for_wire(array: Array) -> Array:
     """The array itself, if C-contiguous. Both communicators send through this, so both refuse
     the same arrays: a non-contiguous one would need a hidden copy."""
     if not array.flags.c_contiguous:
@@ -52,7 +55,7 @@ def contiguous_for_wire(array: Any) -> Any:
     return array
 
 
-def byte_view(array: Any) -> Any:
+def byte_view(array: Array) -> Array:
     """The array's memory as a flat uint8 array (no copy), if C-contiguous. MPI is handed the
     array itself (with MPI.BYTE it reads the bytes of any dtype, bfloat16 too); the simulated world
     copies these bytes."""
@@ -86,7 +89,8 @@ class Communicator(Protocol):
     Arrays travel as their bytes (`byte_view`): they must be C-contiguous, and a receive
     buffer must have exactly the size of the message. Large sends may wait for their
     receiver (MPI's rendezvous protocol), so a pair of ranks that exchange data uses
-    `sendrecv`, never send-then-receive on both sides.
+    `sendrecv`, never send-then-receive on both sides. recv, sendrecv and ranks_on_this_node have
+    default bodies written with the other methods; a communicator may override them (MPI's does).
     """
 
     rank: int
@@ -95,33 +99,41 @@ class Communicator(Protocol):
     messages_sent: int
     scalar_allreduces: int  # allreduce_scalars calls (flags, norms, losses: counted apart)
 
-    def send(self, array: Any, dest: int, tag: int = 0) -> None:
+    def send(self, array: Array, dest: int, tag: int = 0) -> None:
         """Send the array's bytes to rank dest."""
 
-    def recv(self, array: Any, source: int, tag: int = 0) -> None:
-        """Receive a message from rank source into array (in place)."""
+    def recv(self, array: Array, source: int, tag: int = 0) -> None:
+        """Receive a message from rank source into array (in place). By default an irecv waited
+        for at once (MPI_Recv's meaning)."""
+        self.irecv(array, source, tag).wait()
 
-    def isend(self, array: Any, dest: int, tag: int = 0) -> Request:
+    def isend(self, array: Array, dest: int, tag: int = 0) -> Request:
         """Start sending the array's bytes to rank dest and return at once (MPI_Isend)."""
 
-    def irecv(self, array: Any, source: int, tag: int = 0) -> Request:
+    def irecv(self, array: Array, source: int, tag: int = 0) -> Request:
         """Start receiving a message from rank source into array and return at once (MPI_Irecv)."""
 
     def sendrecv(
         self,
-        send_array: Any,
+        send_array: Array,
         dest: int,
-        recv_array: Any,
+        recv_array: Array,
         source: int,
         tag: int = 0,
         recv_tag: int | None = None,
     ) -> None:
-        """Send to dest and receive from source at once (recv_tag defaults to tag)."""
+        """Send to dest and receive from source at once (recv_tag defaults to tag). By default an
+        irecv and an isend started together, then both waited for (MPI_Sendrecv's meaning), so no
+        order of the two can deadlock."""
+        receive = self.irecv(recv_array, source, tag if recv_tag is None else recv_tag)
+        send = self.isend(send_array, dest, tag)
+        receive.wait()
+        send.wait()
 
-    def bcast(self, array: Any, root: int = 0) -> None:
+    def bcast(self, array: Array, root: int = 0) -> None:
         """Overwrite array on every rank with root's."""
 
-    def allreduce_scalars(self, values: Any, op: str = "max") -> np.ndarray:
+    def allreduce_scalars(self, values: ArrayLike, op: str = "max") -> np.ndarray:
         """Reduce a few float64 scalars (flags, lengths) with one of REDUCE_OPS; a new array."""
 
     def barrier(self) -> None:
@@ -131,10 +143,11 @@ class Communicator(Protocol):
         """Sub-groups as MPI_Comm_split: one per color, ranked by (key, old rank)."""
 
     def ranks_on_this_node(self) -> int:
-        """How many ranks of the group share this machine's cores."""
+        """How many ranks of the group share this machine's cores (node_rank_and_size's count)."""
+        return self.node_rank_and_size()[1]
 
     def node_rank_and_size(self) -> tuple[int, int]:
         """(this rank's number among the ranks on its machine, how many there are)."""
 
-    def abort(self, code: int = 1) -> None:
+    def abort(self, code: int = 1) -> NoReturn:
         """End the whole job (every rank) with this exit status."""

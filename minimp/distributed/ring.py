@@ -18,39 +18,46 @@ The two halves are also collectives of their own; ZeRO builds on `reduce_scatter
 """
 
 import functools
-from typing import Any, Sequence
+from typing import Sequence
 
-from minimp.backend import array_module
+from minimp.backend import Array, array_module
 from minimp.distributed.buffers import (
     agree_on_array,
+    checked_allreduce,
     contiguous_flat,
-    flat_copy,
-    output_buffer,
     reduce_into,
 )
 from minimp.distributed.protocol import Communicator, Tag, check_op
 from minimp.distributed.staging import host_staged, stages_through_host
+
+Bounds = Sequence[tuple[int, int]]  # (start, stop) of each rank's chunk, in rank order
 
 
 @functools.lru_cache(maxsize=1024)  # the same few sizes every step: a collective's plan, once
 def chunk_bounds(length: int, parts: int) -> tuple[tuple[int, int], ...]:
     """(start, stop) of `parts` nearly equal chunks covering range(length); the first length % parts
     chunks get one extra element. Chunks may be empty when length < parts."""
-    return tuple(_chunk_bounds(length, parts))
-
-
-def _chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
     base, extra = divmod(length, parts)
     bounds, start = [], 0
     for index in range(parts):
         stop = start + base + (1 if index < extra else 0)
         bounds.append((start, stop))
         start = stop
-    return bounds
+    return tuple(bounds)
+
+
+def ring_step(
+    comm: Communicator, bounds: Bounds, behind: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(bounds of the chunk rank r sends to the right, of the one it receives from the left) when
+    it sends chunk r - behind (mod p) and so receives chunk r - behind - 1. Reduce-scatter step s
+    sends chunk r - s - 1 (behind = s + 1), all-gather step s chunk r - s (behind = s)."""
+    p, r = comm.size, comm.rank
+    return bounds[(r - behind) % p], bounds[(r - behind - 1) % p]
 
 
 def ring_reduce_scatter_into(
-    comm: Communicator, x: Any, out: Any, bounds: Sequence[tuple[int, int]], op: str = "sum"
+    comm: Communicator, x: Array, out: Array, bounds: Bounds, op: str = "sum"
 ) -> None:
     """Reduce-scatter around the ring: afterwards out[bounds[rank]] holds that chunk reduced over
     all ranks. x (flat, contiguous) is only read; out receives the partial sums.
@@ -62,8 +69,7 @@ def ring_reduce_scatter_into(
     p, r = comm.size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
     for step in range(p - 1):
-        send_start, send_stop = bounds[(r - step - 1) % p]
-        recv_start, recv_stop = bounds[(r - step - 2) % p]
+        (send_start, send_stop), (recv_start, recv_stop) = ring_step(comm, bounds, step + 1)
         # At step 0 we send our own share; later, the partial sum we finished one step earlier.
         outgoing = (x if step == 0 else out)[send_start:send_stop]
         incoming = out[recv_start:recv_stop]
@@ -71,35 +77,30 @@ def ring_reduce_scatter_into(
         reduce_into(incoming, x[recv_start:recv_stop], op)
 
 
-def ring_all_gather_inplace(
-    comm: Communicator, flat: Any, bounds: Sequence[tuple[int, int]]
-) -> None:
+def ring_all_gather_inplace(comm: Communicator, flat: Array, bounds: Bounds) -> None:
     """All-gather around the ring: rank r starts with chunk r final and receives the others straight
     into place in flat (no staging copies)."""
     p, r = comm.size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
     for step in range(p - 1):
-        send_start, send_stop = bounds[(r - step) % p]
-        recv_start, recv_stop = bounds[(r - step - 1) % p]
+        (send_start, send_stop), (recv_start, recv_stop) = ring_step(comm, bounds, step)
         outgoing, incoming = flat[send_start:send_stop], flat[recv_start:recv_stop]
         comm.sendrecv(outgoing, right, incoming, left, tag=Tag.RING_ALL_GATHER)
 
 
-def ring_allreduce(comm: Communicator, x: Any, op: str = "sum", out: Any = None) -> Any:
+def ring_allreduce(
+    comm: Communicator, x: Array, op: str = "sum", out: Array | None = None
+) -> Array:
     """All-reduce by reduce-scatter + all-gather around a ring (bandwidth-optimal for large arrays).
     Returns a new array shaped like x, or `out` when given (it must not overlap x)."""
-    check_op(op)
     if stages_through_host(comm, x):  # one copy each way, not one per message (staging.py)
         return host_staged(ring_allreduce, comm, x, op, out)
-    agree_on_array(comm, x, "ring_allreduce")
-    if comm.size == 1:
-        return flat_copy(x, out).reshape(x.shape)
-    flat_out = output_buffer(x, out)
-    ring_allreduce_into(comm, contiguous_flat(x), flat_out, op)
-    return flat_out.reshape(x.shape)
+    return checked_allreduce(ring_allreduce_into, "ring_allreduce", comm, x, op, out)
 
 
-def ring_allreduce_into(comm: Communicator, flat_x: Any, flat_out: Any, op: str = "sum") -> None:
+def ring_allreduce_into(
+    comm: Communicator, flat_x: Array, flat_out: Array, op: str = "sum"
+) -> None:
     """The ring's messages and additions alone, on flat arrays (p >= 2; no checks, no agreement:
     ring_allreduce and minimp/distributed/persistent.py make them)."""
     bounds = chunk_bounds(flat_x.size, comm.size)
@@ -107,7 +108,7 @@ def ring_allreduce_into(comm: Communicator, flat_x: Any, flat_out: Any, op: str 
     ring_all_gather_inplace(comm, flat_out, bounds)
 
 
-def reduce_scatter(comm: Communicator, x: Any, op: str = "sum") -> Any:
+def reduce_scatter(comm: Communicator, x: Array, op: str = "sum") -> Array:
     """This rank's chunk (chunk_bounds(x.size, p)[rank]) of the reduction of x over all ranks."""
     check_op(op)
     agree_on_array(comm, x, "reduce_scatter")
@@ -121,7 +122,7 @@ def reduce_scatter(comm: Communicator, x: Any, op: str = "sum") -> Any:
     return out[start:stop].copy()
 
 
-def all_gather(comm: Communicator, chunk: Any, length: int | None = None) -> Any:
+def all_gather(comm: Communicator, chunk: Array, length: int | None = None) -> Array:
     """Concatenate every rank's chunk in rank order. Chunk sizes follow chunk_bounds(length, p);
     `length` defaults to p * chunk.size (equal chunks)."""
     length = comm.size * chunk.size if length is None else length

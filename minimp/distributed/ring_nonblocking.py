@@ -15,11 +15,10 @@ by the program, not by a scheduler. The price: a step finishes only when somebod
 or wait(), so between two hooks a finished step waits for the next hook.
 """
 
-from typing import Any, Sequence
-
+from minimp.backend import Array
 from minimp.distributed.buffers import reduce_into
 from minimp.distributed.protocol import Communicator, Request, Tag, check_op
-from minimp.distributed.ring import chunk_bounds
+from minimp.distributed.ring import Bounds, chunk_bounds, ring_step
 
 
 class RingAllreduce:
@@ -34,12 +33,12 @@ class RingAllreduce:
     def __init__(
         self,
         comm: Communicator,
-        x: Any,
-        out: Any,
+        x: Array,
+        out: Array,
         op: str = "sum",
         tags: tuple[int, int] = (Tag.RING_REDUCE_SCATTER, Tag.RING_ALL_GATHER),
         *,
-        bounds: Sequence[tuple[int, int]] | None = None,
+        bounds: Bounds | None = None,
         all_gather: bool = True,
     ):
         """tags: the reduce-scatter's and the all-gather's. Rings in flight at the same time on
@@ -83,22 +82,17 @@ class RingAllreduce:
                 request.wait()
             self._finish_step()
 
-    def _chunks(self) -> tuple[Any, Any, tuple[int, int], int]:
+    def _chunks(self) -> tuple[Array, Array, tuple[int, int], int]:
         """(outgoing, incoming, incoming's bounds, tag) of the current step, as ring.py has them:
         reduce-scatter step s sends chunk (r - s - 1) and receives chunk (r - s - 2); all-gather
         step s sends chunk (r - s) and receives chunk (r - s - 1), all mod p."""
-        p, r, step = self.comm.size, self.comm.rank, self.step
-        if step < p - 1:
-            send_start, send_stop = self.bounds[(r - step - 1) % p]
-            receive = self.bounds[(r - step - 2) % p]
-            # At step 0 we send our own share; later, the partial sum we finished a step earlier.
-            outgoing = (self.x if step == 0 else self.out)[send_start:send_stop]
-            tag = self.tags[0]
-        else:
-            gather_step = step - (p - 1)
-            send_start, send_stop = self.bounds[(r - gather_step) % p]
-            receive = self.bounds[(r - gather_step - 1) % p]
-            outgoing, tag = self.out[send_start:send_stop], self.tags[1]
+        p, step = self.comm.size, self.step
+        reduce_scatter = step < p - 1
+        behind = step + 1 if reduce_scatter else step - (p - 1)
+        (send_start, send_stop), receive = ring_step(self.comm, self.bounds, behind)
+        # At step 0 we send our own share; later, the partial sum we finished a step earlier.
+        outgoing = (self.x if step == 0 else self.out)[send_start:send_stop]
+        tag = self.tags[0] if reduce_scatter else self.tags[1]
         return outgoing, self.out[receive[0] : receive[1]], receive, tag
 
     def _post(self) -> None:

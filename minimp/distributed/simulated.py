@@ -7,13 +7,24 @@ to `eager_limit` bytes is buffered and the sender goes on; a larger one waits un
 takes it (the rendezvous protocol). That is why a ring written as Send-then-Recv works for small
 arrays and deadlocks for large ones; here the deadlock raises DeadlockError saying who waits on
 whom, instead of hanging.
+
+The world's shared state comes first (mailboxes, the message trace, posted receives, and the
+deadlock detector that names who waits on whom), then the requests, then a rank's communicator.
+A blocking message is a non-blocking one waited for at once: send, recv and sendrecv (recv and
+sendrecv are the Protocol's default bodies).
 """
 
 import threading
-from typing import Any, Callable
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Any, Callable, NoReturn
 
 import numpy as np
+from numpy.typing import ArrayLike
 
+from minimp import backend
+from minimp.backend import Array
 from minimp.distributed.protocol import (
     REDUCE_OPS,
     Communicator,
@@ -22,27 +33,99 @@ from minimp.distributed.protocol import (
     check_byte_count,
     check_op,
 )
-from minimp.distributed.simulated_world import (
-    DEFAULT_EAGER_LIMIT,
-    DeadlockError,
-    Message,
-    WorldState,
-    _Envelope,
-)
 
-class SimulatedWorld(WorldState):
-    """n simulated ranks, run as threads: `run(fn, *args)` gives each a SimulatedCommunicator."""
+DEFAULT_EAGER_LIMIT = 64 * 1024  # bytes; MPICH's shared-memory eager threshold is of this order
 
-    def run(self, fn: Callable, *args: Any) -> list:
-        """Run fn(comm, *args) on every rank.
+
+class DeadlockError(RuntimeError):
+    """Every live rank is blocked on a message that no rank can send."""
+
+
+@dataclass
+class Message:
+    """One point-to-point message, as recorded in the trace (ranks are world ranks)."""
+
+    sequence: int  # global order in which messages were sent
+    step: int  # the sender's own count of messages sent before this one
+    source: int
+    dest: int
+    tag: int
+    nbytes: int
+
+
+class _Envelope:
+    __slots__ = ("payload", "taken")
+
+    def __init__(self, payload: Array):
+        self.payload, self.taken = payload, False
+
+
+class SimulatedWorld:
+    """n simulated ranks, run as threads (`run(fn, *args)` gives each a SimulatedCommunicator), and
+    their shared state: mailboxes, the trace, who is blocked on what."""
+
+    def __init__(self, size: int, eager_limit: int = DEFAULT_EAGER_LIMIT, timeout: float = 60.0):
+        if size < 1:
+            raise ValueError(f"a world needs at least one rank, got {size}")
+        self.size, self.eager_limit, self.timeout = size, eager_limit, timeout
+        self.condition = threading.Condition()
+        # (context, source, dest, tag) -> envelopes in send order
+        self.mailboxes: defaultdict[tuple, deque] = defaultdict(deque)
+        # (context, source, dest, tag) -> receives posted (irecv) before their message came
+        self.posted: defaultdict[tuple, deque] = defaultdict(deque)
+        # (context, call number) -> {rank: contribution}, until all have read it
+        self.collectives: dict[tuple, dict] = {}
+        self.collective_reads: dict[tuple, set] = {}  # (context, call number) -> ranks that read
+        self.waiting: dict[int, tuple] = {}  # world rank -> (description, predicate)
+        self.finished: dict[int, str] = {}  # world rank -> "returned" or "exited with ..."
+        self.trace: list[Message] = []
+        self.sends_by_rank = [0] * size
+        self.deadlock: str | None = None
+
+    # Called with the condition held by every blocking operation.
+    def block_until(self, rank: int, predicate: Callable[[], bool], description: str) -> None:
+        """Wait (the condition held) until predicate() holds; raise DeadlockError when every
+        live rank waits on something no rank can give, TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + self.timeout
+        while not predicate():
+            if self.deadlock:
+                raise DeadlockError(self.deadlock)
+            self.waiting[rank] = (description, predicate)
+            self._detect_deadlock()
+            if self.deadlock:
+                self.waiting.pop(rank, None)
+                raise DeadlockError(self.deadlock)
+            if time.monotonic() > deadline:
+                self.waiting.pop(rank, None)
+                raise TimeoutError(f"rank {rank} waited {self.timeout:g} s to {description}")
+            self.condition.wait(timeout=0.2)
+        self.waiting.pop(rank, None)
+
+    def _detect_deadlock(self) -> None:
+        if self.deadlock:
+            return  # keep the first diagnosis: later ones only list ranks that died of it
+        live = [rank for rank in range(self.size) if rank not in self.finished]
+        if not all(rank in self.waiting for rank in live):
+            return
+        if any(predicate() for _, predicate in (self.waiting[rank] for rank in live)):
+            return
+        lines = [f"rank {rank} waits to {self.waiting[rank][0]}" for rank in live]
+        lines += [f"rank {rank} has {how}" for rank, how in sorted(self.finished.items())]
+        self.deadlock = "deadlock: " + "; ".join(lines)
+        self.condition.notify_all()
+
+    def run(self, fn: Callable[..., Any], *args: object) -> list:
+        """Run fn(comm, *args) on every rank, each on the device current where run was called.
         Returns the results in rank order, or raises the first rank's exception."""
-        results, errors = [None] * self.size, {}
+        results: list = [None] * self.size
+        errors: dict[int, BaseException] = {}
+        device = backend.current_device()  # a new thread would start on MINIMP_DEVICE's
 
-        def body(rank):
+        def body(rank: int) -> None:
             try:
-                results[rank] = fn(
-                    SimulatedCommunicator(self, rank, list(range(self.size)), ()), *args
-                )
+                with device:
+                    comm = SimulatedCommunicator(self, rank, list(range(self.size)), ())
+                    results[rank] = fn(comm, *args)
                 how = "returned"
             except BaseException as error:  # noqa: BLE001 - reported to the caller below
                 errors[rank] = error
@@ -70,7 +153,7 @@ class SimulatedWorld(WorldState):
 class PostedReceive:
     """A receive's buffer waiting for its message (under the world's lock)."""
 
-    def __init__(self, target: Any, source: int):
+    def __init__(self, target: Array, source: int):
         self.target, self.source, self.done = target, source, False
         self.error: ValueError | None = None
 
@@ -87,12 +170,16 @@ class PostedReceive:
             raise self.error
 
 
+@dataclass(eq=False)
 class SimulatedRequest:
     """A simulated non-blocking operation: complete when `done()` holds (checked under the world's
-    lock); wait() blocks like any simulated call, with deadlock detection."""
+    lock); wait() blocks like any simulated call, with deadlock detection, then calls `finish()`
+    (a receive raises its error there)."""
 
-    def __init__(self, comm: Any, done: Callable[[], bool], finish: Callable, what: str):
-        self.comm, self.done, self.finish, self.what = comm, done, finish, what
+    comm: "SimulatedCommunicator"
+    done: Callable[[], bool]
+    finish: Callable[[], None]
+    what: str  # what a deadlock report says the rank waits to do
 
     def wait(self) -> None:
         world = self.comm.world
@@ -111,13 +198,13 @@ class SimulatedRequest:
 class SimulationResults(list):
     """The ranks' return values, in rank order, with the message trace attached as `.trace`."""
 
-    trace: list[Message] = []
+    trace: list[Message]
 
 
 def simulate(
     size: int,
-    fn: Callable,
-    *args: Any,
+    fn: Callable[..., Any],
+    *args: object,
     eager_limit: int = DEFAULT_EAGER_LIMIT,
     timeout: float = 60.0,
 ) -> SimulationResults:
@@ -144,7 +231,7 @@ class SimulatedCommunicator(Communicator):
     def __repr__(self) -> str:
         return f"SimulatedCommunicator(rank={self.rank}, size={self.size})"
 
-    def _post(self, array, dest, tag):
+    def _post(self, array: Array, dest: int, tag: int) -> _Envelope:
         """Put a copy of the bytes in dest's mailbox (under the lock); returns the envelope."""
         world, payload = self.world, byte_view(array).copy()  # refuses what MPI refuses
         source, target = self.world_rank, self.members[dest]
@@ -164,48 +251,27 @@ class SimulatedCommunicator(Communicator):
         self.messages_sent += 1
         return envelope
 
-    def _await_delivery(self, envelope, dest):
-        """Large messages wait for the receiver (rendezvous); small ones were buffered (eager)."""
-        if envelope.payload.nbytes > self.world.eager_limit:
-            self.world.block_until(
-                self.world_rank,
-                lambda: envelope.taken,
-                f"send {envelope.payload.nbytes} bytes to rank {self.members[dest]} "
-                "(rendezvous: needs a matching receive)",
-            )
-
-    def _take(self, array, source, tag):
-        box = self.world.mailboxes[(self.context, self.members[source], self.world_rank, tag)]
-        self.world.block_until(
-            self.world_rank,
-            lambda: bool(box),
-            f"receive from rank {self.members[source]} (tag {tag})",
-        )
-        envelope = box.popleft()
-        envelope.taken = True
-        self.world.condition.notify_all()
-        target = byte_view(array)
-        check_byte_count(envelope.payload.nbytes, target.nbytes, self.members[source])
-        target[...] = envelope.payload
-
-    def send(self, array: Any, dest: int, tag: int = 0) -> None:
-        with self.world.condition:
-            self._await_delivery(self._post(array, dest, tag), dest)
-
-    def recv(self, array: Any, source: int, tag: int = 0) -> None:
-        with self.world.condition:
-            self._take(array, source, tag)
-
-    def isend(self, array: Any, dest: int, tag: int = 0) -> "SimulatedRequest":
-        """The bytes are copied and posted now; wait() returns at once for an eager message and
-        once the receiver has taken a larger one (rendezvous), as MPI_Wait on an Isend does."""
+    def _start_send(self, array: Array, dest: int, tag: int, what: str) -> SimulatedRequest:
+        """Post the bytes now; the request completes at once for an eager message and once the
+        receiver has taken a larger one (rendezvous). `what` names the wait ({nbytes}, {dest})."""
         with self.world.condition:
             envelope = self._post(array, dest, tag)
-        eager = envelope.payload.nbytes <= self.world.eager_limit
-        what = f"finish a send of {envelope.payload.nbytes} bytes to rank {self.members[dest]}"
+        nbytes, eager = envelope.payload.nbytes, envelope.payload.nbytes <= self.world.eager_limit
+        what = what.format(nbytes=nbytes, dest=self.members[dest])
         return SimulatedRequest(self, lambda: eager or envelope.taken, lambda: None, what)
 
-    def irecv(self, array: Any, source: int, tag: int = 0) -> "SimulatedRequest":
+    def send(self, array: Array, dest: int, tag: int = 0) -> None:
+        """Returns at once for an eager message and once the receiver has taken a larger one
+        (rendezvous), as MPI_Send does."""
+        what = "send {nbytes} bytes to rank {dest} (rendezvous: needs a matching receive)"
+        self._start_send(array, dest, tag, what).wait()
+
+    def isend(self, array: Array, dest: int, tag: int = 0) -> SimulatedRequest:
+        """The bytes are copied and posted now; wait() returns at once for an eager message and
+        once the receiver has taken a larger one (rendezvous), as MPI_Wait on an Isend does."""
+        return self._start_send(array, dest, tag, "finish a send of {nbytes} bytes to rank {dest}")
+
+    def irecv(self, array: Array, source: int, tag: int = 0) -> SimulatedRequest:
         """A receive posted now: a message already waiting is taken at once; a later one is
         delivered into array the moment it is sent."""
         posted = PostedReceive(byte_view(array), self.members[source])
@@ -214,26 +280,13 @@ class SimulatedCommunicator(Communicator):
             box = self.world.mailboxes[key]
             if box:
                 posted.deliver(box.popleft())
+                self.world.condition.notify_all()  # its sender may wait for it to be taken
             else:
                 self.world.posted[key].append(posted)
         what = f"receive from rank {self.members[source]} (tag {tag})"
         return SimulatedRequest(self, lambda: posted.done, posted.raise_if_wrong, what)
 
-    def sendrecv(
-        self,
-        send_array: Any,
-        dest: int,
-        recv_array: Any,
-        source: int,
-        tag: int = 0,
-        recv_tag: int | None = None,
-    ) -> None:
-        with self.world.condition:
-            envelope = self._post(send_array, dest, tag)
-            self._take(recv_array, source, tag if recv_tag is None else recv_tag)
-            self._await_delivery(envelope, dest)
-
-    def bcast(self, array: Any, root: int = 0) -> None:
+    def bcast(self, array: Array, root: int = 0) -> None:
         """Root sends to every other rank (a linear broadcast: simple to read in a trace)."""
         if self.rank == root:
             for dest in range(self.size):
@@ -242,7 +295,7 @@ class SimulatedCommunicator(Communicator):
         else:
             self.recv(array, root, tag=Tag.BROADCAST)
 
-    def _collective(self, contribution):
+    def _collective(self, contribution: object) -> dict[int, Any]:
         """Every rank of the group hands in a contribution; all get the dict of all of them."""
         world = self.world
         key = (self.context, self._collective_calls)
@@ -262,7 +315,7 @@ class SimulatedCommunicator(Communicator):
                 del world.collectives[key], world.collective_reads[key]
             return dict(entry)
 
-    def allreduce_scalars(self, values: Any, op: str = "max") -> np.ndarray:
+    def allreduce_scalars(self, values: ArrayLike, op: str = "max") -> np.ndarray:
         check_op(op)
         self.scalar_allreduces += 1
         contributions = self._collective(np.asarray(values, dtype=np.float64).copy())
@@ -271,11 +324,9 @@ class SimulatedCommunicator(Communicator):
     def barrier(self) -> None:
         self._collective(None)
 
-    def ranks_on_this_node(self) -> int:
-        """Simulated ranks are threads sharing one process (and its BLAS thread pool): count one."""
-        return 1
-
     def node_rank_and_size(self) -> tuple[int, int]:
+        """Simulated ranks are threads sharing one process (and its BLAS thread pool): each counts
+        as the one rank of its node, so it takes every core."""
         return 0, 1
 
     def split(self, color: int, key: int = 0) -> "SimulatedCommunicator":
@@ -288,5 +339,5 @@ class SimulatedCommunicator(Communicator):
             self.world, rank, members, self.context + ((self._collective_calls, color),)
         )
 
-    def abort(self, code: int = 1) -> None:
+    def abort(self, code: int = 1) -> NoReturn:
         raise SystemExit(code)

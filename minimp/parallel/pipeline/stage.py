@@ -155,7 +155,7 @@ class PipelineStage:
         return self._micro_batches.setdefault(key, MicroBatch())
 
     def _buffer(self, shape: tuple[int, ...]) -> Any:
-        return backend.default_xp().empty(shape, self.dtype)
+        return backend.current_device().xp.empty(shape, self.dtype)
 
     def _finish_if_done(self, key: tuple[int, int]) -> None:
         """Forget a micro-batch once its input's gradient has left and its W (if split) ran."""
