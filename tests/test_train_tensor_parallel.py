@@ -15,7 +15,7 @@ from minimp.measure.tensor_parallel_accounts import (
     pipeline_bytes,
 )
 from minimp.parallel.tensor.grads import TensorParallelGradients
-from minimp.measure.accounts import bytes_sent_formula
+from minimp.parallel.zero.formulas import bytes_sent_formula
 from minimp.train import TrainConfig
 from minimp.checkpoints.errors import ConfigError
 from minimp.train.loop import train

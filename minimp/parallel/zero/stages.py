@@ -35,8 +35,11 @@ STAGES = (
 )
 
 
-def zero_stage(number: int) -> ZeroStage:
-    """The stage --zero names; ValueError for a number ZeRO has no stage for."""
+def zero_stage(number: int | ZeroStage) -> ZeroStage:
+    """The stage --zero names (a ZeroStage is its own); ValueError for a number ZeRO has no stage
+    for."""
+    if isinstance(number, ZeroStage):
+        return number
     if isinstance(number, bool) or number not in range(len(STAGES)):
         raise ValueError(f"--zero must be 0, 1, 2 or 3 (ZeRO's stages), got {number}")
     return STAGES[number]
