@@ -8,7 +8,7 @@ import pytest
 from minimp import backend
 from minimp import distributed as dist
 from minimp.parallel import Topology, amax
-from minimp.parallel.data.data_parallel import ReplicaMismatchError
+from minimp.parallel.replicas import ReplicaMismatchError
 from minimp.measure.tensor_parallel_accounts import (
     gpt_tensor_parallel_bytes,
     mlp_tensor_parallel_bytes,

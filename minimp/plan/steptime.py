@@ -30,8 +30,8 @@ the job does (pipeline stages are the outermost dimension: Megatron-LM's order, 
 After the pipeline, each stage's gradients over its dp group, on the intra-node network when the
 group fits in a node (tp x dp <= GPUs per node), else inter-node: ZeRO 0 a ring all-reduce of
 w-byte gradients; ZeRO 1 a reduce-scatter and an all-gather of the d-byte compute copies; ZeRO 2
-the all-gather; ZeRO 3 nothing (parallel/zero/formulas.py has the bytes). The tied token embedding is
-all-reduced between the first and last stage (float32), and four scalar all-reduces span the
+the all-gather; ZeRO 3 nothing (parallel/zero/formulas.py has the bytes). The tied token embedding
+is all-reduced between the first and last stage (float32), and four scalar all-reduces span the
 job (the overflow flag before and after the reduce, the gradient norm, the loss: what minimp's
 metrics count per step on 4 ranks). Not counted: the optimizer's update, the vocabulary-
 parallel embedding's and loss's small all-reduces, kernel launches, and data loading.

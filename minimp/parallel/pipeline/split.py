@@ -3,10 +3,12 @@ parameter count, into the groups that run as one (a layer with weights and the w
 after it), and learning the activation shapes at every cut."""
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from minimp.nn.module import reachable_parameters
+from minimp.nn.module import Module, reachable_parameters
 from minimp.tensor import Tensor, no_grad
+
+RunLayers = Callable[[list[Module], Tensor], Tensor]  # how a group of layers runs: run_layers
 
 
 class PipelineError(ValueError):

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from minimp.backend import array_module
 from minimp.distributed.protocol import Communicator
-from minimp.parallel.data.data_parallel import ReplicaMismatchError, ranks_differing_from_rank_0
+from minimp.parallel.replicas import check_same
 from minimp.parallel.tensor.mappings import all_reduce
 
 
@@ -64,9 +64,8 @@ class TensorParallelGradients:
         """Raise ReplicaMismatchError unless every rank holds the same whole parameters (and
         `extra` arrays: fp8 state, the same on every rank after its MAX agreement)."""
         whole = [*(masters[i] for i in self.replicated), *extra]
-        differing = ranks_differing_from_rank_0(self.comm, whole)
-        if differing:
-            raise ReplicaMismatchError(
-                f"the whole (replicated) parameters of tensor-parallel rank(s) {differing} "
-                "differ from rank 0's (tensor-parallel copies drifted apart)"
-            )
+        message = (
+            "the whole (replicated) parameters of tensor-parallel rank(s) {ranks} differ from "
+            "rank 0's (tensor-parallel copies drifted apart)"
+        )
+        check_same(self.comm, whole, message)
