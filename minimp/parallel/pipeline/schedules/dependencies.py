@@ -62,7 +62,7 @@ def with_messages(computes: list[list[Action]], stages: int, chunks: int) -> Sch
     return schedule
 
 
-def _messages(action: Action, rank: int, stages: int) -> tuple[list, list]:
+def messages(action: Action, rank: int, stages: int) -> tuple[list, list]:
     """(keys sent, keys received) by an action; a key names one message: (direction, micro-batch,
     the virtual stage that receives it)."""
     here = virtual_stage(rank, action.chunk, stages)
@@ -92,12 +92,12 @@ def check_schedule(
         if position[rank] == len(schedule[rank]):
             return None
         action = schedule[rank][position[rank]]
-        return action, *_messages(action, rank, stages)
+        return action, *messages(action, rank, stages)
 
     def run(rank: int, action: Action) -> None:
         if not _inputs_ready(action, rank, stages, last, done, arrived):
             problems.append(f"rank {rank}: {action!r} runs before what it needs")
-        arrived.update(_messages(action, rank, stages)[1])
+        arrived.update(messages(action, rank, stages)[1])
         done.add((action.op, action.micro_batch, virtual_stage(rank, action.chunk, stages)))
         position[rank] += 1
 
