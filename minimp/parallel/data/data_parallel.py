@@ -246,6 +246,7 @@ class DataParallel(ReplicaSync):
         inverse, offset = 1.0 / self.comm.size, 0
         for index in indices:
             grad = gradients[index]
+            assert grad is not None  # _pack gave the parameters no backward reached zeros
             # Written through grad itself: a gradient that arrived transposed (the head's copy
             # of the tied embedding) is Fortran-ordered, and its reshape(-1) is a copy.
             piece = receive[offset : offset + grad.size].reshape(grad.shape)

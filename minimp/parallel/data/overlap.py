@@ -48,10 +48,11 @@ from minimp.tensor import RemovableHandle, Tensor
 
 def hook_each(params: Sequence[Tensor], arrived: Callable[[int], None]) -> list[RemovableHandle]:
     """Call arrived(index) each time backward has added params[index]'s gradient into .grad."""
-    return [
-        parameter.register_post_accumulate_grad_hook(lambda _, index=index: arrived(index))
-        for index, parameter in enumerate(params)
-    ]
+
+    def hook(index: int) -> Callable[[Tensor], None]:
+        return lambda parameter: arrived(index)
+
+    return [p.register_post_accumulate_grad_hook(hook(i)) for i, p in enumerate(params)]
 
 
 class RingsInFlight:
@@ -158,9 +159,12 @@ class OverlappedBuckets(RingsInFlight):
         while self.next_bucket < len(self.buckets) and (everything or self._complete()):
             bucket = self.next_bucket
             send, receive = self.pack_bucket(bucket)
-            self._launch(bucket, send, receive, lambda _, bucket=bucket: self.unpack_bucket(bucket))
+            self._launch(bucket, send, receive, self._unpacker(bucket))
             self.next_bucket += 1
         self._advance()
+
+    def _unpacker(self, bucket: int) -> Callable[[Array], None]:
+        return lambda received: self.unpack_bucket(bucket)
 
     def _complete(self) -> bool:
         """Whether every gradient of the next bucket is final."""

@@ -182,12 +182,14 @@ class PipelineStage:
         if self._before_forward is not None:
             self._before_forward(action.micro_batch)
         if self._is_first(chunk):
-            state.input = Tensor(self._inputs[action.micro_batch])
+            assert self._inputs is not None  # the first stage is given the inputs
+            x = Tensor(self._inputs[action.micro_batch])
         else:  # a leaf that wants its gradient: that gradient is what we send back
-            state.input = Tensor(state.received, requires_grad=True)
+            x = Tensor(state.received, requires_grad=True)
             state.received = None
-        output = self.forward(state.input, chunk)
+        state.input, output = x, self.forward(x, chunk)
         if self._is_last(chunk):
+            assert self._targets is not None  # the last stage is given the targets
             output = self.loss_fn(output, self._targets[action.micro_batch])
             self._loss_sum += output.item()
         state.output = output
@@ -205,6 +207,7 @@ class PipelineStage:
 
     def _backward(self, action: Action, split: bool = False) -> None:
         key, state = (action.chunk, action.micro_batch), self._state(action)
+        assert state.input is not None and state.output is not None  # its forward ran
         if self._is_last(action.chunk):
             root, grad = self._scale_loss(state.output), None
         else:
@@ -266,7 +269,9 @@ class PipelineStage:
         (FORWARD), or its input's gradient to the previous one (BACKWARD)."""
         key = (action.chunk, action.micro_batch)
         if direction == FORWARD:
-            array = self._micro_batches[key].output.data
+            output = self._micro_batches[key].output
+            assert output is not None  # sent after its forward
+            array = output.data
         else:
             array = self._pop_grad_input(key)
         rank, chunk = self._neighbour(action.chunk, +1 if direction == FORWARD else -1)

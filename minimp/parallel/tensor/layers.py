@@ -56,11 +56,15 @@ def _parameter(array: Array) -> nn.Parameter:
 class _ParallelLinear(nn.Linear):
     """What the column and the row layer share: a whole Linear's weight cut along one axis."""
 
-    def __init__(self, linear: nn.Linear, comm: Communicator, axis: int, sections: int) -> None:
+    def __init__(
+        self, linear: nn.Linear, comm: Communicator, axis: int, sections: int, sequence: bool
+    ) -> None:
         """The weight's shard that rank comm.rank of comm.size holds, cut along `axis` (0: by
-        output features, 1: by input features) in `sections` sections."""
+        output features, 1: by input features) in `sections` sections; sequence: whether
+        sequence parallelism runs around the layer."""
         nn.Module.__init__(self)  # not Linear's: the values come from `linear`, none are drawn
         self.comm, self.axis, self.fp8_meta = comm, axis, linear.fp8_meta
+        self.sequence_parallel = sequence
         features = linear.weight.shape[axis]
         if features % (sections * comm.size):
             raise ValueError(
@@ -68,9 +72,12 @@ class _ParallelLinear(nn.Linear):
                 f"split into {sections} section(s) over {comm.size} ranks"
             )
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight, rank, ranks = linear.weight.data, comm.rank, comm.size
-        self.weight = _parameter(take_shard(weight, axis, sections, rank, ranks))
+        self.weight = self._cut(linear.weight.data, sections)
         self.partition = {"weight": (axis, sections)}
+
+    def _cut(self, array: Array, sections: int) -> nn.Parameter:
+        """This rank's shard of a whole array, cut along the layer's axis."""
+        return _parameter(take_shard(array, self.axis, sections, self.comm.rank, self.comm.size))
 
     def __repr__(self) -> str:
         sizes = [str(self.in_features), str(self.out_features)]
@@ -93,14 +100,9 @@ class ColumnParallelLinear(_ParallelLinear):
         sequence_parallel: bool = False,
     ):
         """The shard of a whole (float32) Linear that rank comm.rank of comm.size holds."""
-        super().__init__(linear, comm, 0, sections)
-        self.sequence_parallel, self.out_features = (
-            sequence_parallel,
-            self.out_features // comm.size,
-        )
-        self.bias = None
-        if linear.bias is not None:
-            self.bias = _parameter(take_shard(linear.bias.data, 0, sections, comm.rank, comm.size))
+        super().__init__(linear, comm, 0, sections, sequence_parallel)
+        self.out_features //= comm.size
+        self.bias = None if linear.bias is None else self._cut(linear.bias.data, sections)
         self.partition["bias"] = (0, sections)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -117,8 +119,8 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, linear: nn.Linear, comm: Communicator, sequence_parallel: bool = False):
         """The shard of a whole (float32) Linear that rank comm.rank of comm.size holds."""
-        super().__init__(linear, comm, 1, 1)
-        self.sequence_parallel, self.in_features = sequence_parallel, self.in_features // comm.size
+        super().__init__(linear, comm, 1, 1, sequence_parallel)
+        self.in_features //= comm.size
         self.bias = None if linear.bias is None else _parameter(linear.bias.data.copy())
 
     def forward(self, x: Tensor) -> Tensor:

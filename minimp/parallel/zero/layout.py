@@ -98,9 +98,7 @@ class ZeroLayout:
         return {index: u for u, unit in enumerate(self.units) for index in unit.indices}
 
 
-def plan_units(
-    layers: list, params: list, tied: set[int]
-) -> tuple[list[Unit], list[list[int]]]:
+def plan_units(layers: list, params: list, tied: set[int]) -> tuple[list[Unit], list[list[int]]]:
     """(units, the units each layer reads) for a stage's layers and its optimizer's parameters
     (params, in optimizer order). tied: optimizer positions another stage holds a copy of."""
     position = {id(parameter): index for index, parameter in enumerate(params)}
