@@ -18,8 +18,6 @@ axis (attention's (3h, h) q, k, v projection) is cut section by section, so each
 q, k and v rows of the same heads.
 """
 
-import numpy as np
-
 from minimp import functional, nn
 from minimp.backend import Array, array_module
 from minimp.distributed.protocol import Communicator
@@ -143,15 +141,3 @@ def partitions(model: nn.Module) -> dict[str, tuple[int, int]]:
             if getattr(module, parameter, None) is not None:
                 cut[f"{name}.{parameter}" if name else parameter] = spec
     return cut
-
-
-def whole_shape(shape: tuple[int, ...], spec: tuple[int, int], ranks: int) -> tuple[int, ...]:
-    """The whole parameter's shape from a shard's."""
-    axis, _ = spec
-    return tuple(size * ranks if i == axis else size for i, size in enumerate(shape))
-
-
-def shard_of(array: np.ndarray, spec: tuple[int, int], rank: int, ranks: int) -> np.ndarray:
-    """Rank's shard of a whole (host) array cut as `spec` says."""
-    axis, sections = spec
-    return take_shard(array, axis, sections, rank, ranks)

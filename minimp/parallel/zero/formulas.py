@@ -129,12 +129,15 @@ def bytes_sent_formula(
 def per_parameter(
     stage: ZeroStage | int, world_size: int, compute_bytes: int = 2, slots: int = 2
 ) -> float:
-    """minimp's bytes per parameter held by each rank (model states, even shards, no buffers):
-    the compute copy (c), the float32 accumulator (4), the master (4, none where the compute
-    copy is the master: c = 4 in stages 0 and 3) and the slots (4 k), each 1/N where sharded."""
-    stage, c = zero_stage(stage), compute_bytes
-    masters = 0 if c == 4 and stage.shards_parameters == stage.shards_optimizer_state else 4
-    return _bytes_per_parameter(stage, world_size, c, 4, masters + 4 * slots)
+    """minimp's bytes per parameter held by each rank (model states, even shards, no buffers)."""
+    c, k, n = compute_bytes, 4 * slots, world_size
+    masters = 0 if c == 4 else 4
+    return {
+        0: c + 4 + masters + k,
+        1: c + 4 + (4 + k) / n,
+        2: c + (4 + 4 + k) / n,
+        3: (c + 4 + masters + k) / n,
+    }[zero_stage(stage).number]
 
 
 def paper_per_parameter(
@@ -142,18 +145,5 @@ def paper_per_parameter(
 ) -> float:
     """ZeRO's bytes per parameter (section 5.1: fp16 parameters and gradients, K = 12 bytes of
     Adam state and fp32 masters): 2 + 2 + K, 2 + 2 + K/N, 2 + (2 + K)/N, (2 + 2 + K)/N."""
-    return _bytes_per_parameter(zero_stage(stage), world_size, 2, 2, optimizer_bytes)
-
-
-def _bytes_per_parameter(
-    stage: ZeroStage, world_size: int, parameters: int, gradients: int, optimizer_state: int
-) -> float:
-    """The whole parts plus the sharded parts / N (each part's bytes per parameter, whole)."""
-    parts = (
-        (parameters, stage.shards_parameters),
-        (gradients, stage.shards_gradients),
-        (optimizer_state, stage.shards_optimizer_state),
-    )
-    whole = sum(size for size, sharded in parts if not sharded)
-    sharded = sum(size for size, sharded in parts if sharded)
-    return whole + sharded / world_size
+    k, n = optimizer_bytes, world_size
+    return {0: 4 + k, 1: 4 + k / n, 2: 2 + (2 + k) / n, 3: (4 + k) / n}[zero_stage(stage).number]
