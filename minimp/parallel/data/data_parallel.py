@@ -17,7 +17,7 @@ Averaging by the world size p can happen before or after the all-reduce:
 to agree on overflows, to average the gradients and to add up the gradient norm.
 """
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -27,7 +27,7 @@ from minimp.distributed.persistent import PersistentAllreduce
 from minimp.distributed.protocol import Communicator
 from minimp.measure.accounts import BytesSent, PeakMemory, held_bytes
 from minimp.optim import Optimizer
-from minimp.parallel.data.overlap import OverlappedBuckets
+from minimp.parallel.data.overlap import RingsInFlight, hook_each
 from minimp.parallel.pipeline.tied import TiedGradients
 from minimp.parallel.replicas import check_same
 from minimp.parallel.tensor.grads import TensorParallelGradients
@@ -133,17 +133,8 @@ class DataParallel(ReplicaSync):
             PersistentAllreduce(comm, (n,), self.comm_dtype, algorithm="ring") for n in sizes
         ]
         self.overlap: OverlappedBuckets | None = None
-        if overlap and comm.size > 1:
-            # The float32 gradients are read when a bucket moves: zero_grad makes a new list.
-            self.overlap = OverlappedBuckets(
-                comm,
-                optimizer,
-                self.buckets,
-                micro_batches,
-                pack_bucket=lambda bucket: self._pack(bucket, optimizer.master_gradients),
-                unpack_bucket=lambda bucket: self._unpack(bucket, optimizer.master_gradients),
-                sent=self.sent,
-            )
+        if overlap and comm.size > 1:  # one replica has nothing to send
+            self.overlap = OverlappedBuckets(self, micro_batches)
 
     def _plan_buckets(self, bucket_bytes: float) -> list[tuple[list[int], int]]:
         """[(parameter indices, elements)]; parameters are taken last to first, the order in which
@@ -259,6 +250,84 @@ class DataParallel(ReplicaSync):
         what = "master weights or fp8 state" if extra else "master weights"
         message = what + " of rank(s) {ranks} differ from rank 0's (replicas drifted apart)"
         check_same(self.comm, [*self.optimizer.master_weights, *extra], message)
+
+
+class OverlappedBuckets(RingsInFlight):
+    """The hooks, the buckets and the rings in flight of one DataParallel, as "all_reduce"."""
+
+    def __init__(self, sync: DataParallel, micro_batches: int):
+        """sync: the DataParallel whose buckets (its plan, its buffers, its _pack and _unpack)
+        move during backward; its bytes go into sync.sent, as "all_reduce"."""
+        super().__init__(sync.comm, sync.sent, "all_reduce")
+        self.sync, self.optimizer, self.buckets = sync, sync.optimizer, sync.buckets
+        self.micro_batches = micro_batches
+        self.bucket_of = {i: b for b, (indices, _) in enumerate(self.buckets) for i in indices}
+        self._reset()
+        self.handles = hook_each(self.optimizer.params, self._arrived)
+
+    def _reset(self) -> None:
+        self.arrivals = [0] * len(self.optimizer.params)  # backwards that reached each, this step
+        self.final = [0] * len(self.buckets)  # parameters of each bucket whose sum is final
+        self.next_bucket = 0  # the next bucket to start, in plan order
+        self.pending = False  # a backward ran since the last finalize_backward
+
+    def _arrived(self, index: int) -> None:
+        """Parameter index's gradient of one micro-batch is in .grad. On the last micro-batch it
+        is final: into the float32 sum now, and its bucket may start."""
+        self.arrivals[index] += 1
+        self.pending = True
+        if self.arrivals[index] != self.micro_batches:
+            return  # an earlier micro-batch: DataParallel.after_backward accumulates it
+        self.optimizer.accumulate_gradient(index)
+        with self.communicating():
+            self.final[self.bucket_of[index]] += 1
+            self.progress()
+
+    def progress(self, everything: bool = False) -> None:
+        """Go as far as possible without waiting: start the complete buckets (every bucket not
+        started yet, with `everything`) in plan order, advance every ring in flight, and unpack
+        the buckets whose rings are done."""
+        while self.next_bucket < len(self.buckets) and (everything or self._complete()):
+            bucket = self.next_bucket
+            # The float32 gradients are read when a bucket moves: zero_grad makes a new list.
+            send, receive = self.sync._pack(bucket, self.optimizer.master_gradients)
+            self._launch(bucket, send, receive, self._unpacker(bucket))
+            self.next_bucket += 1
+        self._advance()
+
+    def _unpacker(self, bucket: int) -> Callable[[Array], None]:
+        return lambda received: self.sync._unpack(bucket, self.optimizer.master_gradients)
+
+    def _complete(self) -> bool:
+        """Whether every gradient of the next bucket is final."""
+        return self.final[self.next_bucket] == len(self.buckets[self.next_bucket][0])
+
+    def finalize_backward(self) -> None:
+        """Backward is over: start the buckets not started yet (a parameter no backward reached
+        sends zeros, as without overlap), wait for every ring, and get ready for the next step.
+        Only once per step: a second call (DataParallel.reduce makes one) does nothing."""
+        if not self.pending:
+            return
+        self._check_arrivals()
+        self.progress(everything=True)
+        self._wait_all()
+        self._reset()
+
+    def _check_arrivals(self) -> None:
+        """A parameter reached by more backwards than there were micro-batches would have been
+        sent before its sum was complete: refuse instead of averaging a wrong gradient."""
+        for index, count in enumerate(self.arrivals):
+            if count > self.micro_batches:
+                raise RuntimeError(
+                    f"overlap: parameter {index} received {count} gradients in a step of "
+                    f"{self.micro_batches} micro-batches, so it was sent before it was complete; "
+                    "tell DataParallel the right micro_batches, or turn overlap off"
+                )
+
+    def remove_hooks(self) -> None:
+        """Take the hooks off the parameters (this DataParallel no longer overlaps)."""
+        for handle in self.handles:
+            handle.remove()
 
 
 def any_rank(comm: Communicator, found_inf: bool) -> bool:

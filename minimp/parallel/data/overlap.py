@@ -38,11 +38,10 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
 
-from minimp.backend import Array, array_module
+from minimp.backend import Array
 from minimp.distributed.protocol import Communicator, Tag
 from minimp.distributed.ring_nonblocking import RingAllreduce
 from minimp.measure.accounts import BytesSent
-from minimp.optim import Optimizer
 from minimp.tensor import RemovableHandle, Tensor
 
 
@@ -61,9 +60,8 @@ class RingsInFlight:
 
     def __init__(self, comm: Communicator, sent: BytesSent, collective: str):
         self.comm, self.sent, self.collective = comm, sent, collective
-        self.seconds = (
-            0.0  # spent communicating inside backward (packing, starting, testing, adding)
-        )
+        # seconds spent communicating inside backward (packing, starting, testing, adding)
+        self.seconds = 0.0
         # key -> (its ring, what to do with the received array once the ring is done)
         self.in_flight: dict[int, tuple[RingAllreduce, Callable[[Array], None]]] = {}
 
@@ -109,141 +107,3 @@ class RingsInFlight:
     def buffers(self) -> list[Array]:
         """The send and receive buffers of the rings in flight (for the memory account)."""
         return [array for ring, _ in self.in_flight.values() for array in (ring.x, ring.out)]
-
-
-class OverlappedBuckets(RingsInFlight):
-    """The hooks, the buckets and the rings in flight of one DataParallel, as "all_reduce"."""
-
-    def __init__(
-        self,
-        comm: Communicator,
-        optimizer: Optimizer,
-        buckets: list[tuple[list[int], int]],
-        micro_batches: int,
-        pack_bucket: Callable[[int], tuple[Array, Array]],
-        unpack_bucket: Callable[[int], None],
-        sent: BytesSent,
-    ):
-        """buckets: DataParallel's plan; pack_bucket(b) writes bucket b's float32 gradients onto
-        its send buffer and returns (send, receive); unpack_bucket(b) writes the reduced mean
-        back into the float32 gradients; sent: the account the bytes go into, as "all_reduce"."""
-        super().__init__(comm, sent, "all_reduce")
-        self.optimizer, self.buckets, self.micro_batches = optimizer, buckets, micro_batches
-        self.pack_bucket, self.unpack_bucket = pack_bucket, unpack_bucket
-        self.bucket_of = {index: b for b, (indices, _) in enumerate(buckets) for index in indices}
-        self._reset()
-        self.handles = hook_each(optimizer.params, self._arrived)
-
-    def _reset(self) -> None:
-        self.arrivals = [0] * len(self.optimizer.params)  # backwards that reached each, this step
-        self.final = [0] * len(self.buckets)  # parameters of each bucket whose sum is final
-        self.next_bucket = 0  # the next bucket to start, in plan order
-        self.pending = False  # a backward ran since the last finalize_backward
-
-    def _arrived(self, index: int) -> None:
-        """Parameter index's gradient of one micro-batch is in .grad. On the last micro-batch it
-        is final: into the float32 sum now, and its bucket may start."""
-        self.arrivals[index] += 1
-        self.pending = True
-        if self.arrivals[index] != self.micro_batches:
-            return  # an earlier micro-batch: DataParallel.after_backward accumulates it
-        self.optimizer.accumulate_gradient(index)
-        with self.communicating():
-            self.final[self.bucket_of[index]] += 1
-            self.progress()
-
-    def progress(self, everything: bool = False) -> None:
-        """Go as far as possible without waiting: start the complete buckets (every bucket not
-        started yet, with `everything`) in plan order, advance every ring in flight, and unpack
-        the buckets whose rings are done."""
-        while self.next_bucket < len(self.buckets) and (everything or self._complete()):
-            bucket = self.next_bucket
-            send, receive = self.pack_bucket(bucket)
-            self._launch(bucket, send, receive, self._unpacker(bucket))
-            self.next_bucket += 1
-        self._advance()
-
-    def _unpacker(self, bucket: int) -> Callable[[Array], None]:
-        return lambda received: self.unpack_bucket(bucket)
-
-    def _complete(self) -> bool:
-        """Whether every gradient of the next bucket is final."""
-        return self.final[self.next_bucket] == len(self.buckets[self.next_bucket][0])
-
-    def finalize_backward(self) -> None:
-        """Backward is over: start the buckets not started yet (a parameter no backward reached
-        sends zeros, as without overlap), wait for every ring, and get ready for the next step.
-        Only once per step: a second call (DataParallel.reduce makes one) does nothing."""
-        if not self.pending:
-            return
-        self._check_arrivals()
-        self.progress(everything=True)
-        self._wait_all()
-        self._reset()
-
-    def _check_arrivals(self) -> None:
-        """A parameter reached by more backwards than there were micro-batches would have been
-        sent before its sum was complete: refuse instead of averaging a wrong gradient."""
-        for index, count in enumerate(self.arrivals):
-            if count > self.micro_batches:
-                raise RuntimeError(
-                    f"overlap: parameter {index} received {count} gradients in a step of "
-                    f"{self.micro_batches} micro-batches, so it was sent before it was complete; "
-                    "tell DataParallel the right micro_batches, or turn overlap off"
-                )
-
-    def remove_hooks(self) -> None:
-        """Take the hooks off the parameters (this DataParallel no longer overlaps)."""
-        for handle in self.handles:
-            handle.remove()
-
-
-class OverlappedUnits(RingsInFlight):
-    """The rings in flight of one ZeroDataParallel, counted as "reduce_scatter"."""
-
-    def __init__(self, comm: Communicator, sent: BytesSent, parameters: int, micro_batches: int):
-        """parameters, micro_batches: for stage 1, which starts on the step's last backward."""
-        super().__init__(comm, sent, "reduce_scatter")
-        self.micro_batches = micro_batches
-        self.arrivals = [0] * parameters  # stage 1: backwards that reached each, this step
-
-    def is_last(self, index: int) -> bool:
-        """Stage 1: count a backward that reached parameter index; whether it was the step's
-        last. One too many would have been sent before its sum was complete: refused."""
-        self.arrivals[index] += 1
-        if self.arrivals[index] > self.micro_batches:
-            raise RuntimeError(
-                f"overlap: parameter {index} received {self.arrivals[index]} gradients in a step "
-                f"of {self.micro_batches} micro-batches; tell ZeroDataParallel the right "
-                "micro_batches, or turn overlap off"
-            )
-        return self.arrivals[index] == self.micro_batches
-
-    def new_buffers(self, like: Array, size: int) -> tuple[Array, Array]:
-        """A send and a receive buffer for one ring: size elements of like's dtype and device."""
-        xp = array_module(like)
-        return xp.empty(size, like.dtype), xp.empty(size, like.dtype)
-
-    def start(
-        self,
-        unit: int,
-        send: Array,
-        receive: Array,
-        bounds: Sequence[tuple[int, int]],
-        then: Callable[[Array], None],
-    ) -> None:
-        """Start unit's reduce-scatter of send (packed) into receive; then(receive) runs when
-        receive[bounds[rank]] holds this rank's chunk of the sum."""
-        with self.communicating():
-            self._launch(unit, send, receive, then, bounds)
-        self.progress()
-
-    def progress(self) -> None:
-        """Advance every ring in flight as far as it goes without waiting; finish those done."""
-        with self.communicating():
-            self._advance()
-
-    def wait(self) -> None:
-        """Block until every ring in flight is done and finished, in unit order."""
-        with self.sent.counting(self.comm, self.collective):
-            self._wait_all()

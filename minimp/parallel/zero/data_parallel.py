@@ -34,7 +34,7 @@ from minimp.measure.accounts import BytesSent
 from minimp.nn import Module
 from minimp.optim import Optimizer
 from minimp.parallel.data.data_parallel import ReplicaSync, pack, unpack
-from minimp.parallel.data.overlap import OverlappedUnits, hook_each
+from minimp.parallel.data.overlap import RingsInFlight, hook_each
 from minimp.parallel.pipeline.tied import TiedGradients
 from minimp.parallel.tensor.grads import TensorParallelGradients
 from minimp.parallel.zero.layout import ZeroLayout, plan_units
@@ -255,6 +255,57 @@ class ZeroDataParallel(ReplicaSync):
         if self.gatherer is not None:
             arrays.update(self.gatherer.arrays_by_kind())
         return arrays
+
+
+class OverlappedUnits(RingsInFlight):
+    """The rings in flight of one ZeroDataParallel, counted as "reduce_scatter"."""
+
+    def __init__(self, comm: Communicator, sent: BytesSent, parameters: int, micro_batches: int):
+        """parameters, micro_batches: for stage 1, which starts on the step's last backward."""
+        super().__init__(comm, sent, "reduce_scatter")
+        self.micro_batches = micro_batches
+        self.arrivals = [0] * parameters  # stage 1: backwards that reached each, this step
+
+    def is_last(self, index: int) -> bool:
+        """Stage 1: count a backward that reached parameter index; whether it was the step's
+        last. One too many would have been sent before its sum was complete: refused."""
+        self.arrivals[index] += 1
+        if self.arrivals[index] > self.micro_batches:
+            raise RuntimeError(
+                f"overlap: parameter {index} received {self.arrivals[index]} gradients in a step "
+                f"of {self.micro_batches} micro-batches; tell ZeroDataParallel the right "
+                "micro_batches, or turn overlap off"
+            )
+        return self.arrivals[index] == self.micro_batches
+
+    def new_buffers(self, like: Array, size: int) -> tuple[Array, Array]:
+        """A send and a receive buffer for one ring: size elements of like's dtype and device."""
+        xp = array_module(like)
+        return xp.empty(size, like.dtype), xp.empty(size, like.dtype)
+
+    def start(
+        self,
+        unit: int,
+        send: Array,
+        receive: Array,
+        bounds: Sequence[tuple[int, int]],
+        then: Callable[[Array], None],
+    ) -> None:
+        """Start unit's reduce-scatter of send (packed) into receive; then(receive) runs when
+        receive[bounds[rank]] holds this rank's chunk of the sum."""
+        with self.communicating():
+            self._launch(unit, send, receive, then, bounds)
+        self.progress()
+
+    def progress(self) -> None:
+        """Advance every ring in flight as far as it goes without waiting; finish those done."""
+        with self.communicating():
+            self._advance()
+
+    def wait(self) -> None:
+        """Block until every ring in flight is done and finished, in unit order."""
+        with self.sent.counting(self.comm, self.collective):
+            self._wait_all()
 
 
 def zero_data_parallel(
