@@ -14,7 +14,9 @@ Averaging by the world size p can happen before or after the all-reduce:
           g_r / p could underflow the other way; in float32 both orders are equally fine.
 
 `DataParallel` is the `GradientSync` of minimp/precision/step.py: the mixed-precision step calls it
-to agree on overflows, to average the gradients and to add up the gradient norm.
+to agree on overflows, to average the gradients and to add up the gradient norm (`ReplicaSync`, the
+part it shares with ZeRO's). With overlap, `OverlappedBuckets` all-reduces each bucket during the
+backward of the step's last micro-batch (minimp/parallel/data/overlap.py).
 """
 
 from typing import Callable, Sequence
@@ -263,7 +265,7 @@ class OverlappedBuckets(RingsInFlight):
         self.micro_batches = micro_batches
         self.bucket_of = {i: b for b, (indices, _) in enumerate(self.buckets) for i in indices}
         self._reset()
-        self.handles = hook_each(self.optimizer.params, self._arrived)
+        hook_each(self.optimizer.params, self._arrived)
 
     def _reset(self) -> None:
         self.arrivals = [0] * len(self.optimizer.params)  # backwards that reached each, this step
@@ -323,11 +325,6 @@ class OverlappedBuckets(RingsInFlight):
                     f"{self.micro_batches} micro-batches, so it was sent before it was complete; "
                     "tell DataParallel the right micro_batches, or turn overlap off"
                 )
-
-    def remove_hooks(self) -> None:
-        """Take the hooks off the parameters (this DataParallel no longer overlaps)."""
-        for handle in self.handles:
-            handle.remove()
 
 
 def any_rank(comm: Communicator, found_inf: bool) -> bool:

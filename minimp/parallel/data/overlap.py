@@ -1,19 +1,20 @@
-"""Gradients reduced during backward: each bucket's all-reduce (data parallelism) or each unit's
-reduce-scatter (ZeRO) starts as soon as its last gradient is final, and runs while backward goes on.
+"""Gradients reduced during backward, what both overlaps share: the hooks and the rings in flight.
 
-PyTorch DDP's overlap (Li et al. 2020, "PyTorch Distributed", section 3.2.3), built on minimp's
-non-blocking ring (minimp/distributed/ring_nonblocking.py). Both overlaps keep their rings in
-flight the same way (`RingsInFlight`): each ring's messages go under two tags of its own,
-GRADIENT_BUCKETS + 2k and + 2k + 1 for bucket or unit k; every post-accumulate hook that follows
-advances every ring in flight; what is still in flight when backward ends is waited for, in order
-of k on every rank, so a rank blocked on one ring never waits for a rank blocked on another.
+Each bucket's all-reduce (data parallelism) or each unit's reduce-scatter (ZeRO) starts as soon as
+its last gradient is final, and runs while backward goes on. PyTorch DDP's overlap (Li et al.
+2020, "PyTorch Distributed", section 3.2.3), built on minimp's non-blocking ring
+(minimp/distributed/ring_nonblocking.py). Both overlaps keep their rings in flight the same way
+(`RingsInFlight`): each ring's messages go under two tags of its own, GRADIENT_BUCKETS + 2k and
++ 2k + 1 for bucket or unit k; every post-accumulate hook that follows advances every ring in
+flight; what is still in flight when backward ends is waited for, in order of k on every rank, so
+a rank blocked on one ring never waits for a rank blocked on another.
 
-Data parallelism (`OverlappedBuckets`). DataParallel plans the buckets from the last parameter to
-the first, the order in which backward completes them. On the last micro-batch of a step (the
-earlier ones only accumulate, like DDP's `no_sync`), each parameter's post-accumulate hook adds its
-gradient into its float32 sum at once; when every parameter of the next bucket is final, the
-bucket is packed and its ring starts (buckets start in plan order on every rank). What is still in
-flight when backward ends is what `finalize_backward` waits for.
+Data parallelism (`OverlappedBuckets`, in data_parallel.py). DataParallel plans the buckets from
+the last parameter to the first, the order in which backward completes them. On the last
+micro-batch of a step (the earlier ones only accumulate, like DDP's `no_sync`), each parameter's
+post-accumulate hook adds its gradient into its float32 sum at once; when every parameter of the
+next bucket is final, the bucket is packed and its ring starts (buckets start in plan order on
+every rank). What is still in flight when backward ends is what `finalize_backward` waits for.
 
 The bytes are those of DataParallel without overlap, packed, reduced and unpacked by the same
 functions, so the result is the same to the bit. The one difference is what travels: without
@@ -23,7 +24,7 @@ non-finite gradient on any replica makes the reduced mean non-finite at the same
 replica (inf and NaN survive the 1/p, the 16-bit rounding and the sum), so the check of the
 reduced gradients finds it, and every replica skips the step, as without overlap.
 
-ZeRO (`OverlappedUnits`, for ZeRO's units: minimp/parallel/zero/layout.py). Each unit's
+ZeRO (`OverlappedUnits`, in zero/data_parallel.py, for ZeRO's units: zero/layout.py). Each unit's
 reduce-scatter is the first half of the non-blocking ring (RingAllreduce with all_gather=False),
 started by ZeroDataParallel the moment the unit's gradients are final (stages 2-3: every
 micro-batch, as without overlap; stage 1: on the last micro-batch, out of the float32 sums) and

@@ -19,7 +19,9 @@ gradients. Same bytes on the wire (2 (N - 1)/N of the model), 1/N of the optimiz
 order of decisions does not change: overflow agreed by every rank, `reduce` (here: the
 reduce-scatter, or nothing left to do), overflow agreed again, unscale, clip by the norm summed over
 every rank's chunks and every stage, update, scaler. What changes is where the bytes move and that
-`reduce` leaves in the list this rank's gradient pieces instead of whole gradients.
+`reduce` leaves in the list this rank's gradient pieces instead of whole gradients. With overlap,
+`OverlappedUnits` keeps each unit's reduce-scatter in flight while backward goes on
+(minimp/parallel/data/overlap.py).
 """
 
 from typing import Any, Callable, Sequence

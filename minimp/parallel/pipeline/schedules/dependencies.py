@@ -34,11 +34,6 @@ def virtual_stage(rank: int, chunk: int, stages: int) -> int:
     return chunk * stages + rank
 
 
-def rank_of(stage: int, stages: int) -> tuple[int, int]:
-    """(rank, chunk) holding virtual stage `stage`."""
-    return stage % stages, stage // stages
-
-
 def with_messages(computes: list[list[Action]], stages: int, chunks: int) -> Schedule:
     """The compute orders with their messages: each receive just before the compute that needs
     it, each send just after the compute that produced it (runs with non-blocking sends)."""
