@@ -149,18 +149,14 @@ class ReduceScatterToSequenceParallelRegion(Function):
         return all_gather_sequence(ctx.comm, grad_output)
 
 
-class ScatterToSequenceParallelRegion(Function):
-    """y = this rank's sequence slice of x (every rank holds the same x);
-    dL/dx = the ranks' slices of dL/dy side by side (all-gather)."""
+class ScatterToSequenceParallelRegion(ReduceScatterToSequenceParallelRegion):
+    """y = this rank's sequence slice of x (every rank holds the same x, so nothing is summed);
+    dL/dx = the ranks' slices of dL/dy side by side (all-gather): the reduce-scatter's backward."""
 
     @staticmethod
     def forward(ctx, x: Array, comm: Communicator) -> Array:
         ctx.comm = comm
         return split_sequence(comm, x)
-
-    @staticmethod
-    def backward(ctx, grad_output: Array) -> Array:
-        return all_gather_sequence(ctx.comm, grad_output)
 
 
 def copy_to_tensor_parallel_region(x: Tensor, comm: Communicator) -> Tensor:
