@@ -1,4 +1,4 @@
-"""Pipeline parallelism by layer-wise splitting: contiguous stages, and the runner of a schedule.
+"""The runner of a pipeline schedule: one rank's chunks of layers and the actions of one step.
 
 The model's ordered layers are cut into P contiguous stages, one per pipeline rank, or, for an
 interleaved schedule, into P x V chunks, rank r holding chunks r, r + P, ... (virtual stages).
@@ -10,9 +10,10 @@ layers, and the last virtual stage hands its output to the loss function it was 
 
 Sends block (a message past MPI's eager limit waits for its receive: GPipe and 1F1B are written for
 that, 1F1B with paired exchanges) unless `buffered_sends`: then they are MPI_Isend, completed at the
-end of the step, which the interleaved and zero-bubble schedules need (minimp/parallel/
-dependencies.py checks both ways). A split backward runs B (`backward_input`) and W
-(`backward_weight`) as two actions (minimp/split_backward.py).
+end of the step, which the interleaved and zero-bubble schedules need
+(minimp/parallel/pipeline/schedules/dependencies.py checks both ways). A split backward runs B
+(`backward_input`) and W (`backward_weight`) as two actions (minimp/split_backward.py). The six
+message actions are one table (`MESSAGES`: what each sends and receives) and one method.
 """
 
 import time
