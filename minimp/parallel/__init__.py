@@ -1,12 +1,12 @@
 """minimp.parallel: the strategies that split training across ranks, built on minimp.distributed.
 
-One module per strategy: the dp x tp x pp grid (topology), data parallelism (replicas that average
-their gradients), ZeRO (replicas that shard what data parallelism replicates), tensor parallelism
-(every layer's matrices cut across ranks, Megatron-LM's column and row split, and sequence
-parallelism), pipeline parallelism (contiguous stages) and its schedules (as data, checked and
-simulated without MPI), and fp8's amax agreement between the ranks that share tensors. Every
-strategy takes its communicators as arguments and runs on one rank, on the simulated world and
-under mpirun.
+A folder per strategy: data/ (replicas that average their gradients), zero/ (replicas that shard
+what data parallelism replicates, stage by stage), tensor/ (every layer's matrices cut across
+ranks, Megatron-LM's column and row split, and sequence parallelism), pipeline/ (contiguous stages,
+and their schedules as data, checked and simulated without MPI); beside them the dp x tp x pp grid
+(topology.py), the replicas' bit-for-bit check (replicas.py) and fp8's amax agreement between the
+ranks that share tensors (amax.py). Every strategy takes its communicators as arguments and runs on
+one rank, on the simulated world and under mpirun. This package's names are the strategies' API.
 """
 
 from minimp.parallel.amax import AmaxReduction
