@@ -42,6 +42,8 @@ class ReplicaSync(GradientSync):
     to average, the one overflow decision, the gradient norm that counts each parameter once, and
     the accounts of the bytes this rank sends and holds."""
 
+    overlap: RingsInFlight | None  # the rings in flight during backward (None: no overlap)
+
     def __init__(
         self,
         comm: Communicator,
@@ -65,6 +67,11 @@ class ReplicaSync(GradientSync):
     def any_rank(self, found_inf: bool) -> bool:
         """One decision for all: True on every rank when any rank saw a non-finite gradient."""
         return any_rank(self.decision_comm, found_inf)
+
+    def backward_communication_seconds(self) -> float:
+        """Seconds spent communicating inside backward so far, a running total: packing,
+        starting, testing and finishing rings from the hooks (0 without overlap)."""
+        return self.overlap.seconds if self.overlap is not None else 0.0
 
     def _squared_norm(
         self, gradients: Sequence[Array | None], indices: Sequence[int], over: Communicator | None
@@ -171,11 +178,6 @@ class DataParallel(ReplicaSync):
         if self.overlap is not None:
             with self.sent.counting(self.comm, "all_reduce"):
                 self.overlap.finalize_backward()
-
-    def backward_communication_seconds(self) -> float:
-        """Seconds spent communicating inside backward so far, a running total: packing, testing
-        and adding buckets from the hooks (0 without overlap)."""
-        return self.overlap.seconds if self.overlap is not None else 0.0
 
     def reduce(self, gradients: list[Array | None]) -> None:
         """Replace each float32 gradient (in place) by the mean over the replicas (with overlap:

@@ -99,10 +99,6 @@ class ZeroDataParallel(ReplicaSync):
             self._reduce_scatter_accumulators()
             self.overlap.arrivals = [0] * len(self.params)
 
-    def backward_communication_seconds(self) -> float:
-        """Seconds spent starting and advancing rings inside backward (0 without overlap)."""
-        return self.overlap.seconds if self.overlap is not None else 0.0
-
     def reduce(self, gradients: list[Array | None]) -> None:
         """Leave in `gradients` (replacing its contents) this rank's gradient pieces, each the
         mean over the replicas (stage 1 reduce-scatters them now, or with overlap did in
