@@ -59,10 +59,8 @@ class ReplicaSync(GradientSync):
             raise ValueError(f"average must be 'before' or 'after', got {average!r}")
         self.comm, self.average, self.decision_comm = comm, average, decision_comm or comm
         self.tied, self.tensor_parallel = tied, tensor_parallel
-        self.sent, self.peak = (
-            sent or BytesSent(),
-            PeakMemory(),
-        )  # the accounts (measure/accounts.py)
+        # The accounts (minimp/measure/accounts.py): bytes sent by collective, the peak held.
+        self.sent, self.peak = sent or BytesSent(), PeakMemory()
 
     def any_rank(self, found_inf: bool) -> bool:
         """One decision for all: True on every rank when any rank saw a non-finite gradient."""
@@ -132,9 +130,9 @@ class DataParallel(ReplicaSync):
         self.comm_dtype = np.dtype(comm_dtype)
         self.buckets = self._plan_buckets(bucket_mb * 2**20)
         xp = array_module(optimizer.master_weights[0]) if optimizer.master_weights else np
-        sizes = [size for _, size in self.buckets] if comm.size > 1 else []  # one sends nothing
+        sizes = [size for _, size in self.buckets] if comm.size > 1 else []
         # One send and one receive buffer per bucket, reused every step (no allocations, no page
-        # faults).
+        # faults); one replica sends nothing and needs none.
         self.buffers = [(xp.empty(n, self.comm_dtype), xp.empty(n, self.comm_dtype)) for n in sizes]
         # The ranks agree on every bucket's length and dtype here, once, instead of at every
         # all-reduce of every step (the overlapped rings never check: they rely on this).
