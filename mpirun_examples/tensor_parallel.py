@@ -34,7 +34,7 @@ from minimp.measure.tensor_parallel_accounts import (
     korthikanti_bytes,
     pipeline_bytes,
 )
-from minimp.measure.accounts import bytes_sent_formula
+from minimp.parallel.zero.formulas import bytes_sent_formula
 from minimp.tensor import saved_bytes
 from minimp.train import TrainConfig
 from minimp.train.sizes import SHAKESPEARE_VOCABULARY, rank_layer_counts, stage_bounds

@@ -7,7 +7,7 @@ formulas, the bytes a step sends, the paper's 7.5B-parameter example, and recomp
 1. For each stage and N it runs `mpirun -n N python -m minimp.train --zero S` (an MLP of 8 hidden
    layers of 256, fp16, Adam) and reads the metrics: the final row's bytes held by every rank, by
    kind, at the end of the last step (and the peak inside a step), and every step's bytes sent by
-   collective and time. Beside them, minimp/measure/accounts.py's formulas for the same rank.
+   collective and time. Beside them, minimp/parallel/zero/formulas.py's formulas for the same rank.
 2. The formulas for a 7.5B-parameter model: ZeRO's (section 5.1 of the paper: 120 GB replicated,
    31.4 / 16.6 / 1.9 GB at N = 64) and minimp's (float32 gradient accumulators), N = 8, 64, 1,024.
 3. A GPT on one process with and without --recompute: the bytes kept for backward against the
@@ -29,8 +29,8 @@ import numpy as np
 from minimp import distributed as dist
 from minimp.models import block_activation_bytes
 from minimp.measure.trace import OPS
-from minimp.measure.accounts import (
-    KINDS,
+from minimp.measure.accounts import KINDS
+from minimp.parallel.zero.formulas import (
     bytes_sent_formula,
     memory_formula,
     paper_per_parameter,

@@ -8,12 +8,8 @@ import pytest
 
 from minimp import distributed as dist
 from minimp import nn, optim
-from minimp.parallel.data.data_parallel import (
-    DataParallel,
-    ReplicaMismatchError,
-    ranks_differing_from_rank_0,
-    shard,
-)
+from minimp.parallel.data.data_parallel import DataParallel, shard
+from minimp.parallel.replicas import ReplicaMismatchError, ranks_differing_from_rank_0
 from minimp.train import TrainConfig, train
 
 

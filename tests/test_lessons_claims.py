@@ -21,7 +21,6 @@ from minimp.lessons import timelines
 from minimp.lessons.lesson08 import recursive_doubling_time, ring_time
 from minimp.models.gpt import GPT, GPTConfig, block_activation_bytes
 from minimp.parallel import (
-    SCHEDULES,
     DataParallel,
     ReplicaMismatchError,
     gpipe,
@@ -31,6 +30,7 @@ from minimp.parallel import (
     split_stages,
     stage_parameters,
 )
+from minimp.parallel.pipeline.schedules import build_schedule
 from minimp.precision import SINGLE_PROCESS, NoLossScaler
 from minimp.sample import generate
 from minimp.tensor import saved_bytes
@@ -389,12 +389,12 @@ def test_lesson6_the_check_catches_one_bit_and_a_skip_is_one_decision():
 
 
 # ----- lesson 7: pipelines -------------------------------------------------------------------
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
 def test_lesson7_the_step_takes_m_plus_p_minus_1_slots_for_both_schedules(name):
     for P in range(1, 7):
         for M in range(1, 9):
             for forward, backward in ((1.0, 2.0), (1.0, 1.0), (2.0, 1.0)):
-                step, busy = timelines.replay(SCHEDULES[name](P, M), forward, backward)
+                step, busy = timelines.replay(build_schedule(name, P, M), forward, backward)
                 assert step == pytest.approx((M + P - 1) * (forward + backward))
                 assert all(b == pytest.approx(M * (forward + backward)) for b in busy)
 

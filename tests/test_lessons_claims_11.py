@@ -17,7 +17,7 @@ from minimp.data import load_shakespeare, text_batch
 from minimp.lessons import processes
 from minimp.models.gpt import GPT, GPTConfig, block_activation_bytes
 from minimp.parallel import DataParallel, Unit, ZeroLayout, zero_data_parallel
-from minimp.measure.accounts import (
+from minimp.parallel.zero.formulas import (
     bytes_sent_formula,
     memory_formula,
     paper_per_parameter,

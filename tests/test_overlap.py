@@ -11,7 +11,7 @@ from minimp import distributed as dist
 from minimp.distributed.ring import ring_reduce_scatter_into
 from minimp.distributed.ring_nonblocking import RingAllreduce
 from minimp.parallel.data.data_parallel import DataParallel
-from minimp.parallel.zero.overlap import OverlappedUnits
+from minimp.parallel.zero.data_parallel import OverlappedUnits
 from minimp.precision import NoLossScaler, mixed_precision_step
 from minimp.tensor import Tensor
 from minimp.train import TrainConfig, train

@@ -15,7 +15,7 @@ from minimp.distributed.protocol import Tag
 from minimp.distributed.ring import chunk_bounds
 from minimp.parallel.data.data_parallel import DataParallel
 from minimp.measure.accounts import BytesSent
-from minimp.parallel.zero.overlap import OverlappedUnits
+from minimp.parallel.zero.data_parallel import OverlappedUnits
 from minimp.precision import NoLossScaler, mixed_precision_step
 from minimp.tensor import Tensor
 

@@ -16,7 +16,7 @@ from minimp import nn
 from minimp.measure.costmodel import Network
 from minimp.measure.machinemodel import shipped_model
 from minimp.models import GPT, GPTConfig, block_activation_bytes
-from minimp.measure.accounts import bytes_sent_formula
+from minimp.parallel.zero.formulas import bytes_sent_formula
 from minimp.plan.cli import main
 from minimp.plan import memory as mem
 from minimp.parallel.pipeline.schedules import CHOICES

@@ -11,7 +11,7 @@ from test_train_gpt import TINY as GPT
 
 from minimp import distributed as dist
 from minimp.train import TrainConfig, train
-from minimp.parallel.data.data_parallel import ReplicaMismatchError
+from minimp.parallel.replicas import ReplicaMismatchError
 from minimp.train.loop import Run
 
 MLP = dict(hidden=16, layers=1, batch_size=32)

@@ -8,14 +8,14 @@ import pytest
 from minimp import backend
 from minimp import distributed as dist
 from minimp.parallel import Topology, amax
-from minimp.parallel.data.data_parallel import ReplicaMismatchError
+from minimp.parallel.replicas import ReplicaMismatchError
 from minimp.measure.tensor_parallel_accounts import (
     gpt_tensor_parallel_bytes,
     mlp_tensor_parallel_bytes,
     pipeline_bytes,
 )
 from minimp.parallel.tensor.grads import TensorParallelGradients
-from minimp.measure.accounts import bytes_sent_formula
+from minimp.parallel.zero.formulas import bytes_sent_formula
 from minimp.train import TrainConfig
 from minimp.checkpoints.errors import ConfigError
 from minimp.train.loop import train

@@ -7,7 +7,7 @@ import pytest
 from test_train_gpt import TINY, assert_same_weights
 
 from minimp import distributed as dist
-from minimp.measure.accounts import bytes_sent_formula, memory_formula, peak_formula
+from minimp.parallel.zero.formulas import bytes_sent_formula, memory_formula, peak_formula
 from minimp.train import TrainConfig, saving, train
 from minimp.checkpoints.errors import ConfigError
 from minimp.train.loop import Run

@@ -1,4 +1,4 @@
-"""zero_accounts by value: held_bytes counts each block of memory once, in the first kind that
+"""measure/accounts.py by value: held_bytes counts each block of memory once, in the first kind that
 names it, and PeakMemory keeps the first breakdown of a tied peak."""
 
 import numpy as np

@@ -11,7 +11,7 @@ from minimp import nn
 from minimp.models import GPT, GPTConfig
 from minimp.parallel import Topology, Unit, ZeroLayout
 from minimp.parallel.pipeline.tied import tied_indices
-from minimp.measure.accounts import (
+from minimp.parallel.zero.formulas import (
     memory_formula, paper_per_parameter, peak_formula, per_parameter,
 )  # fmt: skip
 from minimp.parallel.zero.layout import plan_units

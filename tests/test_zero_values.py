@@ -49,7 +49,7 @@ def test_stage_2_leaves_each_rank_its_chunk_of_the_mean_gradient(average, overla
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_stage_with_no_parameters_holds_nothing_not_even_buffers(stage):
     """A pipeline stage can own no parameters: its largest unit, and so every buffer, is empty
-    (zero_accounts.memory_formula says 0 bytes of every kind for it)."""
+    (formulas.memory_formula says 0 bytes of every kind for it)."""
 
     def body(comm):
         return zero_data_parallel(stage, SGD([], lr=0.1), [], comm).held()

@@ -11,7 +11,7 @@ from minimp.distributed import chunk_bounds
 from minimp.lessons.checking import Report, call, expect
 from minimp.lessons.lesson05 import _run
 from minimp.parallel import DataParallel, zero_data_parallel
-from minimp.measure.accounts import bytes_sent_formula, memory_formula
+from minimp.parallel.zero.formulas import bytes_sent_formula, memory_formula
 from minimp.precision import NoLossScaler, mixed_precision_step
 from minimp.train import TrainConfig, train
 from minimp.train.sizes import zero_unit_sizes

@@ -74,16 +74,6 @@ class Topology:
         """True on the stage that computes the loss."""
         return self.stage == self.pp - 1
 
-    @property
-    def previous_stage(self) -> int | None:
-        """pp_group rank of the stage before this one, or None on the first stage."""
-        return None if self.is_first_stage else self.stage - 1
-
-    @property
-    def next_stage(self) -> int | None:
-        """pp_group rank of the stage after this one, or None on the last stage."""
-        return None if self.is_last_stage else self.stage + 1
-
     def __repr__(self) -> str:
         return (
             f"Topology(rank {self.world.rank}: stage {self.stage}/{self.pp}, "

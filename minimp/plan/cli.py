@@ -7,7 +7,7 @@
 
 What it assumes, where each piece is worked out (minimp/plan/):
 - Memory per GPU (memory.py): minimp's own model states, by ZeRO stage over dp
-  (measure/accounts.py: 16-bit parameters, float32 gradient accumulators, masters and Adam's
+  (parallel/zero/formulas.py: 16-bit parameters, float32 gradient accumulators, masters and Adam's
   two slots, all-reduce buffers, the 16-bit gradients alive inside a step; Rajbhandari et al.
   2020), parameters split over tp as Megatron-LM splits them (Shoeybi et al. 2019) and over pp by
   whole blocks; activations per block from Korthikanti et al. 2022 (sbh (10 + 24/t + 5as/(ht))

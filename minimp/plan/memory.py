@@ -9,7 +9,7 @@ embeddings, the last stage the final LayerNorm (2h) and, when it is not stage 0,
 tied token embedding (minimp/parallel/pipeline/tied.py; Megatron-LM does the same). ZeRO's units are
 minimp's (train/sizes.py): one per block, the two embeddings apart.
 
-Model states: minimp/measure/accounts.py's `memory_formula` over those units (parameters,
+Model states: minimp/parallel/zero/formulas.py's `memory_formula` over those units (parameters,
 float32 gradient accumulators, masters, optimizer slots, all-reduce buffers, by stage and dp) and
 its `peak_formula` for the 16-bit gradients alive inside a step: what minimp itself holds.
 
@@ -41,7 +41,7 @@ keeps P of them (M if fewer); GPipe keeps all M on every stage. The device that 
 import math
 from dataclasses import dataclass, field
 
-from minimp.measure.accounts import memory_formula, peak_formula
+from minimp.parallel.zero.formulas import memory_formula, peak_formula
 from minimp.plan.inputs import Job, Layout, ModelShape
 
 INT64 = 8  # token ids, positions and targets are int64 arrays
@@ -71,7 +71,7 @@ def stage_units(model: ModelShape, layout: Layout, stage: int, job: Job = Job(1)
 
 
 def model_state_bytes(model: ModelShape, layout: Layout, job: Job, stage: int) -> dict[str, int]:
-    """{kind: bytes} of zero_accounts.memory_formula for rank 0 of the stage's data-parallel group
+    """{kind: bytes} of formulas.memory_formula for rank 0 of the stage's data-parallel group
     (the largest chunks), plus `gradients16`: the 16-bit gradients at the peak inside a step."""
     units = stage_units(model, layout, stage, job)
     held = memory_formula(

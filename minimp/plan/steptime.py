@@ -30,8 +30,8 @@ the job does (pipeline stages are the outermost dimension: Megatron-LM's order, 
 After the pipeline, each stage's gradients over its dp group, on the intra-node network when the
 group fits in a node (tp x dp <= GPUs per node), else inter-node: ZeRO 0 a ring all-reduce of
 w-byte gradients; ZeRO 1 a reduce-scatter and an all-gather of the d-byte compute copies; ZeRO 2
-the all-gather; ZeRO 3 nothing (measure/accounts.py has the bytes). The tied token embedding is
-all-reduced between the first and last stage (float32), and four scalar all-reduces span the
+the all-gather; ZeRO 3 nothing (parallel/zero/formulas.py has the bytes). The tied token embedding
+is all-reduced between the first and last stage (float32), and four scalar all-reduces span the
 job (the overflow flag before and after the reduce, the gradient norm, the loss: what minimp's
 metrics count per step on 4 ranks). Not counted: the optimizer's update, the vocabulary-
 parallel embedding's and loss's small all-reduces, kernel launches, and data loading.
@@ -121,7 +121,7 @@ def stage_costs(model: ModelShape, cluster: Cluster, job: Job, layout: Layout, s
     stage_parameters = sum(stage_units(model, layout, stage, job))
     dp_links = _links(cluster, tp * dp)
     zero_forward = zero_backward = 0.0
-    if layout.zero >= 2:  # minimp reduce-scatters every micro-batch's gradients (accounts.py)
+    if layout.zero >= 2:  # minimp reduce-scatters every micro-batch's gradients (formulas.py)
         zero_backward += dp_links.reduce_scatter(stage_parameters * job.grad_comm_bytes, dp)
     if layout.zero == 3:  # and gathers each layer before its forward and before its backward
         gather = dp_links.all_gather(stage_parameters * job.compute_bytes, dp)

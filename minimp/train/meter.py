@@ -1,18 +1,18 @@
 """What a step costs this rank, for the metrics: its seconds, bytes, scalar all-reduces and memory.
 
-The training loop makes four calls: `start` before the step, `exposed` around the optimizer's
-step, `timed` around the collectives it makes itself, and `finish`, which returns the step's
-metrics row. Per step (every row): `bytes_sent` (every group but the scalar all-reduces),
-`compute_seconds`, `communication_seconds`, `exposed_communication_seconds` and, with
---straggler-barrier, `straggler_seconds`; `bytes_by_group` (tensor_parallel, data_parallel,
-pipeline, tied), `bytes_by_collective` (all_reduce for --zero 0, reduce_scatter and all_gather for
-ZeRO, tied for the GPT's embedding across stages, pipeline for activations, tensor_parallel for
---tp's activations and partial gradients), `seconds_by_collective` (ZeRO's run inside backward
-and the update, where `communication_seconds` does not look), `scalar_allreduces` (calls: the
-overflow flags, the norm, the loss) and `peak_activation_bytes` (the most bytes kept for backward
-at once, the largest over the ranks). In the final row: `model_state_bytes`, one total per rank,
-held at the end of the last step, with `model_state_by_kind` and `peak_model_state_bytes` beside
-it (minimp/measure/accounts.py has the formulas they are checked against). With --timeline every
+The training loop makes four calls: `start` before the step, `exposed` around the optimizer's step,
+`timed` around the collectives it makes itself, and `finish`, which returns the step's metrics row.
+Per step (every row): `bytes_sent` (every group but the scalar all-reduces), `compute_seconds`,
+`communication_seconds`, `exposed_communication_seconds` and, with --straggler-barrier,
+`straggler_seconds`; `bytes_by_group` (tensor_parallel, data_parallel, pipeline, tied),
+`bytes_by_collective` (all_reduce for --zero 0, reduce_scatter and all_gather for ZeRO, tied for the
+GPT's embedding across stages, pipeline for activations, tensor_parallel for --tp's activations and
+partial gradients), `seconds_by_collective` (ZeRO's run inside backward and the update, where
+`communication_seconds` does not look), `scalar_allreduces` (calls: the overflow flags, the norm,
+the loss) and `peak_activation_bytes` (the most bytes kept for backward at once, the largest over
+the ranks). In the final row: `model_state_bytes`, one total per rank, held at the end of the last
+step, with `model_state_by_kind` and `peak_model_state_bytes` beside it
+(minimp/parallel/zero/formulas.py has the formulas they are checked against). With --timeline every
 timed call also goes into this rank's trace (minimp/measure/trace.py).
 """
 

@@ -16,6 +16,7 @@ from minimp.checkpoints import checkpoint, files
 from minimp.distributed import gather_named_arrays
 from minimp.measure import trace
 from minimp.parallel.tensor.checkpoint import gather_shards
+from minimp.parallel.zero.optimizer import ShardedOptimizer
 from minimp.parallel.zero.stages import zero_stage
 from minimp.train import plot
 
@@ -29,7 +30,7 @@ def gather_state(run: "Run") -> dict | None:
     chunks to replica 0, which stitches them whole; with --tp each stage's shards are joined on
     its tensor-parallel rank 0 first); None on every other rank."""
     topology = run.topology
-    if zero_stage(run.config.zero).shards_optimizer_state:
+    if isinstance(run.optimizer, ShardedOptimizer):
         state = run.optimizer.gather_state(run.names)  # a collective of the replicas
     elif topology.dp_rank == 0:
         state = checkpoint.state_arrays(run.names, run.share.optimizer)

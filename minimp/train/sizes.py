@@ -4,7 +4,7 @@ layer, ZeRO's units per stage, and whether the ranks on this machine have the me
 from typing import TYPE_CHECKING
 
 from minimp.checkpoints.errors import ConfigError
-from minimp.measure.accounts import memory_formula, peak_formula
+from minimp.parallel.zero.formulas import memory_formula, peak_formula
 from minimp.parallel.pipeline.split import split_counts
 from minimp.parallel.tensor.models import paired_counts
 from minimp.precision.casting import ACTIVATION_DTYPES
@@ -95,7 +95,7 @@ def check_memory(config: "TrainConfig", ranks_on_this_node: int, available: int)
     """Refuse, before anything is allocated, a model that cannot fit this machine. Every rank
     builds the whole model in float32 and in the compute dtype (6 bytes a parameter; with --tp a
     second float32 copy to cut, 4 more); its stage's model states are ZeRO's formulas
-    (minimp/measure/accounts.py: what a rank holds between steps, and the most it adds inside
+    (minimp/parallel/zero/formulas.py: what a rank holds between steps, and the most it adds inside
     one), on the largest stage; its activations at most the whole batch, bounded by 12 bytes per
     row, width and layer for the MLP and by the GPT block's 34 sbh + 5 a s^2 b (models/gpt.py)
     with room for float32."""

@@ -1,4 +1,2 @@
 """Data parallelism: replicas of the whole model that average their gradients, bucket by bucket,
 all at once after backward or overlapped with it."""
-
-from minimp.parallel.data.data_parallel import DataParallel, ReplicaMismatchError, shard

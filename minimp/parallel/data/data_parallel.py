@@ -14,43 +14,105 @@ Averaging by the world size p can happen before or after the all-reduce:
           g_r / p could underflow the other way; in float32 both orders are equally fine.
 
 `DataParallel` is the `GradientSync` of minimp/precision/step.py: the mixed-precision step calls it
-to agree on overflows, to average the gradients and to add up the gradient norm.
+to agree on overflows, to average the gradients and to add up the gradient norm (`ReplicaSync`, the
+part it shares with ZeRO's). With overlap, `OverlappedBuckets` all-reduces each bucket during the
+backward of the step's last micro-batch (minimp/parallel/data/overlap.py).
 """
 
-import zlib
-from typing import Any, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
-from minimp.backend import array_module, to_numpy
-from minimp.distributed.protocol import Communicator
+from minimp.backend import Array, array_module
 from minimp.distributed.persistent import PersistentAllreduce
-from minimp.precision.casting import round_to, widen
-from minimp.parallel.data.overlap import OverlappedBuckets
+from minimp.distributed.protocol import Communicator
+from minimp.measure.accounts import BytesSent, PeakMemory, held_bytes
+from minimp.optim import Optimizer
+from minimp.parallel.data.overlap import RingsInFlight, hook_each
 from minimp.parallel.pipeline.tied import TiedGradients
-from minimp.measure.accounts import BytesSent, PeakMemory, data_parallel_arrays, held_bytes
+from minimp.parallel.replicas import check_same
+from minimp.parallel.tensor.grads import TensorParallelGradients
+from minimp.precision.casting import round_to, widen
 from minimp.precision.step import GradientSync, squared_norm
 
 
-class ReplicaMismatchError(RuntimeError):
-    """Replicas that should be bit-identical are not."""
+class ReplicaSync(GradientSync):
+    """What the GradientSyncs of data parallelism and of ZeRO share over one stage's replicas: when
+    to average, the one overflow decision, the gradient norm that counts each parameter once, and
+    the accounts of the bytes this rank sends and holds."""
+
+    overlap: RingsInFlight | None  # the rings in flight during backward (None: no overlap)
+
+    def __init__(
+        self,
+        comm: Communicator,
+        average: str,
+        decision_comm: Communicator | None,
+        tied: TiedGradients | None,
+        tensor_parallel: TensorParallelGradients | None,
+        sent: BytesSent | None = None,
+    ):
+        """comm: the replicas; the others as DataParallel's and ZeroDataParallel's (sent: the
+        account of the bytes sent, new by default)."""
+        if average not in ("before", "after"):
+            raise ValueError(f"average must be 'before' or 'after', got {average!r}")
+        self.comm, self.average, self.decision_comm = comm, average, decision_comm or comm
+        self.tied, self.tensor_parallel = tied, tensor_parallel
+        # The accounts (minimp/measure/accounts.py): bytes sent by collective, the peak held.
+        self.sent, self.peak = sent or BytesSent(), PeakMemory()
+
+    def any_rank(self, found_inf: bool) -> bool:
+        """One decision for all: True on every rank when any rank saw a non-finite gradient."""
+        return any_rank(self.decision_comm, found_inf)
+
+    def backward_communication_seconds(self) -> float:
+        """Seconds spent communicating inside backward so far, a running total: packing,
+        starting, testing and finishing rings from the hooks (0 without overlap)."""
+        return self.overlap.seconds if self.overlap is not None else 0.0
+
+    def _squared_norm(
+        self, gradients: Sequence[Array | None], indices: Sequence[int], over: Communicator | None
+    ) -> float:
+        """The squares of the gradients (of the parameters at optimizer positions `indices`),
+        summed over the ranks of `over`: a tied copy, and a tensor-parallel whole copy, count on
+        one rank only."""
+        uncounted = self.tied.uncounted() if self.tied is not None else set()
+        if self.tensor_parallel is not None:
+            uncounted |= self.tensor_parallel.uncounted()
+        local = squared_norm([g for g, index in zip(gradients, indices) if index not in uncounted])
+        if over is None or over.size == 1:
+            return local
+        return float(over.allreduce_scalars([local], op="sum")[0])
+
+    def arrays_by_kind(self) -> dict[str, list[Array | None]]:
+        """What this rank holds, by kind (the KINDS of minimp/measure/accounts.py)."""
+        raise NotImplementedError
+
+    def held(self) -> dict[str, int]:
+        """Bytes this rank holds now, by kind (minimp/measure/accounts.py)."""
+        return held_bytes(self.arrays_by_kind())
+
+    def sample_peak(self) -> None:
+        """Note the bytes held now, if they are the most this rank has held (`peak`)."""
+        self.peak.sample(self.held())
 
 
-class DataParallel(GradientSync):
+class DataParallel(ReplicaSync):
     """Gradient buckets and the collective decisions of one data-parallel group."""
 
     def __init__(
         self,
         comm: Communicator,
-        optimizer: Any,
+        optimizer: Optimizer,
         *,
         bucket_mb: float = 25.0,
-        comm_dtype: Any = np.float32,
+        comm_dtype: npt.DTypeLike = np.float32,
         average: str = "before",
         decision_comm: Communicator | None = None,
         stages_comm: Communicator | None = None,
         tied: TiedGradients | None = None,
-        tensor_parallel: Any = None,
+        tensor_parallel: TensorParallelGradients | None = None,
         overlap: bool = False,
         micro_batches: int = 1,
     ):
@@ -63,39 +125,23 @@ class DataParallel(GradientSync):
         whose partial gradients are summed after averaging and whose whole copies count once.
         overlap: all-reduce each bucket during the backward of the step's last micro-batch (of
         `micro_batches`) as soon as it is complete (minimp/parallel/data/overlap.py)."""
-        if average not in ("before", "after"):
-            raise ValueError(f"average must be 'before' or 'after', got {average!r}")
-        self.comm, self.optimizer, self.average = comm, optimizer, average
-        self.decision_comm = decision_comm or comm
-        self.stages_comm, self.tied, self.tensor_parallel = stages_comm, tied, tensor_parallel
+        super().__init__(comm, average, decision_comm, tied, tensor_parallel)
+        self.optimizer, self.stages_comm = optimizer, stages_comm
         self.comm_dtype = np.dtype(comm_dtype)
         self.buckets = self._plan_buckets(bucket_mb * 2**20)
-        self.sent, self.peak = BytesSent(), PeakMemory()  # the accounts (measure/accounts.py)
         xp = array_module(optimizer.master_weights[0]) if optimizer.master_weights else np
+        sizes = [size for _, size in self.buckets] if comm.size > 1 else []
         # One send and one receive buffer per bucket, reused every step (no allocations, no page
         # faults); one replica sends nothing and needs none.
-        self.buffers = [
-            (xp.empty(size, self.comm_dtype), xp.empty(size, self.comm_dtype))
-            for _, size in (self.buckets if comm.size > 1 else [])
-        ]
+        self.buffers = [(xp.empty(n, self.comm_dtype), xp.empty(n, self.comm_dtype)) for n in sizes]
         # The ranks agree on every bucket's length and dtype here, once, instead of at every
         # all-reduce of every step (the overlapped rings never check: they rely on this).
         self.plans = [
-            PersistentAllreduce(comm, (size,), self.comm_dtype, algorithm="ring")
-            for _, size in (self.buckets if comm.size > 1 else [])
+            PersistentAllreduce(comm, (n,), self.comm_dtype, algorithm="ring") for n in sizes
         ]
         self.overlap: OverlappedBuckets | None = None
-        if overlap and comm.size > 1:
-            # The float32 gradients are read when a bucket moves: zero_grad makes a new list.
-            self.overlap = OverlappedBuckets(
-                comm,
-                optimizer,
-                self.buckets,
-                micro_batches,
-                pack_bucket=lambda bucket: self._pack(bucket, optimizer.master_gradients),
-                unpack_bucket=lambda bucket: self._unpack(bucket, optimizer.master_gradients),
-                sent=self.sent,
-            )
+        if overlap and comm.size > 1:  # one replica has nothing to send
+            self.overlap = OverlappedBuckets(self, micro_batches)
 
     def _plan_buckets(self, bucket_bytes: float) -> list[tuple[list[int], int]]:
         """[(parameter indices, elements)]; parameters are taken last to first, the order in which
@@ -119,20 +165,10 @@ class DataParallel(GradientSync):
         """Make every replica start from root's float32 masters, bit for bit."""
         broadcast_masters(self.comm, self.optimizer, root)
 
-    def any_rank(self, found_inf: bool) -> bool:
-        """One decision for all: True on every rank when any rank saw a non-finite gradient."""
-        return any_rank(self.decision_comm, found_inf)
-
-    def global_squared_norm(self, gradients: Sequence[Any]) -> float:
+    def global_squared_norm(self, gradients: Sequence[Array | None]) -> float:
         """This stage's squared gradient norm plus the other stages' (replicas hold the same
         averaged gradients, so they are not added again; a tied copy counts once)."""
-        uncounted = self.tied.uncounted() if self.tied is not None else set()
-        if self.tensor_parallel is not None:
-            uncounted |= self.tensor_parallel.uncounted()
-        local = squared_norm([g for i, g in enumerate(gradients) if i not in uncounted])
-        if self.stages_comm is None or self.stages_comm.size == 1:
-            return local
-        return float(self.stages_comm.allreduce_scalars([local], op="sum")[0])
+        return self._squared_norm(gradients, range(len(gradients)), self.stages_comm)
 
     def finalize_backward(self) -> None:
         """With overlap, wait for the buckets still in flight (the others were all-reduced during
@@ -141,12 +177,7 @@ class DataParallel(GradientSync):
             with self.sent.counting(self.comm, "all_reduce"):
                 self.overlap.finalize_backward()
 
-    def backward_communication_seconds(self) -> float:
-        """Seconds spent communicating inside backward so far, a running total: packing, testing
-        and adding buckets from the hooks (0 without overlap)."""
-        return self.overlap.seconds if self.overlap is not None else 0.0
-
-    def reduce(self, gradients: list) -> None:
+    def reduce(self, gradients: list[Array | None]) -> None:
         """Replace each float32 gradient (in place) by the mean over the replicas (with overlap:
         already done by finalize_backward, which this waits for); then sum the tied copies'
         gradients across their two stages."""
@@ -163,16 +194,25 @@ class DataParallel(GradientSync):
     def after_backward(self) -> None:
         """What runs after every micro-batch's backward: the float32 accumulation of the
         gradients the overlap's hooks did not take (all of them without overlap)."""
-        self.peak.sample(self.held())  # every 16-bit gradient of this backward is alive now
+        self.sample_peak()  # every 16-bit gradient of this backward is alive now
         self.optimizer.accumulate_gradients()
         if self.overlap is not None:
             self.overlap.pending = True
 
-    def held(self) -> dict[str, int]:
-        """Bytes this rank holds now, by kind (minimp/measure/accounts.py)."""
-        return held_bytes(data_parallel_arrays(self.optimizer, self))
+    def arrays_by_kind(self) -> dict[str, list[Array | None]]:
+        """What stage 0 holds, by kind: the optimizer's arrays and the all-reduce's buffers."""
+        optimizer = self.optimizer
+        slots = [v for slots in optimizer.slots for v in slots.values() if v is not None]
+        return {
+            "parameters": [parameter.data for parameter in optimizer.params],
+            "gradients": [parameter.grad for parameter in optimizer.params],
+            "accumulators": list(optimizer.accumulators),
+            "masters": list(optimizer.master_weights),
+            "optimizer_state": slots,
+            "buffers": [buffer for pair in self.buffers for buffer in pair],
+        }
 
-    def _average_over_replicas(self, gradients: list) -> None:
+    def _average_over_replicas(self, gradients: list[Array | None]) -> None:
         if self.comm.size == 1:
             return
         for bucket in range(len(self.buckets)):
@@ -180,7 +220,7 @@ class DataParallel(GradientSync):
             self.plans[bucket](send, out=receive)
             self._unpack(bucket, gradients)
 
-    def _pack(self, bucket: int, gradients: list) -> tuple[Any, Any]:
+    def _pack(self, bucket: int, gradients: list[Array | None]) -> tuple[Array, Array]:
         """Write the bucket's float32 gradients onto its send buffer (times 1/p, by default);
         returns the bucket's (send, receive) buffers."""
         indices, _ = self.buckets[bucket]
@@ -192,40 +232,99 @@ class DataParallel(GradientSync):
             offset += flat.size
         return send, receive
 
-    def _unpack(self, bucket: int, gradients: list) -> None:
+    def _unpack(self, bucket: int, gradients: list[Array | None]) -> None:
         """The bucket's reduced sum, off its receive buffer, into the float32 gradients."""
         indices, _ = self.buckets[bucket]
         receive = self.buffers[bucket][1]
         inverse, offset = 1.0 / self.comm.size, 0
         for index in indices:
             grad = gradients[index]
+            assert grad is not None  # _pack gave the parameters no backward reached zeros
             # Written through grad itself: a gradient that arrived transposed (the head's copy
             # of the tied embedding) is Fortran-ordered, and its reshape(-1) is a copy.
             piece = receive[offset : offset + grad.size].reshape(grad.shape)
             unpack(grad, piece, inverse, self.average)
             offset += grad.size
 
-    def check_replicas(self, extra: Sequence[Any] = ()) -> None:
+    def check_replicas(self, extra: Sequence[Array] = ()) -> None:
         """Raise ReplicaMismatchError naming the ranks whose masters (and `extra` arrays, such as
         fp8 scaling state) differ from rank 0's."""
-        differing = ranks_differing_from_rank_0(self.comm, [*self.optimizer.master_weights, *extra])
-        if differing:
-            what = "master weights or fp8 state" if extra else "master weights"
-            raise ReplicaMismatchError(
-                f"{what} of rank(s) {differing} differ from rank 0's (replicas drifted apart)"
-            )
+        what = "master weights or fp8 state" if extra else "master weights"
+        message = what + " of rank(s) {ranks} differ from rank 0's (replicas drifted apart)"
+        check_same(self.comm, [*self.optimizer.master_weights, *extra], message)
 
 
-def ranks_differing_from_rank_0(comm: Communicator, arrays: Sequence[Any]) -> list[int]:
-    """The ranks whose arrays' bytes differ from rank 0's: one CRC-32 of them per rank, summed into
-    a table by one scalar all-reduce (no array travels)."""
-    checksum = 0
-    for array in arrays:
-        checksum = zlib.crc32(to_numpy(array).tobytes(), checksum)
-    table = np.zeros(comm.size)
-    table[comm.rank] = checksum  # a 32-bit integer: exact in float64
-    table = comm.allreduce_scalars(table, op="sum")
-    return [rank for rank in range(comm.size) if table[rank] != table[0]]
+class OverlappedBuckets(RingsInFlight):
+    """The hooks, the buckets and the rings in flight of one DataParallel, as "all_reduce"."""
+
+    def __init__(self, sync: DataParallel, micro_batches: int):
+        """sync: the DataParallel whose buckets (its plan, its buffers, its _pack and _unpack)
+        move during backward; its bytes go into sync.sent, as "all_reduce"."""
+        super().__init__(sync.comm, sync.sent, "all_reduce")
+        self.sync, self.optimizer, self.buckets = sync, sync.optimizer, sync.buckets
+        self.micro_batches = micro_batches
+        self.bucket_of = {i: b for b, (indices, _) in enumerate(self.buckets) for i in indices}
+        self._reset()
+        hook_each(self.optimizer.params, self._arrived)
+
+    def _reset(self) -> None:
+        self.arrivals = [0] * len(self.optimizer.params)  # backwards that reached each, this step
+        self.final = [0] * len(self.buckets)  # parameters of each bucket whose sum is final
+        self.next_bucket = 0  # the next bucket to start, in plan order
+        self.pending = False  # a backward ran since the last finalize_backward
+
+    def _arrived(self, index: int) -> None:
+        """Parameter index's gradient of one micro-batch is in .grad. On the last micro-batch it
+        is final: into the float32 sum now, and its bucket may start."""
+        self.arrivals[index] += 1
+        self.pending = True
+        if self.arrivals[index] != self.micro_batches:
+            return  # an earlier micro-batch: DataParallel.after_backward accumulates it
+        self.optimizer.accumulate_gradient(index)
+        with self.communicating():
+            self.final[self.bucket_of[index]] += 1
+            self.progress()
+
+    def progress(self, everything: bool = False) -> None:
+        """Go as far as possible without waiting: start the complete buckets (every bucket not
+        started yet, with `everything`) in plan order, advance every ring in flight, and unpack
+        the buckets whose rings are done."""
+        while self.next_bucket < len(self.buckets) and (everything or self._complete()):
+            bucket = self.next_bucket
+            # The float32 gradients are read when a bucket moves: zero_grad makes a new list.
+            send, receive = self.sync._pack(bucket, self.optimizer.master_gradients)
+            self._launch(bucket, send, receive, self._unpacker(bucket))
+            self.next_bucket += 1
+        self._advance()
+
+    def _unpacker(self, bucket: int) -> Callable[[Array], None]:
+        return lambda received: self.sync._unpack(bucket, self.optimizer.master_gradients)
+
+    def _complete(self) -> bool:
+        """Whether every gradient of the next bucket is final."""
+        return self.final[self.next_bucket] == len(self.buckets[self.next_bucket][0])
+
+    def finalize_backward(self) -> None:
+        """Backward is over: start the buckets not started yet (a parameter no backward reached
+        sends zeros, as without overlap), wait for every ring, and get ready for the next step.
+        Only once per step: a second call (DataParallel.reduce makes one) does nothing."""
+        if not self.pending:
+            return
+        self._check_arrivals()
+        self.progress(everything=True)
+        self._wait_all()
+        self._reset()
+
+    def _check_arrivals(self) -> None:
+        """A parameter reached by more backwards than there were micro-batches would have been
+        sent before its sum was complete: refuse instead of averaging a wrong gradient."""
+        for index, count in enumerate(self.arrivals):
+            if count > self.micro_batches:
+                raise RuntimeError(
+                    f"overlap: parameter {index} received {count} gradients in a step of "
+                    f"{self.micro_batches} micro-batches, so it was sent before it was complete; "
+                    "tell DataParallel the right micro_batches, or turn overlap off"
+                )
 
 
 def any_rank(comm: Communicator, found_inf: bool) -> bool:
@@ -235,14 +334,14 @@ def any_rank(comm: Communicator, found_inf: bool) -> bool:
     return bool(comm.allreduce_scalars([float(found_inf)], op="max")[0])
 
 
-def broadcast_masters(comm: Communicator, optimizer: Any, root: int = 0) -> None:
+def broadcast_masters(comm: Communicator, optimizer: Optimizer, root: int = 0) -> None:
     """Overwrite every rank's float32 masters (and compute copies) with root's, bit for bit."""
     for index, master in enumerate(optimizer.master_weights):
         comm.bcast(master, root=root)
         optimizer.set_master_weight(index, master)
 
 
-def pack(wire: Any, gradient: Any, inverse: float, average: str) -> None:
+def pack(wire: Array, gradient: Array, inverse: float, average: str) -> None:
     """Write a flat gradient (float32, or a 16-bit one) into its place on the wire: with
     average "before" multiplied by 1/p in float32 first; rounded once into the wire's dtype."""
     if average == "before":
@@ -251,14 +350,14 @@ def pack(wire: Any, gradient: Any, inverse: float, average: str) -> None:
         wire[...] = round_to(gradient, wire.dtype)
 
 
-def unpack(target: Any, received: Any, inverse: float, average: str) -> None:
+def unpack(target: Array, received: Array, inverse: float, average: str) -> None:
     """A reduced sum off the wire into a float32 gradient (with average "after": times 1/p)."""
     target[...] = received
     if average == "after":
         target *= np.float32(inverse)
 
 
-def _gradient_or_zeros(gradients: list, index: int, optimizer: Any) -> Any:
+def _gradient_or_zeros(gradients: list[Array | None], index: int, optimizer: Optimizer) -> Array:
     """A parameter no loss reached still takes part in the all-reduce, with zeros."""
     if gradients[index] is None:
         gradients[index] = array_module(optimizer.master_weights[index]).zeros_like(
@@ -267,7 +366,7 @@ def _gradient_or_zeros(gradients: list, index: int, optimizer: Any) -> Any:
     return gradients[index]
 
 
-def shard(indices: Any, rank: int, world_size: int) -> Any:
+def shard(indices: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     """This replica's contiguous slice of a global batch (the batch size must divide evenly)."""
     size = len(indices) // world_size
     return indices[rank * size : (rank + 1) * size]

@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from minimp.parallel.pipeline.schedules import actions as s
-from minimp.parallel.pipeline.schedules.dependencies import _messages, virtual_stage
+from minimp.parallel.pipeline.schedules.dependencies import messages, virtual_stage
 from minimp.parallel.pipeline.schedules.actions import Schedule, peak_activations
 from minimp.measure.trace import OPS, trace_document
 
@@ -41,12 +41,8 @@ class Costs:
         """Seconds of `op` (forward, backward, backward_input, backward_weight) on a stage."""
         value = getattr(self, op)
         if value is None:  # a split backward without its own costs: half of backward each
-            value = self.backward
-            half = True
-        else:
-            half = False
-        cost = value if isinstance(value, (int, float)) else value[stage]
-        return cost / 2 if half else cost
+            return self.of("backward", stage) / 2
+        return value if isinstance(value, (int, float)) else value[stage]
 
 
 @dataclass
@@ -70,7 +66,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs) -> SimulatedStep:
         for rank, actions in enumerate(schedule):
             while position[rank] < len(actions):
                 action = actions[position[rank]]
-                sent, received = _messages(action, rank, stages)
+                sent, received = messages(action, rank, stages)
                 start = clock[rank]
                 for key in sent:  # a send leaves as soon as it is reached (a Sendrecv too)
                     arrival.setdefault(key, start + costs.message)

@@ -3,10 +3,13 @@ parameter count, into the groups that run as one (a layer with weights and the w
 after it), and learning the activation shapes at every cut."""
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Callable
 
-from minimp.nn.module import reachable_parameters
+from minimp.backend import Array
+from minimp.nn.module import Module, Parameter, reachable_parameters
 from minimp.tensor import Tensor, no_grad
+
+RunLayers = Callable[[list[Module], Tensor], Tensor]  # how a group of layers runs: run_layers
 
 
 class PipelineError(ValueError):
@@ -17,18 +20,18 @@ class PipelineError(ValueError):
 class StageChunk:
     """One chunk of a rank's layers (a virtual stage) and the activation shapes at its ends."""
 
-    layers: list
+    layers: list[Module]
     input_shape: tuple[int, ...]
     output_shape: tuple[int, ...]
-    groups: list = field(init=False)
-    parameters: list = field(init=False)
+    groups: list[list[Module]] = field(init=False)
+    parameters: list[Parameter] = field(init=False)
 
     def __post_init__(self) -> None:
         self.groups = [self.layers[start:stop] for start, stop in layer_groups(self.layers)]
         self.parameters = [p for layer in self.layers for p in reachable_parameters(layer)]
 
 
-def split_stages(layers: list, stages: int) -> list[tuple[int, int]]:
+def split_stages(layers: list[Module], stages: int) -> list[tuple[int, int]]:
     """[(start, stop)] layer ranges of `stages` contiguous stages, balanced by parameter count.
 
     Parameter count is the cost because, in an MLP, each weight costs the same multiply-adds per
@@ -55,7 +58,7 @@ def split_counts(counts: list[int], stages: int) -> list[tuple[int, int]]:
     ]
 
 
-def layer_groups(layers: list) -> list[tuple[int, int]]:
+def layer_groups(layers: list[Module]) -> list[tuple[int, int]]:
     """[(start, stop)]: each layer with parameters and the parameter-free layers after it (a
     Linear and its ReLU). What pipelines cut between, and what runs as one: recomputed as one
     block (--recompute), gathered around by ZeRO stage 3."""
@@ -71,7 +74,7 @@ def count_groups(counts: list[int]) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [len(counts)]))
 
 
-def run_layers(layers: list, x: Tensor) -> Tensor:
+def run_layers(layers: list[Module], x: Tensor) -> Tensor:
     """The layers applied in order (how a group runs by default)."""
     for layer in layers:
         x = layer(x)
@@ -116,7 +119,7 @@ def _greedy_cuts(costs: list[int], limit: int, parts: int) -> list[int]:
     return cuts
 
 
-def cut_shapes(layers: list, sample: Any) -> list[tuple[int, ...]]:
+def cut_shapes(layers: list[Module], sample: Array) -> list[tuple[int, ...]]:
     """shapes[i]: the shape of the activation entering layer i for one micro-batch `sample`
     (shapes[len(layers)] is the output's). One forward without a graph, on every rank, so both
     sides of every cut know the shape of the bytes they exchange."""
@@ -128,7 +131,7 @@ def cut_shapes(layers: list, sample: Any) -> list[tuple[int, ...]]:
     return shapes
 
 
-def stage_parameters(model: Any, bounds: tuple[int, int]) -> list[tuple[str, Any]]:
+def stage_parameters(model: Module, bounds: tuple[int, int]) -> list[tuple[str, Parameter]]:
     """(name, Parameter) of the layers in range(*bounds) of a Sequential, named as in the whole
     model ("4.weight"), so every layout writes the same checkpoint names."""
     start, stop = bounds

@@ -1,4 +1,4 @@
-"""Pipeline parallelism by layer-wise splitting: contiguous stages, and the runner of a schedule.
+"""The runner of a pipeline schedule: one rank's chunks of layers and the actions of one step.
 
 The model's ordered layers are cut into P contiguous stages, one per pipeline rank, or, for an
 interleaved schedule, into P x V chunks, rank r holding chunks r, r + P, ... (virtual stages).
@@ -10,24 +10,40 @@ layers, and the last virtual stage hands its output to the loss function it was 
 
 Sends block (a message past MPI's eager limit waits for its receive: GPipe and 1F1B are written for
 that, 1F1B with paired exchanges) unless `buffered_sends`: then they are MPI_Isend, completed at the
-end of the step, which the interleaved and zero-bubble schedules need (minimp/parallel/
-dependencies.py checks both ways). A split backward runs B (`backward_input`) and W
-(`backward_weight`) as two actions (minimp/split_backward.py).
+end of the step, which the interleaved and zero-bubble schedules need
+(minimp/parallel/pipeline/schedules/dependencies.py checks both ways). A split backward runs B
+(`backward_input`) and W (`backward_weight`) as two actions (minimp/split_backward.py). The six
+message actions are one table (`MESSAGES`: what each sends and receives) and one method.
 """
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
+
+import numpy.typing as npt
 
 from minimp import backend
+from minimp.backend import Array
+from minimp.parallel.pipeline.schedules import actions as s
 from minimp.parallel.pipeline.schedules.actions import Action
-from minimp.parallel.pipeline.split import StageChunk, run_layers
+from minimp.parallel.pipeline.split import RunLayers, StageChunk, run_layers
+from minimp.nn import Module
 from minimp.parallel.topology import Topology
 from minimp.split_backward import PendingWeightGradients, backward_input, backward_weight
 from minimp.tensor import Tensor, saved_bytes
 
 FIRST_TAG = 64  # pipeline tags start here, above minimp.distributed.protocol.Tag's
 FORWARD, BACKWARD = 0, 1  # a message's direction, in its tag
+# op -> (direction it sends, direction it receives): an activation travels FORWARD to the next
+# virtual stage, its gradient BACKWARD to the previous one; a paired exchange does both at once
+MESSAGES = {
+    s.RECV_FORWARD: (None, FORWARD),
+    s.SEND_FORWARD: (FORWARD, None),
+    s.RECV_BACKWARD: (None, BACKWARD),
+    s.SEND_BACKWARD: (BACKWARD, None),
+    s.SEND_FORWARD_RECV_BACKWARD: (FORWARD, BACKWARD),
+    s.SEND_BACKWARD_RECV_FORWARD: (BACKWARD, FORWARD),
+}
 
 
 def message_tag(direction: int, chunk: int, micro_batch: int, micro_batches: int) -> int:
@@ -41,11 +57,11 @@ def message_tag(direction: int, chunk: int, micro_batch: int, micro_batches: int
 class MicroBatch:
     """What a chunk holds for one micro-batch between its forward and its (last) backward."""
 
-    received: Any = None  # the activation from the previous stage, not yet forwarded
+    received: Array | None = None  # the activation from the previous stage, not yet forwarded
     input: Tensor | None = None  # the stage's input: a leaf whose gradient is sent back
     output: Tensor | None = None  # the stage's output (the loss, on the last stage)
-    grad_output: Any = None  # the gradient of output, received from the next stage
-    grad_input: Any = None  # the gradient of input, waiting to be sent back
+    grad_output: Array | None = None  # the gradient of output, received from the next stage
+    grad_input: Array | None = None  # the gradient of input, waiting to be sent back
     weights_pending: PendingWeightGradients | None = None  # B done, W not yet (split backward)
     sent_back: bool = False  # its input's gradient has left (or there is none to send)
 
@@ -56,14 +72,14 @@ class PipelineStage:
 
     def __init__(
         self,
-        layers: list,
+        layers: list[Module],
         topology: Topology,
         *,
         input_shape: tuple[int, ...],
         output_shape: tuple[int, ...],
-        dtype: Any,
-        loss_fn: Callable[[Tensor, Any], Tensor],
-        run_group: Callable[[list, Tensor], Tensor] = run_layers,
+        dtype: npt.DTypeLike,
+        loss_fn: Callable[[Tensor, Array], Tensor],
+        run_group: RunLayers = run_layers,
         more_chunks: Sequence[StageChunk] = (),
         buffered_sends: bool = False,
     ):
@@ -94,10 +110,10 @@ class PipelineStage:
         self,
         actions: list[Action],
         *,
-        inputs: list | None,
-        targets: list | None,
+        inputs: list[Array] | None,
+        targets: list[Array] | None,
         scale_loss: Callable[[Tensor], Tensor],
-        after_backward: Callable[[], Any],
+        after_backward: Callable[[], object],
         record: Callable[[str, int, float, float], None] | None = None,
         before_forward: Callable[[int], None] | None = None,
     ) -> float:
@@ -122,7 +138,10 @@ class PipelineStage:
         self.activation_bytes, self.peak_activation_bytes = {}, 0
         for action in actions:
             start = time.perf_counter()
-            getattr(self, "_" + action.op)(action)
+            if action.op in MESSAGES:
+                self._message(action, *MESSAGES[action.op])
+            else:
+                getattr(self, "_" + action.op)(action)
             if record is not None:
                 record(action.op, action.micro_batch, start, time.perf_counter())
         start = time.perf_counter()
@@ -139,22 +158,17 @@ class PipelineStage:
     def _is_last(self, chunk: int) -> bool:
         return self.topology.is_last_stage and chunk == len(self.chunks) - 1
 
-    def _next(self, chunk: int) -> tuple[int, int]:
-        """(pp rank, chunk) of the virtual stage after this chunk's."""
-        stages = self.topology.pp
-        wraps = self.topology.stage == stages - 1
-        return (self.topology.stage + 1) % stages, chunk + (1 if wraps else 0)
-
-    def _previous(self, chunk: int) -> tuple[int, int]:
-        stages = self.topology.pp
-        wraps = self.topology.stage == 0
-        return (self.topology.stage - 1) % stages, chunk - (1 if wraps else 0)
+    def _neighbour(self, chunk: int, step: int) -> tuple[int, int]:
+        """(pp rank, chunk) of the virtual stage `step` (+1: the next, -1: the previous) from this
+        chunk's: past the last stage the ring of stages goes on in the next chunk."""
+        stage = self.topology.stage + step
+        return stage % self.topology.pp, chunk + stage // self.topology.pp
 
     def _state(self, action: Action, micro_batch: int | None = None) -> MicroBatch:
         key = (action.chunk, action.micro_batch if micro_batch is None else micro_batch)
         return self._micro_batches.setdefault(key, MicroBatch())
 
-    def _buffer(self, shape: tuple[int, ...]) -> Any:
+    def _buffer(self, shape: tuple[int, ...]) -> Array:
         return backend.current_device().xp.empty(shape, self.dtype)
 
     def _finish_if_done(self, key: tuple[int, int]) -> None:
@@ -169,18 +183,20 @@ class PipelineStage:
         if self._before_forward is not None:
             self._before_forward(action.micro_batch)
         if self._is_first(chunk):
-            state.input = Tensor(self._inputs[action.micro_batch])
+            assert self._inputs is not None  # the first stage is given the inputs
+            x = Tensor(self._inputs[action.micro_batch])
         else:  # a leaf that wants its gradient: that gradient is what we send back
-            state.input = Tensor(state.received, requires_grad=True)
+            x = Tensor(state.received, requires_grad=True)
             state.received = None
-        output = self.forward(state.input, chunk)
+        state.input, output = x, self.forward(x, chunk)
         if self._is_last(chunk):
+            assert self._targets is not None  # the last stage is given the targets
             output = self.loss_fn(output, self._targets[action.micro_batch])
             self._loss_sum += output.item()
         state.output = output
         alive = sum(  # from the forward until the backward (its W, when split) is done
-            s.output is not None or s.weights_pending is not None
-            for s in self._micro_batches.values()
+            other.output is not None or other.weights_pending is not None
+            for other in self._micro_batches.values()
         )
         self.peak_stored = max(self.peak_stored, alive)
         if output.requires_grad:  # what this micro-batch's graph keeps (weights not counted)
@@ -192,6 +208,7 @@ class PipelineStage:
 
     def _backward(self, action: Action, split: bool = False) -> None:
         key, state = (action.chunk, action.micro_batch), self._state(action)
+        assert state.input is not None and state.output is not None  # its forward ran
         if self._is_last(action.chunk):
             root, grad = self._scale_loss(state.output), None
         else:
@@ -206,8 +223,7 @@ class PipelineStage:
         state.grad_input = None if self._is_first(action.chunk) else state.input.grad
         state.sent_back = self._is_first(action.chunk)  # the first stage sends nothing back
         state.output = state.grad_output = None
-        if state.sent_back and state.weights_pending is None:
-            del self._micro_batches[key]
+        self._finish_if_done(key)
         state.input = None
 
     def _backward_input(self, action: Action) -> None:
@@ -224,64 +240,53 @@ class PipelineStage:
         self._finish_if_done(key)
 
     # ----- messages ---------------------------------------------------------------------------
-    def _send(self, array: Any, dest: int, tag: int) -> None:
+    def _message(self, action: Action, send: int | None, receive: int | None) -> None:
+        """Send (in direction `send`), receive (in direction `receive`), or both at once as one
+        Sendrecv with the same neighbour (a paired exchange: `action.received` names the
+        micro-batch whose activation or gradient comes back)."""
+        outgoing = None if send is None else self._outgoing(action, send)
+        if receive is None:
+            assert outgoing is not None  # every message op sends, receives or both
+            self._send(*outgoing)
+            return
+        micro_batch = action.micro_batch if action.received is None else action.received
+        chunk = self.chunks[action.chunk]
+        buffer = self._buffer(chunk.input_shape if receive == FORWARD else chunk.output_shape)
+        tag = message_tag(receive, action.chunk, micro_batch, self._count)
+        if outgoing is None:  # an activation comes from the previous stage, a gradient the next
+            source, _ = self._neighbour(action.chunk, -1 if receive == FORWARD else +1)
+            self.comm.recv(buffer, source, tag=tag)
+        else:
+            array, rank, send_tag = outgoing
+            self.comm.sendrecv(array, rank, buffer, rank, tag=send_tag, recv_tag=tag)
+        state = self._state(action, micro_batch)
+        if receive == FORWARD:
+            state.received = buffer
+        else:
+            state.grad_output = buffer
+
+    def _outgoing(self, action: Action, direction: int) -> tuple[Array, int, int]:
+        """(array, pp rank, tag) of what this chunk sends: its output to the next virtual stage
+        (FORWARD), or its input's gradient to the previous one (BACKWARD)."""
+        key = (action.chunk, action.micro_batch)
+        if direction == FORWARD:
+            output = self._micro_batches[key].output
+            assert output is not None  # sent after its forward
+            array = output.data
+        else:
+            array = self._pop_grad_input(key)
+        rank, chunk = self._neighbour(action.chunk, +1 if direction == FORWARD else -1)
+        return array, rank, message_tag(direction, chunk, action.micro_batch, self._count)
+
+    def _send(self, array: Array, dest: int, tag: int) -> None:
         if self.buffered_sends:
             self._sends.append(self.comm.isend(array, dest, tag=tag))
         else:
             self.comm.send(array, dest, tag=tag)
 
-    def _recv_forward(self, action: Action) -> None:
-        buffer = self._buffer(self.chunks[action.chunk].input_shape)
-        tag = message_tag(FORWARD, action.chunk, action.micro_batch, self._count)
-        self.comm.recv(buffer, self._previous(action.chunk)[0], tag=tag)
-        self._state(action).received = buffer
-
-    def _send_forward(self, action: Action) -> None:
-        output = self._micro_batches[(action.chunk, action.micro_batch)].output
-        rank, chunk = self._next(action.chunk)
-        self._send(output.data, rank, message_tag(FORWARD, chunk, action.micro_batch, self._count))
-
-    def _recv_backward(self, action: Action) -> None:
-        buffer = self._buffer(self.chunks[action.chunk].output_shape)
-        tag = message_tag(BACKWARD, action.chunk, action.micro_batch, self._count)
-        self.comm.recv(buffer, self._next(action.chunk)[0], tag=tag)
-        self._state(action).grad_output = buffer
-
-    def _send_backward(self, action: Action) -> None:
-        grad = self._pop_grad_input(action.chunk, action.micro_batch)
-        rank, chunk = self._previous(action.chunk)
-        self._send(grad, rank, message_tag(BACKWARD, chunk, action.micro_batch, self._count))
-
-    def _send_forward_recv_backward(self, action: Action) -> None:
-        output = self._micro_batches[(action.chunk, action.micro_batch)].output
-        rank, chunk = self._next(action.chunk)
-        send_tag = message_tag(FORWARD, chunk, action.micro_batch, self._count)
-        recv_tag = message_tag(BACKWARD, action.chunk, action.received, self._count)
-        shape = self.chunks[action.chunk].output_shape
-        self._state(action, action.received).grad_output = self._exchange(
-            output.data, rank, send_tag, recv_tag, shape
-        )
-
-    def _send_backward_recv_forward(self, action: Action) -> None:
-        grad_input = self._pop_grad_input(action.chunk, action.micro_batch)
-        rank, chunk = self._previous(action.chunk)
-        send_tag = message_tag(BACKWARD, chunk, action.micro_batch, self._count)
-        recv_tag = message_tag(FORWARD, action.chunk, action.received, self._count)
-        shape = self.chunks[action.chunk].input_shape
-        self._state(action, action.received).received = self._exchange(
-            grad_input, rank, send_tag, recv_tag, shape
-        )
-
-    def _exchange(self, outgoing: Any, rank: int, tag: int, recv_tag: int, shape: tuple) -> Any:
-        """One Sendrecv with a neighbour: ours goes out, theirs comes back into a new buffer."""
-        buffer = self._buffer(shape)
-        self.comm.sendrecv(outgoing, rank, buffer, rank, tag=tag, recv_tag=recv_tag)
-        return buffer
-
-    def _pop_grad_input(self, chunk: int, micro_batch: int) -> Any:
+    def _pop_grad_input(self, key: tuple[int, int]) -> Array:
         """The input gradient to send back; the micro-batch is then finished on this chunk (once
         its W, if split, has run)."""
-        key = (chunk, micro_batch)
         state = self._micro_batches[key]
         grad, state.grad_input, state.sent_back = state.grad_input, None, True
         self._finish_if_done(key)

@@ -4,17 +4,17 @@ on save, a rank's shard cut from the whole array on resume.
 A checkpoint names arrays by parameter ("master/3.attn.c_attn.weight", "optimizer/<name>/exp_avg")
 and holds them whole, whatever the layout that wrote it, so a --tp 2 checkpoint resumes on one
 process and back. The shards of a cut parameter are gathered onto tensor-parallel rank 0 and joined
-(tensor_parallel_layers.join_shards); a whole parameter, and fp8's scaling state (the same on every
+(layers.py: join_shards); a whole parameter, and fp8's scaling state (the same on every
 rank once its amaxes are MAX-reduced), is rank 0's own copy.
 """
 
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
 from minimp.distributed.gather import gather_named_arrays
 from minimp.distributed.protocol import Communicator
-from minimp.parallel.tensor.layers import join_shards, shard_of, whole_shape
+from minimp.parallel.tensor.layers import join_shards, take_shard
 
 
 def parameter_of(key: str) -> str | None:
@@ -25,7 +25,7 @@ def parameter_of(key: str) -> str | None:
 
 
 def gather_shards(
-    comm: Communicator, state: dict[str, Any], cut: dict[str, tuple[int, int]]
+    comm: Communicator, state: dict[str, np.ndarray], cut: dict[str, tuple[int, int]]
 ) -> dict[str, np.ndarray] | None:
     """On tensor-parallel rank 0: `state` with every cut parameter's arrays whole (joined from
     every rank's shard, sent as raw bytes); None on the other ranks. `cut`: the plan's
@@ -54,20 +54,12 @@ def shard_selector(
         name = parameter_of(key)
         if name not in cut:
             return array
-        spec = cut[name]
-        axis, sections = spec
+        axis, sections = cut[name]
         if array.ndim <= axis or array.shape[axis] % (sections * ranks):
             raise ValueError(
                 f"{key} has shape {array.shape}, which does not split over --tp {ranks} "
                 "(a checkpoint of another model?)"
             )
-        return shard_of(array, spec, rank, ranks)
+        return take_shard(array, axis, sections, rank, ranks)
 
     return select
-
-
-def whole_shapes(
-    shapes: dict[str, tuple[int, ...]], cut: dict[str, tuple[int, int]], ranks: int
-) -> dict[str, tuple[int, ...]]:
-    """{name: the whole parameter's shape} from this rank's {name: shape}."""
-    return {n: whole_shape(s, cut[n], ranks) if n in cut else s for n, s in shapes.items()}

@@ -14,13 +14,14 @@ on every rank, bit for bit, because it is computed from the same activations and
   one's are the same on every rank and are counted on tensor-parallel rank 0 only.
 """
 
-from typing import Any, Sequence
+from typing import Sequence
 
 
-from minimp.backend import array_module
+from minimp.backend import Array, array_module
 from minimp.distributed.protocol import Communicator
-from minimp.parallel.data.data_parallel import ReplicaMismatchError, ranks_differing_from_rank_0
+from minimp.parallel.replicas import check_same
 from minimp.parallel.tensor.mappings import all_reduce
+from minimp.parallel.tensor.models import TensorParallelPlan
 
 
 class TensorParallelGradients:
@@ -33,22 +34,23 @@ class TensorParallelGradients:
 
     @classmethod
     def for_names(
-        cls, comm: Communicator, names: list[str], plan: Any
+        cls, comm: Communicator, names: list[str], plan: TensorParallelPlan
     ) -> "TensorParallelGradients":
         """From the stage's parameter names and a TensorParallelPlan."""
         replicated = [i for i, name in enumerate(names) if name not in plan.partitions]
         partial = [i for i, name in enumerate(names) if name in plan.partial]
         return cls(comm, replicated, partial)
 
-    def reduce(self, gradients: list, like: Sequence[Any] = ()) -> None:
+    def reduce(self, gradients: list[Array | None], like: Sequence[Array] = ()) -> None:
         """Replace each partial gradient, in place, by its sum over the ranks (float32); a
         parameter no gradient reached takes part with zeros shaped like `like[index]`."""
         for index in self.partial:
-            if gradients[index] is None:
-                gradients[index] = array_module(like[index]).zeros_like(like[index])
-            gradients[index][...] = all_reduce(self.comm, gradients[index])
+            grad = gradients[index]
+            if grad is None:
+                grad = gradients[index] = array_module(like[index]).zeros_like(like[index])
+            grad[...] = all_reduce(self.comm, grad)
 
-    def reduce_pieces(self, pieces: dict[int, Any]) -> None:
+    def reduce_pieces(self, pieces: dict[int, Array]) -> None:
         """ZeRO: the same sum for this rank's pieces of the partial gradients ({position: piece};
         every tensor-parallel rank holds the same pieces, its replicas' layout being the same)."""
         for index in self.partial:
@@ -60,13 +62,12 @@ class TensorParallelGradients:
         tensor-parallel rank 0."""
         return set(self.replicated) if self.comm.rank else set()
 
-    def check_replicated(self, masters: Sequence[Any], extra: Sequence[Any] = ()) -> None:
+    def check_replicated(self, masters: Sequence[Array], extra: Sequence[Array] = ()) -> None:
         """Raise ReplicaMismatchError unless every rank holds the same whole parameters (and
         `extra` arrays: fp8 state, the same on every rank after its MAX agreement)."""
         whole = [*(masters[i] for i in self.replicated), *extra]
-        differing = ranks_differing_from_rank_0(self.comm, whole)
-        if differing:
-            raise ReplicaMismatchError(
-                f"the whole (replicated) parameters of tensor-parallel rank(s) {differing} "
-                "differ from rank 0's (tensor-parallel copies drifted apart)"
-            )
+        message = (
+            "the whole (replicated) parameters of tensor-parallel rank(s) {ranks} differ from "
+            "rank 0's (tensor-parallel copies drifted apart)"
+        )
+        check_same(self.comm, whole, message)

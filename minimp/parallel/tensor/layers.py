@@ -18,12 +18,8 @@ axis (attention's (3h, h) q, k, v projection) is cut section by section, so each
 q, k and v rows of the same heads.
 """
 
-from typing import Any
-
-import numpy as np
-
 from minimp import functional, nn
-from minimp.backend import array_module
+from minimp.backend import Array, array_module
 from minimp.distributed.protocol import Communicator
 from minimp.parallel.tensor.mappings import (
     copy_to_tensor_parallel_region,
@@ -34,7 +30,7 @@ from minimp.parallel.tensor.mappings import (
 from minimp.tensor import Tensor
 
 
-def take_shard(array: Any, axis: int, sections: int, rank: int, ranks: int) -> Any:
+def take_shard(array: Array, axis: int, sections: int, rank: int, ranks: int) -> Array:
     """Rank's shard: each of `sections` equal parts of `axis` cut into `ranks` equal slices, the
     rank-th slice of every part, in order (a contiguous copy)."""
     xp = array_module(array)
@@ -43,7 +39,7 @@ def take_shard(array: Any, axis: int, sections: int, rank: int, ranks: int) -> A
     return xp.ascontiguousarray(xp.concatenate(slices, axis=axis))
 
 
-def join_shards(shards: list, axis: int, sections: int) -> Any:
+def join_shards(shards: list[Array], axis: int, sections: int) -> Array:
     """The whole array again from every rank's shard, in rank order (take_shard's inverse)."""
     xp = array_module(shards[0])
     cut = [xp.split(shard, sections, axis=axis) for shard in shards]  # [rank][section]
@@ -51,11 +47,44 @@ def join_shards(shards: list, axis: int, sections: int) -> Any:
     return xp.concatenate(parts, axis=axis)
 
 
-def _parameter(array: Any) -> nn.Parameter:
+def _parameter(array: Array) -> nn.Parameter:
     return nn.Parameter(array_module(array).ascontiguousarray(array))
 
 
-class ColumnParallelLinear(nn.Linear):
+class _ParallelLinear(nn.Linear):
+    """What the column and the row layer share: a whole Linear's weight cut along one axis."""
+
+    def __init__(
+        self, linear: nn.Linear, comm: Communicator, axis: int, sections: int, sequence: bool
+    ) -> None:
+        """The weight's shard that rank comm.rank of comm.size holds, cut along `axis` (0: by
+        output features, 1: by input features) in `sections` sections; sequence: whether
+        sequence parallelism runs around the layer."""
+        nn.Module.__init__(self)  # not Linear's: the values come from `linear`, none are drawn
+        self.comm, self.axis, self.fp8_meta = comm, axis, linear.fp8_meta
+        self.sequence_parallel = sequence
+        features = linear.weight.shape[axis]
+        if features % (sections * comm.size):
+            raise ValueError(
+                f"{type(self).__name__}: {features} {('output', 'input')[axis]} features do not "
+                f"split into {sections} section(s) over {comm.size} ranks"
+            )
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = self._cut(linear.weight.data, sections)
+        self.partition = {"weight": (axis, sections)}
+
+    def _cut(self, array: Array, sections: int) -> nn.Parameter:
+        """This rank's shard of a whole array, cut along the layer's axis."""
+        return _parameter(take_shard(array, self.axis, sections, self.comm.rank, self.comm.size))
+
+    def __repr__(self) -> str:
+        sizes = [str(self.in_features), str(self.out_features)]
+        cut = 1 - self.axis  # the weight is (out, in): axis 0 cuts the output features
+        sizes[cut] += f" of {(self.in_features, self.out_features)[cut] * self.comm.size}"
+        return f"{type(self).__name__}({', '.join(sizes)}, bias={self.bias is not None})"
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """y_r = f(x) W_r^T + b_r: this rank's rows W_r of the weight, its slice of the output features.
 
     partition: {parameter: (axis, sections)} of the parameters cut across the ranks (both here).
@@ -69,21 +98,10 @@ class ColumnParallelLinear(nn.Linear):
         sequence_parallel: bool = False,
     ):
         """The shard of a whole (float32) Linear that rank comm.rank of comm.size holds."""
-        nn.Module.__init__(self)  # not Linear's: the values come from `linear`, none are drawn
-        ranks, rank = comm.size, comm.rank
-        if linear.out_features % (sections * ranks):
-            raise ValueError(
-                f"ColumnParallelLinear: {linear.out_features} output features do not split into "
-                f"{sections} section(s) over {ranks} ranks"
-            )
-        self.comm, self.sequence_parallel = comm, sequence_parallel
-        self.in_features, self.out_features = linear.in_features, linear.out_features // ranks
-        self.weight = _parameter(take_shard(linear.weight.data, 0, sections, rank, ranks))
-        self.bias = None
-        if linear.bias is not None:
-            self.bias = _parameter(take_shard(linear.bias.data, 0, sections, rank, ranks))
-        self.fp8_meta = linear.fp8_meta
-        self.partition = {"weight": (0, sections), "bias": (0, sections)}
+        super().__init__(linear, comm, 0, sections, sequence_parallel)
+        self.out_features //= comm.size
+        self.bias = None if linear.bias is None else self._cut(linear.bias.data, sections)
+        self.partition["bias"] = (0, sections)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.sequence_parallel:  # (B, S/tp, in) -> (B, S, in): every position's input
@@ -92,32 +110,16 @@ class ColumnParallelLinear(nn.Linear):
             x = copy_to_tensor_parallel_region(x, self.comm)
         return functional.linear(x, self.weight, self.bias, self.fp8_meta)  # (..., out/tp)
 
-    def __repr__(self) -> str:
-        return (
-            f"ColumnParallelLinear({self.in_features}, {self.out_features} of "
-            f"{self.out_features * self.comm.size}, bias={self.bias is not None})"
-        )
 
-
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(_ParallelLinear):
     """y = g(x_r W_r^T) + b: this rank's columns W_r of the weight read its slice x_r of the input
     features; the partial products add up over the ranks, then the (whole) bias is added once."""
 
     def __init__(self, linear: nn.Linear, comm: Communicator, sequence_parallel: bool = False):
         """The shard of a whole (float32) Linear that rank comm.rank of comm.size holds."""
-        nn.Module.__init__(self)
-        ranks, rank = comm.size, comm.rank
-        if linear.in_features % ranks:
-            raise ValueError(
-                f"RowParallelLinear: {linear.in_features} input features do not split over "
-                f"{ranks} ranks"
-            )
-        self.comm, self.sequence_parallel = comm, sequence_parallel
-        self.in_features, self.out_features = linear.in_features // ranks, linear.out_features
-        self.weight = _parameter(take_shard(linear.weight.data, 1, 1, rank, ranks))
+        super().__init__(linear, comm, 1, 1, sequence_parallel)
+        self.in_features //= comm.size
         self.bias = None if linear.bias is None else _parameter(linear.bias.data.copy())
-        self.fp8_meta = linear.fp8_meta
-        self.partition = {"weight": (1, 1)}
 
     def forward(self, x: Tensor) -> Tensor:
         # The partial product is rounded into the activation dtype before the sum, and the bias
@@ -129,12 +131,6 @@ class RowParallelLinear(nn.Linear):
             y = reduce_from_tensor_parallel_region(partial, self.comm)
         return y if self.bias is None else y + self.bias
 
-    def __repr__(self) -> str:
-        return (
-            f"RowParallelLinear({self.in_features} of {self.in_features * self.comm.size}, "
-            f"{self.out_features}, bias={self.bias is not None})"
-        )
-
 
 def partitions(model: nn.Module) -> dict[str, tuple[int, int]]:
     """{parameter name: (axis, sections)} of every parameter of the model cut across the
@@ -145,15 +141,3 @@ def partitions(model: nn.Module) -> dict[str, tuple[int, int]]:
             if getattr(module, parameter, None) is not None:
                 cut[f"{name}.{parameter}" if name else parameter] = spec
     return cut
-
-
-def whole_shape(shape: tuple[int, ...], spec: tuple[int, int], ranks: int) -> tuple[int, ...]:
-    """The whole parameter's shape from a shard's."""
-    axis, _ = spec
-    return tuple(size * ranks if i == axis else size for i, size in enumerate(shape))
-
-
-def shard_of(array: np.ndarray, spec: tuple[int, int], rank: int, ranks: int) -> np.ndarray:
-    """Rank's shard of a whole (host) array cut as `spec` says."""
-    axis, sections = spec
-    return take_shard(array, axis, sections, rank, ranks)

@@ -26,16 +26,14 @@ without the per-call agreement on the array's length (one more small all-reduce 
 ZeRO's reduce-scatters also skip): every rank's shapes come from the same model and batch.
 """
 
-from typing import Any
-
-from minimp.backend import array_module
+from minimp.backend import Array, array_module
 from minimp.distributed.protocol import Communicator
 from minimp.distributed.ring import chunk_bounds, ring_all_gather_inplace, ring_reduce_scatter_into
 from minimp.function import Function
 from minimp.tensor import Tensor
 
 
-def all_reduce(comm: Communicator, x: Any) -> Any:
+def all_reduce(comm: Communicator, x: Array) -> Array:
     """The sum of x over comm's ranks, a new array shaped like x (2 (p - 1)/p of x sent)."""
     xp = array_module(x)
     flat = xp.ascontiguousarray(x).reshape(-1)
@@ -48,7 +46,7 @@ def all_reduce(comm: Communicator, x: Any) -> Any:
     return out.reshape(x.shape)
 
 
-def all_gather_sequence(comm: Communicator, x: Any) -> Any:
+def all_gather_sequence(comm: Communicator, x: Array) -> Array:
     """(B, S/p, ...) slices -> (B, S, ...), rank r's slice at positions r S/p .. (r + 1) S/p."""
     xp = array_module(x)
     local = xp.ascontiguousarray(xp.moveaxis(x, 1, 0))  # (S/p, B, ...): the slice is contiguous
@@ -61,7 +59,7 @@ def all_gather_sequence(comm: Communicator, x: Any) -> Any:
     return xp.ascontiguousarray(xp.moveaxis(whole, 0, 1))  # (B, S, ...)
 
 
-def reduce_scatter_sequence(comm: Communicator, x: Any) -> Any:
+def reduce_scatter_sequence(comm: Communicator, x: Array) -> Array:
     """(B, S, ...) partial sums -> this rank's (B, S/p, ...) slice of their sum over the ranks."""
     xp = array_module(x)
     sequence = x.shape[1]
@@ -77,7 +75,7 @@ def reduce_scatter_sequence(comm: Communicator, x: Any) -> Any:
     return xp.ascontiguousarray(xp.moveaxis(local, 0, 1))
 
 
-def split_sequence(comm: Communicator, x: Any) -> Any:
+def split_sequence(comm: Communicator, x: Array) -> Array:
     """This rank's (B, S/p, ...) slice of x (B, S, ...), a contiguous copy; nothing is sent."""
     _check_divides(x.shape[1], comm.size)
     size = x.shape[1] // comm.size
@@ -97,12 +95,12 @@ class CopyToTensorParallelRegion(Function):
     """f:  y = x;  dL/dx = sum over the tensor-parallel ranks of dL/dy (all-reduce)."""
 
     @staticmethod
-    def forward(ctx, x, comm):
+    def forward(ctx, x: Array, comm: Communicator) -> Array:
         ctx.comm = comm
         return x
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output: Array) -> Array:
         return all_reduce(ctx.comm, grad_output)
 
 
@@ -110,11 +108,11 @@ class ReduceFromTensorParallelRegion(Function):
     """g:  y = sum over the tensor-parallel ranks of x (all-reduce);  dL/dx = dL/dy."""
 
     @staticmethod
-    def forward(ctx, x, comm):
+    def forward(ctx, x: Array, comm: Communicator) -> Array:
         return all_reduce(comm, x)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output: Array) -> Array:
         return grad_output
 
 
@@ -124,12 +122,14 @@ class GatherFromSequenceParallelRegion(Function):
     rank computes the same dL/dy (`tensor_parallel_output_grad=False`), just its slice."""
 
     @staticmethod
-    def forward(ctx, x, comm, tensor_parallel_output_grad=True):
+    def forward(
+        ctx, x: Array, comm: Communicator, tensor_parallel_output_grad: bool = True
+    ) -> Array:
         ctx.comm, ctx.reduce = comm, tensor_parallel_output_grad
         return all_gather_sequence(comm, x)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output: Array) -> Array:
         if ctx.reduce:
             return reduce_scatter_sequence(ctx.comm, grad_output)
         return split_sequence(ctx.comm, grad_output)
@@ -140,27 +140,23 @@ class ReduceScatterToSequenceParallelRegion(Function):
     dL/dx = the ranks' slices of dL/dy side by side (all-gather)."""
 
     @staticmethod
-    def forward(ctx, x, comm):
+    def forward(ctx, x: Array, comm: Communicator) -> Array:
         ctx.comm = comm
         return reduce_scatter_sequence(comm, x)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output: Array) -> Array:
         return all_gather_sequence(ctx.comm, grad_output)
 
 
-class ScatterToSequenceParallelRegion(Function):
-    """y = this rank's sequence slice of x (every rank holds the same x);
-    dL/dx = the ranks' slices of dL/dy side by side (all-gather)."""
+class ScatterToSequenceParallelRegion(ReduceScatterToSequenceParallelRegion):
+    """y = this rank's sequence slice of x (every rank holds the same x, so nothing is summed);
+    dL/dx = the ranks' slices of dL/dy side by side (all-gather): the reduce-scatter's backward."""
 
     @staticmethod
-    def forward(ctx, x, comm):
+    def forward(ctx, x: Array, comm: Communicator) -> Array:
         ctx.comm = comm
         return split_sequence(comm, x)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return all_gather_sequence(ctx.comm, grad_output)
 
 
 def copy_to_tensor_parallel_region(x: Tensor, comm: Communicator) -> Tensor:

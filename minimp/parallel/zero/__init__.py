@@ -1,6 +1,2 @@
 """ZeRO (Rajbhandari et al. 2020): data parallelism that shards what it replicates, stage by stage:
 the optimizer state and masters (1), the gradients too (2), the parameters too (3)."""
-
-from minimp.parallel.zero.data_parallel import ZeroDataParallel, zero_data_parallel
-from minimp.parallel.zero.layout import Piece, Unit, ZeroLayout
-from minimp.parallel.zero.optimizer import ShardedOptimizer

@@ -19,29 +19,35 @@ gradients. Same bytes on the wire (2 (N - 1)/N of the model), 1/N of the optimiz
 order of decisions does not change: overflow agreed by every rank, `reduce` (here: the
 reduce-scatter, or nothing left to do), overflow agreed again, unscale, clip by the norm summed over
 every rank's chunks and every stage, update, scaler. What changes is where the bytes move and that
-`reduce` leaves in the list this rank's gradient pieces instead of whole gradients.
+`reduce` leaves in the list this rank's gradient pieces instead of whole gradients. With overlap,
+`OverlappedUnits` keeps each unit's reduce-scatter in flight while backward goes on
+(minimp/parallel/data/overlap.py).
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
-from minimp.backend import array_module
+from minimp.backend import Array, array_module
 from minimp.distributed.protocol import Communicator
 from minimp.distributed.ring import ring_reduce_scatter_into
-from minimp.parallel.data.data_parallel import any_rank, pack, unpack
+from minimp.measure.accounts import BytesSent
+from minimp.nn import Module
+from minimp.optim import Optimizer
+from minimp.parallel.data.data_parallel import ReplicaSync, pack, unpack
+from minimp.parallel.data.overlap import RingsInFlight, hook_each
 from minimp.parallel.pipeline.tied import TiedGradients
-from minimp.measure.accounts import BytesSent, PeakMemory, held_bytes
+from minimp.parallel.tensor.grads import TensorParallelGradients
 from minimp.parallel.zero.layout import ZeroLayout, plan_units
 from minimp.parallel.zero.optimizer import ShardedOptimizer
-from minimp.parallel.zero.overlap import OverlappedUnits
-from minimp.parallel.zero.stage3 import ParameterGatherer
+from minimp.parallel.zero.stage3 import ParameterGatherer, RunLayers
+from minimp.parallel.zero.stages import ZeroStage, zero_stage
 from minimp.precision.casting import widen
-from minimp.precision.step import GradientSync, squared_norm
 from minimp.tensor import Tensor
 
 
-class ZeroDataParallel(GradientSync):
+class ZeroDataParallel(ReplicaSync):
     """ZeRO's GradientSync over one stage's replicas; build it with `zero_data_parallel`."""
 
     def __init__(
@@ -49,12 +55,12 @@ class ZeroDataParallel(GradientSync):
         comm: Communicator,
         optimizer: ShardedOptimizer,
         *,
-        comm_dtype: Any = np.float32,
+        comm_dtype: npt.DTypeLike = np.float32,
         average: str = "before",
         decision_comm: Communicator | None = None,
         tied: TiedGradients | None = None,
         sent: BytesSent | None = None,
-        tensor_parallel: Any = None,
+        tensor_parallel: TensorParallelGradients | None = None,
         overlap: bool = False,
         micro_batches: int = 1,
     ):
@@ -62,15 +68,11 @@ class ZeroDataParallel(GradientSync):
         shares the skip decision and the gradient norm (by default the replicas), tied the
         parameters this stage shares with another, tensor_parallel the partial gradients and
         whole copies of --tp; sent counts the bytes by collective. overlap: each unit's
-        reduce-scatter progresses during backward (minimp/parallel/zero/overlap.py); stage 1
+        reduce-scatter progresses during backward (minimp/parallel/data/overlap.py); stage 1
         then needs to know which backward is the step's last (of `micro_batches`)."""
-        if average not in ("before", "after"):
-            raise ValueError(f"average must be 'before' or 'after', got {average!r}")
-        self.comm, self.optimizer, self.average = comm, optimizer, average
-        self.decision_comm, self.tied = decision_comm or comm, tied
-        self.tensor_parallel = tensor_parallel
-        self.layout, self.stage, self.params = optimizer.layout, optimizer.stage, optimizer.params
-        self.sent, self.peak = sent or BytesSent(), PeakMemory()
+        super().__init__(comm, average, decision_comm, tied, tensor_parallel, sent)
+        self.optimizer, self.layout, self.params = optimizer, optimizer.layout, optimizer.params
+        self.stage = zero_stage(optimizer.stage)
         self.gatherer: ParameterGatherer | None = None
         xp = array_module(*optimizer.masters)
         largest = self.layout.largest_unit() if comm.size > 1 else 0  # one replica sends nothing
@@ -80,40 +82,29 @@ class ZeroDataParallel(GradientSync):
         self.piece_indices = [p.index for pieces in self.layout.pieces for p in pieces]
         self.unit_of = self.layout.unit_of()
         self.arrived: list[set[int]] = [set() for _ in self.layout.units]
-        wanted = overlap and comm.size > 1  # one replica has nothing to send
-        units = OverlappedUnits(comm, self.sent, len(self.params), micro_batches)
-        self.overlap = units if wanted else None
+        self.overlap: OverlappedUnits | None = None
+        if overlap and comm.size > 1:  # one replica has nothing to send
+            self.overlap = OverlappedUnits(comm, self.sent, len(self.params), micro_batches)
         self.started: set[int] = set()  # stage 1 with overlap: units whose ring started this step
-        if self.stage >= 2 or self.overlap is not None:
-            position = {id(parameter): index for index, parameter in enumerate(self.params)}
-            for parameter in self.params:
-                parameter.register_post_accumulate_grad_hook(
-                    lambda tensor: self._arrived(position[id(tensor)])
-                )
+        # Stages 2-3 reduce-scatter a unit once its gradients are complete; stage 1 only overlaps.
+        if self.stage.shards_gradients or self.overlap is not None:
+            hook_each(self.params, self._arrived)
 
     # ----- GradientSync -----------------------------------------------------------------------
     def finalize_backward(self) -> None:
         """Stage 1 with overlap: start the units backward did not complete, wait for every ring
         (this rank's chunks of the accumulators then hold the mean), and reset for the next step.
         Stages 2-3 waited in after_backward."""
-        if self.overlap is not None and self.stage == 1:
+        if self.overlap is not None and not self.stage.shards_gradients:
             self._reduce_scatter_accumulators()
             self.overlap.arrivals = [0] * len(self.params)
 
-    def backward_communication_seconds(self) -> float:
-        """Seconds spent starting and advancing rings inside backward (0 without overlap)."""
-        return self.overlap.seconds if self.overlap is not None else 0.0
-
-    def any_rank(self, found_inf: bool) -> bool:
-        """One decision for all: True on every rank when any rank saw a non-finite gradient."""
-        return any_rank(self.decision_comm, found_inf)
-
-    def reduce(self, gradients: list) -> None:
+    def reduce(self, gradients: list[Array | None]) -> None:
         """Leave in `gradients` (replacing its contents) this rank's gradient pieces, each the
         mean over the replicas (stage 1 reduce-scatters them now, or with overlap did in
         finalize_backward; stages 2-3 did during backward),
         the tied ones summed with the other stage's copy."""
-        if self.stage == 1 and self.overlap is None:
+        if not self.stage.shards_gradients and self.overlap is None:
             self._reduce_scatter_accumulators()
         pieces = self.optimizer.gradient_pieces()
         by_index = dict(zip(self.piece_indices, pieces))
@@ -124,25 +115,17 @@ class ZeroDataParallel(GradientSync):
         gradients[:] = pieces
         self.sample_peak()
 
-    def global_squared_norm(self, gradients: Any) -> float:
+    def global_squared_norm(self, gradients: Sequence[Array | None]) -> float:
         """The squares of this rank's pieces, summed over every rank of the job (each element of
         the model lies in one chunk of one stage; a tied copy counts once)."""
-        uncounted = self.tied.uncounted() if self.tied is not None else set()
-        if self.tensor_parallel is not None:
-            uncounted |= self.tensor_parallel.uncounted()
-        local = squared_norm(
-            [g for g, index in zip(gradients, self.piece_indices) if index not in uncounted]
-        )
-        if self.decision_comm.size == 1:
-            return local
-        return float(self.decision_comm.allreduce_scalars([local], op="sum")[0])
+        return self._squared_norm(gradients, self.piece_indices, self.decision_comm)
 
     # ----- during backward --------------------------------------------------------------------
     def after_backward(self) -> None:
         """What runs after every micro-batch's backward: stage 1 accumulates (float32, whole);
         stages 2-3 reduce-scatter the units the backward left incomplete."""
         self.sample_peak()
-        if self.stage == 1:
+        if not self.stage.shards_gradients:
             self.optimizer.accumulate_gradients()
             self.sample_peak()
             return
@@ -154,7 +137,7 @@ class ZeroDataParallel(GradientSync):
         if self.gatherer is not None:
             self.gatherer.release_holds()
 
-    def run_group(self, layers: list, x: Tensor, run_layers: Any) -> Tensor:
+    def run_group(self, layers: list[Module], x: Tensor, run_layers: RunLayers) -> Tensor:
         """The pipeline stage's way of running a group of layers: stage 3 gathers around it."""
         if self.gatherer is None:
             return run_layers(layers, x)
@@ -165,14 +148,15 @@ class ZeroDataParallel(GradientSync):
         takes it into its float32 sum on the last micro-batch and starts the unit once all of
         its sums are complete; stages 2-3 reduce-scatter a unit once a backward completed it."""
         unit = self.unit_of[index]
-        if self.stage == 1:
+        if not self.stage.shards_gradients:
             assert self.overlap is not None  # stage 1 hooks only with overlap
             if not self.overlap.is_last(index):
                 return  # an earlier micro-batch: after_backward accumulates it
             self.optimizer.inner.accumulate_gradient(index)
         self.arrived[unit].add(index)
         if len(self.arrived[unit]) == len(self.layout.units[unit].indices):
-            (self._reduce_scatter_accumulator if self.stage == 1 else self._reduce_unit)(unit)
+            reduce = self._reduce_unit if self.stage.shards_gradients else self._reduce_accumulator
+            reduce(unit)
         elif self.overlap is not None:
             self.overlap.progress()
 
@@ -193,19 +177,19 @@ class ZeroDataParallel(GradientSync):
         if self.gatherer is not None:
             self.gatherer.unit_reduced(unit)
 
-    def _add_reduced(self, unit: int, chunk: Any) -> None:
+    def _add_reduced(self, unit: int, chunk: Array) -> None:
         if self.average == "after":
             chunk = chunk * np.float32(1.0 / self.comm.size)
         self.optimizer.add_reduced(unit, chunk)
 
-    def _gradient(self, index: int) -> Any:
+    def _gradient(self, index: int) -> Array:
         """A parameter's gradient, flat (zeros when backward gave it none, as the all-reduce)."""
         parameter = self.params[index]
         if parameter.grad is None:
             return array_module(self.send).zeros(parameter.size, parameter.dtype)
         return parameter.grad.reshape(-1)
 
-    def _reduce_scatter(self, unit: int, flats: list[Any], then: Callable[[Any], None]) -> None:
+    def _reduce_scatter(self, unit: int, flats: list[Array], then: Callable[[Array], None]) -> None:
         """Pack the unit's flat gradients (times 1/N before, by default), reduce-scatter them
         around the ring and call then(this rank's chunk of the sum, widened to float32): at once,
         or, with overlap, when the ring in flight is done."""
@@ -229,55 +213,108 @@ class ZeroDataParallel(GradientSync):
     def _reduce_scatter_accumulators(self) -> None:
         """Stage 1: every unit's whole float32 accumulators, reduce-scattered; this rank's chunks
         of the mean are written into its own chunks of them."""
-        inner = self.optimizer.inner
-        for index, summed in enumerate(inner.master_gradients):
+        for index, summed in enumerate(self.optimizer.inner.master_gradients):
             if summed is None:  # no gradient reached it: zeros, as the all-reduce sends
-                inner.accumulators[index][...] = 0
+                self._accumulator(index)[...] = 0
         if self.comm.size == 1:
             return
         for unit in range(len(self.layout.units)):
             if unit not in self.started:  # with overlap, the complete units started in backward
-                self._reduce_scatter_accumulator(unit)
+                self._reduce_accumulator(unit)
         if self.overlap is not None:
             self.overlap.wait()
         self.started = set()
 
-    def _reduce_scatter_accumulator(self, unit: int) -> None:
+    def _reduce_accumulator(self, unit: int) -> None:
         """Stage 1: one unit's float32 accumulators, reduce-scattered; this rank's chunk of the
         mean written into its own chunks of them."""
-        inner, inverse = self.optimizer.inner, 1.0 / self.comm.size
+        inverse = 1.0 / self.comm.size
         self.started.add(unit)
         self.arrived[unit].clear()
 
-        def write(chunk: Any) -> None:
+        def write(chunk: Array) -> None:
             for piece in self.layout.pieces[unit]:
-                target = inner.accumulators[piece.index].reshape(-1)[piece.start : piece.stop]
+                target = self._accumulator(piece.index).reshape(-1)[piece.start : piece.stop]
                 received = chunk[piece.offset : piece.offset + piece.size]
                 unpack(target, received, inverse, self.average)
 
-        flats = [inner.accumulators[index].reshape(-1) for index in self.layout.units[unit].indices]
+        flats = [self._accumulator(i).reshape(-1) for i in self.layout.units[unit].indices]
         self._reduce_scatter(unit, flats, write)
 
+    def _accumulator(self, index: int) -> Array:
+        """Stage 1: parameter index's whole float32 accumulator."""
+        accumulator = self.optimizer.inner.accumulators[index]
+        assert accumulator is not None  # stage 1 allocates every one when it shards (optimizer.py)
+        return accumulator
+
     # ----- the memory account -----------------------------------------------------------------
-    def held(self) -> dict[str, int]:
-        """Bytes this rank holds now, by kind (minimp/measure/accounts.py)."""
+    def arrays_by_kind(self) -> dict[str, list[Array | None]]:
+        """What this rank holds, by kind: the sharded optimizer's arrays, the reduce-scatters'
+        buffers (and those of the rings in flight), stage 3's gathered units."""
         arrays = self.optimizer.arrays_by_kind()
         arrays["buffers"] = arrays["buffers"] + [self.send, self.receive]
         if self.overlap is not None:
             arrays["buffers"] += self.overlap.buffers()
         if self.gatherer is not None:
             arrays.update(self.gatherer.arrays_by_kind())
-        return held_bytes(arrays)
+        return arrays
 
-    def sample_peak(self) -> None:
-        """Note the bytes held now, if they are the most this rank has held (`peak`)."""
-        self.peak.sample(self.held())
+
+class OverlappedUnits(RingsInFlight):
+    """The rings in flight of one ZeroDataParallel, counted as "reduce_scatter"."""
+
+    def __init__(self, comm: Communicator, sent: BytesSent, parameters: int, micro_batches: int):
+        """parameters, micro_batches: for stage 1, which starts on the step's last backward."""
+        super().__init__(comm, sent, "reduce_scatter")
+        self.micro_batches = micro_batches
+        self.arrivals = [0] * parameters  # stage 1: backwards that reached each, this step
+
+    def is_last(self, index: int) -> bool:
+        """Stage 1: count a backward that reached parameter index; whether it was the step's
+        last. One too many would have been sent before its sum was complete: refused."""
+        self.arrivals[index] += 1
+        if self.arrivals[index] > self.micro_batches:
+            raise RuntimeError(
+                f"overlap: parameter {index} received {self.arrivals[index]} gradients in a step "
+                f"of {self.micro_batches} micro-batches; tell ZeroDataParallel the right "
+                "micro_batches, or turn overlap off"
+            )
+        return self.arrivals[index] == self.micro_batches
+
+    def new_buffers(self, like: Array, size: int) -> tuple[Array, Array]:
+        """A send and a receive buffer for one ring: size elements of like's dtype and device."""
+        xp = array_module(like)
+        return xp.empty(size, like.dtype), xp.empty(size, like.dtype)
+
+    def start(
+        self,
+        unit: int,
+        send: Array,
+        receive: Array,
+        bounds: Sequence[tuple[int, int]],
+        then: Callable[[Array], None],
+    ) -> None:
+        """Start unit's reduce-scatter of send (packed) into receive; then(receive) runs when
+        receive[bounds[rank]] holds this rank's chunk of the sum."""
+        with self.communicating():
+            self._launch(unit, send, receive, then, bounds)
+        self.progress()
+
+    def progress(self) -> None:
+        """Advance every ring in flight as far as it goes without waiting; finish those done."""
+        with self.communicating():
+            self._advance()
+
+    def wait(self) -> None:
+        """Block until every ring in flight is done and finished, in unit order."""
+        with self.sent.counting(self.comm, self.collective):
+            self._wait_all()
 
 
 def zero_data_parallel(
-    stage: int,
-    optimizer: Any,
-    layers: list,
+    stage: ZeroStage | int,
+    optimizer: Optimizer,
+    layers: list[Module],
     comm: Communicator,
     *,
     tied: TiedGradients | None = None,
@@ -285,13 +322,14 @@ def zero_data_parallel(
 ) -> ZeroDataParallel:
     """Shard a stage's optimizer (built, and resumed, as without ZeRO) over comm's replicas and
     return its GradientSync; `.optimizer` is the ShardedOptimizer the step must use, and
-    `.run_group` the way the pipeline stage must run its layers. layers: the stage's layers, in
-    order; options: those of ZeroDataParallel."""
+    `.run_group` the way the pipeline stage must run its layers. stage: a ZeroStage, or its
+    number (--zero); layers: the stage's layers, in order; options: those of ZeroDataParallel."""
+    stage = zero_stage(stage)
     tied_indices = set(tied.indices) if tied is not None else set()
     units, layer_units = plan_units(layers, optimizer.params, tied_indices)
     layout, sent = ZeroLayout(units, comm.rank, comm.size), BytesSent()
-    sharded = ShardedOptimizer(optimizer, layout, comm, stage, sent=sent)
+    sharded = ShardedOptimizer(optimizer, layout, comm, stage.number, sent=sent)
     sync = ZeroDataParallel(comm, sharded, tied=tied, sent=sent, **options)
-    if stage == 3:
+    if stage.shards_parameters:
         sync.gatherer = ParameterGatherer(sharded, layers, layer_units, sent, sync.sample_peak)
     return sync

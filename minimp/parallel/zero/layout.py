@@ -16,10 +16,12 @@ with N = 2 the chunks are [0, 5) and [5, 9), so rank 0 holds W's elements 0..4 a
 element 5 and all of b: pieces (W, 0, 5) on rank 0, (W, 5, 6) and (b, 0, 3) on rank 1.
 """
 
+from collections import Counter
 from dataclasses import dataclass
+from itertools import accumulate
 
 from minimp.distributed.ring import chunk_bounds
-from minimp.nn.module import reachable_parameters
+from minimp.nn.module import Module, Parameter, reachable_parameters
 
 
 @dataclass(frozen=True)
@@ -51,11 +53,7 @@ class Unit:
 
     def offsets(self) -> list[int]:
         """Where each parameter begins in the flat unit."""
-        starts, total = [], 0
-        for size in self.sizes:
-            starts.append(total)
-            total += size
-        return starts
+        return list(accumulate(self.sizes, initial=0))[:-1]
 
     def pieces(self, rank: int, world_size: int) -> list[Piece]:
         """The non-empty intersections of rank's chunk with each parameter, in order."""
@@ -99,7 +97,7 @@ class ZeroLayout:
 
 
 def plan_units(
-    layers: list, params: list, tied: set[int]
+    layers: list[Module], params: list[Parameter], tied: set[int]
 ) -> tuple[list[Unit], list[list[int]]]:
     """(units, the units each layer reads) for a stage's layers and its optimizer's parameters
     (params, in optimizer order). tied: optimizer positions another stage holds a copy of."""
@@ -108,10 +106,7 @@ def plan_units(
         [position[id(p)] for p in reachable_parameters(layer) if id(p) in position]
         for layer in layers
     ]
-    readers: dict[int, int] = {}
-    for indices in reads:
-        for index in indices:
-            readers[index] = readers.get(index, 0) + 1
+    readers = Counter(index for indices in reads for index in indices)
     shared = {index for index, count in readers.items() if count > 1} | set(tied)
     units: list[Unit] = []
     unit_of: dict[int, int] = {}
@@ -128,9 +123,8 @@ def plan_units(
         for index in indices:
             if index in shared and index not in unit_of:
                 add([index])
-    missing = [index for index in range(len(params)) if index not in unit_of]
-    if missing:  # a parameter no layer of the stage reads: a unit of its own each
-        for index in missing:
+    for index in range(len(params)):  # a parameter no layer of the stage reads: a unit of its own
+        if index not in unit_of:
             add([index])
     layer_units = [sorted({unit_of[index] for index in indices}) for indices in reads]
     return units, layer_units

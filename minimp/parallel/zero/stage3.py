@@ -18,14 +18,17 @@ element of memory, and NaN in anything that reads it by mistake.
 """
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
-from minimp.backend import array_module, data_address
+from minimp.backend import Array, array_module, data_address
 from minimp.distributed.ring import ring_all_gather_inplace
 from minimp.function import saved_tensors_hooks
 from minimp.measure.accounts import BytesSent
+from minimp.nn import Module
+from minimp.parallel.pipeline.split import RunLayers
+from minimp.parallel.zero.optimizer import ShardedOptimizer
 from minimp.tensor import Tensor, memory_owner
 
 
@@ -39,7 +42,7 @@ class _Packed:
     strides: tuple[int, ...]
 
 
-def free(parameter: Any) -> None:
+def free(parameter: Tensor) -> None:
     """Replace a parameter's compute copy by a broadcast of one NaN (see the module)."""
     xp = array_module(parameter.data)
     nan = xp.full((), np.nan, parameter.dtype)
@@ -51,8 +54,8 @@ class ParameterGatherer:
 
     def __init__(
         self,
-        optimizer: Any,
-        layers: list,
+        optimizer: ShardedOptimizer,
+        layers: list[Module],
         layer_units: list[list[int]],
         sent: BytesSent,
         sample: Callable[[], None] = lambda: None,
@@ -65,12 +68,12 @@ class ParameterGatherer:
         self.units_of_layer = {id(layer): units for layer, units in zip(layers, layer_units)}
         count = len(self.layout.units)
         self.counts, self.holds = [0] * count, [0] * count
-        self.flats: list[Any] = [None] * count
+        self.flats: list[Array | None] = [None] * count
         self.unit_by_owner: dict[int, int] = {}
         for parameter in self.params:
             free(parameter)
 
-    def run(self, layers: list, x: Tensor, run_layers: Callable[[list, Tensor], Tensor]) -> Tensor:
+    def run(self, layers: list[Module], x: Tensor, run_layers: RunLayers) -> Tensor:
         """run_layers(layers, x) with their units gathered, and gathered again for backward."""
         units = sorted({u for layer in layers for u in self.units_of_layer.get(id(layer), ())})
         for unit in units:
@@ -127,7 +130,7 @@ class ParameterGatherer:
         del self.unit_by_owner[id(self.flats[unit])]
         self.flats[unit] = None
 
-    def _pack(self, array: Any) -> Any:
+    def _pack(self, array: Array) -> "Array | _Packed":
         owner = memory_owner(array) if hasattr(array, "base") else None
         unit = self.unit_by_owner.get(id(owner))
         if unit is None:
@@ -135,7 +138,7 @@ class ParameterGatherer:
         offset = (data_address(array) - data_address(owner)) // array.itemsize
         return _Packed(unit, offset, tuple(array.shape), tuple(array.strides))
 
-    def _unpack(self, packed: Any) -> Any:
+    def _unpack(self, packed: "Array | _Packed") -> Array:
         if not isinstance(packed, _Packed):
             return packed
         flat = self.flats[packed.unit]
@@ -145,6 +148,6 @@ class ParameterGatherer:
         strided = array_module(flat).lib.stride_tricks.as_strided
         return strided(start, shape=packed.shape, strides=packed.strides)
 
-    def arrays_by_kind(self) -> dict[str, list[Any]]:
+    def arrays_by_kind(self) -> dict[str, list[Array | None]]:
         """The units gathered right now (none at the end of a step)."""
         return {"gathered": [flat for flat in self.flats if flat is not None]}

@@ -2,7 +2,8 @@
 
 ZeRO's paper numbers its stages; FSDP and torchtitan name what they shard instead. minimp keeps
 the numbers (they are the --zero flag) and asks the named facts everywhere outside
-minimp/parallel/zero/, so no other file compares a stage number:
+minimp/parallel/zero/: no other file of the library compares a stage number, but the planner's
+cost terms (minimp/plan/), which price each stage by its paper's number:
 
   stage  optimizer state and masters  float32 gradients  compute copies (parameters)
   0      whole on every replica       whole              whole   (plain data parallelism)
@@ -35,8 +36,11 @@ STAGES = (
 )
 
 
-def zero_stage(number: int) -> ZeroStage:
-    """The stage --zero names; ValueError for a number ZeRO has no stage for."""
+def zero_stage(number: int | ZeroStage) -> ZeroStage:
+    """The stage --zero names (a ZeroStage is its own); ValueError for a number ZeRO has no stage
+    for."""
+    if isinstance(number, ZeroStage):
+        return number
     if isinstance(number, bool) or number not in range(len(STAGES)):
         raise ValueError(f"--zero must be 0, 1, 2 or 3 (ZeRO's stages), got {number}")
     return STAGES[int(number)]

@@ -54,24 +54,19 @@ Schedule = list[list[Action]]  # one list of actions per stage
 
 def gpipe(stages: int, micro_batches: int) -> Schedule:
     """Each stage's actions for one GPipe step."""
-    _check(stages, micro_batches)
+    check_sizes(stages, micro_batches)
     schedule = []
     for stage in range(stages):
         first, last = stage == 0, stage == stages - 1
-        actions = []
-        for mb in range(micro_batches):
-            actions += ([] if first else [Action(RECV_FORWARD, mb)]) + [Action(FORWARD, mb)]
-            actions += [] if last else [Action(SEND_FORWARD, mb)]
-        for mb in reversed(range(micro_batches)):
-            actions += ([] if last else [Action(RECV_BACKWARD, mb)]) + [Action(BACKWARD, mb)]
-            actions += [] if first else [Action(SEND_BACKWARD, mb)]
-        schedule.append(actions)
+        forwards = [a for mb in range(micro_batches) for a in _forward(mb, first, last)]
+        backwards = [a for mb in reversed(range(micro_batches)) for a in _backward(mb, first, last)]
+        schedule.append(forwards + backwards)
     return schedule
 
 
 def one_f_one_b(stages: int, micro_batches: int) -> Schedule:
     """Each stage's actions for one 1F1B step (warm-up, steady state, cool-down)."""
-    _check(stages, micro_batches)
+    check_sizes(stages, micro_batches)
     return [_one_f_one_b_stage(stage, stages, micro_batches) for stage in range(stages)]
 
 
@@ -79,38 +74,39 @@ def _one_f_one_b_stage(stage: int, stages: int, micro_batches: int) -> list[Acti
     first, last = stage == 0, stage == stages - 1
     warmup = min(stages - stage - 1, micro_batches)
     steady = micro_batches - warmup
-    actions, forward_mb, backward_mb = [], 0, 0
-    for _ in range(warmup):
-        actions += [] if first else [Action(RECV_FORWARD, forward_mb)]
-        actions += [Action(FORWARD, forward_mb)]
-        actions += [] if last else [Action(SEND_FORWARD, forward_mb)]
-        forward_mb += 1
+    actions = [a for mb in range(warmup) for a in _forward(mb, first, last)]
     if steady and not first:
-        actions.append(Action(RECV_FORWARD, forward_mb))
-    for index in range(steady):
-        actions.append(Action(FORWARD, forward_mb))
+        actions.append(Action(RECV_FORWARD, warmup))
+    for oldest in range(steady):  # the oldest micro-batch alive goes backward
+        newest = warmup + oldest
+        actions.append(Action(FORWARD, newest))
         if not last:  # hand this activation down and take the gradient of the oldest one back
-            actions.append(Action(SEND_FORWARD_RECV_BACKWARD, forward_mb, received=backward_mb))
-        forward_mb += 1
-        actions.append(Action(BACKWARD, backward_mb))
+            actions.append(Action(SEND_FORWARD_RECV_BACKWARD, newest, received=oldest))
+        actions.append(Action(BACKWARD, oldest))
         if not first:
-            if index == steady - 1:
-                actions.append(Action(SEND_BACKWARD, backward_mb))
+            if oldest == steady - 1:
+                actions.append(Action(SEND_BACKWARD, oldest))
             else:  # hand the gradient up and take the next activation in
-                actions.append(Action(SEND_BACKWARD_RECV_FORWARD, backward_mb, received=forward_mb))
-        backward_mb += 1
-    for _ in range(warmup):
-        actions += [] if last else [Action(RECV_BACKWARD, backward_mb)]
-        actions += [Action(BACKWARD, backward_mb)]
-        actions += [] if first else [Action(SEND_BACKWARD, backward_mb)]
-        backward_mb += 1
-    return actions
+                actions.append(Action(SEND_BACKWARD_RECV_FORWARD, oldest, received=newest + 1))
+    return actions + [a for mb in range(steady, micro_batches) for a in _backward(mb, first, last)]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def _forward(mb: int, first: bool, last: bool) -> list[Action]:
+    """A forward, its input received before it (not on the first stage) and its output sent on
+    after it (not on the last)."""
+    received = [] if first else [Action(RECV_FORWARD, mb)]
+    return received + [Action(FORWARD, mb)] + ([] if last else [Action(SEND_FORWARD, mb)])
 
 
-def _check(stages: int, micro_batches: int) -> None:
+def _backward(mb: int, first: bool, last: bool) -> list[Action]:
+    """A backward, its output's gradient received before it (not on the last stage) and its
+    input's gradient sent back after it (not on the first)."""
+    received = [] if last else [Action(RECV_BACKWARD, mb)]
+    return received + [Action(BACKWARD, mb)] + ([] if first else [Action(SEND_BACKWARD, mb)])
+
+
+def check_sizes(stages: int, micro_batches: int) -> None:
+    """Raise ValueError unless there are stages and micro-batches to schedule."""
     if stages < 1 or micro_batches < 1:
         raise ValueError(
             f"a schedule needs stages >= 1 and micro_batches >= 1, got {stages}, {micro_batches}"

@@ -12,6 +12,8 @@ a wait that can never end (a deadlock). `rendezvous=True` makes every send wait 
 non-blocking sends give).
 """
 
+from typing import Callable
+
 from minimp.parallel.pipeline.schedules import actions as s
 from minimp.parallel.pipeline.schedules.actions import Action, Schedule
 
@@ -28,15 +30,12 @@ RECEIVES = {  # op -> direction of the message received
     s.SEND_BACKWARD_RECV_FORWARD: "activation",
 }
 INPUT_GRADIENT = (s.BACKWARD, s.BACKWARD_INPUT)  # the computes that send a gradient back
+Message = tuple[str, int, int]  # (direction, micro-batch, the virtual stage that receives it)
+Reached = tuple[Action, list[Message], list[Message]]  # a rank's next action, what it sends, gets
 
 
 def virtual_stage(rank: int, chunk: int, stages: int) -> int:
     return chunk * stages + rank
-
-
-def rank_of(stage: int, stages: int) -> tuple[int, int]:
-    """(rank, chunk) holding virtual stage `stage`."""
-    return stage % stages, stage // stages
 
 
 def with_messages(computes: list[list[Action]], stages: int, chunks: int) -> Schedule:
@@ -62,11 +61,12 @@ def with_messages(computes: list[list[Action]], stages: int, chunks: int) -> Sch
     return schedule
 
 
-def _messages(action: Action, rank: int, stages: int) -> tuple[list, list]:
+def messages(action: Action, rank: int, stages: int) -> tuple[list[Message], list[Message]]:
     """(keys sent, keys received) by an action; a key names one message: (direction, micro-batch,
     the virtual stage that receives it)."""
     here = virtual_stage(rank, action.chunk, stages)
-    sent, received = [], []
+    sent: list[Message] = []
+    received: list[Message] = []
     if action.op in SENDS:
         direction, step = SENDS[action.op]
         sent.append((direction, action.micro_batch, here + step))
@@ -83,21 +83,21 @@ def check_schedule(
     stages = len(schedule)
     problems = _check_computes(schedule, micro_batches, chunks)
     position = [0] * stages
-    posted: set[tuple] = set()  # messages on their way
-    arrived: set[tuple] = set()  # messages received
+    posted: set[Message] = set()  # messages on their way
+    arrived: set[Message] = set()  # messages received
     done: set[tuple] = set()  # (op, micro-batch, virtual stage) of the computes that ran
     last = stages * chunks - 1
 
-    def current(rank: int):
+    def current(rank: int) -> Reached | None:
         if position[rank] == len(schedule[rank]):
             return None
         action = schedule[rank][position[rank]]
-        return action, *_messages(action, rank, stages)
+        return action, *messages(action, rank, stages)
 
     def run(rank: int, action: Action) -> None:
         if not _inputs_ready(action, rank, stages, last, done, arrived):
             problems.append(f"rank {rank}: {action!r} runs before what it needs")
-        arrived.update(_messages(action, rank, stages)[1])
+        arrived.update(messages(action, rank, stages)[1])
         done.add((action.op, action.micro_batch, virtual_stage(rank, action.chunk, stages)))
         position[rank] += 1
 
@@ -116,7 +116,7 @@ def check_schedule(
                     run(rank, action)
                 elif rendezvous and (partner := _partner(current, out, into, stages)) is not None:
                     run(rank, action)  # sender and receiver meet: both go on at once
-                    run(partner, current(partner)[0])
+                    run(*partner)
                 else:
                     break
                 progress = True
@@ -127,9 +127,15 @@ def check_schedule(
     return problems
 
 
-def _partner(current, out: list, into: list, stages: int) -> int | None:
-    """The rank whose current action receives exactly what this one sends and sends exactly what
-    this one receives (a send that must wait for its receive, or a Sendrecv pair), or None."""
+def _partner(
+    current: Callable[[int], Reached | None],
+    out: list[Message],
+    into: list[Message],
+    stages: int,
+) -> tuple[int, Action] | None:
+    """(rank, action) of the rank whose current action receives exactly what this one sends and
+    sends exactly what this one receives (a send that must wait for its receive, or a Sendrecv
+    pair), or None."""
     keys = out + into
     direction, mb, receiver_stage = keys[0]
     for stage in (receiver_stage, receiver_stage - 1, receiver_stage + 1):
@@ -138,12 +144,12 @@ def _partner(current, out: list, into: list, stages: int) -> int | None:
         if other is None:
             continue
         if sorted(other[2]) == sorted(out) and sorted(other[1]) == sorted(into):
-            return rank
+            return rank, other[0]
     return None
 
 
 def _inputs_ready(
-    action: Action, rank: int, stages: int, last: int, done: set, arrived: set
+    action: Action, rank: int, stages: int, last: int, done: set[tuple], arrived: set[Message]
 ) -> bool:
     """What a compute needs has run on this rank or arrived in a message it received: forward
     the previous virtual stage's activation; backward its forward and the next virtual stage's

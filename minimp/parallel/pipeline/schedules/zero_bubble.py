@@ -20,15 +20,13 @@ from minimp.parallel.pipeline.schedules.actions import (
     FORWARD,
     Action,
     Schedule,
+    check_sizes,
 )
 
 
 def zb_h1(stages: int, micro_batches: int) -> Schedule:
     """Each stage's actions for one ZB-H1 step (B = backward_input, W = backward_weight)."""
-    if stages < 1 or micro_batches < 1:
-        raise ValueError(
-            f"a schedule needs stages and micro_batches >= 1, got {stages}, {micro_batches}"
-        )
+    check_sizes(stages, micro_batches)
     computes = [_compute_order(stage, stages, micro_batches) for stage in range(stages)]
     return with_messages(computes, stages, 1)
 
