@@ -20,14 +20,19 @@ float16 (compare Megatron-LM's fused `scaled_upper_triang_masked_softmax` kernel
   zeros, and so a zero gradient, never NaN.
 """
 
+from types import ModuleType
+
 import numpy as np
 
-from minimp.backend import array_module
-from minimp.function import Function
+from minimp.backend import Array, array_module
+from minimp.function import Context, Function
+from minimp.ops.loss import softmax_backward
 from minimp.precision.casting import round_to, widen
 
 
-def attention_mask(xp, shape, causal=True, mask=None):
+def attention_mask(
+    xp: ModuleType, shape: tuple[int, ...], causal: bool = True, mask: Array | None = None
+) -> Array | None:
     """Where a query may attend, broadcastable to the scores' shape (..., T_q, T_k): True on and
     below the diagonal when causal (query i sees keys up to i + T_k - T_q, so a query block at
     the end of a longer key sequence works too), and'ed with `mask` (True = may attend)."""
@@ -50,7 +55,9 @@ class ScaledMaskedSoftmax(Function):
     """
 
     @staticmethod
-    def forward(ctx, scores, scale, causal=True, mask=None):
+    def forward(
+        ctx: Context, scores: Array, scale: float, causal: bool = True, mask: Array | None = None
+    ) -> Array:
         xp = array_module(scores)
         ctx.scale = scale
         wide = widen(scores) * scale  # float32: logits past 11.09 would overflow exp in float16
@@ -68,8 +75,6 @@ class ScaledMaskedSoftmax(Function):
         return y
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Context, grad_output: Array) -> Array:
         (y,) = ctx.saved_arrays
-        grad, wide_y = widen(grad_output), widen(y)
-        dot = (grad * wide_y).sum(axis=-1, keepdims=True)  # float32 sum over the keys
-        return round_to(ctx.scale * (wide_y * (grad - dot)), y.dtype)
+        return round_to(ctx.scale * softmax_backward(grad_output, y, axis=-1), y.dtype)

@@ -17,13 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from minimp.function import Function
+from minimp.backend import Array
+from minimp.function import Context, Function
 from minimp.ops.linalg import check_linear_inputs
 from minimp.precision import fp8
 from minimp.precision.casting import round_to, widen
 
 
-def fp8_gemm(a: np.ndarray, b: np.ndarray, a_inverse: Any, b_inverse: Any) -> np.ndarray:
+def fp8_gemm(a: Array, b: Array, a_inverse: np.float32, b_inverse: np.float32) -> Array:
     """(a @ b) * (1/s_a)(1/s_b) for fp8 matrices a and b: float32 products and sums, then once
     the product of both inverse scales (computed in float32), as cuBLASLt applies its A and B
     scale factors to the float32 sum."""
@@ -38,7 +39,7 @@ class Fp8Linear(Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, meta):
+    def forward(ctx: Context, x: Array, weight: Array, bias: Array, meta: Any) -> Array:
         check_linear_inputs(x, weight)
         # Training records amaxes and counts for the next scales; an evaluation (no gradient
         # wanted anywhere) only reads the scales, so it never changes the training that follows.
@@ -53,7 +54,7 @@ class Fp8Linear(Function):
         return round_to(output, x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Context, grad_output: Array) -> tuple[Array | None, ...]:
         x_fp8, w_fp8 = ctx.saved_arrays
         x_inverse, w_inverse = ctx.inverses
         x_dtype, weight_dtype, bias_dtype = ctx.dtypes

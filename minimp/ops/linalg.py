@@ -8,22 +8,20 @@ rounds the result once. Nothing needs to be set for it; tests/test_gpu.py checks
 accumulation really is float32.
 """
 
-from typing import Any
-
 import numpy as np
 
 from minimp import backend
-from minimp.backend import array_module
-from minimp.function import Function, unbroadcast
+from minimp.backend import Array, array_module
+from minimp.function import Context, Function, unbroadcast
 from minimp.precision import casting
 from minimp.precision.casting import round_to, widen
 
 
-def _swap_last_two(array):
+def _swap_last_two(array: Array) -> Array:
     return array_module(array).swapaxes(array, -1, -2)
 
 
-def gemm_operand(array: Any) -> Any:
+def gemm_operand(array: Array) -> Array:
     """What a matrix product should read: float16 as it is on a GPU (tensor cores, float32
     accumulation inside cuBLAS), float32 everywhere else."""
     if array.dtype == casting.FLOAT16 and array_module(array) is not np and array.ndim == 2:
@@ -31,7 +29,7 @@ def gemm_operand(array: Any) -> Any:
     return widen(array)
 
 
-def pooled_matmul(a: Any, b: Any) -> Any:
+def pooled_matmul(a: Array, b: Array) -> Array:
     """a @ b for 2-D operands, written into an array from the memory pool: the same BLAS call as
     `a @ b`, without fresh memory (and its page faults) in every step."""
     out = backend.empty((a.shape[0], b.shape[1]), np.result_type(a.dtype, b.dtype), like=a)
@@ -42,7 +40,7 @@ class MatMul(Function):
     """y = a @ b;  dL/da = dL/dy @ b^T,  dL/db = a^T @ dL/dy (batch axes summed where broadcast)."""
 
     @staticmethod
-    def forward(ctx, a, b):
+    def forward(ctx: Context, a: Array, b: Array) -> Array:
         if a.ndim < 2 or b.ndim < 2:
             raise ValueError(
                 f"matmul needs operands with 2 or more axes, got shapes {a.shape} and {b.shape}"
@@ -52,7 +50,7 @@ class MatMul(Function):
         return round_to(gemm_operand(a) @ gemm_operand(b), casting.result_dtype(a.dtype, b.dtype))
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Context, grad_output: Array) -> tuple[Array | None, ...]:
         a, b = ctx.saved_arrays
         grad = gemm_operand(grad_output)
         grad_a = grad_b = None
@@ -63,7 +61,7 @@ class MatMul(Function):
         return grad_a, grad_b
 
 
-def check_linear_inputs(x: Any, weight: Any) -> None:
+def check_linear_inputs(x: Array, weight: Array) -> None:
     """The input's dtype and feature count must match the layer's weight (as torch's Linear: no
     silent float32 math in a 16-bit model)."""
     if x.dtype != weight.dtype:
@@ -85,7 +83,7 @@ class Linear(Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx: Context, x: Array, weight: Array, bias: Array) -> Array:
         check_linear_inputs(x, weight)
         ctx.save_for_backward(x, weight)
         ctx.bias_dtype = bias.dtype
@@ -103,7 +101,7 @@ class Linear(Function):
         return round_to(output, dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Context, grad_output: Array) -> tuple[Array | None, ...]:
         x, weight = ctx.saved_arrays
         grad = gemm_operand(grad_output.reshape(-1, weight.shape[0]))  # (N, out)
         grad_x = grad_weight = grad_bias = None

@@ -7,13 +7,13 @@ loss above 1. The loss itself is returned in float32; the gradients going back i
 are rounded to the logits' dtype.
 """
 
-from minimp.backend import array_module
-from minimp.function import Function
+from minimp.backend import Array, array_module
+from minimp.function import Context, Function
 from minimp.precision import casting
 from minimp.precision.casting import round_to, widen
 
 
-def _log_softmax32(logits, axis):
+def _log_softmax32(logits: Array, axis: int) -> Array:
     """log(softmax(x)) in float32, shifted by the max so exp() never overflows."""
     wide = widen(logits)
     shifted = wide - wide.max(axis=axis, keepdims=True)
@@ -21,37 +21,41 @@ def _log_softmax32(logits, axis):
     return shifted - xp.log(xp.exp(shifted).sum(axis=axis, keepdims=True))
 
 
+def softmax_backward(grad_output: Array, y: Array, axis: int) -> Array:
+    """dL/dx = y * (dL/dy - sum(dL/dy * y)) along axis, for y = softmax(x): in float32, the sum
+    included (Softmax's backward, and attention's before its scale)."""
+    grad, wide_y = widen(grad_output), widen(y)
+    return wide_y * (grad - (grad * wide_y).sum(axis=axis, keepdims=True))
+
+
 class Softmax(Function):
     """y = exp(x) / sum(exp(x));  dL/dx = y * (dL/dy - sum(dL/dy * y))."""
 
     @staticmethod
-    def forward(ctx, x, axis=-1):
+    def forward(ctx: Context, x: Array, axis: int = -1) -> Array:
         ctx.axis = axis
         y = round_to(array_module(x).exp(_log_softmax32(x, axis)), x.dtype)
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Context, grad_output: Array) -> Array:
         (y,) = ctx.saved_arrays
-        grad, wide_y = widen(grad_output), widen(y)
-        return round_to(
-            wide_y * (grad - (grad * wide_y).sum(axis=ctx.axis, keepdims=True)), y.dtype
-        )
+        return round_to(softmax_backward(grad_output, y, ctx.axis), y.dtype)
 
 
 class LogSoftmax(Function):
     """y = x - log(sum(exp(x)));  dL/dx = dL/dy - softmax(x) * sum(dL/dy)."""
 
     @staticmethod
-    def forward(ctx, x, axis=-1):
+    def forward(ctx: Context, x: Array, axis: int = -1) -> Array:
         ctx.axis = axis
         y = round_to(_log_softmax32(x, axis), x.dtype)
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Context, grad_output: Array) -> Array:
         (y,) = ctx.saved_arrays
         grad = widen(grad_output)
         softmax = array_module(grad).exp(widen(y))
@@ -67,7 +71,7 @@ class CrossEntropy(Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets):
+    def forward(ctx: Context, logits: Array, targets: Array) -> Array:
         if logits.ndim != 2 or targets.shape != logits.shape[:1]:
             raise ValueError(
                 f"cross_entropy needs logits (B, C) and targets (B,), got {logits.shape}"
@@ -94,7 +98,7 @@ class CrossEntropy(Function):
         )
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Context, grad_output: Array) -> tuple[Array, None]:
         logits, targets = ctx.saved_arrays
         xp = array_module(logits)
         grad = xp.exp(_log_softmax32(logits, axis=1))  # softmax, (B, C), float32

@@ -3,8 +3,8 @@
 The variance of float16 values computed in float16 loses most of its bits to cancellation.
 """
 
-from minimp.backend import array_module
-from minimp.function import Function
+from minimp.backend import Array, array_module
+from minimp.function import Context, Function
 from minimp.precision.casting import round_to, widen
 
 
@@ -18,7 +18,7 @@ class LayerNorm(Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps=1e-5):
+    def forward(ctx: Context, x: Array, weight: Array, bias: Array, eps: float = 1e-5) -> Array:
         xp = array_module(x)
         wide = widen(x)
         mean = wide.mean(axis=-1, keepdims=True)
@@ -28,7 +28,7 @@ class LayerNorm(Function):
         return round_to((wide - mean) * inverse_std * widen(weight) + widen(bias), x.dtype)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Context, grad_output: Array) -> tuple[Array | None, ...]:
         x, weight, mean, inverse_std = ctx.saved_arrays
         grad = widen(grad_output)
         normalized = (widen(x) - mean) * inverse_std
