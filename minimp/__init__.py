@@ -11,15 +11,3 @@ from minimp.precision import (
 from minimp.tensor import Tensor, no_grad
 
 __version__ = "0.1.0"
-__all__ = [
-    "DynamicLossScaler",
-    "NoLossScaler",
-    "StaticLossScaler",
-    "StepResult",
-    "Tensor",
-    "functional",
-    "mixed_precision_step",
-    "nn",
-    "no_grad",
-    "optim",
-]
