@@ -2,9 +2,9 @@
 so that every parallel layout and recomputation draws the same masks."""
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from minimp import backend, functional
 from minimp.nn.module import Module
@@ -18,7 +18,7 @@ class DropoutState:
 
     seed: int
     step: int
-    sample_indices: Any
+    sample_indices: np.ndarray
 
 
 class Dropout(Module):
@@ -58,7 +58,7 @@ class Dropout(Module):
         return f"Dropout(p={self.p}, layer={self.layer})"
 
 
-def set_dropout_state(model: Module, seed: int, step: int, sample_indices: Any) -> None:
+def set_dropout_state(model: Module, seed: int, step: int, sample_indices: npt.ArrayLike) -> None:
     """Tell every Dropout in model which (seed, step) this forward belongs to and which global
     samples its rows are. Set it before each forward (each micro-batch has its own rows)."""
     state = DropoutState(seed, step, np.asarray(backend.to_numpy(sample_indices)))

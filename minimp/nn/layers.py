@@ -3,16 +3,19 @@ Sequential. Each forward is one op of minimp.functional; initial values come fro
 Generator passed in, so every rank builds the same model."""
 
 import math
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
+import numpy.typing as npt
 
 from minimp import backend, functional
+from minimp.backend import Array
 from minimp.nn.module import Module, Parameter
+from minimp.precision.fp8_scaling import Fp8Meta
 from minimp.tensor import Tensor
 
 
-def _uniform(rng, bound, shape):
+def _uniform(rng: np.random.Generator, bound: float, shape: tuple[int, ...]) -> Array:
     """U(-bound, bound) in float32, drawn on the host in float64 (reproducible on any device)."""
     values = rng.uniform(-bound, bound, size=shape).astype(np.float32)
     return backend.to_device(values)
@@ -39,7 +42,7 @@ class Linear(Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = Parameter(_uniform(rng, bound, (out_features, in_features)))
         self.bias = Parameter(_uniform(rng, bound, (out_features,))) if bias else None
-        self.fp8_meta: Any = None  # an Fp8Meta after nn.enable_fp8: the product then reads fp8
+        self.fp8_meta: Fp8Meta | None = None  # after nn.enable_fp8: the product then reads fp8
 
     def forward(self, x: Tensor) -> Tensor:
         return functional.linear(x, self.weight, self.bias, self.fp8_meta)
@@ -54,18 +57,12 @@ class ReLU(Module):
     def forward(self, x: Tensor) -> Tensor:
         return x.relu()
 
-    def __repr__(self) -> str:
-        return "ReLU()"
-
 
 class Tanh(Module):
     """tanh(x), elementwise."""
 
     def forward(self, x: Tensor) -> Tensor:
         return x.tanh()
-
-    def __repr__(self) -> str:
-        return "Tanh()"
 
 
 class LayerNorm(Module):
@@ -114,7 +111,7 @@ class Sequential(Module):
         return x
 
 
-def _normal(rng, std, shape):
+def _normal(rng: np.random.Generator, std: float, shape: tuple[int, ...]) -> Array:
     """N(0, std^2) in float32, drawn on the host in float64 (reproducible on any device)."""
     return backend.to_device((rng.standard_normal(shape) * std).astype(np.float32))
 
@@ -130,7 +127,7 @@ class Embedding(Module):
         rng = np.random.default_rng() if rng is None else rng
         self.weight = Parameter(_normal(rng, 1.0, (num_embeddings, embedding_dim)))
 
-    def forward(self, indices: Any) -> Tensor:
+    def forward(self, indices: Tensor | npt.ArrayLike) -> Tensor:
         return functional.embedding(indices, self.weight)
 
     def __repr__(self) -> str:

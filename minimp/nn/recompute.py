@@ -14,9 +14,10 @@ masks because a mask is a pure function of (seed, step, layer, sample) and the b
 states, captured at the first forward, are put back for the second (minimp/ops/dropout.py).
 """
 
-from typing import Any, Sequence
+from typing import Sequence
 
-from minimp.function import Function
+from minimp.backend import Array
+from minimp.function import Context, Function
 from minimp.nn.dropout import Dropout
 from minimp.nn.module import Module
 from minimp.tensor import Tensor, grad_enabled, no_grad
@@ -32,7 +33,10 @@ class Recompute(Function):
     """
 
     @staticmethod
-    def forward(ctx, x, *parameter_arrays, modules, dropouts):
+    def forward(
+        ctx: Context, x: Array, *parameter_arrays: Array,
+        modules: tuple[Module, ...], dropouts: list[Dropout],
+    ) -> Array:  # fmt: skip
         """The modules' forward without a graph; keeps x and the dropouts' states."""
         ctx.save_for_backward(x)
         ctx.modules, ctx.parameter_count = modules, len(parameter_arrays)
@@ -41,7 +45,7 @@ class Recompute(Function):
             return _run(modules, Tensor(x)).data
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Context, grad_output: Array) -> tuple[Array | None, ...]:
         """The forward again, with the graph and the same masks, then backward through it."""
         (x,) = ctx.saved_arrays
         current = [(dropout, dropout.state) for dropout, _ in ctx.dropout_states]
@@ -65,6 +69,6 @@ def recompute(modules: Sequence[Module], x: Tensor) -> Tensor:
     torch.utils.checkpoint.checkpoint). Without grad mode there is no backward: a plain forward."""
     if not grad_enabled():
         return _run(modules, x)
-    parameters: list[Any] = [p for module in modules for p in module.parameters()]
+    parameters = [p for module in modules for p in module.parameters()]
     dropouts = [d for module in modules for d in module.modules() if isinstance(d, Dropout)]
     return Recompute.apply(x, *parameters, modules=tuple(modules), dropouts=dropouts)
