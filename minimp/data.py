@@ -53,9 +53,6 @@ def load_digits() -> Dataset:
     )
 
 
-DATASETS = {"digits": load_digits}
-
-
 def global_batch_indices(seed: int, step: int, batch_size: int, dataset_size: int) -> np.ndarray:
     """Indices of the global batch of `step` (numbered from 1).
 

@@ -14,14 +14,18 @@ Python float gives a float32 result (PyTorch's default dtype) instead of truncat
 divides into floats.
 """
 
+from __future__ import annotations
+
 import threading
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from minimp import backend, function
+from minimp import backend
 from minimp.backend import Array
+from minimp.function import Context, Function, node_backward
 from minimp.precision import casting
 
 NUMBER_TYPES = (bool, int, float, np.number, np.bool_)
@@ -38,7 +42,7 @@ def grad_enabled() -> bool:
 class no_grad:
     """Context manager: no graph is recorded inside (evaluation, optimizer updates)."""
 
-    def __enter__(self) -> "no_grad":
+    def __enter__(self) -> no_grad:
         self._previous = grad_enabled()
         _grad_mode.enabled = False
         return self
@@ -47,18 +51,13 @@ class no_grad:
         _grad_mode.enabled = self._previous
 
 
+@dataclass(slots=True, eq=False)
 class Node:
     """A recorded application of a Function: the op, its context and the input tensors."""
 
-    __slots__ = ("function", "context", "inputs")
-
-    def __init__(
-        self,
-        function: type["function.Function"],
-        context: "function.Context",
-        inputs: tuple["Tensor", ...],
-    ):
-        self.function, self.context, self.inputs = function, context, inputs
+    function: type[Function]
+    context: Context
+    inputs: tuple[Tensor, ...]
 
 
 class RemovableHandle:
@@ -85,9 +84,7 @@ def _as_array(data: npt.ArrayLike) -> Array:
     return backend.to_device(array)
 
 
-def _lift_number(
-    tensor: "Tensor", number: "float | np.number | np.bool_"
-) -> tuple[Array, np.dtype]:
+def _lift_number(tensor: Tensor, number: float | np.number | np.bool_) -> tuple[Array, np.dtype]:
     """(a 0-d array holding number at the precision the op computes in, the result's dtype)."""
     dtype = np.dtype(tensor.dtype)
     if casting.is_floating(dtype):
@@ -101,11 +98,8 @@ def _lift_number(
 
 
 def _binary(
-    op: type[function.Function],
-    tensor: "Tensor",
-    other: "Tensor | npt.ArrayLike",
-    reflected: bool = False,
-) -> "Tensor":
+    op: type[Function], tensor: Tensor, other: Tensor | npt.ArrayLike, reflected: bool = False
+) -> Tensor:
     """op(tensor, other), or op(other, tensor) when reflected (`2.0 - x` calls x.__rsub__), where
     other may be a Python number or an array (see the file docstring)."""
     if isinstance(other, NUMBER_TYPES):
@@ -179,93 +173,93 @@ class Tensor:
         """The value of a one-element tensor as a Python number."""
         return self.numpy().item()
 
-    def detach(self) -> "Tensor":
+    def detach(self) -> Tensor:
         """The same array, cut from the graph."""
         return Tensor(self.data)
 
     # ----- operators and methods: each applies one op Function --------------------------------
-    def __add__(self, other: "Tensor | npt.ArrayLike") -> "Tensor":
+    def __add__(self, other: Tensor | npt.ArrayLike) -> Tensor:
         return _binary(ops.Add, self, other)
 
-    def __radd__(self, other: "Tensor | npt.ArrayLike") -> "Tensor":
+    def __radd__(self, other: Tensor | npt.ArrayLike) -> Tensor:
         return _binary(ops.Add, self, other, reflected=True)
 
-    def __sub__(self, other: "Tensor | npt.ArrayLike") -> "Tensor":
+    def __sub__(self, other: Tensor | npt.ArrayLike) -> Tensor:
         return _binary(ops.Sub, self, other)
 
-    def __rsub__(self, other: "Tensor | npt.ArrayLike") -> "Tensor":
+    def __rsub__(self, other: Tensor | npt.ArrayLike) -> Tensor:
         return _binary(ops.Sub, self, other, reflected=True)
 
-    def __mul__(self, other: "Tensor | npt.ArrayLike") -> "Tensor":
+    def __mul__(self, other: Tensor | npt.ArrayLike) -> Tensor:
         return _binary(ops.Mul, self, other)
 
-    def __rmul__(self, other: "Tensor | npt.ArrayLike") -> "Tensor":
+    def __rmul__(self, other: Tensor | npt.ArrayLike) -> Tensor:
         return _binary(ops.Mul, self, other, reflected=True)
 
-    def __truediv__(self, other: "Tensor | npt.ArrayLike") -> "Tensor":
+    def __truediv__(self, other: Tensor | npt.ArrayLike) -> Tensor:
         return _binary(ops.Div, self, other)
 
-    def __rtruediv__(self, other: "Tensor | npt.ArrayLike") -> "Tensor":
+    def __rtruediv__(self, other: Tensor | npt.ArrayLike) -> Tensor:
         return _binary(ops.Div, self, other, reflected=True)
 
-    def __matmul__(self, other: "Tensor | npt.ArrayLike") -> "Tensor":
+    def __matmul__(self, other: Tensor | npt.ArrayLike) -> Tensor:
         return _binary(ops.MatMul, self, other)
 
-    def __rmatmul__(self, other: "Tensor | npt.ArrayLike") -> "Tensor":
+    def __rmatmul__(self, other: Tensor | npt.ArrayLike) -> Tensor:
         return _binary(ops.MatMul, self, other, reflected=True)
 
-    def __neg__(self) -> "Tensor":
+    def __neg__(self) -> Tensor:
         return ops.Neg.apply(self)
 
-    def relu(self) -> "Tensor":
+    def relu(self) -> Tensor:
         """max(x, 0), elementwise."""
         return ops.ReLU.apply(self)
 
-    def tanh(self) -> "Tensor":
+    def tanh(self) -> Tensor:
         """tanh(x), elementwise."""
         return ops.Tanh.apply(self)
 
-    def exp(self) -> "Tensor":
+    def exp(self) -> Tensor:
         """exp(x), elementwise."""
         return ops.Exp.apply(self)
 
-    def log(self) -> "Tensor":
+    def log(self) -> Tensor:
         """The natural logarithm, elementwise."""
         return ops.Log.apply(self)
 
-    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Tensor":
+    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
         """Sum over axis (all axes by default), accumulated in float32."""
         return ops.Sum.apply(self, axis=axis, keepdims=keepdims)
 
-    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> "Tensor":
+    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
         """Mean over axis (all axes by default), accumulated in float32."""
         return ops.Mean.apply(self, axis=axis, keepdims=keepdims)
 
-    def __getitem__(self, key: "ops.BasicIndex") -> "Tensor":
+    def __getitem__(self, key: ops.BasicIndex) -> Tensor:
         """Basic slicing (ints, slices, None, ...): a view forward, zeros + the slice backward."""
         return ops.Index.apply(self, key=key)
 
-    def reshape(self, *shape: int | Sequence[int]) -> "Tensor":
+    def reshape(self, *shape: int | Sequence[int]) -> Tensor:
         """The same values with a new shape: reshape(2, 3) or reshape((2, 3))."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         return ops.Reshape.apply(self, shape=shape)
 
-    def transpose(self, *axes: int) -> "Tensor":
+    def transpose(self, *axes: int) -> Tensor:
         """Axes permuted as given, or reversed when none are given."""
         return ops.Transpose.apply(self, axes=axes or None)
 
     @property
-    def T(self) -> "Tensor":
+    def T(self) -> Tensor:
         """The transpose (axes reversed)."""
         return ops.Transpose.apply(self, axes=None)
 
-    def astype(self, dtype: npt.DTypeLike) -> "Tensor":
+    def astype(self, dtype: npt.DTypeLike) -> Tensor:
         """A differentiable cast: the gradient comes back in this tensor's dtype."""
         return ops.Cast.apply(self, dtype=casting.dtype_named(dtype))
 
     # ----- backward ---------------------------------------------------------------------------
-    def _initial_grad(self, grad: "Tensor | Array | None") -> Array:
+    def _initial_grad(self, grad: Tensor | Array | None) -> Array:
         """d(self)/d(self): ones for a scalar, else the caller's gradient, which must match this
         tensor's shape and dtype exactly (a mismatch would be summed or cast silently)."""
         if grad is None:
@@ -293,7 +287,7 @@ class Tensor:
         return RemovableHandle(hooks, hook)
 
     def register_post_accumulate_grad_hook(
-        self, hook: Callable[["Tensor"], None]
+        self, hook: Callable[[Tensor], None]
     ) -> RemovableHandle:
         """Call hook(self) after backward has added this leaf's gradient into `.grad` (PyTorch's
         name). ZeRO reduce-scatters a layer's gradients from here as soon as they are complete."""
@@ -303,7 +297,7 @@ class Tensor:
         self._post_accumulate_hooks = hooks
         return RemovableHandle(hooks, hook)
 
-    def backward(self, grad: "Tensor | Array | None" = None) -> None:
+    def backward(self, grad: Tensor | Array | None = None) -> None:
         """Accumulate d(self)/d(leaf) into `.grad` of every leaf that requires grad.
 
         Reverse-mode autodiff: order the graph so each tensor comes after everything it depends on,
@@ -317,7 +311,7 @@ class Tensor:
         walk_backward(self, self._initial_grad(grad))
 
 
-def as_tensor(data: "Tensor | npt.ArrayLike") -> Tensor:
+def as_tensor(data: Tensor | npt.ArrayLike) -> Tensor:
     """data itself when it is a Tensor, else Tensor(data) (torch.as_tensor: an array is not
     copied)."""
     return data if isinstance(data, Tensor) else Tensor(data)
@@ -348,10 +342,10 @@ def walk_backward(
         node.context.unpack_saved()
         if weight_ids and any(id(parent) in weight_ids for parent in node.inputs):
             not_a_weight = lambda t: id(t) not in weight_ids  # noqa: E731
-            input_grads = function.node_backward(node, grad_output, not_a_weight)
+            input_grads = node_backward(node, grad_output, not_a_weight)
             deferred.append((node, grad_output))
         else:
-            input_grads = function.node_backward(node, grad_output)
+            input_grads = node_backward(node, grad_output)
             node.context.saved_arrays = None  # release what forward kept, as soon as it is used
         for parent, parent_grad in zip(node.inputs, input_grads):
             if parent_grad is None or not parent.requires_grad:

@@ -78,7 +78,7 @@ class CausalSelfAttention(nn.Module):
         k = k.reshape(batch, tokens, heads, head_width).transpose(0, 2, 1, 3)  # (B, H, T, D)
         v = v.reshape(batch, tokens, heads, head_width).transpose(0, 2, 1, 3)  # (B, H, T, D)
         scores = q @ k.transpose(0, 1, 3, 2)  # (B, H, T, T): float32 sums, rounded once
-        # 1/sqrt(D) applied in float32 inside the softmax (see minimp/ops/attention.py for why)
+        # 1/sqrt(D) applied in float32 inside the softmax (see minimp/ops/softmax.py for why)
         attention = F.scaled_masked_softmax(scores, 1.0 / math.sqrt(head_width))  # (B, H, T, T)
         y = self.attn_dropout(attention) @ v  # (B, H, T, D)
         y = y.transpose(0, 2, 1, 3).reshape(batch, tokens, width)  # (B, T, C), heads side by side

@@ -88,9 +88,7 @@ class Module:
 
     def modules(self) -> Iterator["Module"]:
         """This module and every sub-module, depth first (as torch.nn.Module.modules)."""
-        yield self
-        for child in self._modules.values():
-            yield from child.modules()
+        return (module for _, module in self.named_modules())
 
     def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
         """(name, module) for this module ("") and every sub-module ("3.attn.c_attn"), depth
