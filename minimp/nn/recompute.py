@@ -18,7 +18,7 @@ from typing import Sequence
 
 from minimp.backend import Array
 from minimp.function import Context, Function
-from minimp.nn.dropout import Dropout
+from minimp.nn.layers import Dropout
 from minimp.nn.module import Module
 from minimp.tensor import Tensor, grad_enabled, no_grad
 
