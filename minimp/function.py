@@ -118,19 +118,14 @@ def node_backward(
         context.needs_input_grad = everything
     if not isinstance(input_grads, tuple):
         input_grads = (input_grads,)
-    checked: list[Array | None] = []
-    for parent, parent_grad, needed in zip(node.inputs, input_grads, asked):
-        if parent_grad is None or not needed:
-            checked.append(None)
-            continue
-        if parent_grad.shape != parent.shape or parent_grad.dtype != parent.dtype:
+    checked = tuple(grad if needed else None for grad, needed in zip(input_grads, asked))
+    for parent, grad in zip(node.inputs, checked):
+        if grad is not None and (grad.shape != parent.shape or grad.dtype != parent.dtype):
             raise RuntimeError(  # a bug in that op's backward, not in the caller's code
-                f"{node.function.__name__}.backward returned a {parent_grad.dtype} "
-                f"gradient of shape {parent_grad.shape} for a {parent.dtype} input of "
-                f"shape {parent.shape}"
+                f"{node.function.__name__}.backward returned a {grad.dtype} gradient of shape "
+                f"{grad.shape} for a {parent.dtype} input of shape {parent.shape}"
             )
-        checked.append(parent_grad)
-    return tuple(checked)
+    return checked
 
 
 def unbroadcast(grad: Array, shape: tuple[int, ...], dtype: np.dtype) -> Array:

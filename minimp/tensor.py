@@ -133,7 +133,8 @@ class Tensor:
                 f"only floating-point tensors can require gradients, got {self.data.dtype} "
                 "(as in PyTorch; cast first, e.g. Tensor(array.astype(np.float32)))"
             )
-        self.grad: Array | None = None  # after backward(): d(output)/d(self), like data
+        # after backward(): d(output)/d(self), same shape and dtype as data
+        self.grad: Array | None = None
         self.requires_grad = requires_grad
         self.node: Node | None = None  # the op application that made this tensor; None for leaves
 

@@ -36,12 +36,9 @@ class Linear(Module):
     nn.enable_fp8(model, recipe) gives it an `fp8_meta`, and its products then read fp8 inputs."""
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
+        self, in_features: int, out_features: int, bias: bool = True,
         rng: np.random.Generator | None = None,
-    ):
+    ):  # fmt: skip
         super().__init__()
         rng = np.random.default_rng() if rng is None else rng
         bound = 1.0 / math.sqrt(in_features)

@@ -48,15 +48,9 @@ def stream_key(seed: int, step: int, layer: int) -> int:
 
 
 def keep_mask(
-    shape: tuple[int, ...],
-    p: float,
-    seed: int,
-    step: int,
-    layer: int,
-    sample_indices: npt.ArrayLike,
-    xp: ModuleType = np,
-    offset: int = 0,
-) -> Array:
+    shape: tuple[int, ...], p: float, seed: int, step: int, layer: int,
+    sample_indices: npt.ArrayLike, xp: ModuleType = np, offset: int = 0,
+) -> Array:  # fmt: skip
     """Bool array of `shape` (batch axis first): True where dropout keeps the element.
 
     Row r holds global sample `sample_indices[r]`; the mask is the same wherever that sample is.
