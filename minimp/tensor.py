@@ -292,8 +292,7 @@ class Tensor:
     ) -> RemovableHandle:
         """Call hook(self) after backward has added this leaf's gradient into `.grad` (PyTorch's
         name). ZeRO reduce-scatters a layer's gradients from here as soon as they are complete."""
-        hooks = self._post_accumulate_hooks
-        hooks = hooks if isinstance(hooks, list) else []
+        hooks = self._post_accumulate_hooks if isinstance(self._post_accumulate_hooks, list) else []
         hooks.append(hook)
         self._post_accumulate_hooks = hooks
         return RemovableHandle(hooks, hook)

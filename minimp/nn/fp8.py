@@ -18,15 +18,9 @@ import numpy as np
 
 from minimp.nn.layers import Linear
 from minimp.nn.module import Module
-from minimp.precision.fp8_scaling import (
-    DelayedScaling,
-    Float8CurrentScaling,
-    Fp8Meta,
-    Fp8Quantizer,
-    NoScaling,
-    load_quantizers_state_dict,
-    quantizers_state_dict,
-)
+from minimp.precision.fp8_scaling import DelayedScaling, Float8CurrentScaling, NoScaling
+from minimp.precision.fp8_scaling import Fp8Meta, Fp8Quantizer
+from minimp.precision.fp8_scaling import load_quantizers_state_dict, quantizers_state_dict
 
 
 def enable_fp8(model: Module, recipe: DelayedScaling | Float8CurrentScaling | NoScaling) -> Module:

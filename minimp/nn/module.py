@@ -34,10 +34,8 @@ class Module:
     _forward_hooks: list[ForwardHook]
 
     def __init__(self) -> None:
-        object.__setattr__(self, "_parameters", {})
-        object.__setattr__(self, "_modules", {})
-        object.__setattr__(self, "_forward_pre_hooks", [])
-        object.__setattr__(self, "_forward_hooks", [])
+        self._parameters, self._modules = {}, {}  # filled by __setattr__ below
+        self._forward_pre_hooks, self._forward_hooks = [], []
         self.training = True  # False after eval(): dropout then passes its input through
 
     def __setattr__(self, name: str, value: object) -> None:

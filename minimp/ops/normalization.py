@@ -40,13 +40,7 @@ class LayerNorm(Function):
             grad_bias = round_to(grad.sum(axis=batch_axes), ctx.bias_dtype)
         if ctx.needs_input_grad[0]:
             g = grad * widen(weight)
-            grad_x = round_to(
-                inverse_std
-                * (
-                    g
-                    - g.mean(axis=-1, keepdims=True)
-                    - normalized * (g * normalized).mean(axis=-1, keepdims=True)
-                ),
-                x.dtype,
-            )
+            mean_g = g.mean(axis=-1, keepdims=True)
+            mean_g_xhat = (g * normalized).mean(axis=-1, keepdims=True)
+            grad_x = round_to(inverse_std * (g - mean_g - normalized * mean_g_xhat), x.dtype)
         return grad_x, grad_weight, grad_bias
