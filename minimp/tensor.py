@@ -334,8 +334,7 @@ def walk_backward(
         if tensor.node is None:
             accumulate_leaf(tensor, grad_output)
             continue
-        if tensor._hooks:
-            grad_output = _run_hooks(tensor._hooks, grad_output)
+        grad_output = _run_hooks(tensor._hooks, grad_output)
         node = tensor.node
         if node.context.saved_arrays is None:
             raise RuntimeError("backward() through a graph already freed by an earlier backward()")
@@ -358,8 +357,7 @@ def walk_backward(
 def accumulate_leaf(tensor: Tensor, grad: Array) -> None:
     """A leaf's gradient is complete: its hooks, then into `.grad`, then its post-accumulate
     hooks."""
-    if tensor._hooks:
-        grad = _run_hooks(tensor._hooks, grad)
+    grad = _run_hooks(tensor._hooks, grad)
     tensor.grad = grad if tensor.grad is None else _add(tensor.grad, grad)
     for hook in tuple(tensor._post_accumulate_hooks):
         hook(tensor)
