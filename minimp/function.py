@@ -88,10 +88,9 @@ class Function:
                     f"{type(value).__name__}, not a Tensor (wrap it: minimp.Tensor(value))"
                 )
         enabled = graph.grad_enabled()
-        needs_input_grad = tuple(enabled and t.requires_grad for t in inputs)
-        ctx = Context(needs_input_grad)
+        ctx = Context(tuple(enabled and t.requires_grad for t in inputs))
         output = graph.Tensor(cls.forward(ctx, *(t.data for t in inputs), **options))
-        if any(needs_input_grad):
+        if any(ctx.needs_input_grad):
             output.requires_grad = True
             output.node = graph.Node(cls, ctx, inputs)
         return output

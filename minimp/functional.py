@@ -9,7 +9,7 @@ import numpy.typing as npt
 
 from minimp import backend, ops
 from minimp.backend import Array
-from minimp.tensor import Tensor, as_tensor
+from minimp.tensor import Tensor, TensorLike, as_tensor
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
@@ -22,7 +22,7 @@ def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
     return ops.LogSoftmax.apply(x, axis=axis)
 
 
-def cross_entropy(logits: Tensor, targets: Tensor | npt.ArrayLike) -> Tensor:
+def cross_entropy(logits: Tensor, targets: TensorLike) -> Tensor:
     """Mean over the batch of -log softmax(logits)[target]; logits (B, C), integer targets (B,).
 
     The loss is a float32 scalar whatever the logits' dtype (see minimp/ops/softmax.py for why).
@@ -66,7 +66,7 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
     return ops.LayerNorm.apply(x, weight, bias, eps=eps)
 
 
-def embedding(indices: Tensor | npt.ArrayLike, weight: Tensor) -> Tensor:
+def embedding(indices: TensorLike, weight: Tensor) -> Tensor:
     """weight[indices]: one row of weight per integer index (token ids -> vectors)."""
     return ops.Embedding.apply(as_tensor(indices), weight)
 

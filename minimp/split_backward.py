@@ -36,9 +36,7 @@ def backward_input(
 ) -> PendingWeightGradients:
     """Backward through output's graph for everything but `weights` (leaves): leaf inputs such as a
     stage's input get their `.grad`; the weights' gradients are left for backward_weight."""
-    if not output.requires_grad:
-        raise RuntimeError("backward_input() on a tensor that does not require grad")
-    deferred = walk_backward(output, output._initial_grad(grad), weights)
+    deferred = walk_backward(output, output._initial_grad(grad, "backward_input()"), weights)
     return PendingWeightGradients(deferred, weights)
 
 

@@ -97,17 +97,15 @@ def _lift_number(tensor: Tensor, number: float | np.number | np.bool_) -> tuple[
     return backend.array_module(tensor.data).asarray(number, dtype=compute), result
 
 
-def _binary(
-    op: type[Function], tensor: Tensor, other: Tensor | npt.ArrayLike, reflected: bool = False
-) -> Tensor:
-    """op(tensor, other), or op(other, tensor) when reflected (`2.0 - x` calls x.__rsub__), where
-    other may be a Python number or an array (see the file docstring)."""
+def _binary(op: type[Function], x: Tensor, other: TensorLike, reflected: bool = False) -> Tensor:
+    """op(x, other), or op(other, x) when reflected (`2.0 - x` calls x.__rsub__), where other may
+    be a Python number or an array (see the file docstring)."""
     if isinstance(other, NUMBER_TYPES):
-        scalar, dtype = _lift_number(tensor, other)
+        scalar, dtype = _lift_number(x, other)
         other, options = Tensor(scalar), {"dtype": dtype}
     else:
         other, options = as_tensor(other), {}
-    pair = (other, tensor) if reflected else (tensor, other)
+    pair = (other, x) if reflected else (x, other)
     return op.apply(*pair, **options)
 
 
@@ -179,34 +177,34 @@ class Tensor:
         return Tensor(self.data)
 
     # ----- operators and methods: each applies one op Function --------------------------------
-    def __add__(self, other: Tensor | npt.ArrayLike) -> Tensor:
+    def __add__(self, other: TensorLike) -> Tensor:
         return _binary(ops.Add, self, other)
 
-    def __radd__(self, other: Tensor | npt.ArrayLike) -> Tensor:
+    def __radd__(self, other: TensorLike) -> Tensor:
         return _binary(ops.Add, self, other, reflected=True)
 
-    def __sub__(self, other: Tensor | npt.ArrayLike) -> Tensor:
+    def __sub__(self, other: TensorLike) -> Tensor:
         return _binary(ops.Sub, self, other)
 
-    def __rsub__(self, other: Tensor | npt.ArrayLike) -> Tensor:
+    def __rsub__(self, other: TensorLike) -> Tensor:
         return _binary(ops.Sub, self, other, reflected=True)
 
-    def __mul__(self, other: Tensor | npt.ArrayLike) -> Tensor:
+    def __mul__(self, other: TensorLike) -> Tensor:
         return _binary(ops.Mul, self, other)
 
-    def __rmul__(self, other: Tensor | npt.ArrayLike) -> Tensor:
+    def __rmul__(self, other: TensorLike) -> Tensor:
         return _binary(ops.Mul, self, other, reflected=True)
 
-    def __truediv__(self, other: Tensor | npt.ArrayLike) -> Tensor:
+    def __truediv__(self, other: TensorLike) -> Tensor:
         return _binary(ops.Div, self, other)
 
-    def __rtruediv__(self, other: Tensor | npt.ArrayLike) -> Tensor:
+    def __rtruediv__(self, other: TensorLike) -> Tensor:
         return _binary(ops.Div, self, other, reflected=True)
 
-    def __matmul__(self, other: Tensor | npt.ArrayLike) -> Tensor:
+    def __matmul__(self, other: TensorLike) -> Tensor:
         return _binary(ops.MatMul, self, other)
 
-    def __rmatmul__(self, other: Tensor | npt.ArrayLike) -> Tensor:
+    def __rmatmul__(self, other: TensorLike) -> Tensor:
         return _binary(ops.MatMul, self, other, reflected=True)
 
     def __neg__(self) -> Tensor:
@@ -260,9 +258,12 @@ class Tensor:
         return ops.Cast.apply(self, dtype=casting.dtype_named(dtype))
 
     # ----- backward ---------------------------------------------------------------------------
-    def _initial_grad(self, grad: Tensor | Array | None) -> Array:
-        """d(self)/d(self): ones for a scalar, else the caller's gradient, which must match this
-        tensor's shape and dtype exactly (a mismatch would be summed or cast silently)."""
+    def _initial_grad(self, grad: Tensor | Array | None, caller: str = "backward()") -> Array:
+        """d(self)/d(self), where `caller` starts a backward walk (this tensor must require grad):
+        ones for a scalar, else the caller's gradient, which must match this tensor's shape and
+        dtype exactly (a mismatch would be summed or cast silently)."""
+        if not self.requires_grad:
+            raise RuntimeError(f"{caller} on a tensor that does not require grad: no graph to walk")
         if grad is None:
             if self.size != 1:
                 raise RuntimeError(
@@ -304,14 +305,14 @@ class Tensor:
         then walk it backwards, handing each node the summed gradient of its output. Intermediate
         gradients live only in a local dict; saved arrays are released as each node finishes.
         """
-        if not self.requires_grad:
-            raise RuntimeError(
-                "backward() on a tensor that does not require grad (no graph to walk)"
-            )
         walk_backward(self, self._initial_grad(grad))
 
 
-def as_tensor(data: Tensor | npt.ArrayLike) -> Tensor:
+# What Tensor(data) takes, or a Tensor itself: an operator's other operand, an op's data input.
+TensorLike = Tensor | npt.ArrayLike
+
+
+def as_tensor(data: TensorLike) -> Tensor:
     """data itself when it is a Tensor, else Tensor(data) (torch.as_tensor: an array is not
     copied)."""
     return data if isinstance(data, Tensor) else Tensor(data)

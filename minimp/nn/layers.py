@@ -18,7 +18,7 @@ from minimp import backend, functional
 from minimp.backend import Array
 from minimp.nn.module import Module, Parameter
 from minimp.precision.fp8_scaling import Fp8Meta
-from minimp.tensor import Tensor
+from minimp.tensor import Tensor, TensorLike
 
 
 def _uniform(rng: np.random.Generator, bound: float, shape: tuple[int, ...]) -> Array:
@@ -130,7 +130,7 @@ class Embedding(Module):
         rng = np.random.default_rng() if rng is None else rng
         self.weight = Parameter(_normal(rng, 1.0, (num_embeddings, embedding_dim)))
 
-    def forward(self, indices: Tensor | npt.ArrayLike) -> Tensor:
+    def forward(self, indices: TensorLike) -> Tensor:
         return functional.embedding(indices, self.weight)
 
     def __repr__(self) -> str:

@@ -24,6 +24,11 @@ def _binary_forward(
     return round_to(compute(widen(a), widen(b)), dtype or casting.result_dtype(a.dtype, b.dtype))
 
 
+def _to_input(ctx: Context, index: int, grad: Array) -> Array:
+    """A gradient summed over the axes broadcasting stretched for input `index`, in its dtype."""
+    return unbroadcast(grad, ctx.shapes[index], ctx.dtypes[index])
+
+
 class Add(Function):
     """y = a + b;  dL/da = dL/dy,  dL/db = dL/dy (summed over broadcast axes)."""
 
@@ -33,9 +38,8 @@ class Add(Function):
 
     @staticmethod
     def backward(ctx: Context, grad_output: Array) -> tuple[Array | None, Array | None]:
-        (shape_a, shape_b), (dtype_a, dtype_b) = ctx.shapes, ctx.dtypes
-        grad_a = unbroadcast(grad_output, shape_a, dtype_a) if ctx.needs_input_grad[0] else None
-        grad_b = unbroadcast(grad_output, shape_b, dtype_b) if ctx.needs_input_grad[1] else None
+        grad_a = _to_input(ctx, 0, grad_output) if ctx.needs_input_grad[0] else None
+        grad_b = _to_input(ctx, 1, grad_output) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b
 
 
@@ -48,11 +52,8 @@ class Sub(Function):
 
     @staticmethod
     def backward(ctx: Context, grad_output: Array) -> tuple[Array | None, Array | None]:
-        (shape_a, shape_b), (dtype_a, dtype_b) = ctx.shapes, ctx.dtypes
-        grad_a = unbroadcast(grad_output, shape_a, dtype_a) if ctx.needs_input_grad[0] else None
-        grad_b = None
-        if ctx.needs_input_grad[1]:
-            grad_b = unbroadcast(-widen(grad_output), shape_b, dtype_b)
+        grad_a = _to_input(ctx, 0, grad_output) if ctx.needs_input_grad[0] else None
+        grad_b = _to_input(ctx, 1, -widen(grad_output)) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b
 
 
@@ -68,8 +69,8 @@ class Mul(Function):
     def backward(ctx: Context, grad_output: Array) -> tuple[Array | None, Array | None]:
         a, b = ctx.saved_arrays
         grad = widen(grad_output)
-        grad_a = unbroadcast(grad * widen(b), a.shape, a.dtype) if ctx.needs_input_grad[0] else None
-        grad_b = unbroadcast(grad * widen(a), b.shape, b.dtype) if ctx.needs_input_grad[1] else None
+        grad_a = _to_input(ctx, 0, grad * widen(b)) if ctx.needs_input_grad[0] else None
+        grad_b = _to_input(ctx, 1, grad * widen(a)) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b
 
 
@@ -88,10 +89,10 @@ class Div(Function):
     def backward(ctx: Context, grad_output: Array) -> tuple[Array | None, Array | None]:
         a, b = ctx.saved_arrays
         grad, wide_b = widen(grad_output), widen(b)
-        grad_a = unbroadcast(grad / wide_b, a.shape, a.dtype) if ctx.needs_input_grad[0] else None
+        grad_a = _to_input(ctx, 0, grad / wide_b) if ctx.needs_input_grad[0] else None
         grad_b = None
         if ctx.needs_input_grad[1]:
-            grad_b = unbroadcast(-grad * widen(a) / (wide_b * wide_b), b.shape, b.dtype)
+            grad_b = _to_input(ctx, 1, -grad * widen(a) / (wide_b * wide_b))
         return grad_a, grad_b
 
 
@@ -165,7 +166,10 @@ class ReLU(Function):
     @staticmethod
     def forward(ctx: Context, x: Array) -> Array:
         if casting.is_low_precision(x.dtype):
-            y = _keep_where(x, _negative_and_not_nan(x), keep=False)
+            # Sign bit set and not a NaN: the values ReLU sends to zero. As signed integers,
+            # -0.0 .. -inf run from the most negative value up to -inf's pattern; negative NaNs
+            # (all exponent bits set, mantissa non-zero) lie above it, between -inf and 0.
+            y = _keep_where(x, _signed_bits(x) <= _negative_infinity_bits(x), keep=False)
         else:
             # float32/float64 have a fast SIMD max; the output comes from the memory pool
             y = array_module(x).maximum(x, x.dtype.type(0), out=backend.empty(x.shape, x.dtype, x))
@@ -251,15 +255,6 @@ def _keep_where(x: Array, where: Array, keep: bool = True) -> Array:
     else:
         xp.subtract(where, 1, out=mask, dtype=integer)  # True -> 0, False -> -1
     return xp.bitwise_and(x.view(integer), mask, out=mask).view(x.dtype)
-
-
-def _negative_and_not_nan(x: Array) -> Array:
-    """Sign bit set and not a NaN, for 16-bit floats: the values ReLU sends to zero.
-
-    As signed integers, -0.0 .. -inf run from the most negative value up to -inf's pattern; negative
-    NaNs (all exponent bits set, mantissa non-zero) lie above it, between -inf and 0.
-    """
-    return _signed_bits(x) <= _negative_infinity_bits(x)
 
 
 def _negative_infinity_bits(x: Array) -> int:

@@ -33,10 +33,6 @@ from minimp.precision import casting, fp8
 from minimp.precision.casting import round_to, widen
 
 
-def _swap_last_two(array: Array) -> Array:
-    return array_module(array).swapaxes(array, -1, -2)
-
-
 def gemm_operand(array: Array) -> Array:
     """What a matrix product should read: float16 as it is on a GPU (tensor cores, float32
     accumulation inside cuBLAS), float32 everywhere else."""
@@ -71,9 +67,9 @@ class MatMul(Function):
         grad = gemm_operand(grad_output)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_a = unbroadcast(grad @ _swap_last_two(gemm_operand(b)), a.shape, a.dtype)
+            grad_a = unbroadcast(grad @ gemm_operand(b).swapaxes(-1, -2), a.shape, a.dtype)
         if ctx.needs_input_grad[1]:
-            grad_b = unbroadcast(_swap_last_two(gemm_operand(a)) @ grad, b.shape, b.dtype)
+            grad_b = unbroadcast(gemm_operand(a).swapaxes(-1, -2) @ grad, b.shape, b.dtype)
         return grad_a, grad_b
 
 
