@@ -30,9 +30,7 @@ def cross_entropy(logits: Tensor, targets: TensorLike) -> Tensor:
     return ops.CrossEntropy.apply(logits, as_tensor(targets))
 
 
-def linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, fp8_meta: Any = None
-) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, fp8_meta: Any = None) -> Tensor:
     """x @ weight^T + bias with float32 accumulation (weight is (out_features, in_features)).
     With an `fp8_meta` (precision.Fp8Meta), x and weight enter the product in fp8
     (ops.Fp8Linear)."""

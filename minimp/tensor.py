@@ -288,9 +288,7 @@ class Tensor:
         self._hooks = hooks
         return RemovableHandle(hooks, hook)
 
-    def register_post_accumulate_grad_hook(
-        self, hook: Callable[[Tensor], None]
-    ) -> RemovableHandle:
+    def register_post_accumulate_grad_hook(self, hook: Callable[[Tensor], None]) -> RemovableHandle:
         """Call hook(self) after backward has added this leaf's gradient into `.grad` (PyTorch's
         name). ZeRO reduce-scatters a layer's gradients from here as soon as they are complete."""
         hooks = self._post_accumulate_hooks if isinstance(self._post_accumulate_hooks, list) else []
