@@ -1,4 +1,8 @@
-"""Elementwise ops: each computes in float32 when its inputs are 16-bit floats, and rounds once."""
+"""Elementwise ops: each computes in float32 when its inputs are 16-bit floats, and rounds once.
+
+The arithmetic (+, -, *, /, negation, a cast), exp, log, and the activations: tanh, ReLU and GELU
+in GPT-2's tanh form.
+"""
 
 import math
 import operator

@@ -1,7 +1,8 @@
 """Reductions and layer normalization: sum, mean and layer norm's statistics accumulate in float32
 whatever the input dtype, and each op rounds once.
 
-The variance of float16 values computed in float16 loses most of its bits to cancellation.
+Layer norm's statistics are float32 because the variance of float16 values computed in float16
+loses most of its bits to cancellation.
 """
 
 import math
