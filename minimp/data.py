@@ -3,9 +3,9 @@
 import gzip
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from minimp.npz import read_arrays
 
@@ -53,9 +53,6 @@ def load_digits() -> Dataset:
     )
 
 
-DATASETS = {"digits": load_digits}
-
-
 def global_batch_indices(seed: int, step: int, batch_size: int, dataset_size: int) -> np.ndarray:
     """Indices of the global batch of `step` (numbered from 1).
 
@@ -91,7 +88,7 @@ class TextDataset:
         """Character ids of text (int64); a character outside the vocabulary is an error."""
         return encode(text, self.vocabulary)
 
-    def decode(self, ids: Any) -> str:
+    def decode(self, ids: npt.ArrayLike) -> str:
         return decode(ids, self.vocabulary)
 
 
@@ -109,7 +106,7 @@ def encode(text: str, vocabulary: str) -> np.ndarray:
     return ids.astype(np.int64)
 
 
-def decode(ids: Any, vocabulary: str) -> str:
+def decode(ids: npt.ArrayLike, vocabulary: str) -> str:
     """The text whose character ids these are."""
     return "".join(vocabulary[int(i)] for i in np.asarray(ids).reshape(-1))
 

@@ -18,12 +18,11 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
-
 import numpy as np
 
 from minimp.data import load_shakespeare
 from minimp.precision.casting import ACTIVATION_DTYPES, round_to
+from minimp.sample import gpt_config
 from minimp.checkpoints import checkpoint
 from minimp.checkpoints.errors import CheckpointError, ConfigError
 from minimp.checkpoints.files import atomic_write, check_output_path, exit_cleanly_on_sigterm
@@ -41,7 +40,7 @@ def nanogpt_name(name: str, layers: int) -> str:
     return f"transformer.h.{int(index) - 1}.{rest}"
 
 
-def exported_tensors(meta: dict, arrays: dict, dtype: Any) -> tuple[dict, dict]:
+def exported_tensors(meta: dict, arrays: dict, dtype: np.dtype) -> tuple[dict, dict]:
     """({name: array}, config) of a checkpoint's masters, named for the world outside."""
     flags = meta["flags"]
     masters = {
@@ -50,15 +49,15 @@ def exported_tensors(meta: dict, arrays: dict, dtype: Any) -> tuple[dict, dict]:
         if name.startswith("master/")
     }
     if flags.get("--dataset") == "shakespeare":
-        layers = flags["--layers"]
-        tensors = {nanogpt_name(name, layers): array for name, array in masters.items()}
+        gpt = gpt_config(flags, vocab_size=int(masters["0.wte.weight"].shape[0]))
+        tensors = {nanogpt_name(name, gpt.layers): array for name, array in masters.items()}
         config = {
             "model": "gpt",
-            "vocab_size": int(masters["0.wte.weight"].shape[0]),
-            "block_size": flags["--context"],
-            "n_layer": layers,
-            "n_head": flags["--heads"],
-            "n_embd": flags["--hidden"],
+            "vocab_size": gpt.vocab_size,
+            "block_size": gpt.context,
+            "n_layer": gpt.layers,
+            "n_head": gpt.heads,
+            "n_embd": gpt.width,
             "bias": any(name.endswith("bias") for name in masters),
             "lm_head": "tied to transformer.wte.weight (stored once)",
             "vocabulary": load_shakespeare().vocabulary,

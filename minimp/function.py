@@ -6,8 +6,11 @@ back through it, live in tensor.py).
 """
 
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
+import numpy as np
+
+from minimp.backend import Array
 from minimp.precision import casting
 
 # Saved-tensor hooks are per thread, as grad mode is: the simulated world's ranks are threads.
@@ -23,7 +26,7 @@ class saved_tensors_hooks:
     it has been gathered anew for the backward (minimp/parallel/zero/stage3.py).
     """
 
-    def __init__(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]):
+    def __init__(self, pack: Callable[[Array], object], unpack: Callable[[Any], Array]):
         self.pack, self.unpack = pack, unpack
 
     def __enter__(self) -> "saved_tensors_hooks":
@@ -31,7 +34,7 @@ class saved_tensors_hooks:
         _saved_hooks.current = self
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         _saved_hooks.current = self._previous
 
 
@@ -41,10 +44,16 @@ class Context:
     def __init__(self, needs_input_grad: tuple[bool, ...]):
         # One bool per input: backward skips the gradients nobody asked for (data, targets).
         self.needs_input_grad = needs_input_grad
-        self.saved_arrays: tuple | None = ()
-        self.unpack: Callable[[Any], Any] | None = None  # set when saved-tensor hooks packed them
+        self.saved_arrays: tuple[Any, ...] | None = ()  # arrays, or what saved-tensor hooks packed
+        self.unpack: Callable[[Any], Array] | None = None  # set when saved-tensor hooks packed them
 
-    def save_for_backward(self, *arrays: Any) -> None:
+    if TYPE_CHECKING:  # an op keeps any plain attribute on ctx (ctx.axis, ctx.scale), as in PyTorch
+
+        def __getattr__(self, name: str) -> Any: ...
+
+        def __setattr__(self, name: str, value: object) -> None: ...
+
+    def save_for_backward(self, *arrays: Array) -> None:
         """Keep these arrays alive until backward, stored as they are: float16 stays float16
         (or as the active saved_tensors_hooks pack them)."""
         hooks = getattr(_saved_hooks, "current", None)
@@ -65,16 +74,12 @@ class Function:
     """One differentiable op. Subclasses write `forward(ctx, *arrays, **options)` -> array and
     `backward(ctx, grad_output)` -> one gradient (or None) per input, both on raw arrays."""
 
-    @staticmethod
-    def forward(ctx: Context, *arrays: Any, **options: Any) -> Any:
-        raise NotImplementedError
-
-    @staticmethod
-    def backward(ctx: Context, grad_output: Any) -> Any:
-        raise NotImplementedError
+    # Each op writes both as static methods with its own inputs and options (Add: ctx, a, b).
+    forward: ClassVar[Callable[..., Array]]
+    backward: ClassVar[Callable[..., Array | tuple[Array | None, ...]]]
 
     @classmethod
-    def apply(cls, *inputs: Any, **options: Any) -> Any:
+    def apply(cls, *inputs: "graph.Tensor", **options: object) -> "graph.Tensor":
         """Run forward on the inputs' arrays; when a gradient is wanted, record the graph node."""
         for position, value in enumerate(inputs):
             if not isinstance(value, graph.Tensor):
@@ -83,16 +88,17 @@ class Function:
                     f"{type(value).__name__}, not a Tensor (wrap it: minimp.Tensor(value))"
                 )
         enabled = graph.grad_enabled()
-        needs_input_grad = tuple(enabled and t.requires_grad for t in inputs)
-        ctx = Context(needs_input_grad)
+        ctx = Context(tuple(enabled and t.requires_grad for t in inputs))
         output = graph.Tensor(cls.forward(ctx, *(t.data for t in inputs), **options))
-        if any(needs_input_grad):
+        if any(ctx.needs_input_grad):
             output.requires_grad = True
             output.node = graph.Node(cls, ctx, inputs)
         return output
 
 
-def node_backward(node: Any, grad_output: Any, wanted: Callable | None = None) -> tuple:
+def node_backward(
+    node: "graph.Node", grad_output: Array, wanted: Callable[["graph.Tensor"], bool] | None = None
+) -> tuple[Array | None, ...]:
     """The op's backward: one gradient (or None) per input, checked against the input. With
     `wanted` (a predicate on inputs), only the inputs it accepts get a gradient: the op is told
     through ctx.needs_input_grad (and skips the others' work), and anything else is dropped."""
@@ -111,22 +117,17 @@ def node_backward(node: Any, grad_output: Any, wanted: Callable | None = None) -
         context.needs_input_grad = everything
     if not isinstance(input_grads, tuple):
         input_grads = (input_grads,)
-    checked: list[Any] = []
-    for parent, parent_grad, needed in zip(node.inputs, input_grads, asked):
-        if parent_grad is None or not needed:
-            checked.append(None)
-            continue
-        if parent_grad.shape != parent.shape or parent_grad.dtype != parent.dtype:
+    checked = tuple(grad if needed else None for grad, needed in zip(input_grads, asked))
+    for parent, grad in zip(node.inputs, checked):
+        if grad is not None and (grad.shape != parent.shape or grad.dtype != parent.dtype):
             raise RuntimeError(  # a bug in that op's backward, not in the caller's code
-                f"{node.function.__name__}.backward returned a {parent_grad.dtype} "
-                f"gradient of shape {parent_grad.shape} for a {parent.dtype} input of "
-                f"shape {parent.shape}"
+                f"{node.function.__name__}.backward returned a {grad.dtype} gradient of shape "
+                f"{grad.shape} for a {parent.dtype} input of shape {parent.shape}"
             )
-        checked.append(parent_grad)
-    return tuple(checked)
+    return checked
 
 
-def unbroadcast(grad: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+def unbroadcast(grad: Array, shape: tuple[int, ...], dtype: np.dtype) -> Array:
     """Sum a gradient over the axes that broadcasting added or stretched, then round it into dtype.
 
     The sum runs in float32 even for a float16 gradient: many small terms added in float16 swamp.

@@ -5,8 +5,11 @@ Names and arguments follow torch.nn.functional where PyTorch has the function.
 
 from typing import Any
 
+import numpy.typing as npt
+
 from minimp import backend, ops
-from minimp.tensor import Tensor
+from minimp.backend import Array
+from minimp.tensor import Tensor, TensorLike, as_tensor
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
@@ -19,19 +22,15 @@ def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
     return ops.LogSoftmax.apply(x, axis=axis)
 
 
-def cross_entropy(logits: Tensor, targets: Any) -> Tensor:
+def cross_entropy(logits: Tensor, targets: TensorLike) -> Tensor:
     """Mean over the batch of -log softmax(logits)[target]; logits (B, C), integer targets (B,).
 
-    The loss is a float32 scalar whatever the logits' dtype (see minimp/ops/loss.py for why).
+    The loss is a float32 scalar whatever the logits' dtype (see minimp/ops/softmax.py for why).
     """
-    if not isinstance(targets, Tensor):
-        targets = Tensor(targets)
-    return ops.CrossEntropy.apply(logits, targets)
+    return ops.CrossEntropy.apply(logits, as_tensor(targets))
 
 
-def linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, fp8_meta: Any = None
-) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, fp8_meta: Any = None) -> Tensor:
     """x @ weight^T + bias with float32 accumulation (weight is (out_features, in_features)).
     With an `fp8_meta` (precision.Fp8Meta), x and weight enter the product in fp8
     (ops.Fp8Linear)."""
@@ -65,16 +64,15 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
     return ops.LayerNorm.apply(x, weight, bias, eps=eps)
 
 
-def embedding(indices: Any, weight: Tensor) -> Tensor:
+def embedding(indices: TensorLike, weight: Tensor) -> Tensor:
     """weight[indices]: one row of weight per integer index (token ids -> vectors)."""
-    if not isinstance(indices, Tensor):
-        indices = Tensor(indices)
-    return ops.Embedding.apply(indices, weight)
+    return ops.Embedding.apply(as_tensor(indices), weight)
 
 
 def dropout(
-    x: Tensor, p: float, seed: int, step: int, layer: int, sample_indices: Any, offset: int = 0
-) -> Tensor:
+    x: Tensor, p: float, seed: int, step: int, layer: int, sample_indices: npt.ArrayLike,
+    offset: int = 0,
+) -> Tensor:  # fmt: skip
     """Zero each element with probability p and scale the rest by 1/(1 - p); the mask is a pure
     function of (seed, step, layer, sample_indices[row], offset + position) (see
     minimp/ops/dropout.py; `offset` places a slice of a larger tensor)."""
@@ -86,10 +84,10 @@ def dropout(
 
 
 def scaled_masked_softmax(
-    scores: Tensor, scale: float, causal: bool = True, mask: Any = None
+    scores: Tensor, scale: float, causal: bool = True, mask: Array | None = None
 ) -> Tensor:
     """softmax(scale * scores) over the last axis with keys after each query (causal) and where
-    mask is False hidden; float32 inside, fully masked rows give zeros (minimp/ops/attention.py)."""
+    mask is False hidden; float32 inside, fully masked rows give zeros (minimp/ops/softmax.py)."""
     return ops.ScaledMaskedSoftmax.apply(scores, scale=scale, causal=causal, mask=mask)
 
 

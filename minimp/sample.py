@@ -40,6 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def gpt_config(flags: dict, vocab_size: int) -> GPTConfig:
+    """The GPT's shape, from the flags of the minimp.train run that trained it."""
+    return GPTConfig(
+        vocab_size=vocab_size, context=flags["--context"], layers=flags["--layers"],
+        heads=flags["--heads"], width=flags["--hidden"],
+    )  # fmt: skip
+
+
 def load_model(path: str) -> tuple[GPT, TextDataset]:
     """The GPT of a checkpoint (float32 masters) and the dataset it was trained on."""
     meta, arrays = checkpoint.read(path)
@@ -50,14 +58,7 @@ def load_model(path: str) -> tuple[GPT, TextDataset]:
             "minimp.sample needs a GPT trained with --dataset shakespeare"
         )
     data = load_shakespeare()
-    config = GPTConfig(
-        vocab_size=data.vocab_size,
-        context=flags["--context"],
-        layers=flags["--layers"],
-        heads=flags["--heads"],
-        width=flags["--hidden"],
-    )
-    model = GPT(config, np.random.default_rng(0))
+    model = GPT(gpt_config(flags, data.vocab_size), np.random.default_rng(0))
     names = [name for name, _ in model.named_parameters()]
     missing = [name for name in names if f"master/{name}" not in arrays]
     if missing:

@@ -15,10 +15,11 @@ gradients of their outputs (the memory price of deferring).
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
+from minimp.backend import Array
 from minimp.function import node_backward
-from minimp.tensor import Tensor, _add, accumulate_leaf, walk_backward
+from minimp.tensor import Node, Tensor, _add, accumulate_leaf, walk_backward
 
 
 @dataclass
@@ -26,16 +27,16 @@ class PendingWeightGradients:
     """What backward_input left for backward_weight: (node, gradient of its output) per op that
     reads a weight, in the order backward reached them, and the weights."""
 
-    deferred: list = field(default_factory=list)
+    deferred: list[tuple[Node, Array]] = field(default_factory=list)
     weights: Sequence[Tensor] = ()
 
 
-def backward_input(output: Tensor, grad: Any, weights: Sequence[Tensor]) -> PendingWeightGradients:
+def backward_input(
+    output: Tensor, grad: Tensor | Array | None, weights: Sequence[Tensor]
+) -> PendingWeightGradients:
     """Backward through output's graph for everything but `weights` (leaves): leaf inputs such as a
     stage's input get their `.grad`; the weights' gradients are left for backward_weight."""
-    if not output.requires_grad:
-        raise RuntimeError("backward_input() on a tensor that does not require grad")
-    deferred = walk_backward(output, output._initial_grad(grad), weights)
+    deferred = walk_backward(output, output._initial_grad(grad, "backward_input()"), weights)
     return PendingWeightGradients(deferred, weights)
 
 
@@ -47,7 +48,7 @@ def backward_weight(pending: PendingWeightGradients) -> None:
     for node, _ in pending.deferred:
         for parent in {id(p): p for p in node.inputs if id(p) in wanted}.values():
             remaining[id(parent)] = remaining.get(id(parent), 0) + 1
-    sums: dict[int, Any] = {}
+    sums: dict[int, Array] = {}
     for node, grad_output in pending.deferred:
         grads = node_backward(node, grad_output, lambda t: id(t) in wanted)
         node.context.saved_arrays = None  # both halves have run: release what forward kept

@@ -1,17 +1,34 @@
-"""The graph: Tensor (an array and the op that made it), grad mode, topological order, backward.
+"""The graph: Tensor (an array, the op that made it, its operators), grad mode, topological order,
+backward.
 
 Ops (minimp/ops, built on minimp/function.py) record one Node per application; `backward()` orders
 the graph so each tensor comes after everything it depends on and walks it in reverse.
+
+Tensor's Python operators and methods (+, *, @, .sum(), .reshape(), ...) each apply one op
+Function. A Python number meets a tensor without being rounded to the tensor's dtype first: it
+becomes a float32 scalar (float64 beside a float64 tensor), the op computes in float32 and rounds
+the result once into the tensor's dtype, as PyTorch does (its CPU kernels compute half-precision
+math in float). So `Tensor(float16 [60000]) / 70000.0` is 0.857 in float16, not 0 (70000 rounded
+into float16 first would be inf), and `* 1e-8` does not flush to zero. Beside an integer tensor a
+Python float gives a float32 result (PyTorch's default dtype) instead of truncating; `/` always
+divides into floats.
 """
 
+from __future__ import annotations
+
 import threading
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
-from minimp import backend, function
-from minimp.operators import TensorOperators
+from minimp import backend
+from minimp.backend import Array
+from minimp.function import Context, Function, node_backward
 from minimp.precision import casting
+
+NUMBER_TYPES = (bool, int, float, np.number, np.bool_)
 
 # Grad mode is per thread: the simulated MPI world runs its ranks as threads of one process.
 _grad_mode = threading.local()
@@ -25,22 +42,22 @@ def grad_enabled() -> bool:
 class no_grad:
     """Context manager: no graph is recorded inside (evaluation, optimizer updates)."""
 
-    def __enter__(self) -> "no_grad":
+    def __enter__(self) -> no_grad:
         self._previous = grad_enabled()
         _grad_mode.enabled = False
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         _grad_mode.enabled = self._previous
 
 
+@dataclass(slots=True, eq=False)
 class Node:
     """A recorded application of a Function: the op, its context and the input tensors."""
 
-    __slots__ = ("function", "context", "inputs")
-
-    def __init__(self, function: Any, context: Any, inputs: tuple["Tensor", ...]):
-        self.function, self.context, self.inputs = function, context, inputs
+    function: type[Function]
+    context: Context
+    inputs: tuple[Tensor, ...]
 
 
 class RemovableHandle:
@@ -55,7 +72,7 @@ class RemovableHandle:
             self._hooks.remove(self._hook)
 
 
-def _as_array(data):
+def _as_array(data: npt.ArrayLike) -> Array:
     """Arrays keep their dtype; Python numbers and float lists become float32 (as in PyTorch)."""
     if isinstance(data, np.generic):
         return np.asarray(data)
@@ -67,35 +84,61 @@ def _as_array(data):
     return backend.to_device(array)
 
 
-class Tensor(TensorOperators):
+def _lift_number(tensor: Tensor, number: float | np.number | np.bool_) -> tuple[Array, np.dtype]:
+    """(a 0-d array holding number at the precision the op computes in, the result's dtype)."""
+    dtype = np.dtype(tensor.dtype)
+    if casting.is_floating(dtype):
+        compute = casting.FLOAT64 if dtype == casting.FLOAT64 else casting.FLOAT32
+        result = dtype
+    elif isinstance(number, (float, np.floating)):  # an integer tensor meets a float
+        compute = result = casting.FLOAT32
+    else:  # integers with integers stay integers
+        compute = result = dtype
+    return backend.array_module(tensor.data).asarray(number, dtype=compute), result
+
+
+def _binary(op: type[Function], x: Tensor, other: TensorLike, reflected: bool = False) -> Tensor:
+    """op(x, other), or op(other, x) when reflected (`2.0 - x` calls x.__rsub__), where other may
+    be a Python number or an array (see the file docstring)."""
+    if isinstance(other, NUMBER_TYPES):
+        scalar, dtype = _lift_number(x, other)
+        other, options = Tensor(scalar), {"dtype": dtype}
+    else:
+        other, options = as_tensor(other), {}
+    pair = (other, x) if reflected else (x, other)
+    return op.apply(*pair, **options)
+
+
+class Tensor:
     """An n-dimensional array that records how it was computed, so gradients can flow back to it.
 
     Tensor(data, requires_grad=False): data is a NumPy or CuPy array (kept as it is, dtype and
     device included), a Python number or a list (float64 becomes float32, as in PyTorch).
     Attributes: `.data` the array; `.grad` the gradient after `backward()` (same shape and dtype
     as data, or None); `.requires_grad`; `.node` the op application that made it (None for a
-    leaf). Operators (+, *, @, ...) and methods (.sum(), .reshape(), ...) are differentiable ops:
-    see minimp/operators.py.
+    leaf). Operators (+, *, @, ...) and methods (.sum(), .reshape(), ...) are differentiable ops
+    (see the file docstring for how a Python number meets a tensor).
     """
 
     __array_priority__ = 100  # so `numpy_array * tensor` calls Tensor.__rmul__
     _hooks: tuple | list = ()  # gradient hooks; a tensor gets its own list at its first hook
     _post_accumulate_hooks: tuple | list = ()  # hooks called after a leaf's .grad is updated
 
-    def __init__(self, data: Any, requires_grad: bool = False):
+    def __init__(self, data: npt.ArrayLike, requires_grad: bool = False):
         self.data = _as_array(data)  # the NumPy or CuPy array
         if requires_grad and not casting.is_floating(self.data.dtype):
             raise TypeError(
                 f"only floating-point tensors can require gradients, got {self.data.dtype} "
                 "(as in PyTorch; cast first, e.g. Tensor(array.astype(np.float32)))"
             )
-        self.grad = None  # after backward(): d(output)/d(self), same shape and dtype as data
+        # after backward(): d(output)/d(self), same shape and dtype as data
+        self.grad: Array | None = None
         self.requires_grad = requires_grad
         self.node: Node | None = None  # the op application that made this tensor; None for leaves
 
     # ----- array facts ------------------------------------------------------------------------
     @property
-    def dtype(self) -> Any:
+    def dtype(self) -> np.dtype:
         """The array's dtype (float16, bfloat16, float32, ...)."""
         return self.data.dtype
 
@@ -129,14 +172,98 @@ class Tensor(TensorOperators):
         """The value of a one-element tensor as a Python number."""
         return self.numpy().item()
 
-    def detach(self) -> "Tensor":
+    def detach(self) -> Tensor:
         """The same array, cut from the graph."""
         return Tensor(self.data)
 
+    # ----- operators and methods: each applies one op Function --------------------------------
+    def __add__(self, other: TensorLike) -> Tensor:
+        return _binary(ops.Add, self, other)
+
+    def __radd__(self, other: TensorLike) -> Tensor:
+        return _binary(ops.Add, self, other, reflected=True)
+
+    def __sub__(self, other: TensorLike) -> Tensor:
+        return _binary(ops.Sub, self, other)
+
+    def __rsub__(self, other: TensorLike) -> Tensor:
+        return _binary(ops.Sub, self, other, reflected=True)
+
+    def __mul__(self, other: TensorLike) -> Tensor:
+        return _binary(ops.Mul, self, other)
+
+    def __rmul__(self, other: TensorLike) -> Tensor:
+        return _binary(ops.Mul, self, other, reflected=True)
+
+    def __truediv__(self, other: TensorLike) -> Tensor:
+        return _binary(ops.Div, self, other)
+
+    def __rtruediv__(self, other: TensorLike) -> Tensor:
+        return _binary(ops.Div, self, other, reflected=True)
+
+    def __matmul__(self, other: TensorLike) -> Tensor:
+        return _binary(ops.MatMul, self, other)
+
+    def __rmatmul__(self, other: TensorLike) -> Tensor:
+        return _binary(ops.MatMul, self, other, reflected=True)
+
+    def __neg__(self) -> Tensor:
+        return ops.Neg.apply(self)
+
+    def relu(self) -> Tensor:
+        """max(x, 0), elementwise."""
+        return ops.ReLU.apply(self)
+
+    def tanh(self) -> Tensor:
+        """tanh(x), elementwise."""
+        return ops.Tanh.apply(self)
+
+    def exp(self) -> Tensor:
+        """exp(x), elementwise."""
+        return ops.Exp.apply(self)
+
+    def log(self) -> Tensor:
+        """The natural logarithm, elementwise."""
+        return ops.Log.apply(self)
+
+    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
+        """Sum over axis (all axes by default), accumulated in float32."""
+        return ops.Sum.apply(self, axis=axis, keepdims=keepdims)
+
+    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
+        """Mean over axis (all axes by default), accumulated in float32."""
+        return ops.Mean.apply(self, axis=axis, keepdims=keepdims)
+
+    def __getitem__(self, key: ops.BasicIndex) -> Tensor:
+        """Basic slicing (ints, slices, None, ...): a view forward, zeros + the slice backward."""
+        return ops.Index.apply(self, key=key)
+
+    def reshape(self, *shape: int | Sequence[int]) -> Tensor:
+        """The same values with a new shape: reshape(2, 3) or reshape((2, 3))."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        return ops.Reshape.apply(self, shape=shape)
+
+    def transpose(self, *axes: int) -> Tensor:
+        """Axes permuted as given, or reversed when none are given."""
+        return ops.Transpose.apply(self, axes=axes or None)
+
+    @property
+    def T(self) -> Tensor:
+        """The transpose (axes reversed)."""
+        return ops.Transpose.apply(self, axes=None)
+
+    def astype(self, dtype: npt.DTypeLike) -> Tensor:
+        """A differentiable cast: the gradient comes back in this tensor's dtype."""
+        return ops.Cast.apply(self, dtype=casting.dtype_named(dtype))
+
     # ----- backward ---------------------------------------------------------------------------
-    def _initial_grad(self, grad: Any) -> Any:
-        """d(self)/d(self): ones for a scalar, else the caller's gradient, which must match this
-        tensor's shape and dtype exactly (a mismatch would be summed or cast silently)."""
+    def _initial_grad(self, grad: Tensor | Array | None, caller: str = "backward()") -> Array:
+        """d(self)/d(self), where `caller` starts a backward walk (this tensor must require grad):
+        ones for a scalar, else the caller's gradient, which must match this tensor's shape and
+        dtype exactly (a mismatch would be summed or cast silently)."""
+        if not self.requires_grad:
+            raise RuntimeError(f"{caller} on a tensor that does not require grad: no graph to walk")
         if grad is None:
             if self.size != 1:
                 raise RuntimeError(
@@ -152,7 +279,7 @@ class Tensor(TensorOperators):
             )
         return grad
 
-    def register_hook(self, hook: Callable[[Any], Any]) -> RemovableHandle:
+    def register_hook(self, hook: Callable[[Array], Array | None]) -> RemovableHandle:
         """Call hook(grad) when this tensor's gradient is complete during backward; a non-None
         return value replaces the gradient (as torch.Tensor.register_hook). For a leaf this runs
         before the gradient is added into `.grad`."""
@@ -161,30 +288,37 @@ class Tensor(TensorOperators):
         self._hooks = hooks
         return RemovableHandle(hooks, hook)
 
-    def register_post_accumulate_grad_hook(self, hook: Callable[["Tensor"], None]) -> Any:
+    def register_post_accumulate_grad_hook(self, hook: Callable[[Tensor], None]) -> RemovableHandle:
         """Call hook(self) after backward has added this leaf's gradient into `.grad` (PyTorch's
         name). ZeRO reduce-scatters a layer's gradients from here as soon as they are complete."""
-        hooks = self._post_accumulate_hooks
-        hooks = hooks if isinstance(hooks, list) else []
+        hooks = self._post_accumulate_hooks if isinstance(self._post_accumulate_hooks, list) else []
         hooks.append(hook)
         self._post_accumulate_hooks = hooks
         return RemovableHandle(hooks, hook)
 
-    def backward(self, grad: Any = None) -> None:
+    def backward(self, grad: Tensor | Array | None = None) -> None:
         """Accumulate d(self)/d(leaf) into `.grad` of every leaf that requires grad.
 
         Reverse-mode autodiff: order the graph so each tensor comes after everything it depends on,
         then walk it backwards, handing each node the summed gradient of its output. Intermediate
         gradients live only in a local dict; saved arrays are released as each node finishes.
         """
-        if not self.requires_grad:
-            raise RuntimeError(
-                "backward() on a tensor that does not require grad (no graph to walk)"
-            )
         walk_backward(self, self._initial_grad(grad))
 
 
-def walk_backward(root: Tensor, grad: Any, weights: Sequence[Tensor] = ()) -> list:
+# What Tensor(data) takes, or a Tensor itself: an operator's other operand, an op's data input.
+TensorLike = Tensor | npt.ArrayLike
+
+
+def as_tensor(data: TensorLike) -> Tensor:
+    """data itself when it is a Tensor, else Tensor(data) (torch.as_tensor: an array is not
+    copied)."""
+    return data if isinstance(data, Tensor) else Tensor(data)
+
+
+def walk_backward(
+    root: Tensor, grad: Array, weights: Sequence[Tensor] = ()
+) -> list[tuple[Node, Array]]:
     """Tensor.backward's walk. With `weights` (leaves), an op that reads one of them computes only
     its other inputs' gradients now (its ctx.needs_input_grad says so) and keeps what forward saved;
     it is returned, with the gradient of its output, as (node, grad_output), for the weights'
@@ -199,20 +333,17 @@ def walk_backward(root: Tensor, grad: Any, weights: Sequence[Tensor] = ()) -> li
         if tensor.node is None:
             accumulate_leaf(tensor, grad_output)
             continue
-        if tensor._hooks:
-            grad_output = _run_hooks(tensor._hooks, grad_output)
+        grad_output = _run_hooks(tensor._hooks, grad_output)
         node = tensor.node
         if node.context.saved_arrays is None:
-            raise RuntimeError(
-                "backward() through a graph already freed by an earlier backward()"
-            )
+            raise RuntimeError("backward() through a graph already freed by an earlier backward()")
         node.context.unpack_saved()
         if weight_ids and any(id(parent) in weight_ids for parent in node.inputs):
             not_a_weight = lambda t: id(t) not in weight_ids  # noqa: E731
-            input_grads = function.node_backward(node, grad_output, not_a_weight)
+            input_grads = node_backward(node, grad_output, not_a_weight)
             deferred.append((node, grad_output))
         else:
-            input_grads = function.node_backward(node, grad_output)
+            input_grads = node_backward(node, grad_output)
             node.context.saved_arrays = None  # release what forward kept, as soon as it is used
         for parent, parent_grad in zip(node.inputs, input_grads):
             if parent_grad is None or not parent.requires_grad:
@@ -222,22 +353,21 @@ def walk_backward(root: Tensor, grad: Any, weights: Sequence[Tensor] = ()) -> li
     return deferred
 
 
-def accumulate_leaf(tensor: Tensor, grad: Any) -> None:
+def accumulate_leaf(tensor: Tensor, grad: Array) -> None:
     """A leaf's gradient is complete: its hooks, then into `.grad`, then its post-accumulate
     hooks."""
-    if tensor._hooks:
-        grad = _run_hooks(tensor._hooks, grad)
+    grad = _run_hooks(tensor._hooks, grad)
     tensor.grad = grad if tensor.grad is None else _add(tensor.grad, grad)
     for hook in tuple(tensor._post_accumulate_hooks):
         hook(tensor)
 
 
-def _add(a, b):
+def _add(a: Array, b: Array) -> Array:
     """Sum two gradients, in float32 when they are stored in 16 bits."""
     return casting.round_to(casting.widen(a) + casting.widen(b), a.dtype)
 
 
-def _run_hooks(hooks: Sequence, grad: Any) -> Any:
+def _run_hooks(hooks: Sequence[Callable[[Array], Array | None]], grad: Array) -> Array:
     for hook in tuple(hooks):  # a hook may remove itself
         replaced = hook(grad)
         grad = grad if replaced is None else replaced
@@ -268,7 +398,7 @@ def topological_order(root: Tensor) -> list[Tensor]:
     return order
 
 
-def saved_bytes(root: Tensor, exclude: Any = ()) -> int:
+def saved_bytes(root: Tensor, exclude: Iterable[Array] = ()) -> int:
     """Bytes of the arrays the graph behind root keeps for backward, each array counted once.
 
     `exclude` lists arrays not to count (say, the parameters, which exist whether or not we train),
@@ -289,8 +419,12 @@ def saved_bytes(root: Tensor, exclude: Any = ()) -> int:
     return total
 
 
-def memory_owner(array: Any) -> Any:
+def memory_owner(array: Array) -> Array:
     """The array that owns the memory `array` looks at (itself unless it is a view)."""
     while getattr(array, "base", None) is not None:
         array = array.base
     return array
+
+
+# Imported last: the ops build on Function, which makes Tensors (minimp/function.py says why).
+from minimp import ops  # noqa: E402

@@ -17,7 +17,7 @@ LAYERS = [
     ),
     (
         "autograd",
-        ("minimp.function", "minimp.tensor", "minimp.operators", "minimp.ops", "minimp.functional")
+        ("minimp.function", "minimp.tensor", "minimp.ops", "minimp.functional")
         + ("minimp.split_backward",),
     ),
     (
@@ -34,7 +34,7 @@ LAYERS = [
     ("lessons", ("minimp.lessons",)),  # the notebooks' checkers and figures: nothing imports them
 ]
 # The Tensor <-> op cycle: a Tensor's operators are Functions, and a Function makes Tensors.
-AUTOGRAD_CYCLE = {"minimp.tensor", "minimp.operators", "minimp.function", "minimp.ops"}
+AUTOGRAD_CYCLE = {"minimp.tensor", "minimp.function", "minimp.ops"}
 
 
 def module_name(path):

@@ -20,7 +20,7 @@ from conftest import DeviceLike, cupy_stand_in
 from minimp import Tensor
 from minimp import functional as F
 from minimp.function import Context
-from minimp.ops.loss import CrossEntropy
+from minimp.ops.softmax import CrossEntropy
 from minimp.precision import casting, halfcast
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -108,7 +108,7 @@ def test_the_fp8_backward_skips_the_gradients_nobody_asked_for(needs):
     """Fp8Linear's own contract, as the other ops': a gradient not asked for is None (through the
     graph node_backward drops it anyway, so only a direct call tells)."""
     from minimp.function import Context
-    from minimp.ops.fp8_linear import Fp8Linear
+    from minimp.ops.linalg import Fp8Linear
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal((4, 3)).astype(np.float32)

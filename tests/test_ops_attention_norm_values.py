@@ -15,7 +15,7 @@ from conftest import DeviceLike, cupy_stand_in
 
 from minimp import Tensor, ops
 from minimp.function import Context
-from minimp.ops.attention import attention_mask
+from minimp.ops.softmax import attention_mask
 
 F16, BF16, F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
 

@@ -1,5 +1,5 @@
 """Embedding's index checks and device path, and basic indexing (minimp/ops/embedding.py,
-minimp/ops/indexing.py), by value: which indices are refused and with which error, which keys
+minimp/ops/shape.py), by value: which indices are refused and with which error, which keys
 Tensor indexing takes, and that the arrays kept for backward, and the gradients, stay on the
 device (the cupy stand-in of conftest: a plain ndarray where a DeviceLike is expected is host
 memory, or an error, on a GPU).

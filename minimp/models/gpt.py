@@ -10,12 +10,12 @@ logits (B, T, vocab_size).
 
 import math
 from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
+import numpy.typing as npt
 
 from minimp import backend, nn
 from minimp import functional as F
+from minimp.backend import Array
 from minimp.tensor import Tensor
 
 
@@ -46,8 +46,7 @@ class Embeddings(nn.Module):
         self.wpe = nn.Embedding(config.context, config.width, rng=rng)
         self.drop = nn.Dropout(config.dropout, layer=0)
 
-    def forward(self, ids: Any) -> Tensor:
-        ids = ids.data if isinstance(ids, Tensor) else ids
+    def forward(self, ids: Tensor | Array) -> Tensor:
         batch, tokens = ids.shape
         if tokens > self.context:
             raise ValueError(f"GPT: {tokens} tokens per sample, the context is {self.context}")
@@ -78,7 +77,7 @@ class CausalSelfAttention(nn.Module):
         k = k.reshape(batch, tokens, heads, head_width).transpose(0, 2, 1, 3)  # (B, H, T, D)
         v = v.reshape(batch, tokens, heads, head_width).transpose(0, 2, 1, 3)  # (B, H, T, D)
         scores = q @ k.transpose(0, 1, 3, 2)  # (B, H, T, T): float32 sums, rounded once
-        # 1/sqrt(D) applied in float32 inside the softmax (see minimp/ops/attention.py for why)
+        # 1/sqrt(D) applied in float32 inside the softmax (see minimp/ops/softmax.py for why)
         attention = F.scaled_masked_softmax(scores, 1.0 / math.sqrt(head_width))  # (B, H, T, T)
         y = self.attn_dropout(attention) @ v  # (B, H, T, D)
         y = y.transpose(0, 2, 1, 3).reshape(batch, tokens, width)  # (B, T, C), heads side by side
@@ -165,7 +164,7 @@ class GPT(nn.Sequential):
         assert isinstance(head, Head)  # for the type checker: a Sequential holds Modules
         return [("0.wte.weight", head.wte.weight)]
 
-    def set_dropout_state(self, seed: int, step: int, sample_indices: Any) -> None:
+    def set_dropout_state(self, seed: int, step: int, sample_indices: npt.ArrayLike) -> None:
         """Before a forward with dropout > 0: this step's (seed, step) and the global batch
         index of each of the rows passed in (see nn.set_dropout_state)."""
         nn.set_dropout_state(self, seed, step, sample_indices)
@@ -186,7 +185,7 @@ def _init_weights(model: nn.Module, layers: int, rng: np.random.Generator) -> No
 
 
 def block_activation_bytes(
-    s: int, b: int, h: int, a: int, dtype: Any, dropout: bool = True
+    s: int, b: int, h: int, a: int, dtype: npt.DTypeLike, dropout: bool = True
 ) -> int:
     """Bytes one Block keeps for backward (parameters excluded), for context s, batch b, width h,
     a heads and activations stored in dtype (d bytes each); `dropout` when p > 0.

@@ -12,21 +12,18 @@ The state of a model is named "<module name>.<tensor>" ("3.attn.c_attn.input"), 
 stage saves and restores the quantizers of its own layers under the names one process would use.
 """
 
-from typing import Any, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 
 from minimp.nn.layers import Linear
 from minimp.nn.module import Module
-from minimp.precision.fp8_scaling import (
-    Fp8Meta,
-    Fp8Quantizer,
-    load_quantizers_state_dict,
-    quantizers_state_dict,
-)
+from minimp.precision.fp8_scaling import DelayedScaling, Float8CurrentScaling, NoScaling
+from minimp.precision.fp8_scaling import Fp8Meta, Fp8Quantizer
+from minimp.precision.fp8_scaling import load_quantizers_state_dict, quantizers_state_dict
 
 
-def enable_fp8(model: Module, recipe: Any) -> Module:
+def enable_fp8(model: Module, recipe: DelayedScaling | Float8CurrentScaling | NoScaling) -> Module:
     """Give every Linear of the model its own Fp8Meta of this recipe; returns the model."""
     for _, module in model.named_modules():
         if isinstance(module, Linear):

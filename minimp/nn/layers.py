@@ -1,18 +1,27 @@
 """The layers MLPs and GPTs are built from: Linear, ReLU, Tanh, GELU, LayerNorm, Embedding,
-Sequential. Each forward is one op of minimp.functional; initial values come from a NumPy
-Generator passed in, so every rank builds the same model."""
+Dropout, Sequential.
+
+Each forward is one op of minimp.functional; initial values come from a NumPy Generator passed in,
+so every rank builds the same model. Dropout's masks are drawn from a state (seed, step, global
+sample index) set before each forward, so that every parallel layout and recomputation draws the
+same masks.
+"""
 
 import math
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
+import numpy.typing as npt
 
 from minimp import backend, functional
+from minimp.backend import Array
 from minimp.nn.module import Module, Parameter
-from minimp.tensor import Tensor
+from minimp.precision.fp8_scaling import Fp8Meta
+from minimp.tensor import Tensor, TensorLike
 
 
-def _uniform(rng, bound, shape):
+def _uniform(rng: np.random.Generator, bound: float, shape: tuple[int, ...]) -> Array:
     """U(-bound, bound) in float32, drawn on the host in float64 (reproducible on any device)."""
     values = rng.uniform(-bound, bound, size=shape).astype(np.float32)
     return backend.to_device(values)
@@ -27,19 +36,16 @@ class Linear(Module):
     nn.enable_fp8(model, recipe) gives it an `fp8_meta`, and its products then read fp8 inputs."""
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
+        self, in_features: int, out_features: int, bias: bool = True,
         rng: np.random.Generator | None = None,
-    ):
+    ):  # fmt: skip
         super().__init__()
         rng = np.random.default_rng() if rng is None else rng
         bound = 1.0 / math.sqrt(in_features)
         self.in_features, self.out_features = in_features, out_features
         self.weight = Parameter(_uniform(rng, bound, (out_features, in_features)))
         self.bias = Parameter(_uniform(rng, bound, (out_features,))) if bias else None
-        self.fp8_meta: Any = None  # an Fp8Meta after nn.enable_fp8: the product then reads fp8
+        self.fp8_meta: Fp8Meta | None = None  # after nn.enable_fp8: the product then reads fp8
 
     def forward(self, x: Tensor) -> Tensor:
         return functional.linear(x, self.weight, self.bias, self.fp8_meta)
@@ -54,18 +60,12 @@ class ReLU(Module):
     def forward(self, x: Tensor) -> Tensor:
         return x.relu()
 
-    def __repr__(self) -> str:
-        return "ReLU()"
-
 
 class Tanh(Module):
     """tanh(x), elementwise."""
 
     def forward(self, x: Tensor) -> Tensor:
         return x.tanh()
-
-    def __repr__(self) -> str:
-        return "Tanh()"
 
 
 class LayerNorm(Module):
@@ -114,7 +114,7 @@ class Sequential(Module):
         return x
 
 
-def _normal(rng, std, shape):
+def _normal(rng: np.random.Generator, std: float, shape: tuple[int, ...]) -> Array:
     """N(0, std^2) in float32, drawn on the host in float64 (reproducible on any device)."""
     return backend.to_device((rng.standard_normal(shape) * std).astype(np.float32))
 
@@ -130,7 +130,7 @@ class Embedding(Module):
         rng = np.random.default_rng() if rng is None else rng
         self.weight = Parameter(_normal(rng, 1.0, (num_embeddings, embedding_dim)))
 
-    def forward(self, indices: Any) -> Tensor:
+    def forward(self, indices: TensorLike) -> Tensor:
         return functional.embedding(indices, self.weight)
 
     def __repr__(self) -> str:
@@ -149,3 +149,59 @@ class GELU(Module):
 
     def __repr__(self) -> str:
         return f"GELU(approximate={self.approximate!r})"
+
+
+@dataclass
+class DropoutState:
+    """What a dropout mask is drawn from besides the layer: the run's seed, the optimizer step,
+    and the global batch index of every row the caller holds (`sample_indices[r]` for row r)."""
+
+    seed: int
+    step: int
+    sample_indices: np.ndarray
+
+
+class Dropout(Module):
+    """Zero each element with probability p in training mode, scaling the rest by 1/(1 - p).
+
+    `layer` numbers this dropout within its model; with the `state` set by `set_dropout_state`
+    it makes the mask a pure function of (seed, step, layer, sample, position), the same in
+    every parallel layout and when an activation is recomputed (minimp/ops/dropout.py).
+    """
+
+    def __init__(self, p: float = 0.5, layer: int = 0):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must lie in [0, 1), got {p}")
+        self.p, self.layer = p, layer
+        self.state: DropoutState | None = None
+        # Tensor and sequence parallelism: the input is slice `slice_index` of equal slices of
+        # the whole tensor's axis 1 (heads, positions); its masks are that slice of the whole's.
+        self.slice_index = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.state is None:
+            raise RuntimeError(
+                f"Dropout(p={self.p}) in training mode needs the rows' seed, step and global "
+                "sample indices: call nn.set_dropout_state(model, seed, step, sample_indices) "
+                "before the forward (or model.eval(), or p=0)"
+            )
+        state, per_sample = self.state, int(np.prod(x.shape[1:]))
+        return functional.dropout(
+            x, self.p, state.seed, state.step, self.layer, state.sample_indices,
+            offset=self.slice_index * per_sample,
+        )  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"Dropout(p={self.p}, layer={self.layer})"
+
+
+def set_dropout_state(model: Module, seed: int, step: int, sample_indices: npt.ArrayLike) -> None:
+    """Tell every Dropout in model which (seed, step) this forward belongs to and which global
+    samples its rows are. Set it before each forward (each micro-batch has its own rows)."""
+    state = DropoutState(seed, step, np.asarray(backend.to_numpy(sample_indices)))
+    for module in model.modules():
+        if isinstance(module, Dropout):
+            module.state = state

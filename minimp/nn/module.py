@@ -2,18 +2,26 @@
 sub-modules, state_dict, train/eval, forward hooks, and the cast into mixed precision's compute
 copies)."""
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy.typing as npt
 
 from minimp import backend
+from minimp.backend import Array
 from minimp.precision import casting
 from minimp.tensor import RemovableHandle, Tensor
+
+# A forward pre-hook gets (module, args) and a forward hook (module, args, output); a non-None
+# return value replaces the arguments or the output.
+ForwardPreHook = Callable[["Module", tuple], object]
+ForwardHook = Callable[["Module", tuple, Any], object]
 
 
 class Parameter(Tensor):
     """A tensor the optimizer updates. In mixed precision it holds the compute copy
     (float16/bfloat16); the float32 master lives in the optimizer."""
 
-    def __init__(self, data: Any):
+    def __init__(self, data: npt.ArrayLike):
         super().__init__(data, requires_grad=True)
 
 
@@ -22,26 +30,24 @@ class Module:
 
     _parameters: dict[str, Parameter]
     _modules: dict[str, "Module"]
-    _forward_pre_hooks: list[Any]
-    _forward_hooks: list[Any]
+    _forward_pre_hooks: list[ForwardPreHook]
+    _forward_hooks: list[ForwardHook]
 
     def __init__(self) -> None:
-        object.__setattr__(self, "_parameters", {})
-        object.__setattr__(self, "_modules", {})
-        object.__setattr__(self, "_forward_pre_hooks", [])
-        object.__setattr__(self, "_forward_hooks", [])
+        self._parameters, self._modules = {}, {}  # filled by __setattr__ below
+        self._forward_pre_hooks, self._forward_hooks = [], []
         self.training = True  # False after eval(): dropout then passes its input through
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         if isinstance(value, Parameter):
             self._parameters[name] = value
         elif isinstance(value, Module):
             self._modules[name] = value
         object.__setattr__(self, name, value)
 
-    def __call__(self, *args: Any) -> Any:
-        for hook in tuple(self._forward_pre_hooks):
-            replaced = hook(self, args)
+    def __call__(self, *args: object) -> Any:
+        for pre_hook in tuple(self._forward_pre_hooks):
+            replaced = pre_hook(self, args)
             if replaced is not None:
                 args = replaced if isinstance(replaced, tuple) else (replaced,)
         output = self.forward(*args)
@@ -50,14 +56,14 @@ class Module:
             output = output if replaced is None else replaced
         return output
 
-    def register_forward_pre_hook(self, hook: Any) -> RemovableHandle:
+    def register_forward_pre_hook(self, hook: ForwardPreHook) -> RemovableHandle:
         """Call hook(module, args) before each forward; a non-None return replaces the arguments
         (as torch.nn.Module's). Tensor parallelism moves a layer's input between ranks here
         without changing the layer (minimp/parallel/tensor/models.py)."""
         self._forward_pre_hooks.append(hook)
         return RemovableHandle(self._forward_pre_hooks, hook)
 
-    def register_forward_hook(self, hook: Any) -> RemovableHandle:
+    def register_forward_hook(self, hook: ForwardHook) -> RemovableHandle:
         """Call hook(module, args, output) after each forward; a non-None return replaces the
         output (as torch.nn.Module's)."""
         self._forward_hooks.append(hook)
@@ -80,9 +86,7 @@ class Module:
 
     def modules(self) -> Iterator["Module"]:
         """This module and every sub-module, depth first (as torch.nn.Module.modules)."""
-        yield self
-        for child in self._modules.values():
-            yield from child.modules()
+        return (module for _, module in self.named_modules())
 
     def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
         """(name, module) for this module ("") and every sub-module ("3.attn.c_attn"), depth
@@ -101,11 +105,11 @@ class Module:
         """Evaluation mode (dropout off), for this module and every sub-module; returns self."""
         return self.train(False)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Array]:
         """{name: array} of every parameter (the arrays themselves, as PyTorch returns them)."""
         return {name: parameter.data for name, parameter in self.named_parameters()}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Array]) -> None:
         """Copy arrays into the parameters (cast to each parameter's dtype).
         Names and shapes must match."""
         own = dict(self.named_parameters())
@@ -132,7 +136,7 @@ class Module:
         )
         return f"{type(self).__name__}({children}\n)" if children else f"{type(self).__name__}()"
 
-    def to(self, dtype: Any) -> "Module":
+    def to(self, dtype: npt.DTypeLike) -> "Module":
         """Round every parameter into dtype (mixed precision's compute copies): a NumPy dtype or
         the training command's names "fp16", "bf16", "fp32". Returns self."""
         dtype = casting.dtype_named(dtype)
@@ -142,10 +146,10 @@ class Module:
         return self
 
 
-def reachable_parameters(module: Any) -> list[Parameter]:
+def reachable_parameters(module: Module) -> list[Parameter]:
     """Every Parameter a module's forward can read: its own and those of any module it holds,
     registered or not (the GPT's head holds the token embedding without registering it)."""
-    found: dict[int, Any] = {}
+    found: dict[int, Parameter] = {}
     stack, seen = [module], set()
     while stack:
         current = stack.pop()

@@ -14,10 +14,11 @@ masks because a mask is a pure function of (seed, step, layer, sample) and the b
 states, captured at the first forward, are put back for the second (minimp/ops/dropout.py).
 """
 
-from typing import Any, Sequence
+from typing import Sequence
 
-from minimp.function import Function
-from minimp.nn.dropout import Dropout
+from minimp.backend import Array
+from minimp.function import Context, Function
+from minimp.nn.layers import Dropout, Sequential
 from minimp.nn.module import Module
 from minimp.tensor import Tensor, grad_enabled, no_grad
 
@@ -32,39 +33,32 @@ class Recompute(Function):
     """
 
     @staticmethod
-    def forward(ctx, x, *parameter_arrays, modules, dropouts):
-        """The modules' forward without a graph; keeps x and the dropouts' states."""
+    def forward(ctx: Context, x: Array, *parameter_arrays: Array, block: Sequential) -> Array:
+        """The block's forward without a graph; keeps x and the states of the block's dropouts."""
         ctx.save_for_backward(x)
-        ctx.modules, ctx.parameter_count = modules, len(parameter_arrays)
-        ctx.dropout_states = [(dropout, dropout.state) for dropout in dropouts]
+        ctx.block, ctx.parameter_count = block, len(parameter_arrays)
+        ctx.dropout_states = [(d, d.state) for d in block.modules() if isinstance(d, Dropout)]
         with no_grad():
-            return _run(modules, Tensor(x)).data
+            return block(Tensor(x)).data
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Context, grad_output: Array) -> tuple[Array | None, ...]:
         """The forward again, with the graph and the same masks, then backward through it."""
         (x,) = ctx.saved_arrays
         current = [(dropout, dropout.state) for dropout, _ in ctx.dropout_states]
         for dropout, state in ctx.dropout_states:  # this micro-batch's masks, not the latest
             dropout.state = state
         leaf = Tensor(x, requires_grad=ctx.needs_input_grad[0])
-        _run(ctx.modules, leaf).backward(grad_output)  # the graph is recorded during backward
+        ctx.block(leaf).backward(grad_output)  # the graph is recorded during backward
         for dropout, state in current:
             dropout.state = state
         return (leaf.grad, *[None] * ctx.parameter_count)
 
 
-def _run(modules: Sequence[Module], x: Tensor) -> Tensor:
-    for module in modules:
-        x = module(x)
-    return x
-
-
 def recompute(modules: Sequence[Module], x: Tensor) -> Tensor:
     """The modules applied in order to x, keeping only x for backward (PyTorch:
     torch.utils.checkpoint.checkpoint). Without grad mode there is no backward: a plain forward."""
+    block = Sequential(*modules)  # the modules in order, as one module
     if not grad_enabled():
-        return _run(modules, x)
-    parameters: list[Any] = [p for module in modules for p in module.parameters()]
-    dropouts = [d for module in modules for d in module.modules() if isinstance(d, Dropout)]
-    return Recompute.apply(x, *parameters, modules=tuple(modules), dropouts=dropouts)
+        return block(x)
+    return Recompute.apply(x, *block.parameters(), block=block)

@@ -1,43 +1,9 @@
 """The op list: one Function per differentiable operation, forward and backward side by side."""
 
-from minimp.ops.activation import GELU
-from minimp.ops.attention import ScaledMaskedSoftmax
 from minimp.ops.dropout import Dropout
-from minimp.ops.elementwise import Add, Cast, Div, Exp, Log, Mul, Neg, ReLU, Sub, Tanh
+from minimp.ops.elementwise import GELU, Add, Cast, Div, Exp, Log, Mul, Neg, ReLU, Sub, Tanh
 from minimp.ops.embedding import Embedding
-from minimp.ops.fp8_linear import Fp8Linear
-from minimp.ops.indexing import Index
-from minimp.ops.linalg import Linear, MatMul
-from minimp.ops.loss import CrossEntropy, LogSoftmax, Softmax
-from minimp.ops.normalization import LayerNorm
-from minimp.ops.reduce import Mean, Sum
-from minimp.ops.shape import Reshape, Transpose
-
-__all__ = [
-    "Add",
-    "Cast",
-    "CrossEntropy",
-    "Div",
-    "Dropout",
-    "Embedding",
-    "Exp",
-    "Fp8Linear",
-    "GELU",
-    "Index",
-    "LayerNorm",
-    "Linear",
-    "Log",
-    "LogSoftmax",
-    "MatMul",
-    "Mean",
-    "Mul",
-    "Neg",
-    "ReLU",
-    "Reshape",
-    "ScaledMaskedSoftmax",
-    "Softmax",
-    "Sub",
-    "Sum",
-    "Tanh",
-    "Transpose",
-]
+from minimp.ops.linalg import Fp8Linear, Linear, MatMul
+from minimp.ops.reduce import LayerNorm, Mean, Sum
+from minimp.ops.shape import BasicIndex, Index, Reshape, Transpose
+from minimp.ops.softmax import CrossEntropy, LogSoftmax, ScaledMaskedSoftmax, Softmax

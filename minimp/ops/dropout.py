@@ -19,53 +19,38 @@ sequence parallelism's positions) holds a contiguous range of those positions an
 `offset`, so its elements draw the bits the whole tensor's would.
 """
 
-from typing import Any
+from types import ModuleType
 
 import numpy as np
+import numpy.typing as npt
 
-from minimp.backend import array_module, to_numpy
-from minimp.function import Function
+from minimp.backend import Array, array_module, to_numpy
+from minimp.function import Context, Function
 from minimp.precision.casting import round_to, widen
 
-_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, odd: SplitMix64's increment
+_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio, odd: SplitMix64's increment
 _MASK64 = 2**64 - 1
-_MIX_CONSTANTS = (30, 0xBF58476D1CE4E5B9, 27, 0x94D049BB133111EB, 31)
 
 
-def _mix_int(z: int) -> int:
-    """SplitMix64's finalizer on a Python int (for the per-stream key)."""
-    shift1, multiply1, shift2, multiply2, shift3 = _MIX_CONSTANTS
-    z = ((z ^ (z >> shift1)) * multiply1) & _MASK64
-    z = ((z ^ (z >> shift2)) * multiply2) & _MASK64
-    return z ^ (z >> shift3)
-
-
-def _mix(z: Any) -> Any:
+def _mix(z: Array) -> Array:
     """SplitMix64's finalizer on a uint64 array (NumPy and CuPy wrap uint64 arithmetic mod 2^64)."""
-    shift1, multiply1, shift2, multiply2, shift3 = (np.uint64(c) for c in _MIX_CONSTANTS)
-    z = (z ^ (z >> shift1)) * multiply1
-    z = (z ^ (z >> shift2)) * multiply2
-    return z ^ (z >> shift3)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
 def stream_key(seed: int, step: int, layer: int) -> int:
     """The 64-bit key of one (seed, step, layer) stream."""
-    key = 0
+    key = np.zeros(1, np.uint64)  # an array, not a scalar: its arithmetic wraps without a warning
     for word in (seed, step, layer):
-        key = _mix_int((key + (word & _MASK64) + _GOLDEN_GAMMA) & _MASK64)
-    return key
+        key = _mix(key + np.uint64(word & _MASK64) + _GOLDEN_GAMMA)
+    return int(key[0])
 
 
 def keep_mask(
-    shape: tuple[int, ...],
-    p: float,
-    seed: int,
-    step: int,
-    layer: int,
-    sample_indices: Any,
-    xp=np,
-    offset: int = 0,
-) -> Any:
+    shape: tuple[int, ...], p: float, seed: int, step: int, layer: int,
+    sample_indices: npt.ArrayLike, xp: ModuleType = np, offset: int = 0,
+) -> Array:  # fmt: skip
     """Bool array of `shape` (batch axis first): True where dropout keeps the element.
 
     Row r holds global sample `sample_indices[r]`; the mask is the same wherever that sample is.
@@ -84,7 +69,7 @@ def keep_mask(
     positions = xp.arange(offset, offset + per_sample, dtype=np.uint64)
     counters = (samples[:, None] << np.uint64(32)) | positions[None, :]  # (B, elements)
     key = np.uint64(stream_key(seed, step, layer))
-    bits = _mix((counters + np.uint64(1)) * np.uint64(_GOLDEN_GAMMA) + key)  # arrays on the left
+    bits = _mix((counters + np.uint64(1)) * _GOLDEN_GAMMA + key)  # arrays on the left
     threshold = np.uint64(min(int(p * 2.0**64), _MASK64))
     return (bits >= threshold).reshape(shape)
 
@@ -98,7 +83,10 @@ class Dropout(Function):
     """
 
     @staticmethod
-    def forward(ctx, x, p, seed, step, layer, sample_indices, offset=0):
+    def forward(
+        ctx: Context, x: Array, p: float, seed: int, step: int, layer: int,
+        sample_indices: npt.ArrayLike, offset: int = 0,
+    ) -> Array:  # fmt: skip
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must lie in [0, 1), got {p}")
         xp = array_module(x)
@@ -108,12 +96,12 @@ class Dropout(Function):
         return _masked_scale(x, keep, ctx.scale)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Context, grad_output: Array) -> Array:
         (keep,) = ctx.saved_arrays
         return _masked_scale(grad_output, keep, ctx.scale)
 
 
-def _masked_scale(x, keep, scale):
+def _masked_scale(x: Array, keep: Array, scale: float) -> Array:
     """x * scale where keep, exactly 0 elsewhere (where, not a product: inf * 0 would be NaN)."""
     wide = widen(x)
     return round_to(array_module(x).where(keep, wide * scale, wide.dtype.type(0)), x.dtype)

@@ -11,12 +11,12 @@ CuPy has no reduceat; on a GPU `cupy.add.at` (float32 atomicAdd) is the usual sc
 
 import numpy as np
 
-from minimp.backend import array_module
-from minimp.function import Function
+from minimp.backend import Array, array_module
+from minimp.function import Context, Function
 from minimp.precision.casting import round_to, widen
 
 
-def _scatter_add_rows(indices, rows, num_rows):
+def _scatter_add_rows(indices: Array, rows: Array, num_rows: int) -> Array:
     """out[v] = sum of rows[i] over the i with indices[i] == v, in rows' dtype (float32 or 64)."""
     xp = array_module(rows)
     out = xp.zeros((num_rows, rows.shape[1]), rows.dtype)
@@ -38,7 +38,7 @@ class Embedding(Function):
     """
 
     @staticmethod
-    def forward(ctx, indices, weight):
+    def forward(ctx: Context, indices: Array, weight: Array) -> Array:
         xp = array_module(weight)
         indices = xp.asarray(indices)  # token ids may come from the host: index on the device
         if indices.dtype.kind not in "iu":
@@ -50,7 +50,7 @@ class Embedding(Function):
         return weight[indices]
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Context, grad_output: Array) -> tuple[None, Array]:
         (indices,) = ctx.saved_arrays
         # float32 sums: a float16 running sum of a frequent token's gradients stalls (2048 + 1)
         rows = widen(grad_output).reshape(-1, ctx.weight_shape[1])  # (N, C), N = all positions

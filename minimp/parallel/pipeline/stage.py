@@ -186,6 +186,7 @@ class PipelineStage:
             assert self._inputs is not None  # the first stage is given the inputs
             x = Tensor(self._inputs[action.micro_batch])
         else:  # a leaf that wants its gradient: that gradient is what we send back
+            assert state.received is not None  # a schedule receives before it forwards
             x = Tensor(state.received, requires_grad=True)
             state.received = None
         state.input, output = x, self.forward(x, chunk)
