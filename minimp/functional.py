@@ -3,13 +3,16 @@
 Names and arguments follow torch.nn.functional where PyTorch has the function.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy.typing as npt
 
 from minimp import backend, ops
 from minimp.backend import Array
 from minimp.tensor import Tensor, TensorLike, as_tensor
+
+if TYPE_CHECKING:  # for the annotation only: precision.fp8_scaling is a layer above the ops
+    from minimp.precision.fp8_scaling import Fp8Meta
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
@@ -30,7 +33,8 @@ def cross_entropy(logits: Tensor, targets: TensorLike) -> Tensor:
     return ops.CrossEntropy.apply(logits, as_tensor(targets))
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, fp8_meta: Any = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+           fp8_meta: "Fp8Meta | None" = None) -> Tensor:
     """x @ weight^T + bias with float32 accumulation (weight is (out_features, in_features)).
     With an `fp8_meta` (precision.Fp8Meta), x and weight enter the product in fp8
     (ops.Fp8Linear)."""

@@ -283,17 +283,15 @@ class Tensor:
         """Call hook(grad) when this tensor's gradient is complete during backward; a non-None
         return value replaces the gradient (as torch.Tensor.register_hook). For a leaf this runs
         before the gradient is added into `.grad`."""
-        hooks = self._hooks if isinstance(self._hooks, list) else []
+        hooks = vars(self).setdefault("_hooks", [])  # its own list, instead of the class's ()
         hooks.append(hook)
-        self._hooks = hooks
         return RemovableHandle(hooks, hook)
 
     def register_post_accumulate_grad_hook(self, hook: Callable[[Tensor], None]) -> RemovableHandle:
         """Call hook(self) after backward has added this leaf's gradient into `.grad` (PyTorch's
         name). ZeRO reduce-scatters a layer's gradients from here as soon as they are complete."""
-        hooks = self._post_accumulate_hooks if isinstance(self._post_accumulate_hooks, list) else []
+        hooks = vars(self).setdefault("_post_accumulate_hooks", [])  # its own list, as above
         hooks.append(hook)
-        self._post_accumulate_hooks = hooks
         return RemovableHandle(hooks, hook)
 
     def backward(self, grad: Tensor | Array | None = None) -> None:

@@ -22,7 +22,7 @@ keeps the fp8 x and W for backward (1 byte a value, as TE does), and the bias gr
 from the 16-bit output gradient, before its quantization (as TE's fused cast does).
 """
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from minimp.backend import Array, array_module
 from minimp.function import Context, Function, unbroadcast
 from minimp.precision import casting, fp8
 from minimp.precision.casting import round_to, widen
+
+if TYPE_CHECKING:  # for the annotation only: precision.fp8_scaling is a layer above the ops
+    from minimp.precision.fp8_scaling import Fp8Meta
 
 
 def gemm_operand(array: Array) -> Array:
@@ -142,7 +145,7 @@ class Fp8Linear(Function):
     """
 
     @staticmethod
-    def forward(ctx: Context, x: Array, weight: Array, bias: Array, meta: Any) -> Array:
+    def forward(ctx: Context, x: Array, weight: Array, bias: Array, meta: "Fp8Meta") -> Array:
         check_linear_inputs(x, weight)
         # Training records amaxes and counts for the next scales; an evaluation (no gradient
         # wanted anywhere) only reads the scales, so it never changes the training that follows.

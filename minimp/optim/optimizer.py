@@ -241,10 +241,8 @@ class SGD(Optimizer):
         self.momentum = momentum
 
     def update(self, master: Array, grad: Array, slots: Slots, weight_decay: float) -> None:
-        buffer = slots["momentum_buffer"]
-        slots["momentum_buffer"] = sgd(
-            master, grad, buffer, lr=self.lr, momentum=self.momentum, weight_decay=weight_decay
-        )
+        slots["momentum_buffer"] = sgd(master, grad, slots["momentum_buffer"], lr=self.lr,
+                                       momentum=self.momentum, weight_decay=weight_decay)
 
 
 def adam(

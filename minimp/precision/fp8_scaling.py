@@ -147,10 +147,8 @@ class Fp8Quantizer:
         """Take the step's amax (agreed across ranks) into the history; delayed scaling computes
         the scale of the next step from it. The statistics start again."""
         if isinstance(self.recipe, DelayedScaling):  # the one recipe with state
-            margin = self.recipe.margin
             self.amax_history, self.scale = delayed_scaling_update(
-                self.amax_history, amax, float(self.scale), self.fmt.max, margin
-            )
+                self.amax_history, amax, float(self.scale), self.fmt.max, self.recipe.margin)
         else:
             self.amax_history = np.roll(self.amax_history, 1)
             self.amax_history[0] = amax
