@@ -129,8 +129,7 @@ class Tensor:
         if requires_grad and not casting.is_floating(self.data.dtype):
             raise TypeError(
                 f"only floating-point tensors can require gradients, got {self.data.dtype} "
-                "(as in PyTorch; cast first, e.g. Tensor(array.astype(np.float32)))"
-            )
+                "(as in PyTorch; cast first, e.g. Tensor(array.astype(np.float32)))")
         # after backward(): d(output)/d(self), same shape and dtype as data
         self.grad: Array | None = None
         self.requires_grad = requires_grad
@@ -266,17 +265,14 @@ class Tensor:
             raise RuntimeError(f"{caller} on a tensor that does not require grad: no graph to walk")
         if grad is None:
             if self.size != 1:
-                raise RuntimeError(
-                    f"backward() without a gradient needs a scalar, this tensor has shape "
-                    f"{self.shape}; pass grad= an array of that shape"
-                )
+                raise RuntimeError(f"backward() without a gradient needs a scalar, this tensor "
+                                   f"has shape {self.shape}; pass grad= an array of that shape")
             return backend.array_module(self.data).ones_like(self.data)
         grad = grad.data if isinstance(grad, Tensor) else grad
         if tuple(grad.shape) != self.shape or grad.dtype != self.dtype:
             raise ValueError(
                 f"backward(grad): grad has shape {tuple(grad.shape)} and dtype {grad.dtype}, "
-                f"the tensor has shape {self.shape} and dtype {self.dtype}; they must match"
-            )
+                f"the tensor has shape {self.shape} and dtype {self.dtype}; they must match")
         return grad
 
     def register_hook(self, hook: Callable[[Array], Array | None]) -> RemovableHandle:

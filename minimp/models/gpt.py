@@ -32,8 +32,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.width % self.heads:
             raise ValueError(
-                f"GPTConfig: width {self.width} must be a multiple of heads {self.heads}"
-            )
+                f"GPTConfig: width {self.width} must be a multiple of heads {self.heads}")
 
 
 class Embeddings(nn.Module):

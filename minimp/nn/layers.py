@@ -186,8 +186,7 @@ class Dropout(Module):
             raise RuntimeError(
                 f"Dropout(p={self.p}) in training mode needs the rows' seed, step and global "
                 "sample indices: call nn.set_dropout_state(model, seed, step, sample_indices) "
-                "before the forward (or model.eval(), or p=0)"
-            )
+                "before the forward (or model.eval(), or p=0)")
         state, per_sample = self.state, int(np.prod(x.shape[1:]))
         return functional.dropout(
             x, self.p, state.seed, state.step, self.layer, state.sample_indices,

@@ -116,14 +116,11 @@ class Module:
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or unexpected:
             raise KeyError(
-                f"state_dict does not fit this model: missing {missing}, unexpected {unexpected}"
-            )
+                f"state_dict does not fit this model: missing {missing}, unexpected {unexpected}")
         for name, parameter in own.items():
             if tuple(state[name].shape) != parameter.shape:
-                raise ValueError(
-                    f"state_dict: {name} has shape {tuple(state[name].shape)}, "
-                    f"the model expects {parameter.shape}"
-                )
+                raise ValueError(f"state_dict: {name} has shape {tuple(state[name].shape)}, "
+                                 f"the model expects {parameter.shape}")
         for name, parameter in own.items():
             array = backend.to_device(backend.to_numpy(state[name]))
             parameter.data = casting.round_to(array, parameter.dtype).copy()

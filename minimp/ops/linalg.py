@@ -57,10 +57,8 @@ class MatMul(Function):
     @staticmethod
     def forward(ctx: Context, a: Array, b: Array) -> Array:
         if a.ndim < 2 or b.ndim < 2:
-            raise ValueError(
-                f"matmul needs operands with 2 or more axes, got shapes {a.shape} and {b.shape}"
-                " (reshape a vector to (1, n) or (n, 1))"
-            )
+            raise ValueError(f"matmul needs operands with 2 or more axes, got shapes {a.shape} "
+                             f"and {b.shape} (reshape a vector to (1, n) or (n, 1))")
         ctx.save_for_backward(a, b)
         return round_to(gemm_operand(a) @ gemm_operand(b), casting.result_dtype(a.dtype, b.dtype))
 
@@ -82,12 +80,10 @@ def check_linear_inputs(x: Array, weight: Array) -> None:
     if x.dtype != weight.dtype:
         raise TypeError(
             f"linear: the input is {x.dtype} but the layer's weight is {weight.dtype}; cast "
-            f"the input (x.astype({weight.dtype.name!r})) or the model (model.to(...))"
-        )
+            f"the input (x.astype({weight.dtype.name!r})) or the model (model.to(...))")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(
-            f"linear: input has {x.shape[-1]} features, the layer expects {weight.shape[1]}"
-        )
+            f"linear: input has {x.shape[-1]} features, the layer expects {weight.shape[1]}")
 
 
 class Linear(Function):

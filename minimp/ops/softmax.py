@@ -98,22 +98,16 @@ class CrossEntropy(Function):
     @staticmethod
     def forward(ctx: Context, logits: Array, targets: Array) -> Array:
         if logits.ndim != 2 or targets.shape != logits.shape[:1]:
-            raise ValueError(
-                f"cross_entropy needs logits (B, C) and targets (B,), got {logits.shape}"
-                f" and {targets.shape}"
-            )
+            raise ValueError(f"cross_entropy needs logits (B, C) and targets (B,), got "
+                             f"{logits.shape} and {targets.shape}")
         xp = array_module(logits)
         targets = xp.asarray(targets)  # integer labels may come from the host: index on the device
         if targets.dtype.kind not in "iu":  # a float or bool label would index the wrong class
-            raise TypeError(
-                f"cross_entropy: targets must be integer class indices, got {targets.dtype} "
-                "(use labels.astype(np.int64))"
-            )
+            raise TypeError(f"cross_entropy: targets must be integer class indices, got "
+                            f"{targets.dtype} (use labels.astype(np.int64))")
         if targets.size and (int(targets.min()) < 0 or int(targets.max()) >= logits.shape[1]):
-            raise ValueError(
-                f"cross_entropy: targets must lie in 0..{logits.shape[1] - 1}, got values in "
-                f"{int(targets.min())}..{int(targets.max())}"
-            )
+            raise ValueError(f"cross_entropy: targets must lie in 0..{logits.shape[1] - 1}, got "
+                             f"values in {int(targets.min())}..{int(targets.max())}")
         ctx.save_for_backward(logits, targets)
         log_probabilities = _log_softmax32(logits, axis=1)
         picked = log_probabilities[xp.arange(len(targets)), targets]

@@ -112,19 +112,16 @@ class DynamicLossScaler(LossScaler):
     # The configuration, by constructor argument (init_scale aside: the state's loss_scale is it).
     SETTINGS = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale")
 
-    def __init__(
-        self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-        growth_interval: int = 2000, hysteresis: int = 1, min_scale: float = 1.0,
-    ):  # fmt: skip
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, hysteresis: int = 1,
+                 min_scale: float = 1.0):
         init_scale = _positive_scale("init_scale", init_scale)
         growth_factor = _positive_scale("growth_factor", growth_factor)
         backoff_factor = _positive_scale("backoff_factor", backoff_factor)
         min_scale = _positive_scale("min_scale", min_scale)
         if not (growth_factor > 1.0 and backoff_factor < 1.0):
-            raise ValueError(
-                f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor} "
-                f"and {backoff_factor}"
-            )
+            raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got "
+                             f"{growth_factor} and {backoff_factor}")
         if min_scale > init_scale:
             raise ValueError(f"need min_scale <= init_scale, got {min_scale} > {init_scale}")
         self.loss_scale = float(np.float32(init_scale))
