@@ -122,9 +122,8 @@ def load_shakespeare() -> TextDataset:
     return TextDataset("shakespeare", ids[:split], ids[split:], vocabulary)
 
 
-def text_batch(
-    data: np.ndarray, seed: int, step: int, batch_size: int, context: int
-) -> tuple[np.ndarray, np.ndarray]:
+def text_batch(data: np.ndarray, seed: int, step: int, batch_size: int,
+               context: int) -> tuple[np.ndarray, np.ndarray]:
     """The global batch of `step`: inputs (B, T) of `context` consecutive ids and targets (B, T),
     the ids one position later (the next character at each position), both int64.
 

@@ -104,8 +104,7 @@ def node_backward(
     context, everything = node.context, node.context.needs_input_grad
     if wanted is not None:
         context.needs_input_grad = tuple(
-            needed and wanted(parent) for needed, parent in zip(everything, node.inputs)
-        )
+            needed and wanted(parent) for needed, parent in zip(everything, node.inputs))
     try:
         if any(context.needs_input_grad):
             input_grads = node.function.backward(context, grad_output)

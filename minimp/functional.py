@@ -73,23 +73,19 @@ def embedding(indices: TensorLike, weight: Tensor) -> Tensor:
     return ops.Embedding.apply(as_tensor(indices), weight)
 
 
-def dropout(
-    x: Tensor, p: float, seed: int, step: int, layer: int, sample_indices: npt.ArrayLike,
-    offset: int = 0,
-) -> Tensor:  # fmt: skip
+def dropout(x: Tensor, p: float, seed: int, step: int, layer: int, sample_indices: npt.ArrayLike,
+            offset: int = 0) -> Tensor:
     """Zero each element with probability p and scale the rest by 1/(1 - p); the mask is a pure
     function of (seed, step, layer, sample_indices[row], offset + position) (see
     minimp/ops/dropout.py; `offset` places a slice of a larger tensor)."""
     if p == 0.0:
         return x
     return ops.Dropout.apply(
-        x, p=p, seed=seed, step=step, layer=layer, sample_indices=sample_indices, offset=offset
-    )
+        x, p=p, seed=seed, step=step, layer=layer, sample_indices=sample_indices, offset=offset)
 
 
-def scaled_masked_softmax(
-    scores: Tensor, scale: float, causal: bool = True, mask: Array | None = None
-) -> Tensor:
+def scaled_masked_softmax(scores: Tensor, scale: float, causal: bool = True,
+                          mask: Array | None = None) -> Tensor:
     """softmax(scale * scores) over the last axis with keys after each query (causal) and where
     mask is False hidden; float32 inside, fully masked rows give zeros (minimp/ops/softmax.py)."""
     return ops.ScaledMaskedSoftmax.apply(scores, scale=scale, causal=causal, mask=mask)

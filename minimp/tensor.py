@@ -310,9 +310,8 @@ def as_tensor(data: TensorLike) -> Tensor:
     return data if isinstance(data, Tensor) else Tensor(data)
 
 
-def walk_backward(
-    root: Tensor, grad: Array, weights: Sequence[Tensor] = ()
-) -> list[tuple[Node, Array]]:
+def walk_backward(root: Tensor, grad: Array,
+                  weights: Sequence[Tensor] = ()) -> list[tuple[Node, Array]]:
     """Tensor.backward's walk. With `weights` (leaves), an op that reads one of them computes only
     its other inputs' gradients now (its ctx.needs_input_grad says so) and keeps what forward saved;
     it is returned, with the gradient of its output, as (node, grad_output), for the weights'

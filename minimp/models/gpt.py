@@ -182,9 +182,8 @@ def _init_weights(model: nn.Module, layers: int, rng: np.random.Generator) -> No
             parameter.data = backend.to_device(drawn.astype(parameter.dtype))
 
 
-def block_activation_bytes(
-    s: int, b: int, h: int, a: int, dtype: npt.DTypeLike, dropout: bool = True
-) -> int:
+def block_activation_bytes(s: int, b: int, h: int, a: int, dtype: npt.DTypeLike,
+                           dropout: bool = True) -> int:
     """Bytes one Block keeps for backward (parameters excluded), for context s, batch b, width h,
     a heads and activations stored in dtype (d bytes each); `dropout` when p > 0.
 

@@ -127,10 +127,8 @@ class Module:
 
     def __repr__(self) -> str:
         """The module's class and its sub-modules, indented (as PyTorch prints a model)."""
-        children = "".join(
-            f"\n  ({name}): " + repr(child).replace("\n", "\n  ")
-            for name, child in self._modules.items()
-        )
+        children = "".join(f"\n  ({name}): " + repr(child).replace("\n", "\n  ")
+                           for name, child in self._modules.items())
         return f"{type(self).__name__}({children}\n)" if children else f"{type(self).__name__}()"
 
     def to(self, dtype: npt.DTypeLike) -> "Module":

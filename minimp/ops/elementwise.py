@@ -17,9 +17,8 @@ from minimp.precision import casting
 from minimp.precision.casting import round_to, widen
 
 
-def _binary_forward(
-    ctx: Context, a: Array, b: Array, compute: Callable[..., Array], dtype: np.dtype | None
-) -> Array:
+def _binary_forward(ctx: Context, a: Array, b: Array, compute: Callable[..., Array],
+                    dtype: np.dtype | None) -> Array:
     """Run compute(a, b) in the accumulation dtype and round once into `dtype` (by default NumPy's
     promotion of the two; a Python number passes the tensor's dtype, see minimp/tensor.py).
     Remembers the shapes and dtypes backward needs to undo broadcasting."""

@@ -113,8 +113,7 @@ class CrossEntropy(Function):
         picked = log_probabilities[xp.arange(len(targets)), targets]
         # float32 at least; float64 logits (gradient checks) keep float64.
         return xp.asarray(
-            -picked.mean(dtype=casting.result_dtype(logits.dtype, casting.ACCUMULATE_DTYPE))
-        )
+            -picked.mean(dtype=casting.result_dtype(logits.dtype, casting.ACCUMULATE_DTYPE)))
 
     @staticmethod
     def backward(ctx: Context, grad_output: Array) -> tuple[Array, None]:
@@ -126,9 +125,8 @@ class CrossEntropy(Function):
         return round_to(grad, logits.dtype), None
 
 
-def attention_mask(
-    xp: ModuleType, shape: tuple[int, ...], causal: bool = True, mask: Array | None = None
-) -> Array | None:
+def attention_mask(xp: ModuleType, shape: tuple[int, ...], causal: bool = True,
+                   mask: Array | None = None) -> Array | None:
     """Where a query may attend, broadcastable to the scores' shape (..., T_q, T_k): True on and
     below the diagonal when causal (query i sees keys up to i + T_k - T_q, so a query block at
     the end of a longer key sequence works too), and'ed with `mask` (True = may attend)."""
@@ -151,9 +149,8 @@ class ScaledMaskedSoftmax(Function):
     """
 
     @staticmethod
-    def forward(
-        ctx: Context, scores: Array, scale: float, causal: bool = True, mask: Array | None = None
-    ) -> Array:
+    def forward(ctx: Context, scores: Array, scale: float, causal: bool = True,
+                mask: Array | None = None) -> Array:
         xp = array_module(scores)
         ctx.scale = scale
         wide = widen(scores) * scale  # float32: logits past 11.09 would overflow exp in float16
