@@ -332,8 +332,7 @@ def walk_backward(root: Tensor, grad: Array,
             raise RuntimeError("backward() through a graph already freed by an earlier backward()")
         node.context.unpack_saved()
         if weight_ids and any(id(parent) in weight_ids for parent in node.inputs):
-            not_a_weight = lambda t: id(t) not in weight_ids  # noqa: E731
-            input_grads = node_backward(node, grad_output, not_a_weight)
+            input_grads = node_backward(node, grad_output, lambda t: id(t) not in weight_ids)
             deferred.append((node, grad_output))
         else:
             input_grads = node_backward(node, grad_output)

@@ -23,8 +23,7 @@ from minimp.tensor import Tensor, TensorLike
 
 def _uniform(rng: np.random.Generator, bound: float, shape: tuple[int, ...]) -> Array:
     """U(-bound, bound) in float32, drawn on the host in float64 (reproducible on any device)."""
-    values = rng.uniform(-bound, bound, size=shape).astype(np.float32)
-    return backend.to_device(values)
+    return backend.to_device(rng.uniform(-bound, bound, size=shape).astype(np.float32))
 
 
 class Linear(Module):

@@ -85,8 +85,7 @@ class Dropout(Function):
                 sample_indices: npt.ArrayLike, offset: int = 0) -> Array:
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must lie in [0, 1), got {p}")
-        xp = array_module(x)
-        keep = keep_mask(x.shape, p, seed, step, layer, sample_indices, xp, offset)
+        keep = keep_mask(x.shape, p, seed, step, layer, sample_indices, array_module(x), offset)
         ctx.save_for_backward(keep)
         ctx.scale = 1.0 / (1.0 - p)
         return _masked_scale(x, keep, ctx.scale)

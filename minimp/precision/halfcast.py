@@ -173,10 +173,8 @@ def _cast(array: np.ndarray, implementation: str, dtype: DTypeLike) -> np.ndarra
         flat = array.T.reshape(-1)
     else:
         return array.astype(dtype)
-    if implementation == "numba":
-        flat_result = halfcast_numba.cast(flat, dtype)
-    else:
-        flat_result = _numpy_in_chunks(flat, dtype)
+    convert = halfcast_numba.cast if implementation == "numba" else _numpy_in_chunks
+    flat_result = convert(flat, dtype)
     if array.flags.c_contiguous:
         return flat_result.reshape(array.shape)
     return flat_result.reshape(array.T.shape).T  # the same Fortran order astype would keep
