@@ -63,8 +63,7 @@ def global_batch_indices(seed: int, step: int, batch_size: int, dataset_size: in
     """
     if not 0 < batch_size <= dataset_size:
         raise ValueError(
-            f"batch size {batch_size} must lie in 1..{dataset_size} (the training set size)"
-        )
+            f"batch size {batch_size} must lie in 1..{dataset_size} (the training set size)")
     batches_per_epoch = dataset_size // batch_size
     epoch, index = divmod(step - 1, batches_per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(dataset_size)
@@ -123,9 +122,8 @@ def load_shakespeare() -> TextDataset:
     return TextDataset("shakespeare", ids[:split], ids[split:], vocabulary)
 
 
-def text_batch(
-    data: np.ndarray, seed: int, step: int, batch_size: int, context: int
-) -> tuple[np.ndarray, np.ndarray]:
+def text_batch(data: np.ndarray, seed: int, step: int, batch_size: int,
+               context: int) -> tuple[np.ndarray, np.ndarray]:
     """The global batch of `step`: inputs (B, T) of `context` consecutive ids and targets (B, T),
     the ids one position later (the next character at each position), both int64.
 

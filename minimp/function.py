@@ -85,8 +85,7 @@ class Function:
             if not isinstance(value, graph.Tensor):
                 raise TypeError(
                     f"{cls.__name__}: input {position} is a {type(value).__module__}."
-                    f"{type(value).__name__}, not a Tensor (wrap it: minimp.Tensor(value))"
-                )
+                    f"{type(value).__name__}, not a Tensor (wrap it: minimp.Tensor(value))")
         enabled = graph.grad_enabled()
         ctx = Context(tuple(enabled and t.requires_grad for t in inputs))
         output = graph.Tensor(cls.forward(ctx, *(t.data for t in inputs), **options))
@@ -105,8 +104,7 @@ def node_backward(
     context, everything = node.context, node.context.needs_input_grad
     if wanted is not None:
         context.needs_input_grad = tuple(
-            needed and wanted(parent) for needed, parent in zip(everything, node.inputs)
-        )
+            needed and wanted(parent) for needed, parent in zip(everything, node.inputs))
     try:
         if any(context.needs_input_grad):
             input_grads = node.function.backward(context, grad_output)
@@ -122,8 +120,7 @@ def node_backward(
         if grad is not None and (grad.shape != parent.shape or grad.dtype != parent.dtype):
             raise RuntimeError(  # a bug in that op's backward, not in the caller's code
                 f"{node.function.__name__}.backward returned a {grad.dtype} gradient of shape "
-                f"{grad.shape} for a {parent.dtype} input of shape {parent.shape}"
-            )
+                f"{grad.shape} for a {parent.dtype} input of shape {parent.shape}")
     return checked
 
 

@@ -3,13 +3,16 @@
 Names and arguments follow torch.nn.functional where PyTorch has the function.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy.typing as npt
 
 from minimp import backend, ops
 from minimp.backend import Array
 from minimp.tensor import Tensor, TensorLike, as_tensor
+
+if TYPE_CHECKING:  # for the annotation only: precision.fp8_scaling is a layer above the ops
+    from minimp.precision.fp8_scaling import Fp8Meta
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
@@ -30,7 +33,8 @@ def cross_entropy(logits: Tensor, targets: TensorLike) -> Tensor:
     return ops.CrossEntropy.apply(logits, as_tensor(targets))
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, fp8_meta: Any = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+           fp8_meta: "Fp8Meta | None" = None) -> Tensor:
     """x @ weight^T + bias with float32 accumulation (weight is (out_features, in_features)).
     With an `fp8_meta` (precision.Fp8Meta), x and weight enter the product in fp8
     (ops.Fp8Linear)."""
@@ -69,23 +73,19 @@ def embedding(indices: TensorLike, weight: Tensor) -> Tensor:
     return ops.Embedding.apply(as_tensor(indices), weight)
 
 
-def dropout(
-    x: Tensor, p: float, seed: int, step: int, layer: int, sample_indices: npt.ArrayLike,
-    offset: int = 0,
-) -> Tensor:  # fmt: skip
+def dropout(x: Tensor, p: float, seed: int, step: int, layer: int, sample_indices: npt.ArrayLike,
+            offset: int = 0) -> Tensor:
     """Zero each element with probability p and scale the rest by 1/(1 - p); the mask is a pure
     function of (seed, step, layer, sample_indices[row], offset + position) (see
     minimp/ops/dropout.py; `offset` places a slice of a larger tensor)."""
     if p == 0.0:
         return x
     return ops.Dropout.apply(
-        x, p=p, seed=seed, step=step, layer=layer, sample_indices=sample_indices, offset=offset
-    )
+        x, p=p, seed=seed, step=step, layer=layer, sample_indices=sample_indices, offset=offset)
 
 
-def scaled_masked_softmax(
-    scores: Tensor, scale: float, causal: bool = True, mask: Array | None = None
-) -> Tensor:
+def scaled_masked_softmax(scores: Tensor, scale: float, causal: bool = True,
+                          mask: Array | None = None) -> Tensor:
     """softmax(scale * scores) over the last axis with keys after each query (causal) and where
     mask is False hidden; float32 inside, fully masked rows give zeros (minimp/ops/softmax.py)."""
     return ops.ScaledMaskedSoftmax.apply(scores, scale=scale, causal=causal, mask=mask)

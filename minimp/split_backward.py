@@ -31,9 +31,8 @@ class PendingWeightGradients:
     weights: Sequence[Tensor] = ()
 
 
-def backward_input(
-    output: Tensor, grad: Tensor | Array | None, weights: Sequence[Tensor]
-) -> PendingWeightGradients:
+def backward_input(output: Tensor, grad: Tensor | Array | None,
+                   weights: Sequence[Tensor]) -> PendingWeightGradients:
     """Backward through output's graph for everything but `weights` (leaves): leaf inputs such as a
     stage's input get their `.grad`; the weights' gradients are left for backward_weight."""
     deferred = walk_backward(output, output._initial_grad(grad, "backward_input()"), weights)

@@ -129,8 +129,7 @@ class Tensor:
         if requires_grad and not casting.is_floating(self.data.dtype):
             raise TypeError(
                 f"only floating-point tensors can require gradients, got {self.data.dtype} "
-                "(as in PyTorch; cast first, e.g. Tensor(array.astype(np.float32)))"
-            )
+                "(as in PyTorch; cast first, e.g. Tensor(array.astype(np.float32)))")
         # after backward(): d(output)/d(self), same shape and dtype as data
         self.grad: Array | None = None
         self.requires_grad = requires_grad
@@ -266,34 +265,29 @@ class Tensor:
             raise RuntimeError(f"{caller} on a tensor that does not require grad: no graph to walk")
         if grad is None:
             if self.size != 1:
-                raise RuntimeError(
-                    f"backward() without a gradient needs a scalar, this tensor has shape "
-                    f"{self.shape}; pass grad= an array of that shape"
-                )
+                raise RuntimeError(f"backward() without a gradient needs a scalar, this tensor "
+                                   f"has shape {self.shape}; pass grad= an array of that shape")
             return backend.array_module(self.data).ones_like(self.data)
         grad = grad.data if isinstance(grad, Tensor) else grad
         if tuple(grad.shape) != self.shape or grad.dtype != self.dtype:
             raise ValueError(
                 f"backward(grad): grad has shape {tuple(grad.shape)} and dtype {grad.dtype}, "
-                f"the tensor has shape {self.shape} and dtype {self.dtype}; they must match"
-            )
+                f"the tensor has shape {self.shape} and dtype {self.dtype}; they must match")
         return grad
 
     def register_hook(self, hook: Callable[[Array], Array | None]) -> RemovableHandle:
         """Call hook(grad) when this tensor's gradient is complete during backward; a non-None
         return value replaces the gradient (as torch.Tensor.register_hook). For a leaf this runs
         before the gradient is added into `.grad`."""
-        hooks = self._hooks if isinstance(self._hooks, list) else []
+        hooks = vars(self).setdefault("_hooks", [])  # its own list, instead of the class's ()
         hooks.append(hook)
-        self._hooks = hooks
         return RemovableHandle(hooks, hook)
 
     def register_post_accumulate_grad_hook(self, hook: Callable[[Tensor], None]) -> RemovableHandle:
         """Call hook(self) after backward has added this leaf's gradient into `.grad` (PyTorch's
         name). ZeRO reduce-scatters a layer's gradients from here as soon as they are complete."""
-        hooks = self._post_accumulate_hooks if isinstance(self._post_accumulate_hooks, list) else []
+        hooks = vars(self).setdefault("_post_accumulate_hooks", [])  # its own list, as above
         hooks.append(hook)
-        self._post_accumulate_hooks = hooks
         return RemovableHandle(hooks, hook)
 
     def backward(self, grad: Tensor | Array | None = None) -> None:
@@ -316,9 +310,8 @@ def as_tensor(data: TensorLike) -> Tensor:
     return data if isinstance(data, Tensor) else Tensor(data)
 
 
-def walk_backward(
-    root: Tensor, grad: Array, weights: Sequence[Tensor] = ()
-) -> list[tuple[Node, Array]]:
+def walk_backward(root: Tensor, grad: Array,
+                  weights: Sequence[Tensor] = ()) -> list[tuple[Node, Array]]:
     """Tensor.backward's walk. With `weights` (leaves), an op that reads one of them computes only
     its other inputs' gradients now (its ctx.needs_input_grad says so) and keeps what forward saved;
     it is returned, with the gradient of its output, as (node, grad_output), for the weights'
@@ -339,8 +332,7 @@ def walk_backward(
             raise RuntimeError("backward() through a graph already freed by an earlier backward()")
         node.context.unpack_saved()
         if weight_ids and any(id(parent) in weight_ids for parent in node.inputs):
-            not_a_weight = lambda t: id(t) not in weight_ids  # noqa: E731
-            input_grads = node_backward(node, grad_output, not_a_weight)
+            input_grads = node_backward(node, grad_output, lambda t: id(t) not in weight_ids)
             deferred.append((node, grad_output))
         else:
             input_grads = node_backward(node, grad_output)

@@ -160,8 +160,8 @@ def test_a_loss_above_one_times_2_to_the_16_overflows_float16():
 
 
 def test_bfloat16_covers_float32_range_with_fewer_bits():
-    largest, normal, _ = casting.finite_info(ml_dtypes.bfloat16)
-    assert largest > 3e38 and normal == float(np.finfo(np.float32).tiny)
+    info = ml_dtypes.finfo(ml_dtypes.bfloat16)
+    assert float(info.max) > 3e38 and float(info.smallest_normal) == np.finfo(np.float32).tiny
     assert float(np.spacing(np.array(1.0, ml_dtypes.bfloat16))) == 2.0**-7
 
 

@@ -32,8 +32,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.width % self.heads:
             raise ValueError(
-                f"GPTConfig: width {self.width} must be a multiple of heads {self.heads}"
-            )
+                f"GPTConfig: width {self.width} must be a multiple of heads {self.heads}")
 
 
 class Embeddings(nn.Module):
@@ -72,10 +71,9 @@ class CausalSelfAttention(nn.Module):
         batch, tokens, width = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
         head_width = self.width // self.heads
         heads = width // head_width  # the heads this module computes
-        q, k, v = F.split(qkv, width, axis=2)  # each (B, T, C), views
-        q = q.reshape(batch, tokens, heads, head_width).transpose(0, 2, 1, 3)  # (B, H, T, D)
-        k = k.reshape(batch, tokens, heads, head_width).transpose(0, 2, 1, 3)  # (B, H, T, D)
-        v = v.reshape(batch, tokens, heads, head_width).transpose(0, 2, 1, 3)  # (B, H, T, D)
+        # q, k and v: each (B, T, C), views of qkv, then split into heads: (B, H, T, D)
+        q, k, v = (part.reshape(batch, tokens, heads, head_width).transpose(0, 2, 1, 3)
+                   for part in F.split(qkv, width, axis=2))
         scores = q @ k.transpose(0, 1, 3, 2)  # (B, H, T, T): float32 sums, rounded once
         # 1/sqrt(D) applied in float32 inside the softmax (see minimp/ops/softmax.py for why)
         attention = F.scaled_masked_softmax(scores, 1.0 / math.sqrt(head_width))  # (B, H, T, T)
@@ -184,9 +182,8 @@ def _init_weights(model: nn.Module, layers: int, rng: np.random.Generator) -> No
             parameter.data = backend.to_device(drawn.astype(parameter.dtype))
 
 
-def block_activation_bytes(
-    s: int, b: int, h: int, a: int, dtype: npt.DTypeLike, dropout: bool = True
-) -> int:
+def block_activation_bytes(s: int, b: int, h: int, a: int, dtype: npt.DTypeLike,
+                           dropout: bool = True) -> int:
     """Bytes one Block keeps for backward (parameters excluded), for context s, batch b, width h,
     a heads and activations stored in dtype (d bytes each); `dropout` when p > 0.
 

@@ -33,11 +33,8 @@ def enable_fp8(model: Module, recipe: DelayedScaling | Float8CurrentScaling | No
 
 def fp8_metas(model: Module) -> list[tuple[str, Fp8Meta]]:
     """(module name, Fp8Meta) of every fp8 Linear, in named_modules() order."""
-    return [
-        (name, module.fp8_meta)
-        for name, module in model.named_modules()
-        if isinstance(module, Linear) and module.fp8_meta is not None
-    ]
+    return [(name, module.fp8_meta) for name, module in model.named_modules()
+            if isinstance(module, Linear) and module.fp8_meta is not None]
 
 
 def fp8_quantizers(model: Module) -> Iterator[tuple[str, Fp8Quantizer]]:

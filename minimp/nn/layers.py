@@ -23,8 +23,7 @@ from minimp.tensor import Tensor, TensorLike
 
 def _uniform(rng: np.random.Generator, bound: float, shape: tuple[int, ...]) -> Array:
     """U(-bound, bound) in float32, drawn on the host in float64 (reproducible on any device)."""
-    values = rng.uniform(-bound, bound, size=shape).astype(np.float32)
-    return backend.to_device(values)
+    return backend.to_device(rng.uniform(-bound, bound, size=shape).astype(np.float32))
 
 
 class Linear(Module):
@@ -35,10 +34,8 @@ class Linear(Module):
     unseeded one when None). Parameters are float32; model.to(...) makes the compute copies;
     nn.enable_fp8(model, recipe) gives it an `fp8_meta`, and its products then read fp8 inputs."""
 
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool = True,
-        rng: np.random.Generator | None = None,
-    ):  # fmt: skip
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 rng: np.random.Generator | None = None):
         super().__init__()
         rng = np.random.default_rng() if rng is None else rng
         bound = 1.0 / math.sqrt(in_features)
@@ -123,9 +120,8 @@ class Embedding(Module):
     """A table of vectors: forward(indices) = weight[indices]; weight (num_embeddings,
     embedding_dim) starts as PyTorch's does, N(0, 1), from the given NumPy Generator."""
 
-    def __init__(
-        self, num_embeddings: int, embedding_dim: int, rng: np.random.Generator | None = None
-    ):
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 rng: np.random.Generator | None = None):
         super().__init__()
         rng = np.random.default_rng() if rng is None else rng
         self.weight = Parameter(_normal(rng, 1.0, (num_embeddings, embedding_dim)))
@@ -186,13 +182,11 @@ class Dropout(Module):
             raise RuntimeError(
                 f"Dropout(p={self.p}) in training mode needs the rows' seed, step and global "
                 "sample indices: call nn.set_dropout_state(model, seed, step, sample_indices) "
-                "before the forward (or model.eval(), or p=0)"
-            )
+                "before the forward (or model.eval(), or p=0)")
         state, per_sample = self.state, int(np.prod(x.shape[1:]))
         return functional.dropout(
             x, self.p, state.seed, state.step, self.layer, state.sample_indices,
-            offset=self.slice_index * per_sample,
-        )  # fmt: skip
+            offset=self.slice_index * per_sample)
 
     def __repr__(self) -> str:
         return f"Dropout(p={self.p}, layer={self.layer})"

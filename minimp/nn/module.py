@@ -116,24 +116,19 @@ class Module:
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or unexpected:
             raise KeyError(
-                f"state_dict does not fit this model: missing {missing}, unexpected {unexpected}"
-            )
+                f"state_dict does not fit this model: missing {missing}, unexpected {unexpected}")
         for name, parameter in own.items():
             if tuple(state[name].shape) != parameter.shape:
-                raise ValueError(
-                    f"state_dict: {name} has shape {tuple(state[name].shape)}, "
-                    f"the model expects {parameter.shape}"
-                )
+                raise ValueError(f"state_dict: {name} has shape {tuple(state[name].shape)}, "
+                                 f"the model expects {parameter.shape}")
         for name, parameter in own.items():
             array = backend.to_device(backend.to_numpy(state[name]))
             parameter.data = casting.round_to(array, parameter.dtype).copy()
 
     def __repr__(self) -> str:
         """The module's class and its sub-modules, indented (as PyTorch prints a model)."""
-        children = "".join(
-            f"\n  ({name}): " + repr(child).replace("\n", "\n  ")
-            for name, child in self._modules.items()
-        )
+        children = "".join(f"\n  ({name}): " + repr(child).replace("\n", "\n  ")
+                           for name, child in self._modules.items())
         return f"{type(self).__name__}({children}\n)" if children else f"{type(self).__name__}()"
 
     def to(self, dtype: npt.DTypeLike) -> "Module":

@@ -47,10 +47,8 @@ def stream_key(seed: int, step: int, layer: int) -> int:
     return int(key[0])
 
 
-def keep_mask(
-    shape: tuple[int, ...], p: float, seed: int, step: int, layer: int,
-    sample_indices: npt.ArrayLike, xp: ModuleType = np, offset: int = 0,
-) -> Array:  # fmt: skip
+def keep_mask(shape: tuple[int, ...], p: float, seed: int, step: int, layer: int,
+              sample_indices: npt.ArrayLike, xp: ModuleType = np, offset: int = 0) -> Array:
     """Bool array of `shape` (batch axis first): True where dropout keeps the element.
 
     Row r holds global sample `sample_indices[r]`; the mask is the same wherever that sample is.
@@ -83,14 +81,11 @@ class Dropout(Function):
     """
 
     @staticmethod
-    def forward(
-        ctx: Context, x: Array, p: float, seed: int, step: int, layer: int,
-        sample_indices: npt.ArrayLike, offset: int = 0,
-    ) -> Array:  # fmt: skip
+    def forward(ctx: Context, x: Array, p: float, seed: int, step: int, layer: int,
+                sample_indices: npt.ArrayLike, offset: int = 0) -> Array:
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must lie in [0, 1), got {p}")
-        xp = array_module(x)
-        keep = keep_mask(x.shape, p, seed, step, layer, sample_indices, xp, offset)
+        keep = keep_mask(x.shape, p, seed, step, layer, sample_indices, array_module(x), offset)
         ctx.save_for_backward(keep)
         ctx.scale = 1.0 / (1.0 - p)
         return _masked_scale(x, keep, ctx.scale)

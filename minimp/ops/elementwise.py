@@ -17,14 +17,12 @@ from minimp.precision import casting
 from minimp.precision.casting import round_to, widen
 
 
-def _binary_forward(
-    ctx: Context, a: Array, b: Array, compute: Callable[..., Array], dtype: np.dtype | None
-) -> Array:
+def _binary_forward(ctx: Context, a: Array, b: Array, compute: Callable[..., Array],
+                    dtype: np.dtype | None) -> Array:
     """Run compute(a, b) in the accumulation dtype and round once into `dtype` (by default NumPy's
     promotion of the two; a Python number passes the tensor's dtype, see minimp/tensor.py).
     Remembers the shapes and dtypes backward needs to undo broadcasting."""
-    ctx.shapes = (a.shape, b.shape)
-    ctx.dtypes = (a.dtype, b.dtype)
+    ctx.shapes, ctx.dtypes = (a.shape, b.shape), (a.dtype, b.dtype)
     return round_to(compute(widen(a), widen(b)), dtype or casting.result_dtype(a.dtype, b.dtype))
 
 

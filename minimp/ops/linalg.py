@@ -22,7 +22,7 @@ keeps the fp8 x and W for backward (1 byte a value, as TE does), and the bias gr
 from the 16-bit output gradient, before its quantization (as TE's fused cast does).
 """
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from minimp.backend import Array, array_module
 from minimp.function import Context, Function, unbroadcast
 from minimp.precision import casting, fp8
 from minimp.precision.casting import round_to, widen
+
+if TYPE_CHECKING:  # for the annotation only: precision.fp8_scaling is a layer above the ops
+    from minimp.precision.fp8_scaling import Fp8Meta
 
 
 def gemm_operand(array: Array) -> Array:
@@ -54,10 +57,8 @@ class MatMul(Function):
     @staticmethod
     def forward(ctx: Context, a: Array, b: Array) -> Array:
         if a.ndim < 2 or b.ndim < 2:
-            raise ValueError(
-                f"matmul needs operands with 2 or more axes, got shapes {a.shape} and {b.shape}"
-                " (reshape a vector to (1, n) or (n, 1))"
-            )
+            raise ValueError(f"matmul needs operands with 2 or more axes, got shapes {a.shape} "
+                             f"and {b.shape} (reshape a vector to (1, n) or (n, 1))")
         ctx.save_for_backward(a, b)
         return round_to(gemm_operand(a) @ gemm_operand(b), casting.result_dtype(a.dtype, b.dtype))
 
@@ -79,12 +80,10 @@ def check_linear_inputs(x: Array, weight: Array) -> None:
     if x.dtype != weight.dtype:
         raise TypeError(
             f"linear: the input is {x.dtype} but the layer's weight is {weight.dtype}; cast "
-            f"the input (x.astype({weight.dtype.name!r})) or the model (model.to(...))"
-        )
+            f"the input (x.astype({weight.dtype.name!r})) or the model (model.to(...))")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(
-            f"linear: input has {x.shape[-1]} features, the layer expects {weight.shape[1]}"
-        )
+            f"linear: input has {x.shape[-1]} features, the layer expects {weight.shape[1]}")
 
 
 class Linear(Function):
@@ -142,7 +141,7 @@ class Fp8Linear(Function):
     """
 
     @staticmethod
-    def forward(ctx: Context, x: Array, weight: Array, bias: Array, meta: Any) -> Array:
+    def forward(ctx: Context, x: Array, weight: Array, bias: Array, meta: "Fp8Meta") -> Array:
         check_linear_inputs(x, weight)
         # Training records amaxes and counts for the next scales; an evaluation (no gradient
         # wanted anywhere) only reads the scales, so it never changes the training that follows.

@@ -52,8 +52,7 @@ def _check_basic(key: BasicIndex) -> None:
         if not (part is None or part is Ellipsis or isinstance(part, (int, slice))):
             raise TypeError(
                 f"Tensor indexing takes ints, slices, None and Ellipsis, got {type(part).__name__}"
-                " (to gather rows by an index array use functional.embedding)"
-            )
+                " (to gather rows by an index array use functional.embedding)")
 
 
 class Index(Function):

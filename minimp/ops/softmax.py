@@ -98,29 +98,22 @@ class CrossEntropy(Function):
     @staticmethod
     def forward(ctx: Context, logits: Array, targets: Array) -> Array:
         if logits.ndim != 2 or targets.shape != logits.shape[:1]:
-            raise ValueError(
-                f"cross_entropy needs logits (B, C) and targets (B,), got {logits.shape}"
-                f" and {targets.shape}"
-            )
+            raise ValueError(f"cross_entropy needs logits (B, C) and targets (B,), got "
+                             f"{logits.shape} and {targets.shape}")
         xp = array_module(logits)
         targets = xp.asarray(targets)  # integer labels may come from the host: index on the device
         if targets.dtype.kind not in "iu":  # a float or bool label would index the wrong class
-            raise TypeError(
-                f"cross_entropy: targets must be integer class indices, got {targets.dtype} "
-                "(use labels.astype(np.int64))"
-            )
+            raise TypeError(f"cross_entropy: targets must be integer class indices, got "
+                            f"{targets.dtype} (use labels.astype(np.int64))")
         if targets.size and (int(targets.min()) < 0 or int(targets.max()) >= logits.shape[1]):
-            raise ValueError(
-                f"cross_entropy: targets must lie in 0..{logits.shape[1] - 1}, got values in "
-                f"{int(targets.min())}..{int(targets.max())}"
-            )
+            raise ValueError(f"cross_entropy: targets must lie in 0..{logits.shape[1] - 1}, got "
+                             f"values in {int(targets.min())}..{int(targets.max())}")
         ctx.save_for_backward(logits, targets)
         log_probabilities = _log_softmax32(logits, axis=1)
         picked = log_probabilities[xp.arange(len(targets)), targets]
         # float32 at least; float64 logits (gradient checks) keep float64.
         return xp.asarray(
-            -picked.mean(dtype=casting.result_dtype(logits.dtype, casting.ACCUMULATE_DTYPE))
-        )
+            -picked.mean(dtype=casting.result_dtype(logits.dtype, casting.ACCUMULATE_DTYPE)))
 
     @staticmethod
     def backward(ctx: Context, grad_output: Array) -> tuple[Array, None]:
@@ -132,9 +125,8 @@ class CrossEntropy(Function):
         return round_to(grad, logits.dtype), None
 
 
-def attention_mask(
-    xp: ModuleType, shape: tuple[int, ...], causal: bool = True, mask: Array | None = None
-) -> Array | None:
+def attention_mask(xp: ModuleType, shape: tuple[int, ...], causal: bool = True,
+                   mask: Array | None = None) -> Array | None:
     """Where a query may attend, broadcastable to the scores' shape (..., T_q, T_k): True on and
     below the diagonal when causal (query i sees keys up to i + T_k - T_q, so a query block at
     the end of a longer key sequence works too), and'ed with `mask` (True = may attend)."""
@@ -157,9 +149,8 @@ class ScaledMaskedSoftmax(Function):
     """
 
     @staticmethod
-    def forward(
-        ctx: Context, scores: Array, scale: float, causal: bool = True, mask: Array | None = None
-    ) -> Array:
+    def forward(ctx: Context, scores: Array, scale: float, causal: bool = True,
+                mask: Array | None = None) -> Array:
         xp = array_module(scores)
         ctx.scale = scale
         wide = widen(scores) * scale  # float32: logits past 11.09 would overflow exp in float16

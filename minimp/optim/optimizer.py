@@ -46,8 +46,7 @@ class Optimizer(MixedPrecisionOptimizer):
                 raise ValueError(
                     f"optimizer: parameter {index} is already {parameter.dtype}; build the "
                     "optimizer before model.to(...), so the float32 masters start from the exact "
-                    "float32 weights instead of their 16-bit rounding"
-                )
+                    "float32 weights instead of their 16-bit rounding")
         self.lr = lr
         # A float32 parameter is its own master (the same array); others get a float32 copy.
         self.master_weights = [casting.round_to(p.data, MASTER_DTYPE) for p in self.params]
@@ -105,19 +104,13 @@ class Optimizer(MixedPrecisionOptimizer):
         it (the step changes the accumulator in place: unscale, clip, weight decay) nor to the
         accumulator it replaces, and it is a float32 array of the master's shape, type and
         layout that owns its memory (ZeRO writes accumulators through reshape(-1) views)."""
-        replaced_is_free = self.accumulators[index] is None or backend.sole_holder(
-            self.accumulators, index
-        )
+        replaced_is_free = (self.accumulators[index] is None
+                            or backend.sole_holder(self.accumulators, index))
         if not (replaced_is_free and backend.sole_holder(incoming, 0)):
             return False
         array, master = incoming[0], self.master_weights[index]
-        return (
-            type(array) is type(master)
-            and array.dtype == MASTER_DTYPE
-            and array.shape == master.shape
-            and array.base is None
-            and array.flags.c_contiguous
-        )
+        return (type(array) is type(master) and array.dtype == MASTER_DTYPE
+                and array.shape == master.shape and array.base is None and array.flags.c_contiguous)
 
     def _accumulator(self, index: int) -> Array:
         """Parameter index's float32 gradient buffer, allocated once and kept."""
@@ -136,8 +129,7 @@ class Optimizer(MixedPrecisionOptimizer):
             raise RuntimeError(
                 f"optimizer.step(): {pending} parameter(s) hold gradients that were not "
                 "accumulated; call optimizer.accumulate_gradients() first, or let "
-                "minimp.mixed_precision_step(optimizer, scaler) run the whole step"
-            )
+                "minimp.mixed_precision_step(optimizer, scaler) run the whole step")
         self.step_count += 1
         for index, grad in enumerate(self.master_gradients):
             if grad is None:
@@ -202,10 +194,8 @@ def _parameter_groups(params: ParamsT, weight_decay: float) -> tuple[list, list[
     return parameters, decays
 
 
-def sgd(
-    master: Array, grad: Array, momentum_buffer: Array | None,
-    *, lr: float, momentum: float, weight_decay: float,
-) -> Array | None:  # fmt: skip
+def sgd(master: Array, grad: Array, momentum_buffer: Array | None, *, lr: float, momentum: float,
+        weight_decay: float) -> Array | None:
     """SGD's update rule (PyTorch's, without dampening or Nesterov) on float32 arrays, in place:
 
         g <- g + weight_decay * w
@@ -234,24 +224,19 @@ class SGD(Optimizer):
 
     slot_names = ("momentum_buffer",)
 
-    def __init__(
-        self, params: ParamsT, lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0
-    ):
+    def __init__(self, params: ParamsT, lr: float = 0.01, momentum: float = 0.0,
+                 weight_decay: float = 0.0):
         super().__init__(params, lr, weight_decay)
         self.momentum = momentum
 
     def update(self, master: Array, grad: Array, slots: Slots, weight_decay: float) -> None:
-        buffer = slots["momentum_buffer"]
-        slots["momentum_buffer"] = sgd(
-            master, grad, buffer, lr=self.lr, momentum=self.momentum, weight_decay=weight_decay
-        )
+        slots["momentum_buffer"] = sgd(master, grad, slots["momentum_buffer"], lr=self.lr,
+                                       momentum=self.momentum, weight_decay=weight_decay)
 
 
-def adam(
-    master: Array, grad: Array, exp_avg: Array | None, exp_avg_sq: Array | None,
-    *, step: int, lr: float, betas: tuple[float, float], eps: float,
-    weight_decay: float, decoupled_weight_decay: bool,
-) -> tuple[Array, Array]:  # fmt: skip
+def adam(master: Array, grad: Array, exp_avg: Array | None, exp_avg_sq: Array | None, *, step: int,
+         lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+         decoupled_weight_decay: bool) -> tuple[Array, Array]:
     """Adam's update rule (Kingma & Ba 2015) on float32 arrays, in place, at step number `step`
     (1 for the first); with decoupled_weight_decay, AdamW's (Loshchilov & Hutter 2019), whose
     decay shrinks the weight directly instead of joining the gradient:
@@ -290,27 +275,23 @@ class Adam(Optimizer):
 
     slot_names = ("exp_avg", "exp_avg_sq")
 
-    def __init__(
-        self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8, weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
-    ):  # fmt: skip
+    def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0,
+                 decoupled_weight_decay: bool = False):
         super().__init__(params, lr, weight_decay)
         self.betas, self.eps = betas, eps
         self.decoupled_weight_decay = decoupled_weight_decay
 
     def update(self, master: Array, grad: Array, slots: Slots, weight_decay: float) -> None:
         slots["exp_avg"], slots["exp_avg_sq"] = adam(
-            master, grad, slots["exp_avg"], slots["exp_avg_sq"], step=self.step_count,
-            lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=weight_decay,
-            decoupled_weight_decay=self.decoupled_weight_decay,
-        )  # fmt: skip
+            master, grad, slots["exp_avg"], slots["exp_avg_sq"], step=self.step_count, lr=self.lr,
+            betas=self.betas, eps=self.eps, weight_decay=weight_decay,
+            decoupled_weight_decay=self.decoupled_weight_decay)
 
 
 class AdamW(Adam):
     """Adam with decoupled weight decay (default 0.01, as in PyTorch)."""
 
-    def __init__(
-        self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8, weight_decay: float = 0.01,
-    ):  # fmt: skip
+    def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01):
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay=True)

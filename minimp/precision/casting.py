@@ -84,9 +84,3 @@ def result_dtype(*dtypes: DTypeLike) -> np.dtype:
         return np.result_type(*dtypes)
     except TypeError:  # ml_dtypes' bfloat16 has no promotion rule with float16
         return FLOAT32
-
-
-def finite_info(dtype: DTypeLike) -> tuple[float, float, float]:
-    """Largest finite value, smallest normal and smallest subnormal of a float dtype."""
-    info = ml_dtypes.finfo(dtype)
-    return float(info.max), float(info.smallest_normal), float(info.smallest_subnormal)

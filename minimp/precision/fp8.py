@@ -35,26 +35,18 @@ class Fp8Format:
 
     name: str
     dtype: np.dtype
+    max: float  # the largest finite value: 448 (E4M3) or 57344 (E5M2)
+    smallest_normal: float  # 2^-6 (E4M3) or 2^-14 (E5M2)
+    # 2^-9 (E4M3) or 2^-16 (E5M2): below half of it, a value rounds to zero
+    smallest_subnormal: float
+    mantissa_bits: int  # fraction bits stored: 3 (E4M3) or 2 (E5M2)
 
-    @property
-    def max(self) -> float:
-        """The largest finite value: 448 (E4M3) or 57344 (E5M2)."""
-        return float(ml_dtypes.finfo(self.dtype).max)
-
-    @property
-    def smallest_normal(self) -> float:
-        """2^-6 (E4M3) or 2^-14 (E5M2)."""
-        return float(ml_dtypes.finfo(self.dtype).smallest_normal)
-
-    @property
-    def smallest_subnormal(self) -> float:
-        """2^-9 (E4M3) or 2^-16 (E5M2): below half of it, a value rounds to zero."""
-        return float(ml_dtypes.finfo(self.dtype).smallest_subnormal)
-
-    @property
-    def mantissa_bits(self) -> int:
-        """Fraction bits stored: 3 (E4M3) or 2 (E5M2)."""
-        return int(ml_dtypes.finfo(self.dtype).nmant)
+    @classmethod
+    def of(cls, name: str, dtype: type) -> "Fp8Format":
+        """The format of an ml_dtypes fp8 type, its limits read from `ml_dtypes.finfo`."""
+        info = ml_dtypes.finfo(dtype)
+        return cls(name, np.dtype(dtype), float(info.max), float(info.smallest_normal),
+                   float(info.smallest_subnormal), int(info.nmant))
 
     @property
     def saturation_threshold(self) -> float:
@@ -67,8 +59,8 @@ class Fp8Format:
         return self.name
 
 
-E4M3 = Fp8Format("E4M3", np.dtype(ml_dtypes.float8_e4m3fn))
-E5M2 = Fp8Format("E5M2", np.dtype(ml_dtypes.float8_e5m2))
+E4M3 = Fp8Format.of("E4M3", ml_dtypes.float8_e4m3fn)
+E5M2 = Fp8Format.of("E5M2", ml_dtypes.float8_e5m2)
 FORMATS = {"E4M3": E4M3, "E5M2": E5M2}
 
 

@@ -43,16 +43,13 @@ def scale_from_amax(amax: float, fp8_max: float, previous: float) -> np.float32:
     return scale if np.isfinite(scale) else FLOAT32_MAX
 
 
-def delayed_scaling_update(
-    amax_history: np.ndarray, amax: float, scale: float, fp8_max: float, margin: int = 0
-) -> tuple[np.ndarray, np.float32]:
+def delayed_scaling_update(amax_history: np.ndarray, amax: float, scale: float, fp8_max: float,
+                           margin: int = 0) -> tuple[np.ndarray, np.float32]:
     """One step of delayed scaling: (the history with this step's amax in front and the oldest
     dropped, the next scale from the largest amax it holds). Element 0 is the newest step."""
     if np.ndim(amax_history) != 1:
-        raise ValueError(
-            "delayed scaling keeps one amax per step, a 1-D history; got shape "
-            f"{np.shape(amax_history)}: pass one tensor's history at a time"
-        )
+        raise ValueError("delayed scaling keeps one amax per step, a 1-D history; got shape "
+                         f"{np.shape(amax_history)}: pass one tensor's history at a time")
     history = np.roll(amax_history, 1)
     history[0] = amax
     scaled_max = np.float32(fp8_max) * np.float32(2.0**-margin)  # exact: a power of two
@@ -147,10 +144,8 @@ class Fp8Quantizer:
         """Take the step's amax (agreed across ranks) into the history; delayed scaling computes
         the scale of the next step from it. The statistics start again."""
         if isinstance(self.recipe, DelayedScaling):  # the one recipe with state
-            margin = self.recipe.margin
             self.amax_history, self.scale = delayed_scaling_update(
-                self.amax_history, amax, float(self.scale), self.fmt.max, margin
-            )
+                self.amax_history, amax, float(self.scale), self.fmt.max, self.recipe.margin)
         else:
             self.amax_history = np.roll(self.amax_history, 1)
             self.amax_history[0] = amax
@@ -169,10 +164,8 @@ class Fp8Quantizer:
             return
         history, scale = np.asarray(state["amax_history"]), np.asarray(state["scale"])
         if history.shape != self.amax_history.shape or scale.shape != (1,):
-            raise ValueError(
-                f"fp8 state: amax_history of shape {history.shape} and scale of shape "
-                f"{scale.shape}, expected {self.amax_history.shape} and (1,)"
-            )
+            raise ValueError(f"fp8 state: amax_history of shape {history.shape} and scale of "
+                             f"shape {scale.shape}, expected {self.amax_history.shape} and (1,)")
         if not (np.isfinite(scale[0]) and scale[0] > 0):
             raise ValueError(f"fp8 state: scale {scale[0]} is not a positive finite number")
         self.amax_history = history.astype(FLOAT32)
@@ -201,16 +194,12 @@ class Fp8Meta:
 
 def quantizers_state_dict(quantizers: Sequence[tuple[str, Fp8Quantizer]]) -> dict[str, Any]:
     """{"<quantizer name>/<field>": array} of named quantizers (empty for stateless recipes)."""
-    return {
-        f"{name}/{field}": array
-        for name, quantizer in quantizers
-        for field, array in quantizer.state_dict().items()
-    }
+    return {f"{name}/{field}": array for name, quantizer in quantizers
+            for field, array in quantizer.state_dict().items()}
 
 
-def load_quantizers_state_dict(
-    quantizers: Sequence[tuple[str, Fp8Quantizer]], state: dict[str, Any], check_only: bool = False
-) -> None:
+def load_quantizers_state_dict(quantizers: Sequence[tuple[str, Fp8Quantizer]],
+                               state: dict[str, Any], check_only: bool = False) -> None:
     """Restore what quantizers_state_dict returned. Everything is checked before anything changes:
     KeyError naming the first array that is missing, ValueError for a wrong shape or scale.
     `check_only`: check, and change nothing."""
@@ -227,10 +216,8 @@ def load_quantizers_state_dict(
         quantizer.load_state_dict(fields)
 
 
-def update_scales(
-    quantizers: Sequence[Fp8Quantizer],
-    reduce_amax: Callable[[np.ndarray], np.ndarray] | None = None,
-) -> None:
+def update_scales(quantizers: Sequence[Fp8Quantizer],
+                  reduce_amax: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
     """After an optimizer step: one vector of the step's amaxes, made the same on every rank
     that shares these tensors by `reduce_amax` (an elementwise MAX over those ranks; None on one
     process), then each quantizer's next scale. Stateless recipes need no agreement."""

@@ -75,8 +75,7 @@ def float32_to_float16_numpy(array: np.ndarray) -> np.ndarray:
     # zero and subnormals gain a 1 they lack, harmlessly: shifted by 25, they round to 0 all the
     # same). np.where computes both sides for every element; the unused one may wrap around.
     significand = np.where(
-        is_subnormal, (magnitude & 0x007FFFFF) | 0x00800000, magnitude - (BIAS_DIFFERENCE << 23)
-    )
+        is_subnormal, (magnitude & 0x007FFFFF) | 0x00800000, magnitude - (BIAS_DIFFERENCE << 23))
     rounded = _shift_rounding_to_even(significand, shift)
     # A carry out of the fraction raises the exponent: that is how a value just under 2^-14 rounds
     # up to the smallest normal and 65520 overflows. Exponent field 31 (0x7C00) or more is infinity.
@@ -174,10 +173,8 @@ def _cast(array: np.ndarray, implementation: str, dtype: DTypeLike) -> np.ndarra
         flat = array.T.reshape(-1)
     else:
         return array.astype(dtype)
-    if implementation == "numba":
-        flat_result = halfcast_numba.cast(flat, dtype)
-    else:
-        flat_result = _numpy_in_chunks(flat, dtype)
+    convert = halfcast_numba.cast if implementation == "numba" else _numpy_in_chunks
+    flat_result = convert(flat, dtype)
     if array.flags.c_contiguous:
         return flat_result.reshape(array.shape)
     return flat_result.reshape(array.T.shape).T  # the same Fortran order astype would keep

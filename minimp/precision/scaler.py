@@ -21,8 +21,8 @@ class LossScaler(Protocol):
     """What the mixed-precision step needs from a scaler (Static, Dynamic and No satisfy it)."""
 
     loss_scale: float  # S: the loss is multiplied by it before backward
-    hit_min_scale: bool  # True after an update that could not back off any further
-    applied: bool  # True when scale() was called since the last update()
+    hit_min_scale: bool = False  # True after an update that could not back off any further
+    applied: bool = False  # True when scale() was called since the last update()
 
     def scale(self, loss: "Tensor") -> "Tensor":
         """loss * S, the tensor to call backward() on (the loss is float32, so the product cannot
@@ -82,8 +82,6 @@ class StaticLossScaler(LossScaler):
 
     def __init__(self, scale: float):
         self.loss_scale = _positive_scale("loss scale", scale)
-        self.hit_min_scale = False
-        self.applied = False  # scale() called since the last update (see mixed_precision_step)
 
     def update(self, found_inf: bool) -> None:
         """A static scaler ignores overflows; the step itself is still skipped by the caller."""
@@ -112,19 +110,16 @@ class DynamicLossScaler(LossScaler):
     # The configuration, by constructor argument (init_scale aside: the state's loss_scale is it).
     SETTINGS = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale")
 
-    def __init__(
-        self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-        growth_interval: int = 2000, hysteresis: int = 1, min_scale: float = 1.0,
-    ):  # fmt: skip
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, hysteresis: int = 1,
+                 min_scale: float = 1.0):
         init_scale = _positive_scale("init_scale", init_scale)
         growth_factor = _positive_scale("growth_factor", growth_factor)
         backoff_factor = _positive_scale("backoff_factor", backoff_factor)
         min_scale = _positive_scale("min_scale", min_scale)
         if not (growth_factor > 1.0 and backoff_factor < 1.0):
-            raise ValueError(
-                f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor} "
-                f"and {backoff_factor}"
-            )
+            raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got "
+                             f"{growth_factor} and {backoff_factor}")
         if min_scale > init_scale:
             raise ValueError(f"need min_scale <= init_scale, got {min_scale} > {init_scale}")
         self.loss_scale = float(np.float32(init_scale))
@@ -134,6 +129,8 @@ class DynamicLossScaler(LossScaler):
         self.min_scale = min_scale
         self.growth_tracker = 0  # clean steps since the last change (torch's _growth_tracker)
         self.hysteresis_tracker = self.hysteresis  # overflows still tolerated before a back-off
+        # The flags too, not only LossScaler's defaults: load_state_dict takes a fresh scaler's
+        # __dict__, and with it the flags' starting values.
         self.hit_min_scale = False
         self.applied = False  # scale() called since the last update (see mixed_precision_step)
 
@@ -191,8 +188,6 @@ class NoLossScaler(LossScaler):
     """Scale 1: for float32 and bfloat16 (whose 8 exponent bits cover float32's range)."""
 
     loss_scale = 1.0
-    hit_min_scale = False
-    applied = False
 
     def scale(self, loss: "Tensor") -> "Tensor":
         return loss

@@ -145,9 +145,8 @@ def unscale_(gradients: Sequence[Array | None], loss_scale: float) -> None:
         _multiply_(gradients, 1.0 / loss_scale)  # 1 / S is exact: the scale is a power of two
 
 
-def clip_grad_norm_(
-    gradients: Sequence[Array | None], max_norm: float | None, sync: GradientSync
-) -> float | None:
+def clip_grad_norm_(gradients: Sequence[Array | None], max_norm: float | None,
+                    sync: GradientSync) -> float | None:
     """Scale the gradients so their global norm is at most max_norm
     (PyTorch's clip_grad_norm_: factor max_norm / (norm + 1e-6) when the norm is larger);
     returns the norm, or None when not clipping."""
@@ -176,17 +175,12 @@ def _warn_if_scale_unused(loss_scaler: LossScaler, sync: GradientSync) -> None:
     if sync is SINGLE_PROCESS and loss_scaler.loss_scale != 1.0 and not loss_scaler.applied:
         warnings.warn(
             "mixed_precision_step: the loss scaler's scale was not applied since its last update; "
-            "call scaler.scale(loss).backward(), not loss.backward()",
-            stacklevel=3,
-        )
+            "call scaler.scale(loss).backward(), not loss.backward()", stacklevel=3)
 
 
-def mixed_precision_step(
-    optimizer: MixedPrecisionOptimizer,
-    loss_scaler: LossScaler,
-    max_grad_norm: float | None = None,
-    sync: GradientSync = SINGLE_PROCESS,
-) -> StepResult:
+def mixed_precision_step(optimizer: MixedPrecisionOptimizer, loss_scaler: LossScaler,
+                         max_grad_norm: float | None = None,
+                         sync: GradientSync = SINGLE_PROCESS) -> StepResult:
     """Finish a step whose (scaled) backward passes are done; returns a StepResult."""
     _warn_if_scale_unused(loss_scaler, sync)
     sync.finalize_backward()  # overlap: the float32 gradients are then the reduced mean already
