@@ -13,7 +13,8 @@ that, 1F1B with paired exchanges) unless `buffered_sends`: then they are MPI_Ise
 end of the step, which the interleaved and zero-bubble schedules need
 (minimp/parallel/pipeline/schedules/dependencies.py checks both ways). A split backward runs B
 (`backward_input`) and W (`backward_weight`) as two actions (minimp/split_backward.py). The six
-message actions are one table (`MESSAGES`: what each sends and receives) and one method.
+message actions are one table (actions.py's `MESSAGES`: what each sends and receives) and one
+method.
 """
 
 import time
@@ -24,8 +25,7 @@ import numpy.typing as npt
 
 from minimp import backend
 from minimp.backend import Array
-from minimp.parallel.pipeline.schedules import actions as s
-from minimp.parallel.pipeline.schedules.actions import Action
+from minimp.parallel.pipeline.schedules.actions import ACTIVATION, MESSAGES, Action
 from minimp.parallel.pipeline.split import RunLayers, StageChunk, run_layers
 from minimp.nn import Module
 from minimp.parallel.topology import Topology
@@ -33,23 +33,12 @@ from minimp.split_backward import PendingWeightGradients, backward_input, backwa
 from minimp.tensor import Tensor, saved_bytes
 
 FIRST_TAG = 64  # pipeline tags start here, above minimp.distributed.protocol.Tag's
-FORWARD, BACKWARD = 0, 1  # a message's direction, in its tag
-# op -> (direction it sends, direction it receives): an activation travels FORWARD to the next
-# virtual stage, its gradient BACKWARD to the previous one; a paired exchange does both at once
-MESSAGES = {
-    s.RECV_FORWARD: (None, FORWARD),
-    s.SEND_FORWARD: (FORWARD, None),
-    s.RECV_BACKWARD: (None, BACKWARD),
-    s.SEND_BACKWARD: (BACKWARD, None),
-    s.SEND_FORWARD_RECV_BACKWARD: (FORWARD, BACKWARD),
-    s.SEND_BACKWARD_RECV_FORWARD: (BACKWARD, FORWARD),
-}
 
 
 def message_tag(direction: int, chunk: int, micro_batch: int, micro_batches: int) -> int:
-    """The tag of one activation (FORWARD) or gradient (BACKWARD) message, named by the chunk that
-    receives it and the micro-batch: every message in flight has its own, so receives posted in
-    any order match the right send."""
+    """The tag of one ACTIVATION or GRADIENT message, named by the chunk that receives it and the
+    micro-batch: every message in flight has its own, so receives posted in any order match the
+    right send."""
     return FIRST_TAG + 2 * (chunk * micro_batches + micro_batch) + direction
 
 
@@ -252,31 +241,31 @@ class PipelineStage:
             return
         micro_batch = action.micro_batch if action.received is None else action.received
         chunk = self.chunks[action.chunk]
-        buffer = self._buffer(chunk.input_shape if receive == FORWARD else chunk.output_shape)
+        buffer = self._buffer(chunk.input_shape if receive == ACTIVATION else chunk.output_shape)
         tag = message_tag(receive, action.chunk, micro_batch, self._count)
         if outgoing is None:  # an activation comes from the previous stage, a gradient the next
-            source, _ = self._neighbour(action.chunk, -1 if receive == FORWARD else +1)
+            source, _ = self._neighbour(action.chunk, -1 if receive == ACTIVATION else +1)
             self.comm.recv(buffer, source, tag=tag)
         else:
             array, rank, send_tag = outgoing
             self.comm.sendrecv(array, rank, buffer, rank, tag=send_tag, recv_tag=tag)
         state = self._state(action, micro_batch)
-        if receive == FORWARD:
+        if receive == ACTIVATION:
             state.received = buffer
         else:
             state.grad_output = buffer
 
     def _outgoing(self, action: Action, direction: int) -> tuple[Array, int, int]:
         """(array, pp rank, tag) of what this chunk sends: its output to the next virtual stage
-        (FORWARD), or its input's gradient to the previous one (BACKWARD)."""
+        (ACTIVATION), or its input's gradient to the previous one (GRADIENT)."""
         key = (action.chunk, action.micro_batch)
-        if direction == FORWARD:
+        if direction == ACTIVATION:
             output = self._micro_batches[key].output
             assert output is not None  # sent after its forward
             array = output.data
         else:
             array = self._pop_grad_input(key)
-        rank, chunk = self._neighbour(action.chunk, +1 if direction == FORWARD else -1)
+        rank, chunk = self._neighbour(action.chunk, +1 if direction == ACTIVATION else -1)
         return array, rank, message_tag(direction, chunk, action.micro_batch, self._count)
 
     def _send(self, array: Array, dest: int, tag: int) -> None:

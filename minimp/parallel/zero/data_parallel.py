@@ -331,5 +331,5 @@ def zero_data_parallel(
     sharded = ShardedOptimizer(optimizer, layout, comm, stage.number, sent=sent)
     sync = ZeroDataParallel(comm, sharded, tied=tied, sent=sent, **options)
     if stage.shards_parameters:
-        sync.gatherer = ParameterGatherer(sharded, layers, layer_units, sent, sync.sample_peak)
+        sync.gatherer = ParameterGatherer(sharded, layers, layer_units, sync.sample_peak)
     return sync

@@ -123,11 +123,8 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         """This rank's gradients, one float32 view per piece (layout order): of the whole
         accumulators in stage 1, of `gradient_chunks` from stage 2. A unit no gradient reached
         this step gives zeros, as data parallelism's all-reduce does."""
-        pieces = []
-        for unit, unit_pieces in enumerate(self.layout.pieces):
-            for piece in unit_pieces:
-                pieces.append(self._gradient_piece(unit, piece))
-        return pieces
+        return [self._gradient_piece(unit, piece)
+                for unit, pieces in enumerate(self.layout.pieces) for piece in pieces]
 
     def _gradient_piece(self, unit: int, piece: Piece) -> Array:
         if self.stage == 1:
@@ -172,11 +169,16 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         rounded = round_to(self.masters[unit], self.dtype)
         if self.gather_buffer is None:  # one rank: the chunk is the unit
             return rounded
-        flat = self.gather_buffer[: self.layout.units[unit].size]
+        return self.all_gather(unit, rounded, self.gather_buffer[: self.layout.units[unit].size])
+
+    def all_gather(self, unit: int, chunk: Array, flat: Array) -> Array:
+        """flat (the unit's size) made the whole unit: this rank's chunk written into its place,
+        every other rank's gathered around the ring (stage 3's layers gather so too)."""
         start, stop = self.layout.chunk(unit)
-        flat[start:stop] = rounded
-        with self.sent.counting(self.comm, "all_gather"):
-            ring_all_gather_inplace(self.comm, flat, self.layout.bounds[unit])
+        flat[start:stop] = chunk
+        if self.comm.size > 1:
+            with self.sent.counting(self.comm, "all_gather"):
+                ring_all_gather_inplace(self.comm, flat, self.layout.bounds[unit])
         return flat
 
     def _unpack(self, unit: int, flat: Array) -> None:

@@ -34,6 +34,17 @@ SEND_BACKWARD = "send_backward"
 SEND_FORWARD_RECV_BACKWARD = "send_forward_recv_backward"
 SEND_BACKWARD_RECV_FORWARD = "send_backward_recv_forward"
 COMPUTE_LABELS = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "B", BACKWARD_WEIGHT: "W"}
+ACTIVATION, GRADIENT = 0, 1  # what a message carries: its direction, in the runner's tags
+# op -> (what it sends, what it receives): an activation travels to the next virtual stage, its
+# gradient back to the previous one; a paired exchange does both at once
+MESSAGES = {
+    RECV_FORWARD: (None, ACTIVATION),
+    SEND_FORWARD: (ACTIVATION, None),
+    RECV_BACKWARD: (None, GRADIENT),
+    SEND_BACKWARD: (GRADIENT, None),
+    SEND_FORWARD_RECV_BACKWARD: (ACTIVATION, GRADIENT),
+    SEND_BACKWARD_RECV_FORWARD: (GRADIENT, ACTIVATION),
+}
 
 
 class Action(NamedTuple):
