@@ -59,19 +59,10 @@ class PipelineStage:
     """One rank's chunks of layers and the runner that executes a schedule's actions for one
     step."""
 
-    def __init__(
-        self,
-        layers: list[Module],
-        topology: Topology,
-        *,
-        input_shape: tuple[int, ...],
-        output_shape: tuple[int, ...],
-        dtype: npt.DTypeLike,
-        loss_fn: Callable[[Tensor, Array], Tensor],
-        run_group: RunLayers = run_layers,
-        more_chunks: Sequence[StageChunk] = (),
-        buffered_sends: bool = False,
-    ):
+    def __init__(self, layers: list[Module], topology: Topology, *, input_shape: tuple[int, ...],
+                 output_shape: tuple[int, ...], dtype: npt.DTypeLike,
+                 loss_fn: Callable[[Tensor, Array], Tensor], run_group: RunLayers = run_layers,
+                 more_chunks: Sequence[StageChunk] = (), buffered_sends: bool = False):
         """input_shape / output_shape: one micro-batch's activation entering / leaving `layers`.
         loss_fn(output, targets) -> scalar loss Tensor, called on the last virtual stage.
         run_group(layers, x): how each group of layers (`layer_groups`) runs: in order by
@@ -79,9 +70,8 @@ class PipelineStage:
         more_chunks: this rank's further chunks, in order (virtual stages r + P, r + 2P, ...).
         buffered_sends: send with MPI_Isend and complete the sends at the end of the step."""
         self.chunks = [StageChunk(layers, input_shape, output_shape), *more_chunks]
-        self.topology, self.comm = topology, topology.pp_group
+        self.topology, self.comm, self.dtype = topology, topology.pp_group, dtype
         self.layers = [layer for chunk in self.chunks for layer in chunk.layers]
-        self.input_shape, self.output_shape, self.dtype = input_shape, output_shape, dtype
         self.loss_fn, self.run_group, self.buffered_sends = loss_fn, run_group, buffered_sends
         self.groups = [group for chunk in self.chunks for group in chunk.groups]
         self.parameters = [p for chunk in self.chunks for p in chunk.parameters]
@@ -95,17 +85,11 @@ class PipelineStage:
             x = self.run_group(group, x)
         return x
 
-    def run(
-        self,
-        actions: list[Action],
-        *,
-        inputs: list[Array] | None,
-        targets: list[Array] | None,
-        scale_loss: Callable[[Tensor], Tensor],
-        after_backward: Callable[[], object],
-        record: Callable[[str, int, float, float], None] | None = None,
-        before_forward: Callable[[int], None] | None = None,
-    ) -> float:
+    def run(self, actions: list[Action], *, inputs: list[Array] | None,
+            targets: list[Array] | None, scale_loss: Callable[[Tensor], Tensor],
+            after_backward: Callable[[], object],
+            record: Callable[[str, int, float, float], None] | None = None,
+            before_forward: Callable[[int], None] | None = None) -> float:
         """Run one step's actions; returns the sum of the micro-batch losses (last stage; else 0).
 
         inputs / targets: per micro-batch arrays (first / last stage).
@@ -157,9 +141,6 @@ class PipelineStage:
         key = (action.chunk, action.micro_batch if micro_batch is None else micro_batch)
         return self._micro_batches.setdefault(key, MicroBatch())
 
-    def _buffer(self, shape: tuple[int, ...]) -> Array:
-        return backend.current_device().xp.empty(shape, self.dtype)
-
     def _finish_if_done(self, key: tuple[int, int]) -> None:
         """Forget a micro-batch once its input's gradient has left and its W (if split) ran."""
         state = self._micro_batches[key]
@@ -184,10 +165,9 @@ class PipelineStage:
             output = self.loss_fn(output, self._targets[action.micro_batch])
             self._loss_sum += output.item()
         state.output = output
-        alive = sum(  # from the forward until the backward (its W, when split) is done
-            other.output is not None or other.weights_pending is not None
-            for other in self._micro_batches.values()
-        )
+        # micro-batches alive: from the forward until the backward (its W, when split) is done
+        alive = sum(other.output is not None or other.weights_pending is not None
+                    for other in self._micro_batches.values())
         self.peak_stored = max(self.peak_stored, alive)
         if output.requires_grad:  # what this micro-batch's graph keeps (weights not counted)
             weights = [parameter.data for parameter in self.parameters]
@@ -241,7 +221,8 @@ class PipelineStage:
             return
         micro_batch = action.micro_batch if action.received is None else action.received
         chunk = self.chunks[action.chunk]
-        buffer = self._buffer(chunk.input_shape if receive == ACTIVATION else chunk.output_shape)
+        shape = chunk.input_shape if receive == ACTIVATION else chunk.output_shape
+        buffer = backend.current_device().xp.empty(shape, self.dtype)
         tag = message_tag(receive, action.chunk, micro_batch, self._count)
         if outgoing is None:  # an activation comes from the previous stage, a gradient the next
             source, _ = self._neighbour(action.chunk, -1 if receive == ACTIVATION else +1)
@@ -259,12 +240,13 @@ class PipelineStage:
         """(array, pp rank, tag) of what this chunk sends: its output to the next virtual stage
         (ACTIVATION), or its input's gradient to the previous one (GRADIENT)."""
         key = (action.chunk, action.micro_batch)
+        state = self._micro_batches[key]
         if direction == ACTIVATION:
-            output = self._micro_batches[key].output
-            assert output is not None  # sent after its forward
-            array = output.data
-        else:
-            array = self._pop_grad_input(key)
+            assert state.output is not None  # sent after its forward
+            array = state.output.data
+        else:  # the micro-batch is then finished on this chunk (once its W, if split, has run)
+            array, state.grad_input, state.sent_back = state.grad_input, None, True
+            self._finish_if_done(key)
         rank, chunk = self._neighbour(action.chunk, +1 if direction == ACTIVATION else -1)
         return array, rank, message_tag(direction, chunk, action.micro_batch, self._count)
 
@@ -273,11 +255,3 @@ class PipelineStage:
             self._sends.append(self.comm.isend(array, dest, tag=tag))
         else:
             self.comm.send(array, dest, tag=tag)
-
-    def _pop_grad_input(self, key: tuple[int, int]) -> Array:
-        """The input gradient to send back; the micro-batch is then finished on this chunk (once
-        its W, if split, has run)."""
-        state = self._micro_batches[key]
-        grad, state.grad_input, state.sent_back = state.grad_input, None, True
-        self._finish_if_done(key)
-        return grad

@@ -40,14 +40,8 @@ from minimp.precision.step import MixedPrecisionOptimizer
 class ShardedOptimizer(MixedPrecisionOptimizer):
     """Masters, slots (and, from stage 2, gradient sums) of this rank's chunks; see the module."""
 
-    def __init__(
-        self,
-        optimizer: Optimizer,
-        layout: ZeroLayout,
-        comm: Communicator,
-        stage: int,
-        sent: BytesSent | None = None,
-    ):
+    def __init__(self, optimizer: Optimizer, layout: ZeroLayout, comm: Communicator, stage: int,
+                 sent: BytesSent | None = None):
         """optimizer: the whole optimizer of this stage, built (and resumed) as without ZeRO; its
         masters and slots are cut into this rank's chunks and then dropped. comm: the
         data-parallel replicas of this stage, over which the layout was cut. sent: counts the
@@ -113,10 +107,9 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
             return list(self.inner.accumulate_gradients())
         pending = [i for i, parameter in enumerate(self.params) if parameter.grad is not None]
         if pending:
-            raise RuntimeError(
-                f"ZeRO stage {self.stage}: parameter(s) {pending} hold gradients that were not "
-                "reduce-scattered; call the GradientSync's after_backward() after each backward"
-            )
+            raise RuntimeError(f"ZeRO stage {self.stage}: parameter(s) {pending} hold gradients "
+                               "that were not reduce-scattered; call the GradientSync's "
+                               "after_backward() after each backward")
         return self.gradient_pieces()
 
     def gradient_pieces(self) -> list[Array]:
