@@ -86,26 +86,17 @@ def simulate_schedule(schedule: Schedule, costs: Costs) -> SimulatedStep:
         raise RuntimeError(f"the schedule deadlocks: ranks {stuck} wait for messages never sent")
     span = max(clock)
     busy = [sum(end - start for *_, start, end in rank_rows) for rank_rows in rows]
-    return SimulatedStep(
-        span=span,
-        bubble=1.0 - sum(busy) / (stages * span) if span else 0.0,
-        busy=busy,
-        peak_stored=[peak_activations(actions) for actions in schedule],
-        rows=rows,
-    )
+    return SimulatedStep(span=span, bubble=1.0 - sum(busy) / (stages * span) if span else 0.0,
+                         busy=busy, peak_stored=[peak_activations(actions) for actions in schedule],
+                         rows=rows)
 
 
 def simulated_trace(step: SimulatedStep, schedule_name: str, micro_batches: int) -> dict:
     """The simulated step as a trace document (the format of --timeline: minimp/measure/trace.py),
     each virtual rank a process of its own."""
     stages = len(step.rows)
-    ranks = {
-        rank: {
-            "rows": np.array(rows, np.float64).reshape(-1, 5),
-            "name": f"stage {rank} (simulated)",
-        }
-        for rank, rows in enumerate(step.rows)
-    }
+    ranks = {rank: {"rows": np.array(rows, np.float64).reshape(-1, 5),
+                    "name": f"stage {rank} (simulated)"} for rank, rows in enumerate(step.rows)}
     other = {
         "schedule": schedule_name,
         "stages": stages,

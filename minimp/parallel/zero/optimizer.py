@@ -150,12 +150,14 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     def publish(self) -> None:
         """Round the masters into the compute dtype: stage 3 keeps the chunks; stages 1-2
         all-gather each unit, one unit at a time, into every rank's whole compute copies."""
-        for unit in range(len(self.layout.units)):
+        for unit, spec in enumerate(self.layout.units):
             if self.stage == 3:
                 if self.compute_chunks[unit] is not self.masters[unit]:
                     self.compute_chunks[unit][...] = round_to(self.masters[unit], self.dtype)
                 continue
-            self._unpack(unit, self._gathered(unit))
+            flat = self._gathered(unit)
+            for index, begin, size in zip(spec.indices, spec.offsets(), spec.sizes):
+                self.params[index].data.reshape(-1)[...] = flat[begin : begin + size]
 
     def _gathered(self, unit: int) -> Array:
         """The unit's whole compute copy, flat: all-gathered from every rank's chunk."""
@@ -173,11 +175,6 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
             with self.sent.counting(self.comm, "all_gather"):
                 ring_all_gather_inplace(self.comm, flat, self.layout.bounds[unit])
         return flat
-
-    def _unpack(self, unit: int, flat: Array) -> None:
-        spec = self.layout.units[unit]
-        for index, begin, size in zip(spec.indices, spec.offsets(), spec.sizes):
-            self.params[index].data.reshape(-1)[...] = flat[begin : begin + size]
 
     def zero_grad(self) -> None:
         """Forget the gradients: the parameters', and this step's sums (the buffers stay)."""

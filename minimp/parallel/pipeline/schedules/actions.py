@@ -119,9 +119,8 @@ def _backward(mb: int, first: bool, last: bool) -> list[Action]:
 def check_sizes(stages: int, micro_batches: int) -> None:
     """Raise ValueError unless there are stages and micro-batches to schedule."""
     if stages < 1 or micro_batches < 1:
-        raise ValueError(
-            f"a schedule needs stages >= 1 and micro_batches >= 1, got {stages}, {micro_batches}"
-        )
+        raise ValueError(f"a schedule needs stages >= 1 and micro_batches >= 1, got {stages}, "
+                         f"{micro_batches}")
 
 
 def peak_activations(actions: list[Action]) -> int:
@@ -144,10 +143,7 @@ def format_schedule(schedule: Schedule) -> str:
     chunked = any(action.chunk for actions in schedule for action in actions)
     lines = []
     for stage, actions in enumerate(schedule):
-        compute = [
-            f"{action}c{action.chunk}" if chunked else str(action)
-            for action in actions
-            if action.op in COMPUTE_LABELS
-        ]
+        compute = [f"{action}c{action.chunk}" if chunked else str(action)
+                   for action in actions if action.op in COMPUTE_LABELS]
         lines.append(f"stage {stage}: " + " ".join(compute))
     return "\n".join(lines)

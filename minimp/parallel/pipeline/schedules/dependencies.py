@@ -64,9 +64,8 @@ def messages(action: Action, rank: int, stages: int) -> tuple[list[Message], lis
     return sent, received
 
 
-def check_schedule(
-    schedule: Schedule, micro_batches: int, chunks: int = 1, rendezvous: bool = False
-) -> list[str]:
+def check_schedule(schedule: Schedule, micro_batches: int, chunks: int = 1,
+                   rendezvous: bool = False) -> list[str]:
     """Everything wrong with the schedule, in words (an empty list: it is valid)."""
     stages = len(schedule)
     problems = _check_computes(schedule, micro_batches, chunks)
@@ -131,9 +130,8 @@ def _partner(current: Callable[[int], Reached | None], out: list[Message], into:
     return None
 
 
-def _inputs_ready(
-    action: Action, rank: int, stages: int, last: int, done: set[tuple], arrived: set[Message]
-) -> bool:
+def _inputs_ready(action: Action, rank: int, stages: int, last: int, done: set[tuple],
+                  arrived: set[Message]) -> bool:
     """What a compute needs has run on this rank or arrived in a message it received: forward
     the previous virtual stage's activation; backward its forward and the next virtual stage's
     gradient; backward_weight its backward_input."""
