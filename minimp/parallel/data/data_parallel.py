@@ -57,8 +57,11 @@ class ReplicaSync(GradientSync):
         self.sent, self.peak = sent or BytesSent(), PeakMemory()
 
     def any_rank(self, found_inf: bool) -> bool:
-        """One decision for all: True on every rank when any rank saw a non-finite gradient."""
-        return any_rank(self.decision_comm, found_inf)
+        """One decision for all: True on every rank of decision_comm when any rank saw a
+        non-finite gradient (one MAX all-reduce)."""
+        if self.decision_comm.size == 1:
+            return found_inf
+        return bool(self.decision_comm.allreduce_scalars([float(found_inf)], op="max")[0])
 
     def backward_communication_seconds(self) -> float:
         """Seconds spent communicating inside backward so far, a running total: packing,
@@ -298,13 +301,6 @@ class OverlappedBuckets(RingsInFlight):
         self.progress(everything=True)
         self._wait_all()
         self._reset()
-
-
-def any_rank(comm: Communicator, found_inf: bool) -> bool:
-    """True on every rank of comm when found_inf is True on any (one MAX all-reduce)."""
-    if comm.size == 1:
-        return found_inf
-    return bool(comm.allreduce_scalars([float(found_inf)], op="max")[0])
 
 
 def broadcast_masters(comm: Communicator, optimizer: Optimizer, root: int = 0) -> None:

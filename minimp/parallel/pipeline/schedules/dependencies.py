@@ -54,14 +54,11 @@ def messages(action: Action, rank: int, stages: int) -> tuple[list[Message], lis
     micro-batch, the virtual stage that receives it)."""
     here = virtual_stage(rank, action.chunk, stages)
     send, receive = s.MESSAGES.get(action.op, (None, None))
-    sent: list[Message] = []
-    received: list[Message] = []
-    if send is not None:  # an activation goes to the next virtual stage, a gradient back
-        sent.append((send, action.micro_batch, here + (1 if send == s.ACTIVATION else -1)))
-    if receive is not None:
-        mb = action.received if action.received is not None else action.micro_batch
-        received.append((receive, mb, here))
-    return sent, received
+    mb = action.received if action.received is not None else action.micro_batch
+    # an activation goes to the next virtual stage, a gradient back to the previous one
+    step = 1 if send == s.ACTIVATION else -1
+    sent = [] if send is None else [(send, action.micro_batch, here + step)]
+    return sent, [] if receive is None else [(receive, mb, here)]
 
 
 def check_schedule(schedule: Schedule, micro_batches: int, chunks: int = 1,
