@@ -23,8 +23,6 @@ from minimp.parallel.pipeline.schedules.dependencies import messages, virtual_st
 from minimp.parallel.pipeline.schedules.actions import Schedule, peak_activations
 from minimp.measure.trace import OPS, trace_document
 
-COMPUTES = (s.FORWARD, s.BACKWARD, s.BACKWARD_INPUT, s.BACKWARD_WEIGHT)
-
 
 @dataclass
 class Costs:
@@ -74,7 +72,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs) -> SimulatedStep:
                     break  # its message has not been sent yet: another rank must move first
                 start = max([start] + [arrival[key] for key in received])
                 end = start
-                if action.op in COMPUTES:
+                if action.op in s.COMPUTE_LABELS:  # a compute (forward, backward, B or W)
                     end = start + costs.of(action.op, virtual_stage(rank, action.chunk, stages))
                     op_index = OPS.index(action.op)
                     rows[rank].append([op_index, 1, action.micro_batch, start, end])

@@ -45,10 +45,6 @@ def join_shards(shards: list[Array], axis: int, sections: int) -> Array:
     return xp.concatenate(parts, axis=axis)
 
 
-def _parameter(array: Array) -> nn.Parameter:
-    return nn.Parameter(array_module(array).ascontiguousarray(array))
-
-
 class _ParallelLinear(nn.Linear):
     """What the column and the row layer share: a whole Linear's weight cut along one axis."""
 
@@ -71,7 +67,7 @@ class _ParallelLinear(nn.Linear):
 
     def _cut(self, array: Array, sections: int) -> nn.Parameter:
         """This rank's shard of a whole array, cut along the layer's axis."""
-        return _parameter(take_shard(array, self.axis, sections, self.comm.rank, self.comm.size))
+        return nn.Parameter(take_shard(array, self.axis, sections, self.comm.rank, self.comm.size))
 
     def __repr__(self) -> str:
         sizes = [str(self.in_features), str(self.out_features)]
@@ -110,7 +106,7 @@ class RowParallelLinear(_ParallelLinear):
         """The shard of a whole (float32) Linear that rank comm.rank of comm.size holds."""
         super().__init__(linear, comm, 1, 1, sequence_parallel)
         self.in_features //= comm.size
-        self.bias = None if linear.bias is None else _parameter(linear.bias.data.copy())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.data.copy())
 
     def forward(self, x: Tensor) -> Tensor:
         # The partial product is rounded into the activation dtype before the sum, and the bias
