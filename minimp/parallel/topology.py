@@ -31,10 +31,9 @@ class Topology:
 
     def __init__(self, comm: Communicator, dp: int, pp: int = 1, tp: int = 1):
         if dp < 1 or pp < 1 or tp < 1 or dp * tp * pp != comm.size:
-            raise TopologyError(
-                f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp} ranks, but the job has "
-                f"{comm.size} (choose --dp, --tp and --pp whose product is {comm.size})"
-            )
+            raise TopologyError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp} ranks, but "
+                                f"the job has {comm.size} (choose --dp, --tp and --pp whose "
+                                f"product is {comm.size})")
         self.world, self.dp, self.pp, self.tp = comm, dp, pp, tp
         self.stage, self.dp_rank, self.tp_rank = self.coordinates(comm.rank)
         stage, dp_rank, tp_rank = self.stage, self.dp_rank, self.tp_rank
@@ -57,10 +56,8 @@ class Topology:
 
     def describe(self) -> str:
         """The grid and every rank's place in it, as rank 0 prints it once at start."""
-        lines = [
-            f"layout: --dp {self.dp} x --tp {self.tp} x --pp {self.pp} = {self.world.size} "
-            "ranks (tensor-parallel ranks adjacent, then replicas, then stages)"
-        ]
+        lines = [f"layout: --dp {self.dp} x --tp {self.tp} x --pp {self.pp} = {self.world.size} "
+                 "ranks (tensor-parallel ranks adjacent, then replicas, then stages)"]
         lines += [f"  rank {r}: {self.describe_rank(r)}" for r in range(self.world.size)]
         return "\n".join(lines)
 
@@ -75,7 +72,5 @@ class Topology:
         return self.stage == self.pp - 1
 
     def __repr__(self) -> str:
-        return (
-            f"Topology(rank {self.world.rank}: stage {self.stage}/{self.pp}, "
-            f"replica {self.dp_rank}/{self.dp}, shard {self.tp_rank}/{self.tp})"
-        )
+        return (f"Topology(rank {self.world.rank}: stage {self.stage}/{self.pp}, "
+                f"replica {self.dp_rank}/{self.dp}, shard {self.tp_rank}/{self.tp})")

@@ -29,7 +29,7 @@ from minimp.distributed.persistent import PersistentAllreduce
 from minimp.distributed.protocol import Communicator
 from minimp.measure.accounts import BytesSent, PeakMemory, held_bytes
 from minimp.optim import Optimizer
-from minimp.parallel.data.overlap import RingsInFlight, hook_each
+from minimp.parallel.data.overlap import RingsInFlight, hook_each, refuse_incomplete
 from minimp.parallel.pipeline.tied import TiedGradients
 from minimp.parallel.replicas import check_same
 from minimp.parallel.tensor.grads import TensorParallelGradients
@@ -44,15 +44,9 @@ class ReplicaSync(GradientSync):
 
     overlap: RingsInFlight | None  # the rings in flight during backward (None: no overlap)
 
-    def __init__(
-        self,
-        comm: Communicator,
-        average: str,
-        decision_comm: Communicator | None,
-        tied: TiedGradients | None,
-        tensor_parallel: TensorParallelGradients | None,
-        sent: BytesSent | None = None,
-    ):
+    def __init__(self, comm: Communicator, average: str, decision_comm: Communicator | None,
+                 tied: TiedGradients | None, tensor_parallel: TensorParallelGradients | None,
+                 sent: BytesSent | None = None):
         """comm: the replicas; the others as DataParallel's and ZeroDataParallel's (sent: the
         account of the bytes sent, new by default)."""
         if average not in ("before", "after"):
@@ -63,17 +57,19 @@ class ReplicaSync(GradientSync):
         self.sent, self.peak = sent or BytesSent(), PeakMemory()
 
     def any_rank(self, found_inf: bool) -> bool:
-        """One decision for all: True on every rank when any rank saw a non-finite gradient."""
-        return any_rank(self.decision_comm, found_inf)
+        """One decision for all: True on every rank of decision_comm when any rank saw a
+        non-finite gradient (one MAX all-reduce)."""
+        if self.decision_comm.size == 1:
+            return found_inf
+        return bool(self.decision_comm.allreduce_scalars([float(found_inf)], op="max")[0])
 
     def backward_communication_seconds(self) -> float:
         """Seconds spent communicating inside backward so far, a running total: packing,
         starting, testing and finishing rings from the hooks (0 without overlap)."""
         return self.overlap.seconds if self.overlap is not None else 0.0
 
-    def _squared_norm(
-        self, gradients: Sequence[Array | None], indices: Sequence[int], over: Communicator | None
-    ) -> float:
+    def _squared_norm(self, gradients: Sequence[Array | None], indices: Sequence[int],
+                      over: Communicator | None) -> float:
         """The squares of the gradients (of the parameters at optimizer positions `indices`),
         summed over the ranks of `over`: a tied copy, and a tensor-parallel whole copy, count on
         one rank only."""
@@ -101,21 +97,12 @@ class ReplicaSync(GradientSync):
 class DataParallel(ReplicaSync):
     """Gradient buckets and the collective decisions of one data-parallel group."""
 
-    def __init__(
-        self,
-        comm: Communicator,
-        optimizer: Optimizer,
-        *,
-        bucket_mb: float = 25.0,
-        comm_dtype: npt.DTypeLike = np.float32,
-        average: str = "before",
-        decision_comm: Communicator | None = None,
-        stages_comm: Communicator | None = None,
-        tied: TiedGradients | None = None,
-        tensor_parallel: TensorParallelGradients | None = None,
-        overlap: bool = False,
-        micro_batches: int = 1,
-    ):
+    def __init__(self, comm: Communicator, optimizer: Optimizer, *, bucket_mb: float = 25.0,
+                 comm_dtype: npt.DTypeLike = np.float32, average: str = "before",
+                 decision_comm: Communicator | None = None,
+                 stages_comm: Communicator | None = None, tied: TiedGradients | None = None,
+                 tensor_parallel: TensorParallelGradients | None = None, overlap: bool = False,
+                 micro_batches: int = 1):
         """comm: the replicas of this stage. decision_comm: who shares the skip decision (with
         pipeline stages, every rank of the job; by default the replicas). stages_comm: the ranks
         that hold the other parts of this replica's model (its pipeline stages and tensor-parallel
@@ -136,9 +123,8 @@ class DataParallel(ReplicaSync):
         self.buffers = [(xp.empty(n, self.comm_dtype), xp.empty(n, self.comm_dtype)) for n in sizes]
         # The ranks agree on every bucket's length and dtype here, once, instead of at every
         # all-reduce of every step (the overlapped rings never check: they rely on this).
-        self.plans = [
-            PersistentAllreduce(comm, (n,), self.comm_dtype, algorithm="ring") for n in sizes
-        ]
+        self.plans = [PersistentAllreduce(comm, (n,), self.comm_dtype, algorithm="ring")
+                      for n in sizes]
         self.overlap: OverlappedBuckets | None = None
         if overlap and comm.size > 1:  # one replica has nothing to send
             self.overlap = OverlappedBuckets(self, micro_batches)
@@ -310,28 +296,11 @@ class OverlappedBuckets(RingsInFlight):
         Only once per step: a second call (DataParallel.reduce makes one) does nothing."""
         if not self.pending:
             return
-        self._check_arrivals()
+        for index, count in enumerate(self.arrivals):
+            refuse_incomplete(index, count, self.micro_batches, "DataParallel")
         self.progress(everything=True)
         self._wait_all()
         self._reset()
-
-    def _check_arrivals(self) -> None:
-        """A parameter reached by more backwards than there were micro-batches would have been
-        sent before its sum was complete: refuse instead of averaging a wrong gradient."""
-        for index, count in enumerate(self.arrivals):
-            if count > self.micro_batches:
-                raise RuntimeError(
-                    f"overlap: parameter {index} received {count} gradients in a step of "
-                    f"{self.micro_batches} micro-batches, so it was sent before it was complete; "
-                    "tell DataParallel the right micro_batches, or turn overlap off"
-                )
-
-
-def any_rank(comm: Communicator, found_inf: bool) -> bool:
-    """True on every rank of comm when found_inf is True on any (one MAX all-reduce)."""
-    if comm.size == 1:
-        return found_inf
-    return bool(comm.allreduce_scalars([float(found_inf)], op="max")[0])
 
 
 def broadcast_masters(comm: Communicator, optimizer: Optimizer, root: int = 0) -> None:
@@ -360,9 +329,8 @@ def unpack(target: Array, received: Array, inverse: float, average: str) -> None
 def _gradient_or_zeros(gradients: list[Array | None], index: int, optimizer: Optimizer) -> Array:
     """A parameter no loss reached still takes part in the all-reduce, with zeros."""
     if gradients[index] is None:
-        gradients[index] = array_module(optimizer.master_weights[index]).zeros_like(
-            optimizer.master_weights[index]
-        )
+        master = optimizer.master_weights[index]
+        gradients[index] = array_module(master).zeros_like(master)
     return gradients[index]
 
 

@@ -55,6 +55,15 @@ def hook_each(params: Sequence[Tensor], arrived: Callable[[int], None]) -> list[
     return [p.register_post_accumulate_grad_hook(hook(i)) for i, p in enumerate(params)]
 
 
+def refuse_incomplete(index: int, count: int, micro_batches: int, sync: str) -> None:
+    """A parameter reached by more backwards (count) than there were micro-batches would have
+    been sent before its sum was complete: refuse instead of averaging a wrong gradient."""
+    if count > micro_batches:
+        raise RuntimeError(f"overlap: parameter {index} received {count} gradients in a step of "
+                           f"{micro_batches} micro-batches, so it was sent before it was "
+                           f"complete; tell {sync} the right micro_batches, or turn overlap off")
+
+
 class RingsInFlight:
     """Rings started during backward, by key (a bucket, a unit), and what to do with each result;
     the bytes they send go into `sent` under one collective's name."""
@@ -74,14 +83,8 @@ class RingsInFlight:
             yield
         self.seconds += time.perf_counter() - started
 
-    def _launch(
-        self,
-        key: int,
-        send: Array,
-        receive: Array,
-        then: Callable[[Array], None],
-        bounds: Sequence[tuple[int, int]] | None = None,
-    ) -> None:
+    def _launch(self, key: int, send: Array, receive: Array, then: Callable[[Array], None],
+                bounds: Sequence[tuple[int, int]] | None = None) -> None:
         """Start key's ring of send (packed) into receive: the whole all-reduce, or with bounds
         the reduce-scatter over those chunks; then(receive) runs once it is done."""
         if key in self.in_flight:

@@ -23,8 +23,6 @@ from minimp.parallel.pipeline.schedules.dependencies import messages, virtual_st
 from minimp.parallel.pipeline.schedules.actions import Schedule, peak_activations
 from minimp.measure.trace import OPS, trace_document
 
-COMPUTES = (s.FORWARD, s.BACKWARD, s.BACKWARD_INPUT, s.BACKWARD_WEIGHT)
-
 
 @dataclass
 class Costs:
@@ -74,7 +72,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs) -> SimulatedStep:
                     break  # its message has not been sent yet: another rank must move first
                 start = max([start] + [arrival[key] for key in received])
                 end = start
-                if action.op in COMPUTES:
+                if action.op in s.COMPUTE_LABELS:  # a compute (forward, backward, B or W)
                     end = start + costs.of(action.op, virtual_stage(rank, action.chunk, stages))
                     op_index = OPS.index(action.op)
                     rows[rank].append([op_index, 1, action.micro_batch, start, end])
@@ -86,26 +84,17 @@ def simulate_schedule(schedule: Schedule, costs: Costs) -> SimulatedStep:
         raise RuntimeError(f"the schedule deadlocks: ranks {stuck} wait for messages never sent")
     span = max(clock)
     busy = [sum(end - start for *_, start, end in rank_rows) for rank_rows in rows]
-    return SimulatedStep(
-        span=span,
-        bubble=1.0 - sum(busy) / (stages * span) if span else 0.0,
-        busy=busy,
-        peak_stored=[peak_activations(actions) for actions in schedule],
-        rows=rows,
-    )
+    return SimulatedStep(span=span, bubble=1.0 - sum(busy) / (stages * span) if span else 0.0,
+                         busy=busy, peak_stored=[peak_activations(actions) for actions in schedule],
+                         rows=rows)
 
 
 def simulated_trace(step: SimulatedStep, schedule_name: str, micro_batches: int) -> dict:
     """The simulated step as a trace document (the format of --timeline: minimp/measure/trace.py),
     each virtual rank a process of its own."""
     stages = len(step.rows)
-    ranks = {
-        rank: {
-            "rows": np.array(rows, np.float64).reshape(-1, 5),
-            "name": f"stage {rank} (simulated)",
-        }
-        for rank, rows in enumerate(step.rows)
-    }
+    ranks = {rank: {"rows": np.array(rows, np.float64).reshape(-1, 5),
+                    "name": f"stage {rank} (simulated)"} for rank, rows in enumerate(step.rows)}
     other = {
         "schedule": schedule_name,
         "stages": stages,

@@ -46,16 +46,12 @@ def split_counts(counts: list[int], stages: int) -> list[tuple[int, int]]:
     """split_stages for layers holding counts[i] parameters (known before any is built)."""
     blocks = count_groups(counts)
     if stages > len(blocks):
-        raise PipelineError(
-            f"--pp {stages} needs at least {stages} layers with weights, the model has "
-            f"{len(blocks)} (use --layers)"
-        )
+        raise PipelineError(f"--pp {stages} needs at least {stages} layers with weights, the model "
+                            f"has {len(blocks)} (use --layers)")
     costs = [sum(counts[a:b]) for a, b in blocks]
     cuts = _balanced_cuts(costs, stages)
-    return [
-        (blocks[first][0], blocks[last - 1][1])
-        for first, last in zip([0] + cuts, cuts + [len(blocks)])
-    ]
+    return [(blocks[first][0], blocks[last - 1][1])
+            for first, last in zip([0] + cuts, cuts + [len(blocks)])]
 
 
 def layer_groups(layers: list[Module]) -> list[tuple[int, int]]:
@@ -135,8 +131,5 @@ def stage_parameters(model: Module, bounds: tuple[int, int]) -> list[tuple[str, 
     """(name, Parameter) of the layers in range(*bounds) of a Sequential, named as in the whole
     model ("4.weight"), so every layout writes the same checkpoint names."""
     start, stop = bounds
-    return [
-        (name, parameter)
-        for name, parameter in model.named_parameters()
-        if start <= int(name.split(".")[0]) < stop
-    ]
+    return [(name, parameter) for name, parameter in model.named_parameters()
+            if start <= int(name.split(".")[0]) < stop]

@@ -13,7 +13,8 @@ that, 1F1B with paired exchanges) unless `buffered_sends`: then they are MPI_Ise
 end of the step, which the interleaved and zero-bubble schedules need
 (minimp/parallel/pipeline/schedules/dependencies.py checks both ways). A split backward runs B
 (`backward_input`) and W (`backward_weight`) as two actions (minimp/split_backward.py). The six
-message actions are one table (`MESSAGES`: what each sends and receives) and one method.
+message actions are one table (actions.py's `MESSAGES`: what each sends and receives) and one
+method.
 """
 
 import time
@@ -24,8 +25,7 @@ import numpy.typing as npt
 
 from minimp import backend
 from minimp.backend import Array
-from minimp.parallel.pipeline.schedules import actions as s
-from minimp.parallel.pipeline.schedules.actions import Action
+from minimp.parallel.pipeline.schedules.actions import ACTIVATION, MESSAGES, Action
 from minimp.parallel.pipeline.split import RunLayers, StageChunk, run_layers
 from minimp.nn import Module
 from minimp.parallel.topology import Topology
@@ -33,23 +33,12 @@ from minimp.split_backward import PendingWeightGradients, backward_input, backwa
 from minimp.tensor import Tensor, saved_bytes
 
 FIRST_TAG = 64  # pipeline tags start here, above minimp.distributed.protocol.Tag's
-FORWARD, BACKWARD = 0, 1  # a message's direction, in its tag
-# op -> (direction it sends, direction it receives): an activation travels FORWARD to the next
-# virtual stage, its gradient BACKWARD to the previous one; a paired exchange does both at once
-MESSAGES = {
-    s.RECV_FORWARD: (None, FORWARD),
-    s.SEND_FORWARD: (FORWARD, None),
-    s.RECV_BACKWARD: (None, BACKWARD),
-    s.SEND_BACKWARD: (BACKWARD, None),
-    s.SEND_FORWARD_RECV_BACKWARD: (FORWARD, BACKWARD),
-    s.SEND_BACKWARD_RECV_FORWARD: (BACKWARD, FORWARD),
-}
 
 
 def message_tag(direction: int, chunk: int, micro_batch: int, micro_batches: int) -> int:
-    """The tag of one activation (FORWARD) or gradient (BACKWARD) message, named by the chunk that
-    receives it and the micro-batch: every message in flight has its own, so receives posted in
-    any order match the right send."""
+    """The tag of one ACTIVATION or GRADIENT message, named by the chunk that receives it and the
+    micro-batch: every message in flight has its own, so receives posted in any order match the
+    right send."""
     return FIRST_TAG + 2 * (chunk * micro_batches + micro_batch) + direction
 
 
@@ -70,19 +59,10 @@ class PipelineStage:
     """One rank's chunks of layers and the runner that executes a schedule's actions for one
     step."""
 
-    def __init__(
-        self,
-        layers: list[Module],
-        topology: Topology,
-        *,
-        input_shape: tuple[int, ...],
-        output_shape: tuple[int, ...],
-        dtype: npt.DTypeLike,
-        loss_fn: Callable[[Tensor, Array], Tensor],
-        run_group: RunLayers = run_layers,
-        more_chunks: Sequence[StageChunk] = (),
-        buffered_sends: bool = False,
-    ):
+    def __init__(self, layers: list[Module], topology: Topology, *, input_shape: tuple[int, ...],
+                 output_shape: tuple[int, ...], dtype: npt.DTypeLike,
+                 loss_fn: Callable[[Tensor, Array], Tensor], run_group: RunLayers = run_layers,
+                 more_chunks: Sequence[StageChunk] = (), buffered_sends: bool = False):
         """input_shape / output_shape: one micro-batch's activation entering / leaving `layers`.
         loss_fn(output, targets) -> scalar loss Tensor, called on the last virtual stage.
         run_group(layers, x): how each group of layers (`layer_groups`) runs: in order by
@@ -90,9 +70,8 @@ class PipelineStage:
         more_chunks: this rank's further chunks, in order (virtual stages r + P, r + 2P, ...).
         buffered_sends: send with MPI_Isend and complete the sends at the end of the step."""
         self.chunks = [StageChunk(layers, input_shape, output_shape), *more_chunks]
-        self.topology, self.comm = topology, topology.pp_group
+        self.topology, self.comm, self.dtype = topology, topology.pp_group, dtype
         self.layers = [layer for chunk in self.chunks for layer in chunk.layers]
-        self.input_shape, self.output_shape, self.dtype = input_shape, output_shape, dtype
         self.loss_fn, self.run_group, self.buffered_sends = loss_fn, run_group, buffered_sends
         self.groups = [group for chunk in self.chunks for group in chunk.groups]
         self.parameters = [p for chunk in self.chunks for p in chunk.parameters]
@@ -106,17 +85,11 @@ class PipelineStage:
             x = self.run_group(group, x)
         return x
 
-    def run(
-        self,
-        actions: list[Action],
-        *,
-        inputs: list[Array] | None,
-        targets: list[Array] | None,
-        scale_loss: Callable[[Tensor], Tensor],
-        after_backward: Callable[[], object],
-        record: Callable[[str, int, float, float], None] | None = None,
-        before_forward: Callable[[int], None] | None = None,
-    ) -> float:
+    def run(self, actions: list[Action], *, inputs: list[Array] | None,
+            targets: list[Array] | None, scale_loss: Callable[[Tensor], Tensor],
+            after_backward: Callable[[], object],
+            record: Callable[[str, int, float, float], None] | None = None,
+            before_forward: Callable[[int], None] | None = None) -> float:
         """Run one step's actions; returns the sum of the micro-batch losses (last stage; else 0).
 
         inputs / targets: per micro-batch arrays (first / last stage).
@@ -168,9 +141,6 @@ class PipelineStage:
         key = (action.chunk, action.micro_batch if micro_batch is None else micro_batch)
         return self._micro_batches.setdefault(key, MicroBatch())
 
-    def _buffer(self, shape: tuple[int, ...]) -> Array:
-        return backend.current_device().xp.empty(shape, self.dtype)
-
     def _finish_if_done(self, key: tuple[int, int]) -> None:
         """Forget a micro-batch once its input's gradient has left and its W (if split) ran."""
         state = self._micro_batches[key]
@@ -195,10 +165,9 @@ class PipelineStage:
             output = self.loss_fn(output, self._targets[action.micro_batch])
             self._loss_sum += output.item()
         state.output = output
-        alive = sum(  # from the forward until the backward (its W, when split) is done
-            other.output is not None or other.weights_pending is not None
-            for other in self._micro_batches.values()
-        )
+        # micro-batches alive: from the forward until the backward (its W, when split) is done
+        alive = sum(other.output is not None or other.weights_pending is not None
+                    for other in self._micro_batches.values())
         self.peak_stored = max(self.peak_stored, alive)
         if output.requires_grad:  # what this micro-batch's graph keeps (weights not counted)
             weights = [parameter.data for parameter in self.parameters]
@@ -252,31 +221,33 @@ class PipelineStage:
             return
         micro_batch = action.micro_batch if action.received is None else action.received
         chunk = self.chunks[action.chunk]
-        buffer = self._buffer(chunk.input_shape if receive == FORWARD else chunk.output_shape)
+        shape = chunk.input_shape if receive == ACTIVATION else chunk.output_shape
+        buffer = backend.current_device().xp.empty(shape, self.dtype)
         tag = message_tag(receive, action.chunk, micro_batch, self._count)
         if outgoing is None:  # an activation comes from the previous stage, a gradient the next
-            source, _ = self._neighbour(action.chunk, -1 if receive == FORWARD else +1)
+            source, _ = self._neighbour(action.chunk, -1 if receive == ACTIVATION else +1)
             self.comm.recv(buffer, source, tag=tag)
         else:
             array, rank, send_tag = outgoing
             self.comm.sendrecv(array, rank, buffer, rank, tag=send_tag, recv_tag=tag)
         state = self._state(action, micro_batch)
-        if receive == FORWARD:
+        if receive == ACTIVATION:
             state.received = buffer
         else:
             state.grad_output = buffer
 
     def _outgoing(self, action: Action, direction: int) -> tuple[Array, int, int]:
         """(array, pp rank, tag) of what this chunk sends: its output to the next virtual stage
-        (FORWARD), or its input's gradient to the previous one (BACKWARD)."""
+        (ACTIVATION), or its input's gradient to the previous one (GRADIENT)."""
         key = (action.chunk, action.micro_batch)
-        if direction == FORWARD:
-            output = self._micro_batches[key].output
-            assert output is not None  # sent after its forward
-            array = output.data
-        else:
-            array = self._pop_grad_input(key)
-        rank, chunk = self._neighbour(action.chunk, +1 if direction == FORWARD else -1)
+        state = self._micro_batches[key]
+        if direction == ACTIVATION:
+            assert state.output is not None  # sent after its forward
+            array = state.output.data
+        else:  # the micro-batch is then finished on this chunk (once its W, if split, has run)
+            array, state.grad_input, state.sent_back = state.grad_input, None, True
+            self._finish_if_done(key)
+        rank, chunk = self._neighbour(action.chunk, +1 if direction == ACTIVATION else -1)
         return array, rank, message_tag(direction, chunk, action.micro_batch, self._count)
 
     def _send(self, array: Array, dest: int, tag: int) -> None:
@@ -284,11 +255,3 @@ class PipelineStage:
             self._sends.append(self.comm.isend(array, dest, tag=tag))
         else:
             self.comm.send(array, dest, tag=tag)
-
-    def _pop_grad_input(self, key: tuple[int, int]) -> Array:
-        """The input gradient to send back; the micro-batch is then finished on this chunk (once
-        its W, if split, has run)."""
-        state = self._micro_batches[key]
-        grad, state.grad_input, state.sent_back = state.grad_input, None, True
-        self._finish_if_done(key)
-        return grad

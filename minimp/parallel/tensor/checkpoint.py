@@ -24,9 +24,8 @@ def parameter_of(key: str) -> str | None:
     return rest.split("/")[0] if kind in ("master", "optimizer") else None
 
 
-def gather_shards(
-    comm: Communicator, state: dict[str, np.ndarray], cut: dict[str, tuple[int, int]]
-) -> dict[str, np.ndarray] | None:
+def gather_shards(comm: Communicator, state: dict[str, np.ndarray],
+                  cut: dict[str, tuple[int, int]]) -> dict[str, np.ndarray] | None:
     """On tensor-parallel rank 0: `state` with every cut parameter's arrays whole (joined from
     every rank's shard, sent as raw bytes); None on the other ranks. `cut`: the plan's
     partitions ({name: (axis, sections)})."""
@@ -44,9 +43,8 @@ def gather_shards(
     return whole
 
 
-def shard_selector(
-    cut: dict[str, tuple[int, int]], rank: int, ranks: int
-) -> Callable[[str, np.ndarray], np.ndarray]:
+def shard_selector(cut: dict[str, tuple[int, int]], rank: int,
+                   ranks: int) -> Callable[[str, np.ndarray], np.ndarray]:
     """select(key, whole array) -> this rank's part of it: the shard of a cut parameter (ValueError
     naming the shapes when the array is not the whole parameter), anything else as it is."""
 
@@ -56,10 +54,8 @@ def shard_selector(
             return array
         axis, sections = cut[name]
         if array.ndim <= axis or array.shape[axis] % (sections * ranks):
-            raise ValueError(
-                f"{key} has shape {array.shape}, which does not split over --tp {ranks} "
-                "(a checkpoint of another model?)"
-            )
+            raise ValueError(f"{key} has shape {array.shape}, which does not split over --tp "
+                             f"{ranks} (a checkpoint of another model?)")
         return take_shard(array, axis, sections, rank, ranks)
 
     return select

@@ -16,7 +16,6 @@ on every rank, bit for bit, because it is computed from the same activations and
 
 from typing import Sequence
 
-
 from minimp.backend import Array, array_module
 from minimp.distributed.protocol import Communicator
 from minimp.parallel.replicas import check_same
@@ -33,9 +32,8 @@ class TensorParallelGradients:
         self.comm, self.replicated, self.partial = comm, replicated, partial
 
     @classmethod
-    def for_names(
-        cls, comm: Communicator, names: list[str], plan: TensorParallelPlan
-    ) -> "TensorParallelGradients":
+    def for_names(cls, comm: Communicator, names: list[str],
+                  plan: TensorParallelPlan) -> "TensorParallelGradients":
         """From the stage's parameter names and a TensorParallelPlan."""
         replicated = [i for i, name in enumerate(names) if name not in plan.partitions]
         partial = [i for i, name in enumerate(names) if name in plan.partial]
@@ -66,8 +64,5 @@ class TensorParallelGradients:
         """Raise ReplicaMismatchError unless every rank holds the same whole parameters (and
         `extra` arrays: fp8 state, the same on every rank after its MAX agreement)."""
         whole = [*(masters[i] for i in self.replicated), *extra]
-        message = (
-            "the whole (replicated) parameters of tensor-parallel rank(s) {ranks} differ from "
-            "rank 0's (tensor-parallel copies drifted apart)"
-        )
-        check_same(self.comm, whole, message)
+        check_same(self.comm, whole, "the whole (replicated) parameters of tensor-parallel "
+                   "rank(s) {ranks} differ from rank 0's (tensor-parallel copies drifted apart)")

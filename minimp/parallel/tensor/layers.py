@@ -21,12 +21,10 @@ q, k and v rows of the same heads.
 from minimp import functional, nn
 from minimp.backend import Array, array_module
 from minimp.distributed.protocol import Communicator
-from minimp.parallel.tensor.mappings import (
-    copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
-    reduce_from_tensor_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-)
+from minimp.parallel.tensor.mappings import (copy_to_tensor_parallel_region,
+                                             gather_from_sequence_parallel_region,
+                                             reduce_from_tensor_parallel_region,
+                                             reduce_scatter_to_sequence_parallel_region)
 from minimp.tensor import Tensor
 
 
@@ -47,16 +45,11 @@ def join_shards(shards: list[Array], axis: int, sections: int) -> Array:
     return xp.concatenate(parts, axis=axis)
 
 
-def _parameter(array: Array) -> nn.Parameter:
-    return nn.Parameter(array_module(array).ascontiguousarray(array))
-
-
 class _ParallelLinear(nn.Linear):
     """What the column and the row layer share: a whole Linear's weight cut along one axis."""
 
-    def __init__(
-        self, linear: nn.Linear, comm: Communicator, axis: int, sections: int, sequence: bool
-    ) -> None:
+    def __init__(self, linear: nn.Linear, comm: Communicator, axis: int, sections: int,
+                 sequence: bool) -> None:
         """The weight's shard that rank comm.rank of comm.size holds, cut along `axis` (0: by
         output features, 1: by input features) in `sections` sections; sequence: whether
         sequence parallelism runs around the layer."""
@@ -65,17 +58,16 @@ class _ParallelLinear(nn.Linear):
         self.sequence_parallel = sequence
         features = linear.weight.shape[axis]
         if features % (sections * comm.size):
-            raise ValueError(
-                f"{type(self).__name__}: {features} {('output', 'input')[axis]} features do not "
-                f"split into {sections} section(s) over {comm.size} ranks"
-            )
+            raise ValueError(f"{type(self).__name__}: {features} {('output', 'input')[axis]} "
+                             f"features do not split into {sections} section(s) over {comm.size} "
+                             "ranks")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = self._cut(linear.weight.data, sections)
         self.partition = {"weight": (axis, sections)}
 
     def _cut(self, array: Array, sections: int) -> nn.Parameter:
         """This rank's shard of a whole array, cut along the layer's axis."""
-        return _parameter(take_shard(array, self.axis, sections, self.comm.rank, self.comm.size))
+        return nn.Parameter(take_shard(array, self.axis, sections, self.comm.rank, self.comm.size))
 
     def __repr__(self) -> str:
         sizes = [str(self.in_features), str(self.out_features)]
@@ -90,13 +82,8 @@ class ColumnParallelLinear(_ParallelLinear):
     partition: {parameter: (axis, sections)} of the parameters cut across the ranks (both here).
     """
 
-    def __init__(
-        self,
-        linear: nn.Linear,
-        comm: Communicator,
-        sections: int = 1,
-        sequence_parallel: bool = False,
-    ):
+    def __init__(self, linear: nn.Linear, comm: Communicator, sections: int = 1,
+                 sequence_parallel: bool = False):
         """The shard of a whole (float32) Linear that rank comm.rank of comm.size holds."""
         super().__init__(linear, comm, 0, sections, sequence_parallel)
         self.out_features //= comm.size
@@ -119,7 +106,7 @@ class RowParallelLinear(_ParallelLinear):
         """The shard of a whole (float32) Linear that rank comm.rank of comm.size holds."""
         super().__init__(linear, comm, 1, 1, sequence_parallel)
         self.in_features //= comm.size
-        self.bias = None if linear.bias is None else _parameter(linear.bias.data.copy())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.data.copy())
 
     def forward(self, x: Tensor) -> Tensor:
         # The partial product is rounded into the activation dtype before the sum, and the bias

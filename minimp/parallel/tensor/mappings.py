@@ -85,10 +85,9 @@ def split_sequence(comm: Communicator, x: Array) -> Array:
 
 def _check_divides(sequence: int, ranks: int) -> None:
     if sequence % ranks:
-        raise ValueError(
-            f"sequence parallelism splits a sequence of {sequence} over {ranks} ranks: "
-            "the sequence length must be a multiple of the tensor-parallel size"
-        )
+        raise ValueError(f"sequence parallelism splits a sequence of {sequence} over {ranks} "
+                         "ranks: the sequence length must be a multiple of the tensor-parallel "
+                         "size")
 
 
 class CopyToTensorParallelRegion(Function):
@@ -122,9 +121,8 @@ class GatherFromSequenceParallelRegion(Function):
     rank computes the same dL/dy (`tensor_parallel_output_grad=False`), just its slice."""
 
     @staticmethod
-    def forward(
-        ctx, x: Array, comm: Communicator, tensor_parallel_output_grad: bool = True
-    ) -> Array:
+    def forward(ctx, x: Array, comm: Communicator,
+                tensor_parallel_output_grad: bool = True) -> Array:
         ctx.comm, ctx.reduce = comm, tensor_parallel_output_grad
         return all_gather_sequence(comm, x)
 
@@ -170,13 +168,11 @@ def reduce_from_tensor_parallel_region(x: Tensor, comm: Communicator) -> Tensor:
     return ReduceFromTensorParallelRegion.apply(x, comm=comm)
 
 
-def gather_from_sequence_parallel_region(
-    x: Tensor, comm: Communicator, tensor_parallel_output_grad: bool = True
-) -> Tensor:
+def gather_from_sequence_parallel_region(x: Tensor, comm: Communicator,
+                                         tensor_parallel_output_grad: bool = True) -> Tensor:
     """All-gather along the sequence forward; reduce-scatter (or split) backward."""
     return GatherFromSequenceParallelRegion.apply(
-        x, comm=comm, tensor_parallel_output_grad=tensor_parallel_output_grad
-    )
+        x, comm=comm, tensor_parallel_output_grad=tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: Tensor, comm: Communicator) -> Tensor:

@@ -36,15 +36,9 @@ from dataclasses import dataclass, field
 from minimp import nn
 from minimp.distributed.protocol import Communicator
 from minimp.models.gpt import GPT, Block
-from minimp.parallel.tensor.mappings import (
-    gather_from_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
-from minimp.parallel.tensor.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    partitions,
-)
+from minimp.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, partitions
+from minimp.parallel.tensor.mappings import (gather_from_sequence_parallel_region,
+                                             scatter_to_sequence_parallel_region)
 
 
 class TensorParallelError(ValueError):
@@ -59,9 +53,8 @@ class TensorParallelPlan:
     partial: set[str] = field(default_factory=set)  # whole, but each rank's gradient is partial
 
 
-def parallelize(
-    model: nn.Module, comm: Communicator, sequence_parallel: bool = False
-) -> TensorParallelPlan:
+def parallelize(model: nn.Module, comm: Communicator,
+                sequence_parallel: bool = False) -> TensorParallelPlan:
     """Cut the model's Linears over comm's ranks, in place (a whole float32 model, built from the
     seed on every rank); parameter names stay the one-process ones."""
     if isinstance(model, GPT):
@@ -72,18 +65,16 @@ def parallelize(
         _parallelize_mlp(model, comm)
         partial = set()
     else:
-        raise TensorParallelError(
-            f"tensor parallelism cuts a GPT or an nn.Sequential MLP, not a {type(model).__name__}"
-        )
+        raise TensorParallelError("tensor parallelism cuts a GPT or an nn.Sequential MLP, not a "
+                                  f"{type(model).__name__}")
     return TensorParallelPlan(partitions(model), partial)
 
 
 def _parallelize_gpt(model: GPT, comm: Communicator, sequence_parallel: bool) -> set[str]:
     heads = model.config.heads
     if heads % comm.size:
-        raise TensorParallelError(
-            f"{heads} attention heads do not split over {comm.size} tensor-parallel ranks"
-        )
+        raise TensorParallelError(f"{heads} attention heads do not split over {comm.size} "
+                                  "tensor-parallel ranks")
     partial = set()
     for index, block in enumerate(model.layers):
         if not isinstance(block, Block):
@@ -104,11 +95,10 @@ def _parallelize_gpt(model: GPT, comm: Communicator, sequence_parallel: bool) ->
         drop = getattr(model.layers[0], "drop")
         drop.slice_index = comm.rank
         drop.register_forward_pre_hook(
-            lambda module, args: scatter_to_sequence_parallel_region(args[0], comm)
-        )
-        model.layers[-1].register_forward_pre_hook(  # the head: every position, on every rank
-            lambda module, args: gather_from_sequence_parallel_region(args[0], comm, False)
-        )
+            lambda module, args: scatter_to_sequence_parallel_region(args[0], comm))
+        # the head: every position, on every rank
+        model.layers[-1].register_forward_pre_hook(
+            lambda module, args: gather_from_sequence_parallel_region(args[0], comm, False))
     return partial
 
 
@@ -116,10 +106,9 @@ def _parallelize_mlp(model: nn.Sequential, comm: Communicator) -> None:
     linears = {i: layer for i, layer in enumerate(model.layers) if isinstance(layer, nn.Linear)}
     hidden = list(linears)[:-1]  # the output layer stays whole
     if len(hidden) % 2:
-        raise TensorParallelError(
-            f"tensor parallelism pairs the MLP's hidden layers (column-parallel, then "
-            f"row-parallel); {len(hidden)} hidden layers do not pair"
-        )
+        raise TensorParallelError("tensor parallelism pairs the MLP's hidden layers "
+                                  f"(column-parallel, then row-parallel); {len(hidden)} hidden "
+                                  "layers do not pair")
     for first, second in zip(hidden[0::2], hidden[1::2]):
         setattr(model, str(first), ColumnParallelLinear(linears[first], comm))
         setattr(model, str(second), RowParallelLinear(linears[second], comm))

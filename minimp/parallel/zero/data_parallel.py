@@ -36,7 +36,7 @@ from minimp.measure.accounts import BytesSent
 from minimp.nn import Module
 from minimp.optim import Optimizer
 from minimp.parallel.data.data_parallel import ReplicaSync, pack, unpack
-from minimp.parallel.data.overlap import RingsInFlight, hook_each
+from minimp.parallel.data.overlap import RingsInFlight, hook_each, refuse_incomplete
 from minimp.parallel.pipeline.tied import TiedGradients
 from minimp.parallel.tensor.grads import TensorParallelGradients
 from minimp.parallel.zero.layout import ZeroLayout, plan_units
@@ -50,20 +50,12 @@ from minimp.tensor import Tensor
 class ZeroDataParallel(ReplicaSync):
     """ZeRO's GradientSync over one stage's replicas; build it with `zero_data_parallel`."""
 
-    def __init__(
-        self,
-        comm: Communicator,
-        optimizer: ShardedOptimizer,
-        *,
-        comm_dtype: npt.DTypeLike = np.float32,
-        average: str = "before",
-        decision_comm: Communicator | None = None,
-        tied: TiedGradients | None = None,
-        sent: BytesSent | None = None,
-        tensor_parallel: TensorParallelGradients | None = None,
-        overlap: bool = False,
-        micro_batches: int = 1,
-    ):
+    def __init__(self, comm: Communicator, optimizer: ShardedOptimizer, *,
+                 comm_dtype: npt.DTypeLike = np.float32, average: str = "before",
+                 decision_comm: Communicator | None = None, tied: TiedGradients | None = None,
+                 sent: BytesSent | None = None,
+                 tensor_parallel: TensorParallelGradients | None = None, overlap: bool = False,
+                 micro_batches: int = 1):
         """As DataParallel's: comm the replicas of this stage, decision_comm every rank that
         shares the skip decision and the gradient norm (by default the replicas), tied the
         parameters this stage shares with another, tensor_parallel the partial gradients and
@@ -273,12 +265,7 @@ class OverlappedUnits(RingsInFlight):
         """Stage 1: count a backward that reached parameter index; whether it was the step's
         last. One too many would have been sent before its sum was complete: refused."""
         self.arrivals[index] += 1
-        if self.arrivals[index] > self.micro_batches:
-            raise RuntimeError(
-                f"overlap: parameter {index} received {self.arrivals[index]} gradients in a step "
-                f"of {self.micro_batches} micro-batches; tell ZeroDataParallel the right "
-                "micro_batches, or turn overlap off"
-            )
+        refuse_incomplete(index, self.arrivals[index], self.micro_batches, "ZeroDataParallel")
         return self.arrivals[index] == self.micro_batches
 
     def new_buffers(self, like: Array, size: int) -> tuple[Array, Array]:
@@ -286,14 +273,8 @@ class OverlappedUnits(RingsInFlight):
         xp = array_module(like)
         return xp.empty(size, like.dtype), xp.empty(size, like.dtype)
 
-    def start(
-        self,
-        unit: int,
-        send: Array,
-        receive: Array,
-        bounds: Sequence[tuple[int, int]],
-        then: Callable[[Array], None],
-    ) -> None:
+    def start(self, unit: int, send: Array, receive: Array, bounds: Sequence[tuple[int, int]],
+              then: Callable[[Array], None]) -> None:
         """Start unit's reduce-scatter of send (packed) into receive; then(receive) runs when
         receive[bounds[rank]] holds this rank's chunk of the sum."""
         with self.communicating():
@@ -311,15 +292,9 @@ class OverlappedUnits(RingsInFlight):
             self._wait_all()
 
 
-def zero_data_parallel(
-    stage: ZeroStage | int,
-    optimizer: Optimizer,
-    layers: list[Module],
-    comm: Communicator,
-    *,
-    tied: TiedGradients | None = None,
-    **options: Any,
-) -> ZeroDataParallel:
+def zero_data_parallel(stage: ZeroStage | int, optimizer: Optimizer, layers: list[Module],
+                       comm: Communicator, *, tied: TiedGradients | None = None,
+                       **options: Any) -> ZeroDataParallel:
     """Shard a stage's optimizer (built, and resumed, as without ZeRO) over comm's replicas and
     return its GradientSync; `.optimizer` is the ShardedOptimizer the step must use, and
     `.run_group` the way the pipeline stage must run its layers. stage: a ZeroStage, or its
@@ -331,5 +306,5 @@ def zero_data_parallel(
     sharded = ShardedOptimizer(optimizer, layout, comm, stage.number, sent=sent)
     sync = ZeroDataParallel(comm, sharded, tied=tied, sent=sent, **options)
     if stage.shards_parameters:
-        sync.gatherer = ParameterGatherer(sharded, layers, layer_units, sent, sync.sample_peak)
+        sync.gatherer = ParameterGatherer(sharded, layers, layer_units, sync.sample_peak)
     return sync

@@ -50,16 +50,8 @@ def chunk_sizes(sizes: list[int], rank: int, world_size: int) -> list[int]:
     return [stop - start for start, stop in (chunk_bounds(s, world_size)[rank] for s in sizes)]
 
 
-def memory_formula(
-    stage: ZeroStage | int,
-    *,
-    unit_sizes: list[int],
-    rank: int,
-    world_size: int,
-    compute_bytes: int,
-    wire_bytes: int,
-    slots: int,
-) -> dict[str, int]:
+def memory_formula(stage: ZeroStage | int, *, unit_sizes: list[int], rank: int, world_size: int,
+                   compute_bytes: int, wire_bytes: int, slots: int) -> dict[str, int]:
     """The table above, in bytes, for one rank (stage 0's buckets hold P elements in all)."""
     stage = zero_stage(stage)
     total = sum(unit_sizes)
@@ -95,17 +87,9 @@ def peak_formula(stage: ZeroStage | int, *, unit_sizes: list[int], compute_bytes
     return c * largest * (2 if stage.shards_parameters else 1)
 
 
-def bytes_sent_formula(
-    stage: ZeroStage | int,
-    *,
-    sizes: list[int],
-    rank: int,
-    world_size: int,
-    micro_batches: int,
-    compute_bytes: int,
-    wire_bytes: int,
-    readers: list[int] | None = None,
-) -> dict[str, int]:
+def bytes_sent_formula(stage: ZeroStage | int, *, sizes: list[int], rank: int, world_size: int,
+                       micro_batches: int, compute_bytes: int, wire_bytes: int,
+                       readers: list[int] | None = None) -> dict[str, int]:
     """Bytes rank sends in one step that is not skipped, by collective. sizes: stage 0's
     buckets, or ZeRO's units; readers: how many layers read each unit (stage 3)."""
     stage = zero_stage(stage)
@@ -126,9 +110,8 @@ def bytes_sent_formula(
     return {"reduce_scatter": times * scatter * w, "all_gather": sum(gather) * c}
 
 
-def per_parameter(
-    stage: ZeroStage | int, world_size: int, compute_bytes: int = 2, slots: int = 2
-) -> float:
+def per_parameter(stage: ZeroStage | int, world_size: int, compute_bytes: int = 2,
+                  slots: int = 2) -> float:
     """minimp's bytes per parameter held by each rank (model states, even shards, no buffers)."""
     c, k, n = compute_bytes, 4 * slots, world_size
     masters = 0 if c == 4 else 4
@@ -140,9 +123,8 @@ def per_parameter(
     }[zero_stage(stage).number]
 
 
-def paper_per_parameter(
-    stage: ZeroStage | int, world_size: int, optimizer_bytes: int = 12
-) -> float:
+def paper_per_parameter(stage: ZeroStage | int, world_size: int,
+                        optimizer_bytes: int = 12) -> float:
     """ZeRO's bytes per parameter (section 5.1: fp16 parameters and gradients, K = 12 bytes of
     Adam state and fp32 masters): 2 + 2 + K, 2 + 2 + K/N, 2 + (2 + K)/N, (2 + 2 + K)/N."""
     k, n = optimizer_bytes, world_size

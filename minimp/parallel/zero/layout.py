@@ -96,16 +96,13 @@ class ZeroLayout:
         return {index: u for u, unit in enumerate(self.units) for index in unit.indices}
 
 
-def plan_units(
-    layers: list[Module], params: list[Parameter], tied: set[int]
-) -> tuple[list[Unit], list[list[int]]]:
+def plan_units(layers: list[Module], params: list[Parameter],
+               tied: set[int]) -> tuple[list[Unit], list[list[int]]]:
     """(units, the units each layer reads) for a stage's layers and its optimizer's parameters
     (params, in optimizer order). tied: optimizer positions another stage holds a copy of."""
     position = {id(parameter): index for index, parameter in enumerate(params)}
-    reads = [
-        [position[id(p)] for p in reachable_parameters(layer) if id(p) in position]
-        for layer in layers
-    ]
+    reads = [[position[id(p)] for p in reachable_parameters(layer) if id(p) in position]
+             for layer in layers]
     readers = Counter(index for indices in reads for index in indices)
     shared = {index for index, count in readers.items() if count > 1} | set(tied)
     units: list[Unit] = []

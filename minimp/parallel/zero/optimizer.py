@@ -40,14 +40,8 @@ from minimp.precision.step import MixedPrecisionOptimizer
 class ShardedOptimizer(MixedPrecisionOptimizer):
     """Masters, slots (and, from stage 2, gradient sums) of this rank's chunks; see the module."""
 
-    def __init__(
-        self,
-        optimizer: Optimizer,
-        layout: ZeroLayout,
-        comm: Communicator,
-        stage: int,
-        sent: BytesSent | None = None,
-    ):
+    def __init__(self, optimizer: Optimizer, layout: ZeroLayout, comm: Communicator, stage: int,
+                 sent: BytesSent | None = None):
         """optimizer: the whole optimizer of this stage, built (and resumed) as without ZeRO; its
         masters and slots are cut into this rank's chunks and then dropped. comm: the
         data-parallel replicas of this stage, over which the layout was cut. sent: counts the
@@ -113,21 +107,17 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
             return list(self.inner.accumulate_gradients())
         pending = [i for i, parameter in enumerate(self.params) if parameter.grad is not None]
         if pending:
-            raise RuntimeError(
-                f"ZeRO stage {self.stage}: parameter(s) {pending} hold gradients that were not "
-                "reduce-scattered; call the GradientSync's after_backward() after each backward"
-            )
+            raise RuntimeError(f"ZeRO stage {self.stage}: parameter(s) {pending} hold gradients "
+                               "that were not reduce-scattered; call the GradientSync's "
+                               "after_backward() after each backward")
         return self.gradient_pieces()
 
     def gradient_pieces(self) -> list[Array]:
         """This rank's gradients, one float32 view per piece (layout order): of the whole
         accumulators in stage 1, of `gradient_chunks` from stage 2. A unit no gradient reached
         this step gives zeros, as data parallelism's all-reduce does."""
-        pieces = []
-        for unit, unit_pieces in enumerate(self.layout.pieces):
-            for piece in unit_pieces:
-                pieces.append(self._gradient_piece(unit, piece))
-        return pieces
+        return [self._gradient_piece(unit, piece)
+                for unit, pieces in enumerate(self.layout.pieces) for piece in pieces]
 
     def _gradient_piece(self, unit: int, piece: Piece) -> Array:
         if self.stage == 1:
@@ -160,29 +150,31 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     def publish(self) -> None:
         """Round the masters into the compute dtype: stage 3 keeps the chunks; stages 1-2
         all-gather each unit, one unit at a time, into every rank's whole compute copies."""
-        for unit in range(len(self.layout.units)):
+        for unit, spec in enumerate(self.layout.units):
             if self.stage == 3:
                 if self.compute_chunks[unit] is not self.masters[unit]:
                     self.compute_chunks[unit][...] = round_to(self.masters[unit], self.dtype)
                 continue
-            self._unpack(unit, self._gathered(unit))
+            flat = self._gathered(unit)
+            for index, begin, size in zip(spec.indices, spec.offsets(), spec.sizes):
+                self.params[index].data.reshape(-1)[...] = flat[begin : begin + size]
 
     def _gathered(self, unit: int) -> Array:
         """The unit's whole compute copy, flat: all-gathered from every rank's chunk."""
         rounded = round_to(self.masters[unit], self.dtype)
         if self.gather_buffer is None:  # one rank: the chunk is the unit
             return rounded
-        flat = self.gather_buffer[: self.layout.units[unit].size]
-        start, stop = self.layout.chunk(unit)
-        flat[start:stop] = rounded
-        with self.sent.counting(self.comm, "all_gather"):
-            ring_all_gather_inplace(self.comm, flat, self.layout.bounds[unit])
-        return flat
+        return self.all_gather(unit, rounded, self.gather_buffer[: self.layout.units[unit].size])
 
-    def _unpack(self, unit: int, flat: Array) -> None:
-        spec = self.layout.units[unit]
-        for index, begin, size in zip(spec.indices, spec.offsets(), spec.sizes):
-            self.params[index].data.reshape(-1)[...] = flat[begin : begin + size]
+    def all_gather(self, unit: int, chunk: Array, flat: Array) -> Array:
+        """flat (the unit's size) made the whole unit: this rank's chunk written into its place,
+        every other rank's gathered around the ring (stage 3's layers gather so too)."""
+        start, stop = self.layout.chunk(unit)
+        flat[start:stop] = chunk
+        if self.comm.size > 1:
+            with self.sent.counting(self.comm, "all_gather"):
+                ring_all_gather_inplace(self.comm, flat, self.layout.bounds[unit])
+        return flat
 
     def zero_grad(self) -> None:
         """Forget the gradients: the parameters', and this step's sums (the buffers stay)."""

@@ -23,9 +23,7 @@ from typing import Callable
 import numpy as np
 
 from minimp.backend import Array, array_module, data_address
-from minimp.distributed.ring import ring_all_gather_inplace
 from minimp.function import saved_tensors_hooks
-from minimp.measure.accounts import BytesSent
 from minimp.nn import Module
 from minimp.parallel.pipeline.split import RunLayers
 from minimp.parallel.zero.optimizer import ShardedOptimizer
@@ -52,19 +50,14 @@ def free(parameter: Tensor) -> None:
 class ParameterGatherer:
     """Gathers and frees the units of stage 3 around each group of layers the stage runs."""
 
-    def __init__(
-        self,
-        optimizer: ShardedOptimizer,
-        layers: list[Module],
-        layer_units: list[list[int]],
-        sent: BytesSent,
-        sample: Callable[[], None] = lambda: None,
-    ):
-        """optimizer: the ShardedOptimizer (stage 3); layers and layer_units: the stage's layers
-        and the units each one reads (zero_layout.plan_units); sample(): called after each
-        gather (the trainer measures the peak memory there)."""
-        self.optimizer, self.layout, self.comm = optimizer, optimizer.layout, optimizer.comm
-        self.params, self.sent, self.sample = optimizer.params, sent, sample
+    def __init__(self, optimizer: ShardedOptimizer, layers: list[Module],
+                 layer_units: list[list[int]], sample: Callable[[], None] = lambda: None):
+        """optimizer: the ShardedOptimizer (stage 3), whose `sent` counts the all-gathers;
+        layers and layer_units: the stage's layers and the units each one reads
+        (zero_layout.plan_units); sample(): called after each gather (the trainer measures the
+        peak memory there)."""
+        self.optimizer, self.layout, self.sample = optimizer, optimizer.layout, sample
+        self.params, self.sent = optimizer.params, optimizer.sent
         self.units_of_layer = {id(layer): units for layer, units in zip(layers, layer_units)}
         count = len(self.layout.units)
         self.counts, self.holds = [0] * count, [0] * count
@@ -109,11 +102,7 @@ class ParameterGatherer:
             return
         spec, chunk = self.layout.units[unit], self.optimizer.compute_chunks[unit]
         flat = array_module(chunk).empty(spec.size, chunk.dtype)
-        start, stop = self.layout.chunk(unit)
-        flat[start:stop] = chunk
-        if self.comm.size > 1:
-            with self.sent.counting(self.comm, "all_gather"):
-                ring_all_gather_inplace(self.comm, flat, self.layout.bounds[unit])
+        self.optimizer.all_gather(unit, chunk, flat)
         for index, begin, size in zip(spec.indices, spec.offsets(), spec.sizes):
             parameter = self.params[index]
             parameter.data = flat[begin : begin + size].reshape(parameter.shape)

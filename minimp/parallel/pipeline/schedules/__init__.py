@@ -31,18 +31,15 @@ class ScheduleChoice:
 
 
 CHOICES = {
-    "gpipe": ScheduleChoice(
-        lambda p, m, v: gpipe(p, m), False, lambda p, m, v: (p - 1) / (m + p - 1)
-    ),
-    "1f1b": ScheduleChoice(
-        lambda p, m, v: one_f_one_b(p, m), False, lambda p, m, v: (p - 1) / (m + p - 1)
-    ),
+    "gpipe": ScheduleChoice(lambda p, m, v: gpipe(p, m), False,
+                            lambda p, m, v: (p - 1) / (m + p - 1)),
+    "1f1b": ScheduleChoice(lambda p, m, v: one_f_one_b(p, m), False,
+                           lambda p, m, v: (p - 1) / (m + p - 1)),
     # Narayanan et al. 2021: (P - 1)/(V M) of the ideal compute time
     "interleaved": ScheduleChoice(interleaved, True, lambda p, m, v: (p - 1) / (v * m + p - 1)),
     # Qi et al. 2023: (P - 1)(T_F + T_B - T_W) per stage, a third of 1F1B's with equal F, B, W
-    "zb-h1": ScheduleChoice(
-        lambda p, m, v: zb_h1(p, m), True, lambda p, m, v: (p - 1) / (3 * m + p - 1)
-    ),
+    "zb-h1": ScheduleChoice(lambda p, m, v: zb_h1(p, m), True,
+                            lambda p, m, v: (p - 1) / (3 * m + p - 1)),
 }
 
 

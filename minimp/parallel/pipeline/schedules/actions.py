@@ -34,6 +34,17 @@ SEND_BACKWARD = "send_backward"
 SEND_FORWARD_RECV_BACKWARD = "send_forward_recv_backward"
 SEND_BACKWARD_RECV_FORWARD = "send_backward_recv_forward"
 COMPUTE_LABELS = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "B", BACKWARD_WEIGHT: "W"}
+ACTIVATION, GRADIENT = 0, 1  # what a message carries: its direction, in the runner's tags
+# op -> (what it sends, what it receives): an activation travels to the next virtual stage, its
+# gradient back to the previous one; a paired exchange does both at once
+MESSAGES = {
+    RECV_FORWARD: (None, ACTIVATION),
+    SEND_FORWARD: (ACTIVATION, None),
+    RECV_BACKWARD: (None, GRADIENT),
+    SEND_BACKWARD: (GRADIENT, None),
+    SEND_FORWARD_RECV_BACKWARD: (ACTIVATION, GRADIENT),
+    SEND_BACKWARD_RECV_FORWARD: (GRADIENT, ACTIVATION),
+}
 
 
 class Action(NamedTuple):
@@ -108,9 +119,8 @@ def _backward(mb: int, first: bool, last: bool) -> list[Action]:
 def check_sizes(stages: int, micro_batches: int) -> None:
     """Raise ValueError unless there are stages and micro-batches to schedule."""
     if stages < 1 or micro_batches < 1:
-        raise ValueError(
-            f"a schedule needs stages >= 1 and micro_batches >= 1, got {stages}, {micro_batches}"
-        )
+        raise ValueError(f"a schedule needs stages >= 1 and micro_batches >= 1, got {stages}, "
+                         f"{micro_batches}")
 
 
 def peak_activations(actions: list[Action]) -> int:
@@ -133,10 +143,7 @@ def format_schedule(schedule: Schedule) -> str:
     chunked = any(action.chunk for actions in schedule for action in actions)
     lines = []
     for stage, actions in enumerate(schedule):
-        compute = [
-            f"{action}c{action.chunk}" if chunked else str(action)
-            for action in actions
-            if action.op in COMPUTE_LABELS
-        ]
+        compute = [f"{action}c{action.chunk}" if chunked else str(action)
+                   for action in actions if action.op in COMPUTE_LABELS]
         lines.append(f"stage {stage}: " + " ".join(compute))
     return "\n".join(lines)

@@ -17,20 +17,8 @@ from typing import Callable
 from minimp.parallel.pipeline.schedules import actions as s
 from minimp.parallel.pipeline.schedules.actions import Action, Schedule
 
-SENDS = {  # op -> (direction of the message sent, change of virtual stage)
-    s.SEND_FORWARD: ("activation", +1),
-    s.SEND_BACKWARD: ("gradient", -1),
-    s.SEND_FORWARD_RECV_BACKWARD: ("activation", +1),
-    s.SEND_BACKWARD_RECV_FORWARD: ("gradient", -1),
-}
-RECEIVES = {  # op -> direction of the message received
-    s.RECV_FORWARD: "activation",
-    s.RECV_BACKWARD: "gradient",
-    s.SEND_FORWARD_RECV_BACKWARD: "gradient",
-    s.SEND_BACKWARD_RECV_FORWARD: "activation",
-}
 INPUT_GRADIENT = (s.BACKWARD, s.BACKWARD_INPUT)  # the computes that send a gradient back
-Message = tuple[str, int, int]  # (direction, micro-batch, the virtual stage that receives it)
+Message = tuple[int, int, int]  # (ACTIVATION or GRADIENT, micro-batch, the virtual stage receiving)
 Reached = tuple[Action, list[Message], list[Message]]  # a rank's next action, what it sends, gets
 
 
@@ -62,23 +50,19 @@ def with_messages(computes: list[list[Action]], stages: int, chunks: int) -> Sch
 
 
 def messages(action: Action, rank: int, stages: int) -> tuple[list[Message], list[Message]]:
-    """(keys sent, keys received) by an action; a key names one message: (direction, micro-batch,
-    the virtual stage that receives it)."""
+    """(keys sent, keys received) by an action; a key names one message: (ACTIVATION or GRADIENT,
+    micro-batch, the virtual stage that receives it)."""
     here = virtual_stage(rank, action.chunk, stages)
-    sent: list[Message] = []
-    received: list[Message] = []
-    if action.op in SENDS:
-        direction, step = SENDS[action.op]
-        sent.append((direction, action.micro_batch, here + step))
-    if action.op in RECEIVES:
-        mb = action.received if action.received is not None else action.micro_batch
-        received.append((RECEIVES[action.op], mb, here))
-    return sent, received
+    send, receive = s.MESSAGES.get(action.op, (None, None))
+    mb = action.received if action.received is not None else action.micro_batch
+    # an activation goes to the next virtual stage, a gradient back to the previous one
+    step = 1 if send == s.ACTIVATION else -1
+    sent = [] if send is None else [(send, action.micro_batch, here + step)]
+    return sent, [] if receive is None else [(receive, mb, here)]
 
 
-def check_schedule(
-    schedule: Schedule, micro_batches: int, chunks: int = 1, rendezvous: bool = False
-) -> list[str]:
+def check_schedule(schedule: Schedule, micro_batches: int, chunks: int = 1,
+                   rendezvous: bool = False) -> list[str]:
     """Everything wrong with the schedule, in words (an empty list: it is valid)."""
     stages = len(schedule)
     problems = _check_computes(schedule, micro_batches, chunks)
@@ -127,17 +111,12 @@ def check_schedule(
     return problems
 
 
-def _partner(
-    current: Callable[[int], Reached | None],
-    out: list[Message],
-    into: list[Message],
-    stages: int,
-) -> tuple[int, Action] | None:
+def _partner(current: Callable[[int], Reached | None], out: list[Message], into: list[Message],
+             stages: int) -> tuple[int, Action] | None:
     """(rank, action) of the rank whose current action receives exactly what this one sends and
     sends exactly what this one receives (a send that must wait for its receive, or a Sendrecv
     pair), or None."""
-    keys = out + into
-    direction, mb, receiver_stage = keys[0]
+    receiver_stage = (out + into)[0][2]
     for stage in (receiver_stage, receiver_stage - 1, receiver_stage + 1):
         rank = stage % stages
         other = current(rank)
@@ -148,9 +127,8 @@ def _partner(
     return None
 
 
-def _inputs_ready(
-    action: Action, rank: int, stages: int, last: int, done: set[tuple], arrived: set[Message]
-) -> bool:
+def _inputs_ready(action: Action, rank: int, stages: int, last: int, done: set[tuple],
+                  arrived: set[Message]) -> bool:
     """What a compute needs has run on this rank or arrived in a message it received: forward
     the previous virtual stage's activation; backward its forward and the next virtual stage's
     gradient; backward_weight its backward_input."""
@@ -159,19 +137,19 @@ def _inputs_ready(
     def ran(ops: tuple, stage: int) -> bool:
         return any((op, mb, stage) in done for op in ops)
 
-    def from_stage(stage: int, ops: tuple, direction: str) -> bool:
+    def from_stage(stage: int, ops: tuple, carries: int) -> bool:
         if stage % stages == rank:  # the neighbouring chunk is on this rank: no message
             return ran(ops, stage)
-        return (direction, mb, here) in arrived
+        return (carries, mb, here) in arrived
 
-    if action.op in SENDS:  # what is sent must have been computed
-        produced = (s.FORWARD,) if SENDS[action.op][0] == "activation" else INPUT_GRADIENT
-        return ran(produced, here)
+    send = s.MESSAGES.get(action.op, (None, None))[0]
+    if send is not None:  # what is sent must have been computed
+        return ran((s.FORWARD,) if send == s.ACTIVATION else INPUT_GRADIENT, here)
     if action.op == s.FORWARD:
-        return here == 0 or from_stage(here - 1, (s.FORWARD,), "activation")
+        return here == 0 or from_stage(here - 1, (s.FORWARD,), s.ACTIVATION)
     if action.op in INPUT_GRADIENT:
         own = (s.FORWARD, mb, here) in done
-        return own and (here == last or from_stage(here + 1, INPUT_GRADIENT, "gradient"))
+        return own and (here == last or from_stage(here + 1, INPUT_GRADIENT, s.GRADIENT))
     if action.op == s.BACKWARD_WEIGHT:
         return (s.BACKWARD_INPUT, mb, here) in done
     return True

@@ -13,8 +13,8 @@ alternates one forward, one backward, then drains. The messages between consecut
 are then inserted by `with_messages` (minimp/parallel/pipeline/schedules/dependencies.py).
 """
 
-from minimp.parallel.pipeline.schedules.dependencies import with_messages
 from minimp.parallel.pipeline.schedules.actions import BACKWARD, FORWARD, Action, Schedule
+from minimp.parallel.pipeline.schedules.dependencies import with_messages
 
 
 def check_interleaving(stages: int, micro_batches: int, virtual_stages: int) -> None:
@@ -22,23 +22,18 @@ def check_interleaving(stages: int, micro_batches: int, virtual_stages: int) -> 
     if stages < 2:
         raise ValueError(f"interleaving needs --pp 2 or more, got --pp {stages}")
     if virtual_stages < 1 or micro_batches < 1:
-        raise ValueError(
-            f"interleaving needs --virtual-stages and --micro-batches of 1 or more, got "
-            f"{virtual_stages} and {micro_batches}"
-        )
+        raise ValueError(f"interleaving needs --virtual-stages and --micro-batches of 1 or more, "
+                         f"got {virtual_stages} and {micro_batches}")
     if micro_batches % stages:
-        raise ValueError(
-            f"the interleaved schedule sends micro-batches in groups of --pp: --micro-batches "
-            f"{micro_batches} is not a multiple of {stages}"
-        )
+        raise ValueError(f"the interleaved schedule sends micro-batches in groups of --pp: "
+                         f"--micro-batches {micro_batches} is not a multiple of {stages}")
 
 
 def interleaved(stages: int, micro_batches: int, virtual_stages: int) -> Schedule:
     """Each rank's actions for one interleaved 1F1B step; Action.chunk is the rank's chunk."""
     check_interleaving(stages, micro_batches, virtual_stages)
-    computes = [
-        _compute_order(rank, stages, micro_batches, virtual_stages) for rank in range(stages)
-    ]
+    computes = [_compute_order(rank, stages, micro_batches, virtual_stages)
+                for rank in range(stages)]
     return with_messages(computes, stages, virtual_stages)
 
 

@@ -13,15 +13,9 @@ micro-batches (from forward to W), the first stage's peak under 1F1B: the same p
 on every stage.
 """
 
+from minimp.parallel.pipeline.schedules.actions import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD,
+                                                       Action, Schedule, check_sizes)
 from minimp.parallel.pipeline.schedules.dependencies import with_messages
-from minimp.parallel.pipeline.schedules.actions import (
-    BACKWARD_INPUT,
-    BACKWARD_WEIGHT,
-    FORWARD,
-    Action,
-    Schedule,
-    check_sizes,
-)
 
 
 def zb_h1(stages: int, micro_batches: int) -> Schedule:
