@@ -100,15 +100,13 @@ def recursive_doubling_into(comm: Communicator, x_flat: Array, flat: Array,
 ALGORITHMS = {
     "ring": ring_allreduce,
     "naive": naive_allreduce,
-    "recursive_doubling": recursive_doubling_allreduce,
-}
+    "recursive_doubling": recursive_doubling_allreduce}
 # Each algorithm's messages and additions alone, for callers that made the checks once
 # (PersistentAllreduce, below)
 BODIES: dict[str, AllreduceBody] = {
     "ring": ring_allreduce_into,
     "naive": naive_allreduce_into,
-    "recursive_doubling": recursive_doubling_into,
-}
+    "recursive_doubling": recursive_doubling_into}
 
 
 # How an all-reduce picks its algorithm for a message: (bytes, ranks) -> a name in ALGORITHMS.
