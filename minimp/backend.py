@@ -45,15 +45,13 @@ def _import_cupy() -> ModuleType:
     try:
         import cupy
     except ImportError as error:
-        raise DeviceError(
-            "device 'gpu' needs CuPy: pip install 'minimp[gpu]' (or the cupy build for your CUDA)"
-        ) from error
+        raise DeviceError("device 'gpu' needs CuPy: pip install 'minimp[gpu]' (or the cupy build "
+                          "for your CUDA)") from error
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as error:  # CuPy raises its own CUDARuntimeError without a driver
-        raise DeviceError(
-            f"device 'gpu': CuPy is installed but CUDA is not usable ({error})"
-        ) from error
+        raise DeviceError("device 'gpu': CuPy is installed but CUDA is not usable "
+                          f"({error})") from error
     if count < 1:
         raise DeviceError("device 'gpu': CuPy is installed but no GPU is visible")
     return cupy

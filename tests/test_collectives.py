@@ -232,7 +232,7 @@ def run_body(body, inputs, **kwargs):
     "body", [naive_allreduce_into, recursive_doubling_into, ring_allreduce_into]
 )
 def test_the_bodies_sum_unless_told_otherwise(body):
-    # persistent.py always passes op; a caller of the body alone gets the default, a sum
+    # PersistentAllreduce always passes op; a caller of the body alone gets the default, a sum
     inputs = [np.array([1.0, -2.0], np.float32) * (rank + 1) for rank in range(3)]
     for flat in run_body(body, inputs):
         np.testing.assert_array_equal(flat, [6.0, -12.0])

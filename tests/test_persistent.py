@@ -8,7 +8,7 @@ import pytest
 from minimp import distributed as dist
 from minimp.measure.costmodel import Network
 from minimp.measure.machinemodel import FastestPredicted
-from minimp.distributed.persistent import PersistentAllreduce
+from minimp.distributed.collectives import PersistentAllreduce
 
 ALGORITHMS = ["ring", "naive", "recursive_doubling", "auto"]
 

@@ -1,4 +1,4 @@
-"""minimp/distributed/watchdog.py's Watchdog in this process, on a clock the test sets: when it
+"""minimp/distributed/mpi.py's Watchdog in this process, on a clock the test sets: when it
 aborts (a wait older than the timeout, and only then), with which message, how often it looks,
 which communicators it reads, and MPICommunicator.start_watchdog's wiring to print_and_abort.
 The watchdog ending a real job whose rank froze is checked under mpirun
@@ -11,17 +11,17 @@ import time
 
 import pytest
 
-from minimp.distributed import launch, watchdog
-from minimp.distributed.mpi import MPICommunicator
-from minimp.distributed.watchdog import Waiting, Watchdog
+from minimp.distributed import launch, mpi
+from minimp.distributed.mpi import MPICommunicator, Waiting, Watchdog
 
 NOW = 100.0  # what the stand-in clock reads; ages below are exact in binary
 
 
 class Clock:
-    """Stands in for the `time` module inside watchdog.py: monotonic() reads `now`; sleep()
-    records what it was asked for and sleeps at most a millisecond (refusing what time.sleep
-    refuses), so a check comes fast and the age of a wait is exactly what the test made it."""
+    """Stands in for the `time` module inside mpi.py (the watchdog's clock): monotonic() reads
+    `now`; sleep() records what it was asked for and sleeps at most a millisecond (refusing what
+    time.sleep refuses), so a check comes fast and the age of a wait is exactly what the test made
+    it."""
 
     def __init__(self):
         self.now, self.sleeps = NOW, []
@@ -70,7 +70,7 @@ def waiting_for(operation, peer, age):
 @pytest.fixture
 def clock(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(watchdog, "time", clock)
+    monkeypatch.setattr(mpi, "time", clock)
     return clock
 
 
@@ -207,5 +207,5 @@ def test_print_and_abort_writes_then_pauses_as_long_as_launch_does_then_aborts(c
     def abort(code):  # what had happened when MPI_Abort was called
         seen.append((code, list(clock.sleeps), capfd.readouterr().err))
 
-    watchdog.print_and_abort(abort)("[rank 1] minimp: waited 42 s")
+    mpi.print_and_abort(abort)("[rank 1] minimp: waited 42 s")
     assert seen == [(3, [pause], "[rank 1] minimp: waited 42 s\n")]

@@ -7,24 +7,13 @@ never the other way round.
 """
 
 from minimp.distributed.buffers import CollectiveMismatchError
-from minimp.distributed.collectives import (
-    ALGORITHMS,
-    AlgorithmPolicy,
-    allreduce,
-    choose_algorithm,
-    naive_allreduce,
-    recursive_doubling_allreduce,
-)
+from minimp.distributed.collectives import ALGORITHMS, AlgorithmPolicy, PersistentAllreduce
+from minimp.distributed.collectives import allreduce, choose_algorithm, naive_allreduce
+from minimp.distributed.collectives import recursive_doubling_allreduce
 from minimp.distributed.gather import gather_named_arrays
 from minimp.distributed.launch import run_or_abort
 from minimp.distributed.mpi import MPICommunicator, world
-from minimp.distributed.persistent import PersistentAllreduce
 from minimp.distributed.protocol import REDUCE_OPS, Communicator, Tag
 from minimp.distributed.ring import all_gather, chunk_bounds, reduce_scatter, ring_allreduce
-from minimp.distributed.simulated import (
-    DeadlockError,
-    Message,
-    SimulatedCommunicator,
-    SimulatedWorld,
-    simulate,
-)
+from minimp.distributed.simulated import DeadlockError, Message, SimulatedCommunicator
+from minimp.distributed.simulated import SimulatedWorld, simulate

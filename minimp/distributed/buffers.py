@@ -20,13 +20,9 @@ from minimp.precision.casting import LOW_PRECISION_DTYPES, round_to, widen
 AllreduceBody = Callable[[Communicator, Array, Array, str], None]
 
 # dtype -> the number that stands for it in the agreement (looked up by dtype: no name to build)
-_DTYPE_CODES = {
-    np.dtype(dtype): code
-    for dtype, code in (
-        (np.float16, 1), (ml_dtypes.bfloat16, 2), (np.float32, 3), (np.float64, 4),
-        (np.int32, 5), (np.int64, 6),
-    )
-}  # fmt: skip
+_DTYPE_CODES = {np.dtype(dtype): code for dtype, code in (
+    (np.float16, 1), (ml_dtypes.bfloat16, 2), (np.float32, 3), (np.float64, 4), (np.int32, 5),
+    (np.int64, 6))}
 
 
 class CollectiveMismatchError(ValueError):
@@ -49,9 +45,8 @@ def agree_on_layout(comm: Communicator, size: int, dtype: np.dtype, name: str) -
     if highest[0] != -highest[2] or highest[1] != -highest[3]:
         raise CollectiveMismatchError(
             f"{name}: ranks disagree on the array (lengths {int(-highest[2])}..{int(highest[0])}, "
-            f"dtype codes {int(-highest[3])}..{int(highest[1])}); "
-            "every rank must pass the same length and dtype"
-        )
+            f"dtype codes {int(-highest[3])}..{int(highest[1])}); every rank must pass the same "
+            "length and dtype")
 
 
 def contiguous_flat(x: Array) -> Array:
@@ -95,9 +90,8 @@ def reduce_into(target: Array, incoming: Array, op: str, first: Array | None = N
         target[...] = round_to(reducer(widen(first), widen(incoming)), target.dtype)
 
 
-def checked_allreduce(
-    body: AllreduceBody, name: str, comm: Communicator, x: Array, op: str, out: Array | None
-) -> Array:
+def checked_allreduce(body: AllreduceBody, name: str, comm: Communicator, x: Array, op: str,
+                      out: Array | None) -> Array:
     """body's reduction of x over the ranks, with what every all-reduce does around it: the op
     checked, the ranks agreed on the array (or CollectiveMismatchError on all), the result in
     `out` or a new array, shaped like x. On one rank it is a copy of x."""

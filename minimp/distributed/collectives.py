@@ -3,30 +3,43 @@
 Each function takes the communicator as its first argument, works on a world of size 1, on the
 simulated world and under mpirun, and returns a new array (the input is not modified). The ring
 itself, with its two halves, lives in minimp/distributed/ring.py.
+
+A persistent all-reduce, last: agree on the array and plan once, then run it call after call.
+MPI-4 calls this a persistent collective (MPI_Allreduce_init once, MPI_Start each time). Every
+call of `allreduce` first has the ranks agree on the array's length and dtype (one small
+all-reduce: on this project's machine about as long as MPI's whole all-reduce of 4 KiB) and picks
+an algorithm. A caller that all-reduces arrays of one layout again and again (a gradient bucket,
+every step) can do both once: `PersistentAllreduce(comm, shape, dtype)` agrees and chooses at
+construction, on every rank together; each call then checks on this rank alone that its array is
+the one planned (the construction checked that the ranks planned alike) and moves the bytes, with
+the same messages and additions, so the same bits, as the checked call.
 """
 
 import functools
+import math
 from typing import Callable
 
+import numpy as np
+from numpy.typing import DTypeLike
+
 from minimp.backend import Array, array_module
-from minimp.distributed.buffers import AllreduceBody, checked_allreduce, reduce_into
-from minimp.distributed.protocol import REDUCE_OPS, Communicator, Tag
+from minimp.distributed.buffers import AllreduceBody, agree_on_layout, checked_allreduce
+from minimp.distributed.buffers import contiguous_flat, output_buffer, reduce_into
+from minimp.distributed.protocol import REDUCE_OPS, Communicator, Tag, check_op
 from minimp.distributed.ring import ring_allreduce, ring_allreduce_into
 from minimp.precision.casting import round_to, widen
 
 
-def naive_allreduce(
-    comm: Communicator, x: Array, op: str = "sum", out: Array | None = None, root: int = 0
-) -> Array:
+def naive_allreduce(comm: Communicator, x: Array, op: str = "sum", out: Array | None = None,
+                    root: int = 0) -> Array:
     """Every rank sends its whole array to root, root reduces (in float32 for 16-bit dtypes, in rank
     order) and broadcasts the result: 2(p - 1) full-size messages through one rank."""
     body = functools.partial(naive_allreduce_into, root=root)
     return checked_allreduce(body, "naive_allreduce", comm, x, op, out)
 
 
-def naive_allreduce_into(
-    comm: Communicator, x_flat: Array, flat: Array, op: str = "sum", root: int = 0
-) -> None:
+def naive_allreduce_into(comm: Communicator, x_flat: Array, flat: Array, op: str = "sum",
+                         root: int = 0) -> None:
     """naive_allreduce's messages and additions alone, from x_flat into flat (p >= 2; no checks)."""
     flat[...] = x_flat
     if comm.rank == root:
@@ -42,22 +55,19 @@ def naive_allreduce_into(
     comm.bcast(flat, root=root)
 
 
-def recursive_doubling_allreduce(
-    comm: Communicator, x: Array, op: str = "sum", out: Array | None = None
-) -> Array:
+def recursive_doubling_allreduce(comm: Communicator, x: Array, op: str = "sum",
+                                 out: Array | None = None) -> Array:
     """log2(p) rounds exchanging the whole array with partner rank ^ distance (latency-optimal).
 
     For p not a power of two, the first p - 2^k ranks above 2^k fold their data into a partner first
     and get the result back at the end (Thakur, Rabenseifner & Gropp 2005, section 4.1).
     """
-    return checked_allreduce(
-        recursive_doubling_into, "recursive_doubling_allreduce", comm, x, op, out
-    )
+    return checked_allreduce(recursive_doubling_into, "recursive_doubling_allreduce",
+                             comm, x, op, out)
 
 
-def recursive_doubling_into(
-    comm: Communicator, x_flat: Array, flat: Array, op: str = "sum"
-) -> None:
+def recursive_doubling_into(comm: Communicator, x_flat: Array, flat: Array,
+                            op: str = "sum") -> None:
     """recursive_doubling_allreduce's messages and additions alone, from x_flat into flat (p >= 2:
     every rank below 2^k exchanges at least once, so flat holds its result)."""
     p, r = comm.size, comm.rank
@@ -90,15 +100,13 @@ def recursive_doubling_into(
 ALGORITHMS = {
     "ring": ring_allreduce,
     "naive": naive_allreduce,
-    "recursive_doubling": recursive_doubling_allreduce,
-}
+    "recursive_doubling": recursive_doubling_allreduce}
 # Each algorithm's messages and additions alone, for callers that made the checks once
-# (minimp/distributed/persistent.py)
+# (PersistentAllreduce, below)
 BODIES: dict[str, AllreduceBody] = {
     "ring": ring_allreduce_into,
     "naive": naive_allreduce_into,
-    "recursive_doubling": recursive_doubling_into,
-}
+    "recursive_doubling": recursive_doubling_into}
 
 
 # How an all-reduce picks its algorithm for a message: (bytes, ranks) -> a name in ALGORITHMS.
@@ -125,21 +133,50 @@ def resolve_algorithm(algorithm: "str | AlgorithmPolicy", nbytes: int, world_siz
     if name == "auto":
         name = choose_algorithm(nbytes, world_size)
     if name not in ALGORITHMS:
-        raise ValueError(
-            f"unknown all-reduce algorithm {name!r}: use auto or one of {sorted(ALGORITHMS)}"
-        )
+        raise ValueError(f"unknown all-reduce algorithm {name!r}: use auto or one of "
+                         f"{sorted(ALGORITHMS)}")
     return name
 
 
-def allreduce(
-    comm: Communicator,
-    x: Array,
-    op: str = "sum",
-    algorithm: "str | AlgorithmPolicy" = "auto",
-    out: Array | None = None,
-) -> Array:
+def allreduce(comm: Communicator, x: Array, op: str = "sum",
+              algorithm: "str | AlgorithmPolicy" = "auto", out: Array | None = None) -> Array:
     """All-reduce with the named algorithm, with the one choose_algorithm picks ("auto"), or with
     the one a policy picks, the way MPI libraries switch from latency- to bandwidth-optimal
     algorithms as messages grow."""
     name = resolve_algorithm(algorithm, x.size * x.dtype.itemsize, comm.size)
     return ALGORITHMS[name](comm, x, op, out=out)
+
+
+class PersistentAllreduce:
+    """All-reduce of arrays of one shape and dtype, planned once: `plan(x, out=None)` returns the
+    reduction like allreduce(comm, x, op, algorithm, out=out). Constructing it is a collective
+    (every rank of comm, with the same shape and dtype, or CollectiveMismatchError on all)."""
+
+    def __init__(self, comm: Communicator, shape: tuple[int, ...], dtype: DTypeLike,
+                 op: str = "sum", algorithm: "str | AlgorithmPolicy" = "auto"):
+        check_op(op)
+        if not all(isinstance(n, (int, np.integer)) and n >= 0 for n in shape):
+            raise ValueError("PersistentAllreduce: shape must be non-negative integers, "
+                             f"got {shape}")
+        self.comm, self.op = comm, op
+        self.shape, self.dtype = tuple(int(n) for n in shape), np.dtype(dtype)
+        size = math.prod(self.shape)
+        self.algorithm = resolve_algorithm(algorithm, size * self.dtype.itemsize, comm.size)
+        agree_on_layout(comm, size, self.dtype, "PersistentAllreduce")
+        self._body = BODIES[self.algorithm]
+
+    def __call__(self, x: Array, out: Array | None = None) -> Array:
+        if x.shape != self.shape or x.dtype != self.dtype:
+            raise ValueError(f"PersistentAllreduce: planned for {self.dtype} arrays of shape "
+                             f"{self.shape}, called with {x.dtype} {x.shape}; make a plan for "
+                             "that layout")
+        flat_x, flat_out = contiguous_flat(x), output_buffer(x, out)
+        if self.comm.size == 1:
+            flat_out[...] = flat_x
+        else:
+            self._body(self.comm, flat_x, flat_out, self.op)
+        return flat_out if len(self.shape) == 1 else flat_out.reshape(self.shape)
+
+    def __repr__(self) -> str:
+        return (f"PersistentAllreduce({self.algorithm}, {self.dtype} {self.shape}, "
+                f"op={self.op!r}, {self.comm.size} ranks)")

@@ -20,15 +20,13 @@ def _dtype_from_name(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-def gather_named_arrays(
-    comm: Communicator, arrays: dict[str, Array], root: int = 0
-) -> dict[str, np.ndarray] | None:
+def gather_named_arrays(comm: Communicator, arrays: dict[str, Array],
+                        root: int = 0) -> dict[str, np.ndarray] | None:
     """On root: the union of every rank's {name: host array}; on other ranks: None."""
     if comm.rank != root:
         host = {name: np.ascontiguousarray(to_numpy(array)) for name, array in arrays.items()}
-        header = json.dumps(
-            [[name, a.dtype.name, list(a.shape)] for name, a in host.items()]
-        ).encode()
+        layouts = [[name, a.dtype.name, list(a.shape)] for name, a in host.items()]
+        header = json.dumps(layouts).encode()
         comm.send(np.array([len(header)], np.int64), root, tag=Tag.GATHER_ARRAYS)
         comm.send(np.frombuffer(header, np.uint8).copy(), root, tag=Tag.GATHER_ARRAYS)
         for array in host.values():

@@ -32,12 +32,10 @@ def run_or_abort(main: Callable[..., T], *args: object, comm: Communicator | Non
         if comm.size == 1:
             raise
         lines = traceback.format_exception(type(error), error, error.__traceback__)
-        sys.stderr.write(
-            "".join(f"[rank {comm.rank}] {line}" for line in "".join(lines).splitlines(True))
-        )
-        sys.stderr.write(
-            f"[rank {comm.rank}] aborting all {comm.size} ranks: {type(error).__name__}: {error}\n"
-        )
+        sys.stderr.write("".join(f"[rank {comm.rank}] {line}"
+                                 for line in "".join(lines).splitlines(True)))
+        sys.stderr.write(f"[rank {comm.rank}] aborting all {comm.size} ranks: "
+                         f"{type(error).__name__}: {error}\n")
         _flush_and_pause()
         comm.abort(1)
 

@@ -1,30 +1,37 @@
-"""The communicator over real MPI: the only module that calls mpi4py.
+"""The communicator over real MPI (the only module that calls mpi4py) and its watchdog.
 
 Arrays travel as raw bytes with the uppercase buffer methods (Send, Recv, Sendrecv, Bcast): nothing
 is pickled, and float16/bfloat16 need no MPI datatype (MPI libraries disagree on half precision).
 All reductions of array data happen in minimp's own code; MPI's Allreduce is used only for a few
 scalars (flags, lengths), where it is the simplest correct tool. CuPy arrays go to MPI as they
 are when the MPI library is CUDA-aware, and through host memory otherwise.
+
+The watchdog: end the whole job when one communication waits longer than a timeout (last in this
+file). MPI has no timeouts: a receive from a rank that froze (SIGSTOP, a deadlocked peer, a hung
+GPU) waits forever, and so does the job. PyTorch's process groups therefore abort a collective that
+takes longer than their timeout; this is minimp's version. Each blocking call of an MPICommunicator
+stamps "waiting since t, for this operation" before it enters MPI and clears the stamp after (two
+attribute writes: small messages do not pay for the watch). One daemon thread looks at the stamps a
+few times per timeout and, when one is older than the timeout, prints which rank waited for what and
+aborts the job. The timeout must be longer than every legitimate wait (evaluation on rank 0,
+gathering a checkpoint, a first GPU kernel compile).
 """
 
 import ctypes
 import os
 import sys
+import threading
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from minimp import backend
 from minimp.backend import Array
-from minimp.distributed.protocol import (
-    Communicator,
-    check_byte_count,
-    check_op,
-    contiguous_for_wire,
-)
-from minimp.distributed.watchdog import Waiting, Watchdog, print_and_abort
+from minimp.distributed.protocol import Communicator, check_byte_count, check_op
+from minimp.distributed.protocol import contiguous_for_wire
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -74,7 +81,7 @@ class MPICommunicator(Communicator):
 
     def start_watchdog(self, timeout: float) -> None:
         """Abort the job when a call of this communicator, or of one split from it later, waits
-        longer than `timeout` seconds (minimp/distributed/watchdog.py)."""
+        longer than `timeout` seconds (Watchdog, below)."""
         self._watchdog = Watchdog(timeout, self.rank, print_and_abort(self.abort))
         self._watchdog.watch(self)
 
@@ -109,12 +116,8 @@ class MPICommunicator(Communicator):
         if self._cuda_aware is None:
             self._cuda_aware = mpi_is_cuda_aware()
             if not self._cuda_aware and self.rank == 0:
-                print(
-                    "minimp.distributed: this MPI is not CUDA-aware; "
-                    "GPU buffers are staged through host memory",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                print("minimp.distributed: this MPI is not CUDA-aware; GPU buffers are staged "
+                      "through host memory", file=sys.stderr, flush=True)
         return not self._cuda_aware
 
     def _bytes(self, buffer: Array) -> list:
@@ -149,29 +152,16 @@ class MPICommunicator(Communicator):
         request = self._comm.Irecv(self._bytes(buffer), source=source, tag=tag)
         return MPIRequest(self, request, buffer, f"receive from rank {source}", (array, source))
 
-    def sendrecv(
-        self,
-        send_array: Array,
-        dest: int,
-        recv_array: Array,
-        source: int,
-        tag: int = 0,
-        recv_tag: int | None = None,
-    ) -> None:
+    def sendrecv(self, send_array: Array, dest: int, recv_array: Array, source: int, tag: int = 0,
+                 recv_tag: int | None = None) -> None:
         """Send to dest and receive from source at once: no ordering of the two can deadlock.
         The receive matches `recv_tag` (default: the same tag as the send)."""
         send_buffer, recv_buffer = self._wire(send_array), self._wire(recv_array)
         if self._watchdog is not None:  # the description is built only for a watchdog to print
             self._wait(f"send to rank {dest} and receive from", source)
-        self._comm.Sendrecv(
-            (send_buffer, self._MPI.BYTE),
-            dest=dest,
-            sendtag=tag,
-            recvbuf=(recv_buffer, self._MPI.BYTE),
-            source=source,
-            recvtag=tag if recv_tag is None else recv_tag,
-            status=self._status,
-        )
+        self._comm.Sendrecv((send_buffer, self._MPI.BYTE), dest=dest, sendtag=tag,
+                            recvbuf=(recv_buffer, self._MPI.BYTE), source=source,
+                            recvtag=tag if recv_tag is None else recv_tag, status=self._status)
         self.waiting = None
         check_byte_count(self._status.Get_count(self._MPI.BYTE), recv_buffer.nbytes, source)
         self._count(send_buffer)
@@ -274,3 +264,59 @@ def world() -> MPICommunicator:
     from mpi4py import MPI
 
     return MPICommunicator(MPI.COMM_WORLD)
+
+
+class Waiting:
+    """What a communicator is blocked in: since when (time.monotonic), which call, with whom."""
+
+    __slots__ = ("since", "operation", "peer")
+
+    def __init__(self, operation: str, peer: int | None):
+        self.since, self.operation, self.peer = time.monotonic(), operation, peer
+
+    def describe(self) -> str:
+        return self.operation if self.peer is None else f"{self.operation} rank {self.peer}"
+
+
+class Watchdog:
+    """A daemon thread that calls `abort(message)` when a watched communicator's current wait is
+    older than `timeout` seconds. Watch a communicator with `watch(comm)` (its `waiting`
+    attribute is read, never written, by the thread)."""
+
+    def __init__(self, timeout: float, rank: int, abort: Callable[[str], None]):
+        if not timeout > 0:
+            raise ValueError(f"a watchdog needs a positive timeout, got {timeout}")
+        self.timeout, self.rank, self.abort = timeout, rank, abort
+        self.watched: list = []
+        self.fired = False
+        self._thread = threading.Thread(target=self._run, name="minimp-watchdog", daemon=True)
+        self._thread.start()
+
+    def watch(self, comm: object) -> None:
+        self.watched.append(comm)
+
+    def _run(self) -> None:
+        period = min(1.0, self.timeout / 10)
+        while not self.fired:
+            time.sleep(period)
+            now = time.monotonic()
+            for comm in tuple(self.watched):
+                waiting = getattr(comm, "waiting", None)
+                if waiting is not None and now - waiting.since > self.timeout:
+                    self.fired = True
+                    self.abort(f"[rank {self.rank}] minimp: waited {now - waiting.since:.0f} s to "
+                               f"{waiting.describe()}; a rank is frozen, deadlocked or far slower "
+                               f"than the others. Aborting the job (--timeout {self.timeout:g} s).")
+                    return
+
+
+def print_and_abort(abort: Callable[[int], None]) -> Callable[[str], None]:
+    """The watchdog's action under MPI: the message straight to stderr, a moment for mpirun to
+    forward it, then MPI_Abort of the whole job (from this thread: MPI runs THREAD_MULTIPLE)."""
+
+    def act(message: str) -> None:
+        os.write(sys.stderr.fileno(), (message + "\n").encode())
+        time.sleep(0.5)
+        abort(3)
+
+    return act

@@ -48,10 +48,8 @@ def contiguous_for_wire(array: Array) -> Array:
     """The array itself, if C-contiguous. Both communicators send through this, so both refuse
     the same arrays: a non-contiguous one would need a hidden copy."""
     if not array.flags.c_contiguous:
-        raise ValueError(
-            "communication needs a C-contiguous array (use numpy.ascontiguousarray); "
-            f"got one of shape {array.shape} with strides {array.strides}"
-        )
+        raise ValueError("communication needs a C-contiguous array (use numpy.ascontiguousarray); "
+                         f"got one of shape {array.shape} with strides {array.strides}")
     return array
 
 
@@ -65,10 +63,8 @@ def byte_view(array: Array) -> Array:
 def check_byte_count(received: int, expected: int, source: int) -> None:
     """A message must fill its receive buffer exactly: anything else means the ranks disagree."""
     if received != expected:
-        raise ValueError(
-            f"received {received} bytes from rank {source} into a {expected}-byte buffer: "
-            "the ranks disagree on the array's length or dtype"
-        )
+        raise ValueError(f"received {received} bytes from rank {source} into a {expected}-byte "
+                         "buffer: the ranks disagree on the array's length or dtype")
 
 
 class Request(Protocol):
@@ -113,15 +109,8 @@ class Communicator(Protocol):
     def irecv(self, array: Array, source: int, tag: int = 0) -> Request:
         """Start receiving a message from rank source into array and return at once (MPI_Irecv)."""
 
-    def sendrecv(
-        self,
-        send_array: Array,
-        dest: int,
-        recv_array: Array,
-        source: int,
-        tag: int = 0,
-        recv_tag: int | None = None,
-    ) -> None:
+    def sendrecv(self, send_array: Array, dest: int, recv_array: Array, source: int, tag: int = 0,
+                 recv_tag: int | None = None) -> None:
         """Send to dest and receive from source at once (recv_tag defaults to tag). By default an
         irecv and an isend started together, then both waited for (MPI_Sendrecv's meaning), so no
         order of the two can deadlock."""

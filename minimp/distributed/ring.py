@@ -21,12 +21,8 @@ import functools
 from typing import Sequence
 
 from minimp.backend import Array, array_module
-from minimp.distributed.buffers import (
-    agree_on_array,
-    checked_allreduce,
-    contiguous_flat,
-    reduce_into,
-)
+from minimp.distributed.buffers import agree_on_array, checked_allreduce, contiguous_flat
+from minimp.distributed.buffers import reduce_into
 from minimp.distributed.protocol import Communicator, Tag, check_op
 from minimp.distributed.staging import host_staged, stages_through_host
 
@@ -46,9 +42,8 @@ def chunk_bounds(length: int, parts: int) -> tuple[tuple[int, int], ...]:
     return tuple(bounds)
 
 
-def ring_step(
-    comm: Communicator, bounds: Bounds, behind: int
-) -> tuple[tuple[int, int], tuple[int, int]]:
+def ring_step(comm: Communicator, bounds: Bounds,
+              behind: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """(bounds of the chunk rank r sends to the right, of the one it receives from the left) when
     it sends chunk r - behind (mod p) and so receives chunk r - behind - 1. Reduce-scatter step s
     sends chunk r - s - 1 (behind = s + 1), all-gather step s chunk r - s (behind = s)."""
@@ -56,9 +51,8 @@ def ring_step(
     return bounds[(r - behind) % p], bounds[(r - behind - 1) % p]
 
 
-def ring_reduce_scatter_into(
-    comm: Communicator, x: Array, out: Array, bounds: Bounds, op: str = "sum"
-) -> None:
+def ring_reduce_scatter_into(comm: Communicator, x: Array, out: Array, bounds: Bounds,
+                             op: str = "sum") -> None:
     """Reduce-scatter around the ring: afterwards out[bounds[rank]] holds that chunk reduced over
     all ranks. x (flat, contiguous) is only read; out receives the partial sums.
 
@@ -88,9 +82,8 @@ def ring_all_gather_inplace(comm: Communicator, flat: Array, bounds: Bounds) -> 
         comm.sendrecv(outgoing, right, incoming, left, tag=Tag.RING_ALL_GATHER)
 
 
-def ring_allreduce(
-    comm: Communicator, x: Array, op: str = "sum", out: Array | None = None
-) -> Array:
+def ring_allreduce(comm: Communicator, x: Array, op: str = "sum",
+                   out: Array | None = None) -> Array:
     """All-reduce by reduce-scatter + all-gather around a ring (bandwidth-optimal for large arrays).
     Returns a new array shaped like x, or `out` when given (it must not overlap x)."""
     if stages_through_host(comm, x):  # one copy each way, not one per message (staging.py)
@@ -98,11 +91,10 @@ def ring_allreduce(
     return checked_allreduce(ring_allreduce_into, "ring_allreduce", comm, x, op, out)
 
 
-def ring_allreduce_into(
-    comm: Communicator, flat_x: Array, flat_out: Array, op: str = "sum"
-) -> None:
+def ring_allreduce_into(comm: Communicator, flat_x: Array, flat_out: Array,
+                        op: str = "sum") -> None:
     """The ring's messages and additions alone, on flat arrays (p >= 2; no checks, no agreement:
-    ring_allreduce and minimp/distributed/persistent.py make them)."""
+    ring_allreduce and PersistentAllreduce (collectives.py) make them)."""
     bounds = chunk_bounds(flat_x.size, comm.size)
     ring_reduce_scatter_into(comm, flat_x, flat_out, bounds, op)
     ring_all_gather_inplace(comm, flat_out, bounds)
@@ -129,10 +121,8 @@ def all_gather(comm: Communicator, chunk: Array, length: int | None = None) -> A
     bounds = chunk_bounds(length, comm.size)
     start, stop = bounds[comm.rank]
     if chunk.size != stop - start:
-        raise ValueError(
-            f"all_gather: rank {comm.rank} holds {chunk.size} elements but chunk "
-            f"{comm.rank} of {length} over {comm.size} ranks has {stop - start}"
-        )
+        raise ValueError(f"all_gather: rank {comm.rank} holds {chunk.size} elements but chunk "
+                         f"{comm.rank} of {length} over {comm.size} ranks has {stop - start}")
     flat = array_module(chunk).empty(length, chunk.dtype)
     agree_on_array(comm, flat, "all_gather")
     flat[start:stop] = chunk.reshape(-1)

@@ -30,17 +30,9 @@ class RingAllreduce:
     (that check is a blocking collective, a synchronisation point an overlap cannot afford): the
     callers plan their buckets alike on every rank."""
 
-    def __init__(
-        self,
-        comm: Communicator,
-        x: Array,
-        out: Array,
-        op: str = "sum",
-        tags: tuple[int, int] = (Tag.RING_REDUCE_SCATTER, Tag.RING_ALL_GATHER),
-        *,
-        bounds: Bounds | None = None,
-        all_gather: bool = True,
-    ):
+    def __init__(self, comm: Communicator, x: Array, out: Array, op: str = "sum",
+                 tags: tuple[int, int] = (Tag.RING_REDUCE_SCATTER, Tag.RING_ALL_GATHER), *,
+                 bounds: Bounds | None = None, all_gather: bool = True):
         """tags: the reduce-scatter's and the all-gather's. Rings in flight at the same time on
         one communicator need tags of their own: MPI matches a message to the first receive
         posted for its (source, tag), whichever ring posted it. bounds: the chunks (by default
@@ -99,10 +91,8 @@ class RingAllreduce:
         outgoing, incoming, _, tag = self._chunks()
         left, right = (self.comm.rank - 1) % self.comm.size, (self.comm.rank + 1) % self.comm.size
         # The receive first: a message that arrives early then lands straight in its place.
-        self.requests = [
-            self.comm.irecv(incoming, left, tag=tag),
-            self.comm.isend(outgoing, right, tag=tag),
-        ]
+        self.requests = [self.comm.irecv(incoming, left, tag=tag),
+                         self.comm.isend(outgoing, right, tag=tag)]
 
     def _finish_step(self) -> None:
         """Both messages of the step are complete: add (reduce-scatter), then post the next."""

@@ -25,14 +25,8 @@ from numpy.typing import ArrayLike
 
 from minimp import backend
 from minimp.backend import Array
-from minimp.distributed.protocol import (
-    REDUCE_OPS,
-    Communicator,
-    Tag,
-    byte_view,
-    check_byte_count,
-    check_op,
-)
+from minimp.distributed.protocol import REDUCE_OPS, Communicator, Tag, byte_view, check_byte_count
+from minimp.distributed.protocol import check_op
 
 DEFAULT_EAGER_LIMIT = 64 * 1024  # bytes; MPICH's shared-memory eager threshold is of this order
 
@@ -87,19 +81,17 @@ class SimulatedWorld:
         """Wait (the condition held) until predicate() holds; raise DeadlockError when every
         live rank waits on something no rank can give, TimeoutError after `timeout` seconds."""
         deadline = time.monotonic() + self.timeout
-        while not predicate():
-            if self.deadlock:
-                raise DeadlockError(self.deadlock)
-            self.waiting[rank] = (description, predicate)
-            self._detect_deadlock()
-            if self.deadlock:
-                self.waiting.pop(rank, None)
-                raise DeadlockError(self.deadlock)
-            if time.monotonic() > deadline:
-                self.waiting.pop(rank, None)
-                raise TimeoutError(f"rank {rank} waited {self.timeout:g} s to {description}")
-            self.condition.wait(timeout=0.2)
-        self.waiting.pop(rank, None)
+        try:
+            while not predicate():
+                self.waiting[rank] = (description, predicate)
+                self._detect_deadlock()  # keeps the first diagnosis when there is one already
+                if self.deadlock:
+                    raise DeadlockError(self.deadlock)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {rank} waited {self.timeout:g} s to {description}")
+                self.condition.wait(timeout=0.2)
+        finally:
+            self.waiting.pop(rank, None)  # returned or raised, this rank waits no more
 
     def _detect_deadlock(self) -> None:
         if self.deadlock:
@@ -135,10 +127,8 @@ class SimulatedWorld:
                 self._detect_deadlock()
                 self.condition.notify_all()
 
-        threads = [
-            threading.Thread(target=body, args=(rank,), name=f"rank{rank}", daemon=True)
-            for rank in range(self.size)
-        ]
+        threads = [threading.Thread(target=body, args=(rank,), name=f"rank{rank}", daemon=True)
+                   for rank in range(self.size)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -201,13 +191,8 @@ class SimulationResults(list):
     trace: list[Message]
 
 
-def simulate(
-    size: int,
-    fn: Callable[..., Any],
-    *args: object,
-    eager_limit: int = DEFAULT_EAGER_LIMIT,
-    timeout: float = 60.0,
-) -> SimulationResults:
+def simulate(size: int, fn: Callable[..., Any], *args: object,
+             eager_limit: int = DEFAULT_EAGER_LIMIT, timeout: float = 60.0) -> SimulationResults:
     """Run fn(comm, *args) on `size` in-process ranks; returns their results (with `.trace`)."""
     world = SimulatedWorld(size, eager_limit=eager_limit, timeout=timeout)
     results = SimulationResults(world.run(fn, *args))
@@ -235,9 +220,8 @@ class SimulatedCommunicator(Communicator):
         """Put a copy of the bytes in dest's mailbox (under the lock); returns the envelope."""
         world, payload = self.world, byte_view(array).copy()  # refuses what MPI refuses
         source, target = self.world_rank, self.members[dest]
-        record = Message(
-            len(world.trace), world.sends_by_rank[source], source, target, tag, payload.nbytes
-        )
+        record = Message(len(world.trace), world.sends_by_rank[source], source, target, tag,
+                         payload.nbytes)
         world.sends_by_rank[source] += 1
         world.trace.append(record)
         envelope = _Envelope(payload)
@@ -304,11 +288,8 @@ class SimulatedCommunicator(Communicator):
             entry = world.collectives.setdefault(key, {})
             entry[self.rank] = contribution
             world.condition.notify_all()
-            world.block_until(
-                self.world_rank,
-                lambda: len(entry) == self.size,
-                f"join a collective of {self.size} ranks",
-            )
+            world.block_until(self.world_rank, lambda: len(entry) == self.size,
+                              f"join a collective of {self.size} ranks")
             readers = world.collective_reads.setdefault(key, set())
             readers.add(self.rank)
             if len(readers) == self.size:  # the last reader frees it: long runs do not grow
@@ -335,9 +316,8 @@ class SimulatedCommunicator(Communicator):
         group = sorted((k, r) for r, (c, k) in contributions.items() if c == color)
         members = [self.members[r] for _, r in group]
         rank = [r for _, r in group].index(self.rank)
-        return SimulatedCommunicator(
-            self.world, rank, members, self.context + ((self._collective_calls, color),)
-        )
+        context = self.context + ((self._collective_calls, color),)
+        return SimulatedCommunicator(self.world, rank, members, context)
 
     def abort(self, code: int = 1) -> NoReturn:
         raise SystemExit(code)

@@ -74,14 +74,8 @@ def stages_through_host(comm: Communicator, x: Array) -> bool:
     return bool(getattr(comm, "stages_device_arrays", False))
 
 
-def host_staged(
-    collective: Callable[..., Array],
-    comm: Communicator,
-    x: Array,
-    op: str = "sum",
-    out: Array | None = None,
-    copies: DeviceCopies | None = None,
-) -> Array:
+def host_staged(collective: Callable[..., Array], comm: Communicator, x: Array, op: str = "sum",
+                out: Array | None = None, copies: DeviceCopies | None = None) -> Array:
     """collective(comm, host copy of x, op, out=pinned host buffer), with one device-to-host copy
     of x and one host-to-device copy of the result, into `out` or a new device array shaped
     like x. The collective is any of minimp's all-reduces (it agrees on the array itself)."""

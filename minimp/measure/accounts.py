@@ -14,15 +14,8 @@ from typing import Any, Iterator
 from minimp.distributed.protocol import Communicator
 from minimp.tensor import memory_owner
 
-KINDS = (
-    "parameters",
-    "gradients",
-    "accumulators",
-    "masters",
-    "optimizer_state",
-    "buffers",
-    "gathered",
-)
+KINDS = ("parameters", "gradients", "accumulators", "masters", "optimizer_state", "buffers",
+         "gathered")
 
 
 def held_bytes(arrays_by_kind: dict[str, list[Any]]) -> dict[str, int]:

@@ -30,9 +30,8 @@ from minimp.measure.machinemodel import Line, MachineModel, fit_lines, interpola
 FRESH_MEMORY_WARMUPS = 3
 
 
-def timed(
-    comm: Communicator, function: Callable[[], object], repeats: int, warmups: int = 1
-) -> float:
+def timed(comm: Communicator, function: Callable[[], object], repeats: int,
+          warmups: int = 1) -> float:
     """The median over `repeats` runs of the slowest rank's seconds for function(), after
     `warmups` untimed runs; the ranks start each run together (a barrier)."""
     for _ in range(warmups):
@@ -98,8 +97,7 @@ def measure_terms(comm: Communicator, sizes: Sequence[int], rounds: int = 1) -> 
         # the agreement's MPI all-reduce; its Python runs with the silent communicator
         "agree": timed(comm, agreement, per_round(200, rounds)),
         "python": {name: python_seconds(comm, name, rounds) for name in MODELLED},
-        "sizes": list(sizes), "message": [], "reduce": [], "ring_step": [],
-    }  # fmt: skip
+        "sizes": list(sizes), "message": [], "reduce": [], "ring_step": []}
     pair = cast(Communicator, _Pair(comm, partner))
     for nbytes in sizes:
         outgoing, incoming = rotating_chunks(nbytes, comm.size), rotating_chunks(nbytes, comm.size)
@@ -135,9 +133,8 @@ class _Pair:
         self.comm, self.partner = comm, partner
         self.rank, self.size = comm.rank & 1, 2  # a rank without a partner is even: rank 0
 
-    def sendrecv(
-        self, outgoing: Array, dest: int, incoming: Array, source: int, tag: int = 0, **tags: int
-    ) -> None:
+    def sendrecv(self, outgoing: Array, dest: int, incoming: Array, source: int, tag: int = 0,
+                 **tags: int) -> None:
         self.comm.sendrecv(outgoing, self.partner, incoming, self.partner, tag=tag, **tags)
 
 
@@ -150,9 +147,7 @@ def rotating_chunks(nbytes: int, chunks: int) -> Iterator[np.ndarray]:
     measured 1.6x slower messages past it). Taking the chunks in turn gives every timed message the
     ring's footprint.
     """
-    whole = np.ones(chunks * (nbytes // 4), np.float32)
-    views = np.split(whole, chunks)
-    return itertools.cycle(views)
+    return itertools.cycle(np.split(np.ones(chunks * (nbytes // 4), np.float32), chunks))
 
 
 PRETENDED_RANKS = (2, 3, 4, 8, 16, 32)
@@ -200,8 +195,7 @@ def fit_model(ranks: int, terms: dict, name: str = "fitted in this run") -> Mach
         ranks=ranks, agree=terms["agree"],
         python={name: fit_lines(PRETENDED_RANKS, seconds) for name, seconds in python.items()},
         message=fit_lines(sizes, terms["message"]), reduce=fit_lines(sizes, terms["reduce"]),
-        ring_step=ring_step_line(sizes, terms["ring_step"], terms["ring_step_python"]), name=name,
-    )  # fmt: skip
+        ring_step=ring_step_line(sizes, terms["ring_step"], terms["ring_step_python"]), name=name)
 
 
 def calibrate(comm: Communicator, sizes: Sequence[int]) -> tuple[MachineModel, dict]:

@@ -18,7 +18,7 @@ bandwidth-optimal all-reduce shows the link's speed whatever p is.
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -36,16 +36,11 @@ class Network:
 # line), at p = 2 where each rank has a core of its own; alpha includes Python's per-message
 # overhead (~10 us here). At p = 4 the ranks are oversubscribed and every term is slower
 # (that run fits alpha ~50 us, 1/beta ~4 GB/s).
-THIS_MACHINE = Network(
-    alpha=15e-6, beta=1 / 8.7e9, gamma=1 / 12.9e9, name="2-core VM, MPICH shared memory"
-)
+THIS_MACHINE = Network(alpha=15e-6, beta=1 / 8.7e9, gamma=1 / 12.9e9,
+                       name="2-core VM, MPICH shared memory")
 # A stated network for predictions at scale:
 # 200 Gb/s InfiniBand-class links, 5 us latency, GPU reduce.
 DATACENTER = Network(alpha=5e-6, beta=1 / 25e9, gamma=1 / 1e12, name="200 Gb/s links, 5 us latency")
-
-
-def _log2_ceil(p: int) -> int:
-    return math.ceil(math.log2(p)) if p > 1 else 0
 
 
 def _bandwidth_optimal(latencies: float, nbytes: float, p: int, net: Network) -> float:
@@ -66,7 +61,7 @@ def naive_allreduce_time(nbytes: float, p: int, net: Network) -> float:
 
 
 def binomial_tree_allreduce_time(nbytes: float, p: int, net: Network) -> float:
-    rounds = _log2_ceil(p)
+    rounds = math.ceil(math.log2(p)) if p > 1 else 0
     return 2 * rounds * (net.alpha + nbytes * net.beta) + rounds * nbytes * net.gamma
 
 
@@ -85,8 +80,7 @@ ALLREDUCE_MODELS = {
     "naive": naive_allreduce_time,
     "binomial_tree": binomial_tree_allreduce_time,
     "recursive_doubling": recursive_doubling_allreduce_time,
-    "rabenseifner": rabenseifner_allreduce_time,
-}
+    "rabenseifner": rabenseifner_allreduce_time}
 
 
 def allreduce_time(algorithm: str, nbytes: float, p: int, network: Network | None = None) -> float:
@@ -94,30 +88,21 @@ def allreduce_time(algorithm: str, nbytes: float, p: int, network: Network | Non
     return ALLREDUCE_MODELS[algorithm](nbytes, p, network or THIS_MACHINE)
 
 
-def fastest_allreduce(
-    nbytes: float,
-    p: int,
-    network: Network | None = None,
-    candidates: Sequence[str] | None = None,
-) -> str:
+def fastest_allreduce(nbytes: float, p: int, network: Network | None = None,
+                      candidates: Sequence[str] | None = None) -> str:
     """The candidate with the smallest predicted time (ties go to the earlier name)."""
     names = candidates or tuple(ALLREDUCE_MODELS)
     return min(names, key=lambda name: allreduce_time(name, nbytes, p, network))
 
 
-def algorithm_bandwidth(nbytes: float, seconds: float) -> float:
-    """algbw: bytes of the array divided by the time of the collective."""
-    return nbytes / seconds
-
-
 def bus_bandwidth(nbytes: float, seconds: float, p: int) -> float:
-    """busbw = algbw * 2(p-1)/p, as nccl-tests define it for all-reduce."""
-    return algorithm_bandwidth(nbytes, seconds) * 2 * (p - 1) / p
+    """busbw = algbw * 2(p-1)/p, as nccl-tests define it for all-reduce, with algbw the bytes of
+    the array divided by the time of the collective."""
+    return nbytes / seconds * 2 * (p - 1) / p
 
 
-def fit_alpha_beta(
-    nbytes: Sequence[float] | np.ndarray, seconds: Sequence[float] | np.ndarray
-) -> tuple[float, float]:
+def fit_alpha_beta(nbytes: Sequence[float] | np.ndarray,
+                   seconds: Sequence[float] | np.ndarray) -> tuple[float, float]:
     """(alpha, beta) of seconds = alpha + nbytes * beta by least squares on the *relative* error, so
     a 1 KiB message and a 16 MiB one count alike; both are clipped at 0."""
     seconds = np.asarray(seconds, float)
@@ -126,25 +111,14 @@ def fit_alpha_beta(
     return max(float(alpha), 0.0), max(float(beta), 0.0)
 
 
-def prediction_table(
-    nbytes: float, world_sizes: Iterable[int], network: Network | None = None
-) -> dict[int, dict[str, float]]:
-    """{p: {algorithm: seconds}} for one message size over world sizes (p up to 4,096 and more)."""
-    return {
-        p: {name: allreduce_time(name, nbytes, p, network) for name in ALLREDUCE_MODELS}
-        for p in world_sizes
-    }
-
-
 def pipeline_bubble_fraction(stages: int, micro_batches: int) -> float:
     """Idle share of a GPipe or 1F1B step with P equal stages and M micro-batches:
     (P - 1) / (M + P - 1) (Huang et al. 2019)."""
     return (stages - 1) / (micro_batches + stages - 1)
 
 
-def overlapped_exposed_time(
-    bucket_bytes: Sequence[float], backward_seconds: float, p: int, net: Network
-) -> float:
+def overlapped_exposed_time(bucket_bytes: Sequence[float], backward_seconds: float, p: int,
+                            net: Network) -> float:
     """Predicted exposed seconds of a gradient all-reduce that overlaps backward: bucket i (in the
     order backward completes them) is ready once backward has done its share of the work, taken
     as its share of the bytes (a Linear's backward costs in proportion to its weights); its ring

@@ -145,12 +145,10 @@ class MachineModel:
     @staticmethod
     def from_dict(fields: dict) -> "MachineModel":
         return MachineModel(
-            ranks=int(fields["ranks"]), agree=float(fields["agree"]),
+            ranks=int(fields["ranks"]), agree=float(fields["agree"]), name=fields.get("name", ""),
             python={name: Line.from_dict(line) for name, line in fields["python"].items()},
             message=Line.from_dict(fields["message"]), reduce=Line.from_dict(fields["reduce"]),
-            name=fields.get("name", ""),
-            ring_step=Line.from_dict(fields["ring_step"]) if fields.get("ring_step") else None,
-        )  # fmt: skip
+            ring_step=Line.from_dict(fields["ring_step"]) if fields.get("ring_step") else None)
 
 
 NOISE_FLOOR = 0.02  # the relative spread of repeated medians on a quiet machine, about
@@ -169,11 +167,9 @@ def fit_lines(nbytes: Sequence[float], seconds: Sequence[float], most: int = 3) 
     for count in range(1, most):
         if best_error <= len(sizes) * NOISE_FLOOR**2:
             break  # already within the timer's noise: a split would fit the noise
-        candidates = [
-            _pieces(sizes, times, list(splits))
-            for splits in itertools.combinations(range(2, len(sizes) - 1), count)
-            if all(b - a >= 2 for a, b in zip(splits, splits[1:]))
-        ]
+        candidates = [_pieces(sizes, times, list(splits))
+                      for splits in itertools.combinations(range(2, len(sizes) - 1), count)
+                      if all(b - a >= 2 for a, b in zip(splits, splits[1:]))]
         if not candidates:
             break
         line = min(candidates, key=lambda c: _relative_error(c, sizes, times))
@@ -215,9 +211,8 @@ def _relative_error(line: Line, sizes: np.ndarray, times: np.ndarray) -> float:
     return float(sum((line(n) / t - 1.0) ** 2 for n, t in zip(sizes, times)))
 
 
-def relative_errors(
-    model: MachineModel, nbytes: Sequence[int], measured: Sequence[float], algorithm: str = "ring"
-) -> dict:
+def relative_errors(model: MachineModel, nbytes: Sequence[int], measured: Sequence[float],
+                    algorithm: str = "ring") -> dict:
     """model/measured - 1 at each size, with the median and the worst of their absolute values."""
     ratios = [model.allreduce_time(algorithm, n) / t - 1.0 for n, t in zip(nbytes, measured)]
     magnitudes = sorted(abs(r) for r in ratios)

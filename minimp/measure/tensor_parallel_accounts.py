@@ -35,11 +35,10 @@ def ring_fraction(ranks: int) -> float:
     return (ranks - 1) / ranks
 
 
-def gpt_tensor_parallel_bytes(
-    *, blocks: int, rows: int, context: int, width: int, tp: int, micro_batches: int,
-    compute_bytes: int, sequence_parallel: bool = False, first_stage: bool = True,
-    last_stage: bool = True, recompute: bool = False,
-) -> int:  # fmt: skip
+def gpt_tensor_parallel_bytes(*, blocks: int, rows: int, context: int, width: int, tp: int,
+                              micro_batches: int, compute_bytes: int,
+                              sequence_parallel: bool = False, first_stage: bool = True,
+                              last_stage: bool = True, recompute: bool = False) -> int:
     """Bytes one rank sends in its tensor-parallel group in one GPT step: `blocks` on its stage,
     `rows` per micro-batch (see the module docstring)."""
     if tp == 1:
@@ -54,10 +53,9 @@ def gpt_tensor_parallel_bytes(
     return round(micro_batches * blocks * halves * activation * ring_fraction(tp))
 
 
-def mlp_tensor_parallel_bytes(
-    *, pairs: list[tuple[int, int]], rows: int, tp: int, micro_batches: int, compute_bytes: int,
-    first_input_is_data: bool,
-) -> int:  # fmt: skip
+def mlp_tensor_parallel_bytes(*, pairs: list[tuple[int, int]], rows: int, tp: int,
+                              micro_batches: int, compute_bytes: int,
+                              first_input_is_data: bool) -> int:
     """Bytes one rank sends in its tensor-parallel group in one MLP step. pairs: (inputs,
     outputs) of each column -> row pair on its stage; a pair's output is all-reduced forward and
     its input's gradient backward, except the data's (nothing asks for that gradient)."""
@@ -71,19 +69,16 @@ def mlp_tensor_parallel_bytes(
     return round(2 * all_reduces * ring_fraction(tp))
 
 
-def pipeline_bytes(
-    *, activation: int, micro_batches: int, first_stage: bool, last_stage: bool
-) -> int:
+def pipeline_bytes(*, activation: int, micro_batches: int, first_stage: bool,
+                   last_stage: bool) -> int:
     """Bytes one rank sends to its pipeline neighbours in one step: each micro-batch's activation
     forward (unless last) and its gradient backward (unless first); `activation` in bytes (with
     sequence parallelism a rank's slice, 1/tp of the whole)."""
     return micro_batches * activation * ((not last_stage) + (not first_stage))
 
 
-def block_activation_bytes_tp(
-    s: int, b: int, h: int, a: int, dtype: DTypeLike, tp: int, sequence_parallel: bool = False,
-    dropout: bool = True,
-) -> int:  # fmt: skip
+def block_activation_bytes_tp(s: int, b: int, h: int, a: int, dtype: DTypeLike, tp: int,
+                              sequence_parallel: bool = False, dropout: bool = True) -> int:
     """Bytes one tensor-parallel rank's share of a GPT block keeps for backward (the docstring's
     formulas; without dropout no masks are kept, and the product with v keeps the softmax)."""
     d = np.dtype(dtype).itemsize

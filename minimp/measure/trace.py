@@ -41,8 +41,7 @@ NAMES = {
     "check_replicas": ("compare replicas", COMMUNICATION),
     "check_replicated": ("compare tensor-parallel copies", COMMUNICATION),
     "fp8_statistics": ("all-reduce fp8 statistics", COMMUNICATION),
-    "fp8_amax": ("agree on fp8 amax", COMMUNICATION),
-}
+    "fp8_amax": ("agree on fp8 amax", COMMUNICATION)}
 OPS = sorted(NAMES)
 
 
@@ -83,8 +82,7 @@ def trace_events(ranks: dict[int, dict]) -> list[dict]:
                 "name": label.format(mb=int(micro_batch)), "cat": LANES[lane], "ph": "X",
                 "ts": round(start * 1e6, 3), "dur": round(max(end - start, 0.0) * 1e6, 3),
                 "pid": rank, "tid": lane,
-                "args": {"step": int(step), "micro_batch": int(micro_batch), "op": name},
-            })  # fmt: skip
+                "args": {"step": int(step), "micro_batch": int(micro_batch), "op": name}})
     return events
 
 
@@ -99,11 +97,10 @@ def trace_document(ranks: dict[int, dict], other: dict) -> dict:
 
 
 def read_timeline(path: str) -> dict:
-    """A trace file as {schedule, stages, micro_batches, virtual_stages,
-    peak_stored_micro_batches, events}, the
-    events being replica 0's forwards and backwards as {stage, step, micro_batch, kind, op, start,
-    end} with times in seconds (what a Gantt chart of the pipeline needs); kind is forward or
-    backward, op the compute's own name (a split backward's two halves apart)."""
+    """A trace file as {schedule, stages, micro_batches, virtual_stages, peak_stored_micro_batches,
+    events}, the events being replica 0's forwards and backwards as {stage, step, micro_batch, kind,
+    op, start, end} with times in seconds (what a Gantt chart of the pipeline needs); kind is
+    forward or backward, op the compute's own name (a split backward's two halves apart)."""
     with open(path) as file:
         return timeline_of(json.load(file))
 
@@ -124,6 +121,5 @@ def timeline_of(document: dict) -> dict:
             "micro_batch": args["micro_batch"],
             "kind": "forward" if args["op"] == "forward" else "backward",
             "op": args["op"],  # backward_input and backward_weight stay apart
-            "start": event["ts"] / 1e6, "end": (event["ts"] + event["dur"]) / 1e6,
-        })  # fmt: skip
+            "start": event["ts"] / 1e6, "end": (event["ts"] + event["dur"]) / 1e6})
     return {"virtual_stages": 1, **other, "events": events}  # traces before interleaving: 1

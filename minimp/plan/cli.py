@@ -49,8 +49,7 @@ CHOICE = {"any": (False, True), "on": (True,), "off": (False,)}
 # ModelShape's whole-number fields, each given by the flag of its name
 SHAPE_FLAGS = {
     "layers": "transformer blocks", "hidden": "width of the residual stream",
-    "heads": "attention heads", "context": "tokens per sample", "vocab": "vocabulary size",
-}  # fmt: skip
+    "heads": "attention heads", "context": "tokens per sample", "vocab": "vocabulary size"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -170,11 +169,9 @@ def cluster_from(args: argparse.Namespace) -> Cluster:
 
 def format_table(plans: list[Plan], cluster: Cluster) -> str:
     """The plans as an aligned table: layout, GiB (model states + activations), seconds by part."""
-    header = (
-        f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>4} {'zero':>4} {'b':>3} {'M':>5} {'rc':>3} "
-        f"{'sp':>3} {'GiB':>7} {'states':>7} {'activ':>7} {'step s':>9} {'compute':>9} "
-        f"{'tp':>8} {'bubble':>8} {'dp':>8} {'other':>8} {'TFLOP/s':>8}"
-    )
+    header = (f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>4} {'zero':>4} {'b':>3} {'M':>5} {'rc':>3} "
+              f"{'sp':>3} {'GiB':>7} {'states':>7} {'activ':>7} {'step s':>9} {'compute':>9} "
+              f"{'tp':>8} {'bubble':>8} {'dp':>8} {'other':>8} {'TFLOP/s':>8}")
     lines = [header]
     for rank, plan in enumerate(plans, 1):
         layout, memory, time = plan.layout, plan.memory, plan.time
@@ -187,8 +184,7 @@ def format_table(plans: list[Plan], cluster: Cluster) -> str:
             f"{memory.total / GIB:>7.2f} {states / GIB:>7.2f} {activations / GIB:>7.2f} "
             f"{time.total:>9.4g} {time.compute:>9.4g} {time.tensor_parallel:>8.3g} "
             f"{time.bubble:>8.3g} {time.data_parallel + time.zero_in_step:>8.3g} "
-            f"{time.other:>8.3g} {plan.tflops_per_device(cluster.gpus):>8.4g}"
-        )
+            f"{time.other:>8.3g} {plan.tflops_per_device(cluster.gpus):>8.4g}")
     return "\n".join(lines)
 
 
@@ -199,8 +195,7 @@ def describe(model: ModelShape, cluster: Cluster, job: Job) -> str:
         f"{model.context}, vocabulary {model.vocab}, dropout {'on' if model.dropout else 'off'} "
         f"({model.parameters():,} parameters); global batch {job.global_batch}, {job.precision}\n"
         f"cluster: {cluster.name}; {cluster.gpus} GPUs, {cluster.gpus_per_node} a node, "
-        f"{cluster.memory_bytes / GIB:.1f} GiB and {cluster.flops / 1e12:.4g} TFLOP/s each"
-    )
+        f"{cluster.memory_bytes / GIB:.1f} GiB and {cluster.flops / 1e12:.4g} TFLOP/s each")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             args.global_batch, _integers(args.micro_batch_size, "--micro-batch-size"),
             precision=args.precision, optimizer=args.optimizer,
             grad_comm_bytes=PRECISION_BYTES[args.grad_comm_dtype], schedule=args.schedule,
-            vocabulary_parallel=args.vocabulary_parallel == "on",
-        )  # fmt: skip
+            vocabulary_parallel=args.vocabulary_parallel == "on")
         zero_stages = _integers(args.zero, "--zero")
         choices = Choices(zero_stages, CHOICE[args.recompute], CHOICE[args.sequence_parallel])
         if not set(choices.zero_stages) <= {0, 1, 2, 3}:
@@ -245,4 +239,3 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(model, cluster, job))
         print(format_table(plans, cluster))
     return 0
-

@@ -102,8 +102,7 @@ def check_inputs(model: ModelShape, cluster: Cluster, job: Job) -> None:
         "--context": model.context, "--vocab": model.vocab, "--gpus": cluster.gpus,
         "--gpus-per-node": cluster.gpus_per_node,
         "--memory-gb": cluster.memory_bytes / 2**30,  # in the flags' units, for the message
-        "--peak-tflops": cluster.peak_flops / 1e12, "--global-batch": job.global_batch,
-    }  # fmt: skip
+        "--peak-tflops": cluster.peak_flops / 1e12, "--global-batch": job.global_batch}
     for flag, value in positive.items():
         if not (value > 0 and math.isfinite(value)):
             raise PlanError(f"{flag} must be a positive finite number, got {value}")

@@ -73,17 +73,9 @@ def stage_units(model: ModelShape, layout: Layout, stage: int, job: Job = Job(1)
 def model_state_bytes(model: ModelShape, layout: Layout, job: Job, stage: int) -> dict[str, int]:
     """{kind: bytes} of formulas.memory_formula for rank 0 of the stage's data-parallel group
     (the largest chunks), plus `gradients16`: the 16-bit gradients at the peak inside a step."""
-    units = stage_units(model, layout, stage, job)
-    held = memory_formula(
-        layout.zero,
-        unit_sizes=units,
-        rank=0,
-        world_size=layout.dp,
-        compute_bytes=job.compute_bytes,
-        wire_bytes=job.grad_comm_bytes,
-        slots=job.slots,
-    )
-    c = job.compute_bytes
+    units, c = stage_units(model, layout, stage, job), job.compute_bytes
+    held = memory_formula(layout.zero, unit_sizes=units, rank=0, world_size=layout.dp,
+                          compute_bytes=c, wire_bytes=job.grad_comm_bytes, slots=job.slots)
     held["gradients16"] = peak_formula(layout.zero, unit_sizes=units, compute_bytes=c)
     return held
 

@@ -40,8 +40,7 @@ def compare(row: Row) -> dict:
         "row": row, "paper_seconds": paper, "best": best, "best_in_menu": menu[0],
         "at_theirs": theirs,  # None: their (t, p) does not fit here
         "ratio_best": paper / best.time.total, "ratio_menu": paper / menu[0].time.total,
-        "ratio_theirs": paper / theirs.time.total if theirs else None,
-    }  # fmt: skip
+        "ratio_theirs": paper / theirs.time.total if theirs else None}
 
 
 def _grid(plan: Plan | None) -> str:
@@ -68,12 +67,10 @@ def comparison_table(names: tuple[str, ...] = ROW_NAMES) -> str:
 def format_comparison(comparisons: list[dict]) -> str:
     """`compare`'s results as a Markdown table: layouts as (t, p, d), micro-batch size b;
     TFLOP/s in Eq. 3's unit (`eq_3_tflops`); planner / paper = paper step / predicted step."""
-    lines = [
-        "| model | GPUs | batch | paper (t, p, d) | paper TFLOP/s | planner at their (t, p) | "
-        "TFLOP/s | planner / paper | planner's best in their menu | TFLOP/s | planner's best "
-        "| TFLOP/s |",
-        "|" + " --- |" * 12,
-    ]
+    header = ("| model | GPUs | batch | paper (t, p, d) | paper TFLOP/s | planner at their (t, p) "
+              "| TFLOP/s | planner / paper | planner's best in their menu | TFLOP/s | planner's "
+              "best | TFLOP/s |")
+    lines = [header, "|" + " --- |" * 12]
     for found in comparisons:
         row, theirs = found["row"], found["at_theirs"]
         menu, best = found["best_in_menu"], found["best"]
@@ -82,7 +79,6 @@ def format_comparison(comparisons: list[dict]) -> str:
             _grid(theirs), f"{eq_3_tflops(row, theirs):.0f}" if theirs else "-",
             f"{found['ratio_theirs']:.2f}" if theirs else "-",
             _grid(menu), f"{eq_3_tflops(row, menu):.0f}",
-            _grid(best), f"{eq_3_tflops(row, best):.0f}",
-        ]  # fmt: skip
+            _grid(best), f"{eq_3_tflops(row, best):.0f}"]
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     return "\n".join(lines)

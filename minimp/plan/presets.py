@@ -44,8 +44,7 @@ def selene(gpus: int) -> Cluster:
         gpus, gpus_per_node=8, memory_bytes=80 * GIB,  # nvidia-smi's 81,920 MiB
         peak_flops=312e12, achievable=SELENE_ACHIEVABLE,
         intra=AlphaBeta(NVLINK), inter=AlphaBeta(DATACENTER),
-        name="Selene (DGX A100 80 GB, NVLink, 8 x 200 Gb/s HDR InfiniBand per node)",
-    )  # fmt: skip
+        name="Selene (DGX A100 80 GB, NVLink, 8 x 200 Gb/s HDR InfiniBand per node)")
 
 
 def this_machine(ranks: int, flops_per_process: float, memory_bytes: float, cores: int) -> Cluster:
@@ -58,8 +57,7 @@ def this_machine(ranks: int, flops_per_process: float, memory_bytes: float, core
     return Cluster(
         ranks, gpus_per_node=ranks, memory_bytes=memory_bytes / ranks,
         peak_flops=flops_per_process * min(1.0, cores / ranks), achievable=1.0,
-        intra=links, inter=links, name=f"this machine: {ranks} ranks on {cores} cores",
-    )  # fmt: skip
+        intra=links, inter=links, name=f"this machine: {ranks} ranks on {cores} cores")
 
 
 class Row(NamedTuple):
@@ -96,12 +94,10 @@ TABLE_1 = [
     Row(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47, 227.1),
     Row(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50, 297.4),
     Row(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52, 410.2),
-    Row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52, 502.0),
-]
+    Row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52, 502.0)]
 # Table 1's shapes: sequence length 2048, vocabulary 51,200 (section 5.1)
 MEGATRON = {row.name: ModelShape(row.layers, row.hidden, row.heads, context=2048, vocab=51200)
             for row in TABLE_1}  # fmt: skip
 # minimp's own GPT as `python -m minimp.train --dataset shakespeare` builds it by default
 SHAKESPEARE = ModelShape(layers=4, hidden=128, heads=4, context=64, vocab=65, dropout=False)
 MODELS = {"shakespeare": SHAKESPEARE, **MEGATRON}
-

@@ -27,8 +27,7 @@ RULES = {
     "node": "tp must divide the GPUs per node",
     "layers": "pp must divide the layers",
     "batch": "dp x micro-batch size must divide the global batch",
-    "memory": "the memory per GPU",
-}
+    "memory": "the memory per GPU"}
 
 
 @dataclass
@@ -55,15 +54,10 @@ class Plan:
 
     def as_dict(self, devices: int) -> dict:
         """Everything the table shows and the parts behind it, for --json."""
-        return {
-            **vars(self.layout),
-            "memory_bytes": self.memory.total,
-            "memory_by_kind": self.memory.by_kind,
-            "memory_stage": self.memory.stage,
-            "step_seconds": self.time.total,
-            "seconds_by_part": vars(self.time),
-            "model_tflops_per_device": self.tflops_per_device(devices),
-        }
+        return {**vars(self.layout), "memory_bytes": self.memory.total,
+                "memory_by_kind": self.memory.by_kind, "memory_stage": self.memory.stage,
+                "step_seconds": self.time.total, "seconds_by_part": vars(self.time),
+                "model_tflops_per_device": self.tflops_per_device(devices)}
 
 
 @dataclass
@@ -132,9 +126,8 @@ def _rank(plan: Plan) -> tuple:
     return (plan.time.total, plan.memory.total, layout.tp, layout.pp, layout.zero)
 
 
-def best_plans(
-    model: ModelShape, cluster: Cluster, job: Job, choices: Choices | None = None
-) -> list[Plan]:
+def best_plans(model: ModelShape, cluster: Cluster, job: Job,
+               choices: Choices | None = None) -> list[Plan]:
     """The feasible plans, best first; PlanError naming the rule that failed most when none is."""
     found = search(model, cluster, job, choices)
     if found.plans:

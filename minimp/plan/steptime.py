@@ -149,9 +149,8 @@ def gradient_sync_seconds(model: ModelShape, cluster: Cluster, job: Job, layout:
     return slowest
 
 
-def step_time(
-    model: ModelShape, cluster: Cluster, job: Job, layout: Layout, simulate: bool = False
-) -> StepTime:
+def step_time(model: ModelShape, cluster: Cluster, job: Job, layout: Layout,
+              simulate: bool = False) -> StepTime:
     """Predicted seconds of one step, by part (module docstring)."""
     pp, micro_batches = layout.pp, layout.micro_batches
     costs = [stage_costs(model, cluster, job, layout, stage) for stage in range(pp)]
@@ -178,5 +177,4 @@ def step_time(
     scalars = SCALAR_ALLREDUCES * whole_job.all_reduce(SCALAR_BYTES, cluster.gpus)
     return StepTime(
         compute, tensor_parallel, zero_in_step, bubble=span - micro_batches * per_stage[slowest],
-        data_parallel=gradient_sync_seconds(model, cluster, job, layout), other=tied + scalars,
-    )
+        data_parallel=gradient_sync_seconds(model, cluster, job, layout), other=tied + scalars)

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from minimp.backend import Array, array_module
-from minimp.distributed.persistent import PersistentAllreduce
+from minimp.distributed.collectives import PersistentAllreduce
 from minimp.distributed.protocol import Communicator
 from minimp.measure.accounts import BytesSent, PeakMemory, held_bytes
 from minimp.optim import Optimizer
