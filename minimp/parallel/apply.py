@@ -47,6 +47,7 @@ from minimp.parallel.topology import Topology
 from minimp.parallel.zero.data_parallel import ZeroDataParallel, zero_data_parallel
 from minimp.parallel.zero.stage3 import free
 from minimp.parallel.zero.stages import zero_stage
+from minimp.precision.casting import ACTIVATION_DTYPES
 from minimp.tensor import Tensor
 
 Named = list[tuple[str, nn.Parameter]]
@@ -65,8 +66,8 @@ class Parallelism:
     zero: int = 0  # ZeRO's stage (zero/stages.py); 0: data parallelism
     overlap: bool = True  # gradients move during backward, bucket by bucket or unit by unit
     bucket_mb: float = 25.0  # data parallelism's buckets
-    comm_dtype: Any = np.float32  # the gradients' dtype on the wire
-    average: str = "before"  # divide by the replicas before or after the sum
+    grad_comm_dtype: str = "fp32"  # the gradients' dtype on the wire: fp32 or fp16
+    grad_average: str = "before"  # divide by the replicas before or after the sum
 
 
 class Task(Protocol):
@@ -100,14 +101,8 @@ class Parallelized:
 
 
 def parallelize(
-    model: nn.Sequential,
-    grid: Topology,
-    parallelism: Parallelism,
-    task: Task,
-    *,
-    sample_input: Array,
-    dtype: Any,
-    build_optimizer: Callable[[Named], Optimizer],
+    model: nn.Sequential, grid: Topology, parallelism: Parallelism, task: Task, *,
+    sample_input: Array, dtype: Any, build_optimizer: Callable[[Named], Optimizer],
     prepare: Callable[[nn.Sequential], None],
 ) -> Parallelized:
     """Steps 1-3 (the module's docstring) on a whole float32 model, on this rank alone.
@@ -181,14 +176,8 @@ def _tied_gradients(
 
 
 def _pipeline_runner(
-    model: nn.Sequential,
-    trained: nn.Sequential,
-    ranges: list[tuple[int, int]],
-    grid: Topology,
-    parallelism: Parallelism,
-    task: Task,
-    dtype: Any,
-    sample_input: Array,
+    model: nn.Sequential, trained: nn.Sequential, ranges: list[tuple[int, int]], grid: Topology,
+    parallelism: Parallelism, task: Task, dtype: Any, sample_input: Array,
 ) -> PipelineStage:
     """3. The runner of this rank's chunks, knowing the activation shapes at every cut (one
     forward of the whole model) and running each block recomputed with --recompute."""
@@ -197,10 +186,8 @@ def _pipeline_runner(
     model.train()
     if parallelism.sequence_parallel:  # between the embeddings and the head: 1/tp of positions
         last = len(model)
-        shapes = [
-            (shape[0], shape[1] // grid.tp, *shape[2:]) if 0 < index < last else shape
-            for index, shape in enumerate(shapes)
-        ]
+        shapes = [(shape[0], shape[1] // grid.tp, *shape[2:]) if 0 < index < last else shape
+                  for index, shape in enumerate(shapes)]
     chunks = [StageChunk(trained.layers[a:b], shapes[a], shapes[b]) for a, b in ranges]
 
     def run_group(layers: list[nn.Module], x: Tensor) -> Tensor:
@@ -209,16 +196,9 @@ def _pipeline_runner(
         return run_layers(layers, x)
 
     return PipelineStage(
-        chunks[0].layers,
-        grid,
-        input_shape=chunks[0].input_shape,
-        output_shape=chunks[0].output_shape,
-        dtype=dtype,
-        loss_fn=task.loss,
-        run_group=run_group,
-        more_chunks=chunks[1:],
-        buffered_sends=SCHEDULES[parallelism.schedule].buffered_sends,
-    )
+        chunks[0].layers, grid, input_shape=chunks[0].input_shape,
+        output_shape=chunks[0].output_shape, dtype=dtype, loss_fn=task.loss, run_group=run_group,
+        more_chunks=chunks[1:], buffered_sends=SCHEDULES[parallelism.schedule].buffered_sends)
 
 
 def replicate(
@@ -233,20 +213,14 @@ def replicate(
     tied = _tied_gradients(share.trained, share.names, share.tied_names, grid)
     optimizer, runner = share.optimizer, share.runner
     options: dict[str, Any] = dict(
-        comm_dtype=parallelism.comm_dtype,
-        average=parallelism.average,
-        decision_comm=decision_comm,
-        tied=tied,
-        tensor_parallel=share.tensor_parallel,
-        overlap=parallelism.overlap,
-        micro_batches=parallelism.micro_batches,
-    )
+        comm_dtype=ACTIVATION_DTYPES[parallelism.grad_comm_dtype],
+        average=parallelism.grad_average, decision_comm=decision_comm, tied=tied,
+        tensor_parallel=share.tensor_parallel, overlap=parallelism.overlap,
+        micro_batches=parallelism.micro_batches)
     stage = zero_stage(parallelism.zero)
     if not stage.shards_optimizer_state:
         sync = DataParallel(
-            grid.dp_group,
-            optimizer,
-            bucket_mb=parallelism.bucket_mb,
+            grid.dp_group, optimizer, bucket_mb=parallelism.bucket_mb,
             stages_comm=grid.mp_group,  # the stages and the tensor-parallel shards
             **options,
         )
