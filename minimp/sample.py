@@ -61,9 +61,8 @@ def load_model(path: str) -> tuple[GPT, TextDataset]:
     return model, data
 
 
-def generate(
-    model: GPT, prompt_ids: np.ndarray, tokens: int, temperature: float, top_k: int, seed: int
-) -> np.ndarray:
+def generate(model: GPT, prompt_ids: np.ndarray, tokens: int, temperature: float, top_k: int,
+             seed: int) -> np.ndarray:
     """prompt_ids followed by `tokens` drawn ids (no cache: each step reads the last context)."""
     rng, ids = np.random.default_rng(seed), list(prompt_ids)
     context = model.config.context

@@ -52,10 +52,8 @@ def strip_prefix(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.nda
     return {name[len(prefix):]: array for name, array in arrays.items() if name.startswith(prefix)}
 
 
-def save(
-    path: str, *, step: int, flags: dict[str, Any], optimizer: Optimizer, scaler: LossScaler,
-    arrays: dict[str, Any], schedule: dict[str, Any] | None = None,
-) -> None:
+def save(path: str, *, step: int, flags: dict[str, Any], optimizer: Optimizer, scaler: LossScaler,
+         arrays: dict[str, Any], schedule: dict[str, Any] | None = None) -> None:
     """Write the checkpoint atomically. `arrays` holds every stage's state_arrays; `flags` the
     settings a resume must repeat ({"--seed": 0, ...}); optimizer and scaler give the step count,
     learning rate and scaler state, which all stages share; `schedule` the learning-rate
@@ -155,11 +153,9 @@ class Fp8State(Protocol):
         """Load what checked_state returned."""
 
 
-def restore(
-    path: str, *, flags: dict[str, Any], steps: int, names: list[str], optimizer: Optimizer,
-    scaler: LossScaler, fp8: Fp8State | None = None,
-    select: Callable[[str, np.ndarray], np.ndarray] | None = None,
-) -> tuple[int, dict]:
+def restore(path: str, *, flags: dict[str, Any], steps: int, names: list[str], optimizer: Optimizer,
+            scaler: LossScaler, fp8: Fp8State | None = None,
+            select: Callable[[str, np.ndarray], np.ndarray] | None = None) -> tuple[int, dict]:
     """Check everything, then load masters, optimizer and scaler state (and with `fp8`, a
     train.fp8.Fp8Run, the fp8 scaling state of its stage); returns the step the checkpoint was
     saved after and its schedule settings. `flags`: this run's values of the settings a resume

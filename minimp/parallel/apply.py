@@ -100,11 +100,9 @@ class Parallelized:
     select: Callable[[str, np.ndarray], np.ndarray] | None = None
 
 
-def parallelize(
-    model: nn.Sequential, grid: Topology, parallelism: Parallelism, task: Task, *,
-    sample_input: Array, dtype: Any, build_optimizer: Callable[[Named], Optimizer],
-    prepare: Callable[[nn.Sequential], None],
-) -> Parallelized:
+def parallelize(model: nn.Sequential, grid: Topology, parallelism: Parallelism, task: Task, *,
+                sample_input: Array, dtype: np.dtype, build_optimizer: Callable[[Named], Optimizer],
+                prepare: Callable[[nn.Sequential], None]) -> Parallelized:
     """Steps 1-3 (the module's docstring) on a whole float32 model, on this rank alone.
     sample_input: one micro-batch of inputs (the shapes of its activations size the pipeline's
     messages); dtype: the compute dtype `prepare` casts to."""
@@ -131,9 +129,8 @@ def parallelize(
     return share
 
 
-def _tensor_parallel(
-    model: nn.Sequential, grid: Topology, parallelism: Parallelism
-) -> tuple[nn.Sequential, TensorParallelPlan | None]:
+def _tensor_parallel(model: nn.Sequential, grid: Topology,
+                     parallelism: Parallelism) -> tuple[nn.Sequential, TensorParallelPlan | None]:
     """1. With --tp, a copy of the model with its Linears cut (`model` stays whole)."""
     if grid.tp == 1:
         return model, None
@@ -141,9 +138,8 @@ def _tensor_parallel(
     return trained, cut_tensor_parallel(trained, grid.tp_group, parallelism.sequence_parallel)
 
 
-def _pipeline_ranges(
-    model: nn.Sequential, grid: Topology, parallelism: Parallelism, paired: bool
-) -> list[tuple[int, int]]:
+def _pipeline_ranges(model: nn.Sequential, grid: Topology, parallelism: Parallelism,
+                     paired: bool) -> list[tuple[int, int]]:
     """2. This rank's layers, a range per chunk: the model cut into pp x virtual_stages chunks,
     of which this stage holds chunks stage, stage + pp, ... (with --tp, an MLP's column -> row
     pairs are never cut apart)."""
@@ -161,9 +157,8 @@ def _tied_parameters(model: nn.Module, grid: Topology) -> Named:
     return tied if grid.pp > 1 and grid.stage in (0, grid.pp - 1) else []
 
 
-def _tied_gradients(
-    model: nn.Module, names: list[str], tied_names: list[str], grid: Topology
-) -> TiedGradients | None:
+def _tied_gradients(model: nn.Module, names: list[str], tied_names: list[str],
+                    grid: Topology) -> TiedGradients | None:
     """The copies of parameters this stage shares with another (every stage of a model with tied
     parameters calls this: the group is split from the pipeline's); None where there are none."""
     if grid.pp == 1 or not hasattr(model, "tied_parameters"):
@@ -175,10 +170,9 @@ def _tied_gradients(
     return TiedGradients(group, indices, counts_in_norm=grid.is_first_stage)
 
 
-def _pipeline_runner(
-    model: nn.Sequential, trained: nn.Sequential, ranges: list[tuple[int, int]], grid: Topology,
-    parallelism: Parallelism, task: Task, dtype: Any, sample_input: Array,
-) -> PipelineStage:
+def _pipeline_runner(model: nn.Sequential, trained: nn.Sequential, ranges: list[tuple[int, int]],
+                     grid: Topology, parallelism: Parallelism, task: Task, dtype: np.dtype,
+                     sample_input: Array) -> PipelineStage:
     """3. The runner of this rank's chunks, knowing the activation shapes at every cut (one
     forward of the whole model) and running each block recomputed with --recompute."""
     model.eval()  # the shapes need one forward, and dropout then needs no random state
@@ -201,9 +195,8 @@ def _pipeline_runner(
         more_chunks=chunks[1:], buffered_sends=SCHEDULES[parallelism.schedule].buffered_sends)
 
 
-def replicate(
-    share: Parallelized, grid: Topology, parallelism: Parallelism, decision_comm: Communicator
-) -> DataParallel | ZeroDataParallel:
+def replicate(share: Parallelized, grid: Topology, parallelism: Parallelism,
+              decision_comm: Communicator) -> DataParallel | ZeroDataParallel:
     """Step 4, a collective of the job: the GradientSync of this stage's replicas, every replica
     starting from replica 0's masters: DataParallel, or ZeRO's, which shards the stage's
     optimizer (its `.optimizer` is the one to step from now on) and, in stage 3, gathers the

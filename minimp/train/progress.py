@@ -15,17 +15,9 @@ class History:
 
     records: list[dict]
 
-    def __init__(
-        self,
-        log: Callable[[str], None],
-        metrics_path: str,
-        resume_step: int | None,
-        steps: int,
-        log_every: int,
-        units_per_step: int,
-        unit: str = "samples",
-        interactive: bool = False,
-    ):
+    def __init__(self, log: Callable[[str], None], metrics_path: str, resume_step: int | None,
+                 steps: int, log_every: int, units_per_step: int, unit: str = "samples",
+                 interactive: bool = False):
         """resume_step: the step a resumed run continues after; the metrics file then keeps its
         rows up to that step and the new ones are appended (None: a new file). units_per_step and
         unit: what a step processes, for the rate (64 samples, or 768 tokens). interactive: show
@@ -94,21 +86,12 @@ class MetricsWriter:
             self.file.close()
 
 
-def progress_line(
-    entry: dict,
-    steps: int,
-    loss_scale: float,
-    skipped_so_far: int,
-    rate: float,
-    unit: str,
-    seconds_left: float,
-) -> str:
+def progress_line(entry: dict, steps: int, loss_scale: float, skipped_so_far: int, rate: float,
+                  unit: str, seconds_left: float) -> str:
     """`step   250/2000  loss 2.1034  val 2.1240  lr 9.7e-04  loss scale 65536  skipped 0
     9,876 tokens/s  ETA 3m05s` (val only at evaluations)."""
     validation = f"  val {entry['val_loss']:.4f}" if "val_loss" in entry else ""
     minutes, seconds = divmod(int(round(seconds_left)), 60)
-    return (
-        f"step {entry['step']:>5}/{steps}  loss {entry['loss']:.4f}{validation}  "
-        f"lr {entry['lr']:.1e}  loss scale {loss_scale:g}  skipped {skipped_so_far}  "
-        f"{rate:,.0f} {unit}/s  ETA {minutes}m{seconds:02d}s"
-    )
+    return (f"step {entry['step']:>5}/{steps}  loss {entry['loss']:.4f}{validation}  "
+            f"lr {entry['lr']:.1e}  loss scale {loss_scale:g}  skipped {skipped_so_far}  "
+            f"{rate:,.0f} {unit}/s  ETA {minutes}m{seconds:02d}s")

@@ -125,5 +125,4 @@ def check_memory(config: "TrainConfig", ranks_on_this_node: int, available: int)
         raise ConfigError(
             f"the model has {parameters:,} parameters: about {needed / 2**30:.1f} GiB for the "
             f"{ranks_on_this_node} rank(s) on this machine, which has "
-            f"{available / 2**30:.1f} GiB free (lower --hidden or --layers)"
-        )
+            f"{available / 2**30:.1f} GiB free (lower --hidden or --layers)")
