@@ -215,8 +215,7 @@ def replicate(share: Parallelized, grid: Topology, parallelism: Parallelism,
         sync = DataParallel(
             grid.dp_group, optimizer, bucket_mb=parallelism.bucket_mb,
             stages_comm=grid.mp_group,  # the stages and the tensor-parallel shards
-            **options,
-        )
+            **options)
         sync.broadcast_parameters()
         return sync
     broadcast_masters(grid.dp_group, optimizer)

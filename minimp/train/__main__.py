@@ -40,8 +40,13 @@ def check_before_training(config: TrainConfig, comm: Communicator) -> None:
             check_output_path("--plot", config.plot, suffixes=plot_formats())
 
 
-def _run(config: TrainConfig, comm: Communicator) -> int:
+def _run(config: TrainConfig, comm: MPICommunicator) -> int:
     try:
+        agree_on_error(comm, lambda: check_before_training(config, comm))
+        if config.timeout and comm.size > 1:
+            comm.start_watchdog(config.timeout)
+        if comm.rank == 0:
+            print(f"{PROGRAM}: ranks={comm.size} {config.describe()}", flush=True)
         interactive = sys.stdout.isatty()  # a terminal: one progress bar instead of lines
         train(config, log=lambda line: print(line, flush=True), comm=comm, interactive=interactive)
     except AgreedError as error:  # every rank is here: one says it, all exit, nobody waits
@@ -61,26 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     comm = world()
     exit_cleanly_on_sigterm()
     try:
-        return _main(argv, comm)
+        # argparse's errors: rank 0 prints them, every rank exits with status 2
+        config = parse_config(argv, quiet=comm.rank != 0)
+        return run_or_abort(_run, config, comm, comm=comm)
     except KeyboardInterrupt:  # Ctrl-C: a file being written was cleaned up on the way out
         if comm.rank == 0:
             print(f"{PROGRAM}: interrupted; files already saved are intact", file=sys.stderr)
         return 130
-
-
-def _main(argv: list[str] | None, comm: MPICommunicator) -> int:
-    config = parse_config(argv, quiet=comm.rank != 0)  # argparse's errors: rank 0 prints, exit 2
-    try:
-        agree_on_error(comm, lambda: check_before_training(config, comm))
-    except AgreedError as agreed:
-        if agreed.speaker:
-            say(PROGRAM, agreed)
-        return agreed.exit_code
-    if config.timeout and comm.size > 1:
-        comm.start_watchdog(config.timeout)
-    if comm.rank == 0:
-        print(f"{PROGRAM}: ranks={comm.size} {config.describe()}", flush=True)
-    return run_or_abort(_run, config, comm, comm=comm)
 
 
 if __name__ == "__main__":

@@ -91,9 +91,8 @@ def _check_fp8(config: "TrainConfig") -> None:
             f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {config.fp8_recipe!r}")
     device = config.device or os.environ.get(DEVICE_ENVIRONMENT_VARIABLE, "").strip().lower()
     if device == "gpu":
-        raise ConfigError(
-            "--precision fp8 is emulated on the CPU (ml_dtypes casts NumPy arrays); "
-            "use --device cpu")
+        raise ConfigError("--precision fp8 is emulated on the CPU (ml_dtypes casts NumPy arrays); "
+                          "use --device cpu")
     if config.fp8_recipe != "delayed":
         for name in ("fp8_amax_history", "fp8_margin"):  # delayed scaling's numbers
             if getattr(config, name) is not None:
@@ -110,14 +109,12 @@ def _check_model(config: "TrainConfig") -> None:
     """The model fits its data: the GPT reads text, the MLP images; heads divide the width."""
     wanted = {"digits": "mlp", "shakespeare": "gpt"}[config.dataset]
     if config.model != wanted:
-        raise ConfigError(
-            f"--model {config.model} does not train on --dataset {config.dataset} "
-            f"(use --model {wanted})")
+        raise ConfigError(f"--model {config.model} does not train on --dataset {config.dataset} "
+                          f"(use --model {wanted})")
     if config.model == "gpt":
         if config.heads < 1 or config.hidden % config.heads:
-            raise ConfigError(
-                f"--heads {config.heads} must divide --hidden {config.hidden} (each head takes "
-                "an equal slice of the width)")
+            raise ConfigError(f"--heads {config.heads} must divide --hidden {config.hidden} (each "
+                              "head takes an equal slice of the width)")
         if config.context < 1:
             raise ConfigError(f"--context must be a positive integer, got {config.context}")
 
@@ -125,15 +122,13 @@ def _check_model(config: "TrainConfig") -> None:
 def _check_batch(config: "TrainConfig", dp: int) -> None:
     """Each replica takes an equal share of the batch, cut into equal micro-batches."""
     if config.batch_size % dp:
-        raise ConfigError(
-            f"--batch-size {config.batch_size} is not divisible by the {dp} data-parallel "
-            f"replicas (use a multiple of {dp})")
+        raise ConfigError(f"--batch-size {config.batch_size} is not divisible by the {dp} "
+                          f"data-parallel replicas (use a multiple of {dp})")
     local = config.batch_size // dp
     if local % config.micro_batches:
-        raise ConfigError(
-            f"each replica's batch of {local} is not divisible by "
-            f"--micro-batches {config.micro_batches} "
-            f"(pick a batch size that is a multiple of {dp * config.micro_batches})")
+        raise ConfigError(f"each replica's batch of {local} is not divisible by --micro-batches "
+                          f"{config.micro_batches} (pick a batch size that is a multiple of "
+                          f"{dp * config.micro_batches})")
 
 
 def _check_zero(config: "TrainConfig", dp: int) -> None:
@@ -167,17 +162,15 @@ def _check_distinct_files(config: "TrainConfig") -> None:
     for index, (one, path) in enumerate(files):
         for other, other_path in files[index + 1 :]:
             if path == other_path and {one, other} != {"--resume", "--save"}:
-                raise ConfigError(
-                    f"{other} {getattr(config, other[2:])} is also {one}'s file, and one would "
-                    "overwrite the other: give each its own path")
+                raise ConfigError(f"{other} {getattr(config, other[2:])} is also {one}'s file, and "
+                                  "one would overwrite the other: give each its own path")
 
 
 def _check_layout(config: "TrainConfig", world_size: int) -> None:
     """The layout's own checks, --tp first: a grid larger than the job is said as such."""
     if config.tp > world_size:  # said as such, before what it would cut
-        raise ConfigError(
-            f"--tp {config.tp} is more than the {world_size} ranks of this job (start at least "
-            f"{config.tp} ranks with mpirun -n)")
+        raise ConfigError(f"--tp {config.tp} is more than the {world_size} ranks of this job "
+                          f"(start at least {config.tp} ranks with mpirun -n)")
     _check_tensor_parallel(config)
     _check_grid(config, world_size)
     _check_schedule(config)
@@ -191,9 +184,8 @@ def _check_tensor_parallel(config: "TrainConfig") -> None:
             f"--sequence-parallel is a switch (True or False), got {config.sequence_parallel!r}")
     tp = config.tp
     if config.sequence_parallel and tp == 1:
-        raise ConfigError(
-            "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs "
-            "--tp 2 or more")
+        raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks: "
+                          "it needs --tp 2 or more")
     if tp == 1:
         return
     if config.model == "gpt":
@@ -202,10 +194,9 @@ def _check_tensor_parallel(config: "TrainConfig") -> None:
                 f"--tp {tp} splits the attention heads across ranks, and --heads {config.heads} "
                 f"does not divide by {tp} (use --heads divisible by --tp)")
         if config.sequence_parallel and config.context % tp:
-            raise ConfigError(
-                f"--sequence-parallel gives each of the --tp {tp} ranks an equal slice of the "
-                f"sequence, and --context {config.context} does not divide by {tp} "
-                "(use a multiple of --tp)")
+            raise ConfigError(f"--sequence-parallel gives each of the --tp {tp} ranks an equal "
+                              f"slice of the sequence, and --context {config.context} does not "
+                              f"divide by {tp} (use a multiple of --tp)")
         return
     if config.sequence_parallel:
         raise ConfigError(
@@ -215,9 +206,8 @@ def _check_tensor_parallel(config: "TrainConfig") -> None:
             f"--tp {tp} pairs the MLP's hidden layers (column-parallel, then row-parallel), and "
             f"--layers {config.layers} is odd (use an even --layers)")
     if config.hidden % tp:
-        raise ConfigError(
-            f"--tp {tp} splits each hidden layer's {config.hidden} features, which do not divide "
-            f"by {tp} (use --hidden divisible by --tp)")
+        raise ConfigError(f"--tp {tp} splits each hidden layer's {config.hidden} features, which "
+                          f"do not divide by {tp} (use --hidden divisible by --tp)")
 
 
 def _check_grid(config: "TrainConfig", world_size: int) -> None:
@@ -227,15 +217,13 @@ def _check_grid(config: "TrainConfig", world_size: int) -> None:
         what = "embeddings, blocks and head" if config.model == "gpt" else "hidden + output"
         if config.model == "mlp" and config.tp > 1:
             what = "hidden pairs + output: --tp keeps each pair on one stage"
-        raise ConfigError(
-            f"--pp {config.pp} needs at least {config.pp} layers with weights, the model has "
-            f"{weighted_layers(config)} ({what}; use --layers)")
+        raise ConfigError(f"--pp {config.pp} needs at least {config.pp} layers with weights, the "
+                          f"model has {weighted_layers(config)} ({what}; use --layers)")
     model_parallel = config.pp * config.tp
     if world_size % model_parallel:
         what = f"--pp {config.pp}" if config.tp == 1 else f"--tp {config.tp} x --pp {config.pp}"
-        raise ConfigError(
-            f"{what} does not divide the {world_size} ranks of this job "
-            f"(start a multiple of {model_parallel} ranks with mpirun -n)")
+        raise ConfigError(f"{what} does not divide the {world_size} ranks of this job (start a "
+                          f"multiple of {model_parallel} ranks with mpirun -n)")
     dp = config.data_parallel_size(world_size)
     if dp * model_parallel != world_size:
         raise ConfigError(

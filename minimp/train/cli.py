@@ -18,7 +18,8 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     parser = CommandParser("minimp.train", description, quiet=quiet)
     for config_field in dataclasses.fields(TrainConfig):
         name, metadata, default = config_field.name, config_field.metadata, config_field.default
-        help_text, kind = metadata["help"], _type_of(name)
+        help_text = metadata["help"]
+        kind = config_field.type if config_field.type in (int, float, bool) else str
         if metadata.get("by_dataset"):
             defaults = ", ".join(f"{dataset} {values[name]}"
                                  for dataset, values in DATASET_DEFAULTS.items())
@@ -35,11 +36,6 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
             parser.add_argument(flag(name), type=kind, default=default, help=help_text,
                                 choices=metadata.get("choices"))
     return parser
-
-
-def _type_of(name: str) -> type:
-    hint = TrainConfig.__annotations__[name]
-    return hint if hint in (int, float, bool) else str
 
 
 def parse_config(argv: list[str] | None = None, quiet: bool = False) -> TrainConfig:

@@ -198,8 +198,7 @@ class Run:
             if self.dp > 1:
                 self.log(f"step {step}: replicas identical (the {self.dp} replicas' float32 masters"
                          f"{what} have the same checksum)")
-            tensor_parallel = self.share.tensor_parallel
-            if tensor_parallel is not None:
-                check = self.meter.timed(tensor_parallel.check_replicated)
+            if self.share.tensor_parallel is not None:
+                check = self.meter.timed(self.share.tensor_parallel.check_replicated)
                 check(self.share.optimizer.master_weights, fp8_state)  # raises
                 self.log(f"step {step}: the {self.config.tp} shards' whole parameters{what} agree")

@@ -170,11 +170,9 @@ class Meter:
         communication = self.stopwatch.seconds + in_backward - self.in_backward_before
         self.in_backward_before = in_backward
         elapsed = time.perf_counter() - self.step_start
-        seconds = {
-            "compute_seconds": elapsed - communication - (self.straggler or 0.0),
-            "communication_seconds": communication,
-            "exposed_communication_seconds": self.exposed_seconds,
-        }
+        seconds = {"compute_seconds": elapsed - communication - (self.straggler or 0.0),
+                   "communication_seconds": communication,
+                   "exposed_communication_seconds": self.exposed_seconds}
         if self.straggler is not None:
             seconds["straggler_seconds"] = self.straggler
         return seconds
@@ -200,12 +198,10 @@ class Meter:
         table[self.comm.rank, :-1] = [self.held[kind] for kind in KINDS]
         table[self.comm.rank, -1] = self.plain_sync.peak.total
         table = self.comm.allreduce_scalars(table.reshape(-1), "sum").reshape(table.shape)
-        return {
-            "model_state_bytes": [int(row[:-1].sum()) for row in table],
-            "model_state_by_kind": [{kind: int(value) for kind, value in zip(KINDS, row[:-1])}
-                                    for row in table],
-            "peak_model_state_bytes": [int(row[-1]) for row in table],
-        }
+        return {"model_state_bytes": [int(row[:-1].sum()) for row in table],
+                "model_state_by_kind": [{kind: int(value) for kind, value in zip(KINDS, row[:-1])}
+                                        for row in table],
+                "peak_model_state_bytes": [int(row[-1]) for row in table]}
 
     def _record_communication(self, op: str, start: float, end: float) -> None:
         assert self.trace is not None  # the listener is set only with a trace

@@ -69,9 +69,8 @@ class DigitsTask:
         self.config, self.dtype = config, dtype
         self.dataset = load_digits()
         if config.batch_size > len(self.dataset.train_labels):
-            raise ConfigError(
-                f"--batch-size {config.batch_size} is larger than the training set "
-                f"({len(self.dataset.train_labels)} samples)")
+            raise ConfigError(f"--batch-size {config.batch_size} is larger than the training set "
+                              f"({len(self.dataset.train_labels)} samples)")
         # The whole (small) training set sits on the device in the compute dtype: no casts later.
         self.images = backend.to_device(self.dataset.train_images).astype(dtype)
         self.labels = backend.to_device(self.dataset.train_labels)
@@ -129,9 +128,8 @@ class ShakespeareTask:
 
     def global_batch(self, step: int) -> tuple[Array, Array]:
         config = self.config
-        inputs, targets = text_batch(
-            self.dataset.train, config.seed, step, config.batch_size, config.context
-        )
+        inputs, targets = text_batch(self.dataset.train, config.seed, step, config.batch_size,
+                                     config.context)
         return backend.to_device(inputs), backend.to_device(targets)
 
     def sample_input(self, rows: int) -> Array:
