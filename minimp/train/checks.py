@@ -27,6 +27,15 @@ POSITIVE_INTEGERS = ("steps", "batch_size", "micro_batches", "layers", "hidden",
 NON_NEGATIVE = ("weight_decay", "max_grad_norm", "momentum", "dp", "threads", "check_replicas",
                 "seed", "save_every", "max_consecutive_skips", "warmup", "lr_decay_steps",
                 "eval_every", "eval_batches", "heads", "context", "zero")
+# Every number's range, checked in this order: (fields, low, whether low itself is allowed, high
+# (never allowed), what the value must do). NaN fails every comparison, so it is caught too.
+RANGES = (
+    (POSITIVE_INTEGERS, 0, False, math.inf, "be a positive integer"),
+    (("lr", "min_lr", "bucket_mb"), 0, False, math.inf, "be a positive number"),
+    (NON_NEGATIVE, 0, True, math.inf, "be 0 or more"),
+    (("timeout",), 0, True, math.inf, "be 0 (never) or seconds"),
+    (("dropout", "beta2"), 0.0, True, 1.0, "lie in [0, 1)"),
+)
 
 
 def flag(name: str) -> str:
@@ -51,25 +60,14 @@ def validate(config: "TrainConfig", world_size: int) -> None:
 
 
 def _check_ranges(config: "TrainConfig") -> None:
-    """Every number inside its range (NaN fails every comparison, so it is caught too)."""
-    for name in POSITIVE_INTEGERS:
-        if getattr(config, name) <= 0:
+    """Every number inside its range (RANGES; NaN fails every comparison, so it is caught too),
+    and the decay's end not above its peak."""
+    for names, low, low_allowed, high, what in RANGES:
+        for name in names:
             value = getattr(config, name)
-            raise ConfigError(f"{flag(name)} must be a positive integer, got {value}")
-    for name in ("lr", "min_lr", "bucket_mb"):
-        value = getattr(config, name)
-        if not (value > 0 and math.isfinite(value)):
-            raise ConfigError(f"{flag(name)} must be a positive number, got {value}")
-    for name in NON_NEGATIVE:
-        value = getattr(config, name)
-        if not (value >= 0 and math.isfinite(value)):
-            raise ConfigError(f"{flag(name)} must be 0 or more, got {value}")
-    if not (config.timeout >= 0 and math.isfinite(config.timeout)):
-        raise ConfigError(f"--timeout must be 0 (never) or seconds, got {config.timeout}")
-    if not 0.0 <= config.dropout < 1.0:
-        raise ConfigError(f"--dropout must lie in [0, 1), got {config.dropout}")
-    if not 0.0 <= config.beta2 < 1.0:
-        raise ConfigError(f"--beta2 must lie in [0, 1), got {config.beta2}")
+            above = value >= low if low_allowed else value > low
+            if not (above and value < high):
+                raise ConfigError(f"{flag(name)} must {what}, got {value}")
     if config.min_lr > config.lr:
         raise ConfigError(f"--min-lr {config.min_lr} is above --lr {config.lr}")
 
