@@ -48,17 +48,11 @@ def exported_tensors(meta: dict, arrays: dict, dtype: np.dtype) -> tuple[dict, d
     if flags.get("--dataset") == "shakespeare":
         gpt = gpt_config(flags, vocab_size=int(masters["0.wte.weight"].shape[0]))
         tensors = {nanogpt_name(name, gpt.layers): array for name, array in masters.items()}
-        config = {
-            "model": "gpt",
-            "vocab_size": gpt.vocab_size,
-            "block_size": gpt.context,
-            "n_layer": gpt.layers,
-            "n_head": gpt.heads,
-            "n_embd": gpt.width,
-            "bias": any(name.endswith("bias") for name in masters),
-            "lm_head": "tied to transformer.wte.weight (stored once)",
-            "vocabulary": load_shakespeare().vocabulary,
-        }
+        config = {"model": "gpt", "vocab_size": gpt.vocab_size, "block_size": gpt.context,
+                  "n_layer": gpt.layers, "n_head": gpt.heads, "n_embd": gpt.width,
+                  "bias": any(name.endswith("bias") for name in masters),
+                  "lm_head": "tied to transformer.wte.weight (stored once)",
+                  "vocabulary": load_shakespeare().vocabulary}
     else:
         tensors = masters
         config = {"model": "mlp", "layers": flags.get("--layers"), "hidden": flags.get("--hidden")}

@@ -59,16 +59,10 @@ def save(path: str, *, step: int, flags: dict[str, Any], optimizer: Optimizer, s
     learning rate and scaler state, which all stages share; `schedule` the learning-rate
     schedule's resolved settings, which a resume continues unless told otherwise."""
     optimizer_state = optimizer.state_dict()
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": step,
-        "flags": flags,
-        "optimizer": {"kind": type(optimizer).__name__, "step_count": optimizer_state["step_count"],
-                      "lr": optimizer_state["lr"]},
-        "scaler": scaler.state_dict(),
-        "schedule": schedule or {},
-    }
+    meta = {"format": FORMAT, "version": VERSION, "step": step, "flags": flags,
+            "optimizer": {"kind": type(optimizer).__name__,
+                          "step_count": optimizer_state["step_count"], "lr": optimizer_state["lr"]},
+            "scaler": scaler.state_dict(), "schedule": schedule or {}}
     arrays = {"meta": np.array(json.dumps(meta)), **arrays}
     atomic_write(path, lambda file: np.savez(file, **arrays))
 

@@ -146,8 +146,7 @@ def _pipeline_ranges(model: nn.Sequential, grid: Topology, parallelism: Parallel
     counts = [sum(p.size for p in layer.parameters()) for layer in model.layers]
     if paired and not isinstance(model, GPT):
         counts = paired_counts(counts)
-    chunks = split_counts(counts, grid.pp * parallelism.virtual_stages)
-    return chunks[grid.stage :: grid.pp]
+    return split_counts(counts, grid.pp * parallelism.virtual_stages)[grid.stage :: grid.pp]
 
 
 def _tied_parameters(model: nn.Module, grid: Topology) -> Named:
@@ -166,8 +165,7 @@ def _tied_gradients(model: nn.Module, names: list[str], tied_names: list[str],
     group = tied_group(grid.pp_group, grid.stage, grid.pp)
     if group is None:
         return None
-    indices = tied_indices(names, tied_names)
-    return TiedGradients(group, indices, counts_in_norm=grid.is_first_stage)
+    return TiedGradients(group, tied_indices(names, tied_names), counts_in_norm=grid.is_first_stage)
 
 
 def _pipeline_runner(model: nn.Sequential, trained: nn.Sequential, ranges: list[tuple[int, int]],

@@ -40,5 +40,4 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
 
 def parse_config(argv: list[str] | None = None, quiet: bool = False) -> TrainConfig:
     """TrainConfig from command-line arguments (argparse rejects unknown flags and bad types)."""
-    namespace = build_parser(quiet=quiet).parse_args(argv)
-    return TrainConfig(**vars(namespace))
+    return TrainConfig(**vars(build_parser(quiet=quiet).parse_args(argv)))

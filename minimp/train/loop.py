@@ -150,8 +150,8 @@ class Run:
         config = self.config
         if config.lr_schedule == "constant":
             return lr_scheduler.constant(step, config.lr)
-        warmup, decay = config.warmup, self.lr_decay_steps
-        return lr_scheduler.warmup_cosine(step, config.lr, config.min_lr, warmup, decay)
+        return lr_scheduler.warmup_cosine(step, config.lr, config.min_lr, config.warmup,
+                                          self.lr_decay_steps)
 
     def _micro_batches(self, step: int) -> tuple[list | None, list | None, list]:
         """This replica's rows of the step's global batch, cut into micro-batches: the inputs (on

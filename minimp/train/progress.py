@@ -26,19 +26,19 @@ class History:
         self.units_per_step, self.unit = units_per_step, unit
         if metrics_path and resume_step is not None:
             files.keep_metrics_up_to(metrics_path, resume_step)
-        self.metrics = MetricsWriter(metrics_path, append=resume_step is not None)
+        mode = "w" if resume_step is None else "a"
+        self.metrics = open(metrics_path, mode) if metrics_path else None
         self.records, self.skipped = [], 0
         self.window_start, self.window_steps = time.perf_counter(), 0
         self.bar = None
         if interactive:  # one updating bar on a terminal; lines for logs, pipes and mpirun
-            first = resume_step or 0
-            self.bar = tqdm(total=steps, initial=first, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=steps, initial=resume_step or 0, unit="step", dynamic_ncols=True)
 
     def add(self, entry: dict, loss_scale: float) -> None:
         """Keep and write one step's record; print a progress line every log_every steps (and at
         the last), with the rate and the time left at that rate."""
         self.records.append(entry)
-        self.metrics.write(entry)
+        self._write(entry)
         self.skipped += entry["skipped"]
         self.window_steps += 1
         self.window_start += entry.get("eval_seconds", 0.0)  # the rate is the training's alone
@@ -66,24 +66,15 @@ class History:
     def close(self, final_record: dict) -> None:
         if self.bar is not None:
             self.bar.close()
-        self.metrics.write(final_record)
-        self.metrics.close()
+        self._write(final_record)
+        if self.metrics:
+            self.metrics.close()
 
-
-class MetricsWriter:
-    """One JSON object per line; a no-op when no path is given."""
-
-    def __init__(self, path: str, append: bool = False):
-        self.file = open(path, "a" if append else "w") if path else None
-
-    def write(self, record: dict) -> None:
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
+    def _write(self, record: dict) -> None:
+        """One JSON object per line of --metrics, flushed at once (nothing without a path)."""
+        if self.metrics:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
 
 
 def progress_line(entry: dict, steps: int, loss_scale: float, skipped_so_far: int, rate: float,

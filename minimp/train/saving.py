@@ -146,13 +146,11 @@ def _write_trace(run: "Run", traces: dict) -> None:
              for rank in range(run.comm.size)}
     coordinates = [topology.coordinates(rank) for rank in range(run.comm.size)]
     first = [r for r, (_, dp_rank, tp_rank) in enumerate(coordinates) if dp_rank == tp_rank == 0]
-    other = {
-        "schedule": config.schedule, "stages": config.pp, "replicas": run.dp,
-        "tensor_parallel": config.tp, "micro_batches": config.micro_batches,
-        "virtual_stages": config.virtual_stages,
-        "peak_stored_micro_batches": [int(traces[f"peak{rank}"][0]) for rank in first],
-        "stage_of_rank": {str(rank): stage for rank, (stage, _, _) in enumerate(coordinates)},
-        "replica_0_ranks": first,
-    }
+    other = {"schedule": config.schedule, "stages": config.pp, "replicas": run.dp,
+             "tensor_parallel": config.tp, "micro_batches": config.micro_batches,
+             "virtual_stages": config.virtual_stages,
+             "peak_stored_micro_batches": [int(traces[f"peak{rank}"][0]) for rank in first],
+             "stage_of_rank": {str(rank): stage for rank, (stage, _, _) in enumerate(coordinates)},
+             "replica_0_ranks": first}
     document = json.dumps(trace.trace_document(ranks, other)).encode()
     files.atomic_write(config.timeline, lambda file: file.write(document))
