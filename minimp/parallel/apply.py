@@ -177,8 +177,7 @@ def _pipeline_runner(model: nn.Sequential, trained: nn.Sequential, ranges: list[
     shapes = cut_shapes(model.layers, sample_input)
     model.train()
     if parallelism.sequence_parallel:  # between the embeddings and the head: 1/tp of positions
-        last = len(model)
-        shapes = [(shape[0], shape[1] // grid.tp, *shape[2:]) if 0 < index < last else shape
+        shapes = [(shape[0], shape[1] // grid.tp, *shape[2:]) if 0 < index < len(model) else shape
                   for index, shape in enumerate(shapes)]
     chunks = [StageChunk(trained.layers[a:b], shapes[a], shapes[b]) for a, b in ranges]
 

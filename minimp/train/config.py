@@ -57,10 +57,9 @@ class TrainConfig:
         "fp16", "activation dtype; masters are always fp32. fp8: bf16 activations, and every "
         "Linear multiplies fp8 inputs (E4M3 forward, E5M2 backward, a scale per tensor)",
         choices=("fp32", "fp16", "bf16", "fp8"))
-    fp8_recipe: str = _flag(
-        None, "fp8 scaling: delayed (from the largest amax of the last --fp8-amax-history "
-        "steps), current (from each tensor's own amax) or none (scale 1) (default: delayed with "
-        "--precision fp8)")
+    fp8_recipe: str = _flag(None, "fp8 scaling: delayed (from the largest amax of the last "
+                            "--fp8-amax-history steps), current (from each tensor's own amax) or "
+                            "none (scale 1) (default: delayed with --precision fp8)")
     fp8_amax_history: int = _flag(
         None, "steps of amax history delayed scaling keeps (default: 16 with --fp8-recipe delayed)")
     fp8_margin: int = _flag(
@@ -73,9 +72,8 @@ class TrainConfig:
     micro_batches: int = _flag(
         1, "split each batch into this many micro-batches (gradient accumulation)")
     lr: float = _by_dataset("peak learning rate")
-    lr_schedule: str = _by_dataset(
-        "constant, or cosine: linear warmup, cosine decay to --min-lr",
-        choices=("constant", "cosine"))
+    lr_schedule: str = _by_dataset("constant, or cosine: linear warmup, cosine decay to --min-lr",
+                                   choices=("constant", "cosine"))
     warmup: int = _by_dataset("warmup steps of the cosine schedule")
     min_lr: float = _flag(None, "learning rate at the end of the cosine decay (default: --lr / 10)")
     lr_decay_steps: int = _flag(
@@ -106,16 +104,14 @@ class TrainConfig:
     threads: int = _flag(0, "BLAS threads per rank (0 = this machine's cores / its ranks)")
     dp: int = _flag(0, "data-parallel replicas (0 = the job's ranks / (--tp x --pp))")
     pp: int = _flag(1, "pipeline stages: the layers are split into this many contiguous stages")
-    tp: int = _flag(
-        1, "tensor-parallel ranks: every block's Linears are cut across them (GPT: heads and the "
-        "MLP's features; MLP: hidden layers in column -> row pairs)")
+    tp: int = _flag(1, "tensor-parallel ranks: every block's Linears are cut across them (GPT: "
+                    "heads and the MLP's features; MLP: hidden layers in column -> row pairs)")
     sequence_parallel: bool = _flag(
         False, "with --tp: the GPT's LayerNorms, residual adds and dropouts run on 1/tp of the "
         "sequence (the all-reduces become reduce-scatters and all-gathers)")
-    schedule: str = _flag(
-        "1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over --virtual-stages chunks "
-        "per rank) or zb-h1 (backward split into input and weight gradients, Qi et al. 2023)",
-        choices=tuple(SCHEDULE_CHOICES))
+    schedule: str = _flag("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over "
+                          "--virtual-stages chunks per rank) or zb-h1 (backward split into input "
+                          "and weight gradients, Qi et al. 2023)", choices=tuple(SCHEDULE_CHOICES))
     virtual_stages: int = _flag(
         1, "with --schedule interleaved: chunks of layers per pipeline rank (the model is cut "
         "into --pp x this many; rank r holds chunks r, r + pp, ...)")
@@ -134,9 +130,8 @@ class TrainConfig:
         False, "diagnostic: a barrier of the replicas between backward and the gradients' wait, "
         "timed apart as straggler_seconds (overlap cannot hide a slower replica)")
     grad_comm_dtype: str = _flag("fp32", "dtype of gradients on the wire", choices=("fp32", "fp16"))
-    grad_average: str = _flag(
-        "before", "divide by the number of replicas before or after the all-reduce",
-        choices=("before", "after"))
+    grad_average: str = _flag("before", "divide by the number of replicas before or after the "
+                              "all-reduce", choices=("before", "after"))
     check_replicas: int = _flag(
         0, "every this many steps, compare the replicas' weights (0 = never)")
     max_consecutive_skips: int = _flag(

@@ -85,9 +85,8 @@ class Run:
         self.task = TASKS[config.dataset](config, self.dtype)
         self.share = build_stage(config, self.task, self.topology, self.dtype)
         self.model, self.names, self.runner = self.share.model, self.share.names, self.share.runner
-        self.fp8 = None
-        if config.precision == "fp8":
-            self.fp8 = Fp8Run(self.share.trained, self.share.ranges, self.topology, self.model)
+        self.fp8 = (Fp8Run(self.share.trained, self.share.ranges, self.topology, self.model)
+                    if config.precision == "fp8" else None)
         self.scaler = build_scaler(config)
         schedule = build_schedule(config.schedule, config.pp, config.micro_batches,
                                   config.virtual_stages)
