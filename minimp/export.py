@@ -24,7 +24,7 @@ from minimp.data import load_shakespeare
 from minimp.precision.casting import ACTIVATION_DTYPES, round_to
 from minimp.sample import gpt_config
 from minimp.checkpoints import checkpoint
-from minimp.checkpoints.errors import CheckpointError, ConfigError
+from minimp.checkpoints.errors import CommandParser, ConfigError, run_command
 from minimp.checkpoints.files import atomic_write, check_output_path, exit_cleanly_on_sigterm
 
 PROGRAM = "minimp.export"
@@ -43,25 +43,16 @@ def nanogpt_name(name: str, layers: int) -> str:
 def exported_tensors(meta: dict, arrays: dict, dtype: np.dtype) -> tuple[dict, dict]:
     """({name: array}, config) of a checkpoint's masters, named for the world outside."""
     flags = meta["flags"]
-    masters = {
-        name[len("master/") :]: round_to(array, dtype)
-        for name, array in arrays.items()
-        if name.startswith("master/")
-    }
+    masters = {name[len("master/"):]: round_to(array, dtype)
+               for name, array in arrays.items() if name.startswith("master/")}
     if flags.get("--dataset") == "shakespeare":
         gpt = gpt_config(flags, vocab_size=int(masters["0.wte.weight"].shape[0]))
         tensors = {nanogpt_name(name, gpt.layers): array for name, array in masters.items()}
-        config = {
-            "model": "gpt",
-            "vocab_size": gpt.vocab_size,
-            "block_size": gpt.context,
-            "n_layer": gpt.layers,
-            "n_head": gpt.heads,
-            "n_embd": gpt.width,
-            "bias": any(name.endswith("bias") for name in masters),
-            "lm_head": "tied to transformer.wte.weight (stored once)",
-            "vocabulary": load_shakespeare().vocabulary,
-        }
+        config = {"model": "gpt", "vocab_size": gpt.vocab_size, "block_size": gpt.context,
+                  "n_layer": gpt.layers, "n_head": gpt.heads, "n_embd": gpt.width,
+                  "bias": any(name.endswith("bias") for name in masters),
+                  "lm_head": "tied to transformer.wte.weight (stored once)",
+                  "vocabulary": load_shakespeare().vocabulary}
     else:
         tensors = masters
         config = {"model": "mlp", "layers": flags.get("--layers"), "hidden": flags.get("--hidden")}
@@ -71,36 +62,32 @@ def exported_tensors(meta: dict, arrays: dict, dtype: np.dtype) -> tuple[dict, d
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m {PROGRAM}",
-        description="Export a minimp checkpoint's weights for other libraries.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    parser = CommandParser(PROGRAM, "Export a minimp checkpoint's weights for other libraries.")
     parser.add_argument("checkpoint", help="a checkpoint (.npz) written by minimp.train --save")
     parser.add_argument("output", help="the file to write (its config goes beside, as .json)")
     parser.add_argument("--format", default="safetensors", choices=("safetensors",))
     parser.add_argument(
-        "--dtype", default="fp32", choices=tuple(ACTIVATION_DTYPES), help="the stored dtype"
-    )
+        "--dtype", default="fp32", choices=tuple(ACTIVATION_DTYPES), help="the stored dtype")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     exit_cleanly_on_sigterm()
     args = build_parser().parse_args(argv)
+    return run_command(PROGRAM, lambda: export(args))
+
+
+def export(args: argparse.Namespace) -> int:
+    """Check the output paths and the checkpoint, then write the tensors and their config."""
     config_path = os.path.splitext(args.output)[0] + ".json"
     try:
-        try:
-            from safetensors.numpy import save
-        except ImportError:
-            raise ConfigError("--format safetensors needs: pip install 'minimp[export]'") from None
-        check_output_path("output", args.output)
-        check_output_path("config", config_path)
-        meta, arrays = checkpoint.read(args.checkpoint)
-        tensors, config = exported_tensors(meta, arrays, ACTIVATION_DTYPES[args.dtype])
-    except (ConfigError, CheckpointError) as error:
-        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
-        return 2
+        from safetensors.numpy import save
+    except ImportError:
+        raise ConfigError("--format safetensors needs: pip install 'minimp[export]'") from None
+    check_output_path("output", args.output)
+    check_output_path("config", config_path)
+    meta, arrays = checkpoint.read(args.checkpoint)
+    tensors, config = exported_tensors(meta, arrays, ACTIVATION_DTYPES[args.dtype])
     atomic_write(args.output, lambda file: file.write(save(tensors, metadata={"format": "pt"})))
     atomic_write(config_path, lambda file: file.write(json.dumps(config, indent=1).encode()))
     print(f"wrote {len(tensors)} tensors to {args.output} and the config to {config_path}")

@@ -19,18 +19,14 @@ from minimp.data import TextDataset, load_shakespeare
 from minimp.models.gpt import GPT, GPTConfig
 from minimp.tensor import Tensor, no_grad
 from minimp.checkpoints import checkpoint
-from minimp.checkpoints.errors import CheckpointError, ConfigError
+from minimp.checkpoints.errors import CheckpointError, CommandParser, ConfigError, run_command
 from minimp.checkpoints.files import exit_cleanly_on_sigterm
 
 PROGRAM = "minimp.sample"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m {PROGRAM}",
-        description="Generate text with a GPT checkpoint written by minimp.train.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    parser = CommandParser(PROGRAM, "Generate text with a GPT checkpoint written by minimp.train.")
     parser.add_argument("--resume", required=True, help="a GPT checkpoint (.npz) from --save")
     parser.add_argument("--tokens", type=int, default=500, help="characters to generate")
     parser.add_argument("--prompt", default="\n", help="text the generation continues")
@@ -42,10 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def gpt_config(flags: dict, vocab_size: int) -> GPTConfig:
     """The GPT's shape, from the flags of the minimp.train run that trained it."""
-    return GPTConfig(
-        vocab_size=vocab_size, context=flags["--context"], layers=flags["--layers"],
-        heads=flags["--heads"], width=flags["--hidden"],
-    )  # fmt: skip
+    return GPTConfig(vocab_size=vocab_size, context=flags["--context"], layers=flags["--layers"],
+                     heads=flags["--heads"], width=flags["--hidden"])
 
 
 def load_model(path: str) -> tuple[GPT, TextDataset]:
@@ -55,8 +49,7 @@ def load_model(path: str) -> tuple[GPT, TextDataset]:
     if flags.get("--dataset") != "shakespeare":
         raise CheckpointError(
             f"checkpoint {path} holds a model of --dataset {flags.get('--dataset')}; "
-            "minimp.sample needs a GPT trained with --dataset shakespeare"
-        )
+            "minimp.sample needs a GPT trained with --dataset shakespeare")
     data = load_shakespeare()
     model = GPT(gpt_config(flags, data.vocab_size), np.random.default_rng(0))
     names = [name for name, _ in model.named_parameters()]
@@ -68,9 +61,8 @@ def load_model(path: str) -> tuple[GPT, TextDataset]:
     return model, data
 
 
-def generate(
-    model: GPT, prompt_ids: np.ndarray, tokens: int, temperature: float, top_k: int, seed: int
-) -> np.ndarray:
+def generate(model: GPT, prompt_ids: np.ndarray, tokens: int, temperature: float, top_k: int,
+             seed: int) -> np.ndarray:
     """prompt_ids followed by `tokens` drawn ids (no cache: each step reads the last context)."""
     rng, ids = np.random.default_rng(seed), list(prompt_ids)
     context = model.config.context
@@ -100,18 +92,19 @@ def check(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     exit_cleanly_on_sigterm()
     args = build_parser().parse_args(argv)
+    return run_command(PROGRAM, lambda: sample(args))
+
+
+def sample(args: argparse.Namespace) -> int:
+    """Check the flags and the checkpoint, then print the prompt and what the model adds to it."""
+    check(args)
+    model, data = load_model(args.resume)
+    if args.top_k > data.vocab_size:
+        raise ConfigError(f"--top-k {args.top_k} exceeds the {data.vocab_size} characters")
     try:
-        check(args)
-        model, data = load_model(args.resume)
-        if args.top_k > data.vocab_size:
-            raise ConfigError(f"--top-k {args.top_k} exceeds the {data.vocab_size} characters")
-        try:
-            prompt = data.encode(args.prompt)
-        except ValueError as error:
-            raise ConfigError(f"--prompt: {error}") from None
-    except (ConfigError, CheckpointError) as error:
-        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
-        return 2
+        prompt = data.encode(args.prompt)
+    except ValueError as error:
+        raise ConfigError(f"--prompt: {error}") from None
     ids = generate(model, prompt, args.tokens, args.temperature, args.top_k, args.seed)
     print(data.decode(ids))
     return 0

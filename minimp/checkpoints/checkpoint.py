@@ -47,34 +47,22 @@ def state_arrays(names: list[str], optimizer: Optimizer) -> dict[str, np.ndarray
     return arrays
 
 
-def save(
-    path: str,
-    *,
-    step: int,
-    flags: dict[str, Any],
-    optimizer: Optimizer,
-    scaler: LossScaler,
-    arrays: dict[str, Any],
-    schedule: dict[str, Any] | None = None,
-) -> None:
+def strip_prefix(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """The arrays whose names start with `prefix` ("master/", "fp8/"), named by the rest."""
+    return {name[len(prefix):]: array for name, array in arrays.items() if name.startswith(prefix)}
+
+
+def save(path: str, *, step: int, flags: dict[str, Any], optimizer: Optimizer, scaler: LossScaler,
+         arrays: dict[str, Any], schedule: dict[str, Any] | None = None) -> None:
     """Write the checkpoint atomically. `arrays` holds every stage's state_arrays; `flags` the
     settings a resume must repeat ({"--seed": 0, ...}); optimizer and scaler give the step count,
     learning rate and scaler state, which all stages share; `schedule` the learning-rate
     schedule's resolved settings, which a resume continues unless told otherwise."""
     optimizer_state = optimizer.state_dict()
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": step,
-        "flags": flags,
-        "optimizer": {
-            "kind": type(optimizer).__name__,
-            "step_count": optimizer_state["step_count"],
-            "lr": optimizer_state["lr"],
-        },
-        "scaler": scaler.state_dict(),
-        "schedule": schedule or {},
-    }
+    meta = {"format": FORMAT, "version": VERSION, "step": step, "flags": flags,
+            "optimizer": {"kind": type(optimizer).__name__,
+                          "step_count": optimizer_state["step_count"], "lr": optimizer_state["lr"]},
+            "scaler": scaler.state_dict(), "schedule": schedule or {}}
     arrays = {"meta": np.array(json.dumps(meta)), **arrays}
     atomic_write(path, lambda file: np.savez(file, **arrays))
 
@@ -88,10 +76,8 @@ def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
         arrays = read_arrays(path)  # refuses an .npy renamed (one bare array) with ValueError
         meta = json.loads(str(arrays.pop("meta")))
     except (zipfile.BadZipFile, ValueError, KeyError, OSError, EOFError) as error:
-        raise CheckpointError(
-            f"checkpoint {path} is not a readable minimp checkpoint ({error}); "
-            "it may be truncated or not an .npz written by --save"
-        ) from None
+        raise CheckpointError(f"checkpoint {path} is not a readable minimp checkpoint ({error}); "
+                              "it may be truncated or not an .npz written by --save") from None
     return _checked_meta(path, meta), arrays
 
 
@@ -111,10 +97,8 @@ def _checked_meta(path: str, meta: Any) -> dict:
     if not _is_int(version, 1):
         raise fail(f"version {version!r} is not a positive integer")
     if version > VERSION:
-        raise fail(
-            f"written by a newer minimp (format version {version}; this one reads up to "
-            f"{VERSION}): upgrade minimp to resume it"
-        )
+        raise fail(f"written by a newer minimp (format version {version}; this one reads up to "
+                   f"{VERSION}): upgrade minimp to resume it")
     for key in ("step", "flags", "optimizer", "scaler"):
         if key not in meta:
             raise fail(f"its metadata lacks {key!r}")
@@ -163,17 +147,9 @@ class Fp8State(Protocol):
         """Load what checked_state returned."""
 
 
-def restore(
-    path: str,
-    *,
-    flags: dict[str, Any],
-    steps: int,
-    names: list[str],
-    optimizer: Optimizer,
-    scaler: LossScaler,
-    fp8: Fp8State | None = None,
-    select: Callable[[str, np.ndarray], np.ndarray] | None = None,
-) -> tuple[int, dict]:
+def restore(path: str, *, flags: dict[str, Any], steps: int, names: list[str], optimizer: Optimizer,
+            scaler: LossScaler, fp8: Fp8State | None = None,
+            select: Callable[[str, np.ndarray], np.ndarray] | None = None) -> tuple[int, dict]:
     """Check everything, then load masters, optimizer and scaler state (and with `fp8`, a
     train.fp8.Fp8Run, the fp8 scaling state of its stage); returns the step the checkpoint was
     saved after and its schedule settings. `flags`: this run's values of the settings a resume
@@ -191,13 +167,11 @@ def restore(
             raise CheckpointError(
                 f"checkpoint {path} was trained with {flag} {meta['flags'][flag]}, this run has "
                 f"{flag} {value}: resume with the same {flag} (the model, the batch order, "
-                "the optimizer state or the fp8 scaling state depend on it)"
-            )
+                "the optimizer state or the fp8 scaling state depend on it)")
     if meta["step"] >= steps:
         raise CheckpointError(
             f"checkpoint {path} was saved after step {meta['step']}; --steps {steps} leaves "
-            f"nothing to run (use --steps {meta['step'] + 1} or more)"
-        )
+            f"nothing to run (use --steps {meta['step'] + 1} or more)")
     _check_arrays(path, arrays, names, optimizer, meta["optimizer"]["step_count"])
     fp8_state = fp8.checked_state(path, arrays) if fp8 is not None else None
     try:  # the scaler checks its own state; fields a version-1 file lacks keep this run's
@@ -206,14 +180,9 @@ def restore(
         raise CheckpointError(f"checkpoint {path}: loss scaler state: {error}") from None
     for index, name in enumerate(names):
         optimizer.set_master_weight(index, backend.to_device(arrays[f"master/{name}"]))
-    slots = [
-        {
-            slot: backend.to_device(arrays[f"optimizer/{name}/{slot}"])
-            for slot in optimizer.slot_names
-            if f"optimizer/{name}/{slot}" in arrays
-        }
-        for name in names
-    ]
+    slots = [{slot: backend.to_device(arrays[f"optimizer/{name}/{slot}"])
+              for slot in optimizer.slot_names if f"optimizer/{name}/{slot}" in arrays}
+             for name in names]
     step_count = meta["optimizer"]["step_count"]
     optimizer.load_state_dict({"step_count": step_count, "lr": optimizer.lr, "slots": slots})
     if fp8_state is not None:
@@ -222,9 +191,8 @@ def restore(
     return meta["step"], schedule if isinstance(schedule, dict) else {}
 
 
-def _check_arrays(
-    path: str, arrays: dict, names: list[str], optimizer: Optimizer, step_count: int
-) -> None:
+def _check_arrays(path: str, arrays: dict, names: list[str], optimizer: Optimizer,
+                  step_count: int) -> None:
     """Every master and optimizer slot this stage needs: present, float32, shaped like the
     model's parameter, finite."""
     for name, master in zip(names, optimizer.master_weights):
@@ -238,8 +206,7 @@ def _check_arrays(
             if array.shape != master.shape or array.dtype != np.float32:
                 raise CheckpointError(
                     f"checkpoint {path}: {key} is {array.dtype} of shape {array.shape}, the "
-                    f"model needs float32 of shape {master.shape}"
-                )
+                    f"model needs float32 of shape {master.shape}")
             if not np.isfinite(array).all():
                 raise CheckpointError(f"checkpoint {path}: {key} holds inf or NaN")
 

@@ -1,10 +1,15 @@
 """Errors for people: what a user can fix with a flag or a file, and how every rank agrees on one.
 
 A user error is one line, `minimp.train: error: ...`, printed once, and every rank exits with a
-non-zero status. When all ranks meet the error at the same point (bad flags, a setup step that
-failed on some rank, a run that diverged: the loss and the skip decision are the same everywhere)
-no rank is left waiting, so the job ends without MPI_Abort and without a line per rank.
+non-zero status; train, sample and export say their bad flags and user errors so (the parser and the
+runner below). When all ranks meet the error at the same point (bad flags, a setup step that failed
+on some rank, a run that diverged: the loss and the skip decision are the same everywhere) no rank
+is left waiting, so the job ends without MPI_Abort and without a line per rank.
 """
+
+import argparse
+import sys
+from typing import Callable, NoReturn
 
 from minimp.backend import DeviceError
 from minimp.distributed.protocol import Communicator
@@ -35,10 +40,16 @@ class AgreedError(Exception):
         self.error, self.speaker, self.exit_code = error, speaker, exit_code
 
 
-def agree_on_error(comm: Communicator, error: BaseException | None) -> None:
-    """Every rank calls this with the user error it met (or None). If any rank met one, every rank
-    raises AgreedError, and the lowest such rank is the one that prints its message. One small
-    all-reduce: call it where all ranks are, between two collectives."""
+def agree_on_error(comm: Communicator, work: Callable[[], object]) -> None:
+    """Every rank calls this with its work (what may fail for a user's reason, and sends no
+    message), which raises the user error it met or none. If any rank met one, every rank raises
+    AgreedError, and the lowest such rank is the one that prints its message. One small all-reduce
+    after the work: call it where all ranks are, between two collectives."""
+    error = None
+    try:
+        work()
+    except USER_ERRORS as caught:
+        error = caught
     code = float(comm.rank if error is not None else comm.size)
     first = int(comm.allreduce_scalars([code], op="min")[0])
     if first == comm.size:
@@ -47,3 +58,34 @@ def agree_on_error(comm: Communicator, error: BaseException | None) -> None:
         error = ConfigError(f"rank {first} could not start")
     exit_code = 1 if isinstance(error, DivergenceError) else 2
     raise AgreedError(error, speaker=comm.rank == first, exit_code=exit_code)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse, but its errors read `PROGRAM: error: ... (see --help)`, one line like every other
+    error of the command (argparse's own prints the whole usage first), and exit with status 2;
+    `quiet`: print nothing (under mpirun, every rank but rank 0, which all still exit with 2)."""
+
+    def __init__(self, program: str, description: str, quiet: bool = False):
+        super().__init__(prog=f"python -m {program}", description=description,
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        self.program, self.quiet = program, quiet
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, None if self.quiet else f"{self.program}: error: {message} (see --help)\n")
+
+
+def say(program: str, error: BaseException, rank: int | None = None) -> None:
+    """A user error as its one line on stderr, `PROGRAM: error: ...`; `rank`: the rank that alone
+    met it, in a job of several."""
+    prefix = "" if rank is None else f"[rank {rank}] "
+    print(f"{prefix}{program}: error: {error}", file=sys.stderr, flush=True)
+
+
+def run_command(program: str, command: Callable[[], int]) -> int:
+    """command()'s exit status, or 2 when it raises a user error, which is said in one line (any
+    other error is a bug and keeps its traceback)."""
+    try:
+        return command()
+    except USER_ERRORS as error:
+        say(program, error)
+        return 2

@@ -49,9 +49,8 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], object]) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     remove_stale_temporaries(path)
-    handle, temporary = tempfile.mkstemp(
-        dir=folder, prefix=f".{os.path.basename(path)}.", suffix=TEMPORARY_SUFFIX
-    )
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.",
+                                         suffix=TEMPORARY_SUFFIX)
     try:
         with os.fdopen(handle, "wb") as file:
             write(file)

@@ -47,6 +47,7 @@ from minimp.parallel.topology import Topology
 from minimp.parallel.zero.data_parallel import ZeroDataParallel, zero_data_parallel
 from minimp.parallel.zero.stage3 import free
 from minimp.parallel.zero.stages import zero_stage
+from minimp.precision.casting import ACTIVATION_DTYPES
 from minimp.tensor import Tensor
 
 Named = list[tuple[str, nn.Parameter]]
@@ -65,8 +66,8 @@ class Parallelism:
     zero: int = 0  # ZeRO's stage (zero/stages.py); 0: data parallelism
     overlap: bool = True  # gradients move during backward, bucket by bucket or unit by unit
     bucket_mb: float = 25.0  # data parallelism's buckets
-    comm_dtype: Any = np.float32  # the gradients' dtype on the wire
-    average: str = "before"  # divide by the replicas before or after the sum
+    grad_comm_dtype: str = "fp32"  # the gradients' dtype on the wire: fp32 or fp16
+    grad_average: str = "before"  # divide by the replicas before or after the sum
 
 
 class Task(Protocol):
@@ -99,17 +100,9 @@ class Parallelized:
     select: Callable[[str, np.ndarray], np.ndarray] | None = None
 
 
-def parallelize(
-    model: nn.Sequential,
-    grid: Topology,
-    parallelism: Parallelism,
-    task: Task,
-    *,
-    sample_input: Array,
-    dtype: Any,
-    build_optimizer: Callable[[Named], Optimizer],
-    prepare: Callable[[nn.Sequential], None],
-) -> Parallelized:
+def parallelize(model: nn.Sequential, grid: Topology, parallelism: Parallelism, task: Task, *,
+                sample_input: Array, dtype: np.dtype, build_optimizer: Callable[[Named], Optimizer],
+                prepare: Callable[[nn.Sequential], None]) -> Parallelized:
     """Steps 1-3 (the module's docstring) on a whole float32 model, on this rank alone.
     sample_input: one micro-batch of inputs (the shapes of its activations size the pipeline's
     messages); dtype: the compute dtype `prepare` casts to."""
@@ -136,9 +129,8 @@ def parallelize(
     return share
 
 
-def _tensor_parallel(
-    model: nn.Sequential, grid: Topology, parallelism: Parallelism
-) -> tuple[nn.Sequential, TensorParallelPlan | None]:
+def _tensor_parallel(model: nn.Sequential, grid: Topology,
+                     parallelism: Parallelism) -> tuple[nn.Sequential, TensorParallelPlan | None]:
     """1. With --tp, a copy of the model with its Linears cut (`model` stays whole)."""
     if grid.tp == 1:
         return model, None
@@ -146,17 +138,15 @@ def _tensor_parallel(
     return trained, cut_tensor_parallel(trained, grid.tp_group, parallelism.sequence_parallel)
 
 
-def _pipeline_ranges(
-    model: nn.Sequential, grid: Topology, parallelism: Parallelism, paired: bool
-) -> list[tuple[int, int]]:
+def _pipeline_ranges(model: nn.Sequential, grid: Topology, parallelism: Parallelism,
+                     paired: bool) -> list[tuple[int, int]]:
     """2. This rank's layers, a range per chunk: the model cut into pp x virtual_stages chunks,
     of which this stage holds chunks stage, stage + pp, ... (with --tp, an MLP's column -> row
     pairs are never cut apart)."""
     counts = [sum(p.size for p in layer.parameters()) for layer in model.layers]
     if paired and not isinstance(model, GPT):
         counts = paired_counts(counts)
-    chunks = split_counts(counts, grid.pp * parallelism.virtual_stages)
-    return chunks[grid.stage :: grid.pp]
+    return split_counts(counts, grid.pp * parallelism.virtual_stages)[grid.stage :: grid.pp]
 
 
 def _tied_parameters(model: nn.Module, grid: Topology) -> Named:
@@ -166,9 +156,8 @@ def _tied_parameters(model: nn.Module, grid: Topology) -> Named:
     return tied if grid.pp > 1 and grid.stage in (0, grid.pp - 1) else []
 
 
-def _tied_gradients(
-    model: nn.Module, names: list[str], tied_names: list[str], grid: Topology
-) -> TiedGradients | None:
+def _tied_gradients(model: nn.Module, names: list[str], tied_names: list[str],
+                    grid: Topology) -> TiedGradients | None:
     """The copies of parameters this stage shares with another (every stage of a model with tied
     parameters calls this: the group is split from the pipeline's); None where there are none."""
     if grid.pp == 1 or not hasattr(model, "tied_parameters"):
@@ -176,31 +165,20 @@ def _tied_gradients(
     group = tied_group(grid.pp_group, grid.stage, grid.pp)
     if group is None:
         return None
-    indices = tied_indices(names, tied_names)
-    return TiedGradients(group, indices, counts_in_norm=grid.is_first_stage)
+    return TiedGradients(group, tied_indices(names, tied_names), counts_in_norm=grid.is_first_stage)
 
 
-def _pipeline_runner(
-    model: nn.Sequential,
-    trained: nn.Sequential,
-    ranges: list[tuple[int, int]],
-    grid: Topology,
-    parallelism: Parallelism,
-    task: Task,
-    dtype: Any,
-    sample_input: Array,
-) -> PipelineStage:
+def _pipeline_runner(model: nn.Sequential, trained: nn.Sequential, ranges: list[tuple[int, int]],
+                     grid: Topology, parallelism: Parallelism, task: Task, dtype: np.dtype,
+                     sample_input: Array) -> PipelineStage:
     """3. The runner of this rank's chunks, knowing the activation shapes at every cut (one
     forward of the whole model) and running each block recomputed with --recompute."""
     model.eval()  # the shapes need one forward, and dropout then needs no random state
     shapes = cut_shapes(model.layers, sample_input)
     model.train()
     if parallelism.sequence_parallel:  # between the embeddings and the head: 1/tp of positions
-        last = len(model)
-        shapes = [
-            (shape[0], shape[1] // grid.tp, *shape[2:]) if 0 < index < last else shape
-            for index, shape in enumerate(shapes)
-        ]
+        shapes = [(shape[0], shape[1] // grid.tp, *shape[2:]) if 0 < index < len(model) else shape
+                  for index, shape in enumerate(shapes)]
     chunks = [StageChunk(trained.layers[a:b], shapes[a], shapes[b]) for a, b in ranges]
 
     def run_group(layers: list[nn.Module], x: Tensor) -> Tensor:
@@ -209,21 +187,13 @@ def _pipeline_runner(
         return run_layers(layers, x)
 
     return PipelineStage(
-        chunks[0].layers,
-        grid,
-        input_shape=chunks[0].input_shape,
-        output_shape=chunks[0].output_shape,
-        dtype=dtype,
-        loss_fn=task.loss,
-        run_group=run_group,
-        more_chunks=chunks[1:],
-        buffered_sends=SCHEDULES[parallelism.schedule].buffered_sends,
-    )
+        chunks[0].layers, grid, input_shape=chunks[0].input_shape,
+        output_shape=chunks[0].output_shape, dtype=dtype, loss_fn=task.loss, run_group=run_group,
+        more_chunks=chunks[1:], buffered_sends=SCHEDULES[parallelism.schedule].buffered_sends)
 
 
-def replicate(
-    share: Parallelized, grid: Topology, parallelism: Parallelism, decision_comm: Communicator
-) -> DataParallel | ZeroDataParallel:
+def replicate(share: Parallelized, grid: Topology, parallelism: Parallelism,
+              decision_comm: Communicator) -> DataParallel | ZeroDataParallel:
     """Step 4, a collective of the job: the GradientSync of this stage's replicas, every replica
     starting from replica 0's masters: DataParallel, or ZeRO's, which shards the stage's
     optimizer (its `.optimizer` is the one to step from now on) and, in stage 3, gathers the
@@ -233,23 +203,16 @@ def replicate(
     tied = _tied_gradients(share.trained, share.names, share.tied_names, grid)
     optimizer, runner = share.optimizer, share.runner
     options: dict[str, Any] = dict(
-        comm_dtype=parallelism.comm_dtype,
-        average=parallelism.average,
-        decision_comm=decision_comm,
-        tied=tied,
-        tensor_parallel=share.tensor_parallel,
-        overlap=parallelism.overlap,
-        micro_batches=parallelism.micro_batches,
-    )
+        comm_dtype=ACTIVATION_DTYPES[parallelism.grad_comm_dtype],
+        average=parallelism.grad_average, decision_comm=decision_comm, tied=tied,
+        tensor_parallel=share.tensor_parallel, overlap=parallelism.overlap,
+        micro_batches=parallelism.micro_batches)
     stage = zero_stage(parallelism.zero)
     if not stage.shards_optimizer_state:
         sync = DataParallel(
-            grid.dp_group,
-            optimizer,
-            bucket_mb=parallelism.bucket_mb,
+            grid.dp_group, optimizer, bucket_mb=parallelism.bucket_mb,
             stages_comm=grid.mp_group,  # the stages and the tensor-parallel shards
-            **options,
-        )
+            **options)
         sync.broadcast_parameters()
         return sync
     broadcast_masters(grid.dp_group, optimizer)

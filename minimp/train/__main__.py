@@ -17,18 +17,13 @@ from minimp.distributed import MPICommunicator, run_or_abort, world
 from minimp.distributed.protocol import Communicator
 from minimp.train.cli import parse_config
 from minimp.train.config import TrainConfig
-from minimp.checkpoints.errors import USER_ERRORS, AgreedError, agree_on_error
+from minimp.checkpoints.errors import USER_ERRORS, AgreedError, agree_on_error, say
 from minimp.checkpoints.files import check_output_path, exit_cleanly_on_sigterm
 from minimp.train.loop import train
 from minimp.train.plot import plot_formats
 from minimp.train.sizes import check_memory
 
 PROGRAM = "minimp.train"
-
-
-def _say(error: BaseException, rank: int | None = None) -> None:
-    prefix = "" if rank is None else f"[rank {rank}] "
-    print(f"{prefix}{PROGRAM}: error: {error}", file=sys.stderr, flush=True)
 
 
 def check_before_training(config: TrainConfig, comm: Communicator) -> None:
@@ -38,25 +33,28 @@ def check_before_training(config: TrainConfig, comm: Communicator) -> None:
     if config.device:
         backend.check_device(config.device)  # CuPy and a GPU are there
     if comm.rank == 0:  # the files are rank 0's to write
-        for flag, path in (("--save", config.save), ("--metrics", config.metrics)):
-            if path:
-                check_output_path(flag, path)
-        if config.timeline:
-            check_output_path("--timeline", config.timeline)
+        for flag in ("save", "metrics", "timeline"):
+            if getattr(config, flag):
+                check_output_path(f"--{flag}", getattr(config, flag))
         if config.plot:
             check_output_path("--plot", config.plot, suffixes=plot_formats())
 
 
-def _run(config: TrainConfig, comm: Communicator) -> int:
+def _run(config: TrainConfig, comm: MPICommunicator) -> int:
     try:
+        agree_on_error(comm, lambda: check_before_training(config, comm))
+        if config.timeout and comm.size > 1:
+            comm.start_watchdog(config.timeout)
+        if comm.rank == 0:
+            print(f"{PROGRAM}: ranks={comm.size} {config.describe()}", flush=True)
         interactive = sys.stdout.isatty()  # a terminal: one progress bar instead of lines
         train(config, log=lambda line: print(line, flush=True), comm=comm, interactive=interactive)
     except AgreedError as error:  # every rank is here: one says it, all exit, nobody waits
         if error.speaker:
-            _say(error)
+            say(PROGRAM, error)
         return error.exit_code
     except USER_ERRORS as error:  # this rank alone: the others may be waiting for it
-        _say(error, comm.rank if comm.size > 1 else None)
+        say(PROGRAM, error, comm.rank if comm.size > 1 else None)
         if comm.size > 1:
             time.sleep(0.5)  # let mpirun forward the line before the job is torn down
             comm.abort(2)
@@ -68,31 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     comm = world()
     exit_cleanly_on_sigterm()
     try:
-        return _main(argv, comm)
+        # argparse's errors: rank 0 prints them, every rank exits with status 2
+        config = parse_config(argv, quiet=comm.rank != 0)
+        return run_or_abort(_run, config, comm, comm=comm)
     except KeyboardInterrupt:  # Ctrl-C: a file being written was cleaned up on the way out
         if comm.rank == 0:
             print(f"{PROGRAM}: interrupted; files already saved are intact", file=sys.stderr)
         return 130
-
-
-def _main(argv: list[str] | None, comm: MPICommunicator) -> int:
-    config = parse_config(argv, quiet=comm.rank != 0)  # argparse's errors: rank 0 prints, exit 2
-    error = None
-    try:
-        check_before_training(config, comm)
-    except USER_ERRORS as caught:
-        error = caught
-    try:
-        agree_on_error(comm, error)
-    except AgreedError as agreed:
-        if agreed.speaker:
-            _say(agreed)
-        return agreed.exit_code
-    if config.timeout and comm.size > 1:
-        comm.start_watchdog(config.timeout)
-    if comm.rank == 0:
-        print(f"{PROGRAM}: ranks={comm.size} {config.describe()}", flush=True)
-    return run_or_abort(_run, config, comm, comm=comm)
 
 
 if __name__ == "__main__":

@@ -17,16 +17,13 @@ def build_optimizer(config: TrainConfig, named: Named) -> optim.Optimizer:
     0 has no regularising purpose."""
     params: list[nn.Parameter] | list[dict]
     if config.model == "gpt":
-        params = [
-            {"params": [p], "weight_decay": config.weight_decay if p.ndim >= 2 else 0.0}
-            for _, p in named
-        ]
+        params = [{"params": [p], "weight_decay": config.weight_decay if p.ndim >= 2 else 0.0}
+                  for _, p in named]
     else:
         params = [p for _, p in named]
     if config.optimizer == "sgd":
-        return optim.SGD(
-            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-        )
+        return optim.SGD(params, lr=config.lr, momentum=config.momentum,
+                         weight_decay=config.weight_decay)
     betas = (0.9, config.beta2)
     if config.optimizer == "adamw":
         return optim.AdamW(params, lr=config.lr, betas=betas, weight_decay=config.weight_decay)
@@ -44,9 +41,8 @@ def build_scaler(config: TrainConfig) -> LossScaler:
     return NoLossScaler()
 
 
-def build_stage(
-    config: TrainConfig, task: Task, topology: Topology, dtype: np.dtype
-) -> Parallelized:
+def build_stage(config: TrainConfig, task: Task, topology: Topology,
+                dtype: np.dtype) -> Parallelized:
     """This rank's share of the task's model (parallel/apply.py's steps 1-3), from the seed: the
     optimizer built on the float32 weights, then the model cast to the compute dtype (and, with
     --precision fp8, every Linear given fp8 scaling state: rank 0 evaluates the whole model)."""
@@ -59,12 +55,5 @@ def build_stage(
             nn.enable_fp8(each, recipe(config))
 
     return parallelize(
-        model,
-        topology,
-        config.parallelism(),
-        task,
-        sample_input=task.sample_input(rows),
-        dtype=dtype,
-        build_optimizer=lambda named: build_optimizer(config, named),
-        prepare=prepare,
-    )
+        model, topology, config.parallelism(), task, sample_input=task.sample_input(rows),
+        dtype=dtype, build_optimizer=lambda named: build_optimizer(config, named), prepare=prepare)

@@ -22,15 +22,20 @@ from minimp.train.sizes import weighted_layers, zero_unit_sizes
 if TYPE_CHECKING:  # config.py imports this module to validate itself
     from minimp.train.config import TrainConfig
 
-POSITIVE_INTEGERS = (
-    "steps", "batch_size", "micro_batches", "layers", "hidden", "log_every",
-    "loss_scale_growth_interval", "pp", "tp", "virtual_stages",
-)  # fmt: skip
-NON_NEGATIVE = (
-    "weight_decay", "max_grad_norm", "momentum", "dp", "threads", "check_replicas", "seed",
-    "save_every", "max_consecutive_skips", "warmup", "lr_decay_steps", "eval_every",
-    "eval_batches", "heads", "context", "zero",
-)  # fmt: skip
+POSITIVE_INTEGERS = ("steps", "batch_size", "micro_batches", "layers", "hidden", "log_every",
+                     "loss_scale_growth_interval", "pp", "tp", "virtual_stages")
+NON_NEGATIVE = ("weight_decay", "max_grad_norm", "momentum", "dp", "threads", "check_replicas",
+                "seed", "save_every", "max_consecutive_skips", "warmup", "lr_decay_steps",
+                "eval_every", "eval_batches", "heads", "context", "zero")
+# Every number's range, checked in this order: (fields, low, whether low itself is allowed, high
+# (never allowed), what the value must do). NaN fails every comparison, so it is caught too.
+RANGES = (
+    (POSITIVE_INTEGERS, 0, False, math.inf, "be a positive integer"),
+    (("lr", "min_lr", "bucket_mb"), 0, False, math.inf, "be a positive number"),
+    (NON_NEGATIVE, 0, True, math.inf, "be 0 or more"),
+    (("timeout",), 0, True, math.inf, "be 0 (never) or seconds"),
+    (("dropout", "beta2"), 0.0, True, 1.0, "lie in [0, 1)"),
+)
 
 
 def flag(name: str) -> str:
@@ -55,25 +60,14 @@ def validate(config: "TrainConfig", world_size: int) -> None:
 
 
 def _check_ranges(config: "TrainConfig") -> None:
-    """Every number inside its range (NaN fails every comparison, so it is caught too)."""
-    for name in POSITIVE_INTEGERS:
-        if getattr(config, name) <= 0:
+    """Every number inside its range (RANGES; NaN fails every comparison, so it is caught too),
+    and the decay's end not above its peak."""
+    for names, low, low_allowed, high, what in RANGES:
+        for name in names:
             value = getattr(config, name)
-            raise ConfigError(f"{flag(name)} must be a positive integer, got {value}")
-    for name in ("lr", "min_lr", "bucket_mb"):
-        value = getattr(config, name)
-        if not (value > 0 and math.isfinite(value)):
-            raise ConfigError(f"{flag(name)} must be a positive number, got {value}")
-    for name in NON_NEGATIVE:
-        value = getattr(config, name)
-        if not (value >= 0 and math.isfinite(value)):
-            raise ConfigError(f"{flag(name)} must be 0 or more, got {value}")
-    if not (config.timeout >= 0 and math.isfinite(config.timeout)):
-        raise ConfigError(f"--timeout must be 0 (never) or seconds, got {config.timeout}")
-    if not 0.0 <= config.dropout < 1.0:
-        raise ConfigError(f"--dropout must lie in [0, 1), got {config.dropout}")
-    if not 0.0 <= config.beta2 < 1.0:
-        raise ConfigError(f"--beta2 must lie in [0, 1), got {config.beta2}")
+            above = value >= low if low_allowed else value > low
+            if not (above and value < high):
+                raise ConfigError(f"{flag(name)} must {what}, got {value}")
     if config.min_lr > config.lr:
         raise ConfigError(f"--min-lr {config.min_lr} is above --lr {config.lr}")
 
@@ -92,14 +86,11 @@ def _check_fp8(config: "TrainConfig") -> None:
         return
     if config.fp8_recipe not in FP8_RECIPES:
         raise ConfigError(
-            f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {config.fp8_recipe!r}"
-        )
+            f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {config.fp8_recipe!r}")
     device = config.device or os.environ.get(DEVICE_ENVIRONMENT_VARIABLE, "").strip().lower()
     if device == "gpu":
-        raise ConfigError(
-            "--precision fp8 is emulated on the CPU (ml_dtypes casts NumPy arrays); "
-            "use --device cpu"
-        )
+        raise ConfigError("--precision fp8 is emulated on the CPU (ml_dtypes casts NumPy arrays); "
+                          "use --device cpu")
     if config.fp8_recipe != "delayed":
         for name in ("fp8_amax_history", "fp8_margin"):  # delayed scaling's numbers
             if getattr(config, name) is not None:
@@ -107,8 +98,7 @@ def _check_fp8(config: "TrainConfig") -> None:
         return
     if config.fp8_amax_history < 1:
         raise ConfigError(
-            f"--fp8-amax-history must be a positive integer, got {config.fp8_amax_history}"
-        )
+            f"--fp8-amax-history must be a positive integer, got {config.fp8_amax_history}")
     if not 0 <= config.fp8_margin <= 64:
         raise ConfigError(f"--fp8-margin must lie in 0..64, got {config.fp8_margin}")
 
@@ -117,16 +107,12 @@ def _check_model(config: "TrainConfig") -> None:
     """The model fits its data: the GPT reads text, the MLP images; heads divide the width."""
     wanted = {"digits": "mlp", "shakespeare": "gpt"}[config.dataset]
     if config.model != wanted:
-        raise ConfigError(
-            f"--model {config.model} does not train on --dataset {config.dataset} "
-            f"(use --model {wanted})"
-        )
+        raise ConfigError(f"--model {config.model} does not train on --dataset {config.dataset} "
+                          f"(use --model {wanted})")
     if config.model == "gpt":
         if config.heads < 1 or config.hidden % config.heads:
-            raise ConfigError(
-                f"--heads {config.heads} must divide --hidden {config.hidden} (each head takes "
-                "an equal slice of the width)"
-            )
+            raise ConfigError(f"--heads {config.heads} must divide --hidden {config.hidden} (each "
+                              "head takes an equal slice of the width)")
         if config.context < 1:
             raise ConfigError(f"--context must be a positive integer, got {config.context}")
 
@@ -134,17 +120,13 @@ def _check_model(config: "TrainConfig") -> None:
 def _check_batch(config: "TrainConfig", dp: int) -> None:
     """Each replica takes an equal share of the batch, cut into equal micro-batches."""
     if config.batch_size % dp:
-        raise ConfigError(
-            f"--batch-size {config.batch_size} is not divisible by the {dp} data-parallel "
-            f"replicas (use a multiple of {dp})"
-        )
+        raise ConfigError(f"--batch-size {config.batch_size} is not divisible by the {dp} "
+                          f"data-parallel replicas (use a multiple of {dp})")
     local = config.batch_size // dp
     if local % config.micro_batches:
-        raise ConfigError(
-            f"each replica's batch of {local} is not divisible by "
-            f"--micro-batches {config.micro_batches} "
-            f"(pick a batch size that is a multiple of {dp * config.micro_batches})"
-        )
+        raise ConfigError(f"each replica's batch of {local} is not divisible by --micro-batches "
+                          f"{config.micro_batches} (pick a batch size that is a multiple of "
+                          f"{dp * config.micro_batches})")
 
 
 def _check_zero(config: "TrainConfig", dp: int) -> None:
@@ -161,41 +143,32 @@ def _check_zero(config: "TrainConfig", dp: int) -> None:
     if config.check_replicas:
         raise ConfigError(
             f"--check-replicas compares the replicas' masters, and --zero {config.zero} gives "
-            "each replica a different part of them (use --zero 0 to check replicas)"
-        )
+            "each replica a different part of them (use --zero 0 to check replicas)")
     for index, sizes in enumerate(zero_unit_sizes(config)):
         if max(sizes) < dp:
             raise ConfigError(
                 f"--zero {config.zero} over --dp {dp}: pipeline stage {index}'s largest layer "
                 f"has {max(sizes)} parameters, so some replicas would hold none of that stage "
-                f"(use --dp {max(sizes)} or fewer, a wider model, or --zero 0)"
-            )
+                f"(use --dp {max(sizes)} or fewer, a wider model, or --zero 0)")
 
 
 def _check_distinct_files(config: "TrainConfig") -> None:
     """Every file the run writes has a path of its own, and none is the checkpoint it resumes
     from (except --save, which may continue a checkpoint in place): one would overwrite another."""
-    files = [
-        (flag(name), os.path.realpath(getattr(config, name)))
-        for name in ("resume", "save", "metrics", "timeline", "plot")
-        if getattr(config, name)
-    ]
+    files = [(flag(name), os.path.realpath(getattr(config, name)))
+             for name in ("resume", "save", "metrics", "timeline", "plot") if getattr(config, name)]
     for index, (one, path) in enumerate(files):
         for other, other_path in files[index + 1 :]:
             if path == other_path and {one, other} != {"--resume", "--save"}:
-                raise ConfigError(
-                    f"{other} {getattr(config, other[2:])} is also {one}'s file, and one would "
-                    "overwrite the other: give each its own path"
-                )
+                raise ConfigError(f"{other} {getattr(config, other[2:])} is also {one}'s file, and "
+                                  "one would overwrite the other: give each its own path")
 
 
 def _check_layout(config: "TrainConfig", world_size: int) -> None:
     """The layout's own checks, --tp first: a grid larger than the job is said as such."""
     if config.tp > world_size:  # said as such, before what it would cut
-        raise ConfigError(
-            f"--tp {config.tp} is more than the {world_size} ranks of this job (start at least "
-            f"{config.tp} ranks with mpirun -n)"
-        )
+        raise ConfigError(f"--tp {config.tp} is more than the {world_size} ranks of this job "
+                          f"(start at least {config.tp} ranks with mpirun -n)")
     _check_tensor_parallel(config)
     _check_grid(config, world_size)
     _check_schedule(config)
@@ -206,43 +179,33 @@ def _check_tensor_parallel(config: "TrainConfig") -> None:
     --tp, a sequence, and a context the ranks share equally."""
     if not isinstance(config.sequence_parallel, bool):
         raise ConfigError(
-            f"--sequence-parallel is a switch (True or False), got {config.sequence_parallel!r}"
-        )
+            f"--sequence-parallel is a switch (True or False), got {config.sequence_parallel!r}")
     tp = config.tp
     if config.sequence_parallel and tp == 1:
-        raise ConfigError(
-            "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs "
-            "--tp 2 or more"
-        )
+        raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks: "
+                          "it needs --tp 2 or more")
     if tp == 1:
         return
     if config.model == "gpt":
         if config.heads % tp:
             raise ConfigError(
                 f"--tp {tp} splits the attention heads across ranks, and --heads {config.heads} "
-                f"does not divide by {tp} (use --heads divisible by --tp)"
-            )
+                f"does not divide by {tp} (use --heads divisible by --tp)")
         if config.sequence_parallel and config.context % tp:
-            raise ConfigError(
-                f"--sequence-parallel gives each of the --tp {tp} ranks an equal slice of the "
-                f"sequence, and --context {config.context} does not divide by {tp} "
-                "(use a multiple of --tp)"
-            )
+            raise ConfigError(f"--sequence-parallel gives each of the --tp {tp} ranks an equal "
+                              f"slice of the sequence, and --context {config.context} does not "
+                              f"divide by {tp} (use a multiple of --tp)")
         return
     if config.sequence_parallel:
         raise ConfigError(
-            "--sequence-parallel splits a sequence: it needs the GPT (--dataset shakespeare)"
-        )
+            "--sequence-parallel splits a sequence: it needs the GPT (--dataset shakespeare)")
     if config.layers % 2:
         raise ConfigError(
             f"--tp {tp} pairs the MLP's hidden layers (column-parallel, then row-parallel), and "
-            f"--layers {config.layers} is odd (use an even --layers)"
-        )
+            f"--layers {config.layers} is odd (use an even --layers)")
     if config.hidden % tp:
-        raise ConfigError(
-            f"--tp {tp} splits each hidden layer's {config.hidden} features, which do not divide "
-            f"by {tp} (use --hidden divisible by --tp)"
-        )
+        raise ConfigError(f"--tp {tp} splits each hidden layer's {config.hidden} features, which "
+                          f"do not divide by {tp} (use --hidden divisible by --tp)")
 
 
 def _check_grid(config: "TrainConfig", world_size: int) -> None:
@@ -252,49 +215,39 @@ def _check_grid(config: "TrainConfig", world_size: int) -> None:
         what = "embeddings, blocks and head" if config.model == "gpt" else "hidden + output"
         if config.model == "mlp" and config.tp > 1:
             what = "hidden pairs + output: --tp keeps each pair on one stage"
-        raise ConfigError(
-            f"--pp {config.pp} needs at least {config.pp} layers with weights, the model has "
-            f"{weighted_layers(config)} ({what}; use --layers)"
-        )
+        raise ConfigError(f"--pp {config.pp} needs at least {config.pp} layers with weights, the "
+                          f"model has {weighted_layers(config)} ({what}; use --layers)")
     model_parallel = config.pp * config.tp
     if world_size % model_parallel:
         what = f"--pp {config.pp}" if config.tp == 1 else f"--tp {config.tp} x --pp {config.pp}"
-        raise ConfigError(
-            f"{what} does not divide the {world_size} ranks of this job "
-            f"(start a multiple of {model_parallel} ranks with mpirun -n)"
-        )
+        raise ConfigError(f"{what} does not divide the {world_size} ranks of this job (start a "
+                          f"multiple of {model_parallel} ranks with mpirun -n)")
     dp = config.data_parallel_size(world_size)
     if dp * model_parallel != world_size:
         raise ConfigError(
             f"--dp {dp} does not match the {world_size} ranks of this job (use --dp "
-            f"{world_size // model_parallel}, or start {dp * model_parallel} ranks with mpirun -n)"
-        )
+            f"{world_size // model_parallel}, or start {dp * model_parallel} ranks with mpirun -n)")
 
 
 def _check_schedule(config: "TrainConfig") -> None:
     """The schedule exists for these sizes, the layers cut into --pp x --virtual-stages chunks,
     every message has a tag MPI guarantees (up to 32767), and zb-h1's split backward meets no
     recomputed block."""
-    problem = schedule_problem(
-        config.schedule, config.pp, config.micro_batches, config.virtual_stages
-    )
+    problem = schedule_problem(config.schedule, config.pp, config.micro_batches,
+                               config.virtual_stages)
     if problem:
         raise ConfigError(problem)
     chunks = config.pp * config.virtual_stages
     if chunks > weighted_layers(config):
         raise ConfigError(
             f"--pp {config.pp} x --virtual-stages {config.virtual_stages} needs {chunks} layers "
-            f"with weights, the model has {weighted_layers(config)} (use --layers)"
-        )
+            f"with weights, the model has {weighted_layers(config)} (use --layers)")
     if config.pp > 1 and FIRST_TAG + 2 * config.virtual_stages * config.micro_batches > 32767:
         raise ConfigError(
-            f"--micro-batches {config.micro_batches} x --virtual-stages "
-            f"{config.virtual_stages} needs more message tags than MPI guarantees (32767): "
-            "use fewer micro-batches"
-        )
+            f"--micro-batches {config.micro_batches} x --virtual-stages {config.virtual_stages} "
+            "needs more message tags than MPI guarantees (32767): use fewer micro-batches")
     if config.schedule == "zb-h1" and config.recompute:
         raise ConfigError(
             "--schedule zb-h1 does not work with --recompute: a recomputed block's backward "
             "computes its weights' gradients together with its input's, so they cannot be split "
-            "into B and W (use --schedule 1f1b with --recompute)"
-        )
+            "into B and W (use --schedule 1f1b with --recompute)")

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from minimp.checkpoints.errors import ConfigError
 from minimp.parallel.apply import Parallelism
 from minimp.parallel.pipeline.schedules import CHOICES as SCHEDULE_CHOICES
@@ -49,55 +51,39 @@ def _by_dataset(help: str, **extra: Any) -> Any:
 
 @dataclass
 class TrainConfig:
-    dataset: str = _flag(
-        "digits", "dataset shipped with minimp", choices=tuple(DATASET_DEFAULTS)
-    )
+    dataset: str = _flag("digits", "dataset shipped with minimp", choices=tuple(DATASET_DEFAULTS))
     model: str = _by_dataset("mlp (digits) or gpt (shakespeare)", choices=("mlp", "gpt"))
     precision: str = _flag(
-        "fp16",
-        "activation dtype; masters are always fp32. fp8: bf16 activations, and every Linear "
-        "multiplies fp8 inputs (E4M3 forward, E5M2 backward, a scale per tensor)",
-        choices=("fp32", "fp16", "bf16", "fp8"),
-    )
-    fp8_recipe: str = _flag(
-        None,
-        "fp8 scaling: delayed (from the largest amax of the last --fp8-amax-history steps), "
-        "current (from each tensor's own amax) or none (scale 1) (default: delayed with "
-        "--precision fp8)",
-    )
+        "fp16", "activation dtype; masters are always fp32. fp8: bf16 activations, and every "
+        "Linear multiplies fp8 inputs (E4M3 forward, E5M2 backward, a scale per tensor)",
+        choices=("fp32", "fp16", "bf16", "fp8"))
+    fp8_recipe: str = _flag(None, "fp8 scaling: delayed (from the largest amax of the last "
+                            "--fp8-amax-history steps), current (from each tensor's own amax) or "
+                            "none (scale 1) (default: delayed with --precision fp8)")
     fp8_amax_history: int = _flag(
-        None, "steps of amax history delayed scaling keeps (default: 16 with --fp8-recipe delayed)"
-    )
+        None, "steps of amax history delayed scaling keeps (default: 16 with --fp8-recipe delayed)")
     fp8_margin: int = _flag(
-        None, "delayed scaling aims the amax at fp8's max / 2^margin (default: 0, as TE's)"
-    )
+        None, "delayed scaling aims the amax at fp8's max / 2^margin (default: 0, as TE's)")
     loss_scale: str = _flag(
-        "auto", "'dynamic', 'none' or a number; auto = dynamic for fp16, none otherwise"
-    )
+        "auto", "'dynamic', 'none' or a number; auto = dynamic for fp16, none otherwise")
     loss_scale_growth_interval: int = _flag(2000, "clean steps before the dynamic scale doubles")
     steps: int = _by_dataset("total optimizer steps (numbered from 1; a resume continues to it)")
     batch_size: int = _by_dataset("global batch size (samples per optimizer step, over all ranks)")
     micro_batches: int = _flag(
-        1, "split each batch into this many micro-batches (gradient accumulation)"
-    )
+        1, "split each batch into this many micro-batches (gradient accumulation)")
     lr: float = _by_dataset("peak learning rate")
-    lr_schedule: str = _by_dataset(
-        "constant, or cosine: linear warmup, cosine decay to --min-lr",
-        choices=("constant", "cosine"),
-    )
+    lr_schedule: str = _by_dataset("constant, or cosine: linear warmup, cosine decay to --min-lr",
+                                   choices=("constant", "cosine"))
     warmup: int = _by_dataset("warmup steps of the cosine schedule")
     min_lr: float = _flag(None, "learning rate at the end of the cosine decay (default: --lr / 10)")
     lr_decay_steps: int = _flag(
-        0, "steps of the cosine decay (0 = --steps, or the checkpoint's when resuming)"
-    )
+        0, "steps of the cosine decay (0 = --steps, or the checkpoint's when resuming)")
     optimizer: str = _by_dataset(
-        "optimizer updating the fp32 masters", choices=("sgd", "adam", "adamw")
-    )
+        "optimizer updating the fp32 masters", choices=("sgd", "adam", "adamw"))
     momentum: float = _flag(0.9, "SGD momentum")
     beta2: float = _by_dataset("Adam's second-moment decay")
     weight_decay: float = _by_dataset(
-        "weight decay (L2 for sgd/adam, decoupled for adamw; the GPT decays 2-D weights only)"
-    )
+        "weight decay (L2 for sgd/adam, decoupled for adamw; the GPT decays 2-D weights only)")
     max_grad_norm: float = _by_dataset("clip the unscaled gradient norm to this (0 = no clipping)")
     seed: int = _flag(0, "seed of the initial weights, the batch order and dropout")
     layers: int = _by_dataset("hidden layers (MLP: Linear + ReLU each) or transformer blocks")
@@ -108,8 +94,7 @@ class TrainConfig:
     eval_every: int = _by_dataset("validation loss every this many steps (GPT; 0 = at the end)")
     eval_batches: int = _by_dataset("random validation batches per evaluation during training")
     device: str = _flag(
-        "", "cpu or gpu (default: $MINIMP_DEVICE, else cpu)", choices=("", "cpu", "gpu")
-    )
+        "", "cpu or gpu (default: $MINIMP_DEVICE, else cpu)", choices=("", "cpu", "gpu"))
     save: str = _flag("", "write a checkpoint (.npz) here at the end")
     save_every: int = _flag(0, "also save --save every this many steps (0 = only at the end)")
     resume: str = _flag("", "continue from this checkpoint (.npz)")
@@ -119,76 +104,50 @@ class TrainConfig:
     threads: int = _flag(0, "BLAS threads per rank (0 = this machine's cores / its ranks)")
     dp: int = _flag(0, "data-parallel replicas (0 = the job's ranks / (--tp x --pp))")
     pp: int = _flag(1, "pipeline stages: the layers are split into this many contiguous stages")
-    tp: int = _flag(
-        1,
-        "tensor-parallel ranks: every block's Linears are cut across them (GPT: heads and the "
-        "MLP's features; MLP: hidden layers in column -> row pairs)",
-    )
+    tp: int = _flag(1, "tensor-parallel ranks: every block's Linears are cut across them (GPT: "
+                    "heads and the MLP's features; MLP: hidden layers in column -> row pairs)")
     sequence_parallel: bool = _flag(
-        False,
-        "with --tp: the GPT's LayerNorms, residual adds and dropouts run on 1/tp of the sequence "
-        "(the all-reduces become reduce-scatters and all-gathers)",
-    )
-    schedule: str = _flag(
-        "1f1b",
-        "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over --virtual-stages chunks per rank) "
-        "or zb-h1 (backward split into input and weight gradients, Qi et al. 2023)",
-        choices=tuple(SCHEDULE_CHOICES),
-    )
+        False, "with --tp: the GPT's LayerNorms, residual adds and dropouts run on 1/tp of the "
+        "sequence (the all-reduces become reduce-scatters and all-gathers)")
+    schedule: str = _flag("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over "
+                          "--virtual-stages chunks per rank) or zb-h1 (backward split into input "
+                          "and weight gradients, Qi et al. 2023)", choices=tuple(SCHEDULE_CHOICES))
     virtual_stages: int = _flag(
         1, "with --schedule interleaved: chunks of layers per pipeline rank (the model is cut "
-        "into --pp x this many; rank r holds chunks r, r + pp, ...)"
-    )
+        "into --pp x this many; rank r holds chunks r, r + pp, ...)")
     timeline: str = _flag("", "write each stage's forward/backward times to this .json file")
     zero: int = _flag(
-        0,
-        "ZeRO stage: 0 replicates everything on every replica; 1 shards the optimizer state and "
-        "fp32 masters over the replicas, 2 the gradients too, 3 the parameters too",
-    )
+        0, "ZeRO stage: 0 replicates everything on every replica; 1 shards the optimizer state "
+        "and fp32 masters over the replicas, 2 the gradients too, 3 the parameters too")
     recompute: bool = _flag(
-        False, "keep only each block's input for backward and rerun its forward there"
-    )
+        False, "keep only each block's input for backward and rerun its forward there")
     bucket_mb: float = _flag(
-        25.0, "gradient bucket size in MiB for the all-reduce of --zero 0 (ZeRO moves layers)"
-    )
+        25.0, "gradient bucket size in MiB for the all-reduce of --zero 0 (ZeRO moves layers)")
     overlap: bool = _flag(
-        None,
-        "all-reduce each gradient bucket (--zero 0) or reduce-scatter each layer (--zero 1-3) "
-        "during backward, as soon as its gradients are final (same bits as --no-overlap)",
-    )
+        None, "all-reduce each gradient bucket (--zero 0) or reduce-scatter each layer (--zero "
+        "1-3) during backward, as soon as its gradients are final (same bits as --no-overlap)")
     straggler_barrier: bool = _flag(
-        False,
-        "diagnostic: a barrier of the replicas between backward and the gradients' wait, timed "
-        "apart as straggler_seconds (overlap cannot hide a slower replica)",
-    )
+        False, "diagnostic: a barrier of the replicas between backward and the gradients' wait, "
+        "timed apart as straggler_seconds (overlap cannot hide a slower replica)")
     grad_comm_dtype: str = _flag("fp32", "dtype of gradients on the wire", choices=("fp32", "fp16"))
-    grad_average: str = _flag(
-        "before",
-        "divide by the number of replicas before or after the all-reduce",
-        choices=("before", "after"),
-    )
+    grad_average: str = _flag("before", "divide by the number of replicas before or after the "
+                              "all-reduce", choices=("before", "after"))
     check_replicas: int = _flag(
-        0, "every this many steps, compare the replicas' weights (0 = never)"
-    )
+        0, "every this many steps, compare the replicas' weights (0 = never)")
     max_consecutive_skips: int = _flag(
-        100, "stop with an error after this many skipped steps in a row (0 = never)"
-    )
+        100, "stop with an error after this many skipped steps in a row (0 = never)")
     timeout: float = _flag(
-        600.0, "abort the job when one message waits longer than this many seconds (0 = never)"
-    )
+        600.0, "abort the job when one message waits longer than this many seconds (0 = never)")
     inject_overflow: str = _flag(
-        "", "STEP:RANK: make that rank's gradients non-finite at that step"
-    )
+        "", "STEP:RANK: make that rank's gradients non-finite at that step")
     inject_fault: str = _flag(
-        "", "STEP:RANK: raise an error on that rank at that step (see a failure)"
-    )
+        "", "STEP:RANK: raise an error on that rank at that step (see a failure)")
 
     def __post_init__(self) -> None:
         """Fill the dataset's defaults into the fields left unset."""
         if self.dataset not in DATASET_DEFAULTS:
             raise ConfigError(
-                f"unknown dataset {self.dataset!r}: use one of {', '.join(DATASET_DEFAULTS)}"
-            )
+                f"unknown dataset {self.dataset!r}: use one of {', '.join(DATASET_DEFAULTS)}")
         for name, value in DATASET_DEFAULTS[self.dataset].items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -206,7 +165,7 @@ class TrainConfig:
         """The resolved --dp: the job's ranks divided by --tp x --pp unless given."""
         return self.dp or max(1, world_size // max(self.pp * self.tp, 1))
 
-    def activation_dtype(self) -> Any:
+    def activation_dtype(self) -> np.dtype:
         """The dtype activations are stored in: --precision's, and bf16 for fp8 runs (fp8 is
         only what the Linears multiply)."""
         return BFLOAT16 if self.precision == "fp8" else ACTIVATION_DTYPES[self.precision]
@@ -217,19 +176,10 @@ class TrainConfig:
         validate(self, world_size)
 
     def parallelism(self) -> Parallelism:
-        """The strategies' settings these flags give (minimp/parallel/apply.py)."""
-        return Parallelism(
-            schedule=self.schedule,
-            virtual_stages=self.virtual_stages,
-            micro_batches=self.micro_batches,
-            sequence_parallel=self.sequence_parallel,
-            recompute=self.recompute,
-            zero=self.zero,
-            overlap=self.overlap,
-            bucket_mb=self.bucket_mb,
-            comm_dtype=ACTIVATION_DTYPES[self.grad_comm_dtype],
-            average=self.grad_average,
-        )
+        """The strategies' settings these flags give (minimp/parallel/apply.py): the fields of
+        the same names."""
+        names = [setting.name for setting in dataclasses.fields(Parallelism)]
+        return Parallelism(**{name: getattr(self, name) for name in names})
 
     def loss_scale_kind(self) -> tuple[str, float | None]:
         """('dynamic'|'none'|'static', value) after resolving 'auto' by precision."""
@@ -241,13 +191,11 @@ class TrainConfig:
         try:
             value = float(text)
         except ValueError:
-            raise ConfigError(
-                f"--loss-scale must be 'dynamic', 'none' or a number, got {self.loss_scale!r}"
-            ) from None
+            raise ConfigError(f"--loss-scale must be 'dynamic', 'none' or a number, got "
+                              f"{self.loss_scale!r}") from None
         if not (value > 0 and math.isfinite(value)):
             raise ConfigError(
-                f"--loss-scale must be a positive finite number, got {self.loss_scale}"
-            )
+                f"--loss-scale must be a positive finite number, got {self.loss_scale}")
         return "static", value
 
     def injection(self, name: str, world_size: int, after: int = 0) -> tuple[int, int] | None:
@@ -264,10 +212,8 @@ class TrainConfig:
         if not 0 <= rank < world_size:
             raise ConfigError(f"{flag(name)} {text}: the rank must lie in 0..{world_size - 1}")
         if not after < step <= self.steps:
-            raise ConfigError(
-                f"{flag(name)} {text} can never fire: this run takes steps {after + 1}.."
-                f"{self.steps}"
-            )
+            raise ConfigError(f"{flag(name)} {text} can never fire: this run takes steps "
+                              f"{after + 1}..{self.steps}")
         return step, rank
 
     def describe(self) -> str:
@@ -275,6 +221,5 @@ class TrainConfig:
         kind, value = self.loss_scale_kind()
         settings = dataclasses.asdict(self)
         settings["loss_scale"] = f"{kind}" if value is None else f"static {value:g}"
-        return "config " + " ".join(
-            f"{key}={value}" for key, value in settings.items() if value not in ("", None)
-        )
+        shown = [f"{key}={value}" for key, value in settings.items() if value not in ("", None)]
+        return "config " + " ".join(shown)

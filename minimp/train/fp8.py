@@ -18,23 +18,14 @@ import numpy as np
 from minimp import nn
 from minimp.distributed.protocol import Communicator
 from minimp.parallel import AmaxReduction, Topology
-from minimp.precision.fp8_scaling import (
-    DelayedScaling,
-    Float8CurrentScaling,
-    Fp8Meta,
-    NoScaling,
-    load_quantizers_state_dict,
-    quantizers_state_dict,
-    update_scales,
-)
+from minimp.precision.fp8_scaling import DelayedScaling, Float8CurrentScaling, Fp8Meta, NoScaling
+from minimp.precision.fp8_scaling import (load_quantizers_state_dict, quantizers_state_dict,
+                                          update_scales)
+from minimp.checkpoints.checkpoint import strip_prefix
 from minimp.checkpoints.errors import CheckpointError
 from minimp.train.config import TrainConfig
 
 PREFIX = "fp8/"
-
-
-def _untimed(function: Callable, name: str) -> Callable:
-    return function
 
 
 def recipe(config: TrainConfig) -> DelayedScaling | Float8CurrentScaling | NoScaling:
@@ -47,29 +38,22 @@ def recipe(config: TrainConfig) -> DelayedScaling | Float8CurrentScaling | NoSca
 class Fp8Run:
     """This rank's fp8 quantizers (those of its stage's layers), their agreement and metrics."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        ranges: list[tuple[int, int]],
-        topology: Topology,
-        whole: nn.Module | None = None,
-    ):
+    def __init__(self, model: nn.Module, ranges: list[tuple[int, int]], topology: Topology,
+                 whole: nn.Module | None = None):
         """model: the model this rank trains, its Linears given Fp8Metas; ranges: this stage's
         layers, a range per chunk; whole: the whole model rank 0 evaluates, when `model` is a
         tensor-parallel shard of it (by default `model` itself)."""
         self.model, self.topology = model if whole is None else whole, topology
         self.quantizers = [
-            (name, quantizer)
-            for name, quantizer in nn.fp8_quantizers(model)
-            if any(start <= int(name.split(".")[0]) < stop for start, stop in ranges)
-        ]
+            (name, quantizer) for name, quantizer in nn.fp8_quantizers(model)
+            if any(start <= int(name.split(".")[0]) < stop for start, stop in ranges)]
         self.reduce_amax = AmaxReduction(topology.stage_group)
         linears = [name for name, _ in nn.fp8_metas(model)]
         # A few tensors to watch in the metrics: the first and the last Linear's three.
         ends = (linears[0], linears[-1])
         self.watched = [f"{linear}.{tensor}" for linear in ends for tensor in Fp8Meta.TENSORS]
 
-    def end_step(self, world: Communicator, timed: Callable = _untimed) -> dict[str, dict]:
+    def end_step(self, world: Communicator, timed: Callable) -> dict[str, dict]:
         """After the optimizer step, on every rank: the statistics of the watched tensors (one SUM
         all-reduce over the job), then this stage's next scales from amaxes agreed across its
         replicas. Returns {tensor: {"scale", "underflow", "saturated"}} for the metrics row.
@@ -92,14 +76,9 @@ class Fp8Run:
                 scale = float(quantizer.scale) if first else 0.0
                 table[row] = scale, quantizer.underflow, quantizer.saturated, quantizer.count
         table = allreduce_scalars(table.reshape(-1), "sum").reshape(table.shape)
-        return {
-            name: {
-                "scale": float(scale),
-                "underflow": float(underflow / max(count, 1)),
-                "saturated": float(saturated / max(count, 1)),
-            }
-            for name, (scale, underflow, saturated, count) in zip(self.watched, table)
-        }
+        return {name: {"scale": float(scale), "underflow": float(underflow / max(count, 1)),
+                       "saturated": float(saturated / max(count, 1))}
+                for name, (scale, underflow, saturated, count) in zip(self.watched, table)}
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """This stage's fp8 state under checkpoint names ("fp8/3.attn.c_attn.input/scale")."""
@@ -110,7 +89,7 @@ class Fp8Run:
         """This stage's state from a checkpoint's arrays, checked (CheckpointError if incomplete
         or wrong); None when the checkpoint holds no fp8 state (a bf16 run's, or a stateless
         recipe's): the scales then start at 1, as a new run's do."""
-        state = {key[len(PREFIX) :]: a for key, a in arrays.items() if key.startswith(PREFIX)}
+        state = strip_prefix(arrays, PREFIX)
         if not state:
             return None
         try:
@@ -126,7 +105,7 @@ class Fp8Run:
     def load_whole_model(self, merged: dict[str, np.ndarray]) -> None:
         """Every stage's fp8 state, gathered onto rank 0, into rank 0's whole model (before it
         evaluates the model on its own)."""
-        state = {key[len(PREFIX) :]: a for key, a in merged.items() if key.startswith(PREFIX)}
+        state = strip_prefix(merged, PREFIX)
         if state:
             nn.load_fp8_state_dict(self.model, state)
 

@@ -48,17 +48,13 @@ class Guards:
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
         limit, message = self.config.max_consecutive_skips, None
         if not skipped and not math.isfinite(loss):
-            message = (
-                f"step {step}: the loss is {loss} although the gradients were finite; the "
-                "model diverged (lower --lr, clip with --max-grad-norm) or the data holds "
-                "non-finite values"
-            )
+            message = (f"step {step}: the loss is {loss} although the gradients were finite; the "
+                       "model diverged (lower --lr, clip with --max-grad-norm) or the data holds "
+                       "non-finite values")
         elif limit and self.consecutive_skips >= limit:
-            message = (
-                f"the last {limit} steps (to step {step}) were all skipped: their gradients "
-                f"overflowed every time, the loss scale is now {loss_scale:g}. "
-                "Likely causes: a learning rate too high (--lr), a static --loss-scale that "
-                "always overflows, or non-finite data; use --max-consecutive-skips 0 to go on"
-            )
+            message = (f"the last {limit} steps (to step {step}) were all skipped: their gradients "
+                       f"overflowed every time, the loss scale is now {loss_scale:g}. Likely "
+                       "causes: a learning rate too high (--lr), a static --loss-scale that always "
+                       "overflows, or non-finite data; use --max-consecutive-skips 0 to go on")
         if message is not None:
             raise AgreedError(DivergenceError(message), speaker=self.rank == 0, exit_code=1)

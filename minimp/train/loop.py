@@ -14,7 +14,7 @@ import numpy as np
 
 from minimp import backend, nn
 from minimp.checkpoints import checkpoint
-from minimp.checkpoints.errors import USER_ERRORS, agree_on_error
+from minimp.checkpoints.errors import agree_on_error
 from minimp.distributed import world
 from minimp.distributed.protocol import Communicator
 from minimp.optim import lr_scheduler
@@ -26,6 +26,7 @@ from minimp.precision import mixed_precision_step
 from minimp.tensor import Tensor
 from minimp.train import progress, saving
 from minimp.train.build import build_scaler, build_stage
+from minimp.train.checks import flag
 from minimp.train.config import TrainConfig
 from minimp.train.fp8 import Fp8Run
 from minimp.train.guards import Guards
@@ -33,12 +34,8 @@ from minimp.train.meter import Meter
 from minimp.train.tasks import TASKS
 
 
-def train(
-    config: TrainConfig,
-    log: Callable[[str], None] = print,
-    comm: Communicator | None = None,
-    interactive: bool = False,
-) -> dict:
+def train(config: TrainConfig, log: Callable[[str], None] = print, comm: Communicator | None = None,
+          interactive: bool = False) -> dict:
     """Run the configured training on this process's rank; returns a dict with history, skipped
     count, the final score (test_accuracy or val_loss) and the masters (all stages' on rank 0).
     `comm` defaults to the MPI world; `interactive`: show a progress bar instead of lines."""
@@ -55,40 +52,27 @@ def train(
 class Run:
     """One rank's share of a training run: its stage of the model, its optimizer, its groups."""
 
-    def __init__(
-        self,
-        config: TrainConfig,
-        comm: Communicator,
-        log: Callable[[str], None],
-        interactive: bool = False,
-    ):
+    def __init__(self, config: TrainConfig, comm: Communicator, log: Callable[[str], None],
+                 interactive: bool = False):
         """interactive: a person watches this process's terminal (a progress bar, not lines)."""
         self.config, self.comm, self.dp = config, comm, config.data_parallel_size(comm.size)
         self.log = log if comm.rank == 0 else (lambda line: None)
         self.topology = Topology(comm, dp=self.dp, pp=config.pp, tp=config.tp)
         if comm.size > 1:
             self.log(self.topology.describe())
-        error = None
-        try:  # everything that can fail for a user's reason, with no message in between
-            self._set_up_locally(comm.node_rank_and_size()[0])
-        except USER_ERRORS as caught:
-            error = caught
-        agree_on_error(comm, error)  # one rank says what failed; every rank stops here
+        # Everything that can fail for a user's reason, with no message in between: one rank says
+        # what failed, every rank stops here.
+        agree_on_error(comm, lambda: self._set_up_locally(comm.node_rank_and_size()[0]))
         if config.resume:
             self.log(f"resumed from {config.resume} after step {self.start_step}")
         self.sync = replicate(self.share, self.topology, config.parallelism(), comm)
         self.optimizer = self.sync.optimizer  # ZeRO's sharded one, with --zero
         self.meter = Meter(config, comm, self.topology, self.sync, self.runner)
         self.history = progress.History(
-            self.log,
-            config.metrics if comm.rank == 0 else "",
-            resume_step=self.start_step if config.resume else None,
-            steps=config.steps,
-            log_every=config.log_every,
-            units_per_step=config.batch_size * (config.context or 1),
-            unit=self.task.unit,
-            interactive=comm.size == 1 and interactive,
-        )
+            self.log, config.metrics if comm.rank == 0 else "",
+            resume_step=self.start_step if config.resume else None, steps=config.steps,
+            log_every=config.log_every, units_per_step=config.batch_size * (config.context or 1),
+            unit=self.task.unit, interactive=comm.size == 1 and interactive)
 
     # ----- setup ------------------------------------------------------------------------------
     def _set_up_locally(self, local_rank: int) -> None:
@@ -101,20 +85,18 @@ class Run:
         self.task = TASKS[config.dataset](config, self.dtype)
         self.share = build_stage(config, self.task, self.topology, self.dtype)
         self.model, self.names, self.runner = self.share.model, self.share.names, self.share.runner
-        self.fp8 = None
-        if config.precision == "fp8":
-            self.fp8 = Fp8Run(self.share.trained, self.share.ranges, self.topology, self.model)
+        self.fp8 = (Fp8Run(self.share.trained, self.share.ranges, self.topology, self.model)
+                    if config.precision == "fp8" else None)
         self.scaler = build_scaler(config)
-        schedule = build_schedule(
-            config.schedule, config.pp, config.micro_batches, config.virtual_stages
-        )
+        schedule = build_schedule(config.schedule, config.pp, config.micro_batches,
+                                  config.virtual_stages)
         self.actions = schedule[self.topology.stage]
         # What a resume must repeat: the model, the batch order, the optimizer state's shapes and
         # the fp8 scaling state depend on these (the learning rate and --steps may change).
         names = (*self.task.model_flags, "seed", "batch_size", "optimizer")
         if self.fp8 is not None:  # the shape and meaning of the saved scaling state
             names += ("fp8_recipe", "fp8_amax_history", "fp8_margin")
-        self.resume_flags = {f"--{n.replace('_', '-')}": getattr(config, n) for n in names}
+        self.resume_flags = {flag(name): getattr(config, name) for name in names}
         self.lr_decay_steps = config.lr_decay_steps or config.steps
         self.start_step: int = self._resume() if config.resume else 0
         self.guards = Guards(config, self.comm.rank, self.start_step, self.comm.size)
@@ -123,15 +105,9 @@ class Run:
         """Masters, optimizer and scaler state from --resume; returns the step it was saved at.
         The schedule's length continues the checkpoint's unless --lr-decay-steps is given."""
         step, schedule = checkpoint.restore(
-            self.config.resume,
-            flags=self.resume_flags,
-            steps=self.config.steps,
-            names=self.names,
-            optimizer=self.share.optimizer,
-            scaler=self.scaler,
-            fp8=self.fp8,
-            select=self.share.select,
-        )
+            self.config.resume, flags=self.resume_flags, steps=self.config.steps, names=self.names,
+            optimizer=self.share.optimizer, scaler=self.scaler, fp8=self.fp8,
+            select=self.share.select)
         if not self.config.lr_decay_steps and "lr_decay_steps" in schedule:
             self.lr_decay_steps = int(schedule["lr_decay_steps"])
         return step
@@ -145,14 +121,9 @@ class Run:
         self.optimizer.lr = self.learning_rate(step)
         with self.guards.overflow_injected(step, self.optimizer.params[0]):
             loss_sum = self.runner.run(
-                self.actions,
-                inputs=inputs,
-                targets=targets,
-                scale_loss=self._scale_loss,
-                after_backward=self.sync.after_backward,
-                record=self.meter.recorder(),
-                before_forward=self._dropout_rows(step, rows),
-            )
+                self.actions, inputs=inputs, targets=targets, scale_loss=self._scale_loss,
+                after_backward=self.sync.after_backward, record=self.meter.recorder(),
+                before_forward=self._dropout_rows(step, rows))
         self.guards.inject_fault(step)
         self.meter.straggler_barrier()
         with self.meter.exposed():
@@ -171,15 +142,15 @@ class Run:
         self.guards.stop_if_diverging(step, entry["loss"], result.skipped, self.scaler.loss_scale)
         every = self.config.save_every
         if every and step % every == 0 and step < self.config.steps:
-            saving.save_checkpoint(self, step)
+            saving.save_checkpoint(self, step, saving.gather_state(self))
 
     def learning_rate(self, step: int) -> float:
         """The schedule's learning rate at this step."""
         config = self.config
         if config.lr_schedule == "constant":
             return lr_scheduler.constant(step, config.lr)
-        warmup, decay = config.warmup, self.lr_decay_steps
-        return lr_scheduler.warmup_cosine(step, config.lr, config.min_lr, warmup, decay)
+        return lr_scheduler.warmup_cosine(step, config.lr, config.min_lr, config.warmup,
+                                          self.lr_decay_steps)
 
     def _micro_batches(self, step: int) -> tuple[list | None, list | None, list]:
         """This replica's rows of the step's global batch, cut into micro-batches: the inputs (on
@@ -212,11 +183,9 @@ class Run:
 
     def _warn_if_stuck_at_min_scale(self, step: int) -> None:
         if self.scaler.hit_min_scale:
-            self.log(
-                f"step {step}: gradients overflow at the minimum loss scale "
-                f"{self.scaler.loss_scale:g}; training is diverging in fp16 "
-                "(lower --lr, clip with --max-grad-norm, or use bf16)"
-            )
+            self.log(f"step {step}: gradients overflow at the minimum loss scale "
+                     f"{self.scaler.loss_scale:g}; training is diverging in fp16 "
+                     "(lower --lr, clip with --max-grad-norm, or use bf16)")
 
     def _check_replicas(self, step: int) -> None:
         every = self.config.check_replicas
@@ -226,12 +195,9 @@ class Run:
             self.meter.timed(self.sync.check_replicas)(fp8_state)  # raises
             what = " and fp8 scaling state" if fp8_state else ""
             if self.dp > 1:
-                self.log(
-                    f"step {step}: replicas identical (the {self.dp} replicas' float32 masters"
-                    f"{what} have the same checksum)"
-                )
-            tensor_parallel = self.share.tensor_parallel
-            if tensor_parallel is not None:
-                check = self.meter.timed(tensor_parallel.check_replicated)
+                self.log(f"step {step}: replicas identical (the {self.dp} replicas' float32 masters"
+                         f"{what} have the same checksum)")
+            if self.share.tensor_parallel is not None:
+                check = self.meter.timed(self.share.tensor_parallel.check_replicated)
                 check(self.share.optimizer.master_weights, fp8_state)  # raises
                 self.log(f"step {step}: the {self.config.tp} shards' whole parameters{what} agree")

@@ -58,73 +58,31 @@ class TimedCalls:
     """Stands in for an object and adds the seconds spent in each of its method calls to a
     Stopwatch (the trainer times its GradientSync this way: that is the step's communication)."""
 
-    def __init__(self, target: Any, stopwatch: Stopwatch):
+    def __init__(self, target: object, stopwatch: Stopwatch):
         self._target, self._stopwatch = target, stopwatch
 
     def __getattr__(self, name: str) -> Any:
         return self._stopwatch.wrap(getattr(self._target, name), name)
 
 
-class StepCounters:
-    """Snapshots of this rank's communicators at the start of a step, and the differences."""
+class Meter:
+    """One rank's measurements of its steps (the module's docstring)."""
 
-    def __init__(
-        self, comm: Communicator, topology: Topology, sync: DataParallel | ZeroDataParallel
-    ):
-        self.sync = sync
+    def __init__(self, config: TrainConfig, comm: Communicator, topology: Topology,
+                 sync: DataParallel | ZeroDataParallel, runner: PipelineStage):
+        self.config, self.comm, self.topology, self.runner = config, comm, topology, runner
+        self.stopwatch = Stopwatch()
+        self.plain_sync = sync
+        # The GradientSync the step calls, timed: its calls are the step's communication.
+        self.sync = TimedCalls(sync, self.stopwatch)
+        # The groups whose bytes a step counts; the scalar all-reduces are counted on every
+        # communicator of this rank.
         self.groups = {"data_parallel": topology.dp_group, "pipeline": topology.pp_group}
         if topology.tp > 1:
             self.groups["tensor_parallel"] = topology.tp_group
         if sync.tied is not None:
             self.groups["tied"] = sync.tied.comm
-        self.every = [comm, *self.groups.values()]
-        self.start()
-
-    def _snapshot(self) -> tuple[dict, dict, dict, int]:
-        sent = {name: comm.bytes_sent for name, comm in self.groups.items()}
-        counter = self.sync.sent
-        calls = sum(comm.scalar_allreduces for comm in self.every)
-        return sent, dict(counter.by_collective), dict(counter.seconds), calls
-
-    def start(self) -> None:
-        self.before = self._snapshot()
-
-    def finish(self) -> dict[str, Any]:
-        """{bytes_sent, bytes_by_group, bytes_by_collective, seconds_by_collective,
-        scalar_allreduces} since `start`."""
-        sent0, bytes0, seconds0, calls0 = self.before
-        sent1, bytes1, seconds1, calls1 = self._snapshot()
-        by_collective = {name: bytes1[name] - bytes0.get(name, 0) for name in bytes1}
-        by_group = {name: sent1[name] - sent0[name] for name in sent1}
-        for name in ("pipeline", "tied", "tensor_parallel"):
-            if name in sent1:
-                by_collective[name] = by_group[name]
-        return {
-            "bytes_sent": sum(by_group.values()),
-            "bytes_by_group": by_group,
-            "bytes_by_collective": by_collective,
-            "seconds_by_collective": {n: seconds1[n] - seconds0.get(n, 0.0) for n in seconds1},
-            "scalar_allreduces": calls1 - calls0,
-        }
-
-
-class Meter:
-    """One rank's measurements of its steps (the module's docstring)."""
-
-    def __init__(
-        self,
-        config: TrainConfig,
-        comm: Communicator,
-        topology: Topology,
-        sync: DataParallel | ZeroDataParallel,
-        runner: PipelineStage,
-    ):
-        self.config, self.comm, self.topology, self.runner = config, comm, topology, runner
-        self.stopwatch = Stopwatch()
-        self.counters = StepCounters(comm, topology, sync)
-        self.plain_sync = sync
-        # The GradientSync the step calls, timed: its calls are the step's communication.
-        self.sync = TimedCalls(sync, self.stopwatch)
+        self.communicators = [comm, *self.groups.values()]
         self.in_backward_before = sync.backward_communication_seconds()
         self.trace = TraceRecorder(common_origin(comm)) if config.timeline else None
         if self.trace is not None:  # the sync's collectives go into the trace's communication lane
@@ -140,7 +98,7 @@ class Meter:
             self.comm.barrier()
         self.current_step, self.straggler = step, None
         self.stopwatch.seconds = 0.0
-        self.counters.start()
+        self.counts_before = self._counts()
         self.step_start = time.perf_counter()
 
     def recorder(self) -> Callable[[str, int, float, float], None] | None:
@@ -177,15 +135,32 @@ class Meter:
         """The step's metrics row: `row` (step, lr, loss scale, skip), the batch's mean loss and
         every measurement above, and the fp8 statistics."""
         loss, activation_bytes = self._mean_loss_and_peak(loss_sum)
-        return {
-            "step": row["step"],
-            "loss": loss,
-            **{key: value for key, value in row.items() if key != "step"},
-            **self._seconds(),
-            **self.counters.finish(),
-            "peak_activation_bytes": activation_bytes,
-            **fp8,
-        }
+        return {"step": row["step"], "loss": loss, **{k: v for k, v in row.items() if k != "step"},
+                **self._seconds(), **self._communication(),
+                "peak_activation_bytes": activation_bytes, **fp8}
+
+    def _counts(self) -> tuple[dict, dict, dict, int]:
+        """This rank's counters now: bytes sent by group, the sync's bytes and seconds by
+        collective, and the scalar all-reduces."""
+        sent = {name: comm.bytes_sent for name, comm in self.groups.items()}
+        counter = self.plain_sync.sent
+        calls = sum(comm.scalar_allreduces for comm in self.communicators)
+        return sent, dict(counter.by_collective), dict(counter.seconds), calls
+
+    def _communication(self) -> dict[str, Any]:
+        """{bytes_sent, bytes_by_group, bytes_by_collective, seconds_by_collective,
+        scalar_allreduces} since `start`."""
+        sent0, bytes0, seconds0, calls0 = self.counts_before
+        sent1, bytes1, seconds1, calls1 = self._counts()
+        by_collective = {name: bytes1[name] - bytes0.get(name, 0) for name in bytes1}
+        by_group = {name: sent1[name] - sent0[name] for name in sent1}
+        for name in ("pipeline", "tied", "tensor_parallel"):
+            if name in sent1:
+                by_collective[name] = by_group[name]
+        return {"bytes_sent": sum(by_group.values()), "bytes_by_group": by_group,
+                "bytes_by_collective": by_collective,
+                "seconds_by_collective": {n: seconds1[n] - seconds0.get(n, 0.0) for n in seconds1},
+                "scalar_allreduces": calls1 - calls0}
 
     def _seconds(self) -> dict[str, float]:
         """Where the step's time went: `communication_seconds` in all (inside backward too), its
@@ -195,11 +170,9 @@ class Meter:
         communication = self.stopwatch.seconds + in_backward - self.in_backward_before
         self.in_backward_before = in_backward
         elapsed = time.perf_counter() - self.step_start
-        seconds = {
-            "compute_seconds": elapsed - communication - (self.straggler or 0.0),
-            "communication_seconds": communication,
-            "exposed_communication_seconds": self.exposed_seconds,
-        }
+        seconds = {"compute_seconds": elapsed - communication - (self.straggler or 0.0),
+                   "communication_seconds": communication,
+                   "exposed_communication_seconds": self.exposed_seconds}
         if self.straggler is not None:
             seconds["straggler_seconds"] = self.straggler
         return seconds
@@ -225,13 +198,10 @@ class Meter:
         table[self.comm.rank, :-1] = [self.held[kind] for kind in KINDS]
         table[self.comm.rank, -1] = self.plain_sync.peak.total
         table = self.comm.allreduce_scalars(table.reshape(-1), "sum").reshape(table.shape)
-        return {
-            "model_state_bytes": [int(row[:-1].sum()) for row in table],
-            "model_state_by_kind": [
-                {kind: int(value) for kind, value in zip(KINDS, row[:-1])} for row in table
-            ],
-            "peak_model_state_bytes": [int(row[-1]) for row in table],
-        }
+        return {"model_state_bytes": [int(row[:-1].sum()) for row in table],
+                "model_state_by_kind": [{kind: int(value) for kind, value in zip(KINDS, row[:-1])}
+                                        for row in table],
+                "peak_model_state_bytes": [int(row[-1]) for row in table]}
 
     def _record_communication(self, op: str, start: float, end: float) -> None:
         assert self.trace is not None  # the listener is set only with a trace

@@ -15,17 +15,9 @@ class History:
 
     records: list[dict]
 
-    def __init__(
-        self,
-        log: Callable[[str], None],
-        metrics_path: str,
-        resume_step: int | None,
-        steps: int,
-        log_every: int,
-        units_per_step: int,
-        unit: str = "samples",
-        interactive: bool = False,
-    ):
+    def __init__(self, log: Callable[[str], None], metrics_path: str, resume_step: int | None,
+                 steps: int, log_every: int, units_per_step: int, unit: str = "samples",
+                 interactive: bool = False):
         """resume_step: the step a resumed run continues after; the metrics file then keeps its
         rows up to that step and the new ones are appended (None: a new file). units_per_step and
         unit: what a step processes, for the rate (64 samples, or 768 tokens). interactive: show
@@ -34,19 +26,19 @@ class History:
         self.units_per_step, self.unit = units_per_step, unit
         if metrics_path and resume_step is not None:
             files.keep_metrics_up_to(metrics_path, resume_step)
-        self.metrics = MetricsWriter(metrics_path, append=resume_step is not None)
+        mode = "w" if resume_step is None else "a"
+        self.metrics = open(metrics_path, mode) if metrics_path else None
         self.records, self.skipped = [], 0
         self.window_start, self.window_steps = time.perf_counter(), 0
         self.bar = None
         if interactive:  # one updating bar on a terminal; lines for logs, pipes and mpirun
-            first = resume_step or 0
-            self.bar = tqdm(total=steps, initial=first, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=steps, initial=resume_step or 0, unit="step", dynamic_ncols=True)
 
     def add(self, entry: dict, loss_scale: float) -> None:
         """Keep and write one step's record; print a progress line every log_every steps (and at
         the last), with the rate and the time left at that rate."""
         self.records.append(entry)
-        self.metrics.write(entry)
+        self._write(entry)
         self.skipped += entry["skipped"]
         self.window_steps += 1
         self.window_start += entry.get("eval_seconds", 0.0)  # the rate is the training's alone
@@ -74,41 +66,23 @@ class History:
     def close(self, final_record: dict) -> None:
         if self.bar is not None:
             self.bar.close()
-        self.metrics.write(final_record)
-        self.metrics.close()
+        self._write(final_record)
+        if self.metrics:
+            self.metrics.close()
+
+    def _write(self, record: dict) -> None:
+        """One JSON object per line of --metrics, flushed at once (nothing without a path)."""
+        if self.metrics:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
 
 
-class MetricsWriter:
-    """One JSON object per line; a no-op when no path is given."""
-
-    def __init__(self, path: str, append: bool = False):
-        self.file = open(path, "a" if append else "w") if path else None
-
-    def write(self, record: dict) -> None:
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
-
-
-def progress_line(
-    entry: dict,
-    steps: int,
-    loss_scale: float,
-    skipped_so_far: int,
-    rate: float,
-    unit: str,
-    seconds_left: float,
-) -> str:
+def progress_line(entry: dict, steps: int, loss_scale: float, skipped_so_far: int, rate: float,
+                  unit: str, seconds_left: float) -> str:
     """`step   250/2000  loss 2.1034  val 2.1240  lr 9.7e-04  loss scale 65536  skipped 0
     9,876 tokens/s  ETA 3m05s` (val only at evaluations)."""
     validation = f"  val {entry['val_loss']:.4f}" if "val_loss" in entry else ""
     minutes, seconds = divmod(int(round(seconds_left)), 60)
-    return (
-        f"step {entry['step']:>5}/{steps}  loss {entry['loss']:.4f}{validation}  "
-        f"lr {entry['lr']:.1e}  loss scale {loss_scale:g}  skipped {skipped_so_far}  "
-        f"{rate:,.0f} {unit}/s  ETA {minutes}m{seconds:02d}s"
-    )
+    return (f"step {entry['step']:>5}/{steps}  loss {entry['loss']:.4f}{validation}  "
+            f"lr {entry['lr']:.1e}  loss scale {loss_scale:g}  skipped {skipped_so_far}  "
+            f"{rate:,.0f} {unit}/s  ETA {minutes}m{seconds:02d}s")

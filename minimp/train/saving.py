@@ -54,21 +54,14 @@ GATHER = _Gather()
 Merged = dict | None | _Gather  # what gather_state returned on this rank, or GATHER
 
 
-def save_checkpoint(run: "Run", step: int, merged: Merged = GATHER) -> None:
+def save_checkpoint(run: "Run", step: int, merged: dict | None) -> None:
     """Write --save as of `step` (all ranks call this; `merged`: what gather_state returned on
-    this rank, when the caller has gathered already)."""
-    if isinstance(merged, _Gather):
-        merged = gather_state(run)
+    this rank)."""
     if run.comm.rank == 0:
         checkpoint.save(
-            run.config.save,
-            step=step,
-            flags=run.resume_flags,
+            run.config.save, step=step, flags=run.resume_flags,
             optimizer=run.share.optimizer,  # the rule's (ZeRO's own wraps it)
-            scaler=run.scaler,
-            arrays=merged,
-            schedule={"lr_decay_steps": run.lr_decay_steps},
-        )
+            scaler=run.scaler, arrays=merged, schedule={"lr_decay_steps": run.lr_decay_steps})
         run.log(f"saved checkpoint {run.config.save} after step {step}")
 
 
@@ -90,18 +83,9 @@ def finish(run: "Run") -> dict:
     if run.comm.rank == 0:
         _write_reports(run, traces)
     run.comm.barrier()  # nobody leaves before the files are complete
-    masters = {
-        name[len("master/") :]: array
-        for name, array in (merged or {}).items()
-        if name.startswith("master/")
-    }
-    return {
-        "history": run.history.records,
-        "skipped": skipped,
-        metric: score,
-        "master_weights": masters,
-        **held,
-    }
+    masters = checkpoint.strip_prefix(merged or {}, "master/")
+    return {"history": run.history.records, "skipped": skipped, metric: score,
+            "master_weights": masters, **held}
 
 
 def _gather_traces(run: "Run") -> dict | None:
@@ -110,10 +94,8 @@ def _gather_traces(run: "Run") -> dict | None:
     if run.meter.trace is None:
         return None
     rank = run.comm.rank
-    mine = {
-        f"rows{rank}": run.meter.trace.array(),
-        f"peak{rank}": np.array([run.runner.peak_stored], np.int64),
-    }
+    mine = {f"rows{rank}": run.meter.trace.array(),
+            f"peak{rank}": np.array([run.runner.peak_stored], np.int64)}
     return gather_named_arrays(run.comm, mine)
 
 
@@ -159,25 +141,16 @@ def _write_trace(run: "Run", traces: dict) -> None:
     """The Chrome trace of every rank (minimp/measure/trace.py), named by its place in the grid
     (minimp/parallel/topology.py); replica 0's shard 0 is the pipeline a reader draws."""
     config, topology = run.config, run.topology
-    ranks = {
-        rank: {
-            "rows": traces[f"rows{rank}"],
-            "name": f"rank {rank}: {topology.describe_rank(rank)}",
-        }
-        for rank in range(run.comm.size)
-    }
+    ranks = {rank: {"rows": traces[f"rows{rank}"],
+                    "name": f"rank {rank}: {topology.describe_rank(rank)}"}
+             for rank in range(run.comm.size)}
     coordinates = [topology.coordinates(rank) for rank in range(run.comm.size)]
     first = [r for r, (_, dp_rank, tp_rank) in enumerate(coordinates) if dp_rank == tp_rank == 0]
-    other = {
-        "schedule": config.schedule,
-        "stages": config.pp,
-        "replicas": run.dp,
-        "tensor_parallel": config.tp,
-        "micro_batches": config.micro_batches,
-        "virtual_stages": config.virtual_stages,
-        "peak_stored_micro_batches": [int(traces[f"peak{rank}"][0]) for rank in first],
-        "stage_of_rank": {str(rank): stage for rank, (stage, _, _) in enumerate(coordinates)},
-        "replica_0_ranks": first,
-    }
+    other = {"schedule": config.schedule, "stages": config.pp, "replicas": run.dp,
+             "tensor_parallel": config.tp, "micro_batches": config.micro_batches,
+             "virtual_stages": config.virtual_stages,
+             "peak_stored_micro_batches": [int(traces[f"peak{rank}"][0]) for rank in first],
+             "stage_of_rank": {str(rank): stage for rank, (stage, _, _) in enumerate(coordinates)},
+             "replica_0_ranks": first}
     document = json.dumps(trace.trace_document(ranks, other)).encode()
     files.atomic_write(config.timeline, lambda file: file.write(document))

@@ -105,10 +105,8 @@ def check_memory(config: "TrainConfig", ranks_on_this_node: int, available: int)
     slots = 1 if config.optimizer == "sgd" else 2  # SGD's momentum buffer, Adam's two moments
     states = []
     for units in zero_unit_sizes(config):  # each pipeline stage's units
-        held = memory_formula(
-            config.zero, unit_sizes=units, rank=0, world_size=dp, compute_bytes=compute,
-            wire_bytes=wire, slots=slots,
-        )  # fmt: skip
+        held = memory_formula(config.zero, unit_sizes=units, rank=0, world_size=dp,
+                              compute_bytes=compute, wire_bytes=wire, slots=slots)
         peak = peak_formula(config.zero, unit_sizes=units, compute_bytes=compute)
         states.append(sum(held.values()) + peak)
     per_rank = 6 * parameters + max(states)
@@ -122,8 +120,6 @@ def check_memory(config: "TrainConfig", ranks_on_this_node: int, available: int)
         per_rank += 12 * rows * width * (layers + 1)
     needed = per_rank * ranks_on_this_node
     if needed > available:
-        raise ConfigError(
-            f"the model has {parameters:,} parameters: about {needed / 2**30:.1f} GiB for the "
-            f"{ranks_on_this_node} rank(s) on this machine, which has "
-            f"{available / 2**30:.1f} GiB free (lower --hidden or --layers)"
-        )
+        raise ConfigError(f"the model has {parameters:,} parameters: about {needed / 2**30:.1f} "
+                          f"GiB for the {ranks_on_this_node} rank(s) on this machine, which has "
+                          f"{available / 2**30:.1f} GiB free (lower --hidden or --layers)")

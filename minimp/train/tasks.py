@@ -46,9 +46,8 @@ class Task(Protocol):
         """The score of the whole model's current weights."""
 
 
-def build_model(
-    features: int, classes: int, hidden: int, layers: int, rng: np.random.Generator
-) -> nn.Sequential:
+def build_model(features: int, classes: int, hidden: int, layers: int,
+                rng: np.random.Generator) -> nn.Sequential:
     """MLP: features -> hidden (x layers, each Linear + ReLU) -> classes, float32, from rng."""
     modules, width = [], features
     for _ in range(layers):
@@ -70,10 +69,8 @@ class DigitsTask:
         self.config, self.dtype = config, dtype
         self.dataset = load_digits()
         if config.batch_size > len(self.dataset.train_labels):
-            raise ConfigError(
-                f"--batch-size {config.batch_size} is larger than the training set "
-                f"({len(self.dataset.train_labels)} samples)"
-            )
+            raise ConfigError(f"--batch-size {config.batch_size} is larger than the training set "
+                              f"({len(self.dataset.train_labels)} samples)")
         # The whole (small) training set sits on the device in the compute dtype: no casts later.
         self.images = backend.to_device(self.dataset.train_images).astype(dtype)
         self.labels = backend.to_device(self.dataset.train_labels)
@@ -123,22 +120,16 @@ class ShakespeareTask:
         self.config, self.dtype = config, dtype
         self.dataset = load_shakespeare()
         self.gpt_config = GPTConfig(
-            vocab_size=self.dataset.vocab_size,
-            context=config.context,
-            layers=config.layers,
-            heads=config.heads,
-            width=config.hidden,
-            dropout=config.dropout,
-        )
+            vocab_size=self.dataset.vocab_size, context=config.context, layers=config.layers,
+            heads=config.heads, width=config.hidden, dropout=config.dropout)
 
     def build_model(self, rng: np.random.Generator) -> GPT:
         return GPT(self.gpt_config, rng)
 
     def global_batch(self, step: int) -> tuple[Array, Array]:
         config = self.config
-        inputs, targets = text_batch(
-            self.dataset.train, config.seed, step, config.batch_size, config.context
-        )
+        inputs, targets = text_batch(self.dataset.train, config.seed, step, config.batch_size,
+                                     config.context)
         return backend.to_device(inputs), backend.to_device(targets)
 
     def sample_input(self, rows: int) -> Array:
