@@ -16,8 +16,9 @@ slower than others, for seconds at a time; timing the terms first and the sizes 
 fitted in a slow stretch was checked against a fast one. Rounds spread the terms and the sizes over
 the same stretches; the model adds terms, and the mean of a sum is the sum of the means (the median
 of a sum is not the sum of the medians). With --shipped the prediction is that of the model minimp
-ships for this many ranks (minimp.measure.machinemodel.SHIPPED), the one `auto` uses, instead of the
-one fitted in this run; --no-calibration skips the terms. "planned" is auto again as a
+ships for this many ranks (minimp.measure.machinemodel.SHIPPED, the one FastestPredicted() chooses
+by) instead of the one fitted in this run; --no-calibration skips the terms. "auto" is the
+transport's own rule (distributed.choose_algorithm), "planned" is auto again as a
 PersistentAllreduce (the ranks agree once, not at every call).
 """
 

@@ -52,7 +52,7 @@ def documented(doc_path: str) -> dict[str, str]:
 
 
 def package_of(name: str) -> str:
-    module = name.split("__mutmut_")[0].rsplit(".", 1)[0]  # minimp.ops.loss.x_cross_entropy
+    module = name.split("__mutmut_")[0].rsplit(".", 1)[0]  # minimp.ops.softmax.x_cross_entropy
     return next((p for p in PACKAGES if module == p or module.startswith(p + ".")), "other")
 
 

@@ -1,5 +1,5 @@
 """The pipeline's message tags, read from the simulated world's message trace: the layout
-minimp/parallel/pipeline/stage.py's FIRST_TAG and minimp/train/layout_checks.py promise."""
+minimp/parallel/pipeline/stage.py's FIRST_TAG and minimp/train/checks.py promise."""
 
 from collections import Counter
 
@@ -28,7 +28,7 @@ def test_every_pipeline_message_has_a_tag_of_its_own_in_the_promised_range():
     """Each of the P x V - 1 boundaries between virtual stages carries one activation and one
     gradient per micro-batch; no two messages to one rank share a tag (so receives posted in any
     order match the right send). Pipeline tags start at FIRST_TAG, above protocol.Tag's, and
-    layout_checks refuses a run only when FIRST_TAG + 2 x V x M passes MPI's 32767: every tag of
+    train/checks.py refuses a run only when FIRST_TAG + 2 x V x M passes MPI's 32767: every tag of
     a step lies below that."""
     trace = one_interleaved_step()
     boundaries = STAGES * VIRTUAL_STAGES - 1

@@ -38,7 +38,7 @@ class RingAllreduce:
         posted for its (source, tag), whichever ring posted it. bounds: the chunks (by default
         chunk_bounds(x.size, p)). all_gather=False stops after the reduce-scatter half, as
         `ring_reduce_scatter_into`: out[bounds[rank]] then holds this rank's chunk of the sum
-        (ZeRO's reduce-scatters during backward, minimp/parallel/zero/overlap.py)."""
+        (ZeRO's reduce-scatters during backward, minimp/parallel/data/overlap.py)."""
         check_op(op)
         if out.size != x.size or out.dtype != x.dtype:
             raise ValueError(f"out must be a {x.dtype} array of {x.size} elements")
