@@ -60,7 +60,7 @@ def rank_layer_counts(config: "TrainConfig") -> list[int]:
 
 def stage_bounds(config: "TrainConfig") -> list[tuple[int, int]]:
     """The pipeline's split of the layers into --pp x --virtual-stages chunks (the stages, with
-    one virtual stage), as minimp/train/build.py cuts the built model; chunk i is pipeline rank
+    one virtual stage), as minimp/parallel/apply.py cuts the built model; chunk i is pipeline rank
     i % pp's."""
     counts = layer_parameter_counts(config)
     if config.model == "mlp" and config.tp > 1:
