@@ -95,8 +95,8 @@ class ZeroDataParallel(ReplicaSync):
     def reduce(self, gradients: list[Array | None]) -> None:
         """Leave in `gradients` (replacing its contents) this rank's gradient pieces, each the
         mean over the replicas (stage 1 reduce-scatters them now, or with overlap did in
-        finalize_backward; stages 2-3 did during backward),
-        the tied ones summed with the other stage's copy."""
+        finalize_backward; stages 2-3 did during backward), the tied ones summed with the other
+        stage's copy, the partial ones (--tp) over their shards."""
         if not self.stage.shards_gradients and self.overlap is None:
             self._reduce_scatter_accumulators()
         pieces = self.optimizer.gradient_pieces()
