@@ -1,4 +1,4 @@
-"""The checks of a training configuration, run before anything is built: every number in its range.
+"""The checks of a training configuration, of every flag, run before anything is built.
 
 Every number in its range (NaN and inf included), the fp8 flags, the model against its data, the
 parallel layout (--tp's cuts: whole heads, the MLP's pairs, sequence parallelism's slices; the dp x
