@@ -20,12 +20,11 @@ import numpy as np
 
 from minimp.backend import Array
 from minimp.distributed.buffers import reduce_into
+from minimp.distributed.collectives import ALGORITHMS
 from minimp.distributed.protocol import Communicator
 from minimp.distributed.ring import ring_allreduce_into
-from minimp.distributed.collectives import ALGORITHMS
 from minimp.measure.machinemodel import ALGORITHMS as MODELLED
 from minimp.measure.machinemodel import Line, MachineModel, fit_lines, interpolate_lines
-
 
 FRESH_MEMORY_WARMUPS = 3
 

@@ -16,13 +16,13 @@ from typing import Callable
 import numpy as np
 
 from minimp import nn
+from minimp.checkpoints.checkpoint import strip_prefix
+from minimp.checkpoints.errors import CheckpointError
 from minimp.distributed.protocol import Communicator
 from minimp.parallel import AmaxReduction, Topology
 from minimp.precision.fp8_scaling import DelayedScaling, Float8CurrentScaling, Fp8Meta, NoScaling
 from minimp.precision.fp8_scaling import (load_quantizers_state_dict, quantizers_state_dict,
                                           update_scales)
-from minimp.checkpoints.checkpoint import strip_prefix
-from minimp.checkpoints.errors import CheckpointError
 from minimp.train.config import TrainConfig
 
 PREFIX = "fp8/"

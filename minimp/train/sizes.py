@@ -4,9 +4,9 @@ layer, ZeRO's units per stage, and whether the ranks on this machine have the me
 from typing import TYPE_CHECKING
 
 from minimp.checkpoints.errors import ConfigError
-from minimp.parallel.zero.formulas import memory_formula, peak_formula
 from minimp.parallel.pipeline.split import split_counts
 from minimp.parallel.tensor.models import paired_counts
+from minimp.parallel.zero.formulas import memory_formula, peak_formula
 from minimp.precision.casting import ACTIVATION_DTYPES
 
 if TYPE_CHECKING:  # config.py imports this module's callers (checks.py)

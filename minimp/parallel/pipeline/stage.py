@@ -25,9 +25,9 @@ import numpy.typing as npt
 
 from minimp import backend
 from minimp.backend import Array
+from minimp.nn import Module
 from minimp.parallel.pipeline.schedules.actions import ACTIVATION, MESSAGES, Action
 from minimp.parallel.pipeline.split import RunLayers, StageChunk, run_layers
-from minimp.nn import Module
 from minimp.parallel.topology import Topology
 from minimp.split_backward import PendingWeightGradients, backward_input, backward_weight
 from minimp.tensor import Tensor, saved_bytes

@@ -30,8 +30,8 @@ from minimp.backend import Array, array_module
 from minimp.distributed import gather_named_arrays
 from minimp.distributed.protocol import Communicator
 from minimp.distributed.ring import ring_all_gather_inplace
-from minimp.optim import Optimizer
 from minimp.measure.accounts import BytesSent
+from minimp.optim import Optimizer
 from minimp.parallel.zero.layout import Piece, ZeroLayout
 from minimp.precision.casting import MASTER_DTYPE, round_to
 from minimp.precision.step import MixedPrecisionOptimizer
