@@ -212,7 +212,9 @@ def load_quantizers_state_dict(quantizers: Sequence[tuple[str, Fp8Quantizer]],
         fields = {field: state[key] for field, key in keys.items()}
         Fp8Quantizer(quantizer.fmt, quantizer.recipe).load_state_dict(fields)  # raises if wrong
         checked.append((quantizer, fields))
-    for quantizer, fields in checked if not check_only else []:
+    if check_only:
+        return
+    for quantizer, fields in checked:
         quantizer.load_state_dict(fields)
 
 
