@@ -17,8 +17,8 @@ gradients it updates with are its chunks of the mean over the ranks, which the Z
 Its part of the mixed-precision step is the optimizer's: `accumulate_gradients()`, `step()`,
 `zero_grad()`. `step()` updates every piece with `Optimizer.update`, the wrapped optimizer's rule
 (minimp/optim/optimizer.py's `sgd` or `adam`: elementwise, so a piece gets the bits the whole
-parameter would), rounds the chunks into the compute dtype and, in stages 1 and
-2, all-gathers them into every rank's whole compute copies.
+parameter would), rounds the chunks into the compute dtype and, in stages 1 and 2, all-gathers
+them into every rank's whole compute copies.
 """
 
 from types import ModuleType
@@ -201,7 +201,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     def arrays_by_kind(self) -> dict[str, list[Any]]:
         """What this optimizer holds, by kind (minimp/measure/accounts.py adds the bytes up)."""
         slots = [v for unit in self.slots for s in unit for v in s.values() if v is not None]
-        accumulators = self.gradient_chunks or [a for a in self.inner.accumulators]
+        accumulators = self.gradient_chunks or list(self.inner.accumulators)
         compute = self.compute_chunks or [parameter.data for parameter in self.params]
         buffers = [] if self.gather_buffer is None else [self.gather_buffer]
         return {
