@@ -56,8 +56,7 @@ class MicroBatch:
 
 
 class PipelineStage:
-    """One rank's chunks of layers and the runner that executes a schedule's actions for one
-    step."""
+    """One rank's chunks of layers and the runner of a schedule's actions for one step."""
 
     def __init__(self, layers: list[Module], topology: Topology, *, input_shape: tuple[int, ...],
                  output_shape: tuple[int, ...], dtype: npt.DTypeLike,
@@ -94,10 +93,8 @@ class PipelineStage:
 
         inputs / targets: per micro-batch arrays (first / last stage).
         scale_loss(loss) -> the tensor to call backward on.
-        after_backward() runs after each backward (after W when it is split): gradient
-        accumulation.
-        record(op, micro_batch, start, end) receives every action's timing (compute and
-        messages).
+        after_backward() runs after each backward (after W when it is split): gradient accumulation.
+        record(op, micro_batch, start, end) receives every action's timing (compute and messages).
         before_forward(micro_batch) runs before each forward (a model with dropout learns there
         which global samples the micro-batch holds).
         """
