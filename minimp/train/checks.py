@@ -209,8 +209,7 @@ def _check_tensor_parallel(config: "TrainConfig") -> None:
 
 
 def _check_grid(config: "TrainConfig", world_size: int) -> None:
-    """--dp x --tp x --pp must tile the job's ranks, and the model must have a layer per
-    stage."""
+    """--dp x --tp x --pp must tile the job's ranks, and the model must have a layer per stage."""
     if config.pp > weighted_layers(config):
         what = "embeddings, blocks and head" if config.model == "gpt" else "hidden + output"
         if config.model == "mlp" and config.tp > 1:
