@@ -32,7 +32,9 @@ from minimp.parallel.topology import Topology
 from minimp.split_backward import PendingWeightGradients, backward_input, backward_weight
 from minimp.tensor import Tensor, saved_bytes
 
-FIRST_TAG = 64  # pipeline tags start here, above minimp.distributed.protocol.Tag's
+# Pipeline tags start here, above distributed.protocol.Tag's 1-10; they may reach Tag's bucket
+# tags (1000 up), which travel on the data-parallel group, never on the pipeline's.
+FIRST_TAG = 64
 
 
 def message_tag(direction: int, chunk: int, micro_batch: int, micro_batches: int) -> int:
