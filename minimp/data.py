@@ -58,8 +58,8 @@ def global_batch_indices(seed: int, step: int, batch_size: int, dataset_size: in
 
     Each epoch is a fresh permutation drawn from default_rng([seed, epoch]); batches are consecutive
     slices of it and the incomplete tail is dropped. Because the result depends only on (seed, step,
-    batch_size), a resumed run, any number of ranks and any number of micro-batches all see the same
-    global batches, with no generator state to carry around.
+    batch_size, dataset_size), a resumed run, any number of ranks and any number of micro-batches
+    all see the same global batches, with no generator state to carry around.
     """
     if not 0 < batch_size <= dataset_size:
         raise ValueError(

@@ -18,14 +18,15 @@ import argparse
 import json
 import os
 import sys
+
 import numpy as np
 
-from minimp.data import load_shakespeare
-from minimp.precision.casting import ACTIVATION_DTYPES, round_to
-from minimp.sample import gpt_config
 from minimp.checkpoints import checkpoint
 from minimp.checkpoints.errors import CommandParser, ConfigError, run_command
 from minimp.checkpoints.files import atomic_write, check_output_path, exit_cleanly_on_sigterm
+from minimp.data import load_shakespeare
+from minimp.precision.casting import ACTIVATION_DTYPES, round_to
+from minimp.sample import gpt_config
 
 PROGRAM = "minimp.export"
 

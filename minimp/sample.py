@@ -15,12 +15,12 @@ import sys
 import numpy as np
 
 from minimp import backend
-from minimp.data import TextDataset, load_shakespeare
-from minimp.models.gpt import GPT, GPTConfig
-from minimp.tensor import Tensor, no_grad
 from minimp.checkpoints import checkpoint
 from minimp.checkpoints.errors import CheckpointError, CommandParser, ConfigError, run_command
 from minimp.checkpoints.files import exit_cleanly_on_sigterm
+from minimp.data import TextDataset, load_shakespeare
+from minimp.models.gpt import GPT, GPTConfig
+from minimp.tensor import Tensor, no_grad
 
 PROGRAM = "minimp.sample"
 

@@ -1,5 +1,5 @@
-"""The graph: Tensor (an array, the op that made it, its operators), grad mode, topological order,
-backward.
+"""The graph: Tensor (an array, the op that made it, its operators), grad mode,
+topological order, backward.
 
 Ops (minimp/ops, built on minimp/function.py) record one Node per application; `backward()` orders
 the graph so each tensor comes after everything it depends on and walks it in reverse.
@@ -305,8 +305,8 @@ TensorLike = Tensor | npt.ArrayLike
 
 
 def as_tensor(data: TensorLike) -> Tensor:
-    """data itself when it is a Tensor, else Tensor(data) (torch.as_tensor: an array is not
-    copied)."""
+    """data itself when it is a Tensor, else Tensor(data) (torch.as_tensor: an array is
+    not copied)."""
     return data if isinstance(data, Tensor) else Tensor(data)
 
 
@@ -346,8 +346,8 @@ def walk_backward(root: Tensor, grad: Array,
 
 
 def accumulate_leaf(tensor: Tensor, grad: Array) -> None:
-    """A leaf's gradient is complete: its hooks, then into `.grad`, then its post-accumulate
-    hooks."""
+    """A leaf's gradient is complete: its hooks, then into `.grad`, then its
+    post-accumulate hooks."""
     grad = _run_hooks(tensor._hooks, grad)
     tensor.grad = grad if tensor.grad is None else _add(tensor.grad, grad)
     for hook in tuple(tensor._post_accumulate_hooks):

@@ -25,11 +25,11 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from minimp import backend
+from minimp.checkpoints.errors import CheckpointError
+from minimp.checkpoints.files import atomic_write
 from minimp.npz import read_arrays
 from minimp.optim import Optimizer
 from minimp.precision import LossScaler
-from minimp.checkpoints.errors import CheckpointError
-from minimp.checkpoints.files import atomic_write
 
 FORMAT = "minimp-checkpoint"
 VERSION = 2

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import tempfile
-from typing import Callable, IO
+from typing import IO, Callable
 
 from minimp.checkpoints.errors import ConfigError
 

@@ -1,8 +1,9 @@
 """All-reduce algorithms besides the ring, and `allreduce`, which picks one by a rule or a policy.
 
-Each function takes the communicator as its first argument, works on a world of size 1, on the
-simulated world and under mpirun, and returns a new array (the input is not modified). The ring
-itself, with its two halves, lives in minimp/distributed/ring.py.
+Each all-reduce takes the communicator as its first argument, works on a world of size 1, on the
+simulated world and under mpirun, and returns a new array, or `out` when given (the input is not
+modified); its `_into` body (p >= 2) is the messages and additions alone. The ring itself, with its
+two halves, lives in minimp/distributed/ring.py.
 
 A persistent all-reduce, last: agree on the array and plan once, then run it call after call.
 MPI-4 calls this a persistent collective (MPI_Allreduce_init once, MPI_Start each time). Every

@@ -1,7 +1,8 @@
-"""Collect named arrays from every pipeline stage onto stage 0 (checkpoints, evaluation, timelines).
+"""Collect named arrays from every rank of a group onto one (checkpoints, evaluation, timelines).
 
-Each stage sends a small JSON header (names, dtypes, shapes) as bytes, then the arrays themselves as
-raw bytes: the receiver learns the shapes first, so nothing is pickled.
+The group is a pipeline's stages, ZeRO's replicas, a tensor-parallel group or the whole job. Each
+rank sends a small JSON header (names, dtypes, shapes) as bytes, then the arrays themselves as raw
+bytes: the receiver learns the shapes first, so nothing is pickled.
 """
 
 import json

@@ -210,7 +210,7 @@ class SimulatedCommunicator(Communicator):
         self.world_rank = members[rank]
         self.bytes_sent = 0
         self.messages_sent = 0
-        self.scalar_allreduces = 0  # allreduce_scalars calls (their bytes are MPI's, not counted)
+        self.scalar_allreduces = 0  # allreduce_scalars calls (bytes uncounted, as under MPI)
         self._collective_calls = 0
 
     def __repr__(self) -> str:

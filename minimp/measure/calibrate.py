@@ -20,12 +20,11 @@ import numpy as np
 
 from minimp.backend import Array
 from minimp.distributed.buffers import reduce_into
+from minimp.distributed.collectives import ALGORITHMS
 from minimp.distributed.protocol import Communicator
 from minimp.distributed.ring import ring_allreduce_into
-from minimp.distributed.collectives import ALGORITHMS
 from minimp.measure.machinemodel import ALGORITHMS as MODELLED
 from minimp.measure.machinemodel import Line, MachineModel, fit_lines, interpolate_lines
-
 
 FRESH_MEMORY_WARMUPS = 3
 
@@ -103,7 +102,8 @@ def measure_terms(comm: Communicator, sizes: Sequence[int], rounds: int = 1) -> 
         outgoing, incoming = rotating_chunks(nbytes, comm.size), rotating_chunks(nbytes, comm.size)
         repeats = per_round(repeats_for(nbytes), rounds)
         # pairs of ranks exchange at once, as in a ring step or a recursive-doubling round
-        exchange = lambda: comm.sendrecv(next(outgoing), partner, next(incoming), partner)  # noqa: E731
+        exchange = lambda: comm.sendrecv(  # noqa: E731
+            next(outgoing), partner, next(incoming), partner)
         # arrays allocated just before run slower for more than one call (here the second call
         # took 0.99-1.59x the time of calls 9-12 on the same arrays, the fourth 0.98-1.23x:
         # mpirun_examples/new_memory.py); a training step's buckets are old arrays

@@ -44,8 +44,8 @@ so the fit carries it; what the terms cannot carry is ranks waiting for a core, 
 goes with the operating system's scheduling (lesson 8 says where that shows).
 
 The models minimp ships (SHIPPED) are constants fitted on this project's machine, not a cache
-fitted per run: a choice by them (`allreduce(x, algorithm=FastestPredicted())`, below) must pick
-the same algorithm on every rank, and a per-rank, per-run fit could disagree by a noisy
+fitted per run: a choice by them (`allreduce(comm, x, algorithm=FastestPredicted())`, below) must
+pick the same algorithm on every rank, and a per-rank, per-run fit could disagree by a noisy
 microsecond and deadlock the ranks in different algorithms.
 """
 

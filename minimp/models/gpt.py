@@ -10,6 +10,7 @@ logits (B, T, vocab_size).
 
 import math
 from dataclasses import dataclass
+
 import numpy as np
 import numpy.typing as npt
 

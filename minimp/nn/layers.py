@@ -1,10 +1,10 @@
 """The layers MLPs and GPTs are built from: Linear, ReLU, Tanh, GELU, LayerNorm, Embedding,
 Dropout, Sequential.
 
-Each forward is one op of minimp.functional; initial values come from a NumPy Generator passed in,
-so every rank builds the same model. Dropout's masks are drawn from a state (seed, step, global
-sample index) set before each forward, so that every parallel layout and recomputation draws the
-same masks.
+Each forward but Sequential's is one op (of minimp.functional, or a Tensor method: ReLU, Tanh);
+initial values come from a NumPy Generator passed in, so every rank builds the same model.
+Dropout's masks are drawn from a state (seed, step, global sample index) set before each forward,
+so that every parallel layout and recomputation draws the same masks.
 """
 
 import math

@@ -161,8 +161,9 @@ class ReLU(Function):
     Backward keeps the output y, not a separate mask: the next layer keeps y anyway, so the mask is
     free. Neither direction needs arithmetic, so nothing is widened: in every IEEE format a number
     is negative exactly when its sign bit is set, and both directions select values with a bitwise
-    AND (see `_keep_where`). NaN stays NaN, as with max(x, 0), and passes its gradient on, as
-    PyTorch's threshold_backward does (NaN <= 0 is false).
+    AND (see `_keep_where`; float32 and float64 forward take NumPy's SIMD max instead). NaN stays
+    NaN, as with max(x, 0), and passes its gradient on, as PyTorch's threshold_backward does
+    (NaN <= 0 is false).
     """
 
     @staticmethod

@@ -1,5 +1,5 @@
-"""Shape ops: reshape, transpose and basic slicing move no numbers, so they need no widening and no
-rounding.
+"""Shape ops: reshape, transpose and basic slicing move no numbers, so they need no widening
+and no rounding.
 
 Slicing takes only basic indexing (ints, slices, None, Ellipsis): it never picks an element twice,
 so writing the gradient back is a plain assignment. Gathering rows by an integer array, where one

@@ -3,7 +3,7 @@
 A schedule that depends only on (step, its settings) needs no state in a checkpoint beyond those
 settings, so a resumed run continues it exactly. The cosine schedule is nanoGPT's (after Loshchilov
 & Hutter 2017, "SGDR"): a linear warmup over the first `warmup` steps, a half cosine from `lr` down
-to `min_lr` by step `decay_steps`, then `min_lr`. Steps are numbered from 1, as everywhere in
+to `min_lr` at iteration `decay_steps`, then `min_lr`. Steps are numbered from 1, as everywhere in
 minimp; nanoGPT numbers its iterations from 0, so step s here is its iteration s - 1.
 """
 

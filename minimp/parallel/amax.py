@@ -11,8 +11,8 @@ loss is the mean over its own shard; the all-reduce divides by dp later), so the
 times one process's and the fp8 values the same.
 
 `AmaxReduction(comm)` is the `reduce_amax` that `precision.update_scales` takes: any group of ranks
-sharing tensors (the replicas of a stage today; with tensor parallelism, the ranks holding the
-shards of one tensor as well) passes its communicator.
+sharing tensors passes its communicator (the training command passes a stage's group: its replicas
+and, with tensor parallelism, the ranks holding the shards of one tensor as well).
 """
 
 import numpy as np

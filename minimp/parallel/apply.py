@@ -112,8 +112,9 @@ def parallelize(model: nn.Sequential, grid: Topology, parallelism: Parallelism, 
     named = [pair for bounds in ranges for pair in stage_parameters(trained, bounds)]
     named += [(name, p) for name, p in tied if name not in dict(named)]
     optimizer = build_optimizer(named)
-    for each in (model,) if plan is None else (model, trained):
-        prepare(each)
+    prepare(model)
+    if plan is not None:  # with --tp the trained copy is another model
+        prepare(trained)
     runner = _pipeline_runner(model, trained, ranges, grid, parallelism, task, dtype, sample_input)
     # The other stages' layers are rank 0's to evaluate with, and only after it has gathered
     # their masters (train/saving.py): no rank keeps their compute copies meanwhile.

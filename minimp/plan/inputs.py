@@ -9,8 +9,8 @@ heads of 128.
 
 A cluster is `gpus` devices, `gpus_per_node` of them per node, each with `memory_bytes`,
 `peak_flops` of which `achievable` is reached on the model's matrix products, and two networks:
-`intra` inside a node (NVLink) and `inter` between nodes (InfiniBand), each a planning.links
-model of collectives.
+`intra` inside a node (NVLink) and `inter` between nodes (InfiniBand), each a model of
+collectives (`Links`, links.py).
 """
 
 import math

@@ -23,6 +23,7 @@ whole tensor. NaN stays NaN. The cast runs on NumPy arrays: the emulation is for
 """
 
 from dataclasses import dataclass
+
 import ml_dtypes
 import numpy as np
 

@@ -106,9 +106,10 @@ Fp8Recipe = DelayedScaling | Float8CurrentScaling | NoScaling  # any one of the 
 class Fp8Quantizer:
     """One tensor's fp8 scaling state (TE's quantizer): its format and recipe; `scale`, delayed
     scaling's scale for this step (set after the last one) or the scale of the latest quantization
-    for the stateless recipes; `amax_history` (row 0 the newest step); and this step's statistics:
-    `step_amax`, `underflow` (nonzero values that became 0), `saturated` (values beyond the
-    format's saturation_threshold, which only the clip brought back) and `count` (all values)."""
+    for the stateless recipes; `amax_history` (element 0 the newest step); and this step's
+    statistics: `step_amax`, `underflow` (nonzero values that became 0), `saturated` (values
+    beyond the format's saturation_threshold, which only the clip brought back) and
+    `count` (all values)."""
 
     def __init__(self, fmt: Fp8Format, recipe: Fp8Recipe):
         self.fmt, self.recipe = fmt, recipe
@@ -212,7 +213,9 @@ def load_quantizers_state_dict(quantizers: Sequence[tuple[str, Fp8Quantizer]],
         fields = {field: state[key] for field, key in keys.items()}
         Fp8Quantizer(quantizer.fmt, quantizer.recipe).load_state_dict(fields)  # raises if wrong
         checked.append((quantizer, fields))
-    for quantizer, fields in checked if not check_only else []:
+    if check_only:
+        return
+    for quantizer, fields in checked:
         quantizer.load_state_dict(fields)
 
 

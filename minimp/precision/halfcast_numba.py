@@ -1,4 +1,4 @@
-"""halfcast's float32 <-> float16 algorithm compiled by numba, imported only when first used.
+"""halfcast's float32 <-> float16 algorithm compiled by numba, which is imported when first used.
 
 The loops mirror halfcast's NumPy functions step for step (see there for why each step works).
 Here each element goes through the steps in registers, in one pass over memory. Each `if` only

@@ -4,8 +4,8 @@ Gradients of at most 2^-25 round to zero in float16 (2^-25 itself is a tie, and 
 even 0); those between 2^-25 and 2^-24 round up to 2^-24, the smallest subnormal; below 2^-14
 they lose bits as subnormals.
 Scaling the loss by S = 2^k shifts every gradient up by k binades, exactly (a power of two
-only moves the exponent); the optimizer divides by S again in float32 (Micikevicius et al.,
-"Mixed Precision Training", 2018).
+only moves the exponent); the step divides by S again in float32 (precision/step.py: unscale_;
+Micikevicius et al., "Mixed Precision Training", 2018).
 """
 
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable

@@ -13,12 +13,12 @@ import sys
 import time
 
 from minimp import backend
+from minimp.checkpoints.errors import USER_ERRORS, AgreedError, agree_on_error, say
+from minimp.checkpoints.files import check_output_path, exit_cleanly_on_sigterm
 from minimp.distributed import MPICommunicator, run_or_abort, world
 from minimp.distributed.protocol import Communicator
 from minimp.train.cli import parse_config
 from minimp.train.config import TrainConfig
-from minimp.checkpoints.errors import USER_ERRORS, AgreedError, agree_on_error, say
-from minimp.checkpoints.files import check_output_path, exit_cleanly_on_sigterm
 from minimp.train.loop import train
 from minimp.train.plot import plot_formats
 from minimp.train.sizes import check_memory

@@ -1,4 +1,4 @@
-"""The checks of a training configuration, run before anything is built: every number in its range.
+"""The checks of a training configuration, of every flag, run before anything is built.
 
 Every number in its range (NaN and inf included), the fp8 flags, the model against its data, the
 parallel layout (--tp's cuts: whole heads, the MLP's pairs, sequence parallelism's slices; the dp x
@@ -209,8 +209,7 @@ def _check_tensor_parallel(config: "TrainConfig") -> None:
 
 
 def _check_grid(config: "TrainConfig", world_size: int) -> None:
-    """--dp x --tp x --pp must tile the job's ranks, and the model must have a layer per
-    stage."""
+    """--dp x --tp x --pp must tile the job's ranks, and the model must have a layer per stage."""
     if config.pp > weighted_layers(config):
         what = "embeddings, blocks and head" if config.model == "gpt" else "hidden + output"
         if config.model == "mlp" and config.tp > 1:

@@ -6,9 +6,9 @@ of its own layers, so each pipeline stage owns its layers' state. After each opt
 ranks of a stage agree on the step's amaxes (parallel.AmaxReduction over the stage's replicas and
 tensor-parallel shards: a shard's amax is part of the whole tensor's), so delayed scaling computes
 the one-process scales on every rank and the replicas stay bit-identical, fp8 state included
-(--check-replicas compares it too). Checkpoints keep
-the state of delayed scaling as "fp8/<quantizer>/amax_history" and ".../scale" (float32), gathered
-from the stages like the masters, so a resume continues bit for bit in any layout.
+(--check-replicas compares it too). Checkpoints keep the state of delayed scaling as
+"fp8/<quantizer>/amax_history" and ".../scale" (float32), gathered from the stages like the
+masters, so a resume continues bit for bit in any layout.
 """
 
 from typing import Callable
@@ -16,13 +16,13 @@ from typing import Callable
 import numpy as np
 
 from minimp import nn
+from minimp.checkpoints.checkpoint import strip_prefix
+from minimp.checkpoints.errors import CheckpointError
 from minimp.distributed.protocol import Communicator
 from minimp.parallel import AmaxReduction, Topology
 from minimp.precision.fp8_scaling import DelayedScaling, Float8CurrentScaling, Fp8Meta, NoScaling
 from minimp.precision.fp8_scaling import (load_quantizers_state_dict, quantizers_state_dict,
                                           update_scales)
-from minimp.checkpoints.checkpoint import strip_prefix
-from minimp.checkpoints.errors import CheckpointError
 from minimp.train.config import TrainConfig
 
 PREFIX = "fp8/"
@@ -56,8 +56,9 @@ class Fp8Run:
     def end_step(self, world: Communicator, timed: Callable) -> dict[str, dict]:
         """After the optimizer step, on every rank: the statistics of the watched tensors (one SUM
         all-reduce over the job), then this stage's next scales from amaxes agreed across its
-        replicas. Returns {tensor: {"scale", "underflow", "saturated"}} for the metrics row.
-        `timed(function, name)`: wraps the two collectives (the trainer times communication)."""
+        replicas and tensor-parallel shards. Returns {tensor: {"scale", "underflow", "saturated"}}
+        for the metrics row. `timed(function, name)`: wraps the two collectives (the trainer times
+        communication)."""
         statistics = self._watched_statistics(timed(world.allreduce_scalars, "fp8_statistics"))
         quantizers = [quantizer for _, quantizer in self.quantizers]
         update_scales(quantizers, timed(self.reduce_amax, "fp8_amax"))

@@ -1,10 +1,10 @@
 """Training loop of `python -m minimp.train`: build this rank's stage, (resume,) step, log, save.
 
-Every rank builds the whole float32 model from the seed, keeps its share of it (minimp/parallel/
-apply.py: tensor, pipeline, recompute, data or ZeRO), and runs the schedule's actions for its
-stage each step (with one stage, the schedule is the plain micro-batch loop). Data-parallel
-replicas of a stage then average their gradients; every rank of the job takes part in the one
-decision to skip an overflowing step.
+Every rank builds the whole float32 model from the seed, keeps its share of it
+(minimp/parallel/apply.py: tensor, pipeline, recompute, data or ZeRO), and runs the schedule's
+actions for its stage each step (with one stage, the schedule is the plain micro-batch loop).
+Data-parallel replicas of a stage then average their gradients; every rank of the job takes part in
+the one decision to skip an overflowing step.
 """
 
 import time

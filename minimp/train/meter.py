@@ -1,7 +1,9 @@
 """What a step costs this rank, for the metrics: its seconds, bytes, scalar all-reduces and memory.
 
-The training loop makes four calls: `start` before the step, `exposed` around the optimizer's step,
-`timed` around the collectives it makes itself, and `finish`, which returns the step's metrics row.
+The training loop calls `start` before the step, `recorder` for the runner's timings,
+`straggler_barrier` after backward, `exposed` around the optimizer's step (which calls the timed
+`sync`), `timed` around the collectives it makes itself, and `finish`, which returns the step's
+metrics row; at the end, `model_state` gives the final row's memory fields.
 Per step (every row): `bytes_sent` (every group but the scalar all-reduces), `compute_seconds`,
 `communication_seconds`, `exposed_communication_seconds` and, with --straggler-barrier,
 `straggler_seconds`; `bytes_by_group` (tensor_parallel, data_parallel, pipeline, tied),

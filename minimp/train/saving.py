@@ -67,7 +67,8 @@ def save_checkpoint(run: "Run", step: int, merged: dict | None) -> None:
 
 def finish(run: "Run") -> dict:
     """Gather every stage onto rank 0; evaluate, save the checkpoint, the timeline and the plot
-    there; returns the run's summary (history, skipped count, test accuracy, rank 0's masters)."""
+    there; returns the run's summary (history, skipped count, the final score, rank 0's masters,
+    the memory fields)."""
     config = run.config
     merged = gather_state(run)
     traces = _gather_traces(run)

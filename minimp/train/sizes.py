@@ -4,9 +4,9 @@ layer, ZeRO's units per stage, and whether the ranks on this machine have the me
 from typing import TYPE_CHECKING
 
 from minimp.checkpoints.errors import ConfigError
-from minimp.parallel.zero.formulas import memory_formula, peak_formula
 from minimp.parallel.pipeline.split import split_counts
 from minimp.parallel.tensor.models import paired_counts
+from minimp.parallel.zero.formulas import memory_formula, peak_formula
 from minimp.precision.casting import ACTIVATION_DTYPES
 
 if TYPE_CHECKING:  # config.py imports this module's callers (checks.py)
@@ -60,7 +60,7 @@ def rank_layer_counts(config: "TrainConfig") -> list[int]:
 
 def stage_bounds(config: "TrainConfig") -> list[tuple[int, int]]:
     """The pipeline's split of the layers into --pp x --virtual-stages chunks (the stages, with
-    one virtual stage), as minimp/train/build.py cuts the built model; chunk i is pipeline rank
+    one virtual stage), as minimp/parallel/apply.py cuts the built model; chunk i is pipeline rank
     i % pp's."""
     counts = layer_parameter_counts(config)
     if config.model == "mlp" and config.tp > 1:

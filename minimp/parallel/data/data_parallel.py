@@ -131,8 +131,8 @@ class DataParallel(ReplicaSync):
 
     def _plan_buckets(self, bucket_bytes: float) -> list[tuple[list[int], int]]:
         """[(parameter indices, elements)]; parameters are taken last to first, the order in which
-        backward produces their gradients (so a real overlap of communication with backward could
-        start on a full bucket early, as PyTorch DDP does)."""
+        backward produces their gradients (so, with overlap, the first bucket is complete early in
+        backward and its ring starts then, as in PyTorch DDP)."""
         buckets: list[tuple[list[int], int]] = []
         current: list[int] = []
         size = 0
@@ -166,7 +166,7 @@ class DataParallel(ReplicaSync):
     def reduce(self, gradients: list[Array | None]) -> None:
         """Replace each float32 gradient (in place) by the mean over the replicas (with overlap:
         already done by finalize_backward, which this waits for); then sum the tied copies'
-        gradients across their two stages."""
+        gradients across their two stages, and the partial ones (--tp) over their shards."""
         if self.overlap is not None:
             self.finalize_backward()
         else:
@@ -186,7 +186,8 @@ class DataParallel(ReplicaSync):
             self.overlap.pending = True
 
     def arrays_by_kind(self) -> dict[str, list[Array | None]]:
-        """What stage 0 holds, by kind: the optimizer's arrays and the all-reduce's buffers."""
+        """What this rank holds (ZeRO's stage 0), by kind: the optimizer's arrays and the
+        all-reduce's buffers."""
         optimizer = self.optimizer
         slots = [v for slots in optimizer.slots for v in slots.values() if v is not None]
         return {

@@ -28,11 +28,11 @@ ZeRO (`OverlappedUnits`, in zero/data_parallel.py, for ZeRO's units: zero/layout
 reduce-scatter is the first half of the non-blocking ring (RingAllreduce with all_gather=False),
 started by ZeroDataParallel the moment the unit's gradients are final (stages 2-3: every
 micro-batch, as without overlap; stage 1: on the last micro-batch, out of the float32 sums) and
-waited for when backward is over (stages 2-3: `after_backward`; stage 1: `reduce`). Each ring has
-a send and a receive buffer of its own, allocated when it starts and dropped when it is done (rings
-in flight at once cannot share ZeRO's one pair). The chunks, the messages and the additions are
-those of `ring_reduce_scatter_into`, the packing and the use of the result are ZeroDataParallel's
-own, so the result is the same to the bit.
+waited for when backward is over (stages 2-3: `after_backward`; stage 1: `finalize_backward`).
+Each ring has a send and a receive buffer of its own, allocated when it starts and dropped when it
+is done (rings in flight at once cannot share ZeRO's one pair). The chunks, the messages and the
+additions are those of `ring_reduce_scatter_into`, the packing and the use of the result are
+ZeroDataParallel's own, so the result is the same to the bit.
 """
 
 import time

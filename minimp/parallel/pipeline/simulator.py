@@ -18,10 +18,10 @@ from typing import Sequence
 
 import numpy as np
 
-from minimp.parallel.pipeline.schedules import actions as s
-from minimp.parallel.pipeline.schedules.dependencies import messages, virtual_stage
-from minimp.parallel.pipeline.schedules.actions import Schedule, peak_activations
 from minimp.measure.trace import OPS, trace_document
+from minimp.parallel.pipeline.schedules import actions as s
+from minimp.parallel.pipeline.schedules.actions import Schedule, peak_activations
+from minimp.parallel.pipeline.schedules.dependencies import messages, virtual_stage
 
 
 @dataclass

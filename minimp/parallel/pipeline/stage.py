@@ -25,14 +25,16 @@ import numpy.typing as npt
 
 from minimp import backend
 from minimp.backend import Array
+from minimp.nn import Module
 from minimp.parallel.pipeline.schedules.actions import ACTIVATION, MESSAGES, Action
 from minimp.parallel.pipeline.split import RunLayers, StageChunk, run_layers
-from minimp.nn import Module
 from minimp.parallel.topology import Topology
 from minimp.split_backward import PendingWeightGradients, backward_input, backward_weight
 from minimp.tensor import Tensor, saved_bytes
 
-FIRST_TAG = 64  # pipeline tags start here, above minimp.distributed.protocol.Tag's
+# Pipeline tags start here, above distributed.protocol.Tag's 1-10; they may reach Tag's bucket
+# tags (1000 up), which travel on the data-parallel group, never on the pipeline's.
+FIRST_TAG = 64
 
 
 def message_tag(direction: int, chunk: int, micro_batch: int, micro_batches: int) -> int:
@@ -56,8 +58,7 @@ class MicroBatch:
 
 
 class PipelineStage:
-    """One rank's chunks of layers and the runner that executes a schedule's actions for one
-    step."""
+    """One rank's chunks of layers and the runner of a schedule's actions for one step."""
 
     def __init__(self, layers: list[Module], topology: Topology, *, input_shape: tuple[int, ...],
                  output_shape: tuple[int, ...], dtype: npt.DTypeLike,
@@ -94,10 +95,8 @@ class PipelineStage:
 
         inputs / targets: per micro-batch arrays (first / last stage).
         scale_loss(loss) -> the tensor to call backward on.
-        after_backward() runs after each backward (after W when it is split): gradient
-        accumulation.
-        record(op, micro_batch, start, end) receives every action's timing (compute and
-        messages).
+        after_backward() runs after each backward (after W when it is split): gradient accumulation.
+        record(op, micro_batch, start, end) receives every action's timing (compute and messages).
         before_forward(micro_batch) runs before each forward (a model with dropout learns there
         which global samples the micro-batch holds).
         """

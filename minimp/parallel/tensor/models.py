@@ -1,5 +1,5 @@
-"""Tensor parallelism applied to minimp's two models: which Linears are cut, how, and what stays
-whole.
+"""Tensor parallelism applied to minimp's two models: which Linears are cut, how, and
+what stays whole.
 
 GPT (Megatron-LM's transformer layer): in each block the q, k, v projection is column-parallel with
 the heads split across the ranks (rank r computes heads r H/tp .. (r + 1) H/tp - 1 whole, their

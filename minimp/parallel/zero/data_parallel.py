@@ -37,11 +37,12 @@ from minimp.nn import Module
 from minimp.optim import Optimizer
 from minimp.parallel.data.data_parallel import ReplicaSync, pack, unpack
 from minimp.parallel.data.overlap import RingsInFlight, hook_each, refuse_incomplete
+from minimp.parallel.pipeline.split import RunLayers
 from minimp.parallel.pipeline.tied import TiedGradients
 from minimp.parallel.tensor.grads import TensorParallelGradients
 from minimp.parallel.zero.layout import ZeroLayout, plan_units
 from minimp.parallel.zero.optimizer import ShardedOptimizer
-from minimp.parallel.zero.stage3 import ParameterGatherer, RunLayers
+from minimp.parallel.zero.stage3 import ParameterGatherer
 from minimp.parallel.zero.stages import ZeroStage, zero_stage
 from minimp.precision.casting import widen
 from minimp.tensor import Tensor
@@ -94,8 +95,8 @@ class ZeroDataParallel(ReplicaSync):
     def reduce(self, gradients: list[Array | None]) -> None:
         """Leave in `gradients` (replacing its contents) this rank's gradient pieces, each the
         mean over the replicas (stage 1 reduce-scatters them now, or with overlap did in
-        finalize_backward; stages 2-3 did during backward),
-        the tied ones summed with the other stage's copy."""
+        finalize_backward; stages 2-3 did during backward), the tied ones summed with the other
+        stage's copy, the partial ones (--tp) over their shards."""
         if not self.stage.shards_gradients and self.overlap is None:
             self._reduce_scatter_accumulators()
         pieces = self.optimizer.gradient_pieces()

@@ -7,8 +7,8 @@ once: stage 3 gathers a layer's units just before the layer runs, stages 2 and 3
 unit as soon as its gradients are complete (ZeRO's "buckets" are these units, so --bucket-mb is for
 stage 0 only).
 
-Each unit is laid out flat, its parameters one after another in the order its layer's forward
-reaches them (`nn.module.reachable_parameters`; the same on every rank), and cut into N
+Each unit is laid out flat, its parameters one after another in the order
+`nn.module.reachable_parameters` finds them in its layer (the same on every rank), and cut into N
 chunks by `chunk_bounds`, the ring's own cut (the first size % N chunks get one element more, and
 chunks are empty when the unit has fewer than N elements). Rank r holds chunk r of every unit.
 Where a parameter meets a chunk is a `Piece`. Example: a unit [W (3 x 2), b (3)] has 9 elements;

@@ -17,8 +17,8 @@ gradients it updates with are its chunks of the mean over the ranks, which the Z
 Its part of the mixed-precision step is the optimizer's: `accumulate_gradients()`, `step()`,
 `zero_grad()`. `step()` updates every piece with `Optimizer.update`, the wrapped optimizer's rule
 (minimp/optim/optimizer.py's `sgd` or `adam`: elementwise, so a piece gets the bits the whole
-parameter would), rounds the chunks into the compute dtype and, in stages 1 and
-2, all-gathers them into every rank's whole compute copies.
+parameter would), rounds the chunks into the compute dtype and, in stages 1 and 2, all-gathers
+them into every rank's whole compute copies.
 """
 
 from types import ModuleType
@@ -30,8 +30,8 @@ from minimp.backend import Array, array_module
 from minimp.distributed import gather_named_arrays
 from minimp.distributed.protocol import Communicator
 from minimp.distributed.ring import ring_all_gather_inplace
-from minimp.optim import Optimizer
 from minimp.measure.accounts import BytesSent
+from minimp.optim import Optimizer
 from minimp.parallel.zero.layout import Piece, ZeroLayout
 from minimp.precision.casting import MASTER_DTYPE, round_to
 from minimp.precision.step import MixedPrecisionOptimizer
@@ -201,7 +201,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     def arrays_by_kind(self) -> dict[str, list[Any]]:
         """What this optimizer holds, by kind (minimp/measure/accounts.py adds the bytes up)."""
         slots = [v for unit in self.slots for s in unit for v in s.values() if v is not None]
-        accumulators = self.gradient_chunks or [a for a in self.inner.accumulators]
+        accumulators = self.gradient_chunks or list(self.inner.accumulators)
         compute = self.compute_chunks or [parameter.data for parameter in self.params]
         buffers = [] if self.gather_buffer is None else [self.gather_buffer]
         return {

@@ -54,7 +54,7 @@ class ParameterGatherer:
                  layer_units: list[list[int]], sample: Callable[[], None] = lambda: None):
         """optimizer: the ShardedOptimizer (stage 3), whose `sent` counts the all-gathers;
         layers and layer_units: the stage's layers and the units each one reads
-        (zero_layout.plan_units); sample(): called after each gather (the trainer measures the
+        (layout.plan_units); sample(): called after each gather (the trainer measures the
         peak memory there)."""
         self.optimizer, self.layout, self.sample = optimizer, optimizer.layout, sample
         self.params, self.sent = optimizer.params, optimizer.sent

@@ -37,8 +37,8 @@ STAGES = (
 
 
 def zero_stage(number: int | ZeroStage) -> ZeroStage:
-    """The stage --zero names (a ZeroStage is its own); ValueError for a number ZeRO has no stage
-    for."""
+    """The stage --zero names (a ZeroStage is its own); ValueError for a number ZeRO has
+    no stage for."""
     if isinstance(number, ZeroStage):
         return number
     if isinstance(number, bool) or number not in range(len(STAGES)):

@@ -13,8 +13,8 @@ ways at the sizes it tries.
 from dataclasses import dataclass
 from typing import Callable
 
-from minimp.parallel.pipeline.schedules.interleaved import check_interleaving, interleaved
 from minimp.parallel.pipeline.schedules.actions import Schedule, gpipe, one_f_one_b
+from minimp.parallel.pipeline.schedules.interleaved import check_interleaving, interleaved
 from minimp.parallel.pipeline.schedules.zero_bubble import zb_h1
 
 

@@ -138,8 +138,8 @@ def peak_activations(actions: list[Action]) -> int:
 
 def format_schedule(schedule: Schedule) -> str:
     """One line per stage, for printing in a lesson.
-    F3 / B3 / W3 for compute, F3c1 for chunk 1's when a rank holds chunks; communication is left
-    out."""
+    F3 / B3 / W3 for compute, F3c1 for chunk 1's when a rank holds chunks; communication is
+    left out."""
     chunked = any(action.chunk for actions in schedule for action in actions)
     lines = []
     for stage, actions in enumerate(schedule):
