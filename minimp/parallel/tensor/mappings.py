@@ -29,7 +29,7 @@ ZeRO's reduce-scatters also skip): every rank's shapes come from the same model 
 from minimp.backend import Array, array_module
 from minimp.distributed.protocol import Communicator
 from minimp.distributed.ring import chunk_bounds, ring_all_gather_inplace, ring_reduce_scatter_into
-from minimp.function import Function
+from minimp.function import Context, Function
 from minimp.tensor import Tensor
 
 
@@ -94,12 +94,12 @@ class CopyToTensorParallelRegion(Function):
     """f:  y = x;  dL/dx = sum over the tensor-parallel ranks of dL/dy (all-reduce)."""
 
     @staticmethod
-    def forward(ctx, x: Array, comm: Communicator) -> Array:
+    def forward(ctx: Context, x: Array, comm: Communicator) -> Array:
         ctx.comm = comm
         return x
 
     @staticmethod
-    def backward(ctx, grad_output: Array) -> Array:
+    def backward(ctx: Context, grad_output: Array) -> Array:
         return all_reduce(ctx.comm, grad_output)
 
 
@@ -107,11 +107,11 @@ class ReduceFromTensorParallelRegion(Function):
     """g:  y = sum over the tensor-parallel ranks of x (all-reduce);  dL/dx = dL/dy."""
 
     @staticmethod
-    def forward(ctx, x: Array, comm: Communicator) -> Array:
+    def forward(ctx: Context, x: Array, comm: Communicator) -> Array:
         return all_reduce(comm, x)
 
     @staticmethod
-    def backward(ctx, grad_output: Array) -> Array:
+    def backward(ctx: Context, grad_output: Array) -> Array:
         return grad_output
 
 
@@ -121,13 +121,13 @@ class GatherFromSequenceParallelRegion(Function):
     rank computes the same dL/dy (`tensor_parallel_output_grad=False`), just its slice."""
 
     @staticmethod
-    def forward(ctx, x: Array, comm: Communicator,
+    def forward(ctx: Context, x: Array, comm: Communicator,
                 tensor_parallel_output_grad: bool = True) -> Array:
         ctx.comm, ctx.reduce = comm, tensor_parallel_output_grad
         return all_gather_sequence(comm, x)
 
     @staticmethod
-    def backward(ctx, grad_output: Array) -> Array:
+    def backward(ctx: Context, grad_output: Array) -> Array:
         if ctx.reduce:
             return reduce_scatter_sequence(ctx.comm, grad_output)
         return split_sequence(ctx.comm, grad_output)
@@ -138,12 +138,12 @@ class ReduceScatterToSequenceParallelRegion(Function):
     dL/dx = the ranks' slices of dL/dy side by side (all-gather)."""
 
     @staticmethod
-    def forward(ctx, x: Array, comm: Communicator) -> Array:
+    def forward(ctx: Context, x: Array, comm: Communicator) -> Array:
         ctx.comm = comm
         return reduce_scatter_sequence(comm, x)
 
     @staticmethod
-    def backward(ctx, grad_output: Array) -> Array:
+    def backward(ctx: Context, grad_output: Array) -> Array:
         return all_gather_sequence(ctx.comm, grad_output)
 
 
@@ -152,7 +152,7 @@ class ScatterToSequenceParallelRegion(ReduceScatterToSequenceParallelRegion):
     dL/dx = the ranks' slices of dL/dy side by side (all-gather): the reduce-scatter's backward."""
 
     @staticmethod
-    def forward(ctx, x: Array, comm: Communicator) -> Array:
+    def forward(ctx: Context, x: Array, comm: Communicator) -> Array:
         ctx.comm = comm
         return split_sequence(comm, x)
 
