@@ -4,6 +4,7 @@ validated field by field, --save-every, metrics that never repeat a step, runs t
 import json
 import os
 import signal
+import stat
 import subprocess
 import time
 
@@ -53,6 +54,21 @@ def test_outputs_that_are_folders_or_of_an_unknown_image_type_are_refused(tmp_pa
     assert result.returncode == 2 and "is a folder" in result.stderr
     result = run_command("--plot", str(tmp_path / "run.xyz"))
     assert result.returncode == 2 and "use one of the extensions" in result.stderr
+
+
+def test_an_output_that_is_a_device_or_a_pipe_is_refused_and_left_as_it_is(tmp_path):
+    """The save renames its file into place: over /dev/null or /dev/full (a new user's --save
+    /dev/full, run as root, replaced the device node) it would replace the node itself."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    for flag in ("--save", "--metrics", "--timeline"):
+        result = run_command(flag, str(pipe))
+        assert result.returncode == 2 and "is not a regular file" in result.stderr, flag
+        assert len(result.stderr.strip().splitlines()) == 1 and "step" not in result.stdout
+    assert stat.S_ISFIFO(os.stat(pipe).st_mode)  # still a pipe
+    result = subprocess.run([PYTHON, "-m", "minimp.export", str(pipe), str(pipe)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and stat.S_ISFIFO(os.stat(pipe).st_mode)
 
 
 def test_missing_folders_of_an_output_are_made(tmp_path):

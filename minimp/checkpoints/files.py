@@ -1,7 +1,8 @@
 """The files a run writes: checked before the first step, written atomically, never half-written.
 
 A run must never be lost at its end: every output path is tried before training starts (its folder
-exists or can be made, it is not a folder itself, a file can be created there). Every file is then
+exists or can be made, it is neither a folder nor a device, pipe or socket, which a rename would
+replace, and a file can be created there). Every file is then
 written to a temporary file beside its target and renamed over it in one step, so a reader sees the
 old file or the new one, never a mix; a temporary file left by a killed run is removed by the next
 save to the same path. Files get the user's normal mode (0666 less the umask), not the 0600 of a
@@ -27,6 +28,9 @@ def check_output_path(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> N
         raise ConfigError(f"{flag} {path}: use one of the extensions {', '.join(suffixes)}")
     if os.path.isdir(path):
         raise ConfigError(f"{flag} {path} is a folder; give a file name inside it")
+    if os.path.exists(path) and not os.path.isfile(path):  # the rename would replace the node
+        raise ConfigError(f"{flag} {path} is not a regular file (a device, a pipe, a socket), "
+                          "which the save would replace; give a file's path")
     folder = os.path.dirname(os.path.abspath(path))
     above = folder
     while not os.path.exists(above):  # the nearest part of the path that exists must be a folder
