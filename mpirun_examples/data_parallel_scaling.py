@@ -31,6 +31,8 @@ MODELS = {
 FEATURES, CLASSES = 64, 10
 
 
+WARM_UP = 5  # steps left out of the medians (the first steps allocate and fill caches)
+
 def parameter_count(hidden, layers):
     return (
         (FEATURES * hidden + hidden)
@@ -65,7 +67,7 @@ def run(ranks, model, wire, steps, folder):
     ]
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
     # drop warm-up steps and the summary
-    records = [json.loads(line) for line in open(metrics)][5:-1]
+    records = [json.loads(line) for line in open(metrics)][WARM_UP:-1]
     compute = statistics.median(r["compute_seconds"] for r in records)
     communication = statistics.median(r["communication_seconds"] for r in records)
     return {
@@ -82,10 +84,13 @@ def run(ranks, model, wire, steps, folder):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="at least 7: 5 warm up, 2 measured")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.steps < WARM_UP + 2:
+        parser.error(f"--steps {args.steps}: the first {WARM_UP} steps warm up, so at least "
+                     f"{WARM_UP + 2} are needed for a median")
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for model in MODELS:

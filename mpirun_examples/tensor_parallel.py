@@ -2,7 +2,7 @@
 formulas, step time, and the bytes one block keeps for backward against Korthikanti et al.
 
     python mpirun_examples/tensor_parallel.py                 # launches mpirun itself, minutes
-    python mpirun_examples/tensor_parallel.py --grids 1x2x1+sp --steps 3 --json
+    python mpirun_examples/tensor_parallel.py --grids 1x4x1+sp --steps 3 --json
 
 1. For each grid it runs `mpirun -n 4 python -m minimp.train --dataset shakespeare` (nanoGPT's
    CPU model: 4 blocks of width 128, 4 heads, context 64; batch 16 in 2 micro-batches, fp16,
@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grids", nargs="+", default=GRIDS, help="dp x tp x pp, +sp: sequence")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    for grid in args.grids:
+        layout = parse_grid(grid)
+        if layout["dp"] * layout["tp"] * layout["pp"] != 4:
+            parser.error(f"--grids {grid}: dp x tp x pp must make the 4 ranks this script runs")
     with tempfile.TemporaryDirectory() as folder:
         rows = [run_grid(grid, args.steps, folder) for grid in args.grids]
     memory = block_memory()
