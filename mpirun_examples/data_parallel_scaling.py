@@ -29,9 +29,8 @@ MODELS = {
     "large": ["--hidden", "1024", "--layers", "4"],
 }
 FEATURES, CLASSES = 64, 10
-
-
 WARM_UP = 5  # steps left out of the medians (the first steps allocate and fill caches)
+
 
 def parameter_count(hidden, layers):
     return (
