@@ -42,12 +42,16 @@ def save(mutants_dir: str, results_path: str) -> int:
 
     A result the results file already holds is kept for a mutant this run did not check, while
     its function's hash is unchanged: restore leaves undocumented survivors out for a rerun, and a
-    run stopped before it reached them must not lose that they were checked and survived."""
+    run stopped before it reached them must not lose that they were checked and survived. A file
+    this run did not mutate at all (a narrower `only_mutate`) keeps its entry as it is while the
+    source file exists (mutants/ lies in the project's root); the entry of a source file that is
+    gone (moved, merged, deleted) is dropped: its mutants name a module that no longer exists."""
     files, saved = {}, 0
     previous = {}
     if os.path.exists(results_path):
         with open(results_path) as file:
             previous = json.load(file)["files"]
+    root = os.path.dirname(os.path.abspath(mutants_dir))
     pattern = os.path.join(mutants_dir, "**", "*.py.meta")
     for meta_path in sorted(glob.glob(pattern, recursive=True)):
         with open(meta_path) as file:
@@ -62,6 +66,10 @@ def save(mutants_dir: str, results_path: str) -> int:
                 codes[name] = code
         files[source] = {"hashes": hashes, "exit_codes": dict(sorted(codes.items()))}
         saved += len(codes)
+    for source, entry in previous.items():
+        if source not in files and os.path.exists(os.path.join(root, source)):
+            files[source] = entry
+            saved += len(entry["exit_codes"])
     with open(results_path, "w") as file:
         json.dump({"mutmut": mutmut_version, "files": files}, file, indent=0, sort_keys=True)
         file.write("\n")

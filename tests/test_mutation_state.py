@@ -88,3 +88,23 @@ def test_save_keeps_an_earlier_result_of_a_mutant_this_run_did_not_check_while_i
 def test_a_mutant_s_function_is_the_mangled_name_mutmut_hashes():
     assert mutation_state.function_of("a.b.x_f__mutmut_12") == "x_f"
     assert mutation_state.function_of("a.b.xǁCǁ__init____mutmut_3") == "xǁCǁ__init__"
+
+
+def test_save_keeps_the_entry_of_a_file_this_run_did_not_mutate_and_drops_one_whose_source_is_gone(
+    tmp_path,
+):
+    """A run over a narrower only_mutate checks some files: the others' results stay, hashes and
+    all (restore and mutmut still check each hash); a file moved or deleted since has no module
+    its mutants could name, so its entry goes."""
+    results = tmp_path / "results.json"
+    kept = {"hashes": {"x_k": "k1"}, "exit_codes": {"pkg.g.x_k__mutmut_1": 1}}
+    moved = {"hashes": {"x_m": "m1"}, "exit_codes": {"pkg.h.x_m__mutmut_1": 0}}
+    results.write_text(json.dumps({"files": {"pkg/g.py": kept, "pkg/h.py": moved}}))
+    write_meta(tmp_path / "mutants", {"pkg.f.x_g__mutmut_1": 1})
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "g.py").write_text("")  # pkg/h.py is gone
+    assert mutation_state.save(str(tmp_path / "mutants"), str(results)) == 2
+    saved = json.loads(results.read_text())["files"]
+    assert saved == {"pkg/f.py": {"hashes": {"x_g": "abc"},
+                                  "exit_codes": {"pkg.f.x_g__mutmut_1": 1}},
+                     "pkg/g.py": kept}  # fmt: skip

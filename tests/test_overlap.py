@@ -111,18 +111,26 @@ def test_a_parameter_reached_more_often_than_the_micro_batches_is_refused():
         for _ in range(2):  # two micro-batches, but the sync was told one
             model(x).sum().backward()
             sync.after_backward()
-        with pytest.raises(RuntimeError, match="received 2 gradients in a step of 1"):
+        with pytest.raises(RuntimeError) as refused:
             mixed_precision_step(optimizer, NoLossScaler(), sync=sync)
-        return True
+        return str(refused.value)
 
-    assert dist.simulate(2, body) == [True, True]
+    # the first parameter refused, and the sync to tell: DataParallel
+    message = ("overlap: parameter 0 received 2 gradients in a step of 1 micro-batches, so it was "
+               "sent before it was complete; tell DataParallel the right micro_batches, or turn "
+               "overlap off")
+    assert dist.simulate(2, body) == [message, message]
 
 
 def test_zero_stage_1_starts_a_parameter_on_its_last_micro_batch_and_refuses_one_more():
     units = OverlappedUnits(comm=None, sent=None, parameters=2, micro_batches=2)
     assert [units.is_last(1), units.is_last(1), units.is_last(0)] == [False, True, False]
-    with pytest.raises(RuntimeError, match="parameter 1 received 3 gradients in a step of 2 "):
+    with pytest.raises(RuntimeError) as refused:
         units.is_last(1)
+    assert str(refused.value) == (
+        "overlap: parameter 1 received 3 gradients in a step of 2 micro-batches, so it was sent "
+        "before it was complete; tell ZeroDataParallel the right micro_batches, or turn overlap "
+        "off")
     assert units.arrivals == [1, 3]
 
 

@@ -103,8 +103,10 @@ def test_an_unknown_algorithm_or_op_is_refused_in_one_line():
         with pytest.raises(ValueError, match="op must be one of"):
             PersistentAllreduce(comm, (4,), np.float32, op="mean")
         for shape in ((-1,), (2.5,), (4, -3)):
-            with pytest.raises(ValueError, match="shape must be non-negative integers"):
+            with pytest.raises(ValueError) as refused:
                 PersistentAllreduce(comm, shape, np.float32)
+            assert str(refused.value) == ("PersistentAllreduce: shape must be non-negative "
+                                          f"integers, got {shape}")
         return True
 
     assert dist.simulate(2, run) == [True, True]

@@ -1,7 +1,8 @@
 """ShardedOptimizer's compute copies, bit by bit: after `publish()` every float16 parameter is its
 float32 master rounded straight into float16, on one replica and gathered from two; stage 3's
-chunks alike; stage 2's refusal of a gradient left out of the reduce-scatter; and the whole slots
-let go once cut into a rank's chunks."""
+chunks alike; stage 2's refusal of a gradient left out of the reduce-scatter; the whole slots
+let go once cut into a rank's chunks; the step's first reduced chunk copied bit for bit; and no
+gather buffer listed where nothing is all-gathered."""
 
 import gc
 import weakref
@@ -109,3 +110,34 @@ def test_the_whole_slots_are_let_go_once_cut_into_this_rank_s_chunks():
         start, stop = chunk_bounds(flat.size, 2)[rank]
         assert chunk.tolist() == flat[start:stop].tolist()
         assert freed == [True] * 4
+
+
+def _first_reduced_chunk(comm):
+    """(the bits of this rank's gradient after the step's first reduced chunk, the chunk's)."""
+    parameter = nn.Parameter(np.zeros(4, np.float32))
+    sharded = zero_data_parallel(2, SGD([parameter], lr=0.1), [], comm).optimizer
+    chunk = np.array([-0.0, 1.5, -0.0, -2.0], np.float32)  # one rank: the chunk is the unit
+    sharded.add_reduced(0, chunk)
+    return np.concatenate(sharded.gradient_pieces()).view(np.uint32), chunk.view(np.uint32)
+
+
+def test_the_step_s_first_reduced_chunk_is_copied_bit_for_bit_not_added_to_zeros():
+    """add_reduced copies the first chunk of a step, the first step included: added to the zeros
+    the gradient sums start as, a -0.0 would come back +0.0 (0.0 + -0.0 is +0.0)."""
+    [(gradient, chunk)] = dist.simulate(1, _first_reduced_chunk)
+    assert [hex(b) for b in gradient] == [hex(b) for b in chunk]
+
+
+def _buffers_listed(comm, stage):
+    sharded = zero_data_parallel(stage, SGD(nn.Linear(3, 2).parameters(), lr=0.1), [], comm)
+    return sharded.optimizer.arrays_by_kind()["buffers"], sharded.optimizer.gather_buffer
+
+
+@pytest.mark.parametrize("ranks, stage", [(1, 1), (1, 2), (2, 3)])
+def test_an_optimizer_that_all_gathers_nothing_lists_no_gather_buffer(ranks, stage):
+    """One replica, and stage 3 (whose layers gather), hold no gather buffer: the buffers the
+    optimizer lists are none, not a None; two replicas in stage 1 list theirs."""
+    for buffers, gather_buffer in dist.simulate(ranks, _buffers_listed, stage):
+        assert gather_buffer is None and buffers == []
+    for buffers, gather_buffer in dist.simulate(2, _buffers_listed, 1):
+        assert len(buffers) == 1 and buffers[0] is gather_buffer
