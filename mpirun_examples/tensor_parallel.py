@@ -27,7 +27,7 @@ import numpy as np
 from minimp import Tensor
 from minimp import distributed as dist
 from minimp.models import GPT, GPTConfig, block_activation_bytes
-from minimp.parallel import parallelize
+from minimp.parallel import parallelize_module
 from minimp.measure.tensor_parallel_accounts import (
     block_activation_bytes_tp,
     gpt_tensor_parallel_bytes,
@@ -120,7 +120,7 @@ def block_memory() -> list[dict]:
 def _kept(comm, config: GPTConfig, b: int, sequence_parallel: bool) -> int:
     model = GPT(config, np.random.default_rng(0))
     if comm.size > 1:
-        parallelize(model, comm, sequence_parallel)
+        parallelize_module(model, comm, sequence_parallel)
     model.to(np.float16)
     model.set_dropout_state(seed=0, step=1, sample_indices=np.arange(b))
     tokens = S // comm.size if sequence_parallel else S

@@ -74,7 +74,7 @@ def test_summing_y_sends_half_the_bytes_of_gathering_the_hidden_activation():
 def test_the_gpt_blocks_cut():
     def describe(comm):
         model = cutting.GPT(cutting.CONFIG, np.random.default_rng(0))
-        cutting.parallelize(model, comm)
+        cutting.parallelize_module(model, comm)
         return repr(model.layers[1])
 
     text = dist.simulate(2, describe)[0]

@@ -14,7 +14,7 @@ from minimp.parallel import (
     TensorParallelError,
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
-    parallelize,
+    parallelize_module,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -167,7 +167,7 @@ def _gpt(comm, sequence_parallel, offsets=True):
     """The tiny GPT (float64, dropout 0.2) cut over comm (whole for comm None), one forward and
     backward of fixed weights on its logits: (logits, {name: gradient}, the plan)."""
     model = GPT(CONFIG, np.random.default_rng(0)).to(np.float64)
-    plan = None if comm is None else parallelize(model, comm, sequence_parallel)
+    plan = None if comm is None else parallelize_module(model, comm, sequence_parallel)
     if not offsets:  # every rank draws the masks of the first slice: the check must then fail
         for module in model.modules():
             if isinstance(module, nn.Dropout):
@@ -230,7 +230,7 @@ def test_heads_or_hidden_layers_that_do_not_split_are_refused():
     def mlp(comm):
         layers = [nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)]
         layers += [nn.ReLU(), nn.Linear(4, 2)]
-        return parallelize(nn.Sequential(*layers), comm)
+        return parallelize_module(nn.Sequential(*layers), comm)
 
     with pytest.raises(TensorParallelError, match="3 hidden layers do not pair"):
         dist.simulate(2, mlp)
@@ -248,7 +248,7 @@ def test_saved_bytes_of_one_rank_s_block_equal_the_formula(
 
     def kept(comm):
         model = GPT(config, np.random.default_rng(0))
-        parallelize(model, comm, sequence_parallel)
+        parallelize_module(model, comm, sequence_parallel)
         model.to(dtype)
         model.set_dropout_state(seed=0, step=1, sample_indices=np.arange(b))
         tokens = s // comm.size if sequence_parallel else s  # the block's input: (B, S/tp, h)
@@ -271,7 +271,7 @@ def test_parallel_linears_say_their_shards_and_partitions_name_their_parameters(
     def build(comm):
         layers = [nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2)]
         model = nn.Sequential(*layers)
-        parallelize(model, comm)
+        parallelize_module(model, comm)
         return repr(model[0]), repr(model[2]), partitions(model)
 
     column, row, cut = dist.simulate(2, build)[0]

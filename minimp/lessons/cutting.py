@@ -3,7 +3,7 @@ one training step of a small GPT cut three ways on simulated ranks, bytes sent a
 
 The step is written out by hand, each layout in a few lines, so that what travels is visible:
 data parallelism all-reduces the float32 gradients once (one bucket); tensor parallelism cuts the
-blocks (minimp.parallel.parallelize) and its f's and g's send inside forward and backward;
+blocks (minimp.parallel.parallelize_module) and its f's and g's send inside forward and backward;
 the pipeline sends the activation between its two stages forward and its gradient backward, and
 sums the tied token embedding's two copies. One micro-batch a step, float16 activations.
 """
@@ -17,7 +17,7 @@ from minimp import distributed as dist
 from minimp import functional as F
 from minimp.data import load_shakespeare, text_batch
 from minimp.models.gpt import GPT, GPTConfig
-from minimp.parallel import parallelize
+from minimp.parallel import parallelize_module
 from minimp.parallel.tensor.mappings import all_reduce
 from minimp.tensor import saved_bytes
 
@@ -37,7 +37,7 @@ def one_step(comm: Any, layout: str) -> dict:
     group, parameter bytes, bytes kept for backward by the blocks and in all}."""
     model = GPT(CONFIG, np.random.default_rng(0))  # every rank builds the whole float32 model
     if layout.startswith("tp"):
-        plan = parallelize(model, comm, sequence_parallel=layout.endswith("sp"))
+        plan = parallelize_module(model, comm, sequence_parallel=layout.endswith("sp"))
     model.to(np.float16)
     ids, targets = batch()
     rows = np.arange(ROWS)

@@ -29,7 +29,8 @@ from minimp.parallel.tensor.mappings import (copy_to_tensor_parallel_region,
                                              reduce_from_tensor_parallel_region,
                                              reduce_scatter_to_sequence_parallel_region,
                                              scatter_to_sequence_parallel_region)
-from minimp.parallel.tensor.models import TensorParallelError, TensorParallelPlan, parallelize
+from minimp.parallel.tensor.models import (TensorParallelError, TensorParallelPlan,
+                                           parallelize_module)
 from minimp.parallel.topology import Topology, TopologyError
 from minimp.parallel.zero.data_parallel import ZeroDataParallel, zero_data_parallel
 from minimp.parallel.zero.layout import Piece, Unit, ZeroLayout

@@ -41,8 +41,7 @@ from minimp.parallel.pipeline.stage import PipelineStage
 from minimp.parallel.pipeline.tied import TiedGradients, tied_group, tied_indices
 from minimp.parallel.tensor.checkpoint import shard_selector
 from minimp.parallel.tensor.grads import TensorParallelGradients
-from minimp.parallel.tensor.models import TensorParallelPlan, paired_counts
-from minimp.parallel.tensor.models import parallelize as cut_tensor_parallel
+from minimp.parallel.tensor.models import TensorParallelPlan, paired_counts, parallelize_module
 from minimp.parallel.topology import Topology
 from minimp.parallel.zero.data_parallel import ZeroDataParallel, zero_data_parallel
 from minimp.parallel.zero.stage3 import free
@@ -136,7 +135,7 @@ def _tensor_parallel(model: nn.Sequential, grid: Topology,
     if grid.tp == 1:
         return model, None
     trained = copy.deepcopy(model)
-    return trained, cut_tensor_parallel(trained, grid.tp_group, parallelism.sequence_parallel)
+    return trained, parallelize_module(trained, grid.tp_group, parallelism.sequence_parallel)
 
 
 def _pipeline_ranges(model: nn.Sequential, grid: Topology, parallelism: Parallelism,
@@ -217,7 +216,7 @@ def replicate(share: Parallelized, grid: Topology, parallelism: Parallelism,
         sync.broadcast_parameters()
         return sync
     broadcast_masters(grid.dp_group, optimizer)
-    zero = zero_data_parallel(stage.number, optimizer, runner.layers, grid.dp_group, **options)
+    zero = zero_data_parallel(stage, optimizer, runner.layers, grid.dp_group, **options)
     plain = runner.run_group
     runner.run_group = lambda layers, x: zero.run_group(layers, x, plain)
     return zero

@@ -47,14 +47,15 @@ class TensorParallelError(ValueError):
 
 @dataclass
 class TensorParallelPlan:
-    """What parallelize did: which parameters are cut, and which whole ones get partial grads."""
+    """What parallelize_module did: which parameters are cut, which whole ones get partial
+    gradients."""
 
     partitions: dict[str, tuple[int, int]]  # name -> (axis, sections), cut across the ranks
     partial: set[str] = field(default_factory=set)  # whole, but each rank's gradient is partial
 
 
-def parallelize(model: nn.Module, comm: Communicator,
-                sequence_parallel: bool = False) -> TensorParallelPlan:
+def parallelize_module(model: nn.Module, comm: Communicator,
+                       sequence_parallel: bool = False) -> TensorParallelPlan:
     """Cut the model's Linears over comm's ranks, in place (a whole float32 model, built from the
     seed on every rank); parameter names stay the one-process ones."""
     if isinstance(model, GPT):
