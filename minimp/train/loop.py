@@ -132,8 +132,9 @@ class Run:
         self._warn_if_stuck_at_min_scale(step)
         fp8 = {} if self.fp8 is None else {"fp8": self.fp8.end_step(self.comm, self.meter.timed)}
         self._check_replicas(step)
-        row = dict(step=step, lr=self.optimizer.lr, loss_scale=result.loss_scale)
-        entry = self.meter.finish({**row, "skipped": result.skipped}, loss_sum, fp8)
+        decisions = dict(lr=self.optimizer.lr, loss_scale=result.loss_scale,
+                         skipped=result.skipped)
+        entry = self.meter.finish(step, decisions, loss_sum, fp8)
         if self.config.eval_every and step % self.config.eval_every == 0:
             started = time.perf_counter()
             entry["val_loss"] = saving.evaluate(self, batches=self.config.eval_batches or None)

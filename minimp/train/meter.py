@@ -133,12 +133,12 @@ class Meter:
         self.held = self.plain_sync.held()
         self.plain_sync.peak.sample(self.held)
 
-    def finish(self, row: dict[str, Any], loss_sum: float, fp8: dict) -> dict[str, Any]:
-        """The step's metrics row: `row` (step, lr, loss scale, skip), the batch's mean loss and
-        every measurement above, and the fp8 statistics."""
+    def finish(self, step: int, decisions: dict[str, Any], loss_sum: float,
+               fp8: dict) -> dict[str, Any]:
+        """The step's metrics row: the step, the batch's mean loss, the step's `decisions` (lr,
+        loss scale, skipped), every measurement above, and the fp8 statistics."""
         loss, activation_bytes = self._mean_loss_and_peak(loss_sum)
-        return {"step": row["step"], "loss": loss, **{k: v for k, v in row.items() if k != "step"},
-                **self._seconds(), **self._communication(),
+        return {"step": step, "loss": loss, **decisions, **self._seconds(), **self._communication(),
                 "peak_activation_bytes": activation_bytes, **fp8}
 
     def _counts(self) -> tuple[dict, dict, dict, int]:
