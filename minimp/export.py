@@ -26,7 +26,6 @@ from minimp.checkpoints.errors import CommandParser, ConfigError, run_command
 from minimp.checkpoints.files import atomic_write, check_output_path, exit_cleanly_on_sigterm
 from minimp.data import load_shakespeare
 from minimp.precision.casting import ACTIVATION_DTYPES, round_to
-from minimp.sample import gpt_config
 
 PROGRAM = "minimp.export"
 
@@ -47,7 +46,7 @@ def exported_tensors(meta: dict, arrays: dict, dtype: np.dtype) -> tuple[dict, d
     masters = {name[len("master/"):]: round_to(array, dtype)
                for name, array in arrays.items() if name.startswith("master/")}
     if flags.get("--dataset") == "shakespeare":
-        gpt = gpt_config(flags, vocab_size=int(masters["0.wte.weight"].shape[0]))
+        gpt = checkpoint.gpt_config(flags, vocab_size=int(masters["0.wte.weight"].shape[0]))
         tensors = {nanogpt_name(name, gpt.layers): array for name, array in masters.items()}
         config = {"model": "gpt", "vocab_size": gpt.vocab_size, "block_size": gpt.context,
                   "n_layer": gpt.layers, "n_head": gpt.heads, "n_embd": gpt.width,

@@ -19,7 +19,7 @@ from minimp.checkpoints import checkpoint
 from minimp.checkpoints.errors import CheckpointError, CommandParser, ConfigError, run_command
 from minimp.checkpoints.files import exit_cleanly_on_sigterm
 from minimp.data import TextDataset, load_shakespeare
-from minimp.models.gpt import GPT, GPTConfig
+from minimp.models.gpt import GPT
 from minimp.tensor import Tensor, no_grad
 
 PROGRAM = "minimp.sample"
@@ -36,12 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def gpt_config(flags: dict, vocab_size: int) -> GPTConfig:
-    """The GPT's shape, from the flags of the minimp.train run that trained it."""
-    return GPTConfig(vocab_size=vocab_size, context=flags["--context"], layers=flags["--layers"],
-                     heads=flags["--heads"], width=flags["--hidden"])
-
-
 def load_model(path: str) -> tuple[GPT, TextDataset]:
     """The GPT of a checkpoint (float32 masters) and the dataset it was trained on."""
     meta, arrays = checkpoint.read(path)
@@ -51,7 +45,7 @@ def load_model(path: str) -> tuple[GPT, TextDataset]:
             f"checkpoint {path} holds a model of --dataset {flags.get('--dataset')}; "
             "minimp.sample needs a GPT trained with --dataset shakespeare")
     data = load_shakespeare()
-    model = GPT(gpt_config(flags, data.vocab_size), np.random.default_rng(0))
+    model = GPT(checkpoint.gpt_config(flags, data.vocab_size), np.random.default_rng(0))
     names = [name for name, _ in model.named_parameters()]
     missing = [name for name in names if f"master/{name}" not in arrays]
     if missing:

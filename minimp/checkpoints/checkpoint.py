@@ -27,6 +27,7 @@ import numpy as np
 from minimp import backend
 from minimp.checkpoints.errors import CheckpointError
 from minimp.checkpoints.files import atomic_write
+from minimp.models.gpt import GPTConfig
 from minimp.npz import read_arrays
 from minimp.optim import Optimizer
 from minimp.precision import LossScaler
@@ -66,6 +67,12 @@ def save(path: str, *, step: int, flags: dict[str, Any], optimizer: Optimizer, s
     arrays = {"meta": np.array(json.dumps(meta)), **arrays}
     atomic_write(path, lambda file: np.savez(file, **arrays))
 
+
+
+def gpt_config(flags: dict[str, Any], vocab_size: int) -> GPTConfig:
+    """The GPT's shape, from the flags a checkpoint keeps of the run that trained it."""
+    return GPTConfig(vocab_size=vocab_size, context=flags["--context"], layers=flags["--layers"],
+                     heads=flags["--heads"], width=flags["--hidden"])
 
 def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     """(meta, {array name: array}) from a checkpoint file whose meta is complete and well typed,
