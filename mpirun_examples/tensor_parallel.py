@@ -7,8 +7,9 @@ formulas, step time, and the bytes one block keeps for backward against Korthika
 1. For each grid it runs `mpirun -n 4 python -m minimp.train --dataset shakespeare` (nanoGPT's
    CPU model: 4 blocks of width 128, 4 heads, context 64; batch 16 in 2 micro-batches, fp16,
    dropout 0.1) and reads rank 0's metrics: bytes sent per step in each group (tensor_parallel,
-   data_parallel, pipeline, tied), and the step time (median after the first step). Beside them
-   the formulas (minimp/measure/tensor_parallel_accounts.py, accounts.py) for rank 0.
+   data_parallel, pipeline, tied), and the step time (median after the first step). Beside them,
+   for rank 0, the formulas of minimp/measure/tensor_parallel_accounts.py and
+   minimp/parallel/zero/formulas.py.
 2. One block on each of t = 1, 2, 4 simulated ranks, with and without sequence parallelism: the
    bytes it keeps for backward, the formula, and Korthikanti et al.'s count.
 """

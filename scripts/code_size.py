@@ -6,8 +6,8 @@
 A line of code is a line with a token of code on it: blank lines, comments and docstrings (a
 module's, a class's or a function's first statement when it is a string) do not count, so a
 docstring is never shortened to make the package look smaller (issue 34 set its target so).
-A parameter (self and cls aside) counts as typed Any when its annotation is Any, contains `| Any`,
-or is missing.
+A parameter (self and cls aside) counts as typed Any when its annotation is Any, a union with Any
+(`Any | None`, `int | Any`), or missing.
 """
 
 import argparse

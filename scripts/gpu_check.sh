@@ -40,8 +40,8 @@ fi
 export MPIEXEC_ALLOW_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 stamp "GPU tests"
-timeout 150 $PY -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_staging.py -p no:cacheprovider \
-  -rs >"$LOGS/tests.txt" 2>&1
+timeout 150 $PY -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_staging.py \
+  -p no:cacheprovider -rs >"$LOGS/tests.txt" 2>&1
 echo "exit $?" >>"$LOGS/tests.txt"
 tail -5 "$LOGS/tests.txt"
 

@@ -22,8 +22,7 @@ from minimp.distributed.ring import all_gather
 from minimp.ops.dropout import keep_mask
 from minimp.optim import SGD
 from minimp.parallel.data.data_parallel import DataParallel
-from minimp.parallel.zero.data_parallel import zero_data_parallel
-from minimp.parallel.zero.data_parallel import OverlappedUnits
+from minimp.parallel.zero.data_parallel import OverlappedUnits, zero_data_parallel
 from minimp.parallel.zero.stage3 import _Packed, free
 
 RANKS = 2

@@ -137,7 +137,7 @@ def test_a_one_dimensional_plan_returns_the_out_it_is_given_itself(ranks):
 
 def test_a_plan_takes_an_empty_dimension_and_a_policy_given():
     # alpha = beta = 1 s at p = 4 and 16 bytes: the ring (30 s) beats recursive doubling (34 s),
-    # which the shipped model picks (tests/test_collectives.py)
+    # which `auto`'s rule picks (the last line; tests/test_collectives.py)
     def run(comm):
         empty = PersistentAllreduce(comm, (0, 3), np.float32)
         policy = FastestPredicted(Network(alpha=1.0, beta=1.0))

@@ -20,8 +20,7 @@ NOW = 100.0  # what the stand-in clock reads; ages below are exact in binary
 class Clock:
     """Stands in for the `time` module inside mpi.py (the watchdog's clock): monotonic() reads
     `now`; sleep() records what it was asked for and sleeps at most a millisecond (refusing what
-    time.sleep refuses), so a check comes fast and the age of a wait is exactly what the test made
-    it."""
+    time.sleep refuses), so a check comes fast and a wait is exactly as old as the test made it."""
 
     def __init__(self):
         self.now, self.sleeps = NOW, []

@@ -136,8 +136,11 @@ def _buffers_listed(comm, stage):
 @pytest.mark.parametrize("ranks, stage", [(1, 1), (1, 2), (2, 3)])
 def test_an_optimizer_that_all_gathers_nothing_lists_no_gather_buffer(ranks, stage):
     """One replica, and stage 3 (whose layers gather), hold no gather buffer: the buffers the
-    optimizer lists are none, not a None; two replicas in stage 1 list theirs."""
+    optimizer lists are none, not a None."""
     for buffers, gather_buffer in dist.simulate(ranks, _buffers_listed, stage):
         assert gather_buffer is None and buffers == []
+
+
+def test_two_replicas_in_stage_1_list_their_gather_buffer():
     for buffers, gather_buffer in dist.simulate(2, _buffers_listed, 1):
         assert len(buffers) == 1 and buffers[0] is gather_buffer
