@@ -126,3 +126,14 @@ def test_isend_and_irecv_exchange_past_the_eager_limit_in_any_order(ranks):
     assert result.stdout.count("nonblocking exchange ok") == ranks
     if ranks > 1:  # a message shorter than its buffer is named, as with blocking receives
         assert "rank 1: received 12 bytes from rank 0 into a 20-byte buffer" in result.stdout
+
+
+@pytest.mark.parametrize("script, flags, said", [
+    ("tensor_parallel.py", ["--grids", "1x2x1+sp"], "dp x tp x pp must make the 4 ranks"),
+    ("data_parallel_scaling.py", ["--steps", "5"], "at least 7 are needed for a median"),
+], ids=["tensor_parallel", "data_parallel_scaling"])
+def test_an_example_refuses_flags_it_cannot_run_in_one_line_before_launching(script, flags, said):
+    path = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples", script)
+    result = subprocess.run([PYTHON, path, *flags], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and said in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stdout == ""
