@@ -88,8 +88,8 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.steps < WARM_UP + 2:
-        parser.error(f"--steps {args.steps}: the first {WARM_UP} steps warm up, so at least "
-                     f"{WARM_UP + 2} are needed for a median")
+        parser.exit(2, f"{parser.prog}: error: --steps {args.steps}: the first {WARM_UP} steps "
+                       f"warm up, so at least {WARM_UP + 2} are needed for a median\n")
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for model in MODELS:

@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     for grid in args.grids:
         layout = parse_grid(grid)
         if layout["dp"] * layout["tp"] * layout["pp"] != 4:
-            parser.error(f"--grids {grid}: dp x tp x pp must make the 4 ranks this script runs")
+            parser.exit(2, f"{parser.prog}: error: --grids {grid}: dp x tp x pp must make the 4 "
+                           "ranks this script runs\n")
     with tempfile.TemporaryDirectory() as folder:
         rows = [run_grid(grid, args.steps, folder) for grid in args.grids]
     memory = block_memory()
