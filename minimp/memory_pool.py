@@ -69,11 +69,14 @@ class MemoryPool:
         """An uninitialised array of this shape and dtype that shares memory with no live array."""
         key = (xp.__name__, tuple(shape), numpy.dtype(dtype))
         arrays = self._arrays.setdefault(key, [])
-        for index in _free_indices(arrays):  # the first free one, if there is one
-            self.hits += 1
-            # Least recently handed out first: in-use arrays gather at the end of the list.
-            arrays.append(arrays.pop(index))
-            return arrays[-1]
+        # The first free one, if any. A plain loop, not _free_indices: every op's allocation comes
+        # here, and the generator would add ~0.4 us to a hit's ~0.5.
+        for index in range(len(arrays)):
+            if held_only_by(arrays, index):
+                self.hits += 1
+                # Least recently handed out first: in-use arrays gather at the end of the list.
+                arrays.append(arrays.pop(index))
+                return arrays[-1]
         self.misses += 1
         array = xp.empty(shape, dtype)
         if self.pooled_bytes + array.nbytes > self.max_bytes:

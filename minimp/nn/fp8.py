@@ -18,12 +18,11 @@ import numpy as np
 
 from minimp.nn.layers import Linear
 from minimp.nn.module import Module
-from minimp.precision.fp8_scaling import DelayedScaling, Float8CurrentScaling, NoScaling
-from minimp.precision.fp8_scaling import Fp8Meta, Fp8Quantizer
+from minimp.precision.fp8_scaling import Fp8Meta, Fp8Quantizer, Fp8Recipe
 from minimp.precision.fp8_scaling import load_quantizers_state_dict, quantizers_state_dict
 
 
-def enable_fp8(model: Module, recipe: DelayedScaling | Float8CurrentScaling | NoScaling) -> Module:
+def enable_fp8(model: Module, recipe: Fp8Recipe) -> Module:
     """Give every Linear of the model its own Fp8Meta of this recipe; returns the model."""
     for _, module in model.named_modules():
         if isinstance(module, Linear):

@@ -8,13 +8,13 @@ rounds the result once. Nothing needs to be set for it; tests/test_gpu.py checks
 accumulation really is float32.
 
 Fp8Linear is the Linear in fp8: x and W in E4M3 forward, dL/dy in E5M2 backward, float32 sums,
-one rounding. What an fp8 tensor core does (Transformer Engine's te.Linear on an H100): each GEMM
-reads two fp8 matrices, multiplies and sums in float32, multiplies the sum by both inverse scales
-and rounds the result once into the activation dtype. The emulation here does the same on the CPU:
-the fp8 values are widened to float32 (exactly), multiplied by float32 BLAS, the float32 result
-multiplied by (1/s_a)(1/s_b), the bias added, and the sum rounded once. Mathematically that is the
-product of the dequantized values q_a/s_a and q_b/s_b; the rounding happens where the hardware's
-does.
+one rounding. What an fp8 tensor core does (Transformer Engine's te.Linear on an H100): each
+GEMM reads two fp8 matrices, multiplies and sums in float32, multiplies the sum by both inverse
+scales and rounds the result once into the activation dtype. The emulation here does the same on
+the CPU: the fp8 values are widened to float32 (exactly), multiplied by float32 BLAS, the
+float32 result multiplied by (1/s_a)(1/s_b), the bias added, and the sum rounded once.
+Mathematically that is the product of the dequantized values q_a/s_a and q_b/s_b; the rounding
+happens where the hardware's does.
 
 Every quantization goes through the Linear's `Fp8Meta` (precision/fp8_scaling.py), which holds the
 scale of each of the three tensors and records their amaxes for the next step's scales. Forward
