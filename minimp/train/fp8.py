@@ -20,7 +20,8 @@ from minimp.checkpoints.checkpoint import strip_prefix
 from minimp.checkpoints.errors import CheckpointError
 from minimp.distributed.protocol import Communicator
 from minimp.parallel import AmaxReduction, Topology
-from minimp.precision.fp8_scaling import DelayedScaling, Float8CurrentScaling, Fp8Meta, NoScaling
+from minimp.precision.fp8_scaling import (DelayedScaling, Float8CurrentScaling, Fp8Meta, Fp8Recipe,
+                                          NoScaling)
 from minimp.precision.fp8_scaling import (load_quantizers_state_dict, quantizers_state_dict,
                                           update_scales)
 from minimp.train.config import TrainConfig
@@ -28,7 +29,7 @@ from minimp.train.config import TrainConfig
 PREFIX = "fp8/"
 
 
-def recipe(config: TrainConfig) -> DelayedScaling | Float8CurrentScaling | NoScaling:
+def recipe(config: TrainConfig) -> Fp8Recipe:
     """The scaling recipe --fp8-recipe names (with --fp8-amax-history and --fp8-margin)."""
     if config.fp8_recipe == "delayed":
         return DelayedScaling(margin=config.fp8_margin, amax_history_len=config.fp8_amax_history)
