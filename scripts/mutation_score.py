@@ -1,17 +1,17 @@
-"""The mutation score of the last `mutmut run`, by package, against the survivors docs/testing.md
-explains.
+"""The mutation score of the last `mutmut run`, by package, survivors judged by their entries.
 
     nice mutmut run --max-children 2        # resumable: results stay in mutants/
     python scripts/mutation_score.py        # the score table
-    python scripts/mutation_score.py --undocumented   # survivors docs/testing.md does not list
+    python scripts/mutation_score.py --undocumented   # survivors with no entry yet
 
 A mutant is detected when a test failed (killed), ran past mutmut's time limit (timeout: the mutant
 made the code loop or crawl, which a test run notices) or crashed the interpreter (segfault).
-Survivors that docs/testing.md's table marks "equivalent" (no input tells them apart from the
-code) leave the denominator; every other survivor, and every mutant no test reaches, counts
-against the score. "killed since" counts the survivors the table says a test written after the
-run kills (each checked by hand against that one mutant); "now" counts them as detected, the score
-the next run should show for the mutants this one checked; "survived" is the rest.
+Each survivor examined has an entry under "survivors" in docs/mutation_results.json. Survivors
+whose entry says "equivalent" (no input tells them apart from the code) leave the denominator;
+every other survivor, and every mutant no test reaches, counts against the score. "killed since"
+counts the survivors whose entry says a test written after the run kills them (each checked by
+hand against that one mutant); "now" counts them as detected, the score the next run should show
+for the mutants this one checked; "survived" is the rest.
 """
 
 import argparse
@@ -19,7 +19,6 @@ import collections
 import glob
 import json
 import os
-import re
 import sys
 
 from mutmut.stats import status_by_exit_code
@@ -29,10 +28,7 @@ PACKAGES = (
     "minimp.ops", "minimp.precision", "minimp.optim", "minimp.distributed", "minimp.parallel",
     "minimp.train.loop",
 )  # fmt: skip
-# one table row per survivor: | `minimp.x.y__mutmut_3` | what it changes | why it survives |
-# (a cell may hold an escaped pipe, `\|`, as Markdown tables write one)
-CELL = r"(?:[^|\\]|\\.)*"
-ROW = re.compile(rf"^\|\s*`([\w.]+__mutmut_\d+)`\s*\|{CELL}\|\s*({CELL}?)\s*\|\s*$")
+RESULTS = os.path.join("docs", "mutation_results.json")
 
 
 def statuses(mutants_dir: str) -> dict[str, str]:
@@ -45,10 +41,13 @@ def statuses(mutants_dir: str) -> dict[str, str]:
     return found
 
 
-def documented(doc_path: str) -> dict[str, str]:
-    """{mutant name: why} from the survivors table of docs/testing.md."""
-    with open(doc_path) as file:
-        return {m[1]: m[2] for line in file if (m := ROW.match(line.strip()))}
+def documented(results_path: str) -> dict[str, str]:
+    """{mutant name: why} from the "survivors" of the results file: one entry per survivor,
+    {"change": what it changes, "why": "equivalent: ..." or "killed by tests/...", "tests": [the
+    test ids `why` names], ...}."""
+    with open(results_path) as file:
+        survivors = json.load(file).get("survivors", {})
+    return {name: entry["why"] for name, entry in survivors.items()}
 
 
 def package_of(name: str) -> str:
@@ -84,13 +83,15 @@ def score_table(found: dict[str, str], why: dict[str, str]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mutants", default="mutants")
-    parser.add_argument("--doc", default=os.path.join("docs", "testing.md"))
-    parser.add_argument("--undocumented", action="store_true")
+    parser.add_argument("--mutants", default="mutants", help="mutmut's folder (default: mutants)")
+    parser.add_argument("--results", default=RESULTS, help=f"the survivors' entries ({RESULTS})")
+    parser.add_argument(
+        "--undocumented", action="store_true", help="list the survivors with no entry"
+    )
     args = parser.parse_args(argv)
     if not os.path.isdir(args.mutants):
         raise SystemExit(f"mutation_score: no {args.mutants}/ here: run `mutmut run` first")
-    found, why = statuses(args.mutants), documented(args.doc)
+    found, why = statuses(args.mutants), documented(args.results)
     if args.undocumented:
         for name in sorted(n for n, status in found.items() if status == "survived"):
             if name not in why:

@@ -10,11 +10,12 @@ not have, and a whole run over minimp's scope does not fit one session on 2 core
 mutant. `restore`, on a clone without mutants/, writes them back as the .meta files mutmut reads;
 when `mutmut run` then generates the mutants, it keeps a stored result only where the function's
 hash is unchanged (mutmut's own rule when it regenerates a file), so an edited function is checked
-again. restore keeps the detected mutants (killed, timeout, segfault) and the survivors
-docs/testing.md marks equivalent; every other result (a survivor, a mutant no test reached) is left
-for the run to redo, since the tests may have changed since it was saved; `save` keeps what the
-results file holds for a mutant the run did not check, while its function's hash is unchanged,
-so a run stopped before it reran them does not lose them. A detected mutant stays
+again. restore keeps the detected mutants (killed, timeout, segfault) and the survivors whose
+entry under the file's "survivors" says equivalent; every other result (a survivor, a mutant no
+test reached) is left for the run to redo, since the tests may have changed since it was saved;
+`save` keeps what the results file holds for a mutant the run did not check, while its function's
+hash is unchanged, so a run stopped before it reran them does not lose them, and it keeps the
+survivors' entries, which are written by hand. A detected mutant stays
 detected unless a test was removed or weakened: for a score after such a change, rerun it
 (`mutmut run NAME`) or start fresh.
 """
@@ -38,7 +39,8 @@ def function_of(mutant: str) -> str:
 
 
 def save(mutants_dir: str, results_path: str) -> int:
-    """Write every .meta file's hashes and non-empty exit codes; returns the mutants saved.
+    """Write every .meta file's hashes and non-empty exit codes; returns the mutants saved. The
+    file's other keys (the survivors' entries, written by hand) are kept as they are.
 
     A result the results file already holds is kept for a mutant this run did not check, while
     its function's hash is unchanged: restore leaves undocumented survivors out for a rerun, and a
@@ -47,10 +49,11 @@ def save(mutants_dir: str, results_path: str) -> int:
     source file exists (mutants/ lies in the project's root); the entry of a source file that is
     gone (moved, merged, deleted) is dropped: its mutants name a module that no longer exists."""
     files, saved = {}, 0
-    previous = {}
+    stored = {"files": {}}
     if os.path.exists(results_path):
         with open(results_path) as file:
-            previous = json.load(file)["files"]
+            stored = json.load(file)
+    previous = stored["files"]
     root = os.path.dirname(os.path.abspath(mutants_dir))
     pattern = os.path.join(mutants_dir, "**", "*.py.meta")
     for meta_path in sorted(glob.glob(pattern, recursive=True)):
@@ -71,7 +74,8 @@ def save(mutants_dir: str, results_path: str) -> int:
             files[source] = entry
             saved += len(entry["exit_codes"])
     with open(results_path, "w") as file:
-        json.dump({"mutmut": mutmut_version, "files": files}, file, indent=0, sort_keys=True)
+        json.dump({**stored, "mutmut": mutmut_version, "files": files}, file, indent=0,
+                  sort_keys=True)
         file.write("\n")
     return saved
 
@@ -81,7 +85,7 @@ def kept(name: str, code: int, why: dict[str, str]) -> bool:
     return status in DETECTED or why.get(name, "").lower().startswith("equivalent")
 
 
-def restore(mutants_dir: str, results_path: str, doc_path: str) -> int:
+def restore(mutants_dir: str, results_path: str) -> int:
     """Write .meta files mutmut will merge with the mutants it generates; returns the results
     kept. Refuses to overwrite a mutants/ that already holds results."""
     if glob.glob(os.path.join(mutants_dir, "**", "*.py.meta"), recursive=True):
@@ -93,7 +97,7 @@ def restore(mutants_dir: str, results_path: str, doc_path: str) -> int:
         raise SystemExit(f"mutation_state: no {results_path}: `save` after a run writes it")
     with open(results_path) as file:
         stored = json.load(file)["files"]
-    why, restored = documented(doc_path), 0
+    why, restored = documented(results_path), 0
     for source, entry in stored.items():
         codes = {n: c for n, c in entry["exit_codes"].items() if kept(n, c, why)}
         meta = {
@@ -116,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("action", choices=("save", "restore"))
     parser.add_argument("--mutants", default="mutants")
     parser.add_argument("--results", default=RESULTS)
-    parser.add_argument("--doc", default=os.path.join("docs", "testing.md"))
     args = parser.parse_args(argv)
     if args.action == "save":
         if not os.path.isdir(args.mutants):
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         count = save(args.mutants, args.results)
         print(f"mutation_state: {count} results of {args.mutants}/ saved in {args.results}")
     else:
-        count = restore(args.mutants, args.results, args.doc)
+        count = restore(args.mutants, args.results)
         print(f"mutation_state: {count} results restored into {args.mutants}/; now `mutmut run`")
     return 0
 

@@ -3,7 +3,6 @@ stand-in `cupy` module for device code on the CPU."""
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -123,13 +122,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _row_tests(mutant):
-    """The test ids (tests/...py::name) docs/testing.md's row for `mutant` names."""
+    """The test ids (tests/...py::name) the mutant's entry in docs/mutation_results.json names."""
     try:
-        with open(os.path.join("docs", "testing.md")) as doc:
-            rows = [line for line in doc if line.startswith(f"| `{mutant}` |")]
-    except OSError:
+        with open(os.path.join("docs", "mutation_results.json")) as results:
+            entry = json.load(results).get("survivors", {}).get(mutant, {})
+    except (OSError, ValueError):
         return set()
-    return {test for row in rows for test in re.findall(r"tests/[\w/]+\.py::\w+", row)}
+    return set(entry.get("tests", []))
 
 
 def _mutmut_durations():

@@ -46,8 +46,8 @@ def test_under_a_mutant_the_collected_tests_run_fastest_first(tmp_path):
 
 
 def test_under_a_mutant_its_rows_tests_run_first_then_the_rest_fastest_first(tmp_path):
-    """docs/testing.md's row for the mutant names the slowest test: it runs first; another
-    mutant's row changes nothing."""
+    """The mutant's entry in docs/mutation_results.json names the slowest test: it runs first;
+    another mutant's entry changes nothing."""
     (tmp_path / "conftest.py").write_text(
         open(os.path.join(os.path.dirname(__file__), "conftest.py")).read()
     )
@@ -59,8 +59,10 @@ def test_under_a_mutant_its_rows_tests_run_first_then_the_rest_fastest_first(tmp
     durations["tests/test_three.py::test_middle"] = 1.0
     (tmp_path / "mutmut-stats.json").write_text(json.dumps({"duration_by_test": durations}))
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "testing.md").write_text(
-        "| `minimp.x_f__mutmut_1` | `a` -> `b` | killed by tests/test_three.py::test_slow |\n"
+    entry = {"change": "`a` -> `b`", "why": "killed by tests/test_three.py::test_slow",
+             "tests": ["tests/test_three.py::test_slow"]}
+    (tmp_path / "docs" / "mutation_results.json").write_text(
+        json.dumps({"files": {}, "survivors": {"minimp.x_f__mutmut_1": entry}})
     )
     ran = {}
     for mutant in ("minimp.x_f__mutmut_1", "minimp.x_f__mutmut_2"):

@@ -13,10 +13,11 @@ import mutation_state  # noqa: E402
 # killed, survived (equivalent), survived (killed since), no tests, not checked, timeout
 CODES = dict(enumerate([1, 0, 0, 33, None, 36], start=1))
 CODES = {f"pkg.f.x_g__mutmut_{number}": code for number, code in CODES.items()}
-DOC = (
-    "| `pkg.f.x_g__mutmut_2` | c | equivalent: no input |\n"
-    "| `pkg.f.x_g__mutmut_3` | c | killed by t |\n"
-)
+SURVIVORS = {
+    "pkg.f.x_g__mutmut_2": {"change": "c", "why": "equivalent: no input", "tests": []},
+    "pkg.f.x_g__mutmut_3": {"change": "c", "why": "killed by tests/t.py::t",
+                            "tests": ["tests/t.py::t"]},
+}
 
 
 def write_meta(folder, codes):
@@ -29,11 +30,11 @@ def write_meta(folder, codes):
 
 def test_restore_keeps_detected_and_equivalent_results_and_leaves_the_rest_to_rerun(tmp_path):
     write_meta(tmp_path / "old", CODES)
-    (tmp_path / "testing.md").write_text(DOC)
     results = tmp_path / "results.json"
+    results.write_text(json.dumps({"files": {}, "survivors": SURVIVORS}))
     assert mutation_state.save(str(tmp_path / "old"), str(results)) == 5  # the unchecked one: not
-    doc = str(tmp_path / "testing.md")
-    assert mutation_state.restore(str(tmp_path / "new"), str(results), doc) == 3
+    assert json.loads(results.read_text())["survivors"] == SURVIVORS  # save keeps the entries
+    assert mutation_state.restore(str(tmp_path / "new"), str(results)) == 3
     meta = json.loads((tmp_path / "new" / "pkg" / "f.py.meta").read_text())
     # killed (1) and timeout (36) stay; the survivor called equivalent stays; the survivor a test
     # now kills, and the mutant no test reached (33), are run again
@@ -46,18 +47,23 @@ def test_restore_keeps_detected_and_equivalent_results_and_leaves_the_rest_to_re
 def test_restore_refuses_to_overwrite_results_and_names_a_missing_file(tmp_path):
     write_meta(tmp_path / "mutants", CODES)
     with pytest.raises(SystemExit, match="already holds results"):
-        mutation_state.restore(str(tmp_path / "mutants"), str(tmp_path / "r.json"), "doc")
+        mutation_state.restore(str(tmp_path / "mutants"), str(tmp_path / "r.json"))
     with pytest.raises(SystemExit, match="no .*nothing.json"):
-        mutation_state.restore(str(tmp_path / "empty"), str(tmp_path / "nothing.json"), "doc")
+        mutation_state.restore(str(tmp_path / "empty"), str(tmp_path / "nothing.json"))
 
 
-def test_a_row_whose_cells_hold_escaped_pipes_is_read(tmp_path):
-    """Markdown writes a pipe inside a cell as `\\|`: such a row still documents its mutant."""
+def test_the_survivors_verdicts_are_read_from_the_results_file(tmp_path):
+    """mutation_score counts a survivor by its entry's "why"; a file with no entries yet (a first
+    run) has none."""
     import mutation_score
 
-    doc = tmp_path / "testing.md"
-    doc.write_text("| `m.x_f__mutmut_5` | `a \\| b` -> `a & b` | equivalent: `x \\| y` is y |\n")
-    assert mutation_score.documented(str(doc)) == {"m.x_f__mutmut_5": "equivalent: `x \\| y` is y"}
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"files": {}, "survivors": SURVIVORS}))
+    assert mutation_score.documented(str(results)) == {
+        name: entry["why"] for name, entry in SURVIVORS.items()
+    }
+    results.write_text(json.dumps({"files": {}}))
+    assert mutation_score.documented(str(results)) == {}
 
 
 def test_save_keeps_an_earlier_result_of_a_mutant_this_run_did_not_check_while_its_hash_holds(
