@@ -103,12 +103,12 @@ def named_first(nodeids, named):
 
 def pytest_collection_modifyitems(config, items):
     """Under mutmut (a mutant's name in MUTANT_UNDER_TEST), run the mutant's tests fastest first,
-    and before them the tests docs/testing.md names in the mutant's row.
+    and before them the tests its entry in docs/mutation_results.json names.
 
     mutmut hands pytest the tests that reach the mutated function in no set order and stops at
     the first failure (-x), so a mutant a 0.1 s test kills could first wait for a 20 s training
     test. The durations are the ones mutmut measured (mutmut-stats.json, in the mutants/ folder
-    it runs the tests from). A survivor of an earlier run whose row names the test written to
+    it runs the tests from). A survivor of an earlier run whose entry names the test written to
     kill it would otherwise rerun every test that passed before that one. The order changes what
     runs first, not the verdict: every test still runs until one fails. Nothing changes outside
     mutmut.
