@@ -46,7 +46,7 @@ def _run(config: TrainConfig, comm: MPICommunicator) -> int:
         if config.timeout and comm.size > 1:
             comm.start_watchdog(config.timeout)
         if comm.rank == 0:
-            print(f"{PROGRAM}: ranks={comm.size} {config.describe()}", flush=True)
+            print(f"{PROGRAM}: {config.describe(comm.size)}", flush=True)
         interactive = sys.stdout.isatty()  # a terminal: one progress bar instead of lines
         train(config, log=lambda line: print(line, flush=True), comm=comm, interactive=interactive)
     except AgreedError as error:  # every rank is here: one says it, all exit, nobody waits
