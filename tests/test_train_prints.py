@@ -51,8 +51,10 @@ def test_one_process_says_a_skipped_step_when_it_happens():
         (dict(), "ranks 0, 1"),  # overlap: both replicas check the reduced mean, inf on both
         (dict(pp=2), "rank 1"),  # each stage checks its own
         (dict(tp=2), "rank 1"),
+        (dict(zero=1, overlap=False), "rank 1"),  # ZeRO 1 reduces after the check
+        (dict(zero=2, overlap=False), "ranks 0, 1"),  # ZeRO 2 reduce-scatters in backward
     ],
-    ids=["dp", "dp-overlap", "pp", "tp"],
+    ids=["dp", "dp-overlap", "pp", "tp", "zero1", "zero2"],
 )
 def test_rank_0_alone_names_the_ranks_whose_gradients_overflowed(layout, who):
     (first, _), (second, _) = simulated(2, steps=3, inject_overflow="2:1", **layout)

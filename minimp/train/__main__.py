@@ -1,5 +1,8 @@
 """`python -m minimp.train` (or `mpirun -n 4 python -m minimp.train`): parse, check, train.
 
+Rank 0 prints what runs (the flags that differ from the dataset's defaults), a progress line every
+--log-every steps, a line for each skipped step as it happens, and a summary at the end.
+
 Everything that can be checked is checked before the first step: every flag, the output paths
 (rank 0 writes the files), the memory the model needs, the device, matplotlib for --plot. Bad input
 is one line, `minimp.train: error: ...`, printed by one rank, and every rank exits with status 2.

@@ -187,7 +187,11 @@ class Run:
 
     def _say_skipped(self, step: int, scale_before: float) -> None:
         """The lesson of a skipped step, as it happens: whose gradients overflowed (every rank
-        takes part in finding out), and what the loss scaler made of it."""
+        takes part in finding out), and what the loss scaler made of it. Each rank is named for
+        what its own check found: where backward reduces the gradients (--overlap, the default,
+        and ZeRO's stages 2-3) the replicas check the reduced mean (or their piece of it), so
+        the line names those that found the inf or NaN, not the one that produced it; with
+        --no-overlap and --zero 0 or 1 it names that one."""
         ranks = self.meter.overflowed_ranks()
         who = "rank" if len(ranks) == 1 else "ranks"
         self.history.say(f"step {step}: skipped, non-finite gradients on {who} "
