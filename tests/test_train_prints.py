@@ -48,11 +48,13 @@ def test_one_process_says_a_skipped_step_when_it_happens():
     "layout, who",
     [
         (dict(overlap=False), "rank 1"),  # each replica checks its own gradients
-        (dict(), "ranks 0, 1"),  # overlap: both replicas check the reduced mean, inf on both
+        # overlap: both replicas check the reduced mean, inf on both
+        (dict(), "ranks 0, 1 (found after the all-reduce in backward)"),
         (dict(pp=2), "rank 1"),  # each stage checks its own
         (dict(tp=2), "rank 1"),
         (dict(zero=1, overlap=False), "rank 1"),  # ZeRO 1 reduces after the check
-        (dict(zero=2, overlap=False), "ranks 0, 1"),  # ZeRO 2 reduce-scatters in backward
+        # ZeRO 2 reduce-scatters in backward
+        (dict(zero=2, overlap=False), "ranks 0, 1 (found after the reduce-scatter in backward)"),
     ],
     ids=["dp", "dp-overlap", "pp", "tp", "zero1", "zero2"],
 )

@@ -190,12 +190,17 @@ class Run:
         takes part in finding out), and what the loss scaler made of it. Each rank is named for
         what its own check found: where backward reduces the gradients (--overlap, the default,
         and ZeRO's stages 2-3) the replicas check the reduced mean (or their piece of it), so
-        the line names those that found the inf or NaN, not the one that produced it; with
-        --no-overlap and --zero 0 or 1 it names that one."""
+        the line names those that found the inf or NaN, not the one that produced it, and says
+        so; with --no-overlap and --zero 0 or 1 it names that one."""
         ranks = self.meter.overflowed_ranks()
         who = "rank" if len(ranks) == 1 else "ranks"
+        config = self.config
+        where = ""
+        if self.dp > 1 and (config.overlap or config.zero >= 2):
+            where = f" (found after the {'reduce-scatter' if config.zero else 'all-reduce'} "
+            where += "in backward)"
         self.history.say(f"step {step}: skipped, non-finite gradients on {who} "
-                         f"{', '.join(map(str, ranks))}; loss scale {scale_before:g} -> "
+                         f"{', '.join(map(str, ranks))}{where}; loss scale {scale_before:g} -> "
                          f"{self.scaler.loss_scale:g}")
 
     def _warn_if_stuck_at_min_scale(self, step: int) -> None:
