@@ -89,16 +89,17 @@ def test_a_run_ends_with_its_summary():
                         summary[1])
     assert summary[2:] == [
         "  skipped       1 of 3 steps",
-        "  sent/step     0 B (one rank sends nothing)",
+        "  sent          nothing (one rank)",
         f"  peak memory   {progress._bytes(peak)} model state, {progress._bytes(activations)} "
-        "activations (the largest rank's)",
+        "activations (the most any rank held)",
     ]
 
 
 def test_the_summary_gives_each_ranks_mean_bytes_per_step_and_a_gpt_tokens():
     (first, result), _ = simulated(2, steps=3, overlap=False, inject_overflow="2:1")
     mean = sum(r["bytes_sent"] for r in result["history"]) / 3  # the skipped step sent nothing
-    assert f"  sent/step     {progress._bytes(mean)} on each of 2 ranks" in first[-1].splitlines()
+    said = f"  sent          {progress._bytes(mean)} per step by each of 2 ranks"
+    assert said in first[-1].splitlines()
     (first, _), _ = simulated(2, pp=2, **{**GPT, "steps": 2})
     assert " tokens/s (over the steps' own " in first[-1]
 
@@ -107,7 +108,9 @@ def test_bytes_read_as_people_write_them():
     assert [progress._bytes(n) for n in (0, 1023, 1536, 3 * 2**20, 2**31)] == [
         "0 B", "1023 B", "1.5 KiB", "3.0 MiB", "2.0 GiB",
     ]  # fmt: skip
-    assert progress._bytes_by_rank([10.0, 2048.0]) == "rank 0 10 B, rank 1 2.0 KiB"
+    assert progress._bytes_by_rank([10.0, 2048.0]) == "per step: rank 0 10 B, rank 1 2.0 KiB"
+    assert progress._bytes_by_rank([2048.0, 2049.0]) == "2.0 KiB per step by each of 2 ranks"
+    assert progress._bytes_by_rank([0.0]) == "nothing (one rank)"
     assert progress._seconds(0.01234) == "0.0123 s" and progress._seconds(1234.4) == "1,234 s"
 
 
@@ -142,7 +145,7 @@ def test_mpirun_prints_the_config_one_skip_line_and_the_summary_from_rank_0():
         "--no-overlap --inject-overflow 2:1",
     ]
     assert lines.count(SKIPPED.format("rank 1")) == 1
-    assert lines[-5].startswith("  wall time ") and lines[-2].endswith(" on each of 2 ranks")
+    assert lines[-5].startswith("  wall time ") and lines[-2].endswith(" by each of 2 ranks")
 
 
 @pytest.fixture(scope="module")

@@ -112,19 +112,20 @@ def summary(history: History, wall_seconds: float, bytes_per_step: list[float],
         f"  wall time     {_seconds(wall_seconds)} (setup, {len(records)} steps, evaluation)",
         f"  throughput    {rate:,.0f} {history.unit}/s (over the steps' own {_seconds(seconds)})",
         f"  skipped       {history.skipped} of {len(records)} steps",
-        f"  sent/step     {_bytes_by_rank(bytes_per_step)}",
+        f"  sent          {_bytes_by_rank(bytes_per_step)}",
         f"  peak memory   {_bytes(model_state)} model state, {_bytes(activations)} activations "
-        "(the largest rank's)",
+        "(the most any rank held)",
     ])  # fmt: skip
 
 
 def _bytes_by_rank(bytes_per_step: list[float]) -> str:
-    """`0 B (one rank sends nothing)`, `1.2 MiB on each of 4 ranks`, or one figure per rank."""
+    """`nothing (one rank)`, `1.2 MiB per step by each of 4 ranks`, or one figure per rank."""
     if len(bytes_per_step) <= 1:
-        return f"{_bytes(bytes_per_step[0] if bytes_per_step else 0)} (one rank sends nothing)"
-    if len(set(bytes_per_step)) == 1:
-        return f"{_bytes(bytes_per_step[0])} on each of {len(bytes_per_step)} ranks"
-    return ", ".join(f"rank {rank} {_bytes(sent)}" for rank, sent in enumerate(bytes_per_step))
+        return "nothing (one rank)"
+    shown = [_bytes(sent) for sent in bytes_per_step]
+    if len(set(shown)) == 1:  # a ring's chunks may differ by a few bytes: equal as shown
+        return f"{shown[0]} per step by each of {len(shown)} ranks"
+    return "per step: " + ", ".join(f"rank {rank} {sent}" for rank, sent in enumerate(shown))
 
 
 def _seconds(seconds: float) -> str:
