@@ -97,9 +97,10 @@ def progress_line(entry: dict, steps: int, loss_scale: float, skipped_so_far: in
 
 def summary(history: History, wall_seconds: float, bytes_per_step: list[float],
             held: dict) -> str:
-    """The lines under `done: ...`: the wall time, the throughput, the skipped steps, the bytes
-    each rank sent per step (the meter's bytes_sent, averaged over the steps) and the peak memory
-    the meter measured (model state and activations, on the rank that held the most)."""
+    """The lines under `done: ...`: the wall time (from the run's setup to its last file) and the
+    steps' own, the throughput over the steps, the skipped steps, the bytes each rank sent per
+    step (the meter's bytes_sent, averaged over the steps) and the peak memory the meter
+    measured (model state and activations, on the rank that held the most)."""
     records = history.records
     if not records:  # a resume at its last step: nothing was trained
         return f"  wall time     {_seconds(wall_seconds)}, no step to run"
@@ -109,8 +110,9 @@ def summary(history: History, wall_seconds: float, bytes_per_step: list[float],
     activations = max(r["peak_activation_bytes"] for r in records)
     model_state = max(held.get("peak_model_state_bytes", [0]))
     return "\n".join([
-        f"  wall time     {_seconds(wall_seconds)} (setup, {len(records)} steps, evaluation)",
-        f"  throughput    {rate:,.0f} {history.unit}/s (over the steps' own {_seconds(seconds)})",
+        f"  wall time     {_seconds(wall_seconds)} in all; the {len(records)} steps took "
+        f"{_seconds(seconds)}",
+        f"  throughput    {rate:,.0f} {history.unit}/s over the steps",
         f"  skipped       {history.skipped} of {len(records)} steps",
         f"  sent          {_bytes_by_rank(bytes_per_step)}",
         f"  peak memory   {_bytes(model_state)} model state, {_bytes(activations)} activations "

@@ -78,14 +78,13 @@ def finish(run: "Run") -> dict:
     held = run.meter.model_state(run.history.records)
     run.history.close({metric: score, **held})
     skipped = run.history.skipped
-    what = metric.replace("_", " ")
-    wall = time.perf_counter() - run.started
-    run.log(f"done: {config.steps} steps, {skipped} skipped, {what} {score:.4f}\n"
-            + progress.summary(run.history, wall, run.meter.bytes_per_step, held))
     if config.save:
         save_checkpoint(run, config.steps, merged)
     if run.comm.rank == 0:
         _write_reports(run, traces)
+    what, wall = metric.replace("_", " "), time.perf_counter() - run.started
+    run.log(f"done: {config.steps} steps, {skipped} skipped, {what} {score:.4f}\n"
+            + progress.summary(run.history, wall, run.meter.bytes_per_step, held))
     run.comm.barrier()  # nobody leaves before the files are complete
     masters = checkpoint.strip_prefix(merged or {}, "master/")
     return {"history": run.history.records, "skipped": skipped, metric: score,
