@@ -17,9 +17,9 @@ measured step.
 
 The default number of stages P is what this machine can show: 4 where 4 cores are free to this
 process, else 2. With more ranks than cores the ranks take turns on the cores, and waiting MPICH
-ranks spin, which slows the computing ones: on a 2-core machine P = 4, M = 8 measured a bubble of
-0.77 where the formula says 0.27, a property of the machine more than of the schedule. `--stages`
-still chooses P.
+ranks spin, which slows the computing ones: the measured bubble then grows far past the formula's,
+a property of the machine more than of the schedule. Other jobs busy on the same cores do the
+same. `--stages` still chooses P.
 """
 
 import argparse
