@@ -190,3 +190,12 @@ def test_the_pipeline_example_defaults_to_the_stages_the_cores_can_show(capsys, 
     with pytest.raises(SystemExit):
         example.main(["--help"])
     assert "(default: 2, for the 2 cores here" in " ".join(capsys.readouterr().out.split())
+
+
+def test_on_a_terminal_the_skip_line_is_written_above_the_bar(capsys):
+    said = []
+    history = progress.History(said.append, "", None, steps=3, log_every=1, units_per_step=1,
+                               interactive=True)
+    history.say("step 2: skipped")
+    history.bar.close()
+    assert said == [] and "step 2: skipped\n" in capsys.readouterr().out
