@@ -4,13 +4,15 @@
 
 Each new character is drawn from softmax(logits / temperature) of the last position (only the
 `top_k` likeliest when given), with the last `--context` characters as the model's input; the draws
-come from `--seed`, so the same flags print the same text. The checkpoint is checked as a resume
-checks it, before any work, and every error is one line naming the fix, exit 2.
+come from `--seed`, so the same flags print the same text, character by character as it is drawn
+(a long generation shows its progress). The checkpoint is checked as a resume checks it, before
+any work, and every error is one line naming the fix, exit 2.
 """
 
 import argparse
 import math
 import sys
+from typing import Iterator
 
 import numpy as np
 
@@ -55,9 +57,10 @@ def load_model(path: str) -> tuple[GPT, TextDataset]:
     return model, data
 
 
-def generate(model: GPT, prompt_ids: np.ndarray, tokens: int, temperature: float, top_k: int,
-             seed: int) -> np.ndarray:
-    """prompt_ids followed by `tokens` drawn ids (no cache: each step reads the last context)."""
+def draw(model: GPT, prompt_ids: np.ndarray, tokens: int, temperature: float, top_k: int,
+         seed: int) -> Iterator[int]:
+    """Yield `tokens` ids drawn after prompt_ids, one at a time, as each is drawn (no cache: each
+    step reads the last context)."""
     rng, ids = np.random.default_rng(seed), list(prompt_ids)
     context = model.config.context
     with no_grad():
@@ -69,7 +72,14 @@ def generate(model: GPT, prompt_ids: np.ndarray, tokens: int, temperature: float
                 logits[logits < np.sort(logits)[-top_k]] = -np.inf
             probabilities = np.exp(logits - logits.max())
             ids.append(int(rng.choice(len(logits), p=probabilities / probabilities.sum())))
-    return np.asarray(ids)
+            yield ids[-1]
+
+
+def generate(model: GPT, prompt_ids: np.ndarray, tokens: int, temperature: float, top_k: int,
+             seed: int) -> np.ndarray:
+    """prompt_ids followed by `tokens` drawn ids (`draw`'s, all at once)."""
+    drawn = list(draw(model, prompt_ids, tokens, temperature, top_k, seed))
+    return np.asarray([*prompt_ids, *drawn], dtype=np.int64)
 
 
 def check(args: argparse.Namespace) -> None:
@@ -99,8 +109,12 @@ def sample(args: argparse.Namespace) -> int:
         prompt = data.encode(args.prompt)
     except ValueError as error:
         raise ConfigError(f"--prompt: {error}") from None
-    ids = generate(model, prompt, args.tokens, args.temperature, args.top_k, args.seed)
-    print(data.decode(ids))
+    # Each character is printed (and flushed) as it is drawn: a long generation shows progress
+    # instead of a silent wait; the text is the same as printing it whole at the end.
+    print(args.prompt, end="", flush=True)
+    for token in draw(model, prompt, args.tokens, args.temperature, args.top_k, args.seed):
+        print(data.decode([token]), end="", flush=True)
+    print()
     return 0
 
 

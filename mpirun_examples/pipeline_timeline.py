@@ -1,8 +1,8 @@
 """Pipeline schedules you can see: GPipe, 1F1B, interleaved 1F1B and ZB-H1 as Gantt charts from
 real timelines; the bubble measured, its formula, and the step simulated from measured parts.
 
-    python mpirun_examples/pipeline_timeline.py          # P = 4, M = 8 -> pipeline_timeline.png
-    python mpirun_examples/pipeline_timeline.py --stages 2 --micro-batches 4 --png two_stages.png
+    python mpirun_examples/pipeline_timeline.py      # P = 2 or 4 (the cores), M = 8 -> a .png
+    python mpirun_examples/pipeline_timeline.py --stages 4 --micro-batches 4 --png four_stages.png
     python mpirun_examples/pipeline_timeline.py --sweep      # the table: P = 2, 4 and M = 1..16
 
 It launches `mpirun -n P python -m minimp.train --pp P --schedule S --timeline ...` for each
@@ -13,9 +13,13 @@ backward), beside the formula of minimp.parallel.pipeline.schedules (with a back
 forward). The model (8 hidden layers of 512) splits into stages of nearly equal parameter count. The
 schedule simulator (minimp/parallel/pipeline/simulator.py), fed with the run's median times of each
 compute per stage and the shipped machine model's time for one activation message, predicts the
-measured step. On a 2-core machine P = 4 is oversubscribed and waiting MPICH ranks spin, which slows
-the computing ones: the measured bubble is then a property of this machine as much as of the
-schedule.
+measured step.
+
+The default number of stages P is what this machine can show: 4 where 4 cores are free to this
+process, else 2. With more ranks than cores the ranks take turns on the cores, and waiting MPICH
+ranks spin, which slows the computing ones: the measured bubble then grows far past the formula's,
+a property of the machine more than of the schedule. Other jobs busy on the same cores do the
+same. `--stages` still chooses P.
 """
 
 import argparse
@@ -25,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 
+from minimp.backend import available_cores
 from minimp.lessons.timelines import (  # lesson 7's measurements and model
     BATCH,
     HIDDEN,
@@ -140,9 +145,21 @@ def draw(timelines, path):
     figure.savefig(path, dpi=110)
 
 
+def default_stages(cores):
+    """4 stages where 4 cores are free, else 2: one core per rank, or the bubble measured is the
+    machine's (ranks taking turns on a core) more than the schedule's; a pipeline needs 2."""
+    return 4 if cores >= 4 else 2
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", type=int, default=4)
+    cores = available_cores()
+    parser.add_argument(
+        "--stages", type=int, default=default_stages(cores),
+        help=f"pipeline stages P, one rank each (default: {default_stages(cores)}, for the "
+        f"{cores} cores here: 4 where 4 cores are free, else 2; more ranks than cores take turns "
+        "on them and the measured bubble becomes the machine's, not the schedule's)",
+    )  # fmt: skip
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--png", default="pipeline_timeline.png")

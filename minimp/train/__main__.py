@@ -1,5 +1,8 @@
 """`python -m minimp.train` (or `mpirun -n 4 python -m minimp.train`): parse, check, train.
 
+Rank 0 prints what runs (the flags that differ from the dataset's defaults), a progress line every
+--log-every steps, a line for each skipped step as it happens, and a summary at the end.
+
 Everything that can be checked is checked before the first step: every flag, the output paths
 (rank 0 writes the files), the memory the model needs, the device, matplotlib for --plot. Bad input
 is one line, `minimp.train: error: ...`, printed by one rank, and every rank exits with status 2.
@@ -46,7 +49,7 @@ def _run(config: TrainConfig, comm: MPICommunicator) -> int:
         if config.timeout and comm.size > 1:
             comm.start_watchdog(config.timeout)
         if comm.rank == 0:
-            print(f"{PROGRAM}: ranks={comm.size} {config.describe()}", flush=True)
+            print(f"{PROGRAM}: {config.describe(comm.size)}", flush=True)
         interactive = sys.stdout.isatty()  # a terminal: one progress bar instead of lines
         train(config, log=lambda line: print(line, flush=True), comm=comm, interactive=interactive)
     except AgreedError as error:  # every rank is here: one says it, all exit, nobody waits

@@ -2,8 +2,9 @@
 
 Fields whose default depends on the dataset are None in the dataclass and filled from
 DATASET_DEFAULTS when the config is made: the digits get the small MLP's settings, shakespeare
-gets nanoGPT's CPU configuration of its shakespeare_char example. `--help` lists both, and the
-resolved line rank 0 prints at start says which applied. The checks live in checks.py.
+gets nanoGPT's CPU configuration of its shakespeare_char example. `--help` lists both; rank 0
+prints at start what runs and the flags that differ from the dataset's defaults. The checks live
+in checks.py.
 """
 
 import dataclasses
@@ -216,10 +217,40 @@ class TrainConfig:
                               f"{after + 1}..{self.steps}")
         return step, rank
 
-    def describe(self) -> str:
-        """The resolved configuration on one line, as rank 0 prints it at start."""
+    def describe(self, world_size: int = 1) -> str:
+        """The resolved configuration, as rank 0 prints it at start: a headline (what trains, in
+        what precision, how long, on how many ranks), then every flag whose resolved value
+        differs from the dataset's defaults, written as the flags that repeat the run."""
         kind, value = self.loss_scale_kind()
-        settings = dataclasses.asdict(self)
-        settings["loss_scale"] = f"{kind}" if value is None else f"static {value:g}"
-        shown = [f"{key}={value}" for key, value in settings.items() if value not in ("", None)]
-        return "config " + " ".join(shown)
+        scaling = {"dynamic": "a dynamic loss scale", "none": "no loss scaling"}.get(kind)
+        if value is not None:
+            scaling = f"a static loss scale of {value:g}"
+        if self.model == "gpt":
+            model = (f"a GPT of {self.layers} blocks x {self.hidden} ({self.heads} heads, "
+                     f"context {self.context})")
+        else:
+            model = f"an MLP of {self.layers} hidden layers x {self.hidden}"
+        ranks = f"{world_size} rank" + ("s" if world_size > 1 else "")
+        headline = (f"{self.dataset}: {model}, {self.precision} with {scaling}, {self.optimizer} "
+                    f"lr {self.lr:g}, batch {self.batch_size}, {self.steps} steps, {ranks}")
+        changed = self.changed_flags()
+        if not changed:
+            return f"{headline}\n  every flag at the {self.dataset} defaults (--help lists them)"
+        return f"{headline}\n  differs from the {self.dataset} defaults: {' '.join(changed)}"
+
+    def changed_flags(self) -> list[str]:
+        """`--name value` for each field whose resolved value differs from what the dataset's
+        defaults resolve to (a switch alone, or --no-overlap), in the fields' order."""
+        defaults = TrainConfig(dataset=self.dataset)
+        shown = []
+        for setting in dataclasses.fields(self):
+            value = getattr(self, setting.name)
+            if value == getattr(defaults, setting.name):
+                continue
+            if isinstance(value, bool):
+                shown.append(flag(setting.name) if value else f"--no-{flag(setting.name)[2:]}")
+            elif isinstance(value, float):
+                shown.append(f"{flag(setting.name)} {value:g}")
+            else:
+                shown.append(f"{flag(setting.name)} {value}")
+        return shown

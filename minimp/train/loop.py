@@ -55,6 +55,7 @@ class Run:
     def __init__(self, config: TrainConfig, comm: Communicator, log: Callable[[str], None],
                  interactive: bool = False):
         """interactive: a person watches this process's terminal (a progress bar, not lines)."""
+        self.started = time.perf_counter()  # the summary's wall time counts the setup too
         self.config, self.comm, self.dp = config, comm, config.data_parallel_size(comm.size)
         self.log = log if comm.rank == 0 else (lambda line: None)
         self.topology = Topology(comm, dp=self.dp, pp=config.pp, tp=config.tp)
@@ -129,6 +130,8 @@ class Run:
         with self.meter.exposed():
             max_norm = self.config.max_grad_norm or None
             result = mixed_precision_step(self.optimizer, self.scaler, max_norm, self.meter.sync)
+        if result.skipped:
+            self._say_skipped(step, result.loss_scale)
         self._warn_if_stuck_at_min_scale(step)
         fp8 = {} if self.fp8 is None else {"fp8": self.fp8.end_step(self.comm, self.meter.timed)}
         self._check_replicas(step)
@@ -181,6 +184,24 @@ class Run:
     def _scale_loss(self, loss: Tensor) -> Tensor:
         """Each micro-batch carries 1/M of the batch mean; the loss scale lifts fp16 gradients."""
         return self.scaler.scale(loss) * (1.0 / self.config.micro_batches)
+
+    def _say_skipped(self, step: int, scale_before: float) -> None:
+        """The lesson of a skipped step, as it happens: whose gradients overflowed (every rank
+        takes part in finding out), and what the loss scaler made of it. Each rank is named for
+        what its own check found: where backward reduces the gradients (--overlap, the default,
+        and ZeRO's stages 2-3) the replicas check the reduced mean (or their piece of it), so
+        the line names those that found the inf or NaN, not the one that produced it, and says
+        so; with --no-overlap and --zero 0 or 1 it names that one."""
+        ranks = self.meter.overflowed_ranks()
+        who = "rank" if len(ranks) == 1 else "ranks"
+        config = self.config
+        where = ""
+        if self.dp > 1 and (config.overlap or config.zero >= 2):
+            where = f" (found after the {'reduce-scatter' if config.zero else 'all-reduce'} "
+            where += "in backward)"
+        self.history.say(f"step {step}: skipped, non-finite gradients on {who} "
+                         f"{', '.join(map(str, ranks))}{where}; loss scale {scale_before:g} -> "
+                         f"{self.scaler.loss_scale:g}")
 
     def _warn_if_stuck_at_min_scale(self, step: int) -> None:
         if self.scaler.hit_min_scale:

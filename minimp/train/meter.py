@@ -14,8 +14,9 @@ partial gradients), `seconds_by_collective` (ZeRO's run inside backward and the 
 the loss) and `peak_activation_bytes` (the most bytes kept for backward at once, the largest over
 the ranks). In the final row: `model_state_bytes`, one total per rank, held at the end of the last
 step, with `model_state_by_kind` and `peak_model_state_bytes` beside it
-(minimp/parallel/zero/formulas.py has the formulas they are checked against). With --timeline every
-timed call also goes into this rank's trace (minimp/measure/trace.py).
+(minimp/parallel/zero/formulas.py has the formulas they are checked against). After a skipped
+step, `overflowed_ranks` names the ranks whose own check found the non-finite gradient. With
+--timeline every timed call also goes into this rank's trace (minimp/measure/trace.py).
 """
 
 import time
@@ -67,6 +68,22 @@ class TimedCalls:
         return self._stopwatch.wrap(getattr(self._target, name), name)
 
 
+class OverflowWitness:
+    """Stands in for the step's GradientSync and remembers whether this rank's own checks found a
+    non-finite gradient: the flag it hands to `any_rank`, before the ranks agree (the agreed
+    decision says only that some rank did)."""
+
+    def __init__(self, sync: Any):
+        self._sync, self.found = sync, False
+
+    def any_rank(self, found_inf: bool) -> bool:
+        self.found = self.found or found_inf
+        return self._sync.any_rank(found_inf)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sync, name)
+
+
 class Meter:
     """One rank's measurements of its steps (the module's docstring)."""
 
@@ -75,8 +92,9 @@ class Meter:
         self.config, self.comm, self.topology, self.runner = config, comm, topology, runner
         self.stopwatch = Stopwatch()
         self.plain_sync = sync
-        # The GradientSync the step calls, timed: its calls are the step's communication.
-        self.sync = TimedCalls(sync, self.stopwatch)
+        # The GradientSync the step calls, timed: its calls are the step's communication; the
+        # witness keeps this rank's own overflow flag for the line a skipped step prints.
+        self.sync = OverflowWitness(TimedCalls(sync, self.stopwatch))
         # The groups whose bytes a step counts; the scalar all-reduces are counted on every
         # communicator of this rank.
         self.groups = {"data_parallel": topology.dp_group, "pipeline": topology.pp_group}
@@ -92,6 +110,7 @@ class Meter:
         self.current_step, self.exposed_seconds = 0, 0.0
         self.straggler: float | None = None
         self.held: dict[str, int] | None = None  # after a step: the bytes kept until the next
+        self.bytes_per_step: list[float] = []  # after model_state: each rank's mean bytes sent
 
     def start(self, step: int) -> None:
         """The step's clock and counters start; with --timeline all ranks start it together, so
@@ -99,6 +118,7 @@ class Meter:
         if self.config.timeline:
             self.comm.barrier()
         self.current_step, self.straggler = step, None
+        self.sync.found = False
         self.stopwatch.seconds = 0.0
         self.counts_before = self._counts()
         self.step_start = time.perf_counter()
@@ -132,6 +152,16 @@ class Meter:
         self.exposed_seconds = self.stopwatch.seconds - before
         self.held = self.plain_sync.held()
         self.plain_sync.peak.sample(self.held)
+
+    def overflowed_ranks(self) -> list[int]:
+        """After a skipped step, on every rank: the ranks whose own check found a non-finite
+        gradient. One more scalar all-reduce (a MAX over one flag per rank), taken only on a skip
+        and then by every rank (all of them share the skip decision, so none waits in vain);
+        counted, as the step's others, in its scalar_allreduces, and sending no counted bytes."""
+        flags = np.zeros(self.comm.size)
+        flags[self.comm.rank] = float(self.sync.found)
+        flags = self.timed(self.comm.allreduce_scalars, "overflowed_ranks")(flags, "max")
+        return [rank for rank, flag in enumerate(flags) if flag]
 
     def finish(self, step: int, decisions: dict[str, Any], loss_sum: float,
                fp8: dict) -> dict[str, Any]:
@@ -190,20 +220,25 @@ class Meter:
         total = self.timed(self.comm.allreduce_scalars, "mean_loss")(values, "sum")
         return float(total[0]), int(total[1:].max())
 
-    def model_state(self) -> dict[str, Any]:
+    def model_state(self, records: list[dict]) -> dict[str, Any]:
         """The final row's memory fields: every rank's held bytes (total and by kind) at the end
         of its last step and its peak inside a step, gathered with one SUM all-reduce of a (ranks
-        x kinds) table; nothing when no step ran."""
+        x kinds) table; nothing when no step ran. The table also brings every rank's mean
+        bytes_sent over `records` (this rank's steps) into `bytes_per_step`, for the summary."""
         if self.held is None:
             return {}
-        table = np.zeros((self.comm.size, len(KINDS) + 1))
-        table[self.comm.rank, :-1] = [self.held[kind] for kind in KINDS]
-        table[self.comm.rank, -1] = self.plain_sync.peak.total
+        kinds = len(KINDS)
+        table = np.zeros((self.comm.size, kinds + 2))
+        table[self.comm.rank, :kinds] = [self.held[kind] for kind in KINDS]
+        table[self.comm.rank, kinds] = self.plain_sync.peak.total
+        # The same all-reduce brings each rank's mean bytes sent per step, for the run's summary.
+        table[self.comm.rank, kinds + 1] = np.mean([row["bytes_sent"] for row in records])
         table = self.comm.allreduce_scalars(table.reshape(-1), "sum").reshape(table.shape)
-        return {"model_state_bytes": [int(row[:-1].sum()) for row in table],
-                "model_state_by_kind": [{kind: int(value) for kind, value in zip(KINDS, row[:-1])}
+        self.bytes_per_step = [float(row[kinds + 1]) for row in table]
+        return {"model_state_bytes": [int(row[:kinds].sum()) for row in table],
+                "model_state_by_kind": [{kind: int(value) for kind, value in zip(KINDS, row)}
                                         for row in table],
-                "peak_model_state_bytes": [int(row[-1]) for row in table]}
+                "peak_model_state_bytes": [int(row[kinds]) for row in table]}
 
     def _record_communication(self, op: str, start: float, end: float) -> None:
         assert self.trace is not None  # the listener is set only with a trace

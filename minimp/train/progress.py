@@ -1,5 +1,5 @@
-"""What a run says as it goes: the per-step records, the --metrics file, and progress lines (or,
-on a terminal a person watches, one updating bar)."""
+"""What a run says as it goes: the per-step records, the --metrics file, progress lines (or, on a
+terminal a person watches, one updating bar), the lines of skipped steps, and the final summary."""
 
 import json
 import time
@@ -63,6 +63,13 @@ class History:
         if "val_loss" in entry:  # evaluations stay on the screen above the bar
             self.bar.write(line)
 
+    def say(self, line: str) -> None:
+        """A line between the progress lines (above the bar, on a terminal)."""
+        if self.bar is None:
+            self.log(line)
+        else:
+            self.bar.write(line)
+
     def close(self, final_record: dict) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -86,3 +93,51 @@ def progress_line(entry: dict, steps: int, loss_scale: float, skipped_so_far: in
     return (f"step {entry['step']:>5}/{steps}  loss {entry['loss']:.4f}{validation}  "
             f"lr {entry['lr']:.1e}  loss scale {loss_scale:g}  skipped {skipped_so_far}  "
             f"{rate:,.0f} {unit}/s  ETA {minutes}m{seconds:02d}s")
+
+
+def summary(history: History, wall_seconds: float, bytes_per_step: list[float],
+            held: dict) -> str:
+    """The lines under `done: ...`: the wall time (from the run's setup to its last file) and the
+    steps' own, the throughput over the steps, the skipped steps, the bytes each rank sent per
+    step (the meter's bytes_sent, averaged over the steps) and the peak memory the meter
+    measured (model state and activations, on the rank that held the most)."""
+    records = history.records
+    if not records:  # a resume at its last step: nothing was trained
+        return f"  wall time     {_seconds(wall_seconds)}, no step to run"
+    seconds = sum(r["compute_seconds"] + r["communication_seconds"] + r.get("straggler_seconds", 0)
+                  for r in records)
+    rate = len(records) * history.units_per_step / max(seconds, 1e-9)
+    activations = max(r["peak_activation_bytes"] for r in records)
+    model_state = max(held.get("peak_model_state_bytes", [0]))
+    return "\n".join([
+        f"  wall time     {_seconds(wall_seconds)} in all; the {len(records)} steps took "
+        f"{_seconds(seconds)}",
+        f"  throughput    {rate:,.0f} {history.unit}/s over the steps",
+        f"  skipped       {history.skipped} of {len(records)} steps",
+        f"  sent          {_bytes_by_rank(bytes_per_step)}",
+        f"  peak memory   {_bytes(model_state)} model state, {_bytes(activations)} activations "
+        "(the most any rank held)",
+    ])  # fmt: skip
+
+
+def _bytes_by_rank(bytes_per_step: list[float]) -> str:
+    """`nothing (one rank)`, `1.2 MiB per step by each of 4 ranks`, or one figure per rank."""
+    if len(bytes_per_step) <= 1:
+        return "nothing (one rank)"
+    shown = [_bytes(sent) for sent in bytes_per_step]
+    if len(set(shown)) == 1:  # a ring's chunks may differ by a few bytes: equal as shown
+        return f"{shown[0]} per step by each of {len(shown)} ranks"
+    return "per step: " + ", ".join(f"rank {rank} {sent}" for rank, sent in enumerate(shown))
+
+
+def _seconds(seconds: float) -> str:
+    """3 significant digits (`0.0123 s`, `37.4 s`), whole seconds from 100 (`1,234 s`)."""
+    return f"{seconds:,.0f} s" if seconds >= 100 else f"{seconds:.3g} s"
+
+
+def _bytes(count: float) -> str:
+    """1,536 -> `1.5 KiB`; below 1 KiB, whole bytes."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count:.0f} B"

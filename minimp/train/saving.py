@@ -8,6 +8,7 @@ the layout), so any layout resumes any other.
 """
 
 import json
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,7 +19,7 @@ from minimp.measure import trace
 from minimp.parallel.tensor.checkpoint import gather_shards
 from minimp.parallel.zero.optimizer import ShardedOptimizer
 from minimp.parallel.zero.stages import zero_stage
-from minimp.train import plot
+from minimp.train import plot, progress
 
 if TYPE_CHECKING:  # loop.py imports this module
     from minimp.train.loop import Run
@@ -74,15 +75,16 @@ def finish(run: "Run") -> dict:
     traces = _gather_traces(run)
     score = evaluate(run, batches=None, merged=merged)  # the whole test or validation set
     metric = run.task.final_metric
-    held = run.meter.model_state()
+    held = run.meter.model_state(run.history.records)
     run.history.close({metric: score, **held})
     skipped = run.history.skipped
-    what = metric.replace("_", " ")
-    run.log(f"done: {config.steps} steps, {skipped} skipped, {what} {score:.4f}")
     if config.save:
         save_checkpoint(run, config.steps, merged)
     if run.comm.rank == 0:
         _write_reports(run, traces)
+    what, wall = metric.replace("_", " "), time.perf_counter() - run.started
+    run.log(f"done: {config.steps} steps, {skipped} skipped, {what} {score:.4f}\n"
+            + progress.summary(run.history, wall, run.meter.bytes_per_step, held))
     run.comm.barrier()  # nobody leaves before the files are complete
     masters = checkpoint.strip_prefix(merged or {}, "master/")
     return {"history": run.history.records, "skipped": skipped, metric: score,
