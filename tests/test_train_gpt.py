@@ -149,6 +149,7 @@ def test_resuming_a_gpt_with_dropout_and_a_cosine_schedule_is_bit_identical(tmp_
         assert array.tobytes() == resumed["master_weights"][name].tobytes(), name
 
 
+@pytest.mark.slow  # 600 steps
 def test_a_small_gpt_learns_shakespeare_below_2_5_nats():
     """2 layers, width 64, context 32, batch 16, lr 3e-3, 600 steps: PyTorch reaches 2.32 on the
     whole validation split (the GPT issue), the unigram entropy is 3.31."""
