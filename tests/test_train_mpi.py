@@ -37,7 +37,7 @@ def one_process_fp32(tmp_path_factory):
     return masters(folder / "one.npz")
 
 
-@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("ranks", [2, *slow_cases(4)])
 def test_fp32_data_parallel_ends_with_the_one_process_weights(tmp_path, one_process_fp32, ranks):
     result = train_command(
         ranks, "--precision", "fp32", "--steps", "20", "--save", str(tmp_path / "dp.npz")
