@@ -5,6 +5,10 @@
 #
 #   bash scripts/gpu_check.sh [OUT.json]        (wheels: .whl/ or $MINIMP_WHEELS; mpich + mpi4py)
 #
+# $PYTHON is the interpreter (default: python3 from PATH); a venv's, unactivated, works too, e.g.
+# PYTHON=.venv/bin/python bash scripts/gpu_check.sh (the tests pass their own), and the mpirun
+# next to it comes first on PATH.
+#
 # The machine needs CuPy, NumPy, ml_dtypes, threadpoolctl and pytest; only MPI is installed here, from
 # the wheels, because a GPU machine without a registry rarely has an mpirun.
 set -u
@@ -30,6 +34,7 @@ if ! problem=$($PY -c "$check_gpu" 2>&1); then
   exit 2
 fi
 
+PATH=$(dirname "$($PY -c 'import sys; print(sys.executable)')"):$PATH
 if ! (command -v mpirun >/dev/null 2>&1 && $PY -c "from mpi4py import MPI" >/dev/null 2>&1); then
   stamp "installing MPI from $WHEELS"
   $PY -m pip install -q --no-index --no-deps --no-compile --prefix /tmp/minimp-mpi "$WHEELS"/*.whl || exit 1

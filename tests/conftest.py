@@ -35,6 +35,13 @@ def run_train(ranks, flags, timeout=180):
     )
 
 
+def slow_cases(*cases):
+    """A matrix's parameter sets for the slow tier: the default tier keeps one case of each
+    mpirun matrix, so `-m "not slow"` still launches every feature under real mpirun once."""
+    cases = [case if isinstance(case, tuple) else (case,) for case in cases]  # one value each
+    return [pytest.param(*case, marks=pytest.mark.slow) for case in cases]
+
+
 def masters(path):
     """The float32 master weights a checkpoint holds, by name."""
     with np.load(path) as archive:

@@ -6,7 +6,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import MPIRUN, PYTHON
+from conftest import MPIRUN, PYTHON, slow_cases
 
 pytestmark = [
     pytest.mark.mpi,
@@ -20,7 +20,7 @@ def mpirun(ranks, program, *args, timeout=120):
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("ranks", [3, *slow_cases(1, 2, 4)])  # 3: no power of two
 def test_every_algorithm_agrees_with_mpi_allreduce(ranks):
     result = mpirun(ranks, "check_allreduce.py")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -49,6 +49,7 @@ def run_example(ranks, name, *args):
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_the_examples_run(tmp_path):
     ring = run_example(3, "ring_allreduce.py")
     assert ring.returncode == 0 and ring.stdout.count("-> [3.0, 3.0, 3.0, 3.0, 3.0, 3.0]") == 3
@@ -119,7 +120,7 @@ def test_the_watchdog_ends_a_job_whose_rank_froze():
     assert "--timeout 2 s" in result.stderr
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("ranks", [3, *slow_cases(1, 2)])
 def test_isend_and_irecv_exchange_past_the_eager_limit_in_any_order(ranks):
     result = mpirun(ranks, "nonblocking.py")
     assert result.returncode == 0, result.stderr[-3000:]

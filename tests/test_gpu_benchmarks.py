@@ -18,7 +18,8 @@ no_gpu_only = pytest.mark.skipif(HAS_GPU, reason="a GPU is here: the no-GPU exit
 
 
 def run(command):
-    environment = {**os.environ, "PYTHONPATH": ROOT}
+    """command from the repository's root; scripts/gpu_check.sh on this interpreter, not python3."""
+    environment = {**os.environ, "PYTHONPATH": ROOT, "PYTHON": PYTHON}
     return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env=environment)  # fmt: skip
 

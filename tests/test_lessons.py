@@ -45,6 +45,7 @@ def test_lesson_is_stored_without_outputs(name):
             )
 
 
+@pytest.mark.slow  # 55 s for the fourteen kernels: the slow tier
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_lesson_runs_top_to_bottom_from_another_folder(name, tmp_path):
     """The kernel starts in an empty folder, not in lessons/: nothing may depend on it."""

@@ -127,6 +127,7 @@ def test_b_then_w_gives_the_bits_of_one_backward_in_the_lessons_cell():
 
 
 @pytest.mark.mpi
+@pytest.mark.slow  # four mpirun jobs; one real pipeline job stays in the default tier
 def test_the_runner_stores_what_the_schedules_data_says_at_p2_m4():
     """The lesson's real runs (mpirun, 2 ranks, 3 steps each to keep it short)."""
     for name, V in CHUNKS.items():

@@ -4,7 +4,7 @@ import os
 import subprocess
 
 import pytest
-from conftest import MPIRUN, PYTHON, masters
+from conftest import MPIRUN, PYTHON, masters, slow_cases
 
 pytestmark = [
     pytest.mark.mpi,
@@ -13,10 +13,9 @@ pytestmark = [
 SMALL = ["--hidden", "64", "--layers", "3", "--batch-size", "32", "--log-every", "1000"]
 
 
-
-
 @pytest.mark.parametrize(
-    "precision, zero", [("fp16", "0"), ("fp32", "0"), ("fp16", "1"), ("fp16", "2"), ("fp32", "3")]
+    "precision, zero",
+    [("fp16", "0"), *slow_cases(("fp32", "0"), ("fp16", "1"), ("fp16", "2"), ("fp32", "3"))],
 )
 def test_overlap_under_mpirun_ends_with_the_bits_of_no_overlap(tmp_path, precision, zero):
     weights = {}
@@ -35,6 +34,7 @@ def test_overlap_under_mpirun_ends_with_the_bits_of_no_overlap(tmp_path, precisi
         assert array.tobytes() == weights["--no-overlap"][name].tobytes(), name
 
 
+@pytest.mark.slow
 def test_the_overlap_benchmark_reports_both_modes_and_their_ratio():
     example = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples", "overlap_bench.py")
     result = subprocess.run(

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import MPIRUN, PYTHON, masters, run_train
+from conftest import MPIRUN, PYTHON, masters, run_train, slow_cases
 
 pytestmark = [
     pytest.mark.mpi,
@@ -20,8 +20,6 @@ SMALL = ["--hidden", "32", "--layers", "3", "--batch-size", "32", "--log-every",
 
 def train_command(ranks, *flags, timeout=180):
     return run_train(ranks, [*SMALL, *flags], timeout)
-
-
 
 
 def last_loss(path):
@@ -39,7 +37,7 @@ def one_process_fp32(tmp_path_factory):
     return masters(folder / "one.npz")
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [2, *slow_cases(4)])
 def test_fp32_data_parallel_ends_with_the_one_process_weights(tmp_path, one_process_fp32, ranks):
     result = train_command(
         ranks, "--precision", "fp32", "--steps", "20", "--save", str(tmp_path / "dp.npz")
@@ -51,6 +49,7 @@ def test_fp32_data_parallel_ends_with_the_one_process_weights(tmp_path, one_proc
         )
 
 
+@pytest.mark.slow
 def test_fp16_data_parallel_final_loss_within_one_percent(tmp_path):
     assert (
         train_command(1, "--steps", "60", "--metrics", str(tmp_path / "one.jsonl")).returncode == 0
@@ -95,16 +94,16 @@ def test_an_injected_fault_ends_the_job_fast_with_that_rank_s_message():
     "flags, message",
     [
         (["--dp", "3"], "--dp 3 does not match the 4 ranks of this job"),
-        (
-            ["--batch-size", "66"],
-            "--batch-size 66 is not divisible by the 4 data-parallel replicas",
+        *slow_cases(
+            (["--batch-size", "66"],
+             "--batch-size 66 is not divisible by the 4 data-parallel replicas"),
+            (["--steps", "0"], "--steps must be a positive integer"),
+            (["--pp", "3"], "--pp 3 does not divide the 4 ranks of this job"),
+            (["--pp", "8"], "--pp 8 needs at least 8 layers with weights, the model has 4"),
+            (["--pp", "2", "--dp", "1"], "--dp 1 does not match the 4 ranks of this job"),
+            (["--zero", "1", "--check-replicas", "5"], "--check-replicas compares the replicas'"),
         ),
-        (["--steps", "0"], "--steps must be a positive integer"),
-        (["--pp", "3"], "--pp 3 does not divide the 4 ranks of this job"),
-        (["--pp", "8"], "--pp 8 needs at least 8 layers with weights, the model has 4"),
-        (["--pp", "2", "--dp", "1"], "--dp 1 does not match the 4 ranks of this job"),
-        (["--zero", "1", "--check-replicas", "5"], "--check-replicas compares the replicas'"),
-    ],
+    ],  # fmt: skip
 )
 def test_bad_input_is_one_error_from_rank_0_and_no_hang(flags, message):
     result = train_command(4, *flags, timeout=60)
@@ -113,6 +112,7 @@ def test_bad_input_is_one_error_from_rank_0_and_no_hang(flags, message):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumes_with_another_number_of_replicas(tmp_path):
     common = ["--precision", "fp32"]
     assert (
@@ -150,13 +150,15 @@ def assert_same_masters(path, reference):
     "ranks, flags",
     [
         (2, ["--pp", "2", "--schedule", "1f1b", "--micro-batches", "4"]),
-        (4, ["--pp", "4", "--schedule", "gpipe", "--micro-batches", "2"]),
-        (4, ["--pp", "4", "--schedule", "1f1b", "--micro-batches", "2"]),  # M < P
-        (4, ["--dp", "2", "--pp", "2", "--micro-batches", "2"]),
-        (2, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
-             "--micro-batches", "4"]),
-        (2, ["--pp", "2", "--schedule", "zb-h1", "--micro-batches", "4"]),
-        (4, ["--pp", "4", "--schedule", "zb-h1", "--micro-batches", "4"]),
+        *slow_cases(
+            (4, ["--pp", "4", "--schedule", "gpipe", "--micro-batches", "2"]),
+            (4, ["--pp", "4", "--schedule", "1f1b", "--micro-batches", "2"]),  # M < P
+            (4, ["--dp", "2", "--pp", "2", "--micro-batches", "2"]),
+            (2, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+                 "--micro-batches", "4"]),
+            (2, ["--pp", "2", "--schedule", "zb-h1", "--micro-batches", "4"]),
+            (4, ["--pp", "4", "--schedule", "zb-h1", "--micro-batches", "4"]),
+        ),
     ],  # fmt: skip
     ids=["pp2-1f1b-m4", "pp4-gpipe-m2", "pp4-1f1b-m2", "dp2-pp2", "pp2-interleaved-v2-m4",
          "pp2-zb-h1-m4", "pp4-zb-h1-m4"],  # fmt: skip
@@ -171,11 +173,16 @@ def test_pipeline_under_mpirun_ends_with_the_one_process_weights(
     assert_same_masters(tmp_path / "pp.npz", one_process_fp32)
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
 @pytest.mark.parametrize(
-    "ranks, layout",
-    [(2, ["--dp", "2"]), (4, ["--dp", "2", "--pp", "2", "--micro-batches", "2"])],
-    ids=["dp2", "dp2-pp2"],
+    "ranks, layout, zero",
+    [
+        (2, ["--dp", "2"], 3),
+        *slow_cases(
+            (2, ["--dp", "2"], 1), (2, ["--dp", "2"], 2),
+            *[(4, ["--dp", "2", "--pp", "2", "--micro-batches", "2"], zero) for zero in (1, 2, 3)],
+        ),
+    ],
+    ids=["dp2-3", "dp2-1", "dp2-2", "dp2-pp2-1", "dp2-pp2-2", "dp2-pp2-3"],
 )
 def test_zero_under_mpirun_ends_with_the_one_process_weights(
     tmp_path, one_process_fp32, zero, ranks, layout
@@ -192,6 +199,7 @@ def test_zero_under_mpirun_ends_with_the_one_process_weights(
     assert records[0]["bytes_by_collective"]["reduce_scatter"] > 0
 
 
+@pytest.mark.slow
 def test_the_zero_memory_example_measures_what_the_formulas_say():
     example = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples", "zero_memory.py")
     result = subprocess.run(
@@ -210,6 +218,7 @@ def test_the_zero_memory_example_measures_what_the_formulas_say():
     assert trade["kept_recompute"] == trade["kept_recompute_formula"] < trade["kept_plain"]
 
 
+@pytest.mark.slow
 def test_an_overflow_on_the_last_stage_makes_every_stage_skip(tmp_path):
     result = train_command(
         4,
@@ -227,6 +236,7 @@ def test_an_overflow_on_the_last_stage_makes_every_stage_skip(tmp_path):
     assert [r["skipped"] for r in records[:6]] == [False, False, True, False, False, False]
 
 
+@pytest.mark.slow
 def test_a_fault_on_a_middle_stage_ends_the_job_fast():
     start = time.monotonic()
     result = train_command(4, "--pp", "4", "--steps", "50", "--inject-fault", "3:1", timeout=60)
@@ -234,6 +244,7 @@ def test_a_fault_on_a_middle_stage_ends_the_job_fast():
     assert "injected fault at step 3 on rank 1" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_checkpoint_moves_between_layouts(tmp_path, one_process_fp32):
     """Written with --pp 4, resumed with --pp 2, --dp 4 and one process; written by one process,
     resumed with --pp 4: every path ends where 20 straight steps of one process end."""
@@ -279,6 +290,7 @@ def test_a_checkpoint_moves_between_layouts(tmp_path, one_process_fp32):
         assert sorted(a.files) == sorted(b.files)  # the same file format, whatever the layout
 
 
+@pytest.mark.slow
 def test_the_pipeline_timeline_example_draws_every_schedule(tmp_path):
     pytest.importorskip(
         "matplotlib", reason="the Gantt chart needs matplotlib (the 'lessons' extra)"
@@ -314,9 +326,9 @@ def test_the_pipeline_timeline_example_draws_every_schedule(tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--resume", "/nonexistent/ckpt.npz"], "does not exist"),
+        *slow_cases((["--resume", "/nonexistent/ckpt.npz"], "does not exist")),
         (["--batch-size", "100000"], "larger than the training set"),
-        (["--save", "/proc/no/such/ckpt.npz"], "cannot be written"),
+        *slow_cases((["--save", "/proc/no/such/ckpt.npz"], "cannot be written")),
     ],
 )
 def test_an_error_every_rank_meets_at_setup_is_one_line_without_abort(flags, message):
@@ -327,6 +339,7 @@ def test_an_error_every_rank_meets_at_setup_is_one_line_without_abort(flags, mes
     assert message in result.stderr and "Abort" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_diverging_run_stops_once_on_every_rank_and_saves_nothing(tmp_path):
     result = train_command(
         2, "--lr", "1e4", "--max-consecutive-skips", "20", "--save", str(tmp_path / "x.npz")
@@ -349,6 +362,7 @@ def rank_processes(marker):
     return pids
 
 
+@pytest.mark.slow
 def test_the_watchdog_ends_a_job_whose_rank_was_sigstopped(tmp_path):
     metrics = tmp_path / "watched-run.jsonl"
     command = [MPIRUN, "-n", "2", PYTHON, "-m", "minimp.train", *SMALL]
@@ -393,6 +407,7 @@ def one_process_gpt(tmp_path_factory):
 LAYOUTS = [(2, ["--dp", "2"]), (2, ["--pp", "2"]), (4, ["--dp", "2", "--pp", "2"])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks, layout", LAYOUTS, ids=lambda x: str(x))
 def test_the_gpt_under_mpirun_ends_with_one_process_s_weights(
     tmp_path, one_process_gpt, ranks, layout
@@ -410,6 +425,7 @@ def test_the_gpt_under_mpirun_ends_with_one_process_s_weights(
     assert_same_weights(spread, alone, steps=10)
 
 
+@pytest.mark.slow
 def test_fp8_replicas_agree_on_their_amaxes_and_stay_bit_identical_under_mpirun(tmp_path):
     """4 real processes, 2 replicas of 2 stages, delayed scaling: --check-replicas compares the
     masters and the fp8 scaling state of the replicas every step; the checkpoint holds each stage's
@@ -425,6 +441,7 @@ def test_fp8_replicas_agree_on_their_amaxes_and_stay_bit_identical_under_mpirun(
     assert {name.split(".")[0] for name in scales} == {"fp8/0", "fp8/2", "fp8/4", "fp8/6"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp16", "fp8"])
 def test_zero_3_with_16_bit_or_fp8_pipelines_ends_where_zero_0_does(tmp_path, precision):
     """ZeRO stage 3 over 2 replicas of 2 stages, one micro-batch: the GPT's tied embedding (its

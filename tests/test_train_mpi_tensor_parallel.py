@@ -9,7 +9,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import MPIRUN, PYTHON, masters, run_train
+from conftest import MPIRUN, PYTHON, masters, run_train, slow_cases
 
 from minimp.measure.tensor_parallel_accounts import gpt_tensor_parallel_bytes
 
@@ -25,8 +25,6 @@ FLAGS += [f"--{name.replace('_', '-')}={value}" for name, value in GPT.items()]
 
 def train_command(ranks, *flags, timeout=180):
     return run_train(ranks, [*FLAGS, *flags], timeout)
-
-
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +43,14 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("ranks, layout", LAYOUTS, ids=[" ".join(f) for _, f in LAYOUTS])
+GRIDS = [(ranks, layout, sp) for ranks, layout in LAYOUTS for sp in (False, True)]
+
+
+@pytest.mark.parametrize(
+    "ranks, layout, sequence_parallel",
+    [GRIDS[0], *slow_cases(*GRIDS[1:])],  # the default tier: --tp 2 without sequence parallelism
+    ids=[f"{' '.join(layout)}-{'tp+sp' if sp else 'tp'}" for _, layout, sp in GRIDS],
+)
 def test_every_grid_ends_with_the_one_process_weights(
     tmp_path, one_process, ranks, layout, sequence_parallel
 ):
@@ -76,8 +80,9 @@ def test_every_grid_ends_with_the_one_process_weights(
     "flags, message",
     [
         (["--tp", "3"], "--tp 3 splits the attention heads across ranks, and --heads 4 does not"),
-        (["--tp", "2", "--dp", "1"], "--dp 1 does not match the 4 ranks of this job (use --dp 2"),
-    ],
+        *slow_cases((["--tp", "2", "--dp", "1"],
+                     "--dp 1 does not match the 4 ranks of this job (use --dp 2")),
+    ],  # fmt: skip
     ids=["heads", "grid"],
 )
 def test_a_grid_that_does_not_fit_is_one_error_from_rank_0_and_no_hang(flags, message):
@@ -87,6 +92,7 @@ def test_a_grid_that_does_not_fit_is_one_error_from_rank_0_and_no_hang(flags, me
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # 21 s: the example launches its own mpirun jobs
 def test_the_example_measures_what_the_formulas_say():
     """One grid of the README's table (pipeline, tensor and sequence parallel, tied embedding),
     and its block memory table: every measured figure is the formula's."""
