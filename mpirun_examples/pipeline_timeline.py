@@ -44,6 +44,7 @@ MODEL = [
     *("--hidden", str(HIDDEN), "--layers", "8"),
     *("--batch-size", str(BATCH), "--precision", "fp32"),
 ]
+WARM_UP = 2  # steps left out of every measurement: the first ones pay for imports and allocation
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]  # (name, chunks)
 COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "backward_input": "#dd8452"}
 COLORS["backward_weight"] = "#55a868"
@@ -51,7 +52,7 @@ COLORS["backward_weight"] = "#55a868"
 
 def simulated(timeline):
     """The step simulated from this run's measured parts (lesson 7's helpers)."""
-    return simulate_parts(timeline, skip_steps=2)
+    return simulate_parts(timeline, skip_steps=WARM_UP)
 
 
 def formula(timeline):
@@ -133,7 +134,7 @@ def draw(timelines, path):
         axis.set_title(
             f"{timeline['schedule']}: P={timeline['stages']}, M={timeline['micro_batches']}, "
             f"V={timeline['virtual_stages']}, bubble measured "
-            f"{bubble(timeline, skip_steps=2):.2f}, formula {formula(timeline):.2f}, "
+            f"{bubble(timeline, skip_steps=WARM_UP):.2f}, formula {formula(timeline):.2f}, "
             f"peak stored micro-batches per stage {timeline['peak_stored_micro_batches']}",
             fontsize=9,
         )
@@ -161,12 +162,15 @@ def main(argv=None):
         "on them and the measured bubble becomes the machine's, not the schedule's)",
     )  # fmt: skip
     parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=6, help="at least 3: 2 warm up")
     parser.add_argument("--png", default="pipeline_timeline.png")
     parser.add_argument(
         "--sweep", action="store_true", help="P = 2, 4 and M = 1, 2, 4, 8, 16: print the table"
     )
     args = parser.parse_args(argv)
+    if args.steps < WARM_UP + 1:
+        parser.exit(2, f"{parser.prog}: error: --steps {args.steps}: the first {WARM_UP} steps "
+                       f"warm up, so at least {WARM_UP + 1} are needed to measure one\n")
     with tempfile.TemporaryDirectory() as folder:
         if args.sweep:
             return sweep(args.steps, folder)
@@ -177,9 +181,9 @@ def main(argv=None):
         ]
         draw(timelines, args.png)
         for timeline in timelines:
-            predicted, measured = simulated(timeline).span, span(timeline, skip_steps=2)
+            predicted, measured = simulated(timeline).span, span(timeline, skip_steps=WARM_UP)
             print(
-                f"{timeline['schedule']:>11}: bubble {bubble(timeline, skip_steps=2):.3f} "
+                f"{timeline['schedule']:>11}: bubble {bubble(timeline, skip_steps=WARM_UP):.3f} "
                 f"(formula {formula(timeline):.3f}), peak stored micro-batches per stage "
                 f"{timeline['peak_stored_micro_batches']}; step {measured * 1e3:.1f} ms, "
                 f"simulated from its parts {predicted * 1e3:.1f} ms "
@@ -201,8 +205,8 @@ def sweep(steps, folder):
                     cells.append(f"{'-':>19}")
                     continue
                 timeline = measure(stages, micro_batches, name, steps, folder, chunks)
-                error = simulated(timeline).span / span(timeline, skip_steps=2) - 1
-                measured = bubble(timeline, skip_steps=2)
+                error = simulated(timeline).span / span(timeline, skip_steps=WARM_UP) - 1
+                measured = bubble(timeline, skip_steps=WARM_UP)
                 cells.append(f"{measured:.3f}/{formula(timeline):.3f} {error:+6.1%}")
             print(f"{stages:>2} {micro_batches:>3}  " + "  ".join(cells))
 

@@ -132,7 +132,8 @@ def test_isend_and_irecv_exchange_past_the_eager_limit_in_any_order(ranks):
 @pytest.mark.parametrize("script, flags, said", [
     ("tensor_parallel.py", ["--grids", "1x2x1+sp"], "dp x tp x pp must make the 4 ranks"),
     ("data_parallel_scaling.py", ["--steps", "5"], "at least 7 are needed for a median"),
-], ids=["tensor_parallel", "data_parallel_scaling"])
+    ("pipeline_timeline.py", ["--steps", "2"], "at least 3 are needed to measure one"),
+], ids=["tensor_parallel", "data_parallel_scaling", "pipeline_timeline"])
 def test_an_example_refuses_flags_it_cannot_run_in_one_line_before_launching(script, flags, said):
     path = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples", script)
     result = subprocess.run([PYTHON, path, *flags], capture_output=True, text=True, timeout=60)
