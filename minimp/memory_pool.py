@@ -4,7 +4,7 @@ Why: a training step allocates the same arrays (activations, their gradients) ev
 glibc's malloc gives large freed blocks back to the kernel (munmap, or trimming the top of its
 heap), so the next step takes them again one page fault per 4 KiB page. CuPy's memory pool and
 PyTorch's caching allocator keep freed blocks for the next request instead; this is the same
-idea for NumPy arrays (README, "Benchmark: one training step", has the measurements).
+idea for NumPy arrays (docs/benchmarks.md, "One training step", has the measurements).
 
 When is an array free? The pool keeps one reference to every array it has handed out. Whoever
 uses the array holds another, and every view of it holds one through `.base`; CPython counts

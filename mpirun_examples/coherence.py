@@ -14,7 +14,7 @@ Two ranks exchange float32 chunks four ways, each the median of many runs, slowe
 
 On this project's machine, whose two cores come from a virtual machine's host, "add then send"
 costs about what "add" plus "unchanged" cost in some stretches of time and several times more in
-others, while "unchanged" stays put: the regime the README's all-reduce benchmark describes.
+others, while "unchanged" stays put: the regime docs/benchmarks.md's all-reduce benchmark describes.
 """
 
 import argparse

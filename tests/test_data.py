@@ -70,8 +70,8 @@ def test_shakespeare_ships_with_the_package_and_splits_90_10(shakespeare):
 
     packed = resources.files("minimp.datasets").joinpath("tinyshakespeare.txt.gz").read_bytes()
     text = gzip.decompress(packed)
-    assert hashlib.sha256(text).hexdigest() == (
-        "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # the README's checksum
+    assert hashlib.sha256(text).hexdigest() == (  # the checksum minimp/datasets/README.md gives
+        "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
     )
     data = shakespeare
     assert data.vocab_size == 65 and data.vocabulary == "".join(sorted(set(data.vocabulary)))

@@ -3,8 +3,8 @@
 The slow tier runs them, a file's commands in order in one temporary folder (a checkpoint one block
 saves, a later block resumes). The conventions, which docs/testing.md states for writers:
 - ```bash lines are run, and so is the README's modes table: code in its cells that starts with
-  `python ` or `mpirun ` (elsewhere a table names commands without running them); ```sh lines are shown and never run (a GPU, a cluster); ```text is
-  output.
+  `python ` or `mpirun ` (elsewhere a table names commands without running them). ```sh lines
+  are shown and never run (a GPU, a cluster); ```text is output.
 - `python` becomes this test's interpreter and the venv's bin goes first on PATH (so `mpirun` is the
   one next to it); paths into the repository (`mpirun_examples/...`) become absolute.
 - `pip ...`, `python -m pytest ...` and `jupyter lab ...` are not run: CI runs the first two itself,

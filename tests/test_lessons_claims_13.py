@@ -214,17 +214,25 @@ def test_the_lessons_two_rank_run():
     assert trained["straggler_barrier"] is True
 
 
-def test_the_readme_s_overlap_benchmark_ratios_are_7_to_16_percent_quiet_34_to_43_shared():
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    section = readme[readme.index("## Benchmark: overlap"):]
-    rows = re.findall(r"^\| \d \| ([\d.]+) \| ([\d.]+) \| (\d+)% \|", section, re.M)
-    assert len(rows) == 6
-    for without, with_, ratio in rows:
-        assert round(100 * float(with_) / float(without)) == int(ratio)
-    quiet, shared = [int(r) for *_, r in rows[:3]], [int(r) for *_, r in rows[3:]]
-    assert (min(quiet), max(quiet), min(shared), max(shared)) == (7, 16, 34, 43)
-    assert "7-16% of what it is without on the quiet machine" in section
-    assert "34-43% of\nwhat it is without on the shared one" in section
+def test_the_overlap_benchmark_s_ratios_are_7_to_16_percent_quiet_34_to_43_shared():
+    """docs/benchmarks.md gives each machine's ranges over three runs: the ratio's range must lie
+    within what the exposed times' ranges allow (the smallest with over the largest without, and
+    the other way round), and the prose must say the table's ranges."""
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks.md")).read()
+    section = doc[doc.index("## Overlap"):]
+    section = section[:section.index("\n## ", 1)]
+    range_ = r"([\d.]+)-([\d.]+)"
+    rows = re.findall(rf"^\| (quiet|shared)[^|]* \| {range_} ms \| {range_} ms \| {range_}% \|",
+                      section, re.M)
+    assert [row[0] for row in rows] == ["quiet", "shared"]
+    ratios = {}
+    for machine, *cells in rows:
+        without_low, without_high, with_low, with_high, low, high = map(float, cells)
+        assert 100 * with_low / without_high <= low + 0.5
+        assert high - 0.5 <= 100 * with_high / without_low
+        ratios[machine] = (int(low), int(high))
+    assert ratios == {"quiet": (7, 16), "shared": (34, 43)}
+    assert "overlap exposes 7-16% of the communication it exposes without" in section
 
 
 def test_the_cost_model_s_exposed_shares_for_the_7_buckets_on_gpus():

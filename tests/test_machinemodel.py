@@ -176,7 +176,7 @@ def test_minimp_ships_models_for_two_and_four_ranks_and_they_load():
     for p, model in SHIPPED.items():
         assert model.ranks == p and set(model.python) == {"ring", "recursive_doubling", "naive"}
         assert all(model.ring_allreduce(n) > 0 for n in (4096, 2**26))
-        assert model.ring_step is not None  # the ring priced as whole steps (README)
+        assert model.ring_step is not None  # the ring priced as whole steps (docs/benchmarks.md)
 
 
 def test_other_rank_counts_borrow_the_nearest_terms_below():

@@ -405,15 +405,16 @@ def test_the_comparison_table_is_the_one_in_docs_planner_md(comparisons):
     assert comparison_table(("145.6B",)).splitlines()[2] == lines[8]
 
 
-def test_the_readmes_planner_output_is_what_the_command_prints(capsys):
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    command = "$ python -m minimp.plan --model 145.6B --gpus 1536 --global-batch 2304 --top 3\n"
-    shown = readme.split(command, 1)[1].split("```", 1)[0]
-    assert main(command.split()[4:]) == 0
+def test_the_guide_s_planner_output_is_what_the_command_prints(capsys):
+    guide = open(os.path.join(ROOT, "docs", "planner.md")).read()
+    command = "python -m minimp.plan --model 145.6B --gpus 1536 --global-batch 2304 --top 3"
+    assert command in guide
+    shown = guide.split("The first prints", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    assert main(command.split()[3:]) == 0
     assert capsys.readouterr().out == shown
 
 
-# ----- mpirun_examples/plan_check.py (its runs take minutes: run by hand, README) -------------
+# ----- mpirun_examples/plan_check.py (minutes a run: the slow tier runs docs/benchmarks.md's) ---
 def plan_check_module():
     import importlib.util
 

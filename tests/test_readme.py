@@ -26,8 +26,9 @@ def test_every_python_block_in_the_readme_runs():
 
 
 def test_the_step_written_out_is_mixed_precision_step():
-    """The README's example spells out the step, then says minimp.mixed_precision_step is its last
-    lines: run both (the example seeds its generator), and the weights and the scaler agree to the bit."""
+    """The README's example spells out the step, then says minimp.mixed_precision_step is its
+    last lines: run both (the example seeds its generator); the weights and the scaler agree to
+    the bit."""
     block = next(b for b in python_blocks() if "accumulate_gradients" in b)
     head, _ = block.split("grads = optimizer.accumulate_gradients()")
     runs = []

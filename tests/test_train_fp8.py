@@ -161,9 +161,10 @@ def test_a_bad_fp8_flag_on_the_command_line_is_one_line_and_exit_2():
 
 
 def test_fp8_trains_as_well_as_bf16_and_unscaled_fp8_loses_its_gradients():
-    """A small GPT, 60 steps on the same seed (README: the measured 400-step runs): delayed
-    scaling's validation loss is within 3% of bf16's; with scale 1, most output gradients of the
-    first block underflow to zero in E5M2, where delayed scaling loses under 0.1% after step 1."""
+    """A small GPT, 60 steps on the same seed (docs/benchmarks.md: the measured 400-step runs):
+    delayed scaling's validation loss is within 3% of bf16's; with scale 1, most output gradients
+    of the first block underflow to zero in E5M2, where delayed scaling loses under 0.1% after
+    step 1."""
     small = dict(context=32, batch_size=16, lr=3e-3, steps=60, warmup=10)
     evaluated = dict(eval_every=60, eval_batches=8)
     (_, _, bf16), = run_steps(1, precision="bf16", **small, **evaluated)

@@ -447,7 +447,7 @@ def test_zero_3_with_16_bit_or_fp8_pipelines_ends_where_zero_0_does(tmp_path, pr
     """ZeRO stage 3 over 2 replicas of 2 stages, one micro-batch: the GPT's tied embedding (its
     head's copy's gradient arrives transposed) and fp8's scaling state end bit-identical to
     plain data parallelism's. Without clipping: ZeRO sums the norm per piece, not per parameter,
-    which can move the clip factor's last bit (the README says so; under OpenBLAS's Haswell
+    which can move the clip factor's last bit (docs/zero.md says so; under OpenBLAS's Haswell
     kernel the fp16 run's factors differ from step 2 on, measured)."""
     flags = [*GPT_FLAGS, "--precision", precision, "--micro-batches", "1", "--steps", "6"]
     flags += ["--max-grad-norm", "0"]

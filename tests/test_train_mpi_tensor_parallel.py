@@ -1,7 +1,7 @@
 """`mpirun -n N python -m minimp.train --tp ...` for real: every grid with and without sequence
 parallelism trains the GPT (dropout on) to the one-process weights, rank 0's bytes in the
-tensor-parallel group are the formula's, bad grids are one line, the README's example measures
-what its formulas say."""
+tensor-parallel group are the formula's, bad grids are one line, the example of
+docs/tensor-parallel.md measures what its formulas say."""
 
 import json
 import os
@@ -94,8 +94,8 @@ def test_a_grid_that_does_not_fit_is_one_error_from_rank_0_and_no_hang(flags, me
 
 @pytest.mark.slow  # 21 s: the example launches its own mpirun jobs
 def test_the_example_measures_what_the_formulas_say():
-    """One grid of the README's table (pipeline, tensor and sequence parallel, tied embedding),
-    and its block memory table: every measured figure is the formula's."""
+    """One grid of docs/tensor-parallel.md's table (pipeline, tensor and sequence parallel, tied
+    embedding), and its block memory table: every measured figure is the formula's."""
     example = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples", "tensor_parallel.py")
     result = subprocess.run(
         [PYTHON, example, "--grids", "1x2x2+sp", "--steps", "2", "--json"],

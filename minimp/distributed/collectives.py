@@ -117,8 +117,9 @@ AlgorithmPolicy = Callable[[int, int], str]
 
 # Below this, an all-reduce is latency-bound and recursive doubling's log2(p) whole-array exchanges
 # beat the ring's 2(p - 1) steps; from it the ring's (p - 1)/p of the bytes per rank win. Measured
-# on this project's machine (README, "all-reduce"): at p = 4 recursive doubling took 0.91-0.96x the
-# ring's time at 256 KiB and 1.07-1.20x at 512 KiB; the model fitted at p = 2 switches at 448 KiB.
+# on this project's machine (docs/benchmarks.md, "All-reduce against MPI"): at p = 4 recursive
+# doubling took 0.91-0.96x the ring's time at 256 KiB and 1.07-1.20x at 512 KiB; the model fitted
+# at p = 2 switches at 448 KiB.
 RING_FROM_BYTES = 512 * 1024
 
 
