@@ -2,9 +2,9 @@
 
 The slow tier runs them, a file's commands in order in one temporary folder (a checkpoint one block
 saves, a later block resumes). The conventions, which docs/testing.md states for writers:
-- ```bash lines are run, and so is the README's modes table: code in its cells that starts with
-  `python ` or `mpirun ` (elsewhere a table names commands without running them). ```sh lines
-  are shown and never run (a GPU, a cluster); ```text is output.
+- ```bash lines are run, and so is the example column of the README's modes table (elsewhere a
+  table names commands without running them). ```sh lines are shown and never run (a GPU, a
+  cluster); ```text is output.
 - `python` becomes this test's interpreter and the venv's bin goes first on PATH (so `mpirun` is the
   one next to it); paths into the repository (`mpirun_examples/...`) become absolute.
 - `pip ...`, `python -m pytest ...` and `jupyter lab ...` are not run: CI runs the first two itself,
@@ -42,9 +42,14 @@ def blocks(text: str) -> list[list[str]]:
 
 
 def table_commands(text: str) -> list[str]:
-    """The commands in the cells of markdown tables: code that starts with python or mpirun."""
-    rows = [line for line in text.splitlines() if line.startswith("|")]
-    return [code for row in rows for code in re.findall(r"`((?:python|mpirun) [^`]+)`", row)]
+    """The commands in the modes table's "example" column: code that starts with python or
+    mpirun (the other columns name flags, the map's cells name commands without running them)."""
+    section = text.split("\n## Training modes\n", 1)[1].split("\n## ", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("|")]
+    column = rows[0].index("example")
+    return [code for row in rows[2:]
+            for code in re.findall(r"`((?:python|mpirun) [^`]+)`", row[column])]
 
 
 def program(command: str) -> str:
