@@ -126,8 +126,13 @@ def test_the_config_shows_what_runs_and_only_the_flags_that_differ_from_the_defa
         "  differs from the shakespeare defaults: --loss-scale 1024 --steps 20 --recompute "
         "--no-overlap"
     )
-    # Resolved values: a new --lr moves the derived --min-lr, and the line says so.
-    assert TrainConfig(lr=0.01).changed_flags() == ["--lr 0.01", "--min-lr 0.001"]
+    # A derived value is listed only where it was chosen: --min-lr follows --lr, fp8's settings
+    # follow --precision fp8.
+    assert TrainConfig(lr=0.01).changed_flags() == ["--lr 0.01"]
+    assert TrainConfig(lr=0.01, min_lr=0.0005).changed_flags() == ["--lr 0.01", "--min-lr 0.0005"]
+    assert TrainConfig(precision="fp8").changed_flags() == ["--precision fp8"]
+    assert TrainConfig(precision="fp8", fp8_amax_history=32).changed_flags() == [
+        "--precision fp8", "--fp8-amax-history 32"]
 
 
 @pytest.mark.mpi

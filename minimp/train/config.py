@@ -240,12 +240,16 @@ class TrainConfig:
 
     def changed_flags(self) -> list[str]:
         """`--name value` for each field whose resolved value differs from what the dataset's
-        defaults resolve to (a switch alone, or --no-overlap), in the fields' order."""
+        defaults resolve to (a switch alone, or --no-overlap), in the fields' order. A field
+        derived from another (--min-lr from --lr, fp8's settings from --precision) is compared
+        with what that field's value derives, so the line lists what was chosen, not its echoes."""
         defaults = TrainConfig(dataset=self.dataset)
+        derived = TrainConfig(dataset=self.dataset, lr=self.lr, precision=self.precision)
         shown = []
         for setting in dataclasses.fields(self):
             value = getattr(self, setting.name)
-            if value == getattr(defaults, setting.name):
+            base = defaults if setting.name in ("lr", "precision") else derived
+            if value == getattr(base, setting.name):
                 continue
             if isinstance(value, bool):
                 shown.append(flag(setting.name) if value else f"--no-{flag(setting.name)[2:]}")
