@@ -11,7 +11,8 @@ embedding, so its weight is stored once, under `transformer.wte.weight`; a loade
 `lm_head.weight = transformer.wte.weight` (nanoGPT does the same: its state dict holds one tensor
 under both names). Beside the file, `out.json` says what was written: the model, its shape, the
 vocabulary, the dtype and the tie. The MLP keeps minimp's names ("0.weight"), which are also
-those of a `torch.nn.Sequential` of the same layers.
+those of a `torch.nn.Sequential` of the same layers. The export never writes over the checkpoint
+it reads, and over a file already there only with --force.
 """
 
 import argparse
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", default="safetensors", choices=("safetensors",))
     parser.add_argument(
         "--dtype", default="fp32", choices=tuple(ACTIVATION_DTYPES), help="the stored dtype")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an output or config file that exists (never the checkpoint)")
     return parser
 
 
@@ -75,6 +78,29 @@ def main(argv: list[str] | None = None) -> int:
     exit_cleanly_on_sigterm()
     args = build_parser().parse_args(argv)
     return run_command(PROGRAM, lambda: export(args))
+
+
+def check_nothing_is_lost(checkpoint_path: str, output: str, config_path: str,
+                          force: bool) -> None:
+    """Raise ConfigError before anything is written where the export would destroy a file: the
+    checkpoint it reads (never), its own output under its config's name (never), or a file that
+    is already there (only with --force, which replaces it)."""
+    def same(a: str, b: str) -> bool:
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)  # links and other spellings of one file too
+        return os.path.abspath(a) == os.path.abspath(b)
+
+    for flag, path in (("output", output), ("config", config_path)):
+        if same(path, checkpoint_path):
+            raise ConfigError(f"{flag} {path} is the checkpoint being exported; write the export "
+                              "to another name")
+    if same(output, config_path):
+        raise ConfigError(f"output {output}: its config is written beside it as {config_path}, "
+                          "the same file; give the output another extension (.safetensors)")
+    for flag, path in (("output", output), ("config", config_path)):
+        if os.path.exists(path) and not force:
+            raise ConfigError(f"{flag} {path} exists; pass --force to replace it, or choose "
+                              "another name")
 
 
 def export(args: argparse.Namespace) -> int:
@@ -86,6 +112,7 @@ def export(args: argparse.Namespace) -> int:
         raise ConfigError("--format safetensors needs: pip install 'minimp[export]'") from None
     check_output_path("output", args.output)
     check_output_path("config", config_path)
+    check_nothing_is_lost(args.checkpoint, args.output, config_path, args.force)
     meta, arrays = checkpoint.read(args.checkpoint)
     tensors, config = exported_tensors(meta, arrays, ACTIVATION_DTYPES[args.dtype])
     atomic_write(args.output, lambda file: file.write(save(tensors, metadata={"format": "pt"})))

@@ -125,6 +125,38 @@ def test_export_errors_are_one_line(tmp_path, capsys):
     assert "is a folder" in capsys.readouterr().err
 
 
+def test_the_export_never_destroys_a_file_it_was_not_asked_to_replace(gpt_checkpoint, tmp_path,
+                                                                     capsys):
+    """The checkpoint it reads (by its name or a link), an output whose config would land on it,
+    and a file already there (without --force) are refused in one line, before any write."""
+    checkpoint = str(gpt_checkpoint)
+    original = open(checkpoint, "rb").read()
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(gpt_checkpoint)
+    victim = tmp_path / "victim.npz"
+    victim.write_bytes(b"another run's checkpoint")
+    refused = [
+        ([checkpoint, checkpoint], "is the checkpoint being exported"),
+        ([checkpoint, str(link)], "is the checkpoint being exported"),
+        ([checkpoint, str(tmp_path / "out.json")], "the same file"),
+        ([checkpoint, str(victim)], "exists; pass --force to replace it"),
+    ]
+    for argv, said in refused:
+        assert export.main(argv) == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err
+    assert open(checkpoint, "rb").read() == original
+    assert victim.read_bytes() == b"another run's checkpoint"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.safetensors", "victim.npz"]
+    # its config exists: refused too, until --force replaces both
+    (tmp_path / "new.json").write_text("{}")
+    assert export.main([checkpoint, str(tmp_path / "new.safetensors")]) == 2
+    assert "config" in capsys.readouterr().err
+    assert export.main([checkpoint, str(victim), "--force"]) == 0
+    assert victim.read_bytes()[:8] != b"another "
+    assert export.main([checkpoint, str(victim), "--force"]) == 0  # again: the same file
+
+
 def torch_gpt(torch, config):
     """nanoGPT's module tree (its parameter names) in PyTorch, for the export to load into."""
     nn, width, heads = torch.nn, config["n_embd"], config["n_head"]
