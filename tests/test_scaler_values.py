@@ -36,6 +36,20 @@ def test_a_min_scale_above_the_initial_scale_is_refused_with_both_values():
         DynamicLossScaler(init_scale=2.0, min_scale=4.0)
 
 
+@pytest.mark.parametrize("name", ["init_scale", "min_scale"])
+def test_a_scale_that_rounds_to_0_in_float32_is_refused_naming_float32(name):
+    # 1e-50 is a positive float64, but the scale lives in float32, where it is 0: every gradient
+    # would become 0 (or NaN); the setting is named, not the check that min_scale <= init_scale
+    message = rf"^{name} 1e-50 rounds to 0 in float32, the dtype a scale is kept in; use at least"
+    with pytest.raises(ValueError, match=message):
+        DynamicLossScaler(**{"init_scale": 1.0, "min_scale": 1e-60, name: 1e-50})
+    with pytest.raises(ValueError, match="^loss scale 1e-50 rounds to 0 in float32"):
+        StaticLossScaler(1e-50)
+    smallest = float(np.finfo(np.float32).smallest_subnormal)  # the least scale float32 holds
+    assert StaticLossScaler(smallest).loss_scale == smallest
+    assert DynamicLossScaler(init_scale=smallest, min_scale=smallest).loss_scale == smallest
+
+
 def test_the_largest_float32_is_a_valid_scale():
     # finite float32 up to and including its maximum; only what lies beyond is refused
     assert StaticLossScaler(FLOAT32_MAX).loss_scale == FLOAT32_MAX

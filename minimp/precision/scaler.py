@@ -50,7 +50,7 @@ def _times(scale: float, factor: float) -> float:
         return float(np.float32(scale) * np.float32(factor))
 
 
-def _positive_scale(name: str, value: Any) -> float:
+def positive_scale(name: str, value: Any) -> float:
     """value as a float, or ValueError unless it is a positive, finite float32 number. Any: value
     is whatever a caller or a loaded state gave (None for a missing field)."""
     try:
@@ -59,6 +59,9 @@ def _positive_scale(name: str, value: Any) -> float:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}") from None
     if not (0.0 < number <= FLOAT32_MAX):  # NaN fails every comparison
         raise ValueError(f"{name} must be a positive finite float32 number, got {value!r}")
+    if np.float32(number) == 0.0:  # a scale of 0 would turn every gradient into 0 or NaN
+        raise ValueError(f"{name} {value!r} rounds to 0 in float32, the dtype a scale is kept "
+                         f"in; use at least {float(np.finfo(np.float32).smallest_subnormal):g}")
     return number
 
 
@@ -81,7 +84,7 @@ class StaticLossScaler(LossScaler):
     """One fixed scale S. A step whose gradients overflow is still skipped, but S never changes."""
 
     def __init__(self, scale: float):
-        self.loss_scale = _positive_scale("loss scale", scale)
+        self.loss_scale = positive_scale("loss scale", scale)
 
     def update(self, found_inf: bool) -> None:
         """A static scaler ignores overflows; the step itself is still skipped by the caller."""
@@ -92,7 +95,7 @@ class StaticLossScaler(LossScaler):
 
     def load_state_dict(self, state: dict) -> None:
         _check_kind(state, "static")
-        self.loss_scale = _positive_scale("the state's loss_scale", state.get("loss_scale"))
+        self.loss_scale = positive_scale("the state's loss_scale", state.get("loss_scale"))
 
 
 class DynamicLossScaler(LossScaler):
@@ -113,10 +116,10 @@ class DynamicLossScaler(LossScaler):
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, hysteresis: int = 1,
                  min_scale: float = 1.0):
-        init_scale = _positive_scale("init_scale", init_scale)
-        growth_factor = _positive_scale("growth_factor", growth_factor)
-        backoff_factor = _positive_scale("backoff_factor", backoff_factor)
-        min_scale = _positive_scale("min_scale", min_scale)
+        init_scale = positive_scale("init_scale", init_scale)
+        growth_factor = positive_scale("growth_factor", growth_factor)
+        backoff_factor = positive_scale("backoff_factor", backoff_factor)
+        min_scale = positive_scale("min_scale", min_scale)
         if not (growth_factor > 1.0 and backoff_factor < 1.0):
             raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got "
                              f"{growth_factor} and {backoff_factor}")

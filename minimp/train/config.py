@@ -18,6 +18,7 @@ from minimp.checkpoints.errors import ConfigError
 from minimp.parallel.apply import Parallelism
 from minimp.parallel.pipeline.schedules import CHOICES as SCHEDULE_CHOICES
 from minimp.precision.casting import ACTIVATION_DTYPES, BFLOAT16
+from minimp.precision.scaler import positive_scale
 from minimp.train.checks import flag, validate
 
 # The settings that differ by dataset. shakespeare: nanoGPT's README command for a CPU
@@ -197,6 +198,10 @@ class TrainConfig:
         if not (value > 0 and math.isfinite(value)):
             raise ConfigError(
                 f"--loss-scale must be a positive finite number, got {self.loss_scale}")
+        try:
+            positive_scale("--loss-scale", value)  # the scaler's own rule: one in float32's range
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         return "static", value
 
     def injection(self, name: str, world_size: int, after: int = 0) -> tuple[int, int] | None:
