@@ -73,7 +73,7 @@ class OverflowWitness:
     non-finite gradient: the flag it hands to `any_rank`, before the ranks agree (the agreed
     decision says only that some rank did)."""
 
-    def __init__(self, sync: Any):
+    def __init__(self, sync: TimedCalls):
         self._sync, self.found = sync, False
 
     def any_rank(self, found_inf: bool) -> bool:
