@@ -18,11 +18,13 @@ def python_blocks():
     return re.findall(r"```python\n(.*?)```", open(README).read(), flags=re.S)
 
 
-def test_every_python_block_in_the_readme_runs():
+def test_every_python_block_in_the_readme_runs_and_prints_what_the_readme_says(capsys):
     blocks = python_blocks()
     assert blocks, "the README shows the library API in at least one python block"
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {})
+    said = re.findall(r"It prints `([^`]+)`", open(README).read())
+    assert said and capsys.readouterr().out.splitlines() == said
 
 
 def test_the_step_written_out_is_mixed_precision_step():
