@@ -48,7 +48,7 @@ def test_every_test_names_an_existing_test_function():
     assert missing == []
 
 
-def testing_doc_rows():
+def rows_of_the_testing_doc():
     """{id: test} of the table in docs/testing.md's "Decision mutants" section."""
     with open(os.path.join(ROOT, "docs", "testing.md")) as file:
         section = file.read().split("\n## Decision mutants\n", 1)[1].split("\n## ", 1)[0]
@@ -58,7 +58,7 @@ def testing_doc_rows():
 
 
 def test_docs_testing_lists_every_mutant_with_its_test():
-    assert testing_doc_rows() == {entry["id"]: entry["test"] for entry in ENTRIES}
+    assert rows_of_the_testing_doc() == {entry["id"]: entry["test"] for entry in ENTRIES}
 
 
 @pytest.mark.slow
