@@ -1,5 +1,6 @@
 """The fp8 Linear: E4M3 inputs forward, E5M2 output gradients backward, the product of the
-dequantized values rounded once; which layers a model puts in fp8; evaluation changes no scale."""
+dequantized values rounded once, the bias gradient summed from the unquantized output gradient;
+which layers a model puts in fp8; evaluation changes no scale."""
 
 import numpy as np
 import pytest
@@ -119,3 +120,16 @@ def test_the_fp8_backward_skips_the_gradients_nobody_asked_for(needs):
     grads = Fp8Linear.backward(ctx, np.ones((4, 2), np.float32))
     for grad, needed in zip(grads, needs):
         assert (grad is None) != needed
+
+
+def test_the_bias_gradient_is_the_float32_sum_of_the_unquantized_output_gradient(rng):
+    """dL/db is summed from the bf16 dL/dy before its E5M2 quantization (as Transformer Engine's
+    fused cast computes it), over the 64 rows in float32, and rounded once. From the quantized
+    dL/dy (2 fraction bits) it would be off by percents; summed in bf16 (8 significant bits),
+    its last bits would move."""
+    x, weight, bias = tensors(rng.standard_normal((64, 8)), rng.standard_normal((4, 8)),
+                              rng.standard_normal(4))
+    grad = rng.standard_normal((64, 4)).astype(np.float32).astype(BFLOAT16)
+    F.linear(x, weight, bias, fp8_meta=Fp8Meta(DelayedScaling())).backward(grad)
+    expected = grad.astype(np.float32).sum(axis=0).astype(BFLOAT16)
+    assert bias.grad.dtype == BFLOAT16 and bias.grad.tobytes() == expected.tobytes()

@@ -118,6 +118,32 @@ def test_format_names_the_chunk_when_a_rank_holds_several():
     )
 
 
+# Megatron-LM's warm-up in its interleaved schedule (micro-batches in groups of P): rank r runs
+# 2 (P - r - 1) + (V - 1) P forwards before its steady state, or all M V when M == P (then every
+# forward comes first and every backward after). Written out rank by rank, not computed.
+INTERLEAVED_WARMUPS = {  # (P, V, M): the warm-up forwards of ranks 0 .. P - 1
+    (2, 1, 4): [2, 0],
+    (2, 2, 4): [4, 2],
+    (2, 2, 2): [4, 4],
+    (3, 3, 6): [10, 8, 6],
+    (4, 2, 4): [8, 8, 8, 8],
+    (4, 2, 8): [10, 8, 6, 4],
+    (4, 3, 8): [14, 12, 10, 8],
+}
+
+
+def test_interleaved_warm_up_counts_are_megatron_s():
+    """Each rank's computations: its warm-up forwards, then one forward and one backward at a
+    time, then the warm-up's backwards (cool-down)."""
+    for (stages, chunks, micro_batches), warmups in INTERLEAVED_WARMUPS.items():
+        schedule = interleaved(stages, micro_batches, chunks)
+        for rank, (actions, warmup) in enumerate(zip(schedule, warmups, strict=True)):
+            ops = [a.op for a in actions if a.op in (FORWARD, BACKWARD)]
+            steady = micro_batches * chunks - warmup
+            expected = [FORWARD] * warmup + [FORWARD, BACKWARD] * steady + [BACKWARD] * warmup
+            assert ops == expected, f"P={stages} V={chunks} M={micro_batches} rank {rank}"
+
+
 def test_bad_sizes_are_rejected():
     with pytest.raises(ValueError):
         gpipe(0, 1)

@@ -1,13 +1,15 @@
 """take_shard and join_shards value by value: shards written out with NumPy slicing, cut from and
-joined back along either axis, in sections (q, k and v), on worlds of 1, 2 and 4 ranks; a
-row-parallel Linear without a bias against the product written out in NumPy."""
+joined back along either axis, in sections (q, k and v), on worlds of 1, 2 and 4 ranks; a fused
+q, k, v column-parallel Linear's non-zero bias cut into each rank's heads; a row-parallel Linear
+without a bias against the product written out in NumPy."""
 
 import numpy as np
 import pytest
 
 from minimp import Tensor, nn
 from minimp import distributed as dist
-from minimp.parallel.tensor.layers import RowParallelLinear, join_shards, take_shard
+from minimp.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, join_shards,
+                                          partitions, take_shard)
 
 SECTIONS, SECTION = 3, 4  # three sections (q, k, v) of 4 rows or columns each
 
@@ -54,6 +56,31 @@ def test_one_rank_s_shard_is_the_whole_array():
     whole = np.arange(12.0).reshape(2, 6)
     for axis, sections in [(0, 1), (0, 2), (1, 1), (1, 3)]:
         np.testing.assert_array_equal(join_shards([whole], axis, sections), whole)
+
+
+def test_a_fused_qkv_column_layer_cuts_its_bias_into_each_rank_s_q_k_and_v_pieces():
+    """Linear(4, 12) as attention's fused q, k, v projection (3 sections of 4 features, 2 heads
+    of 2) over 2 ranks, with a bias that is not zero (a GPT starts with zero biases, where every
+    cut looks right): rank r's bias is its head's q, k and v pieces, its output is those features
+    of the whole layer's, and the shards joined as partitions() says give the whole bias back."""
+    linear = nn.Linear(4, 12, rng=np.random.default_rng(5)).to(np.float64)
+    linear.bias.data[:] = np.arange(1.0, 13.0)  # q 1..4, k 5..8, v 9..12
+    weight, bias = linear.weight.data.copy(), linear.bias.data.copy()
+    x = np.random.default_rng(6).standard_normal((2, 3, 4))
+
+    def build(comm):
+        column = ColumnParallelLinear(linear, comm, sections=3)
+        return column.bias.data, column(Tensor(x)).data, partitions(column)["bias"]
+
+    results = dist.simulate(2, build)
+    whole = np.einsum("bsi,oi->bso", x, weight) + bias
+    pieces = [[1.0, 2.0, 5.0, 6.0, 9.0, 10.0], [3.0, 4.0, 7.0, 8.0, 11.0, 12.0]]  # q, k, v of r
+    for (shard, y, _), expected in zip(results, pieces):
+        np.testing.assert_array_equal(shard, expected)
+        features = [int(value) - 1 for value in expected]  # where those biases sit in the whole
+        np.testing.assert_allclose(y, whole[..., features], rtol=1e-12, atol=1e-15)
+    axis, sections = results[0][2]
+    np.testing.assert_array_equal(join_shards([r[0] for r in results], axis, sections), bias)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])

@@ -179,6 +179,32 @@ def test_a_broadcast_gradient_is_summed_in_float32_and_rounded_once():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float16", "bfloat16"])
+def test_layer_norm_backward_sums_in_float32_and_rounds_once(dtype):
+    """LayerNorm's three gradients from a 16-bit dL/dy: dL/dbias and dL/dweight sum over the 64
+    positions of (2, 32, 16), dL/dx averages over the 16 features. Each sum runs in float32 and
+    is rounded once; one summed in 16 bits rounds at every add (a float16 total between 8 and 16
+    has an ulp of 2^-7), and its last bits move."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 32, 16)).astype(dtype)
+    weight = rng.uniform(0.5, 1.5, 16).astype(dtype)
+    bias = rng.uniform(-0.5, 0.5, 16).astype(dtype)
+    g = rng.standard_normal(x.shape).astype(dtype)
+    tensors = [Tensor(a, requires_grad=True) for a in (x, weight, bias)]
+    F.layer_norm(*tensors).backward(g)
+    # LayerNorm's docstring formulas in float32 from the same 16-bit inputs, rounded once
+    x32, g32 = wide(x), wide(g)
+    mean = x32.mean(axis=-1, keepdims=True)
+    inverse_std = 1.0 / np.sqrt(((x32 - mean) ** 2).mean(axis=-1, keepdims=True) + 1e-5)
+    normalized = (x32 - mean) * inverse_std
+    scaled = g32 * wide(weight)
+    grad_x = inverse_std * (scaled - scaled.mean(axis=-1, keepdims=True)
+                            - normalized * (scaled * normalized).mean(axis=-1, keepdims=True))
+    same_bits(tensors[0].grad, grad_x.astype(dtype))
+    same_bits(tensors[1].grad, (g32 * normalized).sum(axis=(0, 1)).astype(dtype))
+    same_bits(tensors[2].grad, g32.sum(axis=(0, 1)).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float16", "bfloat16"])
 def test_sum_and_mean_accumulate_in_float32_and_round_once(dtype):
     x = np.random.default_rng(2).standard_normal((64, 300)).astype(dtype)
     same_bits(Tensor(x).sum(axis=1).data, wide(x).sum(axis=1).astype(dtype))
