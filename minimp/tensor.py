@@ -99,6 +99,8 @@ def _checked_array(data: npt.ArrayLike, where: str) -> Array:
     dtype = array.dtype
     if isinstance(dtype, np.dtype) and (dtype in FLOATING_DTYPES or dtype.kind in INDEX_KINDS):
         return array
+    if isinstance(data, Tensor):  # NumPy made an object array of it
+        raise TypeError(f"{where}: data is a Tensor, not an array; pass its .data instead")
     given = (f"data has dtype {dtype}" if hasattr(data, "dtype") else
              f"data is a {type(data).__name__}, which NumPy makes an array of dtype {dtype}")
     raise TypeError(

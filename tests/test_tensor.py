@@ -140,6 +140,8 @@ def test_a_refusal_names_what_was_given():
         Tensor([1, None])
     with pytest.raises(TypeError, match=r"^Tensor\(data\): data has dtype complex64"):
         Tensor(np.ones(2, np.complex64))
+    with pytest.raises(TypeError, match=r"data is a Tensor, not an array; pass its .data instead"):
+        Tensor(np.ones(2, np.float32)).data = Tensor(np.ones(2, np.float32))
 
 
 def test_integer_tensors_cannot_require_grad():
