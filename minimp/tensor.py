@@ -84,6 +84,31 @@ def _as_array(data: npt.ArrayLike) -> Array:
     return backend.to_device(array)
 
 
+# The floats a Tensor computes in (the ones that can carry gradients), and, beside them, any integer
+# or bool array: token ids, labels and masks are Tensors too. Anything else NumPy can make (object
+# from `[1, None]`, strings, complex, datetimes, fp8 bytes) has no kernels here, so it is refused
+# when it arrives instead of failing later inside an op, or worse, computing on Python objects.
+FLOATING_DTYPES = frozenset((casting.FLOAT16, casting.BFLOAT16, casting.FLOAT32, casting.FLOAT64))
+INDEX_KINDS = "iub"  # NumPy's dtype.kind of signed and unsigned integers and of bool
+
+
+def _checked_array(data: npt.ArrayLike, where: str) -> Array:
+    """_as_array(data), or a TypeError naming what was given and what a Tensor holds; `where`
+    names the path that set the data ("Tensor(data)" or "tensor.data = ...")."""
+    array = _as_array(data)
+    dtype = array.dtype
+    if isinstance(dtype, np.dtype) and (dtype in FLOATING_DTYPES or dtype.kind in INDEX_KINDS):
+        return array
+    if isinstance(data, Tensor):  # NumPy made an object array of it
+        raise TypeError(f"{where}: data is a Tensor, not an array; pass its .data instead")
+    given = (f"data has dtype {dtype}" if hasattr(data, "dtype") else
+             f"data is a {type(data).__name__}, which NumPy makes an array of dtype {dtype}")
+    raise TypeError(
+        f"{where}: {given}, which minimp cannot compute in; a Tensor holds float16, bfloat16, "
+        "float32 or float64 (integers and bools too, for ids and masks): convert first, "
+        "e.g. np.asarray(data, dtype=np.float32)")
+
+
 def _lift_number(tensor: Tensor, number: float | np.number | np.bool_) -> tuple[Array, np.dtype]:
     """(a 0-d array holding number at the precision the op computes in, the result's dtype)."""
     dtype = np.dtype(tensor.dtype)
@@ -113,11 +138,15 @@ class Tensor:
     """An n-dimensional array that records how it was computed, so gradients can flow back to it.
 
     Tensor(data, requires_grad=False): data is a NumPy or CuPy array (kept as it is, dtype and
-    device included), a Python number or a list (float64 becomes float32, as in PyTorch).
+    device included), a Python number or a list (float64 becomes float32, as in PyTorch). It holds
+    float16, bfloat16, float32 or float64 values, or integers and bools (ids, labels, masks); any
+    other dtype (object, strings, complex, fp8, ...) is a TypeError. requires_grad: whether
+    backward() fills this tensor's `.grad` (floating-point tensors only, as in PyTorch).
     Attributes: `.data` the array; `.grad` the gradient after `backward()` (same shape and dtype
     as data, or None); `.requires_grad`; `.node` the op application that made it (None for a
-    leaf). Operators (+, *, @, ...) and methods (.sum(), .reshape(), ...) are differentiable ops
-    (see the file docstring for how a Python number meets a tensor).
+    leaf). Assigning `.data` or `.requires_grad` is checked as the constructor checks them.
+    Operators (+, *, @, ...) and methods (.sum(), .reshape(), ...) are differentiable ops (see the
+    file docstring for how a Python number meets a tensor).
     """
 
     __array_priority__ = 100  # so `numpy_array * tensor` calls Tensor.__rmul__
@@ -125,17 +154,47 @@ class Tensor:
     _post_accumulate_hooks: tuple | list = ()  # hooks called after a leaf's .grad is updated
 
     def __init__(self, data: npt.ArrayLike, requires_grad: bool = False):
-        self.data = _as_array(data)  # the NumPy or CuPy array
-        if requires_grad and not casting.is_floating(self.data.dtype):
-            raise TypeError(
-                f"only floating-point tensors can require gradients, got {self.data.dtype} "
-                "(as in PyTorch; cast first, e.g. Tensor(array.astype(np.float32)))")
+        self._data = _checked_array(data, "Tensor(data)")  # see the `data` property below
         # after backward(): d(output)/d(self), same shape and dtype as data
         self.grad: Array | None = None
-        self.requires_grad = requires_grad
+        if requires_grad:  # else the class's False below: every op's output is made here
+            self.requires_grad = True  # checked by its setter below
         self.node: Node | None = None  # the op application that made this tensor; None for leaves
 
-    # ----- array facts ------------------------------------------------------------------------
+    # ----- the two attributes whose values are checked on every assignment ---------------------
+    # Properties, so that `t.data = array` and `t.requires_grad = True` meet the checks the
+    # constructor makes: a wrong dtype is refused where it is set, not deep inside a later op.
+    _requires_grad = False
+
+    @property
+    def data(self) -> Array:
+        """The NumPy or CuPy array. Assigning one checks its dtype as `Tensor(data)` does (and,
+        when this tensor requires grad, that it is floating-point, as in PyTorch)."""
+        return self._data
+
+    @data.setter
+    def data(self, data: npt.ArrayLike) -> None:
+        array = _checked_array(data, "tensor.data = data")
+        if self._requires_grad and array.dtype not in FLOATING_DTYPES:
+            raise TypeError(f"tensor.data = data: data has dtype {array.dtype}, but this tensor "
+                            "requires grad, and only floating-point tensors can require gradients "
+                            "(cast first, e.g. data.astype(np.float32))")
+        self._data = array
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether backward() computes a gradient for this tensor. Only floating-point tensors can
+        require gradients (as in PyTorch): setting True on an integer or bool tensor is refused."""
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, requires_grad: bool) -> None:
+        if requires_grad and self._data.dtype not in FLOATING_DTYPES:
+            raise TypeError(
+                f"only floating-point tensors can require gradients, got {self.dtype} "
+                "(as in PyTorch; cast first, e.g. Tensor(array.astype(np.float32)))")
+        self._requires_grad = bool(requires_grad)
+
     @property
     def dtype(self) -> np.dtype:
         """The array's dtype (float16, bfloat16, float32, ...)."""
@@ -157,6 +216,7 @@ class Tensor:
         return self.data.size
 
     def __len__(self) -> int:
+        """The length of the first axis."""
         return len(self.data)
 
     def __repr__(self) -> str:
@@ -177,36 +237,47 @@ class Tensor:
 
     # ----- operators and methods: each applies one op Function --------------------------------
     def __add__(self, other: TensorLike) -> Tensor:
+        """self + other, elementwise, broadcast; other may be an array or a Python number."""
         return _binary(ops.Add, self, other)
 
     def __radd__(self, other: TensorLike) -> Tensor:
+        """other + self, elementwise, broadcast; other may be an array or a Python number."""
         return _binary(ops.Add, self, other, reflected=True)
 
     def __sub__(self, other: TensorLike) -> Tensor:
+        """self - other, elementwise, broadcast; other may be an array or a Python number."""
         return _binary(ops.Sub, self, other)
 
     def __rsub__(self, other: TensorLike) -> Tensor:
+        """other - self, elementwise, broadcast; other may be an array or a Python number."""
         return _binary(ops.Sub, self, other, reflected=True)
 
     def __mul__(self, other: TensorLike) -> Tensor:
+        """self * other, elementwise, broadcast; other may be an array or a Python number."""
         return _binary(ops.Mul, self, other)
 
     def __rmul__(self, other: TensorLike) -> Tensor:
+        """other * self, elementwise, broadcast; other may be an array or a Python number."""
         return _binary(ops.Mul, self, other, reflected=True)
 
     def __truediv__(self, other: TensorLike) -> Tensor:
+        """self / other, elementwise, broadcast, in floats even for integers."""
         return _binary(ops.Div, self, other)
 
     def __rtruediv__(self, other: TensorLike) -> Tensor:
+        """other / self, elementwise, broadcast, in floats even for integers."""
         return _binary(ops.Div, self, other, reflected=True)
 
     def __matmul__(self, other: TensorLike) -> Tensor:
+        """self @ other: the matrix product, batched over leading axes (2 or more axes each)."""
         return _binary(ops.MatMul, self, other)
 
     def __rmatmul__(self, other: TensorLike) -> Tensor:
+        """other @ self: the matrix product, batched over leading axes (2 or more axes each)."""
         return _binary(ops.MatMul, self, other, reflected=True)
 
     def __neg__(self) -> Tensor:
+        """-self, elementwise."""
         return ops.Neg.apply(self)
 
     def relu(self) -> Tensor:

@@ -1,11 +1,14 @@
 """Tensor and backward: accumulation, shared inputs, no_grad, freed graphs, dtypes, saved bytes."""
 
+import re
+
+import ml_dtypes
 import numpy as np
 import pytest
 
 from minimp import Tensor, no_grad, nn
 from minimp import functional as F
-from minimp.tensor import saved_bytes
+from minimp.tensor import as_tensor, saved_bytes
 
 
 def test_python_floats_become_float32_and_arrays_keep_their_dtype():
@@ -96,9 +99,67 @@ def test_python_floats_promote_integer_tensors_instead_of_truncating():
     np.testing.assert_array_equal((ints / 2).data, np.float32([0.5, 1.0, 1.5]))
 
 
+# What a Tensor holds: every dtype the package makes tensors of (labels and ids are int64, the
+# char dataset's ids uint8, attention masks bool, compute copies float16 and bfloat16).
+HELD = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.int32, np.int64,
+        np.uint8, np.uint64, np.bool_]
+# What NumPy can make that minimp cannot compute in.
+REFUSED = [([1, None], "object"), (["a", "b"], "<U1"), ([b"ab"], "|S2"), ([1 + 2j], "complex128"),
+           (np.array(["2024-01-01"], "datetime64[D]"), "datetime64[D]"),
+           (np.zeros(2, ml_dtypes.float8_e4m3fn), "float8_e4m3fn"),
+           (np.zeros(2, [("a", np.float32)]), "[('a', '<f4')]")]
+
+
+@pytest.mark.parametrize("dtype", HELD)
+def test_floats_integers_and_bools_are_held_as_given(dtype):
+    array = np.zeros(3, dtype)
+    assert Tensor(array).data is array and Tensor(array[0]).dtype == dtype
+    tensor = Tensor(np.ones(3, np.float32))
+    tensor.data = array
+    assert tensor.data is array
+
+
+@pytest.mark.parametrize("data, dtype", REFUSED)
+def test_data_minimp_cannot_compute_in_is_refused_where_it_arrives(data, dtype):
+    """Tensor(...), `.data = ...`, and the paths that build Tensors from data (as_tensor, an
+    operator's other operand) each refuse it with one line naming the dtype and the fix."""
+    pattern = rf"dtype {re.escape(dtype)}, which minimp cannot compute in.*float32 or float64"
+    with pytest.raises(TypeError, match=r"^Tensor\(data\): .*" + pattern):
+        Tensor(data)
+    with pytest.raises(TypeError, match=r"^tensor\.data = data: .*" + pattern):
+        Tensor(np.ones(2, np.float32)).data = data
+    with pytest.raises(TypeError, match=pattern):
+        as_tensor(data)
+    with pytest.raises(TypeError, match=pattern):
+        Tensor(np.ones(2, np.float32)) + data
+
+
+def test_a_refusal_names_what_was_given():
+    with pytest.raises(TypeError, match=r"^Tensor\(data\): data is a list, which NumPy makes an "
+                                        r"array of dtype object, which minimp cannot compute in"):
+        Tensor([1, None])
+    with pytest.raises(TypeError, match=r"^Tensor\(data\): data has dtype complex64"):
+        Tensor(np.ones(2, np.complex64))
+    with pytest.raises(TypeError, match=r"data is a Tensor, not an array; pass its .data instead"):
+        Tensor(np.ones(2, np.float32)).data = Tensor(np.ones(2, np.float32))
+
+
 def test_integer_tensors_cannot_require_grad():
+    """At construction and on assignment, as in PyTorch; the refused tensor is left as it was."""
     with pytest.raises(TypeError, match="only floating-point tensors can require gradients"):
         Tensor(np.arange(3), requires_grad=True)
+    for dtype in (np.int64, np.uint8, np.bool_):
+        ids = Tensor(np.zeros(3, dtype))
+        with pytest.raises(TypeError, match=f"can require gradients, got {np.dtype(dtype)}"):
+            ids.requires_grad = True
+        assert not ids.requires_grad
+        ids.requires_grad = False  # always allowed
+    weight = Tensor(np.ones(3, np.float32), requires_grad=True)
+    with pytest.raises(TypeError, match="data has dtype int64, but this tensor requires grad"):
+        weight.data = np.arange(3)
+    assert weight.dtype == np.float32
+    weight.requires_grad = False
+    weight.data = np.arange(3)  # an integer array is fine where no gradient is wanted
 
 
 def test_backward_checks_the_gradient_it_is_given():

@@ -61,7 +61,10 @@ def mpi_is_cuda_aware() -> bool:
 
 
 class MPICommunicator(Communicator):
-    """A group of MPI processes; satisfies minimp.distributed.protocol.Communicator."""
+    """A group of MPI processes; satisfies minimp.distributed.protocol.Communicator.
+
+    mpi_comm: the mpi4py communicator it wraps (MPI.COMM_WORLD, or one split from it).
+    """
 
     def __init__(self, mpi_comm: "MPI.Comm"):
         # Imported here, not at the top: importing mpi4py.MPI starts MPI, and `import minimp`

@@ -37,10 +37,15 @@ class DeadlockError(RuntimeError):
 
 @dataclass
 class Message:
-    """One point-to-point message, as recorded in the trace (ranks are world ranks)."""
+    """One point-to-point message, as recorded in the trace (ranks are world ranks).
 
-    sequence: int  # global order in which messages were sent
-    step: int  # the sender's own count of messages sent before this one
+    sequence: its place in the global order in which messages were sent; step: the sender's own
+    count of messages sent before this one; source, dest: the sending and the receiving rank;
+    tag: the message's tag; nbytes: its payload's size in bytes.
+    """
+
+    sequence: int
+    step: int
     source: int
     dest: int
     tag: int
@@ -56,7 +61,12 @@ class _Envelope:
 
 class SimulatedWorld:
     """n simulated ranks, run as threads (`run(fn, *args)` gives each a SimulatedCommunicator), and
-    their shared state: mailboxes, the trace, who is blocked on what."""
+    their shared state: mailboxes, the trace, who is blocked on what.
+
+    size: the number of ranks n; eager_limit: a message up to this many bytes is buffered and its
+    sender goes on, a larger one waits for its receive (as MPI's eager protocol; 64 KiB by
+    default); timeout: seconds a rank may wait before a TimeoutError (60 by default).
+    """
 
     def __init__(self, size: int, eager_limit: int = DEFAULT_EAGER_LIMIT, timeout: float = 60.0):
         if size < 1:
@@ -202,7 +212,12 @@ def simulate(size: int, fn: Callable[..., Any], *args: object,
 
 class SimulatedCommunicator(Communicator):
     """A rank's view of a SimulatedWorld, or of a group split from it.
-    Same API as MPICommunicator."""
+    Same API as MPICommunicator.
+
+    world: the SimulatedWorld; rank: this rank's number within the group; members: the group's
+    world ranks, in group-rank order; context: a tuple that keeps this group's messages and
+    collectives apart from every other group's (`split` extends it).
+    """
 
     def __init__(self, world: SimulatedWorld, rank: int, members: list[int], context: tuple):
         self.world, self.members, self.context = world, members, context

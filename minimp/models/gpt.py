@@ -22,6 +22,12 @@ from minimp.tensor import Tensor
 
 @dataclass
 class GPTConfig:
+    """The GPT's sizes (nanoGPT's names in parentheses): vocab_size, the distinct tokens; context,
+    tokens per sample (block_size); layers, transformer blocks (n_layer); heads, attention heads
+    per block (n_head); width, channels of the residual stream (n_embd), a multiple of heads;
+    dropout, the probability of zeroing an activation; bias, biases in every Linear and
+    LayerNorm."""
+
     vocab_size: int = 65  # tiny shakespeare's distinct characters (nanoGPT's shakespeare_char)
     context: int = 64  # tokens per sample, nanoGPT's block_size (64 in its CPU example)
     layers: int = 4  # transformer blocks (n_layer; nanoGPT's CPU example)
@@ -98,7 +104,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One transformer block, pre-LayerNorm: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    """One transformer block, pre-LayerNorm: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
+
+    config: the GPT's sizes; index: the block's position (0 first), which numbers its dropout
+    layers and so their masks; rng: the NumPy Generator its weights are drawn from.
+    """
 
     def __init__(self, config: GPTConfig, index: int, rng: np.random.Generator):
         super().__init__()

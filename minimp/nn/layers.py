@@ -66,7 +66,11 @@ class Tanh(Module):
 
 
 class LayerNorm(Module):
-    """Normalize the last axis (statistics in float32), then scale by weight and shift by bias."""
+    """Normalize the last axis (statistics in float32), then scale by weight and shift by bias.
+
+    features: the size of that axis; eps: added to the variance before its square root (1e-5, as
+    PyTorch); bias: False for no bias (a constant zero shift instead, which nothing trains).
+    """
 
     def __init__(self, features: int, eps: float = 1e-5, bias: bool = True):
         super().__init__()
@@ -118,7 +122,8 @@ def _normal(rng: np.random.Generator, std: float, shape: tuple[int, ...]) -> Arr
 
 class Embedding(Module):
     """A table of vectors: forward(indices) = weight[indices]; weight (num_embeddings,
-    embedding_dim) starts as PyTorch's does, N(0, 1), from the given NumPy Generator."""
+    embedding_dim) starts as PyTorch's does, N(0, 1), drawn from `rng`, a NumPy Generator (None:
+    a fresh unseeded one)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  rng: np.random.Generator | None = None):

@@ -18,7 +18,8 @@ ForwardHook = Callable[["Module", tuple, Any], object]
 
 
 class Parameter(Tensor):
-    """A tensor the optimizer updates. In mixed precision it holds the compute copy
+    """A tensor the optimizer updates, made from `data`, a floating-point array (kept as it is,
+    as by Tensor) and always requiring grad. In mixed precision it holds the compute copy
     (float16/bfloat16); the float32 master lives in the optimizer."""
 
     def __init__(self, data: npt.ArrayLike):

@@ -37,7 +37,9 @@ class Optimizer(MixedPrecisionOptimizer):
     def __init__(self, params: ParamsT, lr: float, weight_decay: float = 0.0):
         """params: Parameters, or groups as in PyTorch, dicts {"params": [...], "weight_decay":
         x} whose settings override the optimizer's for their parameters (nanoGPT decays only the
-        2-D weights this way)."""
+        2-D weights this way). lr: the learning rate, positive (`step()` reads `self.lr`, so a
+        schedule may change it between steps). weight_decay: the update rule's decay coefficient
+        for every parameter outside a group that sets its own (0 = none)."""
         if lr <= 0:
             raise ValueError(f"learning rate must be positive, got {lr}")
         self.params, self.weight_decays = _parameter_groups(params, weight_decay)
@@ -220,7 +222,12 @@ def sgd(master: Array, grad: Array, momentum_buffer: Array | None, *, lr: float,
 
 
 class SGD(Optimizer):
-    """SGD with momentum and weight decay on the masters (the rule: `sgd`)."""
+    """SGD with momentum and weight decay on the masters (the rule: `sgd`).
+
+    params: Parameters or groups (see Optimizer); lr: the learning rate (default 0.01); momentum:
+    the factor the momentum buffer is multiplied by each step before the gradient is added
+    (0 = plain SGD); weight_decay: L2, added to the gradient as weight_decay * w (0 = none).
+    """
 
     slot_names = ("momentum_buffer",)
 
@@ -271,7 +278,15 @@ def adam(master: Array, grad: Array, exp_avg: Array | None, exp_avg_sq: Array | 
 
 
 class Adam(Optimizer):
-    """Adam on the masters (the rule: `adam`); `decoupled_weight_decay=True` gives AdamW."""
+    """Adam on the masters (the rule: `adam`); `decoupled_weight_decay=True` gives AdamW.
+
+    params: Parameters or groups (see Optimizer); lr: the learning rate (default 1e-3); betas:
+    (beta1, beta2), the decay rates of the running means of the gradient and of its square;
+    eps: added to the square root of the second moment (default 1e-8), so that a tiny second
+    moment cannot blow the step up; weight_decay: L2, added to the gradient as weight_decay * w
+    (0 = none), or with decoupled_weight_decay, AdamW's shrink of the weight by lr * weight_decay
+    each step.
+    """
 
     slot_names = ("exp_avg", "exp_avg_sq")
 
@@ -290,7 +305,11 @@ class Adam(Optimizer):
 
 
 class AdamW(Adam):
-    """Adam with decoupled weight decay (default 0.01, as in PyTorch)."""
+    """Adam with decoupled weight decay (default 0.01, as in PyTorch).
+
+    params, lr, betas, eps: as in Adam; weight_decay: each step shrinks the weight by
+    lr * weight_decay (Loshchilov & Hutter 2019) instead of adding to the gradient.
+    """
 
     def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01):

@@ -20,7 +20,8 @@ class TopologyError(ValueError):
 
 
 class Topology:
-    """Coordinates of this rank plus the sub-communicators it talks through:
+    """Coordinates of this rank in a dp x pp x tp grid of comm's ranks (dp * pp * tp ==
+    comm.size), plus the sub-communicators it talks through:
 
     tp_group     the tensor-parallel shards of this stage of this replica (activations, every layer)
     dp_group     the replicas of this shard of this stage (gradients, once a step)

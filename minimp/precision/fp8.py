@@ -32,15 +32,19 @@ from minimp.precision.casting import FLOAT32, widen
 
 @dataclass(frozen=True)
 class Fp8Format:
-    """One fp8 format: its name, its NumPy dtype (ml_dtypes') and limits read from ml_dtypes."""
+    """One fp8 format: its name, its NumPy dtype (ml_dtypes') and limits read from ml_dtypes.
+
+    max: the largest finite value, 448 (E4M3) or 57344 (E5M2); smallest_normal: 2^-6 (E4M3) or
+    2^-14 (E5M2); smallest_subnormal: 2^-9 (E4M3) or 2^-16 (E5M2), below half of which a value
+    rounds to zero; mantissa_bits: the fraction bits stored, 3 (E4M3) or 2 (E5M2).
+    """
 
     name: str
     dtype: np.dtype
-    max: float  # the largest finite value: 448 (E4M3) or 57344 (E5M2)
-    smallest_normal: float  # 2^-6 (E4M3) or 2^-14 (E5M2)
-    # 2^-9 (E4M3) or 2^-16 (E5M2): below half of it, a value rounds to zero
+    max: float
+    smallest_normal: float
     smallest_subnormal: float
-    mantissa_bits: int  # fraction bits stored: 3 (E4M3) or 2 (E5M2)
+    mantissa_bits: int
 
     @classmethod
     def of(cls, name: str, dtype: type) -> "Fp8Format":

@@ -104,7 +104,8 @@ Fp8Recipe = DelayedScaling | Float8CurrentScaling | NoScaling  # any one of the 
 
 
 class Fp8Quantizer:
-    """One tensor's fp8 scaling state (TE's quantizer): its format and recipe; `scale`, delayed
+    """One tensor's fp8 scaling state (TE's quantizer): its format `fmt` (E4M3 or E5M2) and
+    `recipe` (how its scale is chosen); `scale`, delayed
     scaling's scale for this step (set after the last one) or the scale of the latest quantization
     for the stateless recipes; `amax_history` (element 0 the newest step); and this step's
     statistics: `step_amax`, `underflow` (nonzero values that became 0), `saturated` (values
@@ -175,7 +176,8 @@ class Fp8Quantizer:
 
 class Fp8Meta:
     """The fp8 state of one Linear (TE's fp8_meta): a quantizer for its input and its weight
-    (E4M3, forward) and for its output gradient (E5M2, backward)."""
+    (E4M3, forward) and for its output gradient (E5M2, backward), all three scaled by `recipe`
+    (DelayedScaling, Float8CurrentScaling or NoScaling)."""
 
     TENSORS = ("input", "weight", "grad_output")
 

@@ -108,6 +108,10 @@ class DynamicLossScaler(LossScaler):
     (Megatron-LM's rule: the allowance refills only when the scale grows). A back-off never goes
     below min_scale: it clamps there, as DeepSpeed and Megatron-LM do (max(scale * backoff,
     min_scale)), and sets `hit_min_scale`, so the trainer can say so.
+
+    init_scale: the first scale (default 2^16, as GradScaler's), rounded into float32, the dtype
+    every scale lives in; the defaults of the others: growth_factor 2, backoff_factor 0.5,
+    growth_interval 2000 steps, hysteresis 1, min_scale 1.
     """
 
     # The configuration, by constructor argument (init_scale aside: the state's loss_scale is it).

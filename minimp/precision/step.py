@@ -26,9 +26,13 @@ from minimp.precision.scaler import LossScaler
 
 @dataclass
 class StepResult:
-    skipped: bool  # True when a non-finite gradient was found (on any rank) and nothing was updated
-    loss_scale: float  # the scale this step's gradients were computed with
-    grad_norm: float | None  # norm of the unscaled gradients when clipping (inf if skipped)
+    """What `mixed_precision_step` did. skipped: True when a non-finite gradient was found (on any
+    rank) and nothing was updated; loss_scale: the scale this step's gradients were computed with;
+    grad_norm: the norm of the unscaled gradients when clipping (inf if skipped), else None."""
+
+    skipped: bool
+    loss_scale: float
+    grad_norm: float | None
 
 
 class MixedPrecisionOptimizer(Protocol):

@@ -53,6 +53,11 @@ def _by_dataset(help: str, **extra: Any) -> Any:
 
 @dataclass
 class TrainConfig:
+    """The training command's configuration: one field per flag of `python -m minimp.train`
+    (`--batch-size` sets batch_size), parsed by minimp.train.parse_config. Each field's meaning
+    is its flag's `--help` line, kept once, in the field's metadata["help"]; a default of None
+    stands for one that depends on the dataset or on another flag (`--help` says which)."""
+
     dataset: str = _flag("digits", "dataset shipped with minimp", choices=tuple(DATASET_DEFAULTS))
     model: str = _by_dataset("mlp (digits) or gpt (shakespeare)", choices=("mlp", "gpt"))
     precision: str = _flag(

@@ -103,15 +103,20 @@ class DataParallel(ReplicaSync):
                  stages_comm: Communicator | None = None, tied: TiedGradients | None = None,
                  tensor_parallel: TensorParallelGradients | None = None, overlap: bool = False,
                  micro_batches: int = 1):
-        """comm: the replicas of this stage. decision_comm: who shares the skip decision (with
-        pipeline stages, every rank of the job; by default the replicas). stages_comm: the ranks
-        that hold the other parts of this replica's model (its pipeline stages and tensor-parallel
-        shards), whose gradient norms add up to the model's; by default none. tied: the parameters
-        this stage shares with another stage (parallel/pipeline/tied.py), whose gradients are summed
-        after averaging. tensor_parallel: a TensorParallelGradients (parallel/tensor/grads.py),
-        whose partial gradients are summed after averaging and whose whole copies count once.
-        overlap: all-reduce each bucket during the backward of the step's last micro-batch (of
-        `micro_batches`) as soon as it is complete (minimp/parallel/data/overlap.py)."""
+        """comm: the replicas of this stage. optimizer: this replica's, whose float32 gradient sums
+        are averaged. bucket_mb: the most MiB of gradients (counted in comm_dtype) one all-reduce
+        carries. comm_dtype: the dtype gradients travel in (float32, or a 16-bit wire). average:
+        "before" multiplies each gradient by 1/replicas before the sum (in float32, then rounded
+        onto the wire), "after" multiplies the sum as it comes off the wire. decision_comm: who
+        shares the skip decision (with pipeline stages, every rank of the job; by default the
+        replicas). stages_comm: the ranks that hold the other parts of this replica's model (its
+        pipeline stages and tensor-parallel shards), whose gradient norms add up to the model's; by
+        default none. tied: the parameters this stage shares with another stage
+        (parallel/pipeline/tied.py), whose gradients are summed after averaging. tensor_parallel: a
+        TensorParallelGradients (parallel/tensor/grads.py), whose partial gradients are summed after
+        averaging and whose whole copies count once. overlap: all-reduce each bucket during the
+        backward of the step's last micro-batch (of `micro_batches`) as soon as it is complete
+        (minimp/parallel/data/overlap.py)."""
         super().__init__(comm, average, decision_comm, tied, tensor_parallel)
         self.optimizer, self.stages_comm = optimizer, stages_comm
         self.comm_dtype = np.dtype(comm_dtype)

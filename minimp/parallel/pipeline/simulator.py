@@ -27,7 +27,9 @@ from minimp.parallel.pipeline.schedules.dependencies import messages, virtual_st
 @dataclass
 class Costs:
     """Seconds of one micro-batch's work on one chunk (a virtual stage): one number for all, or one
-    per virtual stage. backward_input / backward_weight default to halves of backward."""
+    per virtual stage: forward, backward (input and weight gradients together), and
+    backward_input / backward_weight (zero bubble's B and W), which default to halves of backward;
+    message: the seconds a message takes to arrive (0 by default)."""
 
     forward: float | Sequence[float]
     backward: float | Sequence[float]
@@ -45,11 +47,16 @@ class Costs:
 
 @dataclass
 class SimulatedStep:
-    span: float  # seconds from the first action's start to the last one's end
-    bubble: float  # idle time of all ranks / (ranks x span)
-    busy: list[float]  # compute seconds of each rank
-    peak_stored: list[int]  # the most micro-batches a rank held at once (forward to last backward)
-    rows: list[list] = field(default_factory=list)  # per rank: [op index, step, mb, start, end]
+    """What simulate_schedule found. span: seconds from the first action's start to the last one's
+    end; bubble: idle time of all ranks / (ranks x span); busy: compute seconds of each rank;
+    peak_stored: the most micro-batches a rank held at once (forward to last backward); rows: per
+    rank, one [op index, step, micro-batch, start, end] per compute (the timeline)."""
+
+    span: float
+    bubble: float
+    busy: list[float]
+    peak_stored: list[int]
+    rows: list[list] = field(default_factory=list)
 
 
 def simulate_schedule(schedule: Schedule, costs: Costs) -> SimulatedStep:

@@ -46,15 +46,22 @@ def message_tag(direction: int, chunk: int, micro_batch: int, micro_batches: int
 
 @dataclass
 class MicroBatch:
-    """What a chunk holds for one micro-batch between its forward and its (last) backward."""
+    """What a chunk holds for one micro-batch between its forward and its (last) backward.
 
-    received: Array | None = None  # the activation from the previous stage, not yet forwarded
-    input: Tensor | None = None  # the stage's input: a leaf whose gradient is sent back
-    output: Tensor | None = None  # the stage's output (the loss, on the last stage)
-    grad_output: Array | None = None  # the gradient of output, received from the next stage
-    grad_input: Array | None = None  # the gradient of input, waiting to be sent back
-    weights_pending: PendingWeightGradients | None = None  # B done, W not yet (split backward)
-    sent_back: bool = False  # its input's gradient has left (or there is none to send)
+    received: the activation from the previous stage, not yet forwarded; input: the stage's
+    input, a leaf whose gradient is sent back; output: the stage's output (the loss, on the last
+    stage); grad_output: the gradient of output, received from the next stage; grad_input: the
+    gradient of input, waiting to be sent back; weights_pending: B done, W not yet (split
+    backward); sent_back: its input's gradient has left (or there is none to send).
+    """
+
+    received: Array | None = None
+    input: Tensor | None = None
+    output: Tensor | None = None
+    grad_output: Array | None = None
+    grad_input: Array | None = None
+    weights_pending: PendingWeightGradients | None = None
+    sent_back: bool = False
 
 
 class PipelineStage:
@@ -64,7 +71,10 @@ class PipelineStage:
                  output_shape: tuple[int, ...], dtype: npt.DTypeLike,
                  loss_fn: Callable[[Tensor, Array], Tensor], run_group: RunLayers = run_layers,
                  more_chunks: Sequence[StageChunk] = (), buffered_sends: bool = False):
-        """input_shape / output_shape: one micro-batch's activation entering / leaving `layers`.
+        """layers: this rank's first chunk of the model; topology: this rank's place in the grid
+        (its pp_group carries the activations); dtype: the activations' dtype on the wire and in
+        the receive buffers. input_shape / output_shape: one micro-batch's activation entering /
+        leaving `layers`.
         loss_fn(output, targets) -> scalar loss Tensor, called on the last virtual stage.
         run_group(layers, x): how each group of layers (`layer_groups`) runs: in order by
         default; recomputed (--recompute) and gathered (ZeRO stage 3) when the trainer says so.

@@ -84,7 +84,9 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, linear: nn.Linear, comm: Communicator, sections: int = 1,
                  sequence_parallel: bool = False):
-        """The shard of a whole (float32) Linear that rank comm.rank of comm.size holds."""
+        """The shard of a whole (float32) Linear `linear` that rank comm.rank of comm.size holds;
+        sections: how many blocks the output features form (3 for the fused q, k, v), each cut
+        on its own; sequence_parallel: x arrives cut by positions and is all-gathered first."""
         super().__init__(linear, comm, 0, sections, sequence_parallel)
         self.out_features //= comm.size
         self.bias = None if linear.bias is None else self._cut(linear.bias.data, sections)
@@ -103,7 +105,8 @@ class RowParallelLinear(_ParallelLinear):
     features; the partial products add up over the ranks, then the (whole) bias is added once."""
 
     def __init__(self, linear: nn.Linear, comm: Communicator, sequence_parallel: bool = False):
-        """The shard of a whole (float32) Linear that rank comm.rank of comm.size holds."""
+        """The shard of a whole (float32) Linear `linear` that rank comm.rank of comm.size holds;
+        sequence_parallel: the sum is reduce-scattered by positions instead of all-reduced."""
         super().__init__(linear, comm, 1, 1, sequence_parallel)
         self.in_features //= comm.size
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.data.copy())

@@ -48,10 +48,11 @@ class TensorParallelError(ValueError):
 @dataclass
 class TensorParallelPlan:
     """What parallelize_module did: which parameters are cut, which whole ones get partial
-    gradients."""
+    gradients. partitions: {name: (axis, sections)} of the parameters cut across the ranks;
+    partial: the names of whole parameters whose gradient on each rank is partial (a sum)."""
 
-    partitions: dict[str, tuple[int, int]]  # name -> (axis, sections), cut across the ranks
-    partial: set[str] = field(default_factory=set)  # whole, but each rank's gradient is partial
+    partitions: dict[str, tuple[int, int]]
+    partial: set[str] = field(default_factory=set)
 
 
 def parallelize_module(model: nn.Module, comm: Communicator,

@@ -57,12 +57,14 @@ class ZeroDataParallel(ReplicaSync):
                  sent: BytesSent | None = None,
                  tensor_parallel: TensorParallelGradients | None = None, overlap: bool = False,
                  micro_batches: int = 1):
-        """As DataParallel's: comm the replicas of this stage, decision_comm every rank that
-        shares the skip decision and the gradient norm (by default the replicas), tied the
-        parameters this stage shares with another, tensor_parallel the partial gradients and
-        whole copies of --tp; sent counts the bytes by collective. overlap: each unit's
-        reduce-scatter progresses during backward (minimp/parallel/data/overlap.py); stage 1
-        then needs to know which backward is the step's last (of `micro_batches`)."""
+        """As DataParallel's: comm the replicas of this stage, optimizer this replica's
+        ShardedOptimizer, comm_dtype the gradients' wire dtype, average "before" or "after" the sum
+        (the division by the replicas), decision_comm every rank that shares the skip decision and
+        the gradient norm (by default the replicas), tied the parameters this stage shares with
+        another, tensor_parallel the partial gradients and whole copies of --tp; sent counts the
+        bytes by collective. overlap: each unit's reduce-scatter progresses during backward
+        (minimp/parallel/data/overlap.py); stage 1 then needs to know which backward is the step's
+        last (of `micro_batches`)."""
         super().__init__(comm, average, decision_comm, tied, tensor_parallel, sent)
         self.optimizer, self.layout, self.params = optimizer, optimizer.layout, optimizer.params
         self.stage = zero_stage(optimizer.stage)

@@ -26,12 +26,14 @@ from minimp.nn.module import Module, Parameter, reachable_parameters
 
 @dataclass(frozen=True)
 class Piece:
-    """Where one parameter meets this rank's chunk of its unit."""
+    """Where one parameter meets this rank's chunk of its unit. index: the parameter's position in
+    the optimizer; start, stop: the piece is elements start..stop-1 of the flattened parameter;
+    offset: where the piece begins in this rank's chunk of the unit."""
 
-    index: int  # the parameter's position in the optimizer
-    start: int  # the piece is elements start..stop-1 of the flattened parameter
+    index: int
+    start: int
     stop: int
-    offset: int  # where the piece begins in this rank's chunk of the unit
+    offset: int
 
     @property
     def size(self) -> int:
@@ -67,7 +69,8 @@ class Unit:
 
 
 class ZeroLayout:
-    """The units of one stage and this rank's chunk of each, over N data-parallel ranks."""
+    """The units of one stage and this rank's chunk of each, over N data-parallel ranks: `units`,
+    the stage's parameters laid out flat, and this rank, `rank` of `world_size` = N."""
 
     def __init__(self, units: list[Unit], rank: int, world_size: int):
         self.units, self.rank, self.world_size = units, rank, world_size

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ZeroStage:
-    """One row of the table above."""
+    """One row of the table above. number: the stage (the --zero flag); shards_optimizer_state:
+    the optimizer's slots and the float32 masters are 1/N per replica; shards_gradients: the
+    float32 gradient sums too, each replica keeping only its chunks; shards_parameters: the
+    compute copies too, gathered just before each layer runs."""
 
     number: int
-    shards_optimizer_state: bool  # the optimizer's slots and the float32 masters: 1/N per replica
-    shards_gradients: bool  # the float32 gradient sums: each replica keeps only its chunks
-    shards_parameters: bool  # the compute copies: gathered just before each layer runs
+    shards_optimizer_state: bool
+    shards_gradients: bool
+    shards_parameters: bool
 
     def __str__(self) -> str:
         return f"ZeRO stage {self.number}"

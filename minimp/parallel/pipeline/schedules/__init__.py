@@ -20,10 +20,11 @@ from minimp.parallel.pipeline.schedules.zero_bubble import zb_h1
 
 @dataclass(frozen=True)
 class ScheduleChoice:
-    """One --schedule: its builder (stages, micro-batches, virtual stages) -> Schedule, whether
-    its sends must be buffered, and its bubble (idle time of all stages / (P x span)) when every
-    forward costs the same on every stage, every backward twice that (B and W one forward each),
-    and messages nothing (tests/test_schedule_choice.py simulates it)."""
+    """One --schedule. build: (stages, micro-batches, virtual stages) -> Schedule; buffered_sends:
+    whether its sends must be buffered; bubble: (the same sizes) -> its bubble (idle time of all
+    stages / (P x span)) when every forward costs the same on every stage, every backward twice
+    that (B and W one forward each), and messages nothing (tests/test_schedule_choice.py
+    simulates it)."""
 
     build: Callable[[int, int, int], Schedule]
     buffered_sends: bool

@@ -48,12 +48,15 @@ MESSAGES = {
 
 
 class Action(NamedTuple):
-    """One entry of a stage's schedule."""
+    """One entry of a stage's schedule. op: one of the names above; micro_batch: the micro-batch
+    worked on (a paired exchange: the one whose data is sent); received: a paired exchange's
+    micro-batch whose data comes back (else None); chunk: which of this rank's model chunks
+    (virtual stages; 0 without interleaving)."""
 
-    op: str  # one of the names above
-    micro_batch: int  # the micro-batch worked on (a paired exchange: the one whose data is sent)
-    received: int | None = None  # a paired exchange: the micro-batch whose data comes back
-    chunk: int = 0  # which of this rank's model chunks (virtual stages; 0 without interleaving)
+    op: str
+    micro_batch: int
+    received: int | None = None
+    chunk: int = 0
 
     def __str__(self) -> str:
         label = COMPUTE_LABELS.get(self.op, self.op)
