@@ -24,7 +24,8 @@ import numpy as np
 
 from minimp.checkpoints import checkpoint
 from minimp.checkpoints.errors import CommandParser, ConfigError, run_command
-from minimp.checkpoints.files import atomic_write, check_output_path, exit_cleanly_on_sigterm
+from minimp.checkpoints.files import (atomic_write, check_output_path, exit_cleanly_on_sigterm,
+                                      same_file)
 from minimp.data import load_shakespeare
 from minimp.precision.casting import ACTIVATION_DTYPES, round_to
 
@@ -85,16 +86,11 @@ def check_nothing_is_lost(checkpoint_path: str, output: str, config_path: str,
     """Raise ConfigError before anything is written where the export would destroy a file: the
     checkpoint it reads (never), its own output under its config's name (never), or a file that
     is already there (only with --force, which replaces it)."""
-    def same(a: str, b: str) -> bool:
-        if os.path.exists(a) and os.path.exists(b):
-            return os.path.samefile(a, b)  # links and other spellings of one file too
-        return os.path.abspath(a) == os.path.abspath(b)
-
     for flag, path in (("output", output), ("config", config_path)):
-        if same(path, checkpoint_path):
+        if same_file(path, checkpoint_path):
             raise ConfigError(f"{flag} {path} is the checkpoint being exported; write the export "
                               "to another name")
-    if same(output, config_path):
+    if same_file(output, config_path):
         raise ConfigError(f"output {output}: its config is written beside it as {config_path}, "
                           "the same file; give the output another extension (.safetensors)")
     for flag, path in (("output", output), ("config", config_path)):

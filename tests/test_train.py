@@ -233,3 +233,13 @@ def test_an_output_on_the_checkpoint_it_resumes_is_refused_and_the_checkpoint_ke
     model = ("--hidden", "16", "--layers", "1")
     kept = run_command(*model, "--steps", "4", "--resume", str(copy), "--save", str(copy))
     assert kept.returncode == 0, kept.stderr
+
+
+def test_help_shows_each_flag_s_choices_and_no_empty_default():
+    """--help printed `--device {,cpu,gpu}` with `(default: )`, and no choices for --fp8-recipe."""
+    from minimp.train.cli import build_parser
+
+    text = build_parser().format_help()
+    assert "(default: )" not in text and "{," not in text
+    assert "[--device {cpu,gpu}]" in text and "[--fp8-recipe {delayed,current,none}]" in text
+    assert text.count("(default:") > 40  # the other flags keep theirs

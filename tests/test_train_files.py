@@ -171,6 +171,11 @@ def make_checkpoint_variants(good, folder):
         "wrong-slot-shape",
         change_arrays=lambda a: a.update({"optimizer/0.weight/exp_avg": np.zeros(3, "f4")}),
     )
+    variant("no-seed-flag", lambda m: m["flags"].pop("--seed"))
+    variant("version-0", lambda m: m.update(version=0))
+    variant("schedule-not-an-object", lambda m: m.update(schedule=[1]))
+    variant("bad-decay-steps", lambda m: m["schedule"].update(lr_decay_steps="x"))
+    (folder / "folder.npz").mkdir()  # a folder named like a checkpoint
     np.save(folder / "array.npy", np.zeros(3))
     os.replace(folder / "array.npy", folder / "npy-renamed.npz")
     (folder / "truncated.npz").write_bytes(good.read_bytes()[:300])
@@ -193,6 +198,11 @@ BAD_CHECKPOINTS = {
     "wrong-slot-shape": "optimizer/0.weight/exp_avg is float32 of shape (3,)",
     "npy-renamed": "holds a single array, not an .npz archive",
     "truncated": "not a readable minimp checkpoint",
+    "no-seed-flag": "its flags lack --seed, which a resume must repeat",
+    "version-0": "format version 0 is unknown (this minimp reads versions 1 to 2)",
+    "schedule-not-an-object": "schedule is [1], not a JSON object",
+    "bad-decay-steps": "lr_decay_steps 'x' is not an integer >= 1",
+    "folder": "is a folder, not a checkpoint file",
 }
 
 
@@ -279,3 +289,201 @@ def test_ctrl_c_is_one_line_exit_130_and_the_checkpoint_stays(tmp_path):
     assert stderr.strip() == "minimp.train: interrupted; files already saved are intact"
     with np.load(ckpt) as archive:
         assert json.loads(str(archive["meta"]))["step"] % 20 == 0
+
+
+def test_a_resume_across_loss_scalers_names_the_flags_and_the_fix(checkpoint_variants):
+    """An fp16 checkpoint (dynamic scale) resumed in bf16 (none) used to blame "a none loss
+    scaler"; both directions name --precision and the --loss-scale that carries on."""
+    good = checkpoint_variants / "good.npz"  # fp16: a dynamic loss scale
+    result = run_command("--resume", str(good), "--steps", "5", "--precision", "bf16")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"minimp.train: error: checkpoint {good} was trained with a dynamic loss scale, and this "
+        "run's --precision and --loss-scale give it no loss scale: resume with the checkpoint's "
+        "--precision, or pass --loss-scale dynamic"]
+    carried = run_command("--resume", str(good), "--steps", "5", "--precision", "bf16",
+                          "--loss-scale", "dynamic")
+    assert carried.returncode == 0, carried.stderr
+
+
+OUTPUT_OF_KIND = {"checkpoint": ("--save", "c.npz"), "json": ("--metrics", "m.jsonl"),
+                  "image": ("--plot", "p.png")}
+
+
+def write_sample(path, kind):
+    """A file of each kind file_kind tells apart, as the outputs write them."""
+    samples = {"checkpoint": lambda: np.savez(path.open("wb"), a=np.zeros(2)),
+               "json": lambda: path.write_text('{"step": 1}\n'),
+               "image": lambda: path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(40)),
+               "text": lambda: path.write_text("my notes, not metrics\n"),
+               "binary": lambda: path.write_bytes(bytes(range(256))),
+               "empty": lambda: path.write_bytes(b"")}
+    samples[kind]()
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "json", "image", "text", "binary", "empty"])
+def test_file_kind_tells_the_outputs_apart(tmp_path, kind):
+    path = tmp_path / "file"
+    write_sample(path, kind)
+    assert files.file_kind(str(path)) == kind
+
+
+@pytest.mark.parametrize("found", ["checkpoint", "json", "image", "text", "binary"])
+@pytest.mark.parametrize("output", sorted(OUTPUT_OF_KIND))
+def test_an_output_replaces_only_a_file_of_its_own_kind(tmp_path, output, found):
+    """--metrics c.npz used to write JSON lines over a checkpoint without a word."""
+    from minimp.train.__main__ import check_outputs
+
+    flag, name = OUTPUT_OF_KIND[output]
+    path = tmp_path / name
+    write_sample(path, found)
+    before = path.read_bytes()
+    config = TrainConfig(**{flag[2:]: str(path)})
+    if found == output:
+        check_outputs(config)  # a rerun replaces its own output
+    else:
+        with pytest.raises(ConfigError, match=f"{flag} {path} exists and holds .*--force"):
+            check_outputs(config)
+        check_outputs(TrainConfig(**{flag[2:]: str(path)}, force=True))  # what --force allows
+    assert path.read_bytes() == before  # a check writes nothing
+
+
+def test_metrics_onto_a_checkpoint_is_one_line_and_the_checkpoint_is_kept(checkpoint_variants):
+    good = checkpoint_variants / "good.npz"
+    before = good.read_bytes()
+    result = run_command("--steps", "2", "--metrics", str(good))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"minimp.train: error: --metrics {good} exists and holds an .npz archive (a checkpoint?), "
+        "which this output would replace; choose another path, or pass --force"]
+    assert good.read_bytes() == before
+
+
+def test_resumed_metrics_keep_their_rows_up_to_a_damaged_line(tmp_path):
+    """A metrics file whose tail is not UTF-8 (a crash, a disk error) used to end a resume in a
+    UnicodeDecodeError traceback: the rows before the damage are kept, the rest dropped."""
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_bytes(b'{"step": 1}\n{"step": 2}\n\xff\xfe garbage\n{"step": 3}\n')
+    files.keep_metrics_up_to(str(metrics), 5)
+    assert metrics.read_bytes() == b'{"step": 1}\n{"step": 2}\n'
+
+
+# Run train with a file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored: a write past it fails with
+# EFBIG, as a full disk fails with ENOSPC), set after MPI's start-up, which writes large files.
+FULL_DISK = """
+import resource, signal, sys
+from minimp.distributed import world
+world()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
+from minimp.train.__main__ import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def run_on_a_small_disk(limit, *flags):
+    return subprocess.run([PYTHON, "-c", FULL_DISK, str(limit), "--hidden", "8", "--layers", "1",
+                           "--log-every", "1000", *flags],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_failing_write_of_a_report_is_one_line_and_the_checkpoint_still_saves(tmp_path):
+    """A full disk under --metrics, --timeline or --plot used to end the run in a traceback.
+    With 150 steps the metrics (~75 KB), the timeline and the plot outgrow a 40 KB limit; the
+    checkpoint (13 KB) does not."""
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
+    out = {name: tmp_path / name for name in ("c.npz", "m.jsonl", "t.json", "p.png")}
+    result = run_on_a_small_disk(
+        40_000, "--steps", "150", "--save", str(out["c.npz"]), "--metrics", str(out["m.jsonl"]),
+        "--timeline", str(out["t.json"]), "--plot", str(out["p.png"]))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"minimp.train: error: could not write --timeline {out['t.json']} (File too large), "
+        f"--plot {out['p.png']} (File too large), --metrics {out['m.jsonl']} (File too large); "
+        f"the checkpoint {out['c.npz']} was saved"]
+    assert f"--metrics {out['m.jsonl']}: a write failed (File too large)" in result.stdout
+    assert "saved checkpoint" in result.stdout and "done: 150 steps" in result.stdout
+    with np.load(out["c.npz"]) as archive:
+        assert json.loads(str(archive["meta"]))["step"] == 150
+    assert not out["t.json"].exists() and not out["p.png"].exists()  # no half-written report
+
+
+def test_a_checkpoint_the_disk_cannot_hold_is_one_line_and_the_old_one_is_kept(tmp_path):
+    ckpt = tmp_path / "c.npz"
+    assert run_command("--steps", "2", "--save", str(ckpt)).returncode == 0  # 16 wide: ~30 KB
+    before = ckpt.read_bytes()
+    result = run_on_a_small_disk(5_000, "--steps", "2", "--hidden", "16", "--save", str(ckpt))
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"minimp.train: error: checkpoint {ckpt} could not be written after step 2 (File too "
+        "large); the file there is as it was"]
+    assert ckpt.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]  # no temporary file left
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+@pytest.mark.parametrize("save_every", ["0", "1"])
+def test_weights_gone_non_finite_are_never_saved_and_the_run_exits_1(tmp_path, precision,
+                                                                     save_every):
+    """--lr 1e308 made inf weights, trained on, exited 0 and saved them over the checkpoint.
+    Step 1's update makes them inf; with --save-every 1 the save after it refuses them, else
+    step 2's non-finite loss has every rank check its masters and stop."""
+    ckpt = tmp_path / "c.npz"
+    assert run_command("--steps", "2", "--save", str(ckpt)).returncode == 0
+    before = ckpt.read_bytes()
+    result = run_command("--steps", "6", "--lr", "1e308", "--precision", precision,
+                         "--save", str(ckpt), "--save-every", save_every)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [{
+        "1": "minimp.train: error: master/0.weight holds inf or NaN after step 1: the model "
+             f"diverged (lower --lr, clip with --max-grad-norm); not saved, {ckpt} is left as it "
+             "was",
+        "0": "minimp.train: error: step 2: the float32 master weights hold inf or NaN: the model "
+             f"diverged (lower --lr, clip with --max-grad-norm); stopped before any save, so "
+             f"{ckpt} keeps its last finite weights"}[save_every]]
+    assert "saved checkpoint" not in result.stdout and ckpt.read_bytes() == before
+
+
+def test_a_checkpoint_is_never_written_with_non_finite_masters(tmp_path):
+    from minimp import nn
+    from minimp.checkpoints import checkpoint
+    from minimp.optim import SGD
+    from minimp.precision import NoLossScaler
+
+    ckpt = tmp_path / "c.npz"
+    ckpt.write_bytes(b"PK\x03\x04 an older checkpoint")
+    optimizer = SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    arrays = {"master/0.weight": np.array([1.0, np.inf], np.float32)}
+    with pytest.raises(DivergenceError, match="master/0.weight holds inf or NaN after step 4"):
+        checkpoint.save(str(ckpt), step=4, flags={}, optimizer=optimizer, scaler=NoLossScaler(),
+                        arrays=arrays)
+    assert ckpt.read_bytes() == b"PK\x03\x04 an older checkpoint"
+
+
+def test_a_damaged_shipped_dataset_is_one_line():
+    """NaN pixels or a -1 label in the shipped data were a ValueError traceback."""
+    damage = """
+import sys
+import numpy as np
+from minimp import data
+from minimp.train import tasks
+def damaged():
+    real = data.load_digits()
+    return data.Dataset("digits", real.train_images, real.train_labels - 1, real.test_images,
+                        real.test_labels)
+tasks.load_digits = damaged
+from minimp.train.__main__ import main
+sys.exit(main(["--steps", "2"]))
+"""
+    result = subprocess.run([PYTHON, "-c", damage], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "minimp.train: error: --dataset digits: the data shipped with minimp cannot be used "
+        "(digits: train labels must be integers >= 0); reinstall minimp"]
+
+
+def test_a_reader_that_leaves_the_pipe_ends_the_run_quietly():
+    """`python -m minimp.train | head -1` ended in a BrokenPipeError traceback."""
+    job = subprocess.Popen([PYTHON, "-m", "minimp.train", *SMALL, "--steps", "100000"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    job.stdout.readline()
+    job.stdout.close()  # what head does after its line
+    stderr = job.stderr.read()
+    assert job.wait(timeout=60) == 141 and stderr == b""

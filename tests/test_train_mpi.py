@@ -362,6 +362,54 @@ def rank_processes(marker):
     return pids
 
 
+def interrupt(tmp_path, whom):
+    """Start a 2-rank job, wait for its first metrics row, send SIGINT to `whom` ("mpirun": what
+    Ctrl-C in a terminal does, mpirun passing it to every rank; "rank 1": that rank alone);
+    returns (exit status, stderr, seconds from the signal to the end)."""
+    metrics = tmp_path / f"interrupted-{whom[-1]}.jsonl"
+    command = [MPIRUN, "-n", "2", PYTHON, "-m", "minimp.train", *SMALL, "--steps", "100000"]
+    job = subprocess.Popen([*command, "--metrics", str(metrics)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pid = job.pid if whom == "mpirun" else max(rank_processes(metrics.name))
+        os.kill(pid, signal.SIGINT)
+        sent = time.monotonic()
+        _, stderr = job.communicate(timeout=60)
+        return job.returncode, stderr, time.monotonic() - sent
+    finally:
+        for pid in rank_processes(metrics.name):
+            os.kill(pid, signal.SIGKILL)
+        job.kill()
+
+
+def test_ctrl_c_under_mpirun_is_one_line_for_the_job(tmp_path):
+    """Every rank used to print a KeyboardInterrupt traceback (and a rank interrupted inside an
+    MPI wait could hang its peer until --timeout)."""
+    code, stderr, seconds = interrupt(tmp_path, "mpirun")
+    assert code == 130 and seconds < 10
+    assert stderr.strip().splitlines() == [
+        "minimp.train: interrupted; files already saved are intact"]
+
+
+@pytest.mark.slow
+def test_a_rank_interrupted_alone_ends_the_job_with_one_line(tmp_path):
+    code, stderr, seconds = interrupt(tmp_path, "rank 1")
+    assert code == 130 and seconds < 10
+    assert stderr.strip().splitlines() == [
+        "[rank 1] minimp.train: interrupted; files already saved are intact"]
+
+
+@pytest.mark.slow
+def test_weights_gone_non_finite_under_zero_stop_every_rank_and_save_nothing(tmp_path):
+    ckpt = tmp_path / "x.npz"
+    result = train_command(2, "--zero", "1", "--lr", "1e308", "--steps", "6", "--save", str(ckpt))
+    assert result.returncode == 1 and "Abort" not in result.stderr, result.stderr
+    assert result.stderr.count("master weights hold inf or NaN") == 1 and not ckpt.exists()
+
+
 @pytest.mark.slow
 def test_the_watchdog_ends_a_job_whose_rank_was_sigstopped(tmp_path):
     metrics = tmp_path / "watched-run.jsonl"

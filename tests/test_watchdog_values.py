@@ -200,7 +200,7 @@ def test_start_watchdog_prints_the_ranks_message_and_aborts_the_job_with_code_3(
 def test_print_and_abort_writes_then_pauses_as_long_as_launch_does_then_aborts(clock, capfd):
     # the pause lets mpirun forward the line before MPI_Abort tears the job down: the same
     # pause as launch's for a failing rank's message (docs/reliability.md: 0.5 s)
-    pause = inspect.signature(launch._flush_and_pause).parameters["seconds"].default
+    pause = inspect.signature(launch.flush_and_pause).parameters["seconds"].default
     seen = []
 
     def abort(code):  # what had happened when MPI_Abort was called

@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from minimp import backend
-from minimp.checkpoints.errors import CheckpointError
+from minimp.checkpoints.errors import CheckpointError, DivergenceError
 from minimp.checkpoints.files import atomic_write
 from minimp.models.gpt import GPTConfig
 from minimp.npz import read_arrays
@@ -59,13 +59,22 @@ def save(path: str, *, step: int, flags: dict[str, Any], optimizer: Optimizer, s
     settings a resume must repeat ({"--seed": 0, ...}); optimizer and scaler give the step count,
     learning rate and scaler state, which all stages share; `schedule` the learning-rate
     schedule's resolved settings, which a resume continues unless told otherwise."""
+    for name, array in arrays.items():  # a diverged run must not replace a good checkpoint
+        if name.startswith("master/") and not np.isfinite(array).all():
+            raise DivergenceError(
+                f"{name} holds inf or NaN after step {step}: the model diverged (lower --lr, clip "
+                f"with --max-grad-norm); not saved, {path} is left as it was")
     optimizer_state = optimizer.state_dict()
     meta = {"format": FORMAT, "version": VERSION, "step": step, "flags": flags,
             "optimizer": {"kind": type(optimizer).__name__,
                           "step_count": optimizer_state["step_count"], "lr": optimizer_state["lr"]},
             "scaler": scaler.state_dict(), "schedule": schedule or {}}
     arrays = {"meta": np.array(json.dumps(meta)), **arrays}
-    atomic_write(path, lambda file: np.savez(file, **arrays))
+    try:
+        atomic_write(path, lambda file: np.savez(file, **arrays))
+    except OSError as error:  # a full disk: the temporary file is gone, the old one intact
+        raise CheckpointError(f"checkpoint {path} could not be written after step {step} "
+                              f"({error.strerror or error}); the file there is as it was") from None
 
 
 
@@ -77,6 +86,9 @@ def gpt_config(flags: dict[str, Any], vocab_size: int) -> GPTConfig:
 def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     """(meta, {array name: array}) from a checkpoint file whose meta is complete and well typed,
     or CheckpointError saying what is wrong."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} is a folder, not a checkpoint file (give the "
+                              "--resume path of the .npz that --save wrote)")
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path} does not exist (check the --resume path)")
     try:
@@ -102,7 +114,8 @@ def _checked_meta(path: str, meta: Any) -> dict:
         raise fail(f"format {meta.get('format')!r} is not {FORMAT!r}")
     version = meta.get("version")
     if not _is_int(version, 1):
-        raise fail(f"version {version!r} is not a positive integer")
+        raise fail(f"format version {version!r} is unknown (this minimp reads versions 1 to "
+                   f"{VERSION})")
     if version > VERSION:
         raise fail(f"written by a newer minimp (format version {version}; this one reads up to "
                    f"{VERSION}): upgrade minimp to resume it")
@@ -126,6 +139,11 @@ def _checked_meta(path: str, meta: Any) -> dict:
     scale = scaler.get("loss_scale")
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise fail(f"loss scale {scale!r} is not a positive finite number")
+    schedule = meta.get("schedule", {})
+    if not isinstance(schedule, dict):
+        raise fail(f"schedule is {schedule!r}, not a JSON object")
+    if "lr_decay_steps" in schedule and not _is_int(schedule["lr_decay_steps"], 1):
+        raise fail(f"lr_decay_steps {schedule['lr_decay_steps']!r} is not an integer >= 1")
     return meta
 
 
@@ -169,7 +187,15 @@ def restore(path: str, *, flags: dict[str, Any], steps: int, names: list[str], o
             arrays = {name: select(name, array) for name, array in arrays.items()}
         except ValueError as error:
             raise CheckpointError(f"checkpoint {path}: {error}") from None
+    # Every flag a resume must repeat is in the file, but those a file of its kind never held:
+    # version 1 kept no batch size, a run without fp8 state no fp8 settings.
+    optional = {"--batch-size"} if meta["version"] == 1 else set()
+    if not any(name.startswith("fp8/") for name in arrays):
+        optional |= {flag for flag in flags if flag.startswith("--fp8-")}
     for flag, value in flags.items():
+        if flag not in meta["flags"] and flag not in optional:
+            raise CheckpointError(f"checkpoint {path}: its flags lack {flag}, which a resume must "
+                                  "repeat; the file was edited or not written by --save")
         if flag in meta["flags"] and meta["flags"][flag] != value:
             raise CheckpointError(
                 f"checkpoint {path} was trained with {flag} {meta['flags'][flag]}, this run has "
@@ -181,6 +207,16 @@ def restore(path: str, *, flags: dict[str, Any], steps: int, names: list[str], o
             f"nothing to run (use --steps {meta['step'] + 1} or more)")
     _check_arrays(path, arrays, names, optimizer, meta["optimizer"]["step_count"])
     fp8_state = fp8.checked_state(path, arrays) if fp8 is not None else None
+    kind, saved = scaler.state_dict()["kind"], meta["scaler"]
+    if saved["kind"] != kind:  # say it in flags: the scaler's kind is what they chose
+        flag = {"dynamic": "dynamic", "none": "none"}.get(saved["kind"], f"{saved['loss_scale']:g}")
+        def scale(kind: str) -> str:
+            return "no loss scale" if kind == "none" else f"a {kind} loss scale"
+
+        raise CheckpointError(
+            f"checkpoint {path} was trained with {scale(saved['kind'])}, and this run's "
+            f"--precision and --loss-scale give it {scale(kind)}: resume with the checkpoint's "
+            f"--precision, or pass --loss-scale {flag}")
     try:  # the scaler checks its own state; fields a version-1 file lacks keep this run's
         scaler.load_state_dict({**scaler.state_dict(), **meta["scaler"]})
     except ValueError as error:
@@ -194,8 +230,7 @@ def restore(path: str, *, flags: dict[str, Any], steps: int, names: list[str], o
     optimizer.load_state_dict({"step_count": step_count, "lr": optimizer.lr, "slots": slots})
     if fp8_state is not None:
         fp8.load_state(fp8_state)
-    schedule = meta.get("schedule")
-    return meta["step"], schedule if isinstance(schedule, dict) else {}
+    return meta["step"], meta.get("schedule", {})
 
 
 def _check_arrays(path: str, arrays: dict, names: list[str], optimizer: Optimizer,

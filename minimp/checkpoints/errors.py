@@ -9,7 +9,7 @@ is left waiting, so the job ends without MPI_Abort and without a line per rank.
 
 import argparse
 import sys
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 from minimp.backend import DeviceError
 from minimp.distributed.protocol import Communicator
@@ -60,6 +60,23 @@ def agree_on_error(comm: Communicator, work: Callable[[], object]) -> None:
     raise AgreedError(error, speaker=comm.rank == first, exit_code=exit_code)
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's `(default: X)` after each help, but not `(default: )` for an empty string (an
+    output not written, a flag not given), nor twice where the help already says its default;
+    choices shown without the empty one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default == "" or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+    def _metavar_formatter(self, action: argparse.Action, default_metavar: str) -> Any:
+        if action.choices is not None and "" in action.choices:
+            shown = "{" + ",".join(str(c) for c in action.choices if c != "") + "}"
+            return lambda size: (shown,) * size if isinstance(size, int) else (shown,)
+        return super()._metavar_formatter(action, default_metavar)
+
+
 class CommandParser(argparse.ArgumentParser):
     """argparse, but its errors read `PROGRAM: error: ... (see --help)`, one line like every other
     error of the command (argparse's own prints the whole usage first), and exit with status 2;
@@ -67,7 +84,7 @@ class CommandParser(argparse.ArgumentParser):
 
     def __init__(self, program: str, description: str, quiet: bool = False):
         super().__init__(prog=f"python -m {program}", description=description,
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=_DefaultsHelpFormatter)
         self.program, self.quiet = program, quiet
 
     def error(self, message: str) -> NoReturn:

@@ -2,7 +2,9 @@
 
 A run must never be lost at its end: every output path is tried before training starts (its folder
 exists or can be made, it is neither a folder nor a device, pipe or socket, which a rename would
-replace, and a file can be created there). Every file is then
+replace, and a file can be created there), and a file already at a path is replaced only by one of
+its own kind (a checkpoint by a checkpoint, metrics by metrics), never by a file of another kind
+(a --metrics naming a checkpoint, say) unless --force says so. Every file is then
 written to a temporary file beside its target and renamed over it in one step, so a reader sees the
 old file or the new one, never a mix; a temporary file left by a killed run is removed by the next
 save to the same path. Files get the user's normal mode (0666 less the umask), not the 0600 of a
@@ -48,6 +50,55 @@ def check_output_path(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> N
         raise ConfigError(f"{flag} {path} cannot be written ({reason}); choose another path")
 
 
+# What each kind of output may replace, by what file_kind() finds there; a file of any other kind
+# is refused (or needs --force): the flag was most likely given the wrong name.
+REPLACEABLE = {"checkpoint": ("empty", "checkpoint"), "json": ("empty", "json"),
+               "image": ("empty", "image")}
+KIND_NAMES = {"empty": "an empty file", "checkpoint": "an .npz archive (a checkpoint?)",
+              "json": "JSON text (metrics or a timeline?)", "image": "an image",
+              "text": "text that is not JSON", "binary": "binary data of an unknown kind"}
+# The first bytes of the image formats matplotlib writes (svgz is gzip; eps/ps start "%!PS").
+_IMAGE_MAGIC = (b"\x89PNG", b"%PDF", b"%!PS", b"\xc5\xd0\xd3\xc6", b"\xff\xd8\xff", b"II*\x00",
+                b"MM\x00*", b"RIFF", b"\x1f\x8b", b"<svg", b"<?xml", b"%%Creator")
+
+
+def file_kind(path: str) -> str:
+    """What the file at path holds, from its first bytes: one of KIND_NAMES' keys."""
+    with open(path, "rb") as file:
+        head = file.read(512)
+    if not head:
+        return "empty"
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):  # a zip: .npz
+        return "checkpoint"
+    if head.startswith(_IMAGE_MAGIC):
+        return "image"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as error:  # a character cut by the 512 bytes is still text
+        if error.start < len(head) - 4:
+            return "binary"
+        text = head[: error.start].decode("utf-8")
+    return "json" if text.lstrip()[:1] in ("{", "[") else "text"
+
+
+def check_replaceable(flag: str, path: str, kind: str, force: bool = False) -> None:
+    """Raise ConfigError if a file at path holds another kind of output than `kind` (a key of
+    REPLACEABLE) and `force` is not given: replacing it would lose what it holds."""
+    if force or not os.path.isfile(path):
+        return
+    found = file_kind(path)
+    if found not in REPLACEABLE[kind]:
+        raise ConfigError(f"{flag} {path} exists and holds {KIND_NAMES[found]}, which this "
+                          f"output would replace; choose another path, or pass --force")
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file (through links too), existing or not yet."""
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 def atomic_write(path: str, write: Callable[[IO[bytes]], object]) -> None:
     """write(file) into a temporary file beside path, flushed to disk, then renamed over path."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -86,16 +137,16 @@ def keep_metrics_up_to(path: str, step: int) -> None:
     if not os.path.exists(path):
         return
     kept = []
-    with open(path) as file:
+    with open(path, "rb") as file:  # bytes: a damaged line must not stop the reading
         for line in file:
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+            except ValueError:  # not JSON, or not UTF-8
                 break  # a line cut short by a kill: nothing after it is trustworthy
             if isinstance(record, dict) and isinstance(record.get("step"), int):
                 if record["step"] <= step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-    atomic_write(path, lambda file: file.write("".join(kept).encode()))
+                    kept.append(line if line.endswith(b"\n") else line + b"\n")
+    atomic_write(path, lambda file: file.write(b"".join(kept)))
 
 
 def exit_cleanly_on_sigterm() -> None:

@@ -12,13 +12,16 @@ fault, a bug) is printed by that rank, which then aborts the whole job; so does 
 message waits longer than --timeout.
 """
 
+import os
 import sys
 import time
 
 from minimp import backend
 from minimp.checkpoints.errors import USER_ERRORS, AgreedError, agree_on_error, say
-from minimp.checkpoints.files import check_output_path, exit_cleanly_on_sigterm
+from minimp.checkpoints.files import (check_output_path, check_replaceable,
+                                      exit_cleanly_on_sigterm)
 from minimp.distributed import MPICommunicator, run_or_abort, world
+from minimp.distributed.launch import flush_and_pause
 from minimp.distributed.protocol import Communicator
 from minimp.train.cli import parse_config
 from minimp.train.config import TrainConfig
@@ -36,11 +39,22 @@ def check_before_training(config: TrainConfig, comm: Communicator) -> None:
     if config.device:
         backend.check_device(config.device)  # CuPy and a GPU are there
     if comm.rank == 0:  # the files are rank 0's to write
-        for flag in ("save", "metrics", "timeline"):
-            if getattr(config, flag):
-                check_output_path(f"--{flag}", getattr(config, flag))
-        if config.plot:
-            check_output_path("--plot", config.plot, suffixes=plot_formats())
+        check_outputs(config)
+
+
+# The kind of file each output writes (what it may replace: files.REPLACEABLE).
+OUTPUT_KINDS = {"save": "checkpoint", "metrics": "json", "timeline": "json", "plot": "image"}
+
+
+def check_outputs(config: TrainConfig) -> None:
+    """Every output can be written and replaces nothing but an output of its own kind (that
+    no two name one file is config.validate's check)."""
+    for name, kind in OUTPUT_KINDS.items():
+        path = getattr(config, name)
+        if path:
+            suffixes = plot_formats() if name == "plot" else ()
+            check_output_path(f"--{name}", path, suffixes=suffixes)
+            check_replaceable(f"--{name}", path, kind, force=config.force)
 
 
 def _run(config: TrainConfig, comm: MPICommunicator) -> int:
@@ -51,7 +65,14 @@ def _run(config: TrainConfig, comm: MPICommunicator) -> int:
         if comm.rank == 0:
             print(f"{PROGRAM}: {config.describe(comm.size)}", flush=True)
         interactive = sys.stdout.isatty()  # a terminal: one progress bar instead of lines
-        train(config, log=lambda line: print(line, flush=True), comm=comm, interactive=interactive)
+        result = train(config, log=lambda line: print(line, flush=True), comm=comm,
+                       interactive=interactive)
+        if result["failed_outputs"]:  # rank 0's: the run is complete, a report of it is not
+            saved = f"; the checkpoint {config.save} was saved" if config.save else ""
+            failed = ", ".join(f"{flag} {getattr(config, flag[2:])} ({why})"
+                               for flag, why in result["failed_outputs"].items())
+            print(f"{PROGRAM}: error: could not write {failed}{saved}", file=sys.stderr)
+            return 1
     except AgreedError as error:  # every rank is here: one says it, all exit, nobody waits
         if error.speaker:
             say(PROGRAM, error)
@@ -72,11 +93,28 @@ def main(argv: list[str] | None = None) -> int:
         # argparse's errors: rank 0 prints them, every rank exits with status 2
         config = parse_config(argv, quiet=comm.rank != 0)
         return run_or_abort(_run, config, comm, comm=comm)
+    except BrokenPipeError:  # `python -m minimp.train | head`: the reader left, the run ends
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 141  # 128 + SIGPIPE, what a shell reports for a program its pipe ended
     except KeyboardInterrupt:  # Ctrl-C: a file being written was cleaned up on the way out
-        if comm.rank == 0:
-            print(f"{PROGRAM}: interrupted; files already saved are intact", file=sys.stderr)
-        return 130
+        return _interrupted(comm)
 
+
+def _interrupted(comm: MPICommunicator) -> int:
+    """Ctrl-C: one line for the job, exit status 130. mpirun interrupts every rank: rank 0 says
+    it and leaves at once; any other rank waits a moment first, so it speaks only where it was
+    interrupted alone (rank 0 leaving ends the job, this rank with it)."""
+    if comm.rank != 0:
+        time.sleep(0.5)
+    rank = f"[rank {comm.rank}] " if comm.rank else ""
+    print(f"{rank}{PROGRAM}: interrupted; files already saved are intact", file=sys.stderr)
+    if comm.size > 1:
+        # A rank may be deep in an MPI wait its peers will never answer, where no Python signal
+        # handler runs: leaving without MPI_Finalize makes mpirun end them all at once (and
+        # MPI_Abort would print a line per rank).
+        flush_and_pause(0.0)
+        os._exit(130)
+    return 130
 
 if __name__ == "__main__":
     sys.exit(main())

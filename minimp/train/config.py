@@ -19,7 +19,7 @@ from minimp.parallel.apply import Parallelism
 from minimp.parallel.pipeline.schedules import CHOICES as SCHEDULE_CHOICES
 from minimp.precision.casting import ACTIVATION_DTYPES, BFLOAT16
 from minimp.precision.scaler import positive_scale
-from minimp.train.checks import flag, validate
+from minimp.train.checks import FP8_RECIPES, flag, validate
 
 # The settings that differ by dataset. shakespeare: nanoGPT's README command for a CPU
 # (`--block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000
@@ -66,7 +66,8 @@ class TrainConfig:
         choices=("fp32", "fp16", "bf16", "fp8"))
     fp8_recipe: str = _flag(None, "fp8 scaling: delayed (from the largest amax of the last "
                             "--fp8-amax-history steps), current (from each tensor's own amax) or "
-                            "none (scale 1) (default: delayed with --precision fp8)")
+                            "none (scale 1) (default: delayed with --precision fp8)",
+                            choices=FP8_RECIPES)
     fp8_amax_history: int = _flag(
         None, "steps of amax history delayed scaling keeps (default: 16 with --fp8-recipe delayed)")
     fp8_margin: int = _flag(
@@ -107,6 +108,8 @@ class TrainConfig:
     resume: str = _flag("", "continue from this checkpoint (.npz)")
     metrics: str = _flag("", "write one JSON object per step to this .jsonl file")
     plot: str = _flag("", "draw loss and loss scale to this image (needs matplotlib)")
+    force: bool = _flag(False, "let --save, --metrics, --timeline, --plot replace a file that "
+                        "holds another kind of output (never --resume's checkpoint)")
     log_every: int = _by_dataset("print a progress line every this many steps")
     threads: int = _flag(0, "BLAS threads per rank (0 = this machine's cores / its ranks)")
     dp: int = _flag(0, "data-parallel replicas (0 = the job's ranks / (--tp x --pp))")

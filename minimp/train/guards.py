@@ -58,3 +58,16 @@ class Guards:
                        "overflows, or non-finite data; use --max-consecutive-skips 0 to go on")
         if message is not None:
             raise AgreedError(DivergenceError(message), speaker=self.rank == 0, exit_code=1)
+
+    def check_weights(self, step: int, masters: list) -> None:
+        """Raise DivergenceError if this rank's float32 masters hold inf or NaN: every later step
+        would compute NaN, and no save may keep them (run after a non-finite loss, which is when
+        they can be; every rank checks its own and agree_on_error shares the verdict)."""
+        xp = backend.array_module(*[m for m in masters if m is not None] or [np.zeros(0)])
+        if any(m is not None and not bool(xp.isfinite(m).all()) for m in masters):
+            kept = (f"; stopped before any save, so {self.config.save} keeps its last finite "
+                    "weights" if self.config.save else "")
+            raise DivergenceError(
+                f"step {step}: the float32 master weights hold inf or NaN: the model diverged "
+                f"(lower --lr, clip with --max-grad-norm){kept}")
+

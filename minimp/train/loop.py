@@ -7,6 +7,7 @@ Data-parallel replicas of a stage then average their gradients; every rank of th
 the one decision to skip an overflowing step.
 """
 
+import math
 import time
 from typing import Callable
 
@@ -100,6 +101,7 @@ class Run:
         self.resume_flags = {flag(name): getattr(config, name) for name in names}
         self.lr_decay_steps = config.lr_decay_steps or config.steps
         self.start_step: int = self._resume() if config.resume else 0
+        self.stuck_since = 0  # the step that overflowed at the minimum loss scale, while stuck
         self.guards = Guards(config, self.comm.rank, self.start_step, self.comm.size)
 
     def _resume(self) -> int:
@@ -130,9 +132,7 @@ class Run:
         with self.meter.exposed():
             max_norm = self.config.max_grad_norm or None
             result = mixed_precision_step(self.optimizer, self.scaler, max_norm, self.meter.sync)
-        if result.skipped:
-            self._say_skipped(step, result.loss_scale)
-        self._warn_if_stuck_at_min_scale(step)
+        self._say_skipped_or_stuck(step, result.skipped, result.loss_scale)
         fp8 = {} if self.fp8 is None else {"fp8": self.fp8.end_step(self.comm, self.meter.timed)}
         self._check_replicas(step)
         decisions = dict(lr=self.optimizer.lr, loss_scale=result.loss_scale,
@@ -144,6 +144,9 @@ class Run:
             entry["eval_seconds"] = time.perf_counter() - started
         self.history.add(entry, loss_scale=self.scaler.loss_scale)
         self.guards.stop_if_diverging(step, entry["loss"], result.skipped, self.scaler.loss_scale)
+        if not math.isfinite(entry["loss"]):  # a skipped step too: are the weights lost?
+            agree_on_error(self.comm, lambda: self.guards.check_weights(
+                step, self.sync.arrays_by_kind()["masters"]))
         every = self.config.save_every
         if every and step % every == 0 and step < self.config.steps:
             saving.save_checkpoint(self, step, saving.gather_state(self))
@@ -203,11 +206,20 @@ class Run:
                          f"{', '.join(map(str, ranks))}{where}; loss scale {scale_before:g} -> "
                          f"{self.scaler.loss_scale:g}")
 
-    def _warn_if_stuck_at_min_scale(self, step: int) -> None:
-        if self.scaler.hit_min_scale:
-            self.log(f"step {step}: gradients overflow at the minimum loss scale "
-                     f"{self.scaler.loss_scale:g}; training is diverging in fp16 "
-                     "(lower --lr, clip with --max-grad-norm, or use bf16)")
+    def _say_skipped_or_stuck(self, step: int, skipped: bool, scale_before: float) -> None:
+        """A line per skipped step, until the scale can fall no further: then one line says the
+        run is diverging, and the overflows that follow at that scale are only counted (the
+        progress lines' `skipped`) until a step is taken again."""
+        if not skipped:
+            self.stuck_since = 0
+        elif not self.stuck_since:
+            self._say_skipped(step, scale_before)
+            if self.scaler.hit_min_scale:
+                self.stuck_since = step
+                self.log(f"step {step}: gradients overflow at the minimum loss scale "
+                         f"{self.scaler.loss_scale:g}; training is diverging in fp16 (lower "
+                         "--lr, clip with --max-grad-norm, or use bf16); the steps skipped "
+                         "after this one at that scale are counted, not printed")
 
     def _check_replicas(self, step: int) -> None:
         every = self.config.check_replicas

@@ -26,8 +26,13 @@ class History:
         self.units_per_step, self.unit = units_per_step, unit
         if metrics_path and resume_step is not None:
             files.keep_metrics_up_to(metrics_path, resume_step)
-        mode = "w" if resume_step is None else "a"
-        self.metrics = open(metrics_path, mode) if metrics_path else None
+        self.metrics_path, self.write_error = metrics_path, ""
+        self.metrics = None
+        if metrics_path:
+            try:
+                self.metrics = open(metrics_path, "w" if resume_step is None else "a")
+            except OSError as error:
+                self._metrics_failed(error)
         self.records, self.skipped = [], 0
         self.window_start, self.window_steps = time.perf_counter(), 0
         self.bar = None
@@ -75,13 +80,32 @@ class History:
             self.bar.close()
         self._write(final_record)
         if self.metrics:
-            self.metrics.close()
+            try:
+                self.metrics.close()
+            except OSError as error:
+                self._metrics_failed(error)
 
     def _write(self, record: dict) -> None:
         """One JSON object per line of --metrics, flushed at once (nothing without a path)."""
         if self.metrics:
-            self.metrics.write(json.dumps(record) + "\n")
-            self.metrics.flush()
+            try:
+                self.metrics.write(json.dumps(record) + "\n")
+                self.metrics.flush()
+            except OSError as error:
+                self._metrics_failed(error)
+
+    def _metrics_failed(self, error: OSError) -> None:
+        """A full disk or a lost mount must not cost the run: say it once, write no more rows
+        (write_error keeps the reason for the exit status), let the training and --save go on."""
+        self.write_error = error.strerror or str(error)
+        self.say(f"--metrics {self.metrics_path}: a write failed ({self.write_error}); no more "
+                 "rows are written, the run and its --save go on")
+        if self.metrics is not None:
+            try:
+                self.metrics.close()
+            except OSError:
+                pass  # the rows it held are lost with the write that failed
+        self.metrics = None
 
 
 def progress_line(entry: dict, steps: int, loss_scale: float, skipped_so_far: int, rate: float,

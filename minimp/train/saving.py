@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minimp.checkpoints import checkpoint, files
+from minimp.checkpoints.errors import agree_on_error
 from minimp.distributed import gather_named_arrays
 from minimp.measure import trace
 from minimp.parallel.tensor.checkpoint import gather_shards
@@ -58,12 +59,15 @@ Merged = dict | None | _Gather  # what gather_state returned on this rank, or GA
 def save_checkpoint(run: "Run", step: int, merged: dict | None) -> None:
     """Write --save as of `step` (all ranks call this; `merged`: what gather_state returned on
     this rank)."""
-    if run.comm.rank == 0:
-        checkpoint.save(
-            run.config.save, step=step, flags=run.resume_flags,
-            optimizer=run.share.optimizer,  # the rule's (ZeRO's own wraps it)
-            scaler=run.scaler, arrays=merged, schedule={"lr_decay_steps": run.lr_decay_steps})
-        run.log(f"saved checkpoint {run.config.save} after step {step}")
+    def write() -> None:  # refuses non-finite masters, says a full disk: rank 0 alone writes
+        if run.comm.rank == 0:
+            checkpoint.save(
+                run.config.save, step=step, flags=run.resume_flags,
+                optimizer=run.share.optimizer,  # the rule's (ZeRO's own wraps it)
+                scaler=run.scaler, arrays=merged, schedule={"lr_decay_steps": run.lr_decay_steps})
+
+    agree_on_error(run.comm, write)  # a file that cannot be saved ends every rank together
+    run.log(f"saved checkpoint {run.config.save} after step {step}")
 
 
 def finish(run: "Run") -> dict:
@@ -80,15 +84,16 @@ def finish(run: "Run") -> dict:
     skipped = run.history.skipped
     if config.save:
         save_checkpoint(run, config.steps, merged)
-    if run.comm.rank == 0:
-        _write_reports(run, traces)
+    failed = _write_reports(run, traces) if run.comm.rank == 0 else {}
+    if run.history.write_error:
+        failed["--metrics"] = run.history.write_error
     what, wall = metric.replace("_", " "), time.perf_counter() - run.started
     run.log(f"done: {config.steps} steps, {skipped} skipped, {what} {score:.4f}\n"
             + progress.summary(run.history, wall, run.meter.bytes_per_step, held))
     run.comm.barrier()  # nobody leaves before the files are complete
     masters = checkpoint.strip_prefix(merged or {}, "master/")
     return {"history": run.history.records, "skipped": skipped, metric: score,
-            "master_weights": masters, **held}
+            "master_weights": masters, "failed_outputs": failed, **held}
 
 
 def _gather_traces(run: "Run") -> dict | None:
@@ -129,15 +134,25 @@ def evaluate(run: "Run", batches: int | None, merged: Merged = GATHER) -> float:
     return float(run.comm.allreduce_scalars([score], "sum")[0])
 
 
-def _write_reports(run: "Run", traces: dict | None) -> None:
-    config = run.config
-    if config.timeline:
-        _write_trace(run, traces)
-        run.log(f"saved timeline {config.timeline} (open it in https://ui.perfetto.dev)")
-    if config.plot:
-        history = run.history
-        plot.plot_history(config.plot, history.records, history.units_per_step, history.unit)
-        run.log(f"saved plot {config.plot}")
+def _write_reports(run: "Run", traces: dict | None) -> dict[str, str]:
+    """Write --timeline and --plot (after the checkpoint: a report that cannot be written must
+    not cost the weights); returns {flag: why} of those whose write failed, each said in a line."""
+    config, history, failed = run.config, run.history, {}
+    reports = [("--timeline", config.timeline, "timeline", lambda: _write_trace(run, traces)),
+               ("--plot", config.plot, "plot", lambda: plot.plot_history(
+                   config.plot, history.records, history.units_per_step, history.unit))]
+    for flag, path, what, write in reports:
+        if not path:
+            continue
+        try:
+            write()
+        except OSError as error:  # a full disk, a lost mount: the file stays as it was
+            failed[flag] = error.strerror or str(error)
+            run.log(f"{flag} {path}: the write failed ({failed[flag]}); nothing was written there")
+            continue
+        where = " (open it in https://ui.perfetto.dev)" if flag == "--timeline" else ""
+        run.log(f"saved {what} {path}{where}")
+    return failed
 
 
 def _write_trace(run: "Run", traces: dict) -> None:

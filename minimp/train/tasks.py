@@ -7,7 +7,7 @@ evaluation. The training loop, the pipeline and data parallelism see only this i
                validation split at the end
 """
 
-from typing import Callable, Protocol
+from typing import Callable, Protocol, TypeVar
 
 import numpy as np
 
@@ -18,6 +18,18 @@ from minimp.data import global_batch_indices, load_digits, load_shakespeare, tex
 from minimp.models.gpt import GPT, Block, GPTConfig
 from minimp.tensor import Tensor, no_grad
 from minimp.train.config import TrainConfig
+
+T = TypeVar("T")
+
+
+def shipped(load: Callable[[], T], name: str) -> T:
+    """The shipped dataset `name`, or ConfigError: a file damaged or replaced since installation
+    (NaN pixels, a -1 label, a cut archive) is the installation's fault, not a bug to trace."""
+    try:
+        return load()
+    except (ValueError, KeyError, OSError, EOFError) as error:
+        raise ConfigError(f"--dataset {name}: the data shipped with minimp cannot be used "
+                          f"({error}); reinstall minimp") from None
 
 
 class Task(Protocol):
@@ -67,7 +79,7 @@ class DigitsTask:
 
     def __init__(self, config: TrainConfig, dtype: np.dtype):
         self.config, self.dtype = config, dtype
-        self.dataset = load_digits()
+        self.dataset = shipped(load_digits, "digits")
         if config.batch_size > len(self.dataset.train_labels):
             raise ConfigError(f"--batch-size {config.batch_size} is larger than the training set "
                               f"({len(self.dataset.train_labels)} samples)")
@@ -118,7 +130,7 @@ class ShakespeareTask:
 
     def __init__(self, config: TrainConfig, dtype: np.dtype):
         self.config, self.dtype = config, dtype
-        self.dataset = load_shakespeare()
+        self.dataset = shipped(load_shakespeare, "shakespeare")
         self.gpt_config = GPTConfig(
             vocab_size=self.dataset.vocab_size, context=config.context, layers=config.layers,
             heads=config.heads, width=config.hidden, dropout=config.dropout)
