@@ -1,14 +1,17 @@
 """The training command end to end:
 accuracy, resume bit-identity, micro-batches, overflow, bad input."""
 
+import cProfile
 import json
 import subprocess
+import threading
 
 import numpy as np
 import pytest
 from conftest import PYTHON
 
 from minimp.train import TrainConfig, train
+from minimp.train.sizes import check_memory
 
 
 def run_command(*flags, timeout=120):
@@ -233,3 +236,34 @@ def test_an_output_on_the_checkpoint_it_resumes_is_refused_and_the_checkpoint_ke
     model = ("--hidden", "16", "--layers", "1")
     kept = run_command(*model, "--steps", "4", "--resume", str(copy), "--save", str(copy))
     assert kept.returncode == 0, kept.stderr
+
+
+def _calls_to_build_and_train(layers):
+    """Python function calls made by the checks, the build and one step of an MLP of `layers`
+    layers of width 2 (a count, not a time: the same on a loaded machine), in a thread of its
+    own: a memory pool of its own, that no earlier run filled."""
+    config, counts = TrainConfig(layers=layers, hidden=2, steps=1, log_every=1000), []
+
+    def build_and_train():
+        profile = cProfile.Profile()
+        profile.enable()
+        config.validate()
+        check_memory(config, ranks_on_this_node=1, available=2**50)
+        config.describe()
+        train(config, log=lambda line: None)
+        profile.disable()
+        counts.append(sum(entry.callcount for entry in profile.getstats()))
+
+    thread = threading.Thread(target=build_and_train)
+    thread.start()
+    thread.join()
+    return counts[0]
+
+
+def test_setup_and_a_step_grow_linearly_with_the_layers():
+    """--layers 16000 --hidden 2 took minutes: the memory pool looked at every array of a shape
+    on each request, and all 16,000 layers' activations share one. 4x the layers must cost about
+    4x the calls (4.0 now; the quadratic pool made it 6.9 at these sizes)."""
+    _calls_to_build_and_train(10)  # imports and first-call caches out of the way
+    ratio = _calls_to_build_and_train(400) / _calls_to_build_and_train(100)
+    assert ratio < 5, f"4x the layers made {ratio:.1f}x the calls: something is super-linear"
