@@ -28,12 +28,13 @@ from numpy.typing import DTypeLike
 # Past this, freed arrays are dropped instead of cached: a run whose shapes keep changing (batches
 # of other sizes, evaluation) would otherwise keep a block of every shape it ever saw.
 DEFAULT_MAX_BYTES = 1 << 30
-# How many arrays of one (shape, dtype) a request looks at before it allocates a new one. A fixed
-# number keeps a request O(1): looking at all of them made every request of a model with thousands
-# of same-shaped activations (all in use during the forward) look at thousands: each step was
-# quadratic in the layers (16,000 layers of width 2: minutes). Arrays handed out or found in use
-# move to the back, so the front holds the least recently looked at, where free ones gather: 16
-# loses few hits (a free array further back is reached as the ones before it move back).
+# How many arrays of one (shape, dtype) a request looks at from each end of their queue before it
+# allocates a new one. A fixed number keeps a request O(1): looking at all of them made every
+# request of a model with thousands of same-shaped activations (all in use during the forward) look
+# at thousands, and each step quadratic in the layers (16,000 layers of width 2: minutes). Arrays
+# handed out or found in use move to the back, so the front holds the least recently looked at,
+# where free ones gather: 16 loses few hits (a free array further in is reached as the ones before
+# it move back).
 SCAN = 16
 
 
