@@ -179,6 +179,8 @@ OUT_OF_RANGE = [
     (["--max-grad-norm", "-1"], "--max-grad-norm must be 0 or more"),
     (["--bucket-mb", "nan"], "--bucket-mb must be a positive number"),
     (["--timeout", "nan"], "--timeout must be 0 (never) or seconds"),
+    (["--timeout", "1e-9"], "--timeout 1e-09 s is shorter than a healthy message can wait"),
+    (["--timeout", "0.999"], "use 0 (never) or at least 1 s"),
     (["--seed", "-1"], "--seed must be 0 or more, got -1"),
     (["--inject-fault", "99:0", "--steps", "2"], "can never fire: this run takes steps 1..2"),
     (["--inject-overflow", "0:0"], "can never fire"),
