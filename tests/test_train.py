@@ -13,7 +13,8 @@ import pytest
 from conftest import PYTHON
 
 from minimp.train import TrainConfig, train
-from minimp.train.sizes import FP8_RECORD_BYTES, RECORD_BYTES, check_memory
+from minimp.train.sizes import FP8_RECORD_BYTES, RECORD_BYTES, check_memory, memory_parts
+from minimp.train.sizes import parameter_count
 
 
 def run_command(*flags, timeout=120):
@@ -327,3 +328,15 @@ def test_the_memory_check_s_bytes_per_step_record_bound_a_real_record(precision,
     """--steps sizes the records every rank keeps; the memory check counts each at these bytes."""
     records = quiet_train(steps=2, hidden=8, layers=1, precision=precision)["history"]
     assert max(_deep_size(record, set()) for record in records) <= bound
+
+
+def test_the_memory_check_resolves_dp_from_the_job_s_ranks():
+    """--dp 0 means the job's ranks: two replicas each hold the buckets' send and receive buffers
+    (float32 on the wire: 8 bytes a parameter) and half the batch's activations."""
+    config = TrainConfig()
+    one, two = (
+        {what: size for what, size, _ in memory_parts(config, world_size)} for world_size in (1, 2)
+    )
+    states = "gradients and optimizer state"
+    assert two[states] - one[states] == 8 * parameter_count(config)
+    assert two["activations"] * 2 == one["activations"]

@@ -120,7 +120,7 @@ def fp8_history_bytes(config: "TrainConfig") -> int:
     return history * (FP8_QUANTIZERS_PER_LINEAR * linear_count(config) * models * copies + 1)
 
 
-def memory_parts(config: "TrainConfig") -> list[tuple[str, int, str]]:
+def memory_parts(config: "TrainConfig", world_size: int = 1) -> list[tuple[str, int, str]]:
     """What one rank needs at most, as (what, bytes, the flags that lower it), before anything is
     allocated. Every rank builds the whole model in float32 and in the compute dtype (6 bytes a
     parameter; with --tp a second float32 copy to cut, 4 more); its stage's model states are
@@ -128,8 +128,10 @@ def memory_parts(config: "TrainConfig") -> list[tuple[str, int, str]]:
     most it adds inside one), on the largest stage; its activations at most its replica's whole
     batch, bounded by 12 bytes per row, width and layer for the MLP and by the GPT block's
     34 sbh + 5 a s^2 b (models/gpt.py) with room for float32; then every buffer another flag
-    sizes: fp8's amax histories, the per-step records and timeline rows, the evaluation's draws."""
-    parameters, dp = parameter_count(config), max(1, config.dp)
+    sizes: fp8's amax histories, the per-step records and timeline rows, the evaluation's draws.
+    world_size: the job's ranks, which resolve --dp 0 (ZeRO's shards, the buckets, each replica's
+    share of the batch)."""
+    parameters, dp = parameter_count(config), config.data_parallel_size(world_size)
     compute = config.activation_dtype().itemsize
     wire = ACTIVATION_DTYPES[config.grad_comm_dtype].itemsize
     slots = 1 if config.optimizer == "sgd" else 2  # SGD's momentum buffer, Adam's two moments
@@ -165,11 +167,12 @@ def memory_parts(config: "TrainConfig") -> list[tuple[str, int, str]]:
     ]
 
 
-def check_memory(config: "TrainConfig", ranks_on_this_node: int, available: int) -> None:
+def check_memory(config: "TrainConfig", ranks_on_this_node: int, available: int,
+                 world_size: int = 1) -> None:
     """Refuse, before anything is allocated, a run that cannot fit this machine: memory_parts of
     each of its ranks on this machine against the memory free. The line names each part and the
     flags that lower the largest."""
-    parts = memory_parts(config)
+    parts = memory_parts(config, world_size)
     needed = sum(size for _, size, _ in parts) * ranks_on_this_node
     if needed > available:
         listed = ", ".join(f"{size_text(size)} of {what}" for what, size, _ in parts if size)
