@@ -31,8 +31,8 @@ DEFAULT_MAX_BYTES = 1 << 30
 # How many arrays of one (shape, dtype) a request looks at from each end of their queue before it
 # allocates a new one. A fixed number keeps a request O(1): looking at all of them made every
 # request of a model with thousands of same-shaped activations (all in use during the forward) look
-# at thousands, and a step quadratic in the layers (`--layers 16000 --hidden 2 --steps 1` took
-# minutes; 5 s with this bound). Arrays handed out or found in use move to the back, so the front
+# at thousands, and a step quadratic in the layers (`--layers 16000 --hidden 2 --steps 1` took over
+# a minute; 5 s with this bound). Arrays handed out or found in use move to the back, so the front
 # holds the least recently looked at, where free ones gather: 16 loses few hits (a free array
 # further in is reached as the ones before it move back).
 SCAN = 16
