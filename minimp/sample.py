@@ -12,6 +12,7 @@ any work, and every error is one line naming the fix, exit 2.
 import argparse
 import math
 import sys
+from collections import deque
 from typing import Iterator
 
 import numpy as np
@@ -25,12 +26,18 @@ from minimp.models.gpt import GPT
 from minimp.tensor import Tensor, no_grad
 
 PROGRAM = "minimp.sample"
+# The most characters one run draws. Each one reruns the model over the whole context (there is no
+# key-value cache): a few milliseconds for the default GPT on a CPU, so a million (tiny-shakespeare
+# itself is 1.1 million) is about an hour of printing; a larger request is a typo or a mistake,
+# refused before the checkpoint is read.
+MAX_TOKENS = 1_000_000
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(PROGRAM, "Generate text with a GPT checkpoint written by minimp.train.")
     parser.add_argument("--resume", required=True, help="a GPT checkpoint (.npz) from --save")
-    parser.add_argument("--tokens", type=int, default=500, help="characters to generate")
+    parser.add_argument("--tokens", type=int, default=500,
+                        help=f"characters to generate (at most {MAX_TOKENS:,})")
     parser.add_argument("--prompt", default="\n", help="text the generation continues")
     parser.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is surer")
     parser.add_argument("--top-k", type=int, default=0, help="draw among the k likeliest (0: all)")
@@ -60,12 +67,12 @@ def load_model(path: str) -> tuple[GPT, TextDataset]:
 def draw(model: GPT, prompt_ids: np.ndarray, tokens: int, temperature: float, top_k: int,
          seed: int) -> Iterator[int]:
     """Yield `tokens` ids drawn after prompt_ids, one at a time, as each is drawn (no cache: each
-    step reads the last context)."""
-    rng, ids = np.random.default_rng(seed), list(prompt_ids)
+    step reads the last context, and only the last context is kept, however many are drawn)."""
     context = model.config.context
+    rng, ids = np.random.default_rng(seed), deque(prompt_ids, maxlen=context)
     with no_grad():
         for _ in range(tokens):
-            window = backend.to_device(np.asarray(ids[-context:], np.int64)[None, :])  # (1, T)
+            window = backend.to_device(np.asarray(ids, np.int64)[None, :])  # (1, T)
             logits = backend.to_numpy(model(Tensor(window)).data)[0, -1].astype(np.float64)
             logits = logits / temperature
             if top_k:
@@ -85,6 +92,10 @@ def generate(model: GPT, prompt_ids: np.ndarray, tokens: int, temperature: float
 def check(args: argparse.Namespace) -> None:
     if args.tokens < 0:
         raise ConfigError(f"--tokens must be 0 or more, got {args.tokens}")
+    if args.tokens > MAX_TOKENS:
+        raise ConfigError(f"--tokens {args.tokens} is more than one run draws (at most "
+                          f"{MAX_TOKENS:,}: each character reruns the model over the whole "
+                          "context, so a million already prints for about an hour)")
     if not (args.temperature > 0 and math.isfinite(args.temperature)):
         raise ConfigError(f"--temperature must be a positive number, got {args.temperature}")
     if args.top_k < 0 or args.seed < 0:

@@ -85,6 +85,36 @@ def test_beyond_its_cap_the_pool_drops_free_arrays_and_never_one_in_use():
     assert pool.pooled_bytes == 0 and pool.free_bytes() == 0
 
 
+def test_a_request_looks_at_a_bounded_number_of_arrays_however_many_are_in_use(monkeypatch):
+    """A model of thousands of same-shaped layers holds thousands of such arrays during its
+    forward: a request that looked at all of them made a step quadratic in the layers."""
+    pool, looked = MemoryPool(), []
+    in_use = [pool.empty((2, 2), np.float32) for _ in range(1000)]
+    original = memory_pool.held_only_by
+
+    def counted(*args):
+        looked.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(memory_pool, "held_only_by", counted)
+    in_use.append(pool.empty((2, 2), np.float32))
+    assert 0 < len(looked) <= 2 * memory_pool.SCAN and pool.misses == 1001
+
+
+def test_arrays_held_for_long_at_the_front_do_not_keep_the_free_ones_from_being_reused():
+    """Weights of one shape in every layer stay in use all run, and so do the newest arrays;
+    arrays freed between them (last step's activations) must still be handed out again, not
+    allocated afresh every time."""
+    pool = MemoryPool()
+    weights = [pool.empty((2, 2), np.float32) for _ in range(100)]  # noqa: F841 (held all run)
+    activations = [pool.empty((2, 2), np.float32) for _ in range(40)]
+    newest = [pool.empty((2, 2), np.float32) for _ in range(40)]  # noqa: F841 (in use)
+    del activations
+    misses = pool.misses
+    again = [pool.empty((2, 2), np.float32) for _ in range(40)]
+    assert len(again) == 40 and pool.misses - misses <= 100 // memory_pool.SCAN + 1
+
+
 def test_the_free_reference_count_is_measured_on_this_interpreter():
     holder = [np.empty(3)]
     assert list(memory_pool._free_indices(holder)) == [0]

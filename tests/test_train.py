@@ -1,14 +1,20 @@
 """The training command end to end:
 accuracy, resume bit-identity, micro-batches, overflow, bad input."""
 
+import cProfile
 import json
+import re
 import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
 from conftest import PYTHON
 
 from minimp.train import TrainConfig, train
+from minimp.train.sizes import FP8_RECORD_BYTES, RECORD_BYTES, check_memory, memory_parts
+from minimp.train.sizes import parameter_count
 
 
 def run_command(*flags, timeout=120):
@@ -176,6 +182,8 @@ OUT_OF_RANGE = [
     (["--max-grad-norm", "-1"], "--max-grad-norm must be 0 or more"),
     (["--bucket-mb", "nan"], "--bucket-mb must be a positive number"),
     (["--timeout", "nan"], "--timeout must be 0 (never) or seconds"),
+    (["--timeout", "1e-9"], "--timeout 1e-09 s is shorter than a healthy message can wait"),
+    (["--timeout", "0.999"], "use 0 (never) or at least 1 s"),
     (["--seed", "-1"], "--seed must be 0 or more, got -1"),
     (["--inject-fault", "99:0", "--steps", "2"], "can never fire: this run takes steps 1..2"),
     (["--inject-overflow", "0:0"], "can never fire"),
@@ -191,12 +199,48 @@ def test_numbers_outside_their_range_are_refused(flags, message):
     assert len(result.stderr.strip().splitlines()) == 1 and "step" not in result.stdout
 
 
-@pytest.mark.parametrize("flags", [["--layers", "100000"], ["--hidden", "100000000"]])
-def test_a_model_too_big_for_this_machine_is_refused_up_front(flags):
+TOO_BIG = [  # (flags, the flags the line says to lower): each part of memory_parts the largest once
+    (["--layers", "100000"], "--hidden or --layers"),
+    (["--hidden", "100000000"], "--hidden or --layers"),
+    (["--dataset", "shakespeare", "--context", "100000000"], "--context, --batch-size or --layers"),
+    (["--precision", "fp8", "--fp8-amax-history", "100000000000"], "--fp8-amax-history"),
+    (["--steps", "10000000000"], "--steps"),
+    (["--steps", "10000000000", "--timeline", "/tmp/t.json"], "--steps, or leave out --timeline"),
+    (["--dataset", "shakespeare", "--eval-batches", "10000000000000"], "--eval-batches"),
+]
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+SIZE = r"([\d.]+) (B|KiB|MiB|GiB)"
+
+
+def _size(number, unit):
+    return float(number) * UNITS[unit]
+
+
+def _rounding(unit):
+    """Half the last printed digit: sizes print to 0.1 of their unit, bytes whole."""
+    return _size("0.5" if unit == "B" else "0.05", unit)
+
+
+@pytest.mark.parametrize("flags, lower", TOO_BIG, ids=[" ".join(f) for f, _ in TOO_BIG])
+def test_a_run_too_big_for_this_machine_is_refused_up_front_with_figures_that_add_up(flags, lower):
+    """Refused before anything is allocated (fp8's histories, the records of --steps, the
+    evaluation's draws were not counted: the run grew until the kernel killed it), in a line
+    whose figures follow from each other: the parts add up to the total, and the weights are the
+    parameters it prints times the bytes it prints (an absurd --context printed a GiB that did not
+    follow from its parameter count)."""
     result = run_command(*flags, timeout=60)
-    assert result.returncode == 2
-    assert "parameters: about" in result.stderr
-    assert "GiB free (lower --hidden or --layers)" in result.stderr
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    line = result.stderr.strip()
+    total = re.search(rf"needs about {SIZE} for the (\d+) rank\(s\)", line)
+    parts = re.findall(rf"{SIZE} of ([a-z0-9 -]+)", line)
+    assert total and parts and line.endswith(f"(lower {lower})"), line
+    rounding = sum(_rounding(unit) for _, unit, _ in parts)
+    needed = sum(_size(number, unit) for number, unit, _ in parts) * int(total[3])
+    assert abs(needed - _size(total[1], total[2])) <= rounding + _rounding(total[2]), line
+    weights = re.search(rf"{SIZE} of weights \(([\d,]+) parameters x (\d+) bytes", line)
+    parameters, per_parameter = int(weights[3].replace(",", "")), int(weights[4])
+    assert abs(parameters * per_parameter - _size(weights[1], weights[2])) <= _rounding(
+        weights[2]), line
 
 
 def test_the_plot_shows_losses_scale_rate_and_communication():
@@ -243,3 +287,66 @@ def test_help_shows_each_flag_s_choices_and_no_empty_default():
     assert "(default: )" not in text and "{," not in text
     assert "[--device {cpu,gpu}]" in text and "[--fp8-recipe {delayed,current,none}]" in text
     assert text.count("(default:") > 40  # the other flags keep theirs
+
+
+def _calls_to_build_and_train(layers):
+    """Python function calls made by the checks, the build and one step of an MLP of `layers`
+    layers of width 2 (a count, not a time: the same on a loaded machine), in a thread of its
+    own: a memory pool of its own, that no earlier run filled."""
+    config, counts = TrainConfig(layers=layers, hidden=2, steps=1, log_every=1000), []
+
+    def build_and_train():
+        profile = cProfile.Profile()
+        profile.enable()
+        config.validate()
+        check_memory(config, ranks_on_this_node=1, available=2**50)
+        config.describe()
+        train(config, log=lambda line: None)
+        profile.disable()
+        counts.append(sum(entry.callcount for entry in profile.getstats()))
+
+    thread = threading.Thread(target=build_and_train)
+    thread.start()
+    thread.join()
+    return counts[0]
+
+
+def test_setup_and_a_step_grow_linearly_with_the_layers():
+    """--layers 16000 --hidden 2 took minutes: the memory pool looked at every array of a shape
+    on each request, and all 16,000 layers' activations share one. 4x the layers must cost about
+    4x the calls (4.0 now; the quadratic pool made it 6.9 at these sizes)."""
+    _calls_to_build_and_train(10)  # imports and first-call caches out of the way
+    ratio = _calls_to_build_and_train(400) / _calls_to_build_and_train(100)
+    assert ratio < 5, f"4x the layers made {ratio:.1f}x the calls: something is super-linear"
+
+
+def _deep_size(value, seen):
+    """Bytes of value and of everything it holds (each object once)."""
+    if id(value) in seen:
+        return 0
+    seen.add(id(value))
+    size = sys.getsizeof(value)
+    if isinstance(value, dict):
+        size += sum(_deep_size(k, seen) + _deep_size(v, seen) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        size += sum(_deep_size(item, seen) for item in value)
+    return size
+
+
+@pytest.mark.parametrize("precision, bound", [("fp16", RECORD_BYTES), ("fp8", FP8_RECORD_BYTES)])
+def test_the_memory_check_s_bytes_per_step_record_bound_a_real_record(precision, bound):
+    """--steps sizes the records every rank keeps; the memory check counts each at these bytes."""
+    records = quiet_train(steps=2, hidden=8, layers=1, precision=precision)["history"]
+    assert max(_deep_size(record, set()) for record in records) <= bound
+
+
+def test_the_memory_check_resolves_dp_from_the_job_s_ranks():
+    """--dp 0 means the job's ranks: two replicas each hold the buckets' send and receive buffers
+    (float32 on the wire: 8 bytes a parameter) and half the batch's activations."""
+    config = TrainConfig()
+    one, two = (
+        {what: size for what, size, _ in memory_parts(config, world_size)} for world_size in (1, 2)
+    )
+    states = "gradients and optimizer state"
+    assert two[states] - one[states] == 8 * parameter_count(config)
+    assert two["activations"] * 2 == one["activations"]

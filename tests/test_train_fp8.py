@@ -10,13 +10,14 @@ import pytest
 import test_train_gpt
 from conftest import PYTHON
 
-from minimp import backend
+from minimp import backend, nn
 from minimp import distributed as dist
 from minimp.parallel import amax
 from minimp.train import TrainConfig
 from minimp.train.cli import parse_config
 from minimp.checkpoints.errors import AgreedError, ConfigError
 from minimp.train.loop import Run
+from minimp.train.sizes import fp8_history_bytes
 
 TINY = {**test_train_gpt.TINY, "steps": 6, "precision": "fp8"}  # 2 blocks of width 32
 
@@ -180,3 +181,25 @@ def test_fp8_trains_as_well_as_bf16_and_unscaled_fp8_loses_its_gradients():
     first = "1.attn.c_attn.grad_output"
     assert np.mean([r["fp8"][first]["underflow"] for r in unscaled]) > 0.3
     assert max(r["fp8"][first]["underflow"] for r in delayed[1:]) < 0.001
+
+
+@pytest.mark.parametrize("world_size, overrides", [
+    (1, dict(dataset="digits", layers=3, hidden=8, heads=0, context=0)),
+    (1, dict()),
+    (2, dict(tp=2)),
+], ids=["mlp", "gpt", "gpt-tp2"])
+def test_the_memory_check_counts_every_amax_history_a_rank_builds(world_size, overrides):
+    """--fp8-amax-history 1000000000 passed the memory check, which did not count the histories,
+    and the run grew until the kernel killed it: the estimate is what the built ranks hold (and
+    the one history np.roll copies at a time)."""
+    config = TrainConfig(**{**TINY, "fp8_amax_history": 5, **overrides})
+    config.validate(world_size)
+
+    def held(comm):
+        run = Run(config, comm, log=lambda line: None)
+        models = [run.model] + ([run.share.trained] if config.tp > 1 else [])
+        quantizers = {id(q): q for model in models for _, q in nn.fp8_quantizers(model)}
+        return sum(q.amax_history.nbytes for q in quantizers.values())
+
+    for rank_bytes in dist.simulate(world_size, held):
+        assert rank_bytes + 4 * 5 == fp8_history_bytes(config)

@@ -214,6 +214,7 @@ def test_sampling_is_the_same_for_the_same_seed_and_continues_the_prompt(gpt_che
         (["--temperature", "0"], "--temperature must be a positive number"),
         (["--temperature", "nan"], "--temperature must be a positive number"),
         (["--tokens", "-1"], "--tokens must be 0 or more"),
+        (["--tokens", "1000000000000"], "--tokens 1000000000000 is more than one run draws"),
         (["--prompt", "#"], "'#' is not in the vocabulary"),
         (["--top-k", "1000"], "exceeds the 65 characters"),
     ],

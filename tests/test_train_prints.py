@@ -89,22 +89,22 @@ def test_a_run_ends_with_its_summary():
     assert summary[2:] == [
         "  skipped       1 of 3 steps",
         "  sent          nothing (one rank)",
-        f"  peak memory   {progress._bytes(peak)} model state, {progress._bytes(activations)} "
-        "activations (the most any rank held)",
+        f"  peak memory   {progress.size_text(peak)} model state, "
+        f"{progress.size_text(activations)} activations (the most any rank held)",
     ]
 
 
 def test_the_summary_gives_each_ranks_mean_bytes_per_step_and_a_gpt_tokens():
     (first, result), _ = simulated(2, steps=3, overlap=False, inject_overflow="2:1")
     mean = sum(r["bytes_sent"] for r in result["history"]) / 3  # the skipped step sent nothing
-    said = f"  sent          {progress._bytes(mean)} per step by each of 2 ranks"
+    said = f"  sent          {progress.size_text(mean)} per step by each of 2 ranks"
     assert said in first[-1].splitlines()
     (first, _), _ = simulated(2, pp=2, **{**GPT, "steps": 2})
     assert " tokens/s over the steps\n" in first[-1]
 
 
 def test_bytes_read_as_people_write_them():
-    assert [progress._bytes(n) for n in (0, 1023, 1536, 3 * 2**20, 2**31)] == [
+    assert [progress.size_text(n) for n in (0, 1023, 1536, 3 * 2**20, 2**31)] == [
         "0 B", "1023 B", "1.5 KiB", "3.0 MiB", "2.0 GiB",
     ]  # fmt: skip
     assert progress._bytes_by_rank([10.0, 2048.0]) == "per step: rank 0 10 B, rank 1 2.0 KiB"

@@ -35,7 +35,8 @@ PROGRAM = "minimp.train"
 def check_before_training(config: TrainConfig, comm: Communicator) -> None:
     """Raise the first user error this rank can find before any work is done."""
     config.validate(comm.size)
-    check_memory(config, comm.ranks_on_this_node(), backend.available_memory())
+    check_memory(config, comm.ranks_on_this_node(), backend.available_memory(),
+                 world_size=comm.size)
     if config.device:
         backend.check_device(config.device)  # CuPy and a GPU are there
     if comm.rank == 0:  # the files are rank 0's to write

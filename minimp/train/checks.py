@@ -36,6 +36,11 @@ RANGES = (
     (("timeout",), 0, True, math.inf, "be 0 (never) or seconds"),
     (("dropout", "beta2"), 0.0, True, 1.0, "lie in [0, 1)"),
 )
+# The shortest --timeout (but 0, never): one message may legitimately wait for a whole setup (every
+# rank builds its model and loads its data before the first collective) or for a rank that the OS
+# descheduled on a busy machine (tens to hundreds of milliseconds); below a second the watchdog
+# would abort healthy jobs, blaming a frozen rank.
+SHORTEST_TIMEOUT = 1.0
 
 
 def flag(name: str) -> str:
@@ -61,13 +66,17 @@ def validate(config: "TrainConfig", world_size: int) -> None:
 
 def _check_ranges(config: "TrainConfig") -> None:
     """Every number inside its range (RANGES; NaN fails every comparison, so it is caught too),
-    and the decay's end not above its peak."""
+    a --timeout a healthy job can keep, and the decay's end not above its peak."""
     for names, low, low_allowed, high, what in RANGES:
         for name in names:
             value = getattr(config, name)
             above = value >= low if low_allowed else value > low
             if not (above and value < high):
                 raise ConfigError(f"{flag(name)} must {what}, got {value}")
+    if 0 < config.timeout < SHORTEST_TIMEOUT:
+        raise ConfigError(f"--timeout {config.timeout:g} s is shorter than a healthy message can "
+                          f"wait (setup, a busy machine): use 0 (never) or at least "
+                          f"{SHORTEST_TIMEOUT:g} s")
     if config.min_lr > config.lr:
         raise ConfigError(f"--min-lr {config.min_lr} is above --lr {config.lr}")
 

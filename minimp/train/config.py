@@ -147,7 +147,8 @@ class TrainConfig:
     max_consecutive_skips: int = _flag(
         100, "stop with an error after this many skipped steps in a row (0 = never)")
     timeout: float = _flag(
-        600.0, "abort the job when one message waits longer than this many seconds (0 = never)")
+        600.0, "abort the job when one message waits longer than this many seconds (0 = never; "
+        "at least 1)")
     inject_overflow: str = _flag(
         "", "STEP:RANK: make that rank's gradients non-finite at that step")
     inject_fault: str = _flag(

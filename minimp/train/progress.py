@@ -139,8 +139,8 @@ def summary(history: History, wall_seconds: float, bytes_per_step: list[float],
         f"  throughput    {rate:,.0f} {history.unit}/s over the steps",
         f"  skipped       {history.skipped} of {len(records)} steps",
         f"  sent          {_bytes_by_rank(bytes_per_step)}",
-        f"  peak memory   {_bytes(model_state)} model state, {_bytes(activations)} activations "
-        "(the most any rank held)",
+        f"  peak memory   {size_text(model_state)} model state, {size_text(activations)} "
+        "activations (the most any rank held)",
     ])  # fmt: skip
 
 
@@ -148,7 +148,7 @@ def _bytes_by_rank(bytes_per_step: list[float]) -> str:
     """`nothing (one rank)`, `1.2 MiB per step by each of 4 ranks`, or one figure per rank."""
     if len(bytes_per_step) <= 1:
         return "nothing (one rank)"
-    shown = [_bytes(sent) for sent in bytes_per_step]
+    shown = [size_text(sent) for sent in bytes_per_step]
     if len(set(shown)) == 1:  # a ring's chunks may differ by a few bytes: equal as shown
         return f"{shown[0]} per step by each of {len(shown)} ranks"
     return "per step: " + ", ".join(f"rank {rank} {sent}" for rank, sent in enumerate(shown))
@@ -159,7 +159,7 @@ def _seconds(seconds: float) -> str:
     return f"{seconds:,.0f} s" if seconds >= 100 else f"{seconds:.3g} s"
 
 
-def _bytes(count: float) -> str:
+def size_text(count: float) -> str:
     """1,536 -> `1.5 KiB`; below 1 KiB, whole bytes."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if count >= size:

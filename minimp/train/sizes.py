@@ -1,5 +1,6 @@
 """What the model a configuration describes weighs, before it is built: layers, parameters per
-layer, ZeRO's units per stage, and whether the ranks on this machine have the memory for it."""
+layer, ZeRO's units per stage, and whether the ranks on this machine have the memory for it and
+for every buffer a flag sizes."""
 
 from typing import TYPE_CHECKING
 
@@ -8,6 +9,7 @@ from minimp.parallel.pipeline.split import split_counts
 from minimp.parallel.tensor.models import paired_counts
 from minimp.parallel.zero.formulas import memory_formula, peak_formula
 from minimp.precision.casting import ACTIVATION_DTYPES
+from minimp.train.progress import size_text  # the summary's sizes: 1.5 KiB, 2.0 GiB
 
 if TYPE_CHECKING:  # config.py imports this module's callers (checks.py)
     from minimp.train.config import TrainConfig
@@ -91,15 +93,45 @@ def parameter_count(config: "TrainConfig") -> int:
     return sum(layer_parameter_counts(config))
 
 
-def check_memory(config: "TrainConfig", ranks_on_this_node: int, available: int) -> None:
-    """Refuse, before anything is allocated, a model that cannot fit this machine. Every rank
-    builds the whole model in float32 and in the compute dtype (6 bytes a parameter; with --tp a
-    second float32 copy to cut, 4 more); its stage's model states are ZeRO's formulas
-    (minimp/parallel/zero/formulas.py: what a rank holds between steps, and the most it adds inside
-    one), on the largest stage; its activations at most the whole batch, bounded by 12 bytes per
-    row, width and layer for the MLP and by the GPT block's 34 sbh + 5 a s^2 b (models/gpt.py)
-    with room for float32."""
-    parameters, dp = parameter_count(config), max(1, config.dp)
+# What the run keeps per step beyond the model (each a buffer a flag sizes, counted up front):
+# every rank keeps each step's record for the summary and the plot (measured 2.4 KB, 4.8 KB with
+# fp8's statistics: twice that leaves room), and with --timeline each timed call's row, and rank 0
+# its event and JSON text when it writes them (measured 1.2 KB in all).
+RECORD_BYTES, FP8_RECORD_BYTES = 4096, 8192
+TIMELINE_EVENT_BYTES = 2048
+FP8_QUANTIZERS_PER_LINEAR = 3  # input and weight (E4M3), output gradient (E5M2)
+
+
+def linear_count(config: "TrainConfig") -> int:
+    """Linears of the whole model: each hidden layer and the output (MLP), four per block (GPT:
+    attention's c_attn and c_proj, the MLP's c_fc and c_proj; the head reuses the embedding)."""
+    return 4 * config.layers if config.model == "gpt" else config.layers + 1
+
+
+def fp8_history_bytes(config: "TrainConfig") -> int:
+    """The float32 amax histories of delayed scaling one rank holds: three per Linear of the
+    whole model every rank builds (and of the copy --tp cuts), twice with --save (a checkpoint
+    copies them), and the one history np.roll copies at a time."""
+    if config.precision != "fp8" or config.fp8_recipe != "delayed":
+        return 0
+    history = 4 * config.fp8_amax_history
+    models = 2 if config.tp > 1 else 1
+    copies = 2 if config.save else 1
+    return history * (FP8_QUANTIZERS_PER_LINEAR * linear_count(config) * models * copies + 1)
+
+
+def memory_parts(config: "TrainConfig", world_size: int = 1) -> list[tuple[str, int, str]]:
+    """What one rank needs at most, as (what, bytes, the flags that lower it), before anything is
+    allocated. Every rank builds the whole model in float32 and in the compute dtype (6 bytes a
+    parameter; with --tp a second float32 copy to cut, 4 more); its stage's model states are
+    ZeRO's formulas (minimp/parallel/zero/formulas.py: what a rank holds between steps, and the
+    most it adds inside one), on the largest stage; its activations at most its replica's whole
+    batch, bounded by 12 bytes per row, width and layer for the MLP and by the GPT block's
+    34 sbh + 5 a s^2 b (models/gpt.py) with room for float32; then every buffer another flag
+    sizes: fp8's amax histories, the per-step records and timeline rows, the evaluation's draws.
+    world_size: the job's ranks, which resolve --dp 0 (ZeRO's shards, the buckets, each replica's
+    share of the batch)."""
+    parameters, dp = parameter_count(config), config.data_parallel_size(world_size)
     compute = config.activation_dtype().itemsize
     wire = ACTIVATION_DTYPES[config.grad_comm_dtype].itemsize
     slots = 1 if config.optimizer == "sgd" else 2  # SGD's momentum buffer, Adam's two moments
@@ -109,17 +141,42 @@ def check_memory(config: "TrainConfig", ranks_on_this_node: int, available: int)
                               compute_bytes=compute, wire_bytes=wire, slots=slots)
         peak = peak_formula(config.zero, unit_sizes=units, compute_bytes=compute)
         states.append(sum(held.values()) + peak)
-    per_rank = 6 * parameters + max(states)
-    if config.tp > 1:  # the copy that is cut, whole in float32 until it is
-        per_rank += 4 * parameters
-    rows, width, layers = config.batch_size, config.hidden, config.layers
-    if config.model == "gpt":
+    per_parameter = 6 + (4 if config.tp > 1 else 0)  # the copy --tp cuts, float32 until it is
+    rows, width, layers = max(1, config.batch_size // dp), config.hidden, config.layers
+    gpt = config.model == "gpt"
+    model = "--hidden, --layers or --context" if gpt else "--hidden or --layers"
+    if gpt:
         s, a = config.context, config.heads
-        per_rank += layers * (70 * s * rows * width + 10 * a * s * s * rows)
+        activations = layers * (70 * s * rows * width + 10 * a * s * s * rows)
     else:
-        per_rank += 12 * rows * width * (layers + 1)
-    needed = per_rank * ranks_on_this_node
+        activations = 12 * rows * width * (layers + 1)
+    record = FP8_RECORD_BYTES if config.precision == "fp8" else RECORD_BYTES
+    events = 3 * config.micro_batches * config.virtual_stages + 8  # a step's timed calls at most
+    evaluation = 8 * config.eval_batches * config.batch_size if gpt else 0  # int64 window starts
+    return [
+        (f"weights ({parameters:,} parameters x {per_parameter} bytes: float32 and "
+         f"{config.activation_dtype().name})", per_parameter * parameters, model),
+        ("gradients and optimizer state", max(states), model),
+        ("activations", activations,
+         "--context, --batch-size or --layers" if gpt else "--batch-size, --hidden or --layers"),
+        ("fp8 amax histories", fp8_history_bytes(config), "--fp8-amax-history"),
+        ("per-step records", record * config.steps, "--steps"),
+        ("timeline rows", TIMELINE_EVENT_BYTES * events * config.steps if config.timeline else 0,
+         "--steps, or leave out --timeline"),
+        ("evaluation windows", evaluation, "--eval-batches"),
+    ]
+
+
+def check_memory(config: "TrainConfig", ranks_on_this_node: int, available: int,
+                 world_size: int = 1) -> None:
+    """Refuse, before anything is allocated, a run that cannot fit this machine: memory_parts of
+    each of its ranks on this machine against the memory free. The line names each part and the
+    flags that lower the largest."""
+    parts = memory_parts(config, world_size)
+    needed = sum(size for _, size, _ in parts) * ranks_on_this_node
     if needed > available:
-        raise ConfigError(f"the model has {parameters:,} parameters: about {needed / 2**30:.1f} "
-                          f"GiB for the {ranks_on_this_node} rank(s) on this machine, which has "
-                          f"{available / 2**30:.1f} GiB free (lower --hidden or --layers)")
+        listed = ", ".join(f"{size_text(size)} of {what}" for what, size, _ in parts if size)
+        _, _, lower = max(parts, key=lambda part: part[1])
+        raise ConfigError(f"this run needs about {size_text(needed)} for the {ranks_on_this_node} "
+                          f"rank(s) on this machine, which has {size_text(available)} free; each "
+                          f"rank: {listed} (lower {lower})")
