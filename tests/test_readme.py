@@ -65,3 +65,19 @@ def test_every_relative_link_resolves(path):
         if not os.path.exists(os.path.join(ROOT, os.path.dirname(path), file)):
             missing.append(target)
     assert not missing, f"{path} links to files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("path", DOCS)
+def test_every_test_a_page_names_exists(path):
+    """A table row that names `test_x.py::test_name` as the test holding a case must name a test
+    that exists (a renamed test used to leave docs/reliability.md pointing at nothing).
+    `test_x.py::test_y` is testing.md's placeholder in a command's shape."""
+    text = open(os.path.join(ROOT, path)).read()
+    missing = []
+    for file, name in set(re.findall(r"(test_\w+\.py)::(test_\w+)", text)):
+        source = os.path.join(ROOT, "tests", file)
+        if file == "test_x.py" or (os.path.exists(source)
+                                   and re.search(rf"^def {name}\(", open(source).read(), re.M)):
+            continue
+        missing.append(f"{file}::{name}")
+    assert not missing, f"{path} names tests that do not exist: {sorted(missing)}"
