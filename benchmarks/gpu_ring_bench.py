@@ -21,6 +21,8 @@ import time
 
 from minimp import backend
 from minimp import distributed as dist
+from minimp.checkpoints.errors import ConfigError
+from minimp.checkpoints.files import atomic_write, check_output
 from minimp.distributed.ring import chunk_bounds, ring_all_gather_inplace, ring_reduce_scatter_into
 
 
@@ -45,6 +47,11 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true", help="one JSON object, nothing else")
     parser.add_argument("--save", metavar="PATH", help="also write the JSON object to PATH")
     args = parser.parse_args(argv)
+    try:  # before any work: the file can be written and replaces no other kind
+        if args.save:
+            check_output("--save", args.save, "json", force=None)
+    except ConfigError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     comm = dist.world()
     try:
         backend.use_device("gpu", comm.node_rank_and_size()[0])
@@ -84,8 +91,8 @@ def main(argv=None):
         staged = getattr(comm, "stages_device_arrays", False)
         report = {"ranks": comm.size, "staged_through_host": staged, "rows": rows}
         if args.save:
-            with open(args.save, "w") as file:
-                json.dump(report, file)
+            text = json.dumps(report)
+            atomic_write(args.save, lambda file: file.write(text.encode()))
         if args.json:
             print(json.dumps(report))
         else:

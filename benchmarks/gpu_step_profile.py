@@ -26,6 +26,8 @@ import time
 import numpy as np
 
 from minimp import Tensor, backend, nn, optim
+from minimp.checkpoints.errors import ConfigError
+from minimp.checkpoints.files import atomic_write, check_output
 from minimp.precision import StaticLossScaler, unscale_
 from minimp.precision import step as step_module
 
@@ -191,6 +193,11 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true", help="one JSON object, nothing else")
     parser.add_argument("--save", metavar="PATH", help="also write the JSON object to PATH")
     args = parser.parse_args(argv)
+    try:  # before any work: the file can be written and replaces no other kind
+        if args.save:
+            check_output("--save", args.save, "json", force=None)
+    except ConfigError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     require_gpu()
     backend.use_device("gpu")
     rng = np.random.default_rng(1)
@@ -214,8 +221,8 @@ def main(argv=None):
         "optimizer": optimizer_update(args.width, args.layers, args.repeats),
     }  # fmt: skip
     if args.save:
-        with open(args.save, "w") as file:
-            json.dump(report, file)
+        text = json.dumps(report)
+        atomic_write(args.save, lambda file: file.write(text.encode()))
     if args.json:
         print(json.dumps(report))
         return 0

@@ -30,6 +30,8 @@ import sys
 import tempfile
 
 from minimp.backend import available_cores
+from minimp.checkpoints.errors import ConfigError
+from minimp.checkpoints.files import atomic_write, check_output
 from minimp.lessons.timelines import (  # lesson 7's measurements and model
     BATCH,
     HIDDEN,
@@ -143,7 +145,8 @@ def draw(timelines, path):
         "W, green, in zb-h1)"
     )
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    image_format = os.path.splitext(path)[1].lstrip(".").lower() or "png"
+    atomic_write(path, lambda file: figure.savefig(file, dpi=110, format=image_format))
 
 
 def default_stages(cores):
@@ -171,6 +174,10 @@ def main(argv=None):
     if args.steps < WARM_UP + 1:
         parser.exit(2, f"{parser.prog}: error: --steps {args.steps}: the first {WARM_UP} steps "
                        f"warm up, so at least {WARM_UP + 1} are needed to measure one\n")
+    try:  # before minutes of measuring: the image can be written and replaces no other kind
+        check_output("--png", args.png, "image", force=None)
+    except ConfigError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     with tempfile.TemporaryDirectory() as folder:
         if args.sweep:
             return sweep(args.steps, folder)

@@ -1,7 +1,7 @@
 """Who holds what: bytes per rank by kind for ZeRO stages 0-3 at N = 1, 2, 4, measured against the
 formulas, the bytes a step sends, the paper's 7.5B-parameter example, and recomputation's trade.
 
-    python mpirun_examples/zero_memory.py               # launches mpirun itself, about 20 s on 2 quiet cores
+    python mpirun_examples/zero_memory.py     # launches mpirun itself, about 20 s on 2 quiet cores
     python mpirun_examples/zero_memory.py --ranks 1 2 --steps 3 --rounds 1 --json
 
 1. For each stage and N it runs `mpirun -n N python -m minimp.train --zero S` (an MLP of 8 hidden

@@ -30,6 +30,8 @@ import sys
 
 import numpy as np
 
+from minimp.checkpoints.errors import ConfigError
+from minimp.checkpoints.files import atomic_write, check_output
 from minimp.measure.calibrate import fit_model, join_rounds
 from minimp.measure.machinemodel import ALGORITHMS, SHIPPED_PATH, MachineModel, relative_errors
 
@@ -67,6 +69,10 @@ def main(argv=None) -> int:
     parser.add_argument("runs", nargs="+", help="allreduce_bench.py --json outputs")
     parser.add_argument("--out", default=SHIPPED_PATH)
     args = parser.parse_args(argv)
+    try:  # before any work: the file can be written and replaces no other kind
+        check_output("--out", args.out, "json", force=None)
+    except ConfigError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     by_ranks: dict[int, list[dict]] = {}
     evaluated: dict[int, list[dict]] = {}  # --no-calibration runs: rows only
     for path in args.runs:
@@ -91,8 +97,8 @@ def main(argv=None) -> int:
     document["held_out"] = {
         str(p): held_out_band(models[p], evaluated.get(p, by_ranks[p])) for p in models
     }
-    with open(args.out, "w") as file:
-        json.dump(document, file, indent=1)
+    text = json.dumps(document, indent=1)
+    atomic_write(args.out, lambda file: file.write(text.encode()))
     print(f"wrote {args.out}: models at {sorted(by_ranks)} ranks")
     return 0
 

@@ -77,3 +77,17 @@ def test_main_writes_models_and_the_band_of_the_held_out_runs(tmp_path):
     ring = model.allreduce_time
     errors = [ring("ring", 64) / 2e-4 - 1, ring("ring", 128) / 1e-4 - 1]
     assert band["worst"] == [pytest.approx(max(map(abs, errors)))] * 2
+
+
+def test_an_out_that_holds_another_kind_of_file_is_refused_before_any_work(tmp_path, capsys):
+    """--out onto a checkpoint used to write the JSON over it."""
+    ckpt = tmp_path / "c.npz"
+    np.savez(ckpt, a=np.zeros(2))
+    before = ckpt.read_bytes()
+    with pytest.raises(SystemExit) as exited:
+        fit_machine_models.main([str(tmp_path / "missing-run.json"), "--out", str(ckpt)])
+    assert exited.value.code == 2 and ckpt.read_bytes() == before
+    error = capsys.readouterr().err  # `PROG: error: ...`, PROG being pytest's name in here
+    assert error.split(": ", 1)[1] == (
+        f"error: --out {ckpt} exists and holds an .npz archive (a checkpoint?), which this "
+        "output would replace; choose another path\n")

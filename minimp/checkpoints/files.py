@@ -81,15 +81,26 @@ def file_kind(path: str) -> str:
     return "json" if text.lstrip()[:1] in ("{", "[") else "text"
 
 
-def check_replaceable(flag: str, path: str, kind: str, force: bool = False) -> None:
+def check_replaceable(flag: str, path: str, kind: str, force: bool | None = False) -> None:
     """Raise ConfigError if a file at path holds another kind of output than `kind` (a key of
-    REPLACEABLE) and `force` is not given: replacing it would lose what it holds."""
+    REPLACEABLE) and `force` is not True: replacing it would lose what it holds. `force` None:
+    the command has no --force (the message does not offer it)."""
     if force or not os.path.isfile(path):
         return
     found = file_kind(path)
     if found not in REPLACEABLE[kind]:
+        fix = "choose another path, or pass --force" if force is False else "choose another path"
         raise ConfigError(f"{flag} {path} exists and holds {KIND_NAMES[found]}, which this "
-                          f"output would replace; choose another path, or pass --force")
+                          f"output would replace; {fix}")
+
+
+def check_output(flag: str, path: str, kind: str, force: bool | None = False,
+                 suffixes: tuple[str, ...] = ()) -> None:
+    """Raise ConfigError unless `flag`'s output, a file of `kind` (a key of REPLACEABLE), can be
+    written at path without losing a file of another kind: check_output_path and
+    check_replaceable, what every command that writes a file checks before any work."""
+    check_output_path(flag, path, suffixes)
+    check_replaceable(flag, path, kind, force)
 
 
 def same_file(a: str, b: str) -> bool:

@@ -18,8 +18,7 @@ import time
 
 from minimp import backend
 from minimp.checkpoints.errors import USER_ERRORS, AgreedError, agree_on_error, say
-from minimp.checkpoints.files import (check_output_path, check_replaceable,
-                                      exit_cleanly_on_sigterm)
+from minimp.checkpoints.files import check_output, exit_cleanly_on_sigterm
 from minimp.distributed import MPICommunicator, run_or_abort, world
 from minimp.distributed.launch import flush_and_pause
 from minimp.distributed.protocol import Communicator
@@ -54,8 +53,7 @@ def check_outputs(config: TrainConfig) -> None:
         path = getattr(config, name)
         if path:
             suffixes = plot_formats() if name == "plot" else ()
-            check_output_path(f"--{name}", path, suffixes=suffixes)
-            check_replaceable(f"--{name}", path, kind, force=config.force)
+            check_output(f"--{name}", path, kind, force=config.force, suffixes=suffixes)
 
 
 def _run(config: TrainConfig, comm: MPICommunicator) -> int:
