@@ -6,9 +6,10 @@ import importlib.util
 import io
 import os
 import re
+import subprocess
 
 import pytest
-from conftest import MPIRUN, run_train
+from conftest import MPIRUN, PYTHON, run_train
 from test_train_gpt import TINY as GPT
 
 from minimp import distributed as dist
@@ -178,6 +179,16 @@ def test_sample_prints_each_character_as_it_is_drawn(gpt_checkpoint, monkeypatch
     whole = data.decode(sample.generate(model, data.encode("RO"), 12, 0.8, 0, 0))
     assert screen.getvalue() == whole + "\n"
     assert [text for text in screen.flushed if text][:13] == [whole[: 2 + i] for i in range(13)]
+
+
+def test_sample_piped_into_head_ends_quietly(gpt_checkpoint):
+    """`minimp.sample ... | head -c 20` ended in a BrokenPipeError traceback."""
+    job = subprocess.Popen([PYTHON, "-m", "minimp.sample", "--resume", gpt_checkpoint,
+                            "--tokens", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    job.stdout.read(20)
+    job.stdout.close()  # what head does once it has its bytes
+    stderr = job.stderr.read()
+    assert job.wait(timeout=60) == 141 and stderr == b""
 
 
 def load_example(name):

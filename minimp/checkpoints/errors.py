@@ -8,6 +8,7 @@ is left waiting, so the job ends without MPI_Abort and without a line per rank.
 """
 
 import argparse
+import os
 import sys
 from typing import Any, Callable, NoReturn
 
@@ -100,9 +101,22 @@ def say(program: str, error: BaseException, rank: int | None = None) -> None:
 
 def run_command(program: str, command: Callable[[], int]) -> int:
     """command()'s exit status, or 2 when it raises a user error, which is said in one line (any
-    other error is a bug and keeps its traceback)."""
+    other error is a bug and keeps its traceback); 141 when the reader of its output left, 130
+    on Ctrl-C, each without a traceback."""
     try:
         return command()
     except USER_ERRORS as error:
         say(program, error)
         return 2
+    except BrokenPipeError:
+        return reader_left()
+    except KeyboardInterrupt:  # Ctrl-C: files are written atomically, nothing half-done stays
+        print(f"{program}: interrupted", file=sys.stderr)
+        return 130
+
+
+def reader_left() -> int:
+    """The exit status of a command whose reader closed the pipe (`... | head`): 141, as a shell
+    reports a program SIGPIPE ended, without an error at exit (stdout now goes nowhere)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141

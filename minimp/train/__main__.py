@@ -17,7 +17,8 @@ import sys
 import time
 
 from minimp import backend
-from minimp.checkpoints.errors import USER_ERRORS, AgreedError, agree_on_error, say
+from minimp.checkpoints.errors import (USER_ERRORS, AgreedError, agree_on_error, reader_left,
+                                       say)
 from minimp.checkpoints.files import check_output, exit_cleanly_on_sigterm
 from minimp.distributed import MPICommunicator, run_or_abort, world
 from minimp.distributed.launch import flush_and_pause
@@ -93,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_config(argv, quiet=comm.rank != 0)
         return run_or_abort(_run, config, comm, comm=comm)
     except BrokenPipeError:  # `python -m minimp.train | head`: the reader left, the run ends
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
-        return 141  # 128 + SIGPIPE, what a shell reports for a program its pipe ended
+        return reader_left()
     except KeyboardInterrupt:  # Ctrl-C: a file being written was cleaned up on the way out
         return _interrupted(comm)
 
