@@ -6,6 +6,7 @@ import importlib.util
 import io
 import os
 import re
+import signal
 import subprocess
 
 import pytest
@@ -189,6 +190,15 @@ def test_sample_piped_into_head_ends_quietly(gpt_checkpoint):
     job.stdout.close()  # what head does once it has its bytes
     stderr = job.stderr.read()
     assert job.wait(timeout=60) == 141 and stderr == b""
+
+
+def test_ctrl_c_in_sample_is_one_line(gpt_checkpoint):
+    job = subprocess.Popen([PYTHON, "-m", "minimp.sample", "--resume", gpt_checkpoint,
+                            "--tokens", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    job.stdout.read(20)  # it is drawing
+    job.send_signal(signal.SIGINT)
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode == 130 and stderr == b"minimp.sample: interrupted\n"
 
 
 def load_example(name):
