@@ -102,6 +102,18 @@ def test_a_checkpoint_resumes_only_with_the_same_fp8_settings(tmp_path):
     assert {value["scale"] for value in rows[0]["fp8"].values()} == {1.0}
 
 
+def test_a_skipped_step_still_records_its_amaxes():
+    """Delayed scaling's history rolls every step, skipped or not (Transformer Engine records the
+    forward's amaxes every iteration): a skipped step's forward ran at the same scales, and its
+    amaxes say what the tensors held. Its metrics row shows the scales like any other."""
+    (_, state, rows), = run_steps(1, steps=3, inject_overflow="2:0")
+    assert [row["skipped"] for row in rows] == [False, True, False]
+    assert all("fp8" in row for row in rows)
+    histories = {name: array for name, array in state.items() if name.endswith("amax_history")}
+    assert histories and all((history[:3] > 0).all() and not history[3:].any()
+                             for history in histories.values())
+
+
 def test_evaluating_during_training_changes_no_scale():
     (_, _, without), = run_steps(1)
     (_, _, evaluated), = run_steps(1, eval_every=2, eval_batches=1)

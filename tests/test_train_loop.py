@@ -73,6 +73,16 @@ def test_the_cosine_schedule_warms_up_then_decays():
     assert lrs(result) == [lr_schedule.warmup_cosine(s, 0.01, 1e-4, 1, 4) for s in range(1, 5)]
 
 
+def test_a_skipped_step_still_moves_the_learning_rate_schedule():
+    """The rate is the schedule's at the step's number, skipped or not (as a PyTorch scheduler
+    stepped every iteration): counting optimizer steps would leave every step after an overflow
+    one behind, which a resume test cannot see (both of its runs would lag alike)."""
+    result = quiet_train(steps=4, inject_overflow="2:0", **TINY)
+    assert [row["skipped"] for row in result["history"]] == [False, True, False, False]
+    assert lrs(result) == [lr_schedule.warmup_cosine(s, 0.01, 1e-4, 1, 4) for s in range(1, 5)]
+    assert lrs(result)[2] != lrs(result)[1]  # the step after the skip has its own rate
+
+
 @pytest.mark.parametrize(
     "threads, cores, expected", [(0, 3, 1), (0, 1, 1), (0, 8, 4), (3, 8, 3)]
 )
