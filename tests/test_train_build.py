@@ -23,7 +23,8 @@ def test_the_gpt_decays_its_matrices_and_embeddings_not_its_biases_and_norm_gain
     assert matrices == {"0.wte.weight", "0.wpe.weight", "1.attn.c_attn.weight",
                         "1.attn.c_proj.weight", "1.mlp.c_fc.weight", "1.mlp.c_proj.weight"}
     assert all(decays[name] == (0.1 if name in matrices else 0.0) for name in decays)
-    assert isinstance(built, {"adamw": optim.AdamW, "adam": optim.Adam, "sgd": optim.SGD}[optimizer])
+    kinds = {"adamw": optim.AdamW, "adam": optim.Adam, "sgd": optim.SGD}
+    assert isinstance(built, kinds[optimizer])
 
 
 def test_the_mlp_decays_every_parameter_by_the_flag():
