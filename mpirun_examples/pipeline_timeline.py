@@ -31,7 +31,7 @@ import tempfile
 
 from minimp.backend import available_cores
 from minimp.checkpoints.errors import ConfigError
-from minimp.checkpoints.files import atomic_write, check_output
+from minimp.checkpoints.files import PLOT_FORMATS, atomic_write, check_output
 from minimp.lessons.timelines import (  # lesson 7's measurements and model
     BATCH,
     HIDDEN,
@@ -175,7 +175,7 @@ def main(argv=None):
         parser.exit(2, f"{parser.prog}: error: --steps {args.steps}: the first {WARM_UP} steps "
                        f"warm up, so at least {WARM_UP + 1} are needed to measure one\n")
     try:  # before minutes of measuring: the image can be written and replaces no other kind
-        check_output("--png", args.png, "image", force=None)
+        check_output("--png", args.png, "plot", force=None, suffixes=PLOT_FORMATS)
     except ConfigError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     with tempfile.TemporaryDirectory() as folder:

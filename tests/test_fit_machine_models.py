@@ -89,5 +89,5 @@ def test_an_out_that_holds_another_kind_of_file_is_refused_before_any_work(tmp_p
     assert exited.value.code == 2 and ckpt.read_bytes() == before
     error = capsys.readouterr().err  # `PROG: error: ...`, PROG being pytest's name in here
     assert error.split(": ", 1)[1] == (
-        f"error: --out {ckpt} exists and holds an .npz archive (a checkpoint?), which this "
-        "output would replace; choose another path\n")
+        f"error: --out {ckpt} exists and holds a zip archive that is not a minimp checkpoint (an "
+        ".npz, a .docx?), which this output would replace; choose another path\n")

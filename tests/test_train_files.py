@@ -305,46 +305,85 @@ def test_a_resume_across_loss_scalers_names_the_flags_and_the_fix(checkpoint_var
     assert carried.returncode == 0, carried.stderr
 
 
-OUTPUT_OF_KIND = {"checkpoint": ("--save", "c.npz"), "json": ("--metrics", "m.jsonl"),
-                  "image": ("--plot", "p.png")}
+OUTPUT_OF_KIND = {"checkpoint": ("--save", "c.npz"), "metrics": ("--metrics", "m.jsonl"),
+                  "timeline": ("--timeline", "t.json"), "plot": ("--plot", "p.png")}
+KINDS = ["checkpoint", "archive", "metrics", "timeline", "plot", "image", "json", "text", "binary",
+         "empty"]
 
 
-def write_sample(path, kind):
-    """A file of each kind file_kind tells apart, as the outputs write them."""
-    samples = {"checkpoint": lambda: np.savez(path.open("wb"), a=np.zeros(2)),
-               "json": lambda: path.write_text('{"step": 1}\n'),
-               "image": lambda: path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(40)),
-               "text": lambda: path.write_text("my notes, not metrics\n"),
-               "binary": lambda: path.write_bytes(bytes(range(256))),
-               "empty": lambda: path.write_bytes(b"")}
+def write_sample(path, kind, checkpoint):
+    """A file of each kind file_kind tells apart, the outputs' own as a run writes them
+    (`checkpoint`: a good checkpoint's path)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    figure = pyplot.figure()
+    samples = {
+        "checkpoint": lambda: path.write_bytes(checkpoint.read_bytes()),
+        "archive": lambda: np.savez(path.open("wb"), a=np.zeros(2)),  # an .npz, not minimp's
+        "metrics": lambda: path.write_text('{"step": 1, "loss": 2.3}\n{"step": 2}\n'),
+        "timeline": lambda: path.write_text('{"traceEvents": [], "otherData": {}}'),
+        "plot": lambda: figure.savefig(path.open("wb"), format="png"),
+        "image": lambda: path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(40)),  # no matplotlib
+        "json": lambda: path.write_text('{"name": "my package", "version": "1.0"}\n'),
+        "text": lambda: path.write_text("my notes, not metrics\n"),
+        "binary": lambda: path.write_bytes(bytes(range(256))),
+        "empty": lambda: path.write_bytes(b""),
+    }
     samples[kind]()
+    pyplot.close(figure)
 
 
-@pytest.mark.parametrize("kind", ["checkpoint", "json", "image", "text", "binary", "empty"])
-def test_file_kind_tells_the_outputs_apart(tmp_path, kind):
+@pytest.mark.parametrize("kind", KINDS)
+def test_file_kind_tells_the_outputs_apart(tmp_path, checkpoint_variants, kind):
+    pytest.importorskip("matplotlib", reason="the plot sample is drawn by matplotlib")
     path = tmp_path / "file"
-    write_sample(path, kind)
+    write_sample(path, kind, checkpoint_variants / "good.npz")
     assert files.file_kind(str(path)) == kind
 
 
-@pytest.mark.parametrize("found", ["checkpoint", "json", "image", "text", "binary"])
+@pytest.mark.parametrize("found", [kind for kind in KINDS if kind != "empty"])
 @pytest.mark.parametrize("output", sorted(OUTPUT_OF_KIND))
-def test_an_output_replaces_only_a_file_of_its_own_kind(tmp_path, output, found):
-    """--metrics c.npz used to write JSON lines over a checkpoint without a word."""
+def test_an_output_replaces_only_a_file_of_its_own_kind(tmp_path, checkpoint_variants, output,
+                                                          found):
+    """--metrics c.npz used to write JSON lines over a checkpoint without a word; then any zip
+    passed for a checkpoint, any JSON for metrics or a timeline, any PDF for a plot."""
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
     from minimp.train.__main__ import check_outputs
 
     flag, name = OUTPUT_OF_KIND[output]
     path = tmp_path / name
-    write_sample(path, found)
+    write_sample(path, found, checkpoint_variants / "good.npz")
     before = path.read_bytes()
-    config = TrainConfig(**{flag[2:]: str(path)})
+    model = dict(hidden=16, layers=1)  # the good checkpoint's run: a rerun may replace it
+    config = TrainConfig(**{flag[2:]: str(path)}, **model)
     if found == output:
         check_outputs(config)  # a rerun replaces its own output
     else:
         with pytest.raises(ConfigError, match=f"{flag} {path} exists and holds .*--force"):
             check_outputs(config)
-        check_outputs(TrainConfig(**{flag[2:]: str(path)}, force=True))  # what --force allows
+        check_outputs(TrainConfig(**{flag[2:]: str(path)}, force=True, **model))  # --force
     assert path.read_bytes() == before  # a check writes nothing
+
+
+def test_save_replaces_only_a_checkpoint_of_the_same_run(checkpoint_variants):
+    """The issue's rule: no command overwrites a checkpoint it did not create for this purpose.
+    A rerun of the same run (the flags a resume would need) or a resume in place may replace it;
+    a checkpoint of another model, seed or batch size needs --force."""
+    from minimp.train.__main__ import check_outputs
+
+    good = str(checkpoint_variants / "good.npz")  # --hidden 16 --layers 1, seed 0, batch 64
+    check_outputs(TrainConfig(save=good, hidden=16, layers=1))
+    check_outputs(TrainConfig(save=good, resume=good, hidden=16, layers=1, lr=0.1))
+    for other in (dict(hidden=32), dict(seed=1), dict(batch_size=32)):
+        config = TrainConfig(save=good, **{"hidden": 16, "layers": 1, **other})
+        flag = "--" + next(iter(other)).replace("_", "-")
+        with pytest.raises(ConfigError, match=f"holds the checkpoint of another run \\(trained "
+                                              f"with {flag} .*--force to replace it"):
+            check_outputs(config)
+        check_outputs(TrainConfig(save=good, force=True, **{"hidden": 16, "layers": 1, **other}))
 
 
 def test_metrics_onto_a_checkpoint_is_one_line_and_the_checkpoint_is_kept(checkpoint_variants):
@@ -353,8 +392,8 @@ def test_metrics_onto_a_checkpoint_is_one_line_and_the_checkpoint_is_kept(checkp
     result = run_command("--steps", "2", "--metrics", str(good))
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
-        f"minimp.train: error: --metrics {good} exists and holds an .npz archive (a checkpoint?), "
-        "which this output would replace; choose another path, or pass --force"]
+        f"minimp.train: error: --metrics {good} exists and holds a minimp checkpoint, which this "
+        "output would replace; choose another path, or pass --force"]
     assert good.read_bytes() == before
 
 

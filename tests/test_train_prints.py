@@ -221,15 +221,15 @@ def test_the_pipeline_example_defaults_to_the_stages_the_cores_can_show(capsys, 
 def test_the_pipeline_timeline_example_refuses_an_image_over_another_kind(tmp_path, capsys):
     """--png onto a checkpoint: refused in one line before minutes of measuring."""
     example = load_example("pipeline_timeline")
-    ckpt = tmp_path / "c.npz"
+    ckpt = tmp_path / "c.png"  # named like an image, but holding an archive
     ckpt.write_bytes(b"PK\x03\x04 a checkpoint")
     with pytest.raises(SystemExit) as exited:
         example.main(["--png", str(ckpt), "--steps", "3"])
     assert exited.value.code == 2 and ckpt.read_bytes() == b"PK\x03\x04 a checkpoint"
     error = capsys.readouterr().err  # `PROG: error: ...`, PROG being pytest's name in here
     assert error.split(": ", 1)[1] == (
-        f"error: --png {ckpt} exists and holds an .npz archive (a checkpoint?), which this "
-        "output would replace; choose another path\n")
+        f"error: --png {ckpt} exists and holds a zip archive that is not a minimp checkpoint (an "
+        ".npz, a .docx?), which this output would replace; choose another path\n")
 
 
 def test_on_a_terminal_the_skip_line_is_written_above_the_bar(capsys):

@@ -16,7 +16,10 @@ import os
 import signal
 import sys
 import tempfile
+import zipfile
 from typing import IO, Callable
+
+import numpy
 
 from minimp.checkpoints.errors import ConfigError
 
@@ -52,33 +55,62 @@ def check_output_path(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> N
 
 # What each kind of output may replace, by what file_kind() finds there; a file of any other kind
 # is refused (or needs --force): the flag was most likely given the wrong name.
-REPLACEABLE = {"checkpoint": ("empty", "checkpoint"), "json": ("empty", "json"),
-               "image": ("empty", "image")}
-KIND_NAMES = {"empty": "an empty file", "checkpoint": "an .npz archive (a checkpoint?)",
-              "json": "JSON text (metrics or a timeline?)", "image": "an image",
-              "text": "text that is not JSON", "binary": "binary data of an unknown kind"}
-# The first bytes of the image formats matplotlib writes (svgz is gzip; eps/ps start "%!PS").
+REPLACEABLE = {"checkpoint": ("empty", "checkpoint"), "metrics": ("empty", "metrics"),
+               "timeline": ("empty", "timeline"), "plot": ("empty", "plot"),
+               "json": ("empty", "json")}
+KIND_NAMES = {"empty": "an empty file", "checkpoint": "a minimp checkpoint",
+              "archive": "a zip archive that is not a minimp checkpoint (an .npz, a .docx?)",
+              "metrics": "a run's metrics (JSON lines)", "timeline": "a run's timeline (a trace)",
+              "plot": "a plot minimp drew", "image": "an image minimp did not draw",
+              "json": "JSON text", "text": "text that is not JSON",
+              "binary": "binary data of an unknown kind"}
+# The first bytes of the image formats; a plot minimp drew names matplotlib in its first or last
+# bytes (png, svg, eps and ps near the start, pdf in the document information at its end).
 _IMAGE_MAGIC = (b"\x89PNG", b"%PDF", b"%!PS", b"\xc5\xd0\xd3\xc6", b"\xff\xd8\xff", b"II*\x00",
-                b"MM\x00*", b"RIFF", b"\x1f\x8b", b"<svg", b"<?xml", b"%%Creator")
+                b"MM\x00*", b"RIFF", b"\x1f\x8b", b"<svg", b"<?xml", b"GIF8")
+PLOT_FORMATS = ("eps", "pdf", "png", "ps", "svg")  # the ones whose files say matplotlib drew them
+_SNIFFED = 4096
 
 
 def file_kind(path: str) -> str:
-    """What the file at path holds, from its first bytes: one of KIND_NAMES' keys."""
+    """What the file at path holds, from its first and last bytes: one of KIND_NAMES' keys."""
     with open(path, "rb") as file:
-        head = file.read(512)
+        head = file.read(_SNIFFED)
+        file.seek(max(file.seek(0, os.SEEK_END) - _SNIFFED, 0))
+        tail = file.read()
     if not head:
         return "empty"
-    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):  # a zip: .npz
-        return "checkpoint"
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):  # a zip, as an .npz is
+        return "checkpoint" if read_meta(path) is not None else "archive"
     if head.startswith(_IMAGE_MAGIC):
-        return "image"
+        return "plot" if b"matplotlib" in (head + tail).lower() else "image"
     try:
         text = head.decode("utf-8")
-    except UnicodeDecodeError as error:  # a character cut by the 512 bytes is still text
+    except UnicodeDecodeError as error:  # a character cut by the read is still text
         if error.start < len(head) - 4:
             return "binary"
         text = head[: error.start].decode("utf-8")
-    return "json" if text.lstrip()[:1] in ("{", "[") else "text"
+    if text.lstrip()[:1] not in ("{", "["):
+        return "text"
+    if '"traceEvents"' in text[:64]:  # a timeline starts with its events
+        return "timeline"
+    try:
+        first = json.loads(text.splitlines()[0])
+    except ValueError:
+        return "json"
+    return "metrics" if isinstance(first, dict) and "step" in first else "json"
+
+
+def read_meta(path: str) -> dict | None:
+    """A minimp checkpoint's meta (its JSON object; only that member of the archive is read), or
+    None for any other file."""
+    try:
+        with zipfile.ZipFile(path) as archive, archive.open("meta.npy") as member:
+            meta = json.loads(str(numpy.lib.format.read_array(member, allow_pickle=False)))
+    except (KeyError, ValueError, OSError, zipfile.BadZipFile, EOFError):
+        return None
+    format_name = meta.get("format", "") if isinstance(meta, dict) else ""
+    return meta if str(format_name).startswith("minimp-checkpoint") else None
 
 
 def check_replaceable(flag: str, path: str, kind: str, force: bool | None = False) -> None:

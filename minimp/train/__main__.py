@@ -17,9 +17,9 @@ import sys
 import time
 
 from minimp import backend
-from minimp.checkpoints.errors import (USER_ERRORS, AgreedError, agree_on_error, reader_left,
-                                       say)
-from minimp.checkpoints.files import check_output, exit_cleanly_on_sigterm
+from minimp.checkpoints.errors import (USER_ERRORS, AgreedError, ConfigError, agree_on_error,
+                                       reader_left, say)
+from minimp.checkpoints.files import check_output, exit_cleanly_on_sigterm, read_meta, same_file
 from minimp.distributed import MPICommunicator, run_or_abort, world
 from minimp.distributed.launch import flush_and_pause
 from minimp.distributed.protocol import Communicator
@@ -28,6 +28,7 @@ from minimp.train.config import TrainConfig
 from minimp.train.loop import train
 from minimp.train.plot import plot_formats
 from minimp.train.sizes import check_memory
+from minimp.train.tasks import resume_flags
 
 PROGRAM = "minimp.train"
 
@@ -44,17 +45,28 @@ def check_before_training(config: TrainConfig, comm: Communicator) -> None:
 
 
 # The kind of file each output writes (what it may replace: files.REPLACEABLE).
-OUTPUT_KINDS = {"save": "checkpoint", "metrics": "json", "timeline": "json", "plot": "image"}
+OUTPUT_KINDS = {"save": "checkpoint", "metrics": "metrics", "timeline": "timeline", "plot": "plot"}
 
 
 def check_outputs(config: TrainConfig) -> None:
     """Every output can be written and replaces nothing but an output of its own kind (that
-    no two name one file is config.validate's check)."""
+    no two name one file is config.validate's check), and --save no checkpoint of another run:
+    only --resume's, or one trained with the flags a resume of it would need."""
     for name, kind in OUTPUT_KINDS.items():
         path = getattr(config, name)
         if path:
             suffixes = plot_formats() if name == "plot" else ()
             check_output(f"--{name}", path, kind, force=config.force, suffixes=suffixes)
+    meta = read_meta(config.save) if config.save and os.path.isfile(config.save) else None
+    if meta is None or config.force or (config.resume and same_file(config.save, config.resume)):
+        return
+    saved = meta.get("flags") if isinstance(meta.get("flags"), dict) else {}
+    for flag, value in resume_flags(config).items():
+        if flag in saved and saved[flag] != value:
+            raise ConfigError(
+                f"--save {config.save} holds the checkpoint of another run (trained with {flag} "
+                f"{saved[flag]}, this run has {flag} {value}); choose another path, or pass "
+                "--force to replace it")
 
 
 def _run(config: TrainConfig, comm: MPICommunicator) -> int:

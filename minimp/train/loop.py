@@ -27,12 +27,11 @@ from minimp.precision import mixed_precision_step
 from minimp.tensor import Tensor
 from minimp.train import progress, saving
 from minimp.train.build import build_scaler, build_stage
-from minimp.train.checks import flag
 from minimp.train.config import TrainConfig
 from minimp.train.fp8 import Fp8Run
 from minimp.train.guards import Guards
 from minimp.train.meter import Meter
-from minimp.train.tasks import TASKS
+from minimp.train.tasks import TASKS, resume_flags
 
 
 def train(config: TrainConfig, log: Callable[[str], None] = print, comm: Communicator | None = None,
@@ -93,12 +92,7 @@ class Run:
         schedule = build_schedule(config.schedule, config.pp, config.micro_batches,
                                   config.virtual_stages)
         self.actions = schedule[self.topology.stage]
-        # What a resume must repeat: the model, the batch order, the optimizer state's shapes and
-        # the fp8 scaling state depend on these (the learning rate and --steps may change).
-        names = (*self.task.model_flags, "seed", "batch_size", "optimizer")
-        if self.fp8 is not None:  # the shape and meaning of the saved scaling state
-            names += ("fp8_recipe", "fp8_amax_history", "fp8_margin")
-        self.resume_flags = {flag(name): getattr(config, name) for name in names}
+        self.resume_flags = resume_flags(config)  # what a resume must repeat
         self.lr_decay_steps = config.lr_decay_steps or config.steps
         self.start_step: int = self._resume() if config.resume else 0
         self.stuck_since = 0  # the step that overflowed at the minimum loss scale, while stuck

@@ -5,6 +5,7 @@ from types import ModuleType
 from typing import Any
 
 from minimp.checkpoints import files
+from minimp.checkpoints.files import PLOT_FORMATS
 
 
 def require_matplotlib() -> ModuleType:
@@ -20,11 +21,12 @@ def require_matplotlib() -> ModuleType:
 
 
 def plot_formats() -> tuple[str, ...]:
-    """The file extensions matplotlib can write (png, pdf, svg, ...)."""
+    """The image formats --plot writes: those matplotlib can write whose files say matplotlib
+    drew them (files.PLOT_FORMATS: a rerun may replace its own plot, never another image)."""
     pyplot = require_matplotlib()
     figure = pyplot.figure()
     try:
-        return tuple(sorted(figure.canvas.get_supported_filetypes()))
+        return tuple(sorted(set(figure.canvas.get_supported_filetypes()) & set(PLOT_FORMATS)))
     finally:
         pyplot.close(figure)
 

@@ -17,6 +17,7 @@ from minimp.checkpoints.errors import ConfigError
 from minimp.data import global_batch_indices, load_digits, load_shakespeare, text_batch
 from minimp.models.gpt import GPT, Block, GPTConfig
 from minimp.tensor import Tensor, no_grad
+from minimp.train.checks import flag
 from minimp.train.config import TrainConfig
 
 T = TypeVar("T")
@@ -185,7 +186,17 @@ class ShakespeareTask:
         return total / count
 
 
-TASKS: dict[str, Callable[[TrainConfig, np.dtype], Task]] = {
+TASKS: dict[str, type[DigitsTask] | type[ShakespeareTask]] = {
     "digits": DigitsTask,
     "shakespeare": ShakespeareTask,
 }
+
+
+def resume_flags(config: TrainConfig) -> dict:
+    """{"--seed": 0, ...}: the flags a checkpoint must be resumed with, as a checkpoint keeps them
+    (the model, the batch order, the optimizer state's shapes and, in fp8, the meaning of the saved
+    scaling state depend on them; the learning rate and --steps may change)."""
+    names = (*TASKS[config.dataset].model_flags, "seed", "batch_size", "optimizer")
+    if config.precision == "fp8":
+        names += ("fp8_recipe", "fp8_amax_history", "fp8_margin")
+    return {flag(name): getattr(config, name) for name in names}
