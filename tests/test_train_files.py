@@ -476,8 +476,8 @@ def test_weights_gone_non_finite_are_never_saved_and_the_run_exits_1(tmp_path, p
              f"diverged (lower --lr, clip with --max-grad-norm); not saved, {ckpt} is left as it "
              "was",
         "0": "minimp.train: error: step 2: the float32 master weights hold inf or NaN: the model "
-             f"diverged (lower --lr, clip with --max-grad-norm); stopped before any save, so "
-             f"{ckpt} keeps its last finite weights"}[save_every]]
+             f"diverged (lower --lr, clip with --max-grad-norm); not saved, {ckpt} keeps what it "
+             "held"}[save_every]]
     assert "saved checkpoint" not in result.stdout and ckpt.read_bytes() == before
 
 
@@ -526,3 +526,34 @@ def test_a_reader_that_leaves_the_pipe_ends_the_run_quietly():
     job.stdout.close()  # what head does after its line
     stderr = job.stderr.read()
     assert job.wait(timeout=60) == 141 and stderr == b""
+
+
+def test_a_run_that_ends_with_a_non_finite_loss_saves_nothing_and_exits_1(tmp_path):
+    """SGD in fp32 at --lr 1e38: the weights stay finite (about 1e36) but every later loss is NaN
+    and every later step skipped; the run exited 0 and saved them over the good checkpoint."""
+    ckpt = tmp_path / "c.npz"
+    sgd = ("--optimizer", "sgd", "--precision", "fp32")
+    assert run_command(*sgd, "--steps", "3", "--save", str(ckpt)).returncode == 0
+    before = ckpt.read_bytes()
+    # (--save-every 5: step 4's update makes the weights huge, step 5's loss shows it; a save
+    # right after step 4 would hold finite weights whose next loss is NaN: a resume of them
+    # ends the same way, at its first step.)
+    result = run_command(*sgd, "--lr", "1e38", "--steps", "12", "--resume", str(ckpt),
+                         "--save", str(ckpt), "--save-every", "5")
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        "minimp.train: error: the run ended at step 12 with loss nan: its weights cannot compute "
+        "the loss (they grew too large, or the data holds non-finite values; lower --lr, clip with "
+        f"--max-grad-norm); not saved, {ckpt} keeps what it held"]
+    assert "step 5: not saved, its loss is nan" in result.stdout  # the --save-every on the way
+    assert ckpt.read_bytes() == before
+
+
+def test_a_run_whose_every_step_was_skipped_saves_nothing_and_exits_1(tmp_path):
+    """A static scale of 3.4e38 overflows every fp16 gradient: 5 of 5 skipped, exit 0 before."""
+    ckpt = tmp_path / "never.npz"
+    result = run_command("--steps", "5", "--loss-scale", "3.4e38", "--save", str(ckpt))
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        "minimp.train: error: every step of this run (5) was skipped: its gradients were never "
+        "finite, so nothing was learned (a --loss-scale too large for fp16, a --lr too high, or "
+        "non-finite data); not saved"]
+    assert not ckpt.exists()

@@ -2,6 +2,7 @@
 failure looks like, and the divergence checks that stop a run that cannot learn."""
 
 import math
+import os
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -59,15 +60,42 @@ class Guards:
         if message is not None:
             raise AgreedError(DivergenceError(message), speaker=self.rank == 0, exit_code=1)
 
+    def stop_if_nothing_to_keep(self, records: list[dict]) -> None:
+        """At the end, before anything is saved: a run whose last loss is not finite, or whose every
+        step was skipped, ends with exit 1 and saves nothing (its weights cannot compute the loss,
+        or they learned nothing): a checkpoint already at --save is left as it was. Every rank
+        sees the same losses and skip decisions, so all stop here together."""
+        if not records:
+            return
+        step, loss = records[-1]["step"], records[-1]["loss"]
+        message = None
+        if not math.isfinite(loss):
+            message = (f"the run ended at step {step} with loss {loss}: its weights cannot compute "
+                       "the loss (they grew too large, or the data holds non-finite values; lower "
+                       "--lr, clip with --max-grad-norm)")
+        elif all(record["skipped"] for record in records):
+            message = (f"every step of this run ({len(records)}) was skipped: its gradients were "
+                       "never finite, so nothing was learned (a --loss-scale too large for fp16, "
+                       "a --lr too high, or non-finite data)")
+        if message is not None:
+            raise AgreedError(DivergenceError(message + self._kept()), speaker=self.rank == 0,
+                              exit_code=1)
+
+    def _kept(self) -> str:
+        """What becomes of --save when a run stops without saving."""
+        if not self.config.save:
+            return ""
+        if os.path.exists(self.config.save):
+            return f"; not saved, {self.config.save} keeps what it held"
+        return "; not saved"
+
     def check_weights(self, step: int, masters: list) -> None:
         """Raise DivergenceError if this rank's float32 masters hold inf or NaN: every later step
         would compute NaN, and no save may keep them (run after a non-finite loss, which is when
         they can be; every rank checks its own and agree_on_error shares the verdict)."""
         xp = backend.array_module(*[m for m in masters if m is not None] or [np.zeros(0)])
         if any(m is not None and not bool(xp.isfinite(m).all()) for m in masters):
-            kept = (f"; stopped before any save, so {self.config.save} keeps its last finite "
-                    "weights" if self.config.save else "")
             raise DivergenceError(
                 f"step {step}: the float32 master weights hold inf or NaN: the model diverged "
-                f"(lower --lr, clip with --max-grad-norm){kept}")
+                f"(lower --lr, clip with --max-grad-norm){self._kept()}")
 

@@ -143,7 +143,11 @@ class Run:
                 step, self.sync.arrays_by_kind()["masters"]))
         every = self.config.save_every
         if every and step % every == 0 and step < self.config.steps:
-            saving.save_checkpoint(self, step, saving.gather_state(self))
+            if math.isfinite(entry["loss"]):
+                saving.save_checkpoint(self, step, saving.gather_state(self))
+            else:  # weights that cannot compute the loss are no checkpoint; the run may recover
+                self.history.say(f"step {step}: not saved, its loss is {entry['loss']} (--save "
+                                 "keeps the last checkpoint whose loss was finite)")
 
     def learning_rate(self, step: int) -> float:
         """The schedule's learning rate at this step."""

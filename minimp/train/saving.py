@@ -75,6 +75,7 @@ def finish(run: "Run") -> dict:
     there; returns the run's summary (history, skipped count, the final score, rank 0's masters,
     the memory fields)."""
     config = run.config
+    run.guards.stop_if_nothing_to_keep(run.history.records)  # before any save
     merged = gather_state(run)
     traces = _gather_traces(run)
     score = evaluate(run, batches=None, merged=merged)  # the whole test or validation set
