@@ -557,3 +557,42 @@ def test_a_run_whose_every_step_was_skipped_saves_nothing_and_exits_1(tmp_path):
         "finite, so nothing was learned (a --loss-scale too large for fp16, a --lr too high, or "
         "non-finite data); not saved"]
     assert not ckpt.exists()
+
+
+def test_a_stdout_that_cannot_be_written_costs_the_lines_not_the_run(tmp_path):
+    """`> log` on a full disk (here /dev/full) ended the run in an OSError traceback, unsaved."""
+    ckpt = tmp_path / "c.npz"
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([PYTHON, "-m", "minimp.train", *SMALL, "--steps", "3", "--save",
+                                 str(ckpt)], stdout=full, stderr=subprocess.PIPE, text=True,
+                                timeout=120)
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        "minimp.train: error: could not write the lines on stdout (No space left on device); the "
+        f"checkpoint {ckpt} was saved"]
+    with np.load(ckpt) as archive:
+        assert json.loads(str(archive["meta"]))["step"] == 3
+
+
+@pytest.mark.parametrize("flag", ["--save", "--metrics", "--timeline"])
+def test_an_output_that_names_a_folder_is_refused_before_any_work(tmp_path, flag):
+    """`--save newdir/` trained every step, then could not save; `--metrics mdir/` was an
+    AttributeError traceback."""
+    result = run_command("--steps", "2", flag, f"{tmp_path}/newdir/")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"minimp.train: error: {flag} '{tmp_path}/newdir/' names a folder, not a file; give a "
+        f"file name (as '{tmp_path}/newdir/out')"]
+    assert not (tmp_path / "newdir").exists()
+
+
+def test_a_metrics_file_the_disk_cannot_rewrite_on_resume_is_one_line(tmp_path):
+    """A resume rewrites --metrics up to its step; on a full disk that was a traceback."""
+    ckpt, metrics = tmp_path / "c.npz", tmp_path / "m.jsonl"
+    assert run_on_a_small_disk(10**8, "--steps", "2", "--save", str(ckpt)).returncode == 0
+    metrics.write_text('{"step": 1, "padding": "..............................."}\n' * 2000)
+    result = run_on_a_small_disk(40_000, "--steps", "4", "--resume", str(ckpt),
+                                 "--metrics", str(metrics))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"--metrics {metrics}: a write failed (File too large)" in result.stdout
+    assert result.stderr.strip().splitlines() == [
+        f"minimp.train: error: could not write --metrics {metrics} (File too large)"]

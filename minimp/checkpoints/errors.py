@@ -62,12 +62,13 @@ def agree_on_error(comm: Communicator, work: Callable[[], object]) -> None:
 
 
 class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """argparse's `(default: X)` after each help, but not `(default: )` for an empty string (an
-    output not written, a flag not given), nor twice where the help already says its default;
-    choices shown without the empty one."""
+    """argparse's `(default: X)` after each help, but not `(default: )` or `(default: None)` (an
+    output not written, a flag not given, a required flag), nor twice where the help already says
+    its default; choices shown without the empty one."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default == "" or "(default:" in (action.help or ""):
+        blank = isinstance(action.default, str) and not action.default.strip()  # "", "\n"
+        if blank or action.default is None or action.required or "(default:" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 

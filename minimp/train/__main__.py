@@ -69,20 +69,41 @@ def check_outputs(config: TrainConfig) -> None:
                 "--force to replace it")
 
 
+class Printer:
+    """The run's lines to stdout. A stdout that cannot be written (`> log` on a full disk) costs
+    the lines, not the run: the first failure is kept in `error`, later lines are dropped, and
+    the run ends with exit 1 naming it (a reader that left the pipe ends the run: `| head`)."""
+
+    def __init__(self) -> None:
+        self.error = ""
+
+    def __call__(self, line: str) -> None:
+        if self.error:
+            return
+        try:
+            print(line, flush=True)
+        except BrokenPipeError:
+            raise
+        except OSError as error:
+            self.error = error.strerror or str(error)
+
+
 def _run(config: TrainConfig, comm: MPICommunicator) -> int:
     try:
         agree_on_error(comm, lambda: check_before_training(config, comm))
         if config.timeout and comm.size > 1:
             comm.start_watchdog(config.timeout)
+        printer = Printer()
         if comm.rank == 0:
-            print(f"{PROGRAM}: {config.describe(comm.size)}", flush=True)
+            printer(f"{PROGRAM}: {config.describe(comm.size)}")
         interactive = sys.stdout.isatty()  # a terminal: one progress bar instead of lines
-        result = train(config, log=lambda line: print(line, flush=True), comm=comm,
-                       interactive=interactive)
-        if result["failed_outputs"]:  # rank 0's: the run is complete, a report of it is not
+        result = train(config, log=printer, comm=comm, interactive=interactive)
+        failures = [f"{flag} {getattr(config, flag[2:])} ({why})"
+                    for flag, why in result["failed_outputs"].items()]
+        failures += [f"the lines on stdout ({printer.error})"] if printer.error else []
+        if failures:  # rank 0's: the run is complete, a report of it is not
             saved = f"; the checkpoint {config.save} was saved" if config.save else ""
-            failed = ", ".join(f"{flag} {getattr(config, flag[2:])} ({why})"
-                               for flag, why in result["failed_outputs"].items())
+            failed = ", ".join(failures)
             print(f"{PROGRAM}: error: could not write {failed}{saved}", file=sys.stderr)
             return 1
     except AgreedError as error:  # every rank is here: one says it, all exit, nobody waits

@@ -24,20 +24,20 @@ class History:
         a tqdm bar instead of progress lines (only where a person watches a terminal)."""
         self.log, self.steps, self.log_every = log, steps, log_every
         self.units_per_step, self.unit = units_per_step, unit
-        if metrics_path and resume_step is not None:
-            files.keep_metrics_up_to(metrics_path, resume_step)
-        self.metrics_path, self.write_error = metrics_path, ""
-        self.metrics = None
-        if metrics_path:
-            try:
-                self.metrics = open(metrics_path, "w" if resume_step is None else "a")
-            except OSError as error:
-                self._metrics_failed(error)
         self.records, self.skipped = [], 0
         self.window_start, self.window_steps = time.perf_counter(), 0
         self.bar = None
         if interactive:  # one updating bar on a terminal; lines for logs, pipes and mpirun
             self.bar = tqdm(total=steps, initial=resume_step or 0, unit="step", dynamic_ncols=True)
+        self.metrics_path, self.write_error = metrics_path, ""
+        self.metrics = None
+        if metrics_path:
+            try:
+                if resume_step is not None:
+                    files.keep_metrics_up_to(metrics_path, resume_step)
+                self.metrics = open(metrics_path, "w" if resume_step is None else "a")
+            except OSError as error:
+                self._metrics_failed(error)
 
     def add(self, entry: dict, loss_scale: float) -> None:
         """Keep and write one step's record; print a progress line every log_every steps (and at
