@@ -13,7 +13,7 @@ import pytest
 from conftest import PYTHON
 
 from minimp.checkpoints import files
-from minimp.checkpoints.errors import AgreedError, ConfigError, DivergenceError
+from minimp.checkpoints.errors import AgreedError, ConfigError, DivergenceError, Terminated
 from minimp.train.config import TrainConfig
 from minimp.train.guards import Guards
 
@@ -88,9 +88,9 @@ def test_files_get_the_user_s_mode_and_a_killed_write_leaves_nothing(tmp_path):
 
     def killed(file):
         file.write(b"half")
-        raise SystemExit(143)  # what SIGTERM becomes (files.exit_cleanly_on_sigterm)
+        raise Terminated()  # what SIGTERM becomes (files.exit_cleanly_on_sigterm)
 
-    with pytest.raises(SystemExit):
+    with pytest.raises(Terminated):
         files.atomic_write(str(path), killed)
     assert path.read_bytes() == b"first" and os.listdir(tmp_path) == ["file.bin"]
 
@@ -596,3 +596,21 @@ def test_a_metrics_file_the_disk_cannot_rewrite_on_resume_is_one_line(tmp_path):
     assert f"--metrics {metrics}: a write failed (File too large)" in result.stdout
     assert result.stderr.strip().splitlines() == [
         f"minimp.train: error: could not write --metrics {metrics} (File too large)"]
+
+
+def test_sigterm_is_one_line_exit_143_and_the_checkpoint_stays(tmp_path):
+    """SIGTERM on one process exited 143 without a word."""
+    ckpt = tmp_path / "ckpt.npz"
+    command = [PYTHON, "-m", "minimp.train", *SMALL, "--steps", "100000", "--save", str(ckpt)]
+    job = subprocess.Popen([*command, "--save-every", "20"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ckpt.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode == 143
+    assert stderr.strip() == "minimp.train: terminated; files already saved are intact"
+    with np.load(ckpt) as archive:
+        assert json.loads(str(archive["meta"]))["step"] % 20 == 0
+

@@ -362,8 +362,8 @@ def rank_processes(marker):
     return pids
 
 
-def interrupt(tmp_path, whom):
-    """Start a 2-rank job, wait for its first metrics row, send SIGINT to `whom` ("mpirun": what
+def interrupt(tmp_path, whom, sent=signal.SIGINT):
+    """Start a 2-rank job, wait for its first metrics row, send `sent` to `whom` ("mpirun": what
     Ctrl-C in a terminal does, mpirun passing it to every rank; "rank 1": that rank alone);
     returns (exit status, stderr, seconds from the signal to the end)."""
     metrics = tmp_path / f"interrupted-{whom[-1]}.jsonl"
@@ -375,10 +375,10 @@ def interrupt(tmp_path, whom):
         while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
             time.sleep(0.1)
         pid = job.pid if whom == "mpirun" else max(rank_processes(metrics.name))
-        os.kill(pid, signal.SIGINT)
-        sent = time.monotonic()
+        os.kill(pid, sent)
+        began = time.monotonic()
         _, stderr = job.communicate(timeout=60)
-        return job.returncode, stderr, time.monotonic() - sent
+        return job.returncode, stderr, time.monotonic() - began
     finally:
         for pid in rank_processes(metrics.name):
             os.kill(pid, signal.SIGKILL)
@@ -399,7 +399,16 @@ def test_a_rank_interrupted_alone_ends_the_job_with_one_line(tmp_path):
     code, stderr, seconds = interrupt(tmp_path, "rank 1")
     assert code == 130 and seconds < 10
     assert stderr.strip().splitlines() == [
-        "[rank 1] minimp.train: interrupted; files already saved are intact"]
+        "minimp.train: interrupted; files already saved are intact"]
+
+
+@pytest.mark.slow
+def test_sigterm_under_mpirun_is_one_line_for_the_job(tmp_path):
+    """SIGTERM (kill, a scheduler) ended in MPI_Abort, a line per rank and no minimp line."""
+    code, stderr, seconds = interrupt(tmp_path, "mpirun", signal.SIGTERM)
+    assert code == 143 and seconds < 10
+    assert stderr.strip().splitlines() == [
+        "minimp.train: terminated; files already saved are intact"]
 
 
 @pytest.mark.slow

@@ -32,6 +32,16 @@ class DivergenceError(RuntimeError):
 USER_ERRORS = (ConfigError, CheckpointError, DeviceError, DivergenceError, ImportError)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is (files.exit_cleanly_on_sigterm): it unwinds as Ctrl-C
+    does, and the command says `terminated` and exits 143 (128 + SIGTERM) instead of 130."""
+
+
+def stopped_by(stop: KeyboardInterrupt) -> tuple[str, int]:
+    """(what stopped the command, its exit status): Ctrl-C or SIGTERM."""
+    return ("terminated", 143) if isinstance(stop, Terminated) else ("interrupted", 130)
+
+
 class AgreedError(Exception):
     """A user error that every rank of the job raised at the same point: `speaker` says whether
     this rank prints it (exactly one does), `exit_code` what every rank exits with."""
@@ -103,7 +113,7 @@ def say(program: str, error: BaseException, rank: int | None = None) -> None:
 def run_command(program: str, command: Callable[[], int]) -> int:
     """command()'s exit status, or 2 when it raises a user error, which is said in one line (any
     other error is a bug and keeps its traceback); 141 when the reader of its output left, 130
-    on Ctrl-C, each without a traceback."""
+    on Ctrl-C, 143 on SIGTERM, each without a traceback."""
     try:
         return command()
     except USER_ERRORS as error:
@@ -111,9 +121,10 @@ def run_command(program: str, command: Callable[[], int]) -> int:
         return 2
     except BrokenPipeError:
         return reader_left()
-    except KeyboardInterrupt:  # Ctrl-C: files are written atomically, nothing half-done stays
-        print(f"{program}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM: files are written atomically
+        word, code = stopped_by(stop)
+        print(f"{program}: {word}", file=sys.stderr)
+        return code
 
 
 def reader_left() -> int:

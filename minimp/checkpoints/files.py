@@ -14,14 +14,13 @@ temporary file.
 import json
 import os
 import signal
-import sys
 import tempfile
 import zipfile
 from typing import IO, Callable
 
 import numpy
 
-from minimp.checkpoints.errors import ConfigError
+from minimp.checkpoints.errors import ConfigError, Terminated
 
 TEMPORARY_SUFFIX = ".minimp-tmp"
 
@@ -197,11 +196,12 @@ def keep_metrics_up_to(path: str, step: int) -> None:
 
 
 def exit_cleanly_on_sigterm() -> None:
-    """Turn SIGTERM (what `kill` and job schedulers send) into SystemExit, so `finally` blocks and
-    atomic_write's clean-up run instead of the process vanishing mid-write."""
+    """Turn SIGTERM (what `kill` and job schedulers send) into the exception Terminated, a kind
+    of KeyboardInterrupt: `finally` blocks and atomic_write's clean-up run instead of the process
+    vanishing mid-write, and the command ends as on Ctrl-C, in one line, with status 143."""
 
     def terminate(signum: int, frame: object) -> None:
-        sys.exit(128 + signum)
+        raise Terminated()
 
     try:
         signal.signal(signal.SIGTERM, terminate)

@@ -18,7 +18,7 @@ import time
 
 from minimp import backend
 from minimp.checkpoints.errors import (USER_ERRORS, AgreedError, ConfigError, agree_on_error,
-                                       reader_left, say)
+                                       reader_left, say, stopped_by)
 from minimp.checkpoints.files import check_output, exit_cleanly_on_sigterm, read_meta, same_file
 from minimp.distributed import MPICommunicator, run_or_abort, world
 from minimp.distributed.launch import flush_and_pause
@@ -128,25 +128,25 @@ def main(argv: list[str] | None = None) -> int:
         return run_or_abort(_run, config, comm, comm=comm)
     except BrokenPipeError:  # `python -m minimp.train | head`: the reader left, the run ends
         return reader_left()
-    except KeyboardInterrupt:  # Ctrl-C: a file being written was cleaned up on the way out
-        return _interrupted(comm)
+    except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM: a file being written was cleaned up
+        return _stopped(comm, stop)
 
 
-def _interrupted(comm: MPICommunicator) -> int:
-    """Ctrl-C: one line for the job, exit status 130. mpirun interrupts every rank: rank 0 says
-    it and leaves at once; any other rank waits a moment first, so it speaks only where it was
-    interrupted alone (rank 0 leaving ends the job, this rank with it)."""
+def _stopped(comm: MPICommunicator, stop: KeyboardInterrupt) -> int:
+    """Ctrl-C (exit status 130) or SIGTERM (143): one line for the job. mpirun passes the signal
+    to every rank: rank 0 says it and leaves at once; any other rank waits a moment first, so it
+    speaks only where it was stopped alone (rank 0 leaving ends the job, this rank with it)."""
+    word, code = stopped_by(stop)
     if comm.rank != 0:
         time.sleep(0.5)
-    rank = f"[rank {comm.rank}] " if comm.rank else ""
-    print(f"{rank}{PROGRAM}: interrupted; files already saved are intact", file=sys.stderr)
+    print(f"{PROGRAM}: {word}; files already saved are intact", file=sys.stderr)
     if comm.size > 1:
         # A rank may be deep in an MPI wait its peers will never answer, where no Python signal
         # handler runs: leaving without MPI_Finalize makes mpirun end them all at once (and
         # MPI_Abort would print a line per rank).
         flush_and_pause(0.0)
-        os._exit(130)
-    return 130
+        os._exit(code)
+    return code
 
 if __name__ == "__main__":
     sys.exit(main())
