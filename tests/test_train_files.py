@@ -175,7 +175,13 @@ def make_checkpoint_variants(good, folder):
     variant("version-0", lambda m: m.update(version=0))
     variant("schedule-not-an-object", lambda m: m.update(schedule=[1]))
     variant("bad-decay-steps", lambda m: m["schedule"].update(lr_decay_steps="x"))
+    variant("scale-true", lambda m: m["scaler"].update(loss_scale=True))
+    variant("sgd-state", lambda m: m["optimizer"].update(kind="SGD"))
+    variant("negative-exp-avg-sq", change_arrays=lambda a: a.update(
+        {"optimizer/0.weight/exp_avg_sq": -np.abs(a["optimizer/0.weight/exp_avg_sq"]) - 1}))
+    variant("hidden-as-text", lambda m: m["flags"].update({"--hidden": "16"}))
     (folder / "folder.npz").mkdir()  # a folder named like a checkpoint
+    os.symlink(folder / "nowhere", folder / "dangling.npz")
     np.save(folder / "array.npy", np.zeros(3))
     os.replace(folder / "array.npy", folder / "npy-renamed.npz")
     (folder / "truncated.npz").write_bytes(good.read_bytes()[:300])
@@ -203,6 +209,11 @@ BAD_CHECKPOINTS = {
     "schedule-not-an-object": "schedule is [1], not a JSON object",
     "bad-decay-steps": "lr_decay_steps 'x' is not an integer >= 1",
     "folder": "is a folder, not a checkpoint file",
+    "dangling": "is a link that leads nowhere",
+    "scale-true": "loss scale True is not a positive finite number",
+    "sgd-state": "holds SGD's state, this run's optimizer is Adam",
+    "negative-exp-avg-sq": "optimizer/0.weight/exp_avg_sq holds negative values",
+    "hidden-as-text": "trained with --hidden '16', this run has --hidden 16",
 }
 
 
@@ -613,4 +624,12 @@ def test_sigterm_is_one_line_exit_143_and_the_checkpoint_stays(tmp_path):
     assert stderr.strip() == "minimp.train: terminated; files already saved are intact"
     with np.load(ckpt) as archive:
         assert json.loads(str(archive["meta"]))["step"] % 20 == 0
+
+
+def test_a_device_given_as_a_checkpoint_is_not_said_to_be_missing():
+    """--resume /dev/null said "does not exist"."""
+    result = run_command("--steps", "10", "--resume", "/dev/null")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "minimp.train: error: checkpoint /dev/null is not a regular file (a device, a pipe, a "
+        "socket); give the path of the .npz that --save wrote"]
 

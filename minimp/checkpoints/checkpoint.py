@@ -88,14 +88,20 @@ def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     or CheckpointError saying what is wrong."""
     if os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} is a folder, not a checkpoint file (give the "
-                              "--resume path of the .npz that --save wrote)")
+                              "path of the .npz that --save wrote)")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path} is not a regular file (a device, a pipe, a "
+                              "socket); give the path of the .npz that --save wrote")
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint {path} does not exist (check the --resume path)")
+        why = "is a link that leads nowhere" if os.path.islink(path) else "does not exist"
+        raise CheckpointError(f"checkpoint {path} {why} (check the path)")
     try:
         arrays = read_arrays(path)  # refuses an .npy renamed (one bare array) with ValueError
         meta = json.loads(str(arrays.pop("meta")))
     except (zipfile.BadZipFile, ValueError, KeyError, OSError, EOFError) as error:
-        raise CheckpointError(f"checkpoint {path} is not a readable minimp checkpoint ({error}); "
+        # NumPy's advice to load pickles "if you trust the file" is no advice for a checkpoint
+        why = "it holds pickled objects, not arrays" if "pickle" in str(error) else str(error)
+        raise CheckpointError(f"checkpoint {path} is not a readable minimp checkpoint ({why}); "
                               "it may be truncated or not an .npz written by --save") from None
     return _checked_meta(path, meta), arrays
 
@@ -137,7 +143,8 @@ def _checked_meta(path: str, meta: Any) -> dict:
     if scaler.get("kind") not in SCALER_KINDS:
         raise fail(f"loss scaler kind {scaler.get('kind')!r} is not one of {SCALER_KINDS}")
     scale = scaler.get("loss_scale")
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+    number = isinstance(scale, (int, float)) and not isinstance(scale, bool)  # JSON true is 1
+    if not (number and math.isfinite(scale) and scale > 0):
         raise fail(f"loss scale {scale!r} is not a positive finite number")
     schedule = meta.get("schedule", {})
     if not isinstance(schedule, dict):
@@ -196,15 +203,20 @@ def restore(path: str, *, flags: dict[str, Any], steps: int, names: list[str], o
         if flag not in meta["flags"] and flag not in optional:
             raise CheckpointError(f"checkpoint {path}: its flags lack {flag}, which a resume must "
                                   "repeat; the file was edited or not written by --save")
-        if flag in meta["flags"] and meta["flags"][flag] != value:
+        saved = meta["flags"].get(flag, value)
+        if saved != value or type(saved) is not type(value):
+            shown = (saved, value) if type(saved) is type(value) else (repr(saved), repr(value))
             raise CheckpointError(
-                f"checkpoint {path} was trained with {flag} {meta['flags'][flag]}, this run has "
-                f"{flag} {value}: resume with the same {flag} (the model, the batch order, "
+                f"checkpoint {path} was trained with {flag} {shown[0]}, this run has "
+                f"{flag} {shown[1]}: resume with the same {flag} (the model, the batch order, "
                 "the optimizer state or the fp8 scaling state depend on it)")
     if meta["step"] >= steps:
         raise CheckpointError(
             f"checkpoint {path} was saved after step {meta['step']}; --steps {steps} leaves "
             f"nothing to run (use --steps {meta['step'] + 1} or more)")
+    if meta["optimizer"]["kind"] != type(optimizer).__name__:  # its slots mean other things
+        raise CheckpointError(f"checkpoint {path} holds {meta['optimizer']['kind']}'s state, this "
+                              f"run's optimizer is {type(optimizer).__name__}")
     _check_arrays(path, arrays, names, optimizer, meta["optimizer"]["step_count"])
     fp8_state = fp8.checked_state(path, arrays) if fp8 is not None else None
     kind, saved = scaler.state_dict()["kind"], meta["scaler"]
@@ -251,6 +263,9 @@ def _check_arrays(path: str, arrays: dict, names: list[str], optimizer: Optimize
                     f"model needs float32 of shape {master.shape}")
             if not np.isfinite(array).all():
                 raise CheckpointError(f"checkpoint {path}: {key} holds inf or NaN")
+            if key.endswith("/exp_avg_sq") and (array < 0).any():  # a mean of squares
+                raise CheckpointError(f"checkpoint {path}: {key} holds negative values, which a "
+                                      "mean of squared gradients cannot")
 
 
 def _slots_in_use(optimizer: Optimizer) -> tuple[str, ...]:
