@@ -135,7 +135,7 @@ def check_mlp(path: str, flags: dict[str, Any], masters: dict[str, np.ndarray], 
         raise CheckpointError(f"checkpoint {path}: --layers {layers} needs {2 * layers + 2} "
                               f"masters (a weight and a bias per Linear), it holds {len(masters)}")
     widths = [features] + [hidden] * layers + [classes]
-    expected = {}
+    expected: dict[str, tuple[int, ...]] = {}
     for index, (fan_in, fan_out) in enumerate(zip(widths, widths[1:])):
         expected[f"{2 * index}.weight"] = (fan_out, fan_in)  # Linears at even indices, ReLUs odd
         expected[f"{2 * index}.bias"] = (fan_out,)
