@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", required=True, help="a GPT checkpoint (.npz) from --save")
     parser.add_argument("--tokens", type=int, default=500,
                         help=f"characters to generate (at most {MAX_TOKENS:,})")
-    parser.add_argument("--prompt", default="\n", help="text the generation continues")
+    parser.add_argument("--prompt", default="\n",
+                        help="text the generation continues (default: a newline)")
     parser.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is surer")
     parser.add_argument("--top-k", type=int, default=0, help="draw among the k likeliest (0: all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draws")

@@ -222,6 +222,12 @@ def test_sample_names_the_flag_that_is_negative(gpt_checkpoint, capsys, flags, s
     assert capsys.readouterr().err == f"minimp.sample: error: {said}\n"
 
 
+def test_sample_help_says_the_prompt_default_in_words():
+    """`--prompt`'s default, a newline, printed as "(default: " and a line break."""
+    text = " ".join(sample.build_parser().format_help().split())
+    assert "text the generation continues (default: a newline)" in text
+
+
 def load_example(name):
     path = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples", f"{name}.py")
     spec = importlib.util.spec_from_file_location(name, path)
