@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", required=True, help="a GPT checkpoint (.npz) from --save")
     parser.add_argument("--tokens", type=int, default=500,
                         help=f"characters to generate (at most {MAX_TOKENS:,})")
-    parser.add_argument("--prompt", default="\n", help="text the generation continues")
+    parser.add_argument("--prompt", default="\n",
+                        help="text the generation continues (default: a newline)")
     parser.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is surer")
     parser.add_argument("--top-k", type=int, default=0, help="draw among the k likeliest (0: all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draws")
@@ -46,20 +47,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_model(path: str) -> tuple[GPT, TextDataset]:
-    """The GPT of a checkpoint (float32 masters) and the dataset it was trained on."""
+    """The GPT of a checkpoint (float32 masters) and the dataset it was trained on; the flags it
+    is built from are checked against the masters first (checkpoint.gpt_config)."""
     meta, arrays = checkpoint.read(path)
     flags = meta["flags"]
-    if flags.get("--dataset") != "shakespeare":
-        raise CheckpointError(
-            f"checkpoint {path} holds a model of --dataset {flags.get('--dataset')}; "
-            "minimp.sample needs a GPT trained with --dataset shakespeare")
+    dataset = checkpoint.checked_dataset(path, flags)
+    if dataset != "shakespeare":
+        raise CheckpointError(f"checkpoint {path} holds a model of --dataset {dataset}; "
+                              "minimp.sample needs a GPT trained with --dataset shakespeare")
     data = load_shakespeare()
-    model = GPT(checkpoint.gpt_config(flags, data.vocab_size), np.random.default_rng(0))
-    names = [name for name, _ in model.named_parameters()]
-    missing = [name for name in names if f"master/{name}" not in arrays]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} lacks {missing[:3]}")
-    model.load_state_dict({name: arrays[f"master/{name}"] for name in names})
+    masters = checkpoint.strip_prefix(arrays, "master/")
+    model = GPT(checkpoint.gpt_config(path, flags, masters, data.vocab_size),
+                np.random.default_rng(0))
+    model.load_state_dict(masters)
     model.eval()
     return model, data
 
@@ -98,8 +98,9 @@ def check(args: argparse.Namespace) -> None:
                           "context, so a million already prints for about an hour)")
     if not (args.temperature > 0 and math.isfinite(args.temperature)):
         raise ConfigError(f"--temperature must be a positive number, got {args.temperature}")
-    if args.top_k < 0 or args.seed < 0:
-        raise ConfigError("--top-k and --seed must be 0 or more")
+    for flag, value in (("--top-k", args.top_k), ("--seed", args.seed)):
+        if value < 0:
+            raise ConfigError(f"{flag} must be 0 or more, got {value}")
     if not args.prompt:
         raise ConfigError("--prompt must hold at least one character")
 

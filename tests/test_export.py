@@ -3,15 +3,22 @@ where it is installed) turns into the logits minimp computes."""
 
 import json
 import math
+import os
 import struct
+import subprocess
 
 import numpy as np
 import pytest
+from checkpoint_edits import GPT_EDITS, edited
+from conftest import PYTHON
 
 from minimp import export
+from minimp.checkpoints import checkpoint
+from minimp.checkpoints.errors import CheckpointError
 from minimp.tensor import Tensor, no_grad
 from minimp.train import TrainConfig, train
-from minimp.train.tasks import TASKS
+from minimp.train.config import DATASET_DEFAULTS
+from minimp.train.tasks import TASKS, build_model
 
 safetensors_numpy = pytest.importorskip(
     "safetensors.numpy", reason="export needs the 'export' extra (safetensors)"
@@ -25,6 +32,13 @@ def gpt_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("export") / "gpt.npz"
     config = TrainConfig(**GPT, steps=4, eval_every=0, save=str(path), log_every=1000)
     train(config, log=lambda line: None)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mlp_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("export") / "mlp.npz"
+    train(TrainConfig(steps=2, hidden=16, layers=1, save=str(path)), log=lambda line: None)
     return path
 
 
@@ -155,6 +169,96 @@ def test_the_export_never_destroys_a_file_it_was_not_asked_to_replace(gpt_checkp
     assert export.main([checkpoint, str(victim), "--force"]) == 0
     assert victim.read_bytes()[:8] != b"another "
     assert export.main([checkpoint, str(victim), "--force"]) == 0  # again: the same file
+
+
+def assert_refused(argv, folder, said, capsys):
+    """export.main(argv) says `said` in one line, exit 2, and leaves `folder` as it was."""
+    before = sorted(os.listdir(folder))
+    assert export.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert said in err and err.startswith("minimp.export: error: ") and len(err.splitlines()) == 1
+    assert out == "" and sorted(os.listdir(folder)) == before, err
+
+
+@pytest.mark.parametrize("edit, said", [case[1:] for case in GPT_EDITS],
+                         ids=[case[0] for case in GPT_EDITS])
+def test_an_edited_checkpoint_is_refused_in_one_line_and_nothing_is_written(
+        gpt_checkpoint, tmp_path, capsys, edit, said):
+    """Tracebacks (KeyError, ValueError) or, worse, exit 0 with a `block_size` 0, a context of a
+    billion, a GPT exported as an MLP or a tensor that disagrees with its own config."""
+    path = edited(gpt_checkpoint, tmp_path / "x.npz", **edit)
+    assert_refused([path, str(tmp_path / "out.safetensors")], tmp_path,
+                   f"checkpoint {path}: {said}", capsys)
+
+
+@pytest.mark.parametrize("edit, said", [
+    (dict(flags={"--layers": 2}), "--layers 2 needs 6 masters (a weight and a bias per Linear)"),
+    (dict(flags={"--hidden": 8}), "master/0.weight has shape (16, 64), the model of its flags "
+                                  "needs (8, 64)"),
+    (dict(arrays={"master/2.weight": np.zeros((10, 15), np.float32)}),
+     "master/2.weight has shape (10, 15), the model of its flags needs (10, 16)"),
+])
+def test_an_edited_mlp_checkpoint_is_refused(mlp_checkpoint, tmp_path, capsys, edit, said):
+    path = edited(mlp_checkpoint, tmp_path / "x.npz", **edit)
+    assert_refused([path, str(tmp_path / "out.safetensors")], tmp_path, said, capsys)
+
+
+@pytest.mark.parametrize("layers, hidden", [(1, 16), (3, 5)])
+def test_the_mlp_check_knows_the_mlp_that_training_builds(layers, hidden):
+    """checkpoint.check_mlp writes the MLP's shapes itself (checkpoints import nothing of train):
+    they must stay those of train.tasks.build_model; and the datasets those train knows."""
+    model = build_model(64, 10, hidden, layers, np.random.default_rng(0))
+    masters = {name: p.data for name, p in model.named_parameters()}
+    flags = {"--layers": layers, "--hidden": hidden}
+    checkpoint.check_mlp("x.npz", flags, masters, 64, 10)
+    with pytest.raises(CheckpointError):
+        checkpoint.check_mlp("x.npz", {**flags, "--hidden": hidden + 1}, masters, 64, 10)
+    assert checkpoint.DATASETS == tuple(DATASET_DEFAULTS)
+
+
+def test_a_cast_that_overflows_the_dtype_is_refused(gpt_checkpoint, tmp_path, capsys):
+    """A weight of 1e6 was written as inf in fp16, exit 0; bf16 holds it."""
+    with np.load(gpt_checkpoint) as archive:
+        weight = archive["master/1.mlp.c_fc.weight"].copy()
+    weight[3, 4] = -1e6
+    path = edited(gpt_checkpoint, tmp_path / "big.npz",
+                  arrays={"master/1.mlp.c_fc.weight": weight})
+    out = str(tmp_path / "out.safetensors")
+    said = ("--dtype fp16: transformer.h.0.mlp.c_fc.weight holds |weight| 1e+06, above fp16's "
+            "largest 65504; export with --dtype bf16 or fp32")
+    assert_refused([path, out, "--dtype", "fp16"], tmp_path, said, capsys)
+    assert export.main([path, out, "--dtype", "bf16"]) == 0
+
+
+FULL_DISK = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
+from minimp.export import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_an_export_to_a_full_disk_is_one_line_and_leaves_nothing(gpt_checkpoint, tmp_path):
+    """It was a 25-line OSError traceback. The GPT's tensors (~100 KB) outgrow a 20 KB limit."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    result = subprocess.run([PYTHON, "-c", FULL_DISK, "20000", str(gpt_checkpoint),
+                             str(folder / "gpt.safetensors")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith(
+        f"minimp.export: error: {folder / 'gpt.safetensors'} could not be written (File too large)"
+    ) and len(result.stderr.splitlines()) == 1, result.stderr
+    assert os.listdir(folder) == []
+
+
+def test_an_empty_output_or_one_naming_a_folder_is_refused_before_a_folder_is_made(
+        gpt_checkpoint, tmp_path, capsys):
+    """`""` was a FileNotFoundError traceback; `newdir/` a NotADirectoryError traceback that left
+    newdir behind."""
+    assert_refused([str(gpt_checkpoint), ""], tmp_path, "output is empty", capsys)
+    assert_refused([str(gpt_checkpoint), str(tmp_path / "newdir") + os.sep], tmp_path,
+                   "names a folder", capsys)
 
 
 def torch_gpt(torch, config):

@@ -10,6 +10,7 @@ import signal
 import subprocess
 
 import pytest
+from checkpoint_edits import GPT_EDITS, edited
 from conftest import MPIRUN, PYTHON, run_train
 from test_train_gpt import TINY as GPT
 
@@ -199,6 +200,32 @@ def test_ctrl_c_in_sample_is_one_line(gpt_checkpoint):
     job.send_signal(signal.SIGINT)
     _, stderr = job.communicate(timeout=60)
     assert job.returncode == 130 and stderr == b"minimp.sample: interrupted\n"
+
+
+@pytest.mark.parametrize("edit, said", [case[1:] for case in GPT_EDITS],
+                         ids=[case[0] for case in GPT_EDITS])
+def test_sample_refuses_an_edited_checkpoint_in_one_line(gpt_checkpoint, tmp_path, capsys, edit,
+                                                         said):
+    """Flags that cannot build a GPT, or disagree with its masters, were tracebacks (KeyError,
+    ValueError, a 119 GiB MemoryError for --context 1e9) or a line that named no field."""
+    path = edited(gpt_checkpoint, tmp_path / "x.npz", **edit)
+    assert sample.main(["--resume", path, "--tokens", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"minimp.sample: error: checkpoint {path}: "), err
+    assert said in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("flags, said", [(["--top-k", "-1"], "--top-k must be 0 or more, got -1"),
+                                         (["--seed", "-2"], "--seed must be 0 or more, got -2")])
+def test_sample_names_the_flag_that_is_negative(gpt_checkpoint, capsys, flags, said):
+    assert sample.main(["--resume", gpt_checkpoint, *flags]) == 2
+    assert capsys.readouterr().err == f"minimp.sample: error: {said}\n"
+
+
+def test_sample_help_says_the_prompt_default_in_words():
+    """`--prompt`'s default, a newline, printed as "(default: " and a line break."""
+    text = " ".join(sample.build_parser().format_help().split())
+    assert "text the generation continues (default: a newline)" in text
 
 
 def load_example(name):

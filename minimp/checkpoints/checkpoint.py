@@ -19,6 +19,7 @@ refused. The fp8 arrays came within version 2: a reader that does not know them 
 import json
 import math
 import os
+import re
 import zipfile
 from typing import Any, Callable, Protocol
 
@@ -27,7 +28,7 @@ import numpy as np
 from minimp import backend
 from minimp.checkpoints.errors import CheckpointError, DivergenceError
 from minimp.checkpoints.files import atomic_write
-from minimp.models.gpt import GPTConfig
+from minimp.models.gpt import GPT, GPTConfig
 from minimp.npz import read_arrays
 from minimp.optim import Optimizer
 from minimp.precision import LossScaler
@@ -78,10 +79,106 @@ def save(path: str, *, step: int, flags: dict[str, Any], optimizer: Optimizer, s
 
 
 
-def gpt_config(flags: dict[str, Any], vocab_size: int) -> GPTConfig:
-    """The GPT's shape, from the flags a checkpoint keeps of the run that trained it."""
-    return GPTConfig(vocab_size=vocab_size, context=flags["--context"], layers=flags["--layers"],
-                     heads=flags["--heads"], width=flags["--hidden"])
+# What minimp.train --dataset accepts (train.config's DATASET_DEFAULTS, which checkpoints may not
+# import; a test keeps the two equal): the model a checkpoint holds follows from it.
+DATASETS = ("digits", "shakespeare")
+
+
+def checked_dataset(path: str, flags: dict[str, Any]) -> str:
+    """The checkpoint's --dataset, or CheckpointError when its flags lack a known one (sample and
+    export have no flags of their own to compare a checkpoint's with, so they check them here)."""
+    if "--dataset" not in flags:
+        raise CheckpointError(f"checkpoint {path}: its flags lack --dataset (one of "
+                              f"{', '.join(DATASETS)}); the file was edited or not written by "
+                              "--save")
+    if flags["--dataset"] not in DATASETS:
+        raise CheckpointError(f"checkpoint {path}: --dataset {flags['--dataset']!r} is not one of "
+                              f"{', '.join(DATASETS)}; the file was edited or not written by "
+                              "--save")
+    return flags["--dataset"]
+
+
+def gpt_config(path: str, flags: dict[str, Any], masters: dict[str, np.ndarray],
+               vocab_size: int) -> GPTConfig:
+    """The GPT's shape, from the flags a checkpoint keeps of the run that trained it, checked
+    against its masters (named without "master/"), or CheckpointError naming the field and what
+    it should be. The arrays are the truth: each flag that sizes an array is compared with it
+    before a model of that size is built (an edited --context 1e9 would allocate 119 GiB)."""
+    layers, width, heads, context = _model_sizes(path, flags, "--layers", "--hidden", "--heads",
+                                                 "--context")
+    if width % heads:
+        raise CheckpointError(f"checkpoint {path}: --heads {heads} does not divide --hidden {width}"
+                              " (each head takes hidden / heads channels)")
+    _check_master(path, "0.wte.weight", masters, (vocab_size, width), f"--hidden {width}")
+    _check_master(path, "0.wpe.weight", masters, (context, width), f"--context {context}")
+    # The final LayerNorm follows the blocks (Embeddings, blocks, Head): its index counts them.
+    final = [int(found[1]) for found in map(re.compile(r"(\d+)\.ln_f\.weight").fullmatch, masters)
+             if found]
+    if final != [layers + 1]:
+        held = f"hold {final[0] - 1} blocks" if len(final) == 1 else "lack a final LayerNorm"
+        raise CheckpointError(f"checkpoint {path}: --layers {layers}: its masters {held}; the "
+                              "file was edited or not written by --save")
+    config = GPTConfig(vocab_size=vocab_size, context=context, layers=layers, heads=heads,
+                       width=width)
+    model = GPT(config, np.random.default_rng(0))  # no larger than the masters, checked above
+    expected = {name: parameter.shape for name, parameter in model.named_parameters()}
+    _check_masters(path, masters, expected, "the model of its flags")
+    return config
+
+
+def check_mlp(path: str, flags: dict[str, Any], masters: dict[str, np.ndarray], features: int,
+              classes: int) -> None:
+    """Raise CheckpointError unless the masters are those of the MLP its --layers and --hidden
+    build (train.tasks.build_model: Linear, ReLU, ..., Linear; a test keeps the two equal)."""
+    layers, hidden = _model_sizes(path, flags, "--layers", "--hidden")
+    if len(masters) != 2 * layers + 2:  # a weight and a bias per Linear; checked before the loop
+        raise CheckpointError(f"checkpoint {path}: --layers {layers} needs {2 * layers + 2} "
+                              f"masters (a weight and a bias per Linear), it holds {len(masters)}")
+    widths = [features] + [hidden] * layers + [classes]
+    expected: dict[str, tuple[int, ...]] = {}
+    for index, (fan_in, fan_out) in enumerate(zip(widths, widths[1:])):
+        expected[f"{2 * index}.weight"] = (fan_out, fan_in)  # Linears at even indices, ReLUs odd
+        expected[f"{2 * index}.bias"] = (fan_out,)
+    _check_masters(path, masters, expected, "the model of its flags")
+
+
+def _model_sizes(path: str, flags: dict[str, Any], *names: str) -> list[int]:
+    """The values of the flags a model is built from, each checked to be an integer >= 1."""
+    for name in names:
+        if name not in flags:
+            raise CheckpointError(f"checkpoint {path}: its flags lack {name} (an integer >= 1, "
+                                  "which the model is built from); the file was edited")
+        if not _is_int(flags[name], 1):
+            raise CheckpointError(f"checkpoint {path}: {name} {flags[name]!r} is not an integer "
+                                  ">= 1; the file was edited or not written by --save")
+    return [flags[name] for name in names]
+
+
+def _check_masters(path: str, masters: dict[str, np.ndarray],
+                   expected: dict[str, tuple[int, ...]], source: str) -> None:
+    """The expected masters, each as _check_master checks it, and no other."""
+    for name, shape in expected.items():
+        _check_master(path, name, masters, shape, source)
+    for name in masters:
+        if name not in expected:
+            raise CheckpointError(f"checkpoint {path}: master/{name} is not in {source}")
+
+
+def _check_master(path: str, name: str, masters: dict[str, np.ndarray], shape: tuple[int, ...],
+                  source: str) -> None:
+    """masters[name] present, float32, of the shape that `source` (the flags) needs, finite."""
+    array = masters.get(name)
+    if array is None:
+        raise CheckpointError(f"checkpoint {path}: it lacks master/{name}, which its model has")
+    if array.shape != shape:
+        raise CheckpointError(f"checkpoint {path}: master/{name} has shape {array.shape}, "
+                              f"{source} needs {shape}")
+    if array.dtype != np.float32:
+        raise CheckpointError(f"checkpoint {path}: master/{name} is {array.dtype}, not the "
+                              "float32 of every master")
+    if not np.isfinite(array).all():
+        raise CheckpointError(f"checkpoint {path}: master/{name} holds inf or NaN")
+
 
 def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     """(meta, {array name: array}) from a checkpoint file whose meta is complete and well typed,
