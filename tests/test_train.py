@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import PYTHON
 
+from minimp.checkpoints.errors import AgreedError
 from minimp.train import TrainConfig, train
 from minimp.train.sizes import FP8_RECORD_BYTES, RECORD_BYTES, check_memory, memory_parts
 from minimp.train.sizes import parameter_count
@@ -100,8 +101,8 @@ def test_the_trainer_says_when_the_scale_is_stuck_at_its_minimum():
     from 2^16 to 1 in 16 skipped steps, and the 17th overflow is reported."""
     lines = []
     config = TrainConfig(steps=20, lr=1e4, hidden=16, layers=2, log_every=1000)
-    result = train(config, log=lines.append)
-    assert result["history"][-1]["loss_scale"] == 1.0
+    with pytest.raises(AgreedError, match="the run ended at step 20 with loss nan"):
+        train(config, log=lines.append)  # a run that ends unable to compute its loss: exit 1
     assert any("minimum loss scale 1" in line for line in lines)
 
 
@@ -125,6 +126,8 @@ def small_checkpoint(tmp_path_factory):
 
 
 BAD_INPUTS = [
+    (["--dropout", "0.5"], "--dropout applies to the GPT (--dataset shakespeare)"),  # ignored
+    (["--heads", "3"], "--heads applies to the GPT (--dataset shakespeare)"),  # before
     (["--steps", "0"], "--steps must be a positive integer"),
     (["--steps", "-3"], "--steps must be a positive integer"),
     (["--lr", "0"], "--lr must be a positive number"),

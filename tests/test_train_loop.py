@@ -13,6 +13,7 @@ from minimp.optim import lr_scheduler as lr_schedule
 from minimp import distributed as dist
 from minimp.distributed.simulated import SimulatedCommunicator
 from minimp.tensor import Tensor
+from minimp.checkpoints.errors import AgreedError
 from minimp.train import TrainConfig, train
 from minimp.train.loop import Run
 
@@ -186,7 +187,8 @@ def test_the_trainer_says_exactly_why_a_scale_stuck_at_its_minimum_is_bad():
     lines = []
     config = TrainConfig(steps=20, lr=1e4, hidden=16, layers=2, log_every=1000)
     config.validate()
-    train(config, log=lines.append)
+    with pytest.raises(AgreedError, match="the run ended at step 20 with loss nan"):
+        train(config, log=lines.append)
     warned = [line for line in lines if "minimum loss scale" in line]
     assert len(warned) == 1 and warned[0] == (  # once, not again every step that stays stuck
         f"{warned[0].split(':')[0]}: gradients overflow at the minimum loss scale 1; training is "

@@ -124,6 +124,14 @@ def _check_model(config: "TrainConfig") -> None:
                               "head takes an equal slice of the width)")
         if config.context < 1:
             raise ConfigError(f"--context must be a positive integer, got {config.context}")
+    else:  # the MLP has no heads, context, dropout or validation set: a flag for them does nothing
+        for name in GPT_ONLY:
+            if getattr(config, name):
+                raise ConfigError(f"{flag(name)} applies to the GPT (--dataset shakespeare); the "
+                                  "digits MLP has none")
+
+
+GPT_ONLY = ("heads", "context", "dropout", "eval_every", "eval_batches")
 
 
 def _check_batch(config: "TrainConfig", dp: int) -> None:
