@@ -178,7 +178,8 @@ def test_checkpoint_of_another_model_shape_is_a_clear_error(small_checkpoint):
 
 OUT_OF_RANGE = [
     (["--weight-decay", "nan"], "--weight-decay must be 0 or more, got nan"),
-    (["--momentum", "inf"], "--momentum must be 0 or more, got inf"),
+    (["--momentum", "inf"], "--momentum must lie in [0, 1), got inf"),
+    (["--momentum", "2"], "--momentum must lie in [0, 1), got 2.0"),  # SGD's rule: it diverges
     (["--max-grad-norm", "-1"], "--max-grad-norm must be 0 or more"),
     (["--bucket-mb", "nan"], "--bucket-mb must be a positive number"),
     (["--timeout", "nan"], "--timeout must be 0 (never) or seconds"),
