@@ -157,8 +157,8 @@ class Tensor:
         self._data = _checked_array(data, "Tensor(data)")  # see the `data` property below
         # after backward(): d(output)/d(self), same shape and dtype as data
         self.grad: Array | None = None
-        if requires_grad:  # else the class's False below: every op's output is made here
-            self.requires_grad = True  # checked by its setter below
+        if requires_grad is not False:  # else the class's False below: every op's output is
+            self.requires_grad = requires_grad  # made here; checked by its setter below
         self.node: Node | None = None  # the op application that made this tensor; None for leaves
 
     # ----- the two attributes whose values are checked on every assignment ---------------------
@@ -189,6 +189,10 @@ class Tensor:
 
     @requires_grad.setter
     def requires_grad(self, requires_grad: bool) -> None:
+        # A bool only: "yes", 1 or None would pass `if requires_grad` and hide a typo or a mix-up
+        if not isinstance(requires_grad, (bool, np.bool_)):
+            raise TypeError(f"requires_grad must be a bool (True or False), got "
+                            f"{requires_grad!r} of type {type(requires_grad).__name__}")
         if requires_grad and self._data.dtype not in FLOATING_DTYPES:
             raise TypeError(
                 f"only floating-point tensors can require gradients, got {self.dtype} "
@@ -340,6 +344,11 @@ class Tensor:
                                    f"has shape {self.shape}; pass grad= an array of that shape")
             return backend.array_module(self.data).ones_like(self.data)
         grad = grad.data if isinstance(grad, Tensor) else grad
+        if not (hasattr(grad, "shape") and hasattr(grad, "dtype")):  # 2.0, [1, 2], "x"
+            raise TypeError(
+                f"backward(grad): grad is a {type(grad).__name__}; pass an array (or a Tensor) of "
+                f"this tensor's shape {self.shape} and dtype {self.dtype}, or nothing for a "
+                "scalar loss")
         if tuple(grad.shape) != self.shape or grad.dtype != self.dtype:
             raise ValueError(
                 f"backward(grad): grad has shape {tuple(grad.shape)} and dtype {grad.dtype}, "
