@@ -140,8 +140,8 @@ class Tensor:
     Tensor(data, requires_grad=False): data is a NumPy or CuPy array (kept as it is, dtype and
     device included), a Python number or a list (float64 becomes float32, as in PyTorch). It holds
     float16, bfloat16, float32 or float64 values, or integers and bools (ids, labels, masks); any
-    other dtype (object, strings, complex, fp8, ...) is a TypeError. requires_grad: whether
-    backward() fills this tensor's `.grad` (floating-point tensors only, as in PyTorch).
+    other dtype (object, strings, complex, fp8, ...) is a TypeError. requires_grad: a bool,
+    whether backward() fills this tensor's `.grad` (floating-point tensors only, as in PyTorch).
     Attributes: `.data` the array; `.grad` the gradient after `backward()` (same shape and dtype
     as data, or None); `.requires_grad`; `.node` the op application that made it (None for a
     leaf). Assigning `.data` or `.requires_grad` is checked as the constructor checks them.
