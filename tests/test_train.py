@@ -136,6 +136,7 @@ BAD_INPUTS = [
     (["--batch-size", "60", "--micro-batches", "7"], "not divisible by --micro-batches"),
     (["--loss-scale", "huge"], "--loss-scale must be"),
     (["--loss-scale", "1e-50"], "--loss-scale 1e-50 rounds to 0 in float32"),
+    (["--loss-scale", "1e-45"], "--loss-scale 1e-45 is subnormal in float32"),  # 1/S: inf
     (["--inject-overflow", "5"], "--inject-overflow takes STEP:RANK"),
     (["--inject-overflow", "5:1"], "the rank must lie in 0..0"),
     (["--resume", "/nonexistent/checkpoint.npz"], "does not exist"),
