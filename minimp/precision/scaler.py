@@ -101,6 +101,7 @@ class StaticLossScaler(LossScaler):
     """One fixed scale S. A step whose gradients overflow is still skipped, but S never changes."""
 
     def __init__(self, scale: float):
+        """scale: S, a normal float32 number (2^-126 up to float32's largest: positive_scale)."""
         self.loss_scale = positive_scale("loss scale", scale)
 
     def update(self, found_inf: bool) -> None:
@@ -127,7 +128,8 @@ class DynamicLossScaler(LossScaler):
     min_scale)), and sets `hit_min_scale`, so the trainer can say so.
 
     init_scale: the first scale (default 2^16, as GradScaler's), rounded into float32, the dtype
-    every scale lives in; the defaults of the others: growth_factor 2, backoff_factor 0.5,
+    every scale lives in; it and min_scale must be normal float32 numbers (2^-126 up to float32's
+    largest: see positive_scale). The defaults of the others: growth_factor 2, backoff_factor 0.5,
     growth_interval 2000 steps, hysteresis 1, min_scale 1.
     """
 
