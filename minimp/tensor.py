@@ -189,8 +189,7 @@ class Tensor:
 
     @requires_grad.setter
     def requires_grad(self, requires_grad: bool) -> None:
-        # A bool only: "yes", 1 or None would pass `if requires_grad` and hide a typo or a mix-up
-        if not isinstance(requires_grad, (bool, np.bool_)):
+        if not isinstance(requires_grad, (bool, np.bool_)):  # "yes", 1, None: a typo, a mix-up
             raise TypeError(f"requires_grad must be a bool (True or False), got "
                             f"{requires_grad!r} of type {type(requires_grad).__name__}")
         if requires_grad and self._data.dtype not in FLOATING_DTYPES:
@@ -345,10 +344,9 @@ class Tensor:
             return backend.array_module(self.data).ones_like(self.data)
         grad = grad.data if isinstance(grad, Tensor) else grad
         if not (hasattr(grad, "shape") and hasattr(grad, "dtype")):  # 2.0, [1, 2], "x"
-            raise TypeError(
-                f"backward(grad): grad is a {type(grad).__name__}; pass an array (or a Tensor) of "
-                f"this tensor's shape {self.shape} and dtype {self.dtype}, or nothing for a "
-                "scalar loss")
+            raise TypeError(f"backward(grad): grad is a {type(grad).__name__}; pass an array (or a "
+                            f"Tensor) of this tensor's shape {self.shape} and dtype {self.dtype}, "
+                            "or nothing for a scalar loss")
         if tuple(grad.shape) != self.shape or grad.dtype != self.dtype:
             raise ValueError(
                 f"backward(grad): grad has shape {tuple(grad.shape)} and dtype {grad.dtype}, "
