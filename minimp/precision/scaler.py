@@ -55,11 +55,17 @@ def _times(scale: float, factor: float) -> float:
         return float(np.float32(scale) * np.float32(factor))
 
 
+def _is_number(value: Any) -> bool:
+    """Whether value is a real number, NumPy's included; a bool is not (True would be a scale of
+    1, "2" a scale of 2: a mistake somewhere, a flag parsed as a bool, a state read as text)."""
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
 def _positive_float32(name: str, value: Any) -> float:
     """value as a float, or ValueError unless it is a number (NumPy's included; not a bool, not a
     string) that is positive and finite in float32 and does not round to 0 there. Any: value is
     whatever a caller or a loaded state gave (None for a missing field)."""
-    if isinstance(value, bool) or not isinstance(value, Real):  # True would be a scale of 1
+    if not _is_number(value):
         raise ValueError(f"{name} must be a positive finite number, got {value!r} "
                          f"(a {type(value).__name__})")
     number = float(value)
@@ -73,7 +79,7 @@ def _positive_float32(name: str, value: Any) -> float:
 def positive_scale(name: str, value: Any) -> float:
     """value as a float, or ValueError unless it is a number (not a bool, not a string) that is a
     finite, normal float32 number: at least 2^-126 (SMALLEST_SCALE), so that 1/S is finite."""
-    if isinstance(value, Real) and not isinstance(value, bool) and 0 < value < SMALLEST_SCALE:
+    if _is_number(value) and 0.0 < float(value) < SMALLEST_SCALE:
         kind = "rounds to 0" if np.float32(value) == 0.0 else "is subnormal"
         raise ValueError(
             f"{name} {value!r} {kind} in float32, the dtype a scale is kept in; use at least "
