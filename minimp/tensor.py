@@ -140,8 +140,8 @@ class Tensor:
     Tensor(data, requires_grad=False): data is a NumPy or CuPy array (kept as it is, dtype and
     device included), a Python number or a list (float64 becomes float32, as in PyTorch). It holds
     float16, bfloat16, float32 or float64 values, or integers and bools (ids, labels, masks); any
-    other dtype (object, strings, complex, fp8, ...) is a TypeError. requires_grad: whether
-    backward() fills this tensor's `.grad` (floating-point tensors only, as in PyTorch).
+    other dtype (object, strings, complex, fp8, ...) is a TypeError. requires_grad: a bool,
+    whether backward() fills this tensor's `.grad` (floating-point tensors only, as in PyTorch).
     Attributes: `.data` the array; `.grad` the gradient after `backward()` (same shape and dtype
     as data, or None); `.requires_grad`; `.node` the op application that made it (None for a
     leaf). Assigning `.data` or `.requires_grad` is checked as the constructor checks them.
@@ -157,8 +157,8 @@ class Tensor:
         self._data = _checked_array(data, "Tensor(data)")  # see the `data` property below
         # after backward(): d(output)/d(self), same shape and dtype as data
         self.grad: Array | None = None
-        if requires_grad:  # else the class's False below: every op's output is made here
-            self.requires_grad = True  # checked by its setter below
+        if requires_grad is not False:  # else the class's False below: every op's output is
+            self.requires_grad = requires_grad  # made here; checked by its setter below
         self.node: Node | None = None  # the op application that made this tensor; None for leaves
 
     # ----- the two attributes whose values are checked on every assignment ---------------------
@@ -189,6 +189,9 @@ class Tensor:
 
     @requires_grad.setter
     def requires_grad(self, requires_grad: bool) -> None:
+        if not isinstance(requires_grad, (bool, np.bool_)):  # "yes", 1, None: a typo, a mix-up
+            raise TypeError(f"requires_grad must be a bool (True or False), got "
+                            f"{requires_grad!r} of type {type(requires_grad).__name__}")
         if requires_grad and self._data.dtype not in FLOATING_DTYPES:
             raise TypeError(
                 f"only floating-point tensors can require gradients, got {self.dtype} "
@@ -340,6 +343,10 @@ class Tensor:
                                    f"has shape {self.shape}; pass grad= an array of that shape")
             return backend.array_module(self.data).ones_like(self.data)
         grad = grad.data if isinstance(grad, Tensor) else grad
+        if not (hasattr(grad, "shape") and hasattr(grad, "dtype")):  # 2.0, [1, 2], "x"
+            raise TypeError(f"backward(grad): grad is a {type(grad).__name__}; pass an array (or a "
+                            f"Tensor) of this tensor's shape {self.shape} and dtype {self.dtype}, "
+                            "or nothing for a scalar loss")
         if tuple(grad.shape) != self.shape or grad.dtype != self.dtype:
             raise ValueError(
                 f"backward(grad): grad has shape {tuple(grad.shape)} and dtype {grad.dtype}, "

@@ -1,9 +1,12 @@
-"""Optimizer values: defaults and state round trips pinned to exact float32 results."""
+"""Optimizer values: defaults and state round trips pinned to exact float32 results, and every
+setting and parameter an optimizer cannot work with refused when it is built."""
+
+import re
 
 import numpy as np
 import pytest
 
-from minimp import nn, optim
+from minimp import Tensor, nn, optim
 from minimp.precision import unscale_
 
 
@@ -40,9 +43,92 @@ def test_a_state_saved_before_the_first_step_loads_as_no_momentum_yet():
     np.testing.assert_array_equal(parameter.data, np.array([-1.5, 1.5], np.float32))
 
 
-def test_a_zero_learning_rate_is_refused():
-    with pytest.raises(ValueError, match="^learning rate must be positive, got 0$"):
-        optim.SGD([nn.Parameter(np.zeros(2, np.float32))], lr=0)
+NAN, INF = float("nan"), float("inf")
+POSITIVE, NON_NEGATIVE, DECAY_RATE = "a positive finite number", "a finite number >= 0", "in [0, 1)"
+# (optimizer, the bad setting, the message's start and rule): each would have given NaN weights,
+# an exception at the first step, or a run that diverges, had it been accepted
+BAD_SETTINGS = [
+    (optim.SGD, {"lr": 0}, "learning rate: lr=0", POSITIVE),
+    (optim.Adam, {"lr": NAN}, "learning rate: lr=nan", POSITIVE),
+    (optim.Adam, {"lr": INF}, "learning rate: lr=inf", POSITIVE),
+    (optim.AdamW, {"lr": -1e-3}, "learning rate: lr=-0.001", POSITIVE),
+    (optim.Adam, {"betas": (1, 1)}, r"beta parameter at index 0: betas\[0\]=1", DECAY_RATE),
+    (optim.Adam, {"betas": (0.9, NAN)}, r"beta parameter at index 1: betas\[1\]=nan", DECAY_RATE),
+    (optim.Adam, {"betas": (-0.1, 0.9)}, r"beta parameter at index 0: betas\[0\]=-0.1",
+     DECAY_RATE),
+    (optim.Adam, {"eps": 0}, "epsilon value: eps=0", POSITIVE),
+    (optim.AdamW, {"eps": -1}, "epsilon value: eps=-1", POSITIVE),
+    (optim.Adam, {"weight_decay": NAN}, "weight_decay value: weight_decay=nan", NON_NEGATIVE),
+    (optim.SGD, {"weight_decay": -0.1}, "weight_decay value: weight_decay=-0.1", NON_NEGATIVE),
+    (optim.AdamW, {"weight_decay": INF}, "weight_decay value: weight_decay=inf", NON_NEGATIVE),
+    (optim.SGD, {"momentum": NAN}, "momentum value: momentum=nan", DECAY_RATE),
+    (optim.SGD, {"momentum": 2}, "momentum value: momentum=2", DECAY_RATE),
+    (optim.SGD, {"momentum": 1.0}, "momentum value: momentum=1.0", DECAY_RATE),
+]
+
+
+@pytest.mark.parametrize("make, setting, named, rule", BAD_SETTINGS,
+                         ids=[f"{m.__name__}-{s}" for m, s, _, _ in BAD_SETTINGS])
+def test_a_setting_outside_its_range_is_refused_naming_it_its_value_and_the_rule(
+        make, setting, named, rule):
+    with pytest.raises(ValueError, match=rf"^Invalid {named}; it must be {re.escape(rule)}$"):
+        make([nn.Parameter(np.zeros(2, np.float32))], **setting)
+
+
+@pytest.mark.parametrize("make, setting, named", [
+    (optim.SGD, {"lr": "0.1"}, "learning rate: lr='0.1' is a str"),
+    (optim.Adam, {"lr": True}, "learning rate: lr=True is a bool"),
+    (optim.SGD, {"momentum": None}, "momentum value: momentum=None is a NoneType"),
+    (optim.Adam, {"eps": np.bool_(True)}, "epsilon value: eps=np.True_ is a bool"),
+])
+def test_a_setting_that_is_not_a_number_is_a_type_error(make, setting, named):
+    with pytest.raises(TypeError, match=rf"^Invalid {named}; it must be "):
+        make([nn.Parameter(np.zeros(2, np.float32))], **setting)
+
+
+@pytest.mark.parametrize("betas", [0.9, (0.9,), (0.9, 0.99, 0.999), "ab"])
+def test_betas_that_are_not_a_pair_are_a_type_error_before_the_first_step(betas):
+    # 0.9 used to be accepted and fail at the first step's unpacking
+    with pytest.raises(TypeError, match=r"^Invalid betas: .*; betas must be a pair \(beta1, beta2"):
+        optim.Adam([nn.Parameter(np.zeros(2, np.float32))], betas=betas)
+
+
+def test_the_edges_of_each_range_are_accepted_as_the_numbers_they_are():
+    # the closed ends: no momentum, no decay, beta 0; a tiny but positive learning rate
+    # (1e-50 is 0 in float32, but the rate is a Python float, never stored in float32); NumPy
+    # numbers are numbers
+    parameter = nn.Parameter(np.zeros(2, np.float32))
+    sgd = optim.SGD([parameter], lr=1e-50, momentum=0, weight_decay=0)
+    assert (sgd.lr, sgd.momentum, sgd.weight_decays) == (1e-50, 0.0, [0.0])
+    adam = optim.Adam([parameter], lr=np.float32(0.5), betas=[0, np.float64(0.5)], eps=1e-300)
+    assert (adam.lr, adam.betas, adam.eps) == (0.5, (0.0, 0.5), 1e-300)
+    assert type(adam.lr) is float and all(type(beta) is float for beta in adam.betas)
+
+
+def test_a_groups_weight_decay_is_checked_as_the_optimizers():
+    parameter = nn.Parameter(np.zeros(2, np.float32))
+    message = "^Invalid weight_decay value: weight_decay=nan; it must be a finite number >= 0$"
+    with pytest.raises(ValueError, match=message):
+        optim.AdamW([{"params": [parameter], "weight_decay": NAN}])
+
+
+def test_parameters_the_optimizer_cannot_update_are_refused_naming_which():
+    weight, other = nn.Parameter(np.zeros(2, np.float32)), nn.Parameter(np.ones(2, np.float32))
+    with pytest.raises(ValueError, match=r"^optimizer got an empty parameter list; pass model"):
+        optim.Adam([])
+    with pytest.raises(ValueError, match=r"^optimizer got an empty parameter list"):
+        optim.SGD([{"params": []}])
+    # twice: its update would be applied twice a step, through two masters that disagree
+    with pytest.raises(ValueError, match="^optimizer: parameter 2 is parameter 0 again; pass each"):
+        optim.SGD([weight, other, weight])
+    with pytest.raises(ValueError, match="^optimizer: parameter 1 is parameter 0 again"):
+        optim.Adam([{"params": [weight]}, {"params": [weight], "weight_decay": 0.1}])
+    # an integer tensor: every update would round away, silently
+    ids = Tensor(np.arange(2))
+    with pytest.raises(TypeError, match="^optimizer: parameter 1 has dtype int64; only floating"):
+        optim.Adam([weight, ids])
+    with pytest.raises(TypeError, match="^optimizer: parameter 0 is a ndarray, not a Tensor"):
+        optim.SGD([np.zeros(2, np.float32)])
 
 
 def test_an_optimizer_subclass_that_gives_no_weight_decay_gets_none():

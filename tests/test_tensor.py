@@ -162,6 +162,37 @@ def test_integer_tensors_cannot_require_grad():
     weight.data = np.arange(3)  # an integer array is fine where no gradient is wanted
 
 
+@pytest.mark.parametrize("value", ["yes", "False", 1, 0, None, 1.0])
+def test_requires_grad_takes_only_a_bool(value):
+    # "False" and 1 are truthy, 0 and None falsy: each used to be accepted as that truth value,
+    # hiding a typo or a mix-up; the tensor is left as it was
+    weight = Tensor(np.ones(2, np.float32))
+    message = rf"^requires_grad must be a bool \(True or False\), got {re.escape(repr(value))} "
+    with pytest.raises(TypeError, match=message):
+        weight.requires_grad = value
+    assert weight.requires_grad is False
+    with pytest.raises(TypeError, match=message):
+        Tensor(np.ones(2, np.float32), requires_grad=value)
+
+
+def test_requires_grad_takes_numpys_bools_as_the_bools_they_are():
+    weight = Tensor(np.ones(2, np.float32), requires_grad=np.bool_(True))
+    assert weight.requires_grad is True
+    weight.requires_grad = np.bool_(False)
+    assert weight.requires_grad is False
+
+
+@pytest.mark.parametrize("grad", [2.0, [1.0, 1.0], "ones"])
+def test_backward_given_something_not_an_array_says_what_it_takes(grad):
+    # 2.0 used to be an AttributeError about `.shape`
+    y = Tensor(np.ones(2, np.float32), requires_grad=True) * 2.0
+    message = (rf"^backward\(grad\): grad is a {type(grad).__name__}; pass an array \(or a "
+               r"Tensor\) of this tensor's shape \(2,\) and dtype float32, or nothing for a "
+               "scalar loss$")
+    with pytest.raises(TypeError, match=message):
+        y.backward(grad)
+
+
 def test_backward_checks_the_gradient_it_is_given():
     x = Tensor(np.ones(3, np.float32), requires_grad=True)
     y = x * 2.0

@@ -139,6 +139,7 @@ BAD_INPUTS = [
     (["--batch-size", "60", "--micro-batches", "7"], "not divisible by --micro-batches"),
     (["--loss-scale", "huge"], "--loss-scale must be"),
     (["--loss-scale", "1e-50"], "--loss-scale 1e-50 rounds to 0 in float32"),
+    (["--loss-scale", "1e-45"], "--loss-scale 1e-45 is subnormal in float32"),  # 1/S: inf
     (["--inject-overflow", "5"], "--inject-overflow takes STEP:RANK"),
     (["--inject-overflow", "5:1"], "the rank must lie in 0..0"),
     (["--resume", "/nonexistent/checkpoint.npz"], "does not exist"),
@@ -181,7 +182,8 @@ def test_checkpoint_of_another_model_shape_is_a_clear_error(small_checkpoint):
 
 OUT_OF_RANGE = [
     (["--weight-decay", "nan"], "--weight-decay must be 0 or more, got nan"),
-    (["--momentum", "inf"], "--momentum must be 0 or more, got inf"),
+    (["--momentum", "inf"], "--momentum must lie in [0, 1), got inf"),
+    (["--momentum", "2"], "--momentum must lie in [0, 1), got 2.0"),  # SGD's rule: it diverges
     (["--max-grad-norm", "-1"], "--max-grad-norm must be 0 or more"),
     (["--bucket-mb", "nan"], "--bucket-mb must be a positive number"),
     (["--timeout", "nan"], "--timeout must be 0 (never) or seconds"),

@@ -10,7 +10,9 @@ Build the optimizer before casting the model (`model.to(float16)`), so the maste
 the exact float32 initial values.
 """
 
-from typing import Any, Iterable
+import math
+from numbers import Real
+from typing import Any, Callable, Iterable
 
 from minimp import backend
 from minimp.backend import Array, array_module
@@ -39,16 +41,17 @@ class Optimizer(MixedPrecisionOptimizer):
         x} whose settings override the optimizer's for their parameters (nanoGPT decays only the
         2-D weights this way). lr: the learning rate, positive (`step()` reads `self.lr`, so a
         schedule may change it between steps). weight_decay: the update rule's decay coefficient
-        for every parameter outside a group that sets its own (0 = none)."""
-        if lr <= 0:
-            raise ValueError(f"learning rate must be positive, got {lr}")
+        for every parameter outside a group that sets its own (0 = none).
+
+        Every setting is checked here, as PyTorch's optimizers check theirs: a NaN, an infinite
+        or a negative one is a ValueError naming it, a value that is not a number a TypeError,
+        instead of NaN weights or an exception at the first step. `self.lr` itself is a plain
+        attribute, not checked again when a schedule assigns it (as PyTorch's param_group["lr"]):
+        the trainer's schedules compute it from checked settings, and may reach 0."""
+        lr = _setting("learning rate", "lr", lr, POSITIVE)
+        weight_decay = _setting("weight_decay value", "weight_decay", weight_decay, NON_NEGATIVE)
         self.params, self.weight_decays = _parameter_groups(params, weight_decay)
-        for index, parameter in enumerate(self.params):
-            if casting.is_low_precision(parameter.dtype):
-                raise ValueError(
-                    f"optimizer: parameter {index} is already {parameter.dtype}; build the "
-                    "optimizer before model.to(...), so the float32 masters start from the exact "
-                    "float32 weights instead of their 16-bit rounding")
+        _check_parameters(self.params)
         self.lr = lr
         # A float32 parameter is its own master (the same array); others get a float32 copy.
         self.master_weights = [casting.round_to(p.data, MASTER_DTYPE) for p in self.params]
@@ -179,6 +182,55 @@ class Optimizer(MixedPrecisionOptimizer):
                 slots[name] = saved[name].astype(MASTER_DTYPE) if name in saved else None
 
 
+# The rules an optimizer's settings follow: (what a value must be, the test it passes). NaN fails
+# every comparison, so each test refuses it too.
+Rule = tuple[str, Callable[[float], bool]]
+POSITIVE: Rule = ("a positive finite number", lambda x: 0.0 < x < math.inf)
+NON_NEGATIVE: Rule = ("a finite number >= 0", lambda x: 0.0 <= x < math.inf)
+# A decay rate of 1 never forgets (Adam's bias correction 1 - beta^t is then 0: a division by 0);
+# above 1 the running means grow without bound.
+DECAY_RATE: Rule = ("in [0, 1)", lambda x: 0.0 <= x < 1.0)
+
+
+def _setting(what: str, name: str, value: Any, rule: Rule) -> float:
+    """value as a float, or the error PyTorch gives (\"Invalid learning rate: ...\") naming the
+    argument, the value and the rule: TypeError for what is not a real number (bools and strings
+    included), ValueError for a number that breaks the rule. Any: whatever a caller passed."""
+    must, holds = rule
+    if isinstance(value, bool) or not isinstance(value, Real):  # NumPy's numbers are Real
+        raise TypeError(f"Invalid {what}: {name}={value!r} is a {type(value).__name__}; "
+                        f"it must be {must}")
+    if not holds(float(value)):
+        raise ValueError(f"Invalid {what}: {name}={value}; it must be {must}")
+    return float(value)
+
+
+def _check_parameters(params: list) -> None:
+    """Refuse what an optimizer cannot update: no parameters at all, one listed twice (its
+    update would be applied twice per step, through two masters that disagree), anything but a
+    floating-point Tensor (an integer tensor's update would round to nothing), and a 16-bit
+    parameter (its master would start from the rounded weights)."""
+    if not params:
+        raise ValueError("optimizer got an empty parameter list; pass model.parameters()")
+    first_index: dict[int, int] = {}
+    for index, parameter in enumerate(params):
+        if not isinstance(parameter, Tensor):
+            raise TypeError(f"optimizer: parameter {index} is a {type(parameter).__name__}, not a "
+                            "Tensor; pass Parameters (model.parameters())")
+        if not casting.is_floating(parameter.dtype):
+            raise TypeError(f"optimizer: parameter {index} has dtype {parameter.dtype}; only "
+                            "floating-point tensors can be optimized (as in PyTorch)")
+        if casting.is_low_precision(parameter.dtype):
+            raise ValueError(
+                f"optimizer: parameter {index} is already {parameter.dtype}; build the "
+                "optimizer before model.to(...), so the float32 masters start from the exact "
+                "float32 weights instead of their 16-bit rounding")
+        first = first_index.setdefault(id(parameter), index)
+        if first != index:
+            raise ValueError(f"optimizer: parameter {index} is parameter {first} again; pass "
+                             "each parameter once (in one group)")
+
+
 def _parameter_groups(params: ParamsT, weight_decay: float) -> tuple[list, list[float]]:
     """(every parameter, its weight decay) from Parameters and {"params": ...} groups."""
     # `list`, not list[Tensor]: mypy cannot type the lambdas with a default argument that
@@ -192,7 +244,9 @@ def _parameter_groups(params: ParamsT, weight_decay: float) -> tuple[list, list[
             raise ValueError(f"optimizer: unknown parameter group settings {sorted(unknown)}")
         members = list(group["params"])
         parameters += members
-        decays += [float(group.get("weight_decay", weight_decay))] * len(members)
+        decay = _setting("weight_decay value", "weight_decay",
+                         group.get("weight_decay", weight_decay), NON_NEGATIVE)
+        decays += [decay] * len(members)
     return parameters, decays
 
 
@@ -224,17 +278,19 @@ def sgd(master: Array, grad: Array, momentum_buffer: Array | None, *, lr: float,
 class SGD(Optimizer):
     """SGD with momentum and weight decay on the masters (the rule: `sgd`).
 
-    params: Parameters or groups (see Optimizer); lr: the learning rate (default 0.01); momentum:
-    the factor the momentum buffer is multiplied by each step before the gradient is added
-    (0 = plain SGD); weight_decay: L2, added to the gradient as weight_decay * w (0 = none).
+    params: Parameters or groups (see Optimizer); lr: the learning rate, positive (default 0.01);
+    momentum: the factor in [0, 1) the momentum buffer is multiplied by each step before the
+    gradient is added (0 = plain SGD); weight_decay: L2, added to the gradient as
+    weight_decay * w (0 = none).
     """
 
     slot_names = ("momentum_buffer",)
 
     def __init__(self, params: ParamsT, lr: float = 0.01, momentum: float = 0.0,
                  weight_decay: float = 0.0):
+        # [0, 1) as Adam's betas: a factor of 1 or more makes the buffer grow without bound
+        self.momentum = _setting("momentum value", "momentum", momentum, DECAY_RATE)
         super().__init__(params, lr, weight_decay)
-        self.momentum = momentum
 
     def update(self, master: Array, grad: Array, slots: Slots, weight_decay: float) -> None:
         slots["momentum_buffer"] = sgd(master, grad, slots["momentum_buffer"], lr=self.lr,
@@ -280,12 +336,12 @@ def adam(master: Array, grad: Array, exp_avg: Array | None, exp_avg_sq: Array | 
 class Adam(Optimizer):
     """Adam on the masters (the rule: `adam`); `decoupled_weight_decay=True` gives AdamW.
 
-    params: Parameters or groups (see Optimizer); lr: the learning rate (default 1e-3); betas:
-    (beta1, beta2), the decay rates of the running means of the gradient and of its square;
-    eps: added to the square root of the second moment (default 1e-8), so that a tiny second
-    moment cannot blow the step up; weight_decay: L2, added to the gradient as weight_decay * w
-    (0 = none), or with decoupled_weight_decay, AdamW's shrink of the weight by lr * weight_decay
-    each step.
+    params: Parameters or groups (see Optimizer); lr: the learning rate, positive (default 1e-3);
+    betas: (beta1, beta2), the decay rates, each in [0, 1), of the running means of the gradient
+    and of its square; eps: added to the square root of the second moment (positive, default
+    1e-8), so that a tiny second moment cannot blow the step up; weight_decay: L2, added to the
+    gradient as weight_decay * w (0 = none), or with decoupled_weight_decay, AdamW's shrink of
+    the weight by lr * weight_decay each step.
     """
 
     slot_names = ("exp_avg", "exp_avg_sq")
@@ -293,8 +349,14 @@ class Adam(Optimizer):
     def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0,
                  decoupled_weight_decay: bool = False):
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"Invalid betas: {betas!r}; betas must be a pair (beta1, beta2), "
+                            "each in [0, 1), e.g. (0.9, 0.999)")
+        self.betas = (_setting("beta parameter at index 0", "betas[0]", betas[0], DECAY_RATE),
+                      _setting("beta parameter at index 1", "betas[1]", betas[1], DECAY_RATE))
+        # eps > 0: with 0, a parameter whose gradients were all 0 would update by 0 / 0 = NaN
+        self.eps = _setting("epsilon value", "eps", eps, POSITIVE)
         super().__init__(params, lr, weight_decay)
-        self.betas, self.eps = betas, eps
         self.decoupled_weight_decay = decoupled_weight_decay
 
     def update(self, master: Array, grad: Array, slots: Slots, weight_decay: float) -> None:

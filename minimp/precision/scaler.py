@@ -8,6 +8,7 @@ only moves the exponent); the step divides by S again in float32 (precision/step
 Micikevicius et al., "Mixed Precision Training", 2018).
 """
 
+from numbers import Real
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -41,6 +42,10 @@ class LossScaler(Protocol):
 
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The least scale: float32's smallest normal number, 2^-126. The step multiplies every gradient by
+# 1/S in float32 (precision/step.py: unscale_), and 1/S leaves float32's range (inf) for S below
+# about 2^-128: a subnormal scale such as 1e-45 turns every gradient into inf or NaN.
+SMALLEST_SCALE = float(np.finfo(np.float32).smallest_normal)
 
 
 def _times(scale: float, factor: float) -> float:
@@ -50,19 +55,37 @@ def _times(scale: float, factor: float) -> float:
         return float(np.float32(scale) * np.float32(factor))
 
 
-def positive_scale(name: str, value: Any) -> float:
-    """value as a float, or ValueError unless it is a positive, finite float32 number. Any: value
-    is whatever a caller or a loaded state gave (None for a missing field)."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}") from None
+def _is_number(value: Any) -> bool:
+    """Whether value is a real number, NumPy's included; a bool is not (True would be a scale of
+    1, "2" a scale of 2: a mistake somewhere, a flag parsed as a bool, a state read as text)."""
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _positive_float32(name: str, value: Any) -> float:
+    """value as a float, or ValueError unless it is a number (NumPy's included; not a bool, not a
+    string) that is positive and finite in float32 and does not round to 0 there. Any: value is
+    whatever a caller or a loaded state gave (None for a missing field)."""
+    if not _is_number(value):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r} "
+                         f"(a {type(value).__name__})")
+    number = float(value)
     if not (0.0 < number <= FLOAT32_MAX):  # NaN fails every comparison
         raise ValueError(f"{name} must be a positive finite float32 number, got {value!r}")
-    if np.float32(number) == 0.0:  # a scale of 0 would turn every gradient into 0 or NaN
-        raise ValueError(f"{name} {value!r} rounds to 0 in float32, the dtype a scale is kept "
-                         f"in; use at least {float(np.finfo(np.float32).smallest_subnormal):g}")
+    if np.float32(number) == 0.0:  # a factor of 0 would back the scale off to 0
+        raise ValueError(f"{name} {value!r} rounds to 0 in float32, the dtype a scale is kept in")
     return number
+
+
+def positive_scale(name: str, value: Any) -> float:
+    """value as a float, or ValueError unless it is a number (not a bool, not a string) that is a
+    finite, normal float32 number: at least 2^-126 (SMALLEST_SCALE), so that 1/S is finite."""
+    if _is_number(value) and 0.0 < float(value) < SMALLEST_SCALE:
+        kind = "rounds to 0" if np.float32(value) == 0.0 else "is subnormal"
+        raise ValueError(
+            f"{name} {value!r} {kind} in float32, the dtype a scale is kept in; use at least "
+            f"2**-126 = {SMALLEST_SCALE:.5g} (float32's smallest normal number), so that the "
+            "step's 1/scale is finite in float32")
+    return _positive_float32(name, value)
 
 
 def _count(name: str, value: object, low: int | None) -> int:
@@ -84,6 +107,7 @@ class StaticLossScaler(LossScaler):
     """One fixed scale S. A step whose gradients overflow is still skipped, but S never changes."""
 
     def __init__(self, scale: float):
+        """scale: S, a normal float32 number (2^-126 up to float32's largest: positive_scale)."""
         self.loss_scale = positive_scale("loss scale", scale)
 
     def update(self, found_inf: bool) -> None:
@@ -110,7 +134,8 @@ class DynamicLossScaler(LossScaler):
     min_scale)), and sets `hit_min_scale`, so the trainer can say so.
 
     init_scale: the first scale (default 2^16, as GradScaler's), rounded into float32, the dtype
-    every scale lives in; the defaults of the others: growth_factor 2, backoff_factor 0.5,
+    every scale lives in; it and min_scale must be normal float32 numbers (2^-126 up to float32's
+    largest: see positive_scale). The defaults of the others: growth_factor 2, backoff_factor 0.5,
     growth_interval 2000 steps, hysteresis 1, min_scale 1.
     """
 
@@ -121,8 +146,8 @@ class DynamicLossScaler(LossScaler):
                  backoff_factor: float = 0.5, growth_interval: int = 2000, hysteresis: int = 1,
                  min_scale: float = 1.0):
         init_scale = positive_scale("init_scale", init_scale)
-        growth_factor = positive_scale("growth_factor", growth_factor)
-        backoff_factor = positive_scale("backoff_factor", backoff_factor)
+        growth_factor = _positive_float32("growth_factor", growth_factor)
+        backoff_factor = _positive_float32("backoff_factor", backoff_factor)
         min_scale = positive_scale("min_scale", min_scale)
         if not (growth_factor > 1.0 and backoff_factor < 1.0):
             raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got "
@@ -179,7 +204,8 @@ class DynamicLossScaler(LossScaler):
         if missing:
             raise ValueError(f"dynamic loss scaler state lacks {missing}")
         settings = {name: state[name] for name in self.SETTINGS}
-        checked = DynamicLossScaler(init_scale=state["loss_scale"], **settings)
+        loss_scale = positive_scale("the state's loss_scale", state["loss_scale"])  # named so
+        checked = DynamicLossScaler(init_scale=loss_scale, **settings)
         checked.growth_tracker = _count("growth_tracker", state["growth_tracker"], 0)
         # Below 1 while overflows continue (each one backs off) until the scale grows again.
         checked.hysteresis_tracker = _count("hysteresis_tracker", state["hysteresis_tracker"], None)
@@ -187,7 +213,7 @@ class DynamicLossScaler(LossScaler):
             raise ValueError("growth_tracker must be below growth_interval")
         if checked.hysteresis_tracker > checked.hysteresis:
             raise ValueError("hysteresis_tracker must not exceed hysteresis")
-        checked.loss_scale = float(state["loss_scale"])  # exact, not re-rounded
+        checked.loss_scale = loss_scale  # exact, not re-rounded
         self.__dict__.update(checked.__dict__)
 
 

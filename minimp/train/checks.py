@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # config.py imports this module to validate itself
 
 POSITIVE_INTEGERS = ("steps", "batch_size", "micro_batches", "layers", "hidden", "log_every",
                      "loss_scale_growth_interval", "pp", "tp", "virtual_stages")
-NON_NEGATIVE = ("weight_decay", "max_grad_norm", "momentum", "dp", "threads", "check_replicas",
+NON_NEGATIVE = ("weight_decay", "max_grad_norm", "dp", "threads", "check_replicas",
                 "seed", "save_every", "max_consecutive_skips", "warmup", "lr_decay_steps",
                 "eval_every", "eval_batches", "heads", "context", "zero")
 # Every number's range, checked in this order: (fields, low, whether low itself is allowed, high
@@ -34,7 +34,7 @@ RANGES = (
     (("lr", "min_lr", "bucket_mb"), 0, False, math.inf, "be a positive number"),
     (NON_NEGATIVE, 0, True, math.inf, "be 0 or more"),
     (("timeout",), 0, True, math.inf, "be 0 (never) or seconds"),
-    (("dropout", "beta2"), 0.0, True, 1.0, "lie in [0, 1)"),
+    (("dropout", "beta2", "momentum"), 0.0, True, 1.0, "lie in [0, 1)"),  # optim's rule too
 )
 # The shortest --timeout (but 0, never): one message may legitimately wait for a whole setup (every
 # rank builds its model and loads its data before the first collective) or for a rank that the OS
