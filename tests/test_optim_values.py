@@ -114,10 +114,9 @@ def test_a_groups_weight_decay_is_checked_as_the_optimizers():
 
 def test_parameters_the_optimizer_cannot_update_are_refused_naming_which():
     weight, other = nn.Parameter(np.zeros(2, np.float32)), nn.Parameter(np.ones(2, np.float32))
-    with pytest.raises(ValueError, match=r"^optimizer got an empty parameter list; pass model"):
-        optim.Adam([])
-    with pytest.raises(ValueError, match=r"^optimizer got an empty parameter list"):
-        optim.SGD([{"params": []}])
+    empty = optim.Adam([])  # allowed: a pipeline stage may hold no parameters
+    empty.step()
+    assert empty.step_count == 1 and empty.master_weights == []
     # twice: its update would be applied twice a step, through two masters that disagree
     with pytest.raises(ValueError, match="^optimizer: parameter 2 is parameter 0 again; pass each"):
         optim.SGD([weight, other, weight])

@@ -206,12 +206,11 @@ def _setting(what: str, name: str, value: Any, rule: Rule) -> float:
 
 
 def _check_parameters(params: list) -> None:
-    """Refuse what an optimizer cannot update: no parameters at all, one listed twice (its
-    update would be applied twice per step, through two masters that disagree), anything but a
-    floating-point Tensor (an integer tensor's update would round to nothing), and a 16-bit
-    parameter (its master would start from the rounded weights)."""
-    if not params:
-        raise ValueError("optimizer got an empty parameter list; pass model.parameters()")
+    """Refuse what an optimizer cannot update: a parameter listed twice (its update would be
+    applied twice per step, through two masters that disagree), anything but a floating-point
+    Tensor (an integer tensor's update would round to nothing), and a 16-bit parameter (its
+    master would start from the rounded weights). No parameters at all is allowed, unlike in
+    PyTorch: a pipeline stage may hold none, and its optimizer then steps nothing."""
     first_index: dict[int, int] = {}
     for index, parameter in enumerate(params):
         if not isinstance(parameter, Tensor):
