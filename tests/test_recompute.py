@@ -14,6 +14,10 @@ def run(world_size=1, **overrides):
     return run_steps(world_size, **overrides)[0]
 
 
+# The digits MLP over TINY's GPT settings: none of the GPT's own flags (the MLP refuses them).
+MLP = dict(dataset="digits", heads=0, context=0, dropout=0.0, eval_every=0, eval_batches=0)
+
+
 def same_bits(a, b):
     return all(a[name].tobytes() == b[name].tobytes() for name in a)
 
@@ -21,7 +25,7 @@ def same_bits(a, b):
 @pytest.mark.parametrize(
     "flags, world_size",
     [
-        (dict(dataset="digits", layers=3, hidden=32, batch_size=32), 1),
+        (dict(MLP, layers=3, hidden=32, batch_size=32), 1),
         (dict(precision="fp16", dropout=0.2, pp=2, micro_batches=2, schedule="1f1b"), 2),
     ],
     ids=["mlp-fp32", "gpt-fp16-dropout-1f1b"],
@@ -52,7 +56,7 @@ def test_a_recomputed_gpt_block_keeps_only_its_input(precision, dropout):
 def test_the_mlp_block_already_keeps_only_its_input():
     """Linear keeps its input and ReLU its output, which is the next block's input: the MLP keeps
     nothing that recomputation could drop, and pays the forward all the same."""
-    flags = dict(dataset="digits", layers=3, hidden=32, batch_size=32, steps=1)
+    flags = dict(MLP, layers=3, hidden=32, batch_size=32, steps=1)
     plain = run(**flags)["history"][0]["peak_activation_bytes"]
     assert run(recompute=True, **flags)["history"][0]["peak_activation_bytes"] == plain
 

@@ -10,6 +10,7 @@ import pytest
 from test_train_gpt import TINY as GPT
 
 from minimp import distributed as dist
+from minimp.checkpoints.errors import AgreedError
 from minimp.train import TrainConfig, train
 from minimp.parallel.replicas import ReplicaMismatchError
 from minimp.train.loop import Run
@@ -122,9 +123,14 @@ def test_the_float_errors_of_fp16_overflow_are_silenced_inside_train(lr):
     must neither warn nor raise, whatever the caller set: the skipped steps handle both."""
     settings = TrainConfig(steps=10, lr=lr, hidden=16, layers=2, log_every=1000)
     settings.validate()
+    history = []
     with np.errstate(over="raise", invalid="raise"):
-        result = train(settings, log=lambda line: None)
-    assert any(r["skipped"] for r in result["history"])
+        if lr == 1.0:
+            history = train(settings, log=lambda line: None)["history"]
+        else:  # lr 1e4 ends at a NaN loss: the run's exit 1, after every step ran unraised
+            with pytest.raises(AgreedError, match="the run ended at step 10 with loss nan"):
+                train(settings, log=lambda line: None)
+    assert lr != 1.0 or any(r["skipped"] for r in history)
 
 
 @pytest.mark.parametrize(
