@@ -283,8 +283,12 @@ def test_check_output_path_creates_nothing_but_folders(tmp_path):
         files.check_output_path("--save", str(tmp_path / "a" / "file" / "c.npz"))
 
 
-def test_ctrl_c_is_one_line_exit_130_and_the_checkpoint_stays(tmp_path):
-    """SIGINT (Ctrl-C) used to print a KeyboardInterrupt traceback."""
+@pytest.mark.parametrize("sent, code, word", [(signal.SIGINT, 130, "interrupted"),
+                                               (signal.SIGTERM, 143, "terminated")],
+                         ids=["ctrl-c", "sigterm"])
+def test_a_signal_is_one_line_and_the_checkpoint_stays(tmp_path, sent, code, word):
+    """SIGINT (Ctrl-C) used to print a KeyboardInterrupt traceback; SIGTERM exited 143 without
+    a word."""
     ckpt = tmp_path / "ckpt.npz"
     command = [PYTHON, "-m", "minimp.train", *SMALL, "--steps", "100000", "--save", str(ckpt)]
     job = subprocess.Popen(
@@ -294,10 +298,10 @@ def test_ctrl_c_is_one_line_exit_130_and_the_checkpoint_stays(tmp_path):
     deadline = time.monotonic() + 60
     while not ckpt.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-    job.send_signal(signal.SIGINT)
+    job.send_signal(sent)
     _, stderr = job.communicate(timeout=60)
-    assert job.returncode == 130
-    assert stderr.strip() == "minimp.train: interrupted; files already saved are intact"
+    assert job.returncode == code
+    assert stderr.strip() == f"minimp.train: {word}; files already saved are intact"
     with np.load(ckpt) as archive:
         assert json.loads(str(archive["meta"]))["step"] % 20 == 0
 
@@ -607,23 +611,6 @@ def test_a_metrics_file_the_disk_cannot_rewrite_on_resume_is_one_line(tmp_path):
     assert f"--metrics {metrics}: a write failed (File too large)" in result.stdout
     assert result.stderr.strip().splitlines() == [
         f"minimp.train: error: could not write --metrics {metrics} (File too large)"]
-
-
-def test_sigterm_is_one_line_exit_143_and_the_checkpoint_stays(tmp_path):
-    """SIGTERM on one process exited 143 without a word."""
-    ckpt = tmp_path / "ckpt.npz"
-    command = [PYTHON, "-m", "minimp.train", *SMALL, "--steps", "100000", "--save", str(ckpt)]
-    job = subprocess.Popen([*command, "--save-every", "20"], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not ckpt.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    job.send_signal(signal.SIGTERM)
-    _, stderr = job.communicate(timeout=60)
-    assert job.returncode == 143
-    assert stderr.strip() == "minimp.train: terminated; files already saved are intact"
-    with np.load(ckpt) as archive:
-        assert json.loads(str(archive["meta"]))["step"] % 20 == 0
 
 
 def test_a_device_given_as_a_checkpoint_is_not_said_to_be_missing():

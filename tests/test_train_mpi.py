@@ -385,30 +385,20 @@ def interrupt(tmp_path, whom, sent=signal.SIGINT):
         job.kill()
 
 
-def test_ctrl_c_under_mpirun_is_one_line_for_the_job(tmp_path):
-    """Every rank used to print a KeyboardInterrupt traceback (and a rank interrupted inside an
-    MPI wait could hang its peer until --timeout)."""
-    code, stderr, seconds = interrupt(tmp_path, "mpirun")
-    assert code == 130 and seconds < 10
-    assert stderr.strip().splitlines() == [
-        "minimp.train: interrupted; files already saved are intact"]
-
-
-@pytest.mark.slow
-def test_a_rank_interrupted_alone_ends_the_job_with_one_line(tmp_path):
-    code, stderr, seconds = interrupt(tmp_path, "rank 1")
-    assert code == 130 and seconds < 10
-    assert stderr.strip().splitlines() == [
-        "minimp.train: interrupted; files already saved are intact"]
-
-
-@pytest.mark.slow
-def test_sigterm_under_mpirun_is_one_line_for_the_job(tmp_path):
-    """SIGTERM (kill, a scheduler) ended in MPI_Abort, a line per rank and no minimp line."""
-    code, stderr, seconds = interrupt(tmp_path, "mpirun", signal.SIGTERM)
-    assert code == 143 and seconds < 10
-    assert stderr.strip().splitlines() == [
-        "minimp.train: terminated; files already saved are intact"]
+@pytest.mark.parametrize(
+    "whom, sent, code, word",
+    [("mpirun", signal.SIGINT, 130, "interrupted"),
+     *slow_cases(("rank 1", signal.SIGINT, 130, "interrupted"),
+                 ("mpirun", signal.SIGTERM, 143, "terminated"))],
+    ids=["ctrl-c", "one-rank", "sigterm"],
+)  # fmt: skip
+def test_a_signal_under_mpirun_is_one_line_for_the_job(tmp_path, whom, sent, code, word):
+    """Ctrl-C: every rank printed a KeyboardInterrupt traceback (and a rank interrupted inside an
+    MPI wait could hang its peer until --timeout); SIGTERM (kill, a scheduler) ended in
+    MPI_Abort, a line per rank and no minimp line. A rank stopped alone ends the job too."""
+    status, stderr, seconds = interrupt(tmp_path, whom, sent)
+    assert status == code and seconds < 10
+    assert stderr.strip().splitlines() == [f"minimp.train: {word}; files already saved are intact"]
 
 
 @pytest.mark.slow
