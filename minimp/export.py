@@ -145,8 +145,6 @@ def export(args: argparse.Namespace) -> int:
         from safetensors.numpy import save
     except ImportError:
         raise ConfigError("--format safetensors needs: pip install 'minimp[export]'") from None
-    if not args.output:  # "" would be written as ".json" beside a file with no name
-        raise ConfigError("output is empty; give the file to write (gpt.safetensors)")
     check_output_path("output", args.output)  # first: it makes folders, after every refusal
     check_output_path("config", config_path)
     check_nothing_is_lost(args.checkpoint, args.output, config_path, args.force)

@@ -256,7 +256,7 @@ def test_an_empty_output_or_one_naming_a_folder_is_refused_before_a_folder_is_ma
         gpt_checkpoint, tmp_path, capsys):
     """`""` was a FileNotFoundError traceback; `newdir/` a NotADirectoryError traceback that left
     newdir behind."""
-    assert_refused([str(gpt_checkpoint), ""], tmp_path, "output is empty", capsys)
+    assert_refused([str(gpt_checkpoint), ""], tmp_path, "output is empty; give a file name", capsys)
     assert_refused([str(gpt_checkpoint), str(tmp_path / "newdir") + os.sep], tmp_path,
                    "names a folder", capsys)
 

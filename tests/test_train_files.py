@@ -201,7 +201,7 @@ BAD_CHECKPOINTS = {
     "nan-weights": "master/0.weight holds inf or NaN",
     "float16-weights": "master/0.weight is float16",
     "missing-slot": "lacks optimizer/0.weight/exp_avg",
-    "wrong-slot-shape": "optimizer/0.weight/exp_avg is float32 of shape (3,)",
+    "wrong-slot-shape": "optimizer/0.weight/exp_avg has shape (3,), the model needs (16, 64)",
     "npy-renamed": "holds a single array, not an .npz archive",
     "truncated": "not a readable minimp checkpoint",
     "no-seed-flag": "its flags lack --seed, which a resume must repeat",

@@ -78,7 +78,6 @@ def save(path: str, *, step: int, flags: dict[str, Any], optimizer: Optimizer, s
                               f"({error.strerror or error}); the file there is as it was") from None
 
 
-
 # What minimp.train --dataset accepts (train.config's DATASET_DEFAULTS, which checkpoints may not
 # import; a test keeps the two equal): the model a checkpoint holds follows from it.
 DATASETS = ("digits", "shakespeare")
@@ -109,8 +108,10 @@ def gpt_config(path: str, flags: dict[str, Any], masters: dict[str, np.ndarray],
     if width % heads:
         raise CheckpointError(f"checkpoint {path}: --heads {heads} does not divide --hidden {width}"
                               " (each head takes hidden / heads channels)")
-    _check_master(path, "0.wte.weight", masters, (vocab_size, width), f"--hidden {width}")
-    _check_master(path, "0.wpe.weight", masters, (context, width), f"--context {context}")
+    _check_array(path, "master/0.wte.weight", masters.get("0.wte.weight"), (vocab_size, width),
+                 f"--hidden {width}")
+    _check_array(path, "master/0.wpe.weight", masters.get("0.wpe.weight"), (context, width),
+                 f"--context {context}")
     # The final LayerNorm follows the blocks (Embeddings, blocks, Head): its index counts them.
     final = [int(found[1]) for found in map(re.compile(r"(\d+)\.ln_f\.weight").fullmatch, masters)
              if found]
@@ -156,28 +157,27 @@ def _model_sizes(path: str, flags: dict[str, Any], *names: str) -> list[int]:
 
 def _check_masters(path: str, masters: dict[str, np.ndarray],
                    expected: dict[str, tuple[int, ...]], source: str) -> None:
-    """The expected masters, each as _check_master checks it, and no other."""
+    """The expected masters, each as _check_array checks it, and no other."""
     for name, shape in expected.items():
-        _check_master(path, name, masters, shape, source)
+        _check_array(path, f"master/{name}", masters.get(name), shape, source)
     for name in masters:
         if name not in expected:
             raise CheckpointError(f"checkpoint {path}: master/{name} is not in {source}")
 
 
-def _check_master(path: str, name: str, masters: dict[str, np.ndarray], shape: tuple[int, ...],
-                  source: str) -> None:
-    """masters[name] present, float32, of the shape that `source` (the flags) needs, finite."""
-    array = masters.get(name)
+def _check_array(path: str, key: str, array: np.ndarray | None, shape: tuple[int, ...],
+                 source: str) -> None:
+    """The checkpoint's array `key` present, of the shape `source` (the flags, the model) needs,
+    float32 as every master and optimizer slot, finite."""
     if array is None:
-        raise CheckpointError(f"checkpoint {path}: it lacks master/{name}, which its model has")
+        raise CheckpointError(f"checkpoint {path} lacks {key}, which {source} has")
     if array.shape != shape:
-        raise CheckpointError(f"checkpoint {path}: master/{name} has shape {array.shape}, "
-                              f"{source} needs {shape}")
+        raise CheckpointError(f"checkpoint {path}: {key} has shape {array.shape}, {source} needs "
+                              f"{shape}")
     if array.dtype != np.float32:
-        raise CheckpointError(f"checkpoint {path}: master/{name} is {array.dtype}, not the "
-                              "float32 of every master")
+        raise CheckpointError(f"checkpoint {path}: {key} is {array.dtype}, not float32")
     if not np.isfinite(array).all():
-        raise CheckpointError(f"checkpoint {path}: master/{name} holds inf or NaN")
+        raise CheckpointError(f"checkpoint {path}: {key} holds inf or NaN")
 
 
 def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
@@ -276,6 +276,18 @@ class Fp8State(Protocol):
         """Load what checked_state returned."""
 
 
+def differing_flag(saved: dict[str, Any], flags: dict[str, Any]) -> tuple[str, str] | None:
+    """The first of this run's `flags` that a checkpoint's `saved` flags hold with another value,
+    as (flag, "--hidden 16, this run has --hidden 32"); values of another type are quoted ("16"
+    is not 16). None when all agree; a flag the file lacks is not compared."""
+    for flag, value in flags.items():
+        if flag in saved and (saved[flag] != value or type(saved[flag]) is not type(value)):
+            same_type = type(saved[flag]) is type(value)
+            theirs, ours = (saved[flag], value) if same_type else (repr(saved[flag]), repr(value))
+            return flag, f"{flag} {theirs}, this run has {flag} {ours}"
+    return None
+
+
 def restore(path: str, *, flags: dict[str, Any], steps: int, names: list[str], optimizer: Optimizer,
             scaler: LossScaler, fp8: Fp8State | None = None,
             select: Callable[[str, np.ndarray], np.ndarray] | None = None) -> tuple[int, dict]:
@@ -296,17 +308,16 @@ def restore(path: str, *, flags: dict[str, Any], steps: int, names: list[str], o
     optional = {"--batch-size"} if meta["version"] == 1 else set()
     if not any(name.startswith("fp8/") for name in arrays):
         optional |= {flag for flag in flags if flag.startswith("--fp8-")}
-    for flag, value in flags.items():
+    for flag in flags:
         if flag not in meta["flags"] and flag not in optional:
             raise CheckpointError(f"checkpoint {path}: its flags lack {flag}, which a resume must "
                                   "repeat; the file was edited or not written by --save")
-        saved = meta["flags"].get(flag, value)
-        if saved != value or type(saved) is not type(value):
-            shown = (saved, value) if type(saved) is type(value) else (repr(saved), repr(value))
-            raise CheckpointError(
-                f"checkpoint {path} was trained with {flag} {shown[0]}, this run has "
-                f"{flag} {shown[1]}: resume with the same {flag} (the model, the batch order, "
-                "the optimizer state or the fp8 scaling state depend on it)")
+    differing = differing_flag(meta["flags"], flags)
+    if differing is not None:
+        flag, said = differing
+        raise CheckpointError(
+            f"checkpoint {path} was trained with {said}: resume with the same {flag} (the model, "
+            "the batch order, the optimizer state or the fp8 scaling state depend on it)")
     if meta["step"] >= steps:
         raise CheckpointError(
             f"checkpoint {path} was saved after step {meta['step']}; --steps {steps} leaves "
@@ -318,14 +329,11 @@ def restore(path: str, *, flags: dict[str, Any], steps: int, names: list[str], o
     fp8_state = fp8.checked_state(path, arrays) if fp8 is not None else None
     kind, saved = scaler.state_dict()["kind"], meta["scaler"]
     if saved["kind"] != kind:  # say it in flags: the scaler's kind is what they chose
-        flag = {"dynamic": "dynamic", "none": "none"}.get(saved["kind"], f"{saved['loss_scale']:g}")
-        def scale(kind: str) -> str:
-            return "no loss scale" if kind == "none" else f"a {kind} loss scale"
-
+        flag = f"{saved['loss_scale']:g}" if saved["kind"] == "static" else saved["kind"]
         raise CheckpointError(
-            f"checkpoint {path} was trained with {scale(saved['kind'])}, and this run's "
-            f"--precision and --loss-scale give it {scale(kind)}: resume with the checkpoint's "
-            f"--precision, or pass --loss-scale {flag}")
+            f"checkpoint {path} was trained with {_scale_words(saved['kind'])}, and this run's "
+            f"--precision and --loss-scale give it {_scale_words(kind)}: resume with the "
+            f"checkpoint's --precision, or pass --loss-scale {flag}")
     try:  # the scaler checks its own state; fields a version-1 file lacks keep this run's
         scaler.load_state_dict({**scaler.state_dict(), **meta["scaler"]})
     except ValueError as error:
@@ -342,6 +350,11 @@ def restore(path: str, *, flags: dict[str, Any], steps: int, names: list[str], o
     return meta["step"], meta.get("schedule", {})
 
 
+def _scale_words(kind: str) -> str:
+    """A loss scaler's kind in words: "no loss scale", "a dynamic loss scale"."""
+    return "no loss scale" if kind == "none" else f"a {kind} loss scale"
+
+
 def _check_arrays(path: str, arrays: dict, names: list[str], optimizer: Optimizer,
                   step_count: int) -> None:
     """Every master and optimizer slot this stage needs: present, float32, shaped like the
@@ -352,14 +365,7 @@ def _check_arrays(path: str, arrays: dict, names: list[str], optimizer: Optimize
             expected += [f"optimizer/{name}/{slot}" for slot in _slots_in_use(optimizer)]
         for key in expected:
             array = arrays.get(key)
-            if array is None:
-                raise CheckpointError(f"checkpoint {path} lacks {key}")
-            if array.shape != master.shape or array.dtype != np.float32:
-                raise CheckpointError(
-                    f"checkpoint {path}: {key} is {array.dtype} of shape {array.shape}, the "
-                    f"model needs float32 of shape {master.shape}")
-            if not np.isfinite(array).all():
-                raise CheckpointError(f"checkpoint {path}: {key} holds inf or NaN")
+            _check_array(path, key, array, master.shape, "the model")
             if key.endswith("/exp_avg_sq") and (array < 0).any():  # a mean of squares
                 raise CheckpointError(f"checkpoint {path}: {key} holds negative values, which a "
                                       "mean of squared gradients cannot")

@@ -28,10 +28,11 @@ TEMPORARY_SUFFIX = ".minimp-tmp"
 def check_output_path(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> None:
     """Raise ConfigError unless a file can be written at path (the folders on the way are made
     now, as the save would make them). `suffixes`: the extensions that may be used, if limited."""
-    if not path or path.endswith((os.sep, "/")):  # "" or "newdir/": no file named
+    if not path:
+        raise ConfigError(f"{flag} is empty; give a file name")
+    if path.endswith((os.sep, "/")):  # "newdir/": a folder, which the save would not be
         raise ConfigError(f"{flag} {path!r} names a folder, not a file; give a file name (as "
-                          f"{os.path.join(path, 'out')!r})" if path else f"{flag} is empty; give "
-                          "a file name")
+                          f"{os.path.join(path, 'out')!r})")
     if suffixes and os.path.splitext(path)[1].lower().lstrip(".") not in suffixes:
         raise ConfigError(f"{flag} {path}: use one of the extensions {', '.join(suffixes)}")
     if os.path.isdir(path):

@@ -17,6 +17,7 @@ import sys
 import time
 
 from minimp import backend
+from minimp.checkpoints import checkpoint
 from minimp.checkpoints.errors import (USER_ERRORS, AgreedError, ConfigError, agree_on_error,
                                        reader_left, say, stopped_by)
 from minimp.checkpoints.files import check_output, exit_cleanly_on_sigterm, read_meta, same_file
@@ -61,12 +62,10 @@ def check_outputs(config: TrainConfig) -> None:
     if meta is None or config.force or (config.resume and same_file(config.save, config.resume)):
         return
     saved = meta.get("flags") if isinstance(meta.get("flags"), dict) else {}
-    for flag, value in resume_flags(config).items():
-        if flag in saved and saved[flag] != value:
-            raise ConfigError(
-                f"--save {config.save} holds the checkpoint of another run (trained with {flag} "
-                f"{saved[flag]}, this run has {flag} {value}); choose another path, or pass "
-                "--force to replace it")
+    differing = checkpoint.differing_flag(saved, resume_flags(config))
+    if differing is not None:
+        raise ConfigError(f"--save {config.save} holds the checkpoint of another run (trained with "
+                          f"{differing[1]}); choose another path, or pass --force to replace it")
 
 
 class Printer:

@@ -93,8 +93,8 @@ class Guards:
         """Raise DivergenceError if this rank's float32 masters hold inf or NaN: every later step
         would compute NaN, and no save may keep them (run after a non-finite loss, which is when
         they can be; every rank checks its own and agree_on_error shares the verdict)."""
-        xp = backend.array_module(*[m for m in masters if m is not None] or [np.zeros(0)])
-        if any(m is not None and not bool(xp.isfinite(m).all()) for m in masters):
+        if any(m is not None and not bool(backend.array_module(m).isfinite(m).all())
+               for m in masters):
             raise DivergenceError(
                 f"step {step}: the float32 master weights hold inf or NaN: the model diverged "
                 f"(lower --lr, clip with --max-grad-norm){self._kept()}")

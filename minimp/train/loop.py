@@ -95,7 +95,7 @@ class Run:
         self.resume_flags = resume_flags(config)  # what a resume must repeat
         self.lr_decay_steps = config.lr_decay_steps or config.steps
         self.start_step: int = self._resume() if config.resume else 0
-        self.stuck_since = 0  # the step that overflowed at the minimum loss scale, while stuck
+        self.stuck = False  # the steps overflow at the minimum loss scale (said once)
         self.guards = Guards(config, self.comm.rank, self.start_step, self.comm.size)
 
     def _resume(self) -> int:
@@ -209,11 +209,11 @@ class Run:
         run is diverging, and the overflows that follow at that scale are only counted (the
         progress lines' `skipped`) until a step is taken again."""
         if not skipped:
-            self.stuck_since = 0
-        elif not self.stuck_since:
+            self.stuck = False
+        elif not self.stuck:
             self._say_skipped(step, scale_before)
             if self.scaler.hit_min_scale:
-                self.stuck_since = step
+                self.stuck = True
                 self.log(f"step {step}: gradients overflow at the minimum loss scale "
                          f"{self.scaler.loss_scale:g}; training is diverging in fp16 (lower "
                          "--lr, clip with --max-grad-norm, or use bf16); the steps skipped "
