@@ -193,8 +193,7 @@ def test_an_edited_checkpoint_is_refused_in_one_line_and_nothing_is_written(
 
 @pytest.mark.parametrize("edit, said", [
     (dict(flags={"--layers": 2}), "--layers 2 needs 6 masters (a weight and a bias per Linear)"),
-    (dict(flags={"--hidden": 8}), "master/0.weight has shape (16, 64), the model of its flags "
-                                  "needs (8, 64)"),
+    (dict(flags={"--hidden": 8}), "master/0.weight has shape (16, 64), --hidden 8 needs (8, 64)"),
     (dict(arrays={"master/2.weight": np.zeros((10, 15), np.float32)}),
      "master/2.weight has shape (10, 15), the model of its flags needs (10, 16)"),
 ])
@@ -205,8 +204,9 @@ def test_an_edited_mlp_checkpoint_is_refused(mlp_checkpoint, tmp_path, capsys, e
 
 @pytest.mark.parametrize("layers, hidden", [(1, 16), (3, 5)])
 def test_the_mlp_check_knows_the_mlp_that_training_builds(layers, hidden):
-    """checkpoint.check_mlp writes the MLP's shapes itself (checkpoints import nothing of train):
-    they must stay those of train.tasks.build_model; and the datasets those train knows."""
+    """checkpoint.check_mlp accepts the masters of the MLP training builds and refuses them
+    under another --hidden; checkpoint.DATASETS (checkpoints import nothing of train) are those
+    train knows."""
     model = build_model(64, 10, hidden, layers, np.random.default_rng(0))
     masters = {name: p.data for name, p in model.named_parameters()}
     flags = {"--layers": layers, "--hidden": hidden}

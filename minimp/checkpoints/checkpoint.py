@@ -28,7 +28,9 @@ import numpy as np
 from minimp import backend
 from minimp.checkpoints.errors import CheckpointError, DivergenceError
 from minimp.checkpoints.files import atomic_write
+from minimp.models import mlp
 from minimp.models.gpt import GPT, GPTConfig
+from minimp.nn import Module
 from minimp.npz import read_arrays
 from minimp.optim import Optimizer
 from minimp.precision import LossScaler
@@ -122,25 +124,22 @@ def gpt_config(path: str, flags: dict[str, Any], masters: dict[str, np.ndarray],
     config = GPTConfig(vocab_size=vocab_size, context=context, layers=layers, heads=heads,
                        width=width)
     model = GPT(config, np.random.default_rng(0))  # no larger than the masters, checked above
-    expected = {name: parameter.shape for name, parameter in model.named_parameters()}
-    _check_masters(path, masters, expected, "the model of its flags")
+    _check_masters(path, masters, model)
     return config
 
 
 def check_mlp(path: str, flags: dict[str, Any], masters: dict[str, np.ndarray], features: int,
               classes: int) -> None:
     """Raise CheckpointError unless the masters are those of the MLP its --layers and --hidden
-    build (train.tasks.build_model: Linear, ReLU, ..., Linear; a test keeps the two equal)."""
+    build (models.mlp.build_model), each flag checked against the arrays before it is built."""
     layers, hidden = _model_sizes(path, flags, "--layers", "--hidden")
-    if len(masters) != 2 * layers + 2:  # a weight and a bias per Linear; checked before the loop
+    if len(masters) != 2 * layers + 2:  # a weight and a bias per Linear
         raise CheckpointError(f"checkpoint {path}: --layers {layers} needs {2 * layers + 2} "
                               f"masters (a weight and a bias per Linear), it holds {len(masters)}")
-    widths = [features] + [hidden] * layers + [classes]
-    expected: dict[str, tuple[int, ...]] = {}
-    for index, (fan_in, fan_out) in enumerate(zip(widths, widths[1:])):
-        expected[f"{2 * index}.weight"] = (fan_out, fan_in)  # Linears at even indices, ReLUs odd
-        expected[f"{2 * index}.bias"] = (fan_out,)
-    _check_masters(path, masters, expected, "the model of its flags")
+    _check_array(path, "master/0.weight", masters.get("0.weight"), (hidden, features),
+                 f"--hidden {hidden}")
+    model = mlp.build_model(features, classes, hidden, layers, np.random.default_rng(0))
+    _check_masters(path, masters, model)
 
 
 def _model_sizes(path: str, flags: dict[str, Any], *names: str) -> list[int]:
@@ -155,9 +154,10 @@ def _model_sizes(path: str, flags: dict[str, Any], *names: str) -> list[int]:
     return [flags[name] for name in names]
 
 
-def _check_masters(path: str, masters: dict[str, np.ndarray],
-                   expected: dict[str, tuple[int, ...]], source: str) -> None:
-    """The expected masters, each as _check_array checks it, and no other."""
+def _check_masters(path: str, masters: dict[str, np.ndarray], model: Module) -> None:
+    """The model's parameters' masters, each as _check_array checks it, and no other."""
+    expected = {name: parameter.shape for name, parameter in model.named_parameters()}
+    source = "the model of its flags"
     for name, shape in expected.items():
         _check_array(path, f"master/{name}", masters.get(name), shape, source)
     for name in masters:

@@ -16,6 +16,7 @@ from minimp.backend import Array
 from minimp.checkpoints.errors import ConfigError
 from minimp.data import global_batch_indices, load_digits, load_shakespeare, text_batch
 from minimp.models.gpt import GPT, Block, GPTConfig
+from minimp.models.mlp import build_model
 from minimp.tensor import Tensor, no_grad
 from minimp.train.checks import flag
 from minimp.train.config import TrainConfig
@@ -57,17 +58,6 @@ class Task(Protocol):
 
     def evaluate(self, model: nn.Module, batches: int | None = None) -> float:
         """The score of the whole model's current weights."""
-
-
-def build_model(features: int, classes: int, hidden: int, layers: int,
-                rng: np.random.Generator) -> nn.Sequential:
-    """MLP: features -> hidden (x layers, each Linear + ReLU) -> classes, float32, from rng."""
-    modules, width = [], features
-    for _ in range(layers):
-        modules += [nn.Linear(width, hidden, rng=rng), nn.ReLU()]
-        width = hidden
-    modules.append(nn.Linear(width, classes, rng=rng))
-    return nn.Sequential(*modules)
 
 
 class DigitsTask:
