@@ -80,8 +80,8 @@ def imported_from(folder: str) -> str:
 
 def run_tests(folder: str, tests: list[str], timeout: float) -> tuple[int | None, str]:
     """pytest on the tests (node ids relative to the repository), started in folder so that the
-    copy, not the working tree, is the minimp it imports; (exit status or None on a timeout,
-    output)."""
+    copy, not the working tree, is the minimp it imports; returns its exit status (None on a
+    timeout) and its output."""
     command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                *(os.path.join(ROOT, test) for test in tests)]
     try:
