@@ -48,13 +48,13 @@ def nanogpt_name(name: str, layers: int) -> str:
 
 def exported_tensors(path: str, meta: dict, arrays: dict, dtype: str) -> tuple[dict, dict]:
     """({name: array}, config) of a checkpoint's masters, named for the world outside, after the
-    flags the model is built from are checked against the masters (checkpoint.gpt_config and
+    flags the model is built from are checked against the masters (checkpoint.checked_gpt and
     check_mlp), or CheckpointError naming the field and what it should be."""
     flags = meta["flags"]
     masters = checkpoint.strip_prefix(arrays, "master/")
     if checkpoint.checked_dataset(path, flags) == "shakespeare":
         vocabulary = load_shakespeare().vocabulary
-        gpt = checkpoint.gpt_config(path, flags, masters, vocab_size=len(vocabulary))
+        gpt = checkpoint.checked_gpt(path, flags, masters, vocab_size=len(vocabulary)).config
         tensors = {nanogpt_name(name, gpt.layers): array for name, array in masters.items()}
         config = {"model": "gpt", "vocab_size": gpt.vocab_size, "block_size": gpt.context,
                   "n_layer": gpt.layers, "n_head": gpt.heads, "n_embd": gpt.width,

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_model(path: str) -> tuple[GPT, TextDataset]:
     """The GPT of a checkpoint (float32 masters) and the dataset it was trained on; the flags it
-    is built from are checked against the masters first (checkpoint.gpt_config)."""
+    is built from are checked against the masters first (checkpoint.checked_gpt)."""
     meta, arrays = checkpoint.read(path)
     flags = meta["flags"]
     dataset = checkpoint.checked_dataset(path, flags)
@@ -57,8 +57,7 @@ def load_model(path: str) -> tuple[GPT, TextDataset]:
                               "minimp.sample needs a GPT trained with --dataset shakespeare")
     data = load_shakespeare()
     masters = checkpoint.strip_prefix(arrays, "master/")
-    model = GPT(checkpoint.gpt_config(path, flags, masters, data.vocab_size),
-                np.random.default_rng(0))
+    model = checkpoint.checked_gpt(path, flags, masters, data.vocab_size)
     model.load_state_dict(masters)
     model.eval()
     return model, data

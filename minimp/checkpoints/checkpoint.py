@@ -99,12 +99,13 @@ def checked_dataset(path: str, flags: dict[str, Any]) -> str:
     return flags["--dataset"]
 
 
-def gpt_config(path: str, flags: dict[str, Any], masters: dict[str, np.ndarray],
-               vocab_size: int) -> GPTConfig:
-    """The GPT's shape, from the flags a checkpoint keeps of the run that trained it, checked
-    against its masters (named without "master/"), or CheckpointError naming the field and what
-    it should be. The arrays are the truth: each flag that sizes an array is compared with it
-    before a model of that size is built (an edited --context 1e9 would allocate 119 GiB)."""
+def checked_gpt(path: str, flags: dict[str, Any], masters: dict[str, np.ndarray],
+                vocab_size: int) -> GPT:
+    """The GPT a checkpoint's flags build (float32, its weights not yet loaded), after every flag
+    and master is checked, or CheckpointError naming the field and what it should be. The arrays
+    are the truth: each flag that sizes an array is compared with it before a model of that size
+    is built (an edited --context 1e9 would allocate 119 GiB); then every master (named without
+    "master/") against the built model's parameters."""
     layers, width, heads, context = _model_sizes(path, flags, "--layers", "--hidden", "--heads",
                                                  "--context")
     if width % heads:
@@ -125,7 +126,7 @@ def gpt_config(path: str, flags: dict[str, Any], masters: dict[str, np.ndarray],
                        width=width)
     model = GPT(config, np.random.default_rng(0))  # no larger than the masters, checked above
     _check_masters(path, masters, model)
-    return config
+    return model
 
 
 def check_mlp(path: str, flags: dict[str, Any], masters: dict[str, np.ndarray], features: int,
