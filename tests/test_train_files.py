@@ -552,7 +552,7 @@ def test_a_run_that_ends_with_a_non_finite_loss_saves_nothing_and_exits_1(tmp_pa
     before = ckpt.read_bytes()
     # (--save-every 5: step 4's update makes the weights huge, step 5's loss shows it; a save
     # right after step 4 would hold finite weights whose next loss is NaN: a resume of them
-    # ends the same way, at its first step.)
+    # computes NaN from its first step and ends with the same line.)
     result = run_command(*sgd, "--lr", "1e38", "--steps", "12", "--resume", str(ckpt),
                          "--save", str(ckpt), "--save-every", "5")
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
