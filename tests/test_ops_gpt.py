@@ -149,3 +149,51 @@ def test_embedding_copies_rows_and_sums_gradients_in_float32(dtype, rng):
 def test_index_takes_basic_indexing_only():
     with pytest.raises(TypeError, match="ints, slices, None and Ellipsis"):
         Tensor(np.ones((3, 2)))[np.array([0, 0])]
+
+
+# ----- in place and written out: the same operations in the same order, so the same bits --------
+def layer_norm_reference(x, weight, bias, g, eps=1e-5):
+    """LayerNorm forward and backward as the formulas read, each step a new array."""
+    mean = x.mean(axis=-1, keepdims=True)
+    inverse_std = 1.0 / np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + eps)
+    normalized = (x - mean) * inverse_std
+    y = normalized * weight + bias
+    grad_weight, grad_bias = (g * normalized).sum(axis=(0, 1)), g.sum(axis=(0, 1))
+    gw = g * weight
+    grad_x = inverse_std * (gw - gw.mean(axis=-1, keepdims=True)
+                            - normalized * (gw * normalized).mean(axis=-1, keepdims=True))
+    return y, grad_x, grad_weight, grad_bias
+
+
+def assert_same_bits(ours, theirs, what):
+    assert ours.dtype == theirs.dtype, what
+    np.testing.assert_array_equal(ours.view(np.uint8), theirs.view(np.uint8), err_msg=what)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+def test_ops_computed_in_place_equal_their_formulas_written_out_bit_for_bit(dtype, rng):
+    # GELU, LayerNorm and the attention softmax work in place in memory-pool arrays (fewer passes
+    # and no page faults); reordering a single product or sum would change a last bit here
+    x = (rng.standard_normal((4, 16, 40)) * 4).astype(dtype)
+    g = rng.standard_normal(x.shape).astype(dtype)
+    tensor = Tensor(x, requires_grad=True)
+    F.gelu(tensor).backward(g)
+    assert_same_bits(F.gelu(Tensor(x)).data, gelu32(x), "gelu forward")
+    assert_same_bits(tensor.grad, gelu_grad32(x, g), "gelu backward")
+
+    weight, bias = (rng.standard_normal(40).astype(dtype) for _ in range(2))
+    tensors = [Tensor(array, requires_grad=True) for array in (x, weight, bias)]
+    y = F.layer_norm(*tensors)
+    y.backward(g)
+    expected = layer_norm_reference(x, weight, bias, g)
+    for ours, theirs, what in zip((y.data, *(t.grad for t in tensors)), expected,
+                                  ("forward", "dL/dx", "dL/dweight", "dL/dbias")):
+        assert_same_bits(ours, theirs, f"layer_norm {what}")
+
+    s = (rng.standard_normal((2, 3, 16, 16)) * 3).astype(dtype)
+    gs = rng.standard_normal(s.shape).astype(dtype)
+    scores = Tensor(s, requires_grad=True)
+    y = F.scaled_masked_softmax(scores, 0.3)
+    y.backward(gs)
+    assert_same_bits(y.data, softmax32(s, 0.3), "softmax forward")
+    assert_same_bits(scores.grad, softmax_grad32(y.data, gs, 0.3), "softmax backward")

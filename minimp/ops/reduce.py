@@ -7,6 +7,7 @@ loses most of its bits to cancellation.
 
 import math
 
+from minimp import backend
 from minimp.backend import Array, array_module
 from minimp.function import Context, Function
 from minimp.precision.casting import round_to, widen
@@ -79,25 +80,40 @@ class LayerNorm(Function):
         xp = array_module(x)
         wide = widen(x)
         mean = wide.mean(axis=-1, keepdims=True)
-        inverse_std = 1.0 / xp.sqrt(((wide - mean) ** 2).mean(axis=-1, keepdims=True) + eps)
+        centered = xp.subtract(wide, mean, out=backend.empty(wide.shape, wide.dtype, wide))
+        squares = xp.multiply(centered, centered, out=backend.empty(wide.shape, wide.dtype, wide))
+        inverse_std = 1.0 / xp.sqrt(squares.mean(axis=-1, keepdims=True) + eps)
+        del squares  # back to the pool
         ctx.save_for_backward(x, weight, mean, inverse_std)
         ctx.bias_dtype = bias.dtype
-        return round_to((wide - mean) * inverse_std * widen(weight) + widen(bias), x.dtype)
+        centered *= inverse_std
+        centered *= widen(weight)
+        centered += widen(bias)  # ((x - mean) inverse_std) weight + bias
+        return round_to(centered, x.dtype)
 
     @staticmethod
     def backward(ctx: Context, grad_output: Array) -> tuple[Array | None, ...]:
         x, weight, mean, inverse_std = ctx.saved_arrays
         grad = widen(grad_output)
-        normalized = (widen(x) - mean) * inverse_std
+        xp = array_module(grad)
+        wide = widen(x)
+        normalized = xp.subtract(wide, mean, out=backend.empty(wide.shape, wide.dtype, wide))
+        normalized *= inverse_std
+        product = backend.empty(grad.shape, grad.dtype, grad)  # grad * normalized, then g * it
         batch_axes = tuple(range(x.ndim - 1))
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[1]:
-            grad_weight = round_to((grad * normalized).sum(axis=batch_axes), weight.dtype)
+            xp.multiply(grad, normalized, out=product)
+            grad_weight = round_to(product.sum(axis=batch_axes), weight.dtype)
         if ctx.needs_input_grad[2]:
             grad_bias = round_to(grad.sum(axis=batch_axes), ctx.bias_dtype)
         if ctx.needs_input_grad[0]:
-            g = grad * widen(weight)
+            g = xp.multiply(grad, widen(weight), out=backend.empty(grad.shape, grad.dtype, grad))
             mean_g = g.mean(axis=-1, keepdims=True)
-            mean_g_xhat = (g * normalized).mean(axis=-1, keepdims=True)
-            grad_x = round_to(inverse_std * (g - mean_g - normalized * mean_g_xhat), x.dtype)
+            mean_g_xhat = xp.multiply(g, normalized, out=product).mean(axis=-1, keepdims=True)
+            g -= mean_g
+            normalized *= mean_g_xhat
+            g -= normalized
+            g *= inverse_std  # inverse_std ((g - mean(g)) - xhat mean(g xhat))
+            grad_x = round_to(g, x.dtype)
         return grad_x, grad_weight, grad_bias

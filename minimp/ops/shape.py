@@ -9,6 +9,7 @@ row may be picked many times and its gradients must be summed, is `ops.Embedding
 from types import EllipsisType
 from typing import Sequence
 
+from minimp import backend
 from minimp.backend import Array, array_module
 from minimp.function import Context, Function
 
@@ -69,6 +70,7 @@ class Index(Function):
 
     @staticmethod
     def backward(ctx: Context, grad_output: Array) -> Array:
-        grad = array_module(grad_output).zeros(ctx.shape, grad_output.dtype)
+        grad = backend.empty(ctx.shape, grad_output.dtype, grad_output)  # memory-pool zeros
+        grad.fill(0)
         grad[ctx.key] = grad_output
         return grad

@@ -32,6 +32,7 @@ from types import ModuleType
 
 import numpy as np
 
+from minimp import backend
 from minimp.backend import Array, array_module
 from minimp.function import Context, Function
 from minimp.precision import casting
@@ -50,7 +51,21 @@ def softmax_backward(grad_output: Array, y: Array, axis: int) -> Array:
     """dL/dx = y * (dL/dy - sum(dL/dy * y)) along axis, for y = softmax(x): in float32, the sum
     included (Softmax's backward, and ScaledMaskedSoftmax's before its scale)."""
     grad, wide_y = widen(grad_output), widen(y)
-    return wide_y * (grad - (grad * wide_y).sum(axis=axis, keepdims=True))
+    xp = array_module(wide_y)
+    # In place in one array from the memory pool, in the formula's order: the same bits.
+    result = xp.multiply(grad, wide_y, out=backend.empty(wide_y.shape, wide_y.dtype, wide_y))
+    xp.subtract(grad, result.sum(axis=axis, keepdims=True), out=result)
+    result *= wide_y
+    return result
+
+
+def _times(array: Array, scale: float) -> Array:
+    """scale * array, in place when the product keeps the array's dtype (scale a Python float:
+    NumPy rounds it to the array's dtype first, as `scale * array` does), else a new array."""
+    if np.result_type(array.dtype, scale) != array.dtype:
+        return scale * array
+    array *= scale
+    return array
 
 
 class Softmax(Function):
@@ -153,21 +168,27 @@ class ScaledMaskedSoftmax(Function):
                 mask: Array | None = None) -> Array:
         xp = array_module(scores)
         ctx.scale = scale
-        wide = widen(scores) * scale  # float32: logits past 11.09 would overflow exp in float16
+        # float32: logits past 11.09 would overflow exp in float16. Every step below works in
+        # place in one array from the memory pool (the same operations, so the same bits, as
+        # new arrays for each, without their allocations).
+        wide_scores = widen(scores)
+        wide = xp.multiply(wide_scores, scale, out=backend.empty(
+            scores.shape, np.result_type(wide_scores.dtype, scale), scores))
         keep = attention_mask(xp, scores.shape, causal, mask)
         if keep is not None:
-            wide = xp.where(keep, wide, wide.dtype.type(-np.inf))
+            xp.copyto(wide, wide.dtype.type(-np.inf), where=~keep)
         row_max = wide.max(axis=-1, keepdims=True)
         # A fully masked row has maximum -inf: shift it by 0 instead, so exp(-inf) = 0, not NaN.
         row_max = xp.where(row_max == -np.inf, row_max.dtype.type(0), row_max)
-        exps = xp.exp(wide - row_max)
+        xp.subtract(wide, row_max, out=wide)
+        exps = xp.exp(wide, out=wide)
         total = exps.sum(axis=-1, keepdims=True)
         total = xp.where(total == 0, total.dtype.type(1), total)  # 0 / 1, not 0 / 0
-        y = round_to(exps / total, scores.dtype)
+        y = round_to(xp.divide(exps, total, out=exps), scores.dtype)
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
     def backward(ctx: Context, grad_output: Array) -> Array:
         (y,) = ctx.saved_arrays
-        return round_to(ctx.scale * softmax_backward(grad_output, y, axis=-1), y.dtype)
+        return round_to(_times(softmax_backward(grad_output, y, axis=-1), ctx.scale), y.dtype)
