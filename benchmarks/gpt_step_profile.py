@@ -11,7 +11,9 @@ op's); what the step's wall time holds beyond them is Python's own work: buildin
 walking it back, checking shapes, adding gradients (`autograd and Python`). PyTorch's side comes
 from torch.profiler: the self CPU time of every aten op, by the same families; what its step holds
 beyond them is its own dispatch and autograd engine. The timers cost minimp some time of their own,
-so the per-family figures add up to a little more than the plain step (gpt_step_bench.py).
+so the per-family figures add up to a little more than the plain step (gpt_step_bench.py). The
+last line times the step's matrix products alone (gpt_step_bench.gemm_shapes), float32, in NumPy
+(OpenBLAS) and in PyTorch (its own BLAS) on the same shapes: the part of the gap that is the BLAS's.
 """
 
 import argparse
@@ -118,7 +120,21 @@ def profile_minimp(precisions: list, steps: int) -> dict:
                 step()
                 walls.append(time.perf_counter() - start)
             profiles[f"minimp {precision}"] = per_step(timers.seconds, walls, steps)
+        gemms = gpt_step_bench.gemm_step()
+        for profile in profiles.values():  # one figure for all: NumPy's float32 products
+            profile["gemms_alone_ms"] = 1e3 * median_time(gemms, steps)
     return profiles
+
+
+def median_time(function, count: int) -> float:
+    """Seconds of the median of `count` calls, after one call to warm up."""
+    function()
+    seconds = []
+    for _ in range(count):
+        start = time.perf_counter()
+        function()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 def profile_torch(steps: int) -> dict:
@@ -127,6 +143,7 @@ def profile_torch(steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     sys.path.insert(0, str(Path(__file__).parent))
+    from gpt_step_bench import gemm_shapes
     from torch_gpt_step import GPT
 
     torch.set_num_threads(1)
@@ -156,7 +173,11 @@ def profile_torch(steps: int) -> dict:
     for event in profiler.key_averages():
         if event.key.startswith("aten::"):
             seconds[family_of(event.key)] += event.self_cpu_time_total / 1e6
-    return per_step(seconds, walls, steps)
+    pairs = [(torch.randn(*batch, m, k), torch.randn(*batch, k, n))
+             for *batch, m, k, n in gemm_shapes()]
+    profile = per_step(seconds, walls, steps)
+    profile["gemms_alone_ms"] = 1e3 * median_time(lambda: [a @ b for a, b in pairs], steps)
+    return profile
 
 
 def per_step(seconds: collections.Counter, walls: list, steps: int) -> dict:
@@ -203,6 +224,8 @@ def main():
         print(f"  {family:<20}" + "".join(f"{result[name]['families_ms'][family]:13.2f}"
                                           for name in columns))
     print(f"  {'step':<20}" + "".join(f"{result[name]['step_ms']:13.2f}" for name in columns))
+    print(f"  {'its GEMMs alone':<20}" + "".join(f"{result[name]['gemms_alone_ms']:13.2f}"
+                                                 for name in columns))
     if "error" in torch:
         print(f"  PyTorch not profiled: {torch['error']}")
     return 0
