@@ -1,4 +1,5 @@
-"""What an op is: a Function with forward and backward side by side, its Context, unbroadcast.
+"""What an op is: a Function with forward and backward side by side, its Context, and the two
+gradient sums ops and the backward walk share (unbroadcast, add_gradients).
 
 A Function works on raw arrays; `Function.apply` runs it on Tensors and, when a gradient is wanted,
 records a node of the graph; `node_backward` runs a node's backward (the graph itself, and the walk
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import numpy as np
 
+from minimp import backend
 from minimp.backend import Array
 from minimp.precision import casting
 
@@ -140,6 +142,16 @@ def unbroadcast(grad: Array, shape: tuple[int, ...], dtype: np.dtype) -> Array:
     return casting.round_to(grad, dtype)
 
 
+def add_gradients(a: Array, b: Array) -> Array:
+    """a + b for two gradients of one tensor: in float32 when they are stored in 16 bits, rounded
+    once, into the float32 copy widening made or an array from the memory pool (fresh memory for
+    every sum costs a page fault per 4 KiB in every step)."""
+    wide = casting.widen(a)
+    out = backend.empty(a.shape, a.dtype, a) if wide is a else wide
+    return casting.round_to(backend.array_module(a).add(wide, casting.widen(b), out=out), a.dtype)
+
+
 # The one import cycle of every autograd engine: a Tensor's operators are Functions, and a Function
 # makes Tensors. Imported last and used by module, so either file may be imported first.
 from minimp import tensor as graph  # noqa: E402
+

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from minimp.backend import Array
-from minimp.function import node_backward
-from minimp.tensor import Node, Tensor, _add, accumulate_leaf, walk_backward
+from minimp.function import add_gradients, node_backward
+from minimp.tensor import Node, Tensor, accumulate_leaf, walk_backward
 
 
 @dataclass
@@ -54,7 +54,8 @@ def backward_weight(pending: PendingWeightGradients) -> None:
         for parent, parent_grad in zip(node.inputs, grads):
             if parent_grad is not None:
                 previous = sums.get(id(parent))
-                sums[id(parent)] = parent_grad if previous is None else _add(previous, parent_grad)
+                sums[id(parent)] = (parent_grad if previous is None
+                                    else add_gradients(previous, parent_grad))
         for parent in {id(p): p for p in node.inputs if id(p) in wanted}.values():
             remaining[id(parent)] -= 1
             if remaining[id(parent)] == 0 and id(parent) in sums:

@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from minimp import backend
 from minimp.backend import Array
-from minimp.function import Context, Function, node_backward
+from minimp.function import Context, Function, add_gradients, node_backward
 from minimp.precision import casting
 
 NUMBER_TYPES = (bool, int, float, np.number, np.bool_)
@@ -419,7 +419,8 @@ def walk_backward(root: Tensor, grad: Array,
             if parent_grad is None or not parent.requires_grad:
                 continue
             previous = grads.get(id(parent))
-            grads[id(parent)] = parent_grad if previous is None else _add(previous, parent_grad)
+            grads[id(parent)] = (parent_grad if previous is None
+                                 else add_gradients(previous, parent_grad))
     return deferred
 
 
@@ -427,14 +428,9 @@ def accumulate_leaf(tensor: Tensor, grad: Array) -> None:
     """A leaf's gradient is complete: its hooks, then into `.grad`, then its
     post-accumulate hooks."""
     grad = _run_hooks(tensor._hooks, grad)
-    tensor.grad = grad if tensor.grad is None else _add(tensor.grad, grad)
+    tensor.grad = grad if tensor.grad is None else add_gradients(tensor.grad, grad)
     for hook in tuple(tensor._post_accumulate_hooks):
         hook(tensor)
-
-
-def _add(a: Array, b: Array) -> Array:
-    """Sum two gradients, in float32 when they are stored in 16 bits."""
-    return casting.round_to(casting.widen(a) + casting.widen(b), a.dtype)
 
 
 def _run_hooks(hooks: Sequence[Callable[[Array], Array | None]], grad: Array) -> Array:

@@ -45,9 +45,11 @@ def gemm_operand(array: Array) -> Array:
 
 
 def pooled_matmul(a: Array, b: Array) -> Array:
-    """a @ b for 2-D operands, written into an array from the memory pool: the same BLAS call as
-    `a @ b`, without fresh memory (and its page faults) in every step."""
-    out = backend.empty((a.shape[0], b.shape[1]), np.result_type(a.dtype, b.dtype), like=a)
+    """a @ b (2-D, or stacks of matrices broadcast as matmul does), written into an array from the
+    memory pool: the same BLAS calls as `a @ b`, without fresh memory (and its page faults) in
+    every step."""
+    shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+    out = backend.empty(shape, np.result_type(a.dtype, b.dtype), like=a)
     return array_module(a).matmul(a, b, out=out)
 
 
@@ -60,7 +62,8 @@ class MatMul(Function):
             raise ValueError(f"matmul needs operands with 2 or more axes, got shapes {a.shape} "
                              f"and {b.shape} (reshape a vector to (1, n) or (n, 1))")
         ctx.save_for_backward(a, b)
-        return round_to(gemm_operand(a) @ gemm_operand(b), casting.result_dtype(a.dtype, b.dtype))
+        product = pooled_matmul(gemm_operand(a), gemm_operand(b))
+        return round_to(product, casting.result_dtype(a.dtype, b.dtype))
 
     @staticmethod
     def backward(ctx: Context, grad_output: Array) -> tuple[Array | None, ...]:
@@ -68,9 +71,11 @@ class MatMul(Function):
         grad = gemm_operand(grad_output)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_a = unbroadcast(grad @ gemm_operand(b).swapaxes(-1, -2), a.shape, a.dtype)
+            grad_a = unbroadcast(pooled_matmul(grad, gemm_operand(b).swapaxes(-1, -2)), a.shape,
+                                 a.dtype)
         if ctx.needs_input_grad[1]:
-            grad_b = unbroadcast(gemm_operand(a).swapaxes(-1, -2) @ grad, b.shape, b.dtype)
+            grad_b = unbroadcast(pooled_matmul(gemm_operand(a).swapaxes(-1, -2), grad), b.shape,
+                                 b.dtype)
         return grad_a, grad_b
 
 
