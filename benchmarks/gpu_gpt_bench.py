@@ -101,10 +101,10 @@ class Worker:
         self.stderr.close()
 
 
-def measure(workers, args):
+def measure(workers, args, deadline):
     """{variant: [[step seconds of run 1], ...]}, {variant: its stats}, {variant: its problem}:
     warm-up, then --runs runs of --blocks rounds, each round one block of every live variant in
-    turn; a run starts no round once --max-seconds have passed (after its first)."""
+    turn; past `deadline` (time.monotonic()) a run starts no round but its first."""
     problems = {}
 
     def answer(name, command):
@@ -123,7 +123,6 @@ def measure(workers, args):
         if reply is None or isinstance(reply, dict):
             problems[name] = reply or worker.problem
     samples = {name: [] for name in workers if name not in problems}
-    deadline = time.monotonic() + args.max_seconds
     for _ in range(args.runs):
         runs = {name: [] for name in samples}
         for round_index in range(args.blocks):
@@ -242,7 +241,8 @@ def parse_args(argv=None):
     parser.add_argument("--runs", type=int, default=3, help="runs, each its own median (3)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
     parser.add_argument("--max-seconds", type=float, default=150.0,
-                        help="no new round in a run after this many seconds (default 150)")
+                        help="from the start, after which a run starts no round but its first "
+                        "(default 150)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated, of: " + ", ".join(VARIANTS))
     parser.add_argument("--torch-python", default=sys.executable,
@@ -276,9 +276,10 @@ def main(argv=None):
         except backend.DeviceError as error:
             print(f"gpu_gpt_bench: {error}", file=sys.stderr)
             return 2
+    deadline = time.monotonic() + args.max_seconds
     workers = {name: Worker(worker_command(name, args)) for name in args.variants}
     try:
-        samples, stats, problems = measure(workers, args)
+        samples, stats, problems = measure(workers, args, deadline)
     finally:
         for worker in workers.values():
             worker.close()
