@@ -190,34 +190,36 @@ def summarize(config, samples, stats, problems, device):
     return report
 
 
-def lines(report):
-    """The report as a reader sees it."""
+def markdown(report):
+    """The report as Markdown lines (what docs/gpu.md shows; scripts/gpu_report.py prints it
+    too): the model, a row per variant or why it did not run, then each goal with its value."""
     config = report["config"]
     out = [f"GPT step on {report['device']}: {config['layers']} layers, {config['heads']} heads, "
            f"width {config['width']}, context {config['context']}, batch {config['batch']}, "
-           f"dropout {config['dropout']}; median step of each run, {config['runs']} runs of "
-           "alternating blocks",
-           f"  {'variant':<20} {'step ms':>8} {'runs':>17} {'tokens/s':>10} {'GEMMs ms':>9} "
-           f"{'step/GEMMs':>10} {'peak MiB':>9} {'held MiB':>9}"]
+           f"dropout {config['dropout']}; the median step of each of {config['runs']} runs of "
+           "alternating blocks, and their median", "",
+           "| variant | step ms (runs) | tokens/s | GEMMs alone ms | step / GEMMs | GEMM share "
+           "| peak MiB (held) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    mib = lambda row, key: f"{row[key] / 2**20:,.0f}" if key in row else "-"  # noqa: E731
     for name, row in report["variants"].items():
         if "step_ms" not in row:
-            out.append(f"  {name:<20} " + "; ".join(f"{k}: {v}" for k, v in row.items()))
+            why = "; ".join(f"{kind}: {reason}" for kind, reason in row.items())
+            out.append(f"| {name} | {why} | | | | | |")
             continue
-        runs = f"{min(row['step_ms_runs']):.1f}-{max(row['step_ms_runs']):.1f}"
-        mib = [f"{row[key] / 2**20:9.0f}" if key in row else f"{'-':>9}"
-               for key in ("peak_allocated_bytes", "peak_reserved_bytes")]
-        gemms = (f"{row['gemms_alone_ms']:9.2f} {row['step_over_gemms']:10.2f}"
-                 if "gemms_alone_ms" in row else f"{'-':>9} {'-':>10}")
-        out.append(f"  {name:<20} {row['step_ms']:8.1f} {runs:>17} {row['tokens_per_s']:10,.0f} "
-                   f"{gemms} {' '.join(mib)}")
+        runs = ", ".join(f"{ms:.1f}" for ms in row["step_ms_runs"])
+        gemms = (f"{row['gemms_alone_ms']:.1f} | {row['step_over_gemms']:.2f} | "
+                 f"{row['gemm_share']:.0%}" if "gemms_alone_ms" in row else "- | - | -")
+        out.append(f"| {name} | {row['step_ms']:.1f} ({runs}) | {row['tokens_per_s']:,.0f} | "
+                   f"{gemms} | {mib(row, 'peak_allocated_bytes')} "
+                   f"({mib(row, 'peak_reserved_bytes')}) |")
+    out.append("")
     for name, goal in report["goals"].items():
-        stretch = (f", stretch {goal['stretch']}: {'met' if goal['stretch_met'] else 'not met'}"
+        runs = f" (runs {', '.join(f'{r:.2f}' for r in goal['runs'])})" if "runs" in goal else ""
+        stretch = (f"; stretch {goal['stretch']}: {'met' if goal['stretch_met'] else 'not met'}"
                    if "stretch" in goal else "")
-        runs = (f" (runs {min(goal['runs']):.2f}-{max(goal['runs']):.2f})"
-                if "runs" in goal else "")
-        out.append(f"  {name}: {goal['value']:.2f}{runs}; goal {goal['goal']}: "
+        out.append(f"- {name}: **{goal['value']:.2f}**{runs}, goal {goal['goal']}: "
                    f"{'met' if goal['met'] else 'not met'}{stretch}")
-    out.append(f"  GEMMs alone: {report['gemm_timing']}")
+    out.append(f"- GEMMs alone: {report['gemm_timing']}; memory: {report['memory']}")
     return out
 
 
@@ -290,7 +292,7 @@ def main(argv=None):
     text = json.dumps(report)
     if args.save:
         atomic_write(args.save, lambda file: file.write(text.encode()))
-    print(text if args.json else "\n".join(lines(report)))
+    print(text if args.json else "\n".join(markdown(report)))
     return 0
 
 

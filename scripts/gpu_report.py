@@ -57,33 +57,17 @@ def main(logs, out_path):
     print("\n".join(gpt_bench_table(report["gpt_step_benchmark"])))
 
 
+
 def gpt_bench_table(bench):
-    """benchmarks/gpu_gpt_bench.py's figures as Markdown lines for docs/gpu.md: a row per
-    variant (or why it did not run), then each goal with its value."""
+    """benchmarks/gpu_gpt_bench.py's figures as Markdown lines for docs/gpu.md (its own
+    formatting), or the line saying why there are none."""
     if "variants" not in bench:
         return [f"GPT step benchmark: {bench.get('error', 'no figures')}"]
-    mib = lambda row, key: f"{row[key] / 2**20:,.0f}" if key in row else "-"  # noqa: E731
-    lines = ["| variant | step ms (median; runs) | tokens/s | GEMMs alone ms | step / GEMMs "
-             "| peak MiB (held) |", "| --- | --- | --- | --- | --- | --- |"]
-    for name, row in bench["variants"].items():
-        if "step_ms" not in row:
-            why = "; ".join(f"{kind}: {reason}" for kind, reason in row.items())
-            lines.append(f"| {name} | {why} | | | | |")
-            continue
-        runs = ", ".join(f"{ms:.1f}" for ms in row["step_ms_runs"])
-        gemms = (f"{row['gemms_alone_ms']:.1f} | {row['step_over_gemms']:.2f}"
-                 if "gemms_alone_ms" in row else "- | -")
-        lines.append(f"| {name} | {row['step_ms']:.1f} ({runs}) | {row['tokens_per_s']:,.0f} | "
-                     f"{gemms} | {mib(row, 'peak_allocated_bytes')} "
-                     f"({mib(row, 'peak_reserved_bytes')}) |")
-    for name, goal in bench["goals"].items():
-        runs = f" (runs {', '.join(f'{r:.2f}' for r in goal['runs'])})" if "runs" in goal else ""
-        stretch = (f"; stretch {goal['stretch']}: {'met' if goal['stretch_met'] else 'not met'}"
-                   if "stretch" in goal else "")
-        lines.append(f"- {name}: **{goal['value']:.2f}**{runs}, goal {goal['goal']}: "
-                     f"{'met' if goal['met'] else 'not met'}{stretch}")
-    return lines
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "benchmarks"))
+    from gpu_gpt_bench import markdown
 
+    return markdown(bench)
 
 # nanoGPT's estimate of training FLOPs per token (PaLM appendix B): 6 N for the parameters' matrix
 # products forward and backward, plus 12 L T C for attention's scores and weighted sums.

@@ -96,9 +96,11 @@ def test_gpu_report_prints_a_row_per_variant_and_the_goals():
     from gpu_report import gpt_bench_table
 
     table = gpt_bench_table(fake_report())
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in table[2:] if line.startswith("|")}
+    assert table[0].startswith("GPT step on NVIDIA H100: 6 layers, 6 heads, width 384")
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table[4:] if line.startswith("|")}
     assert list(rows) == ["minimp fp16", "minimp bf16", "torch fp32", "torch amp fp16"]
-    assert "| 300.0 (200.0, 400.0) | 54,613 | 100.0 | 3.00 | 1,024 (2,048) |" in rows["minimp fp16"]
+    assert ("| 300.0 (200.0, 400.0) | 54,613 | 100.0 | 3.00 | 33% | 1,024 (2,048) |"
+            in rows["minimp fp16"])
     assert "unsupported: CuPy has no bfloat16 arrays" in rows["minimp bf16"]
     goals = [line for line in table if line.startswith("- ")]
     assert goals[0].startswith("- minimp_fp16_over_torch_amp_fp16_tokens_per_s: **0.50** (runs "
