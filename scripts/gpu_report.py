@@ -1,5 +1,5 @@
 """Merge the logs of scripts/gpu_check.sh into one JSON file
-(device, date, tests, benchmarks, training)."""
+(device, date, tests, benchmarks, training), and print the GPT benchmark's table for docs/gpu.md."""
 
 import datetime
 import json
@@ -50,10 +50,24 @@ def main(logs, out_path):
         },
     }
     report["gpt_gpu_config"] = gpt_summary(os.path.join(logs, "gpt.jsonl"))
+    report["gpt_step_benchmark"] = read_json(os.path.join(logs, "gpt_bench.json"))
     with open(out_path, "w") as file:
         json.dump(report, file, indent=1)
     print(json.dumps({k: report[k] for k in ("device", "tests", "train_4_ranks")}, indent=1))
+    print("\n".join(gpt_bench_table(report["gpt_step_benchmark"])))
 
+
+
+def gpt_bench_table(bench):
+    """benchmarks/gpu_gpt_bench.py's figures as Markdown lines for docs/gpu.md (its own
+    formatting), or the line saying why there are none."""
+    if "variants" not in bench:
+        return [f"GPT step benchmark: {bench.get('error', 'no figures')}"]
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "benchmarks"))
+    from gpu_gpt_bench import markdown
+
+    return markdown(bench)
 
 # nanoGPT's estimate of training FLOPs per token (PaLM appendix B): 6 N for the parameters' matrix
 # products forward and backward, plus 12 L T C for attention's scores and weighted sums.

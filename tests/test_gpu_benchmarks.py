@@ -30,6 +30,7 @@ def run(command):
     [
         ([PYTHON, "benchmarks/gpu_step_profile.py"], "gpu_step_profile: "),
         ([PYTHON, "benchmarks/gpu_ring_bench.py"], "gpu_ring_bench: "),
+        ([PYTHON, "benchmarks/gpu_gpt_bench.py"], "gpu_gpt_bench: "),
         (["bash", "scripts/gpu_check.sh", os.devnull], "gpu_check: "),
     ],
 )
