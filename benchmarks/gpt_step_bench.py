@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gpt_gemms import gpt_gemms
 from minimp import backend
 from minimp import functional as F
 from minimp.models.gpt import GPT, GPTConfig
@@ -55,29 +56,19 @@ def minimp_step(precision: str):
     return step
 
 
-def gemm_shapes() -> list:
-    """The matrix products of one step of this GPT, as (..., m, k, n) for an (..., m, k) @
-    (..., k, n): every Linear's forward, dL/dx and dL/dW, attention's batched products forward and
-    back, the tied head's three."""
-    rows, width, heads = BATCH * CONFIG.context, CONFIG.width, CONFIG.heads
-    shapes = []
-    for inputs, outputs in [(width, 3 * width), (width, width), (width, 4 * width),
-                            (4 * width, width)] * CONFIG.layers + [(width, CONFIG.vocab_size)]:
-        shapes += [(rows, inputs, outputs), (rows, outputs, inputs), (outputs, rows, inputs)]
-    stacked = (BATCH * heads, CONFIG.context)
-    scores, mix = (*stacked, width // heads, CONFIG.context), (*stacked, CONFIG.context,
-                                                               width // heads)
-    # forward: s = q k^T, y = p v; backward: dp = dy v^T, dv = p^T dy, dq = ds k, dk = ds^T q
-    return shapes + [scores, mix, scores, mix, mix, mix] * CONFIG.layers
-
-
 def gemm_step():
-    """A function running gemm_shapes' products alone, float32 NumPy on arrays made once: the
-    floor the step's other work stands on."""
+    """A function running the step's matrix products alone (gpt_gemms.py: every Linear's forward,
+    dL/dx and dL/dW, attention's batched products both ways, the tied head's), float32 NumPy on
+    arrays made once, each operand laid out as the step reads it: the floor the rest stands on."""
     rng = np.random.default_rng(0)
-    pairs = [(rng.standard_normal((*batch, m, k), dtype=np.float32),
-              rng.standard_normal((*batch, k, n), dtype=np.float32))
-             for *batch, m, k, n in gemm_shapes()]
+    sizes = (CONFIG.layers, CONFIG.heads, CONFIG.width, CONFIG.context, CONFIG.vocab_size, BATCH)
+    pairs = []
+    for _, count, m, n, k, a_transposed, b_transposed in gpt_gemms(*sizes):
+        a = rng.standard_normal((count, k, m) if a_transposed else (count, m, k), np.float32)
+        b = rng.standard_normal((count, n, k) if b_transposed else (count, k, n), np.float32)
+        a, b = (array[0] if count == 1 else array for array in (a, b))
+        pairs.append((a.swapaxes(-1, -2) if a_transposed else a,
+                      b.swapaxes(-1, -2) if b_transposed else b))
 
     def step():
         for a, b in pairs:

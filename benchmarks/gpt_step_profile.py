@@ -12,8 +12,8 @@ walking it back, checking shapes, adding gradients (`autograd and Python`). PyTo
 from torch.profiler: the self CPU time of every aten op, by the same families; what its step holds
 beyond them is its own dispatch and autograd engine. The timers cost minimp some time of their own,
 so the per-family figures add up to a little more than the plain step (gpt_step_bench.py). The
-last line times the step's matrix products alone (gpt_step_bench.gemm_shapes), float32, in NumPy
-(OpenBLAS) and in PyTorch (its own BLAS) on the same shapes: the part of the gap that is the BLAS's.
+last line times the step's matrix products alone (gpt_gemms.py), float32, in NumPy (OpenBLAS) and
+in PyTorch (its own BLAS) on the same shapes and layouts: the part of the gap that is the BLAS's.
 """
 
 import argparse
@@ -143,8 +143,7 @@ def profile_torch(steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from gpt_step_bench import gemm_shapes
-    from torch_gpt_step import GPT
+    from torch_gpt_step import GPT, gemms_alone_ms
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -173,10 +172,10 @@ def profile_torch(steps: int) -> dict:
     for event in profiler.key_averages():
         if event.key.startswith("aten::"):
             seconds[family_of(event.key)] += event.self_cpu_time_total / 1e6
-    pairs = [(torch.randn(*batch, m, k), torch.randn(*batch, k, n))
-             for *batch, m, k, n in gemm_shapes()]
     profile = per_step(seconds, walls, steps)
-    profile["gemms_alone_ms"] = 1e3 * median_time(lambda: [a @ b for a, b in pairs], steps)
+    sizes = argparse.Namespace(layers=4, heads=4, width=128, context=context, vocab=vocab,
+                               batch=batch, device="cpu")
+    profile["gemms_alone_ms"] = gemms_alone_ms(sizes, torch.float32, repeats=steps)
     return profile
 
 
