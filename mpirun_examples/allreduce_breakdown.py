@@ -3,17 +3,29 @@
     mpirun -bind-to core -n 2 python mpirun_examples/allreduce_breakdown.py           # 4 KiB
     mpirun -bind-to core -n 2 python mpirun_examples/allreduce_breakdown.py --kib 64 --json
 
-`distributed.allreduce(comm, x, algorithm="auto", out=out)` on float32, beside MPI's Allreduce
-on the same buffers, and the pieces the call is made of, each timed alone on the same arrays:
+`distributed.allreduce(comm, x, algorithm="auto", out=out)` on float32 (recursive doubling below
+512 KiB), beside MPI's Allreduce and two other ways to all-reduce the same buffers:
+
+  checked call      allreduce as it is: the check carried in the messages' headers (headers.py)
+  agree, then send  the call as it was: an agreement all-reduce first, then the bare messages
+  planned           a PersistentAllreduce, agreed once at construction
+
+and the pieces the checked call is made of, each timed alone on the same arrays:
 
   python checks     the op checked, the algorithm chosen, the output and input as flat arrays
-  agreement         the ranks agree on length and dtype: one MPI all-reduce of four scalars
-  scratch           a fresh receive buffer (numpy.empty_like)
-  message           one exchange of the array with the partner (the communicator's sendrecv)
+  buffers kept      the [header | payload] buffers looked up on the communicator
+  copy out          this rank's array copied behind its header
+  headed message    one exchange of header and array with the partner, the header compared
   addition          the partner's array added to this rank's (reduce_into)
 
-At p = 2 recursive doubling is one exchange and one addition, so the pieces add up to about the
-call. Every figure is the slowest rank's median microseconds over --rounds rounds of --calls
+and, for the call as it was, its two pieces besides the same message and addition:
+
+  agreement         the ranks agree on length, dtype and op: one MPI all-reduce of six scalars
+  scratch           a fresh receive buffer (numpy.empty_like)
+  message           one exchange of the bare array (the communicator's sendrecv)
+
+At p = 2 recursive doubling is one exchange and one addition, so a call's pieces add up to about
+the call. Every figure is the slowest rank's median microseconds over --rounds rounds of --calls
 calls (each call timed alone), the pieces interleaved round by round so that a slow stretch of
 the machine falls on all of them alike.
 """
@@ -27,16 +39,19 @@ import numpy as np
 from mpi4py import MPI
 
 from minimp import distributed as dist
-from minimp.distributed.buffers import agree_on_array, contiguous_flat, output_buffer
-from minimp.distributed.buffers import reduce_into
-from minimp.distributed.collectives import resolve_algorithm
+from minimp.distributed.buffers import agree_on_layout, checked_allreduce, contiguous_flat
+from minimp.distributed.buffers import output_buffer, reduce_into
+from minimp.distributed.collectives import recursive_doubling_into, resolve_algorithm
+from minimp.distributed.headers import headed_buffers
 from minimp.distributed.protocol import Tag, check_op
 
 
 def pieces(comm, x, out):
     """{name: a function running that piece once}, for this rank's x and out."""
     world, partner = MPI.COMM_WORLD, comm.rank ^ 1
-    incoming = np.empty_like(x)
+    incoming = x.copy()  # the partner's array once a message has come; numbers before
+    kept = headed_buffers(comm, x, "sum")
+    planned = dist.PersistentAllreduce(comm, x.shape, x.dtype)
 
     def python_checks():
         check_op("sum")
@@ -47,12 +62,18 @@ def pieces(comm, x, out):
     return {
         "MPI Allreduce": lambda: world.Allreduce(x, out, op=MPI.SUM),
         "checked call": lambda: dist.allreduce(comm, x, algorithm="auto", out=out),
+        "agree, then send": lambda: checked_allreduce(recursive_doubling_into, "breakdown", comm,
+                                                      x, "sum", out),
+        "planned": lambda: planned(x, out=out),
         "python checks": python_checks,
-        "agreement": lambda: agree_on_array(comm, x, "breakdown"),
+        "buffers kept": lambda: headed_buffers(comm, x, "sum"),
+        "copy out": lambda: kept.outgoing.__setitem__(Ellipsis, x),
+        "headed message": lambda: kept.exchange(comm, partner, Tag.DOUBLING_EXCHANGE),
+        "addition": lambda: reduce_into(out, incoming, "sum", first=x),
+        "agreement": lambda: agree_on_layout(comm, x.size, x.dtype, "breakdown", "sum"),
         "scratch": lambda: np.empty_like(x),
         "message": lambda: comm.sendrecv(x, partner, incoming, partner,
                                          tag=Tag.DOUBLING_EXCHANGE),
-        "addition": lambda: reduce_into(out, incoming, "sum", first=x),
     }
 
 

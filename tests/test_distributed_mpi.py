@@ -42,6 +42,22 @@ def test_mismatched_lengths_are_reported_on_every_rank():
     assert result.stdout.count("ranks disagree on the array") == 3
 
 
+@pytest.mark.parametrize("ranks", [2, 3])  # 3: the last rank folds into rank 0
+def test_ranks_that_disagree_fail_in_the_same_line_on_every_rank_in_the_headed_call(ranks):
+    result = mpirun(ranks, "mismatched_headers.py", timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for case, ranges in (
+        ("length 8", "lengths 8..11, dtype codes 3..3, ops sum..sum"),
+        ("length 100000", "lengths 100000..100003, dtype codes 3..3, ops sum..sum"),  # truncated
+        ("dtype 8", "lengths 8..8, dtype codes 1..3, ops sum..sum"),
+        ("op 8", "lengths 8..8, dtype codes 3..3, ops sum..max"),
+    ):
+        line = (f"{case}: recursive_doubling_allreduce: ranks disagree on the array ({ranges}); "
+                "every rank must pass the same length, dtype and op")
+        assert result.stdout.count(line) == ranks, result.stdout
+    assert result.stdout.count("the same bits") == ranks
+
+
 def run_example(ranks, name, *args):
     """mpirun -n ranks python mpirun_examples/name args..., its output captured."""
     examples = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples")

@@ -60,11 +60,16 @@ def byte_view(array: Array) -> Array:
     return contiguous_for_wire(array).reshape(-1).view(np.uint8)
 
 
+class MessageSizeError(ValueError):
+    """A message did not fill its receive buffer exactly: the ranks disagree on the array."""
+
+
 def check_byte_count(received: int, expected: int, source: int) -> None:
     """A message must fill its receive buffer exactly: anything else means the ranks disagree."""
     if received != expected:
-        raise ValueError(f"received {received} bytes from rank {source} into a {expected}-byte "
-                         "buffer: the ranks disagree on the array's length or dtype")
+        raise MessageSizeError(f"received {received} bytes from rank {source} into a "
+                               f"{expected}-byte buffer: the ranks disagree on the array's length "
+                               "or dtype")
 
 
 class Request(Protocol):
