@@ -13,9 +13,10 @@
 and the pieces the checked call is made of, each timed alone on the same arrays:
 
   python checks     the op checked, the algorithm chosen, the output and input as flat arrays
-  buffers kept      the [header | payload] buffers looked up on the communicator
-  copy out          this rank's array copied behind its header
+  buffers kept      the buffers for header and payload looked up on the communicator
   headed message    one exchange of header and array with the partner, the header compared
+                    (up to 32 KiB the array is copied behind its header, one message; above,
+                    the header goes as a message of its own, posted with the array's)
   addition          the partner's array added to this rank's (reduce_into)
 
 and, for the call as it was, its two pieces besides the same message and addition:
@@ -67,8 +68,7 @@ def pieces(comm, x, out):
         "planned": lambda: planned(x, out=out),
         "python checks": python_checks,
         "buffers kept": lambda: headed_buffers(comm, x, "sum"),
-        "copy out": lambda: kept.outgoing.__setitem__(Ellipsis, x),
-        "headed message": lambda: kept.exchange(comm, partner, Tag.DOUBLING_EXCHANGE),
+        "headed message": lambda: kept.exchange(comm, x, partner, Tag.DOUBLING_EXCHANGE),
         "addition": lambda: reduce_into(out, incoming, "sum", first=x),
         "agreement": lambda: agree_on_layout(comm, x.size, x.dtype, "breakdown", "sum"),
         "scratch": lambda: np.empty_like(x),

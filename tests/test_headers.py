@@ -10,7 +10,8 @@ import pytest
 from minimp import distributed as dist
 from minimp.distributed.buffers import checked_allreduce
 from minimp.distributed.collectives import recursive_doubling_into
-from minimp.distributed.headers import HEADER_BYTES, LARGEST_KEPT_PAYLOAD, PlanCache
+from minimp.distributed.headers import HEADER_BYTES, LARGEST_KEPT_PAYLOAD, PACKED_BYTES
+from minimp.distributed.headers import PlanCache
 from minimp.distributed.headers import headed_buffers
 from minimp.distributed.protocol import Tag
 
@@ -24,12 +25,18 @@ def nan_heavy(rank, dtype, length=9):
     return x.astype(dtype)
 
 
+# 9 elements travel behind their header in one message; this many 16-bit ones (or float32s) are
+# more than PACKED_BYTES, and their header travels apart
+APART = PACKED_BYTES // 2 + 5
+
+
 @pytest.mark.parametrize("ranks", [2, 3, 5])  # 3 and 5: a fold and an unfold
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("op", ["sum", "max"])
-def test_the_checked_call_gives_the_old_paths_bits(ranks, dtype, op):
+@pytest.mark.parametrize("length", [9, APART])
+def test_the_checked_call_gives_the_old_paths_bits(ranks, dtype, op, length):
     def both(comm):
-        x = nan_heavy(comm.rank, dtype)
+        x = nan_heavy(comm.rank, dtype, length)
         old = checked_allreduce(recursive_doubling_into, "old", comm, x, op, None)
         new = dist.allreduce(comm, x, op=op, algorithm="recursive_doubling")
         again = dist.allreduce(comm, x, op=op, algorithm="recursive_doubling")  # kept buffers
@@ -39,61 +46,72 @@ def test_the_checked_call_gives_the_old_paths_bits(ranks, dtype, op):
         assert new == old and again == old
 
 
-def test_a_call_makes_no_all_reduce_and_its_messages_carry_a_header():
+PAYLOADS = (Tag.DOUBLING_FOLD, Tag.DOUBLING_EXCHANGE, Tag.DOUBLING_UNFOLD)
+
+
+@pytest.mark.parametrize("length, messages", [
+    (10, {(tag, HEADER_BYTES + 40) for tag in PAYLOADS}),  # one message: header, payload
+    (APART, {(tag, 4 * APART) for tag in PAYLOADS} | {(Tag.DOUBLING_HEADERS, HEADER_BYTES)}),
+])
+def test_a_call_makes_no_all_reduce_and_its_messages_carry_a_header(length, messages):
     def run(comm):
-        dist.allreduce(comm, np.ones(10, np.float32), algorithm="recursive_doubling")
+        dist.allreduce(comm, np.ones(length, np.float32), algorithm="recursive_doubling")
         return comm.scalar_allreduces
 
     results = dist.simulate(3, run)
     assert list(results) == [0, 0, 0]
-    sizes = {(m.tag, m.nbytes) for m in results.trace}
-    assert sizes == {(tag, HEADER_BYTES + 40) for tag in
-                     (Tag.DOUBLING_FOLD, Tag.DOUBLING_EXCHANGE, Tag.DOUBLING_UNFOLD)}
+    assert {(m.tag, m.nbytes) for m in results.trace} == messages
+    assert len(results.trace) == 4 * (1 if length == 10 else 2)  # fold, 2 exchanges, unfold
 
 
-def mismatched(by, odd_rank):
-    """A function for simulate: every rank all-reduces 8 float32s by sum but odd_rank, whose
-    array or op differs `by` length (more elements: its messages are longer), dtype or op."""
+def mismatched(by, odd_rank, length=8):
+    """A function for simulate: every rank all-reduces `length` float32s by sum but odd_rank,
+    whose array or op differs `by` length (4 elements more: longer messages), dtype or op."""
 
     def run(comm):
         odd = comm.rank == odd_rank
-        length = 12 if odd and by == "length" else 8
+        length_here = length + 4 if odd and by == "length" else length
         dtype = np.float16 if odd and by == "dtype" else np.float32
         op = "max" if odd and by == "op" else "sum"
         before = comm.scalar_allreduces
         with pytest.raises(dist.CollectiveMismatchError) as caught:
-            dist.allreduce(comm, np.ones(length, dtype), op=op)
+            dist.allreduce(comm, np.ones(length_here, dtype), op=op)
         return str(caught.value), comm.scalar_allreduces - before
 
     return run
 
 
 RANGES = {
-    "length": "lengths 8..12, dtype codes 3..3, ops sum..sum",
-    "dtype": "lengths 8..8, dtype codes 1..3, ops sum..sum",  # float16 is 1, float32 3
-    "op": "lengths 8..8, dtype codes 3..3, ops sum..max",
+    "length": "lengths {n}..{n_4}, dtype codes 3..3, ops sum..sum",
+    "dtype": "lengths {n}..{n}, dtype codes 1..3, ops sum..sum",  # float16 is 1, float32 3
+    "op": "lengths {n}..{n}, dtype codes 3..3, ops sum..max",
 }
 
 
 @pytest.mark.parametrize("by", ["length", "dtype", "op"])
 @pytest.mark.parametrize("ranks, odd_rank", [(2, 1), (2, 0), (5, 4), (5, 2), (6, 1)])
-def test_ranks_that_disagree_all_fail_with_the_same_line(by, ranks, odd_rank):
+@pytest.mark.parametrize("length", [8, APART])
+def test_ranks_that_disagree_all_fail_with_the_same_line(by, ranks, odd_rank, length):
     # (5, 4): the odd rank folds into rank 0; (5, 2): rank 2 hears of it only through the rounds;
     # (6, 1): rank 5 hears of it only through its unfold
-    line = (f"recursive_doubling_allreduce: ranks disagree on the array ({RANGES[by]}); every "
+    ranges = RANGES[by].format(n=length, n_4=length + 4)
+    line = (f"recursive_doubling_allreduce: ranks disagree on the array ({ranges}); every "
             "rank must pass the same length, dtype and op")
-    results = dist.simulate(ranks, mismatched(by, odd_rank))
+    results = dist.simulate(ranks, mismatched(by, odd_rank, length))
     assert list(results) == [(line, 1)] * ranks  # one all-reduce: the one that names it
 
 
-def test_a_failed_call_leaves_the_ranks_able_to_all_reduce_again():
+@pytest.mark.parametrize("length", [4, APART])
+def test_a_failed_call_leaves_the_ranks_able_to_all_reduce_again(length):
+    # rank 0 all-reduces the same layout twice: what it received the first time must not have
+    # changed the header it sends the second
     def run(comm):
         with pytest.raises(dist.CollectiveMismatchError):
-            dist.allreduce(comm, np.ones(4 + comm.rank, np.float32))
-        return dist.allreduce(comm, np.full(4, comm.rank, np.float32))
+            dist.allreduce(comm, np.ones(length + comm.rank, np.float32))
+        return dist.allreduce(comm, np.full(length, comm.rank, np.float32))
 
     for result in dist.simulate(3, run):
-        np.testing.assert_array_equal(result, [3.0] * 4)
+        np.testing.assert_array_equal(result, np.full(length, 3.0))
 
 
 def test_buffers_are_kept_per_layout_and_op_and_reused():

@@ -25,6 +25,7 @@ AllreduceBody = Callable[[Communicator, Array, Array, str], None]
 _DTYPE_CODES = {np.dtype(dtype): code for dtype, code in (
     (np.float16, 1), (ml_dtypes.bfloat16, 2), (np.float32, 3), (np.float64, 4), (np.int32, 5),
     (np.int64, 6))}
+_OP_CODES = {name: code for code, name in enumerate(REDUCE_OPS)}  # sum 0, max 1, min 2
 
 
 class CollectiveMismatchError(ValueError):
@@ -38,7 +39,7 @@ def dtype_code(dtype: np.dtype) -> int:
 
 def op_code(op: str) -> int:
     """The number that stands for a reduce op: its place in REDUCE_OPS (sum 0, max 1, min 2)."""
-    return list(REDUCE_OPS).index(op)
+    return _OP_CODES[op]
 
 
 def agree_on_array(comm: Communicator, array: Array, name: str) -> None:
@@ -50,14 +51,15 @@ def agree_on_array(comm: Communicator, array: Array, name: str) -> None:
 def agree_on_layout(comm: Communicator, size: int, dtype: np.dtype, name: str,
                     op: str | None = None) -> None:
     """Raise CollectiveMismatchError on every rank unless all ranks name the same length and
-    dtype (and op, when given). One all-reduce of four (six) numbers: the max of (size, dtype
-    code[, op code]) and of their negatives."""
+    dtype (and op, when given). One all-reduce of six numbers: the max of (size, dtype code, op
+    code or -1 for none) and of their negatives."""
     if comm.size == 1:
         return
-    mine = [size, dtype_code(dtype)] + ([] if op is None else [op_code(op)])
-    highest = comm.allreduce_scalars(mine + [-value for value in mine], op="max")
-    lowest = [-value for value in highest[len(mine):]]
-    if any(low != high for low, high in zip(lowest, highest)):
+    code, operation = _DTYPE_CODES.get(dtype, 99), -1 if op is None else _OP_CODES[op]
+    # (written out: a small message pays for every Python call it makes)
+    highest = comm.allreduce_scalars([size, code, operation, -size, -code, -operation], op="max")
+    if highest[0] != -highest[3] or highest[1] != -highest[4] or highest[2] != -highest[5]:
+        lowest = -highest[3:]
         ranges = [f"lengths {int(lowest[0])}..{int(highest[0])}",
                   f"dtype codes {int(lowest[1])}..{int(highest[1])}"]
         must = "length and dtype"

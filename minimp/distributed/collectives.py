@@ -118,41 +118,41 @@ def recursive_doubling_headed(comm: Communicator, x_flat: Array, flat: Array, op
                               buffers: HeadedBuffers) -> None:
     """recursive_doubling_into's messages and additions, each message behind a header: the same
     partners, the same additions in the same order, so the same bits in flat. A partial result
-    that is sent on is computed straight into the outgoing payload; an addition after a
-    disagreement is skipped (its operands are not the same array's), its messages are not."""
+    that is sent on is computed straight behind its header where the two travel as one message;
+    an addition after a disagreement is skipped (its operands are not the same array's), its
+    messages are not."""
     p, r = comm.size, comm.rank
     power = 1 << (p.bit_length() - 1)  # the largest power of two <= p
     extra = p - power
     buffers.begin()
-    outgoing, incoming = buffers.outgoing, buffers.incoming
+    incoming = buffers.incoming
+    partial = flat if buffers.outgoing is None else buffers.outgoing  # where sent-on sums go
     if r >= power:  # fold into rank r - power, wait for the answer
-        outgoing[...] = x_flat
-        buffers.send(comm, r - power, Tag.DOUBLING_FOLD)
+        buffers.send(comm, x_flat, r - power, Tag.DOUBLING_FOLD)
         buffers.receive(comm, r - power, Tag.DOUBLING_UNFOLD)
         flat[...] = incoming
         return
-    current = x_flat  # this rank's own input (only read), then the partial result in outgoing
+    current = x_flat  # this rank's own input (only read), then its partial result
     if r < extra:
         buffers.receive(comm, r + power, Tag.DOUBLING_FOLD)
         if buffers.agreed:
-            reduce_into(outgoing, incoming, op, first=current)
-        current = outgoing
+            reduce_into(partial, incoming, op, first=current)
+        current = partial
     distance = 1
     while distance < power:
         partner = r ^ distance
-        if current is not outgoing:
-            outgoing[...] = current
-        buffers.exchange(comm, partner, Tag.DOUBLING_EXCHANGE)
+        buffers.exchange(comm, current, partner, Tag.DOUBLING_EXCHANGE)
         distance *= 2
         # the last result goes into flat, unless an unfold still sends it on
-        target = flat if distance == power and r >= extra else outgoing
+        target = flat if distance == power and r >= extra else partial
         if buffers.agreed:  # the lower rank's data first, as recursive_doubling_into adds
-            lower, higher = (outgoing, incoming) if r < partner else (incoming, outgoing)
+            lower, higher = (current, incoming) if r < partner else (incoming, current)
             reduce_into(target, higher, op, first=lower)
         current = target
     if r < extra:
-        buffers.send(comm, r + power, Tag.DOUBLING_UNFOLD)
-        flat[...] = outgoing
+        buffers.send(comm, current, r + power, Tag.DOUBLING_UNFOLD)
+        if current is not flat:
+            flat[...] = current
 
 
 ALGORITHMS = {

@@ -33,6 +33,7 @@ class Tag(IntEnum):
     GATHER_ARRAYS = 8  # named arrays collected onto one rank (checkpoints, timelines)
     PIPELINE_FORWARD = 9  # activations, stage s -> s + 1
     PIPELINE_BACKWARD = 10  # their gradients, stage s + 1 -> s
+    DOUBLING_HEADERS = 11  # recursive doubling's headers, where they travel apart (headers.py)
     # Gradient buckets whose rings are in flight at once (minimp/parallel/data/overlap.py): bucket
     # b's reduce-scatter uses GRADIENT_BUCKETS + 2b, its all-gather GRADIENT_BUCKETS + 2b + 1.
     GRADIENT_BUCKETS = 1000
