@@ -65,6 +65,21 @@ def run_example(ranks, name, *args):
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 
+def test_the_breakdown_times_each_piece_and_refuses_other_than_two_ranks_in_one_line():
+    result = run_example(2, "allreduce_breakdown.py", "--rounds", "1", "--calls", "3", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert (report["kib"], report["ranks"]) == (4, 2)
+    assert set(report["microseconds"]) == {
+        "MPI Allreduce", "checked call", "agree, then send", "planned", "python checks",
+        "buffers kept", "headed message", "addition", "agreement", "scratch", "message"}
+    assert all(value > 0 for value in report["microseconds"].values())
+    alone = run_example(1, "allreduce_breakdown.py")
+    assert alone.returncode == 2 and alone.stderr == (
+        "allreduce_breakdown: run it on 2 ranks (mpirun -n 2) with --kib, --rounds and --calls "
+        "at least 1\n")
+
+
 @pytest.mark.slow
 def test_the_examples_run(tmp_path):
     ring = run_example(3, "ring_allreduce.py")
