@@ -49,7 +49,9 @@ def test_ranks_that_disagree_fail_in_the_same_line_on_every_rank_in_the_headed_c
     for case, ranges in (
         ("length 8", "lengths 8..11, dtype codes 3..3, ops sum..sum"),
         ("length 100000", "lengths 100000..100003, dtype codes 3..3, ops sum..sum"),  # truncated
+        ("length 8192", "lengths 8192..8195, dtype codes 3..3, ops sum..sum"),  # two ways
         ("dtype 8", "lengths 8..8, dtype codes 1..3, ops sum..sum"),
+        ("dtype 8193", "lengths 8193..8193, dtype codes 1..3, ops sum..sum"),  # two ways
         ("op 8", "lengths 8..8, dtype codes 3..3, ops sum..max"),
     ):
         line = (f"{case}: recursive_doubling_allreduce: ranks disagree on the array ({ranges}); "

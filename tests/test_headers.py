@@ -51,7 +51,7 @@ PAYLOADS = (Tag.DOUBLING_FOLD, Tag.DOUBLING_EXCHANGE, Tag.DOUBLING_UNFOLD)
 
 @pytest.mark.parametrize("length, messages", [
     (10, {(tag, HEADER_BYTES + 40) for tag in PAYLOADS}),  # one message: header, payload
-    (APART, {(tag, 4 * APART) for tag in PAYLOADS} | {(Tag.DOUBLING_HEADERS, HEADER_BYTES)}),
+    (APART, {(tag, HEADER_BYTES) for tag in PAYLOADS} | {(Tag.DOUBLING_PAYLOADS, 4 * APART)}),
 ])
 def test_a_call_makes_no_all_reduce_and_its_messages_carry_a_header(length, messages):
     def run(comm):
@@ -88,9 +88,15 @@ RANGES = {
 }
 
 
+# Where the ranks' arrays lie on both sides of PACKED_BYTES, one rank's first message has its
+# payload behind the header and the other's does not: PACKED_BYTES // 4 float32s against 4 more
+# (by length), PACKED_BYTES // 4 + 1 float32s against as many float16s (by dtype).
+CROSSING = [PACKED_BYTES // 4, PACKED_BYTES // 4 + 1]
+
+
 @pytest.mark.parametrize("by", ["length", "dtype", "op"])
 @pytest.mark.parametrize("ranks, odd_rank", [(2, 1), (2, 0), (5, 4), (5, 2), (6, 1)])
-@pytest.mark.parametrize("length", [8, APART])
+@pytest.mark.parametrize("length", [8, APART, *CROSSING])
 def test_ranks_that_disagree_all_fail_with_the_same_line(by, ranks, odd_rank, length):
     # (5, 4): the odd rank folds into rank 0; (5, 2): rank 2 hears of it only through the rounds;
     # (6, 1): rank 5 hears of it only through its unfold
@@ -101,7 +107,7 @@ def test_ranks_that_disagree_all_fail_with_the_same_line(by, ranks, odd_rank, le
     assert list(results) == [(line, 1)] * ranks  # one all-reduce: the one that names it
 
 
-@pytest.mark.parametrize("length", [4, APART])
+@pytest.mark.parametrize("length", [4, APART, PACKED_BYTES // 4])
 def test_a_failed_call_leaves_the_ranks_able_to_all_reduce_again(length):
     # rank 0 all-reduces the same layout twice: what it received the first time must not have
     # changed the header it sends the second

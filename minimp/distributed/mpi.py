@@ -137,7 +137,7 @@ class MPICommunicator(Communicator):
             raise MessageSizeError(
                 f"received more than {expected} bytes from rank {source} into a {expected}-byte "
                 "buffer (MPI truncated it): the ranks disagree on the array's length or "
-                "dtype") from None
+                "dtype", truncated=True) from None
 
     def send(self, array: Array, dest: int, tag: int = 0) -> None:
         buffer = self._wire(array)
@@ -157,8 +157,8 @@ class MPICommunicator(Communicator):
             raise
         finally:  # (a try costs nothing until something is raised)
             self.waiting = None
+        self._copy_back(array, buffer)  # first: a short message's bytes are read too
         check_byte_count(self._status.Get_count(self._MPI.BYTE), buffer.nbytes, source)
-        self._copy_back(array, buffer)
 
     def isend(self, array: Array, dest: int, tag: int = 0) -> "MPIRequest":
         """MPI_Isend of the array's bytes (a host copy of a device array, kept by the request)."""
@@ -189,9 +189,9 @@ class MPICommunicator(Communicator):
             raise
         finally:
             self.waiting = None
-        check_byte_count(self._status.Get_count(self._MPI.BYTE), recv_buffer.nbytes, source)
         self._count(send_buffer)
         self._copy_back(recv_array, recv_buffer)
+        check_byte_count(self._status.Get_count(self._MPI.BYTE), recv_buffer.nbytes, source)
 
     def bcast(self, array: Array, root: int = 0) -> None:
         """Overwrite `array` on every rank with root's (in place)."""
@@ -298,8 +298,8 @@ class MPIRequest:
         if self.receive is not None:
             array, source = self.receive
             self.receive = None
-            check_byte_count(status.Get_count(self.comm._MPI.BYTE), buffer.nbytes, source)
             self.comm._copy_back(array, buffer)
+            check_byte_count(status.Get_count(self.comm._MPI.BYTE), buffer.nbytes, source)
 
 
 def world() -> MPICommunicator:

@@ -1,9 +1,11 @@
 """Run under mpirun: checked recursive doubling on ranks that disagree, one way at a time.
 
 The last rank passes a longer array (past MPICH's eager limit too: its messages are truncated on
-one side and short on the other), another dtype or another op; every rank must print the same
-line and go on to the next case. Then the checked call is compared bit for bit with the old
-path (agree, then the bare messages) on agreeing ranks."""
+one side and short on the other; and across headers.PACKED_BYTES, 8,192 float32s against 8,195:
+one rank's payload follows its header in a second message, the other's does not), another dtype
+(across it too, at 8,193 float32s) or another op; every rank must print the same line and go on
+to the next case. Then the checked call is compared bit for bit with the old path (agree, then
+the bare messages) on agreeing ranks."""
 
 import numpy as np
 
@@ -11,7 +13,8 @@ from minimp import distributed as dist
 from minimp.distributed.buffers import checked_allreduce
 from minimp.distributed.collectives import recursive_doubling_into
 
-CASES = [("length", 8), ("length", 100_000), ("dtype", 8), ("op", 8)]
+CASES = [("length", 8), ("length", 100_000), ("length", 8192), ("dtype", 8), ("dtype", 8193),
+         ("op", 8)]
 
 
 def main():
