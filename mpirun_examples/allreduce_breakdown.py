@@ -7,7 +7,8 @@
 512 KiB), beside MPI's Allreduce and two other ways to all-reduce the same buffers:
 
   checked call      allreduce as it is: the check carried in the messages' headers (headers.py)
-  agree, then send  the call as it was: an agreement all-reduce first, then the bare messages
+  agree, then send  the call as it was: an agreement all-reduce first (now with the op too), then
+                    the bare messages
   planned           a PersistentAllreduce, agreed once at construction
 
 and the pieces the checked call is made of, each timed alone on the same arrays:
@@ -16,10 +17,10 @@ and the pieces the checked call is made of, each timed alone on the same arrays:
   buffers kept      the buffers for header and payload looked up on the communicator
   headed message    one exchange of header and array with the partner, the header compared
                     (up to 32 KiB the array is copied behind its header, one message; above,
-                    the header goes as a message of its own, posted with the array's)
+                    the array follows the header in a second message)
   addition          the partner's array added to this rank's (reduce_into)
 
-and, for the call as it was, its two pieces besides the same message and addition:
+and the pieces of the call as it was that the checked call no longer has:
 
   agreement         the ranks agree on length, dtype and op: one MPI all-reduce of six scalars
   scratch           a fresh receive buffer (numpy.empty_like)
