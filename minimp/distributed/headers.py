@@ -42,10 +42,13 @@ from minimp.distributed.protocol import Communicator, MessageSizeError, Tag
 HEADER_BYTES = 48
 PAYLOAD_BYTES, FOLLOWS, DISAGREED = 3, 4, 5  # places in the header
 # Payloads up to this many bytes travel in one message behind their header, larger ones in a
-# second message. At p = 2 on this project's machine one call took, one message / two:
-# 4 KiB 5.6 / 8.4 us, 16 KiB 10.8 / 12.5, 32 KiB 16.8 / 13.7, 64 KiB 24.5 / 16.6 (MPI's
-# Allreduce 6.1, 14.2, 17.1, 22.4). The limit stays at 32 KiB, not 16, so that a 32 KiB array
-# (lesson 8's) still goes in log2(p) messages.
+# second message. At p = 2 on this project's machine (load 2) one call took, one message / two:
+# 4 KiB 4.7 / 7.6 us, 16 KiB 8.6 / 11.5, 32 KiB 10.3 / 12.8, 64 KiB 14.0 / 15.6, 256 KiB
+# 37.3 / 35.4 (MPI's Allreduce 4.0, 10.6, 12.5, 16.2, 40.3). In the machine's slow stretches,
+# when bytes one core has just written cost the other far more to read (docs/benchmarks.md,
+# "All-reduce against MPI"), the copy behind the header costs more: at 64 KiB one message took
+# 1.5x the time of a header and a payload sent apart. 32 KiB keeps lesson 8's array of 32 KiB
+# in log2(p) messages.
 PACKED_BYTES = 32 * 1024
 # Buffers for payloads up to this many bytes are kept (a packed payload's twice, a larger one's
 # once, to receive into): 16 plans hold 16 MiB at most. Larger arrays get a new buffer at every
