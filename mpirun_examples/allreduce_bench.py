@@ -18,8 +18,10 @@ the same stretches; the model adds terms, and the mean of a sum is the sum of th
 of a sum is not the sum of the medians). With --shipped the prediction is that of the model minimp
 ships for this many ranks (minimp.measure.machinemodel.SHIPPED, the one FastestPredicted() chooses
 by) instead of the one fitted in this run; --no-calibration skips the terms. "auto" is the
-transport's own rule (distributed.choose_algorithm), "planned" is auto again as a
-PersistentAllreduce (the ranks agree once, not at every call).
+transport's own rule (distributed.choose_algorithm) in the checked call (recursive doubling,
+below 512 KiB, carries the ranks' check in its messages; the ring agrees first), "planned" is
+auto again as a PersistentAllreduce (the ranks agree once, not at every call). Where a small
+call's time goes: mpirun_examples/allreduce_breakdown.py.
 """
 
 import argparse

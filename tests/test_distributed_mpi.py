@@ -42,11 +42,44 @@ def test_mismatched_lengths_are_reported_on_every_rank():
     assert result.stdout.count("ranks disagree on the array") == 3
 
 
+@pytest.mark.parametrize("ranks", [2, 3])  # 3: the last rank folds into rank 0
+def test_ranks_that_disagree_fail_in_the_same_line_on_every_rank_in_the_headed_call(ranks):
+    result = mpirun(ranks, "mismatched_headers.py", timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for case, ranges in (
+        ("length 8", "lengths 8..11, dtype codes 3..3, ops sum..sum"),
+        ("length 100000", "lengths 100000..100003, dtype codes 3..3, ops sum..sum"),  # truncated
+        ("length 8192", "lengths 8192..8195, dtype codes 3..3, ops sum..sum"),  # two ways
+        ("dtype 8", "lengths 8..8, dtype codes 1..3, ops sum..sum"),
+        ("dtype 8193", "lengths 8193..8193, dtype codes 1..3, ops sum..sum"),  # two ways
+        ("op 8", "lengths 8..8, dtype codes 3..3, ops sum..max"),
+    ):
+        line = (f"{case}: recursive_doubling_allreduce: ranks disagree on the array ({ranges}); "
+                "every rank must pass the same length, dtype and op")
+        assert result.stdout.count(line) == ranks, result.stdout
+    assert result.stdout.count("the same bits") == ranks
+
+
 def run_example(ranks, name, *args):
     """mpirun -n ranks python mpirun_examples/name args..., its output captured."""
     examples = os.path.join(os.path.dirname(__file__), "..", "mpirun_examples")
     command = [MPIRUN, "-n", str(ranks), PYTHON, os.path.join(examples, name), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_the_breakdown_times_each_piece_and_refuses_other_than_two_ranks_in_one_line():
+    result = run_example(2, "allreduce_breakdown.py", "--rounds", "1", "--calls", "3", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert (report["kib"], report["ranks"]) == (4, 2)
+    assert set(report["microseconds"]) == {
+        "MPI Allreduce", "checked call", "agree, then send", "planned", "python checks",
+        "buffers kept", "headed message", "addition", "agreement", "scratch", "message"}
+    assert all(value > 0 for value in report["microseconds"].values())
+    alone = run_example(1, "allreduce_breakdown.py")
+    assert alone.returncode == 2 and alone.stderr == (
+        "allreduce_breakdown: run it on 2 ranks (mpirun -n 2) with --kib, --rounds and --calls "
+        "at least 1\n")
 
 
 @pytest.mark.slow

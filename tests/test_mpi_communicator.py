@@ -281,3 +281,66 @@ def test_a_sendrecv_message_shorter_than_its_buffer_is_an_error_naming_the_sourc
     with pytest.raises(ValueError, match="received 12 bytes from rank 0 into a 16-byte buffer"):
         comm.sendrecv(np.ones(3, np.float32), 0, np.zeros(4, np.float32), 0)
 
+
+
+class Truncating(OneRank):
+    """A one-rank communicator whose every receive fails with the MPI error class it is given."""
+
+    def __init__(self, error_class):
+        super().__init__()
+        self.error_class = error_class
+
+    def fail(self):
+        from mpi4py import MPI
+
+        self.calls.append(self.waits_for())
+        raise MPI.Exception(self.error_class)
+
+    def Sendrecv(self, sendbuf, **kwargs):
+        self.fail()
+
+    def Recv(self, message, **kwargs):
+        self.fail()
+
+    def Irecv(self, message, **kwargs):
+        return type("Request", (), {"Wait": lambda _, status: self.fail()})()
+
+
+def truncating(error_class):
+    mpi = Truncating(error_class)
+    comm = MPICommunicator(mpi)
+    mpi.owner = comm
+    return comm, mpi
+
+
+@pytest.mark.parametrize("receive", ["sendrecv", "recv", "irecv"])
+def test_a_message_longer_than_its_buffer_is_the_size_error_a_short_one_is(receive):
+    # MPI truncates it and raises MPI_ERR_TRUNCATE; a collective catches MessageSizeError alone
+    from mpi4py import MPI
+
+    comm, mpi = truncating(MPI.ERR_TRUNCATE)
+    stop = watched(comm)
+    buffer = np.zeros(4, np.float32)
+    try:
+        with pytest.raises(dist.protocol.MessageSizeError) as caught:
+            if receive == "sendrecv":
+                comm.sendrecv(np.ones(4, np.float32), 0, buffer, 0)
+            elif receive == "recv":
+                comm.recv(buffer, 0)
+            else:
+                comm.irecv(buffer, 0).wait()
+    finally:
+        stop()
+    assert str(caught.value) == (
+        "received more than 16 bytes from rank 0 into a 16-byte buffer (MPI truncated it): the "
+        "ranks disagree on the array's length or dtype")
+    assert mpi.calls[-1] is not None and comm.waiting is None  # watched, then cleared
+
+
+def test_any_other_mpi_error_is_raised_as_mpi_raised_it():
+    from mpi4py import MPI
+
+    comm, _ = truncating(MPI.ERR_OTHER)
+    with pytest.raises(MPI.Exception) as caught:
+        comm.recv(np.zeros(4, np.float32), 0)
+    assert caught.value.Get_error_class() == MPI.ERR_OTHER and comm.waiting is None

@@ -5,15 +5,19 @@ simulated world and under mpirun, and returns a new array, or `out` when given (
 modified); its `_into` body (p >= 2) is the messages and additions alone. The ring itself, with its
 two halves, lives in minimp/distributed/ring.py.
 
+The ranks must pass the same length, dtype and op. The ring and the naive all-reduce first agree
+on them (one small all-reduce: on this project's machine about as long as MPI's whole all-reduce of
+4 KiB); recursive doubling, which `allreduce` picks for small arrays, carries the check inside its
+messages (minimp/distributed/headers.py), each of which starts with its sender's layout, and keeps
+their buffers on the communicator from call to call.
+
 A persistent all-reduce, last: agree on the array and plan once, then run it call after call.
-MPI-4 calls this a persistent collective (MPI_Allreduce_init once, MPI_Start each time). Every
-call of `allreduce` first has the ranks agree on the array's length and dtype (one small
-all-reduce: on this project's machine about as long as MPI's whole all-reduce of 4 KiB) and picks
-an algorithm. A caller that all-reduces arrays of one layout again and again (a gradient bucket,
-every step) can do both once: `PersistentAllreduce(comm, shape, dtype)` agrees and chooses at
-construction, on every rank together; each call then checks on this rank alone that its array is
-the one planned (the construction checked that the ranks planned alike) and moves the bytes, with
-the same messages and additions, so the same bits, as the checked call.
+MPI-4 calls this a persistent collective (MPI_Allreduce_init once, MPI_Start each time). A caller
+that all-reduces arrays of one layout again and again (a gradient bucket, every step) can check
+and choose once: `PersistentAllreduce(comm, shape, dtype)` agrees and chooses at construction, on
+every rank together; each call then checks on this rank alone that its array is the one planned
+(the construction checked that the ranks planned alike) and moves the bytes, with the same
+messages (less their headers) and additions, so the same bits, as the checked call.
 """
 
 import functools
@@ -25,7 +29,9 @@ from numpy.typing import DTypeLike
 
 from minimp.backend import Array, array_module
 from minimp.distributed.buffers import AllreduceBody, agree_on_layout, checked_allreduce
-from minimp.distributed.buffers import contiguous_flat, output_buffer, reduce_into
+from minimp.distributed.buffers import contiguous_flat, flat_copy, output_buffer
+from minimp.distributed.buffers import raise_disagreement, reduce_into
+from minimp.distributed.headers import HeadedBuffers, headed_buffers
 from minimp.distributed.protocol import REDUCE_OPS, Communicator, Tag, check_op
 from minimp.distributed.ring import ring_allreduce, ring_allreduce_into
 from minimp.precision.casting import round_to, widen
@@ -62,9 +68,19 @@ def recursive_doubling_allreduce(comm: Communicator, x: Array, op: str = "sum",
 
     For p not a power of two, the first p - 2^k ranks above 2^k fold their data into a partner first
     and get the result back at the end (Thakur, Rabenseifner & Gropp 2005, section 4.1).
+    The ranks' agreement on the array and the op travels in the messages (headers.py): no
+    all-reduce of its own, unless there is a disagreement to name (CollectiveMismatchError on
+    every rank).
     """
-    return checked_allreduce(recursive_doubling_into, "recursive_doubling_allreduce",
-                             comm, x, op, out)
+    check_op(op)
+    if comm.size == 1:
+        return flat_copy(x, out).reshape(x.shape)
+    flat = output_buffer(x, out)
+    buffers = headed_buffers(comm, x, op)
+    recursive_doubling_headed(comm, contiguous_flat(x), flat, op, buffers)
+    if not buffers.agreed:  # every rank knows it now, and all raise the same line
+        raise_disagreement(comm, x.size, x.dtype, op, "recursive_doubling_allreduce")
+    return flat.reshape(x.shape)
 
 
 def recursive_doubling_into(comm: Communicator, x_flat: Array, flat: Array,
@@ -96,6 +112,47 @@ def recursive_doubling_into(comm: Communicator, x_flat: Array, flat: Array,
         current, distance = flat, distance * 2
     if r < extra:
         comm.send(flat, r + power, tag=Tag.DOUBLING_UNFOLD)
+
+
+def recursive_doubling_headed(comm: Communicator, x_flat: Array, flat: Array, op: str,
+                              buffers: HeadedBuffers) -> None:
+    """recursive_doubling_into's messages and additions, each message behind a header: the same
+    partners, the same additions in the same order, so the same bits in flat. A partial result
+    that is sent on is computed straight behind its header where the two travel as one message;
+    an addition after a disagreement is skipped (its operands are not the same array's), its
+    messages are not."""
+    p, r = comm.size, comm.rank
+    power = 1 << (p.bit_length() - 1)  # the largest power of two <= p
+    extra = p - power
+    buffers.begin()
+    incoming = buffers.incoming
+    partial = flat if buffers.outgoing is None else buffers.outgoing  # where sent-on sums go
+    if r >= power:  # fold into rank r - power, wait for the answer
+        buffers.send(comm, x_flat, r - power, Tag.DOUBLING_FOLD)
+        buffers.receive(comm, r - power, Tag.DOUBLING_UNFOLD)
+        flat[...] = incoming
+        return
+    current = x_flat  # this rank's own input (only read), then its partial result
+    if r < extra:
+        buffers.receive(comm, r + power, Tag.DOUBLING_FOLD)
+        if buffers.agreed:
+            reduce_into(partial, incoming, op, first=current)
+        current = partial
+    distance = 1
+    while distance < power:
+        partner = r ^ distance
+        buffers.exchange(comm, current, partner, Tag.DOUBLING_EXCHANGE)
+        distance *= 2
+        # the last result goes into flat, unless an unfold still sends it on
+        target = flat if distance == power and r >= extra else partial
+        if buffers.agreed:  # the lower rank's data first, as recursive_doubling_into adds
+            lower, higher = (current, incoming) if r < partner else (incoming, current)
+            reduce_into(target, higher, op, first=lower)
+        current = target
+    if r < extra:
+        buffers.send(comm, current, r + power, Tag.DOUBLING_UNFOLD)
+        if current is not flat:
+            flat[...] = current
 
 
 ALGORITHMS = {
@@ -152,7 +209,7 @@ def allreduce(comm: Communicator, x: Array, op: str = "sum",
 class PersistentAllreduce:
     """All-reduce of arrays of one shape and dtype, planned once: `plan(x, out=None)` returns the
     reduction like allreduce(comm, x, op, algorithm, out=out). Constructing it is a collective
-    (every rank of comm, with the same shape and dtype, or CollectiveMismatchError on all)."""
+    (every rank of comm, with the same shape, dtype and op, or CollectiveMismatchError on all)."""
 
     def __init__(self, comm: Communicator, shape: tuple[int, ...], dtype: DTypeLike,
                  op: str = "sum", algorithm: "str | AlgorithmPolicy" = "auto"):
@@ -164,7 +221,7 @@ class PersistentAllreduce:
         self.shape, self.dtype = tuple(int(n) for n in shape), np.dtype(dtype)
         size = math.prod(self.shape)
         self.algorithm = resolve_algorithm(algorithm, size * self.dtype.itemsize, comm.size)
-        agree_on_layout(comm, size, self.dtype, "PersistentAllreduce")
+        agree_on_layout(comm, size, self.dtype, "PersistentAllreduce", op)
         self._body = BODIES[self.algorithm]
 
     def __call__(self, x: Array, out: Array | None = None) -> Array:

@@ -30,8 +30,9 @@ from numpy.typing import ArrayLike
 
 from minimp import backend
 from minimp.backend import Array
-from minimp.distributed.protocol import Communicator, check_byte_count, check_op
-from minimp.distributed.protocol import contiguous_for_wire
+from minimp.distributed.headers import PlanCache
+from minimp.distributed.protocol import Communicator, MessageSizeError, check_byte_count
+from minimp.distributed.protocol import check_op, contiguous_for_wire
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -81,6 +82,8 @@ class MPICommunicator(Communicator):
         self._status = MPI.Status()  # reused: one allocation less per message
         self._watchdog: Watchdog | None = None
         self.waiting: Waiting | None = None  # the blocking call in progress, for the watchdog
+        # the checked all-reduce's buffers, kept from call to call (minimp/distributed/headers.py)
+        self.allreduce_plans = PlanCache()
 
     def start_watchdog(self, timeout: float) -> None:
         """Abort the job when a call of this communicator, or of one split from it later, waits
@@ -126,6 +129,16 @@ class MPICommunicator(Communicator):
     def _bytes(self, buffer: Array) -> list:
         return [buffer, self._MPI.BYTE]
 
+    def _raise_if_truncated(self, error: "MPI.Exception", expected: int, source: int) -> None:
+        """A message longer than its receive buffer (MPI_ERR_TRUNCATE: MPI delivers the bytes
+        that fit and reports the error) raises the MessageSizeError a short message raises, so
+        a collective can tell the ranks' disagreement from a failure of MPI."""
+        if error.Get_error_class() == self._MPI.ERR_TRUNCATE:
+            raise MessageSizeError(
+                f"received more than {expected} bytes from rank {source} into a {expected}-byte "
+                "buffer (MPI truncated it): the ranks disagree on the array's length or "
+                "dtype", truncated=True) from None
+
     def send(self, array: Array, dest: int, tag: int = 0) -> None:
         buffer = self._wire(array)
         self._wait("send to", dest)
@@ -137,10 +150,15 @@ class MPICommunicator(Communicator):
         """Receive into `array` (its size must equal the message's)."""
         buffer = self._wire(array)
         self._wait("receive from", source)
-        self._comm.Recv(self._bytes(buffer), source=source, tag=tag, status=self._status)
-        self.waiting = None
+        try:
+            self._comm.Recv(self._bytes(buffer), source=source, tag=tag, status=self._status)
+        except self._MPI.Exception as error:
+            self._raise_if_truncated(error, buffer.nbytes, source)
+            raise
+        finally:  # (a try costs nothing until something is raised)
+            self.waiting = None
+        self._copy_back(array, buffer)  # first: a short message's bytes are read too
         check_byte_count(self._status.Get_count(self._MPI.BYTE), buffer.nbytes, source)
-        self._copy_back(array, buffer)
 
     def isend(self, array: Array, dest: int, tag: int = 0) -> "MPIRequest":
         """MPI_Isend of the array's bytes (a host copy of a device array, kept by the request)."""
@@ -162,13 +180,18 @@ class MPICommunicator(Communicator):
         send_buffer, recv_buffer = self._wire(send_array), self._wire(recv_array)
         if self._watchdog is not None:  # the description is built only for a watchdog to print
             self._wait(f"send to rank {dest} and receive from", source)
-        self._comm.Sendrecv((send_buffer, self._MPI.BYTE), dest=dest, sendtag=tag,
-                            recvbuf=(recv_buffer, self._MPI.BYTE), source=source,
-                            recvtag=tag if recv_tag is None else recv_tag, status=self._status)
-        self.waiting = None
-        check_byte_count(self._status.Get_count(self._MPI.BYTE), recv_buffer.nbytes, source)
+        try:
+            self._comm.Sendrecv((send_buffer, self._MPI.BYTE), dest=dest, sendtag=tag,
+                                recvbuf=(recv_buffer, self._MPI.BYTE), source=source,
+                                recvtag=tag if recv_tag is None else recv_tag, status=self._status)
+        except self._MPI.Exception as error:  # the send has completed: MPI waits for both
+            self._raise_if_truncated(error, recv_buffer.nbytes, source)
+            raise
+        finally:
+            self.waiting = None
         self._count(send_buffer)
         self._copy_back(recv_array, recv_buffer)
+        check_byte_count(self._status.Get_count(self._MPI.BYTE), recv_buffer.nbytes, source)
 
     def bcast(self, array: Array, root: int = 0) -> None:
         """Overwrite `array` on every rank with root's (in place)."""
@@ -242,24 +265,41 @@ class MPIRequest:
             return
         self.comm._wait(self.what)
         status = self.comm._MPI.Status()
-        self.request.Wait(status)
-        self.comm.waiting = None
+        try:
+            self.request.Wait(status)
+        except self.comm._MPI.Exception as error:
+            self._fail(error)
+        finally:
+            self.comm.waiting = None
         self._finish(self.buffer, status)
 
     def test(self) -> bool:
         if self.buffer is not None:
             status = self.comm._MPI.Status()
-            if self.request.Test(status):
+            try:
+                complete = self.request.Test(status)
+            except self.comm._MPI.Exception as error:
+                self._fail(error)
+            if complete:
                 self._finish(self.buffer, status)
         return self.buffer is None
+
+    def _fail(self, error: "MPI.Exception") -> NoReturn:
+        """The request completed with an error: it is over (wait() again returns at once); a
+        receive truncated raises MessageSizeError, any other error as MPI raised it."""
+        buffer, receive = self.buffer, self.receive
+        self.buffer, self.receive = None, None
+        if receive is not None and buffer is not None:
+            self.comm._raise_if_truncated(error, buffer.nbytes, receive[1])
+        raise error
 
     def _finish(self, buffer: Array, status: "MPI.Status") -> None:
         self.buffer = None
         if self.receive is not None:
             array, source = self.receive
             self.receive = None
-            check_byte_count(status.Get_count(self.comm._MPI.BYTE), buffer.nbytes, source)
             self.comm._copy_back(array, buffer)
+            check_byte_count(status.Get_count(self.comm._MPI.BYTE), buffer.nbytes, source)
 
 
 def world() -> MPICommunicator:

@@ -33,6 +33,7 @@ class Tag(IntEnum):
     GATHER_ARRAYS = 8  # named arrays collected onto one rank (checkpoints, timelines)
     PIPELINE_FORWARD = 9  # activations, stage s -> s + 1
     PIPELINE_BACKWARD = 10  # their gradients, stage s + 1 -> s
+    DOUBLING_PAYLOADS = 11  # recursive doubling's payloads that follow their header (headers.py)
     # Gradient buckets whose rings are in flight at once (minimp/parallel/data/overlap.py): bucket
     # b's reduce-scatter uses GRADIENT_BUCKETS + 2b, its all-gather GRADIENT_BUCKETS + 2b + 1.
     GRADIENT_BUCKETS = 1000
@@ -60,11 +61,22 @@ def byte_view(array: Array) -> Array:
     return contiguous_for_wire(array).reshape(-1).view(np.uint8)
 
 
+class MessageSizeError(ValueError):
+    """A message did not fill its receive buffer exactly: the ranks disagree on the array.
+    `truncated`: it was longer than the buffer (MPI wrote what fit, which MPI does not promise);
+    else it was shorter, and its bytes are at the buffer's start, as MPI puts them."""
+
+    def __init__(self, message: str, truncated: bool):
+        super().__init__(message)
+        self.truncated = truncated
+
+
 def check_byte_count(received: int, expected: int, source: int) -> None:
     """A message must fill its receive buffer exactly: anything else means the ranks disagree."""
     if received != expected:
-        raise ValueError(f"received {received} bytes from rank {source} into a {expected}-byte "
-                         "buffer: the ranks disagree on the array's length or dtype")
+        raise MessageSizeError(f"received {received} bytes from rank {source} into a "
+                               f"{expected}-byte buffer: the ranks disagree on the array's length "
+                               "or dtype", truncated=received > expected)
 
 
 class Request(Protocol):

@@ -21,7 +21,8 @@ import functools
 from typing import Sequence
 
 from minimp.backend import Array, array_module
-from minimp.distributed.buffers import agree_on_array, checked_allreduce, contiguous_flat
+from minimp.distributed.buffers import agree_on_array, agree_on_layout, checked_allreduce
+from minimp.distributed.buffers import contiguous_flat
 from minimp.distributed.buffers import reduce_into
 from minimp.distributed.protocol import Communicator, Tag, check_op
 from minimp.distributed.staging import host_staged, stages_through_host
@@ -103,7 +104,7 @@ def ring_allreduce_into(comm: Communicator, flat_x: Array, flat_out: Array,
 def reduce_scatter(comm: Communicator, x: Array, op: str = "sum") -> Array:
     """This rank's chunk (chunk_bounds(x.size, p)[rank]) of the reduction of x over all ranks."""
     check_op(op)
-    agree_on_array(comm, x, "reduce_scatter")
+    agree_on_layout(comm, x.size, x.dtype, "reduce_scatter", op)
     flat_x = contiguous_flat(x)
     bounds = chunk_bounds(flat_x.size, comm.size)
     start, stop = bounds[comm.rank]

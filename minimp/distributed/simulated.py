@@ -25,6 +25,7 @@ from numpy.typing import ArrayLike
 
 from minimp import backend
 from minimp.backend import Array
+from minimp.distributed.headers import PlanCache
 from minimp.distributed.protocol import REDUCE_OPS, Communicator, Tag, byte_view, check_byte_count
 from minimp.distributed.protocol import check_op
 
@@ -159,6 +160,9 @@ class PostedReceive:
 
     def deliver(self, envelope: _Envelope) -> None:
         envelope.taken, self.done = True, True
+        payload = envelope.payload
+        if payload.nbytes < self.target.nbytes:  # MPI puts a short message's bytes at the start
+            self.target[:payload.nbytes] = payload
         try:
             check_byte_count(envelope.payload.nbytes, self.target.nbytes, self.source)
             self.target[...] = envelope.payload
@@ -227,6 +231,8 @@ class SimulatedCommunicator(Communicator):
         self.messages_sent = 0
         self.scalar_allreduces = 0  # allreduce_scalars calls (bytes uncounted, as under MPI)
         self._collective_calls = 0
+        # the checked all-reduce's buffers, kept from call to call (minimp/distributed/headers.py)
+        self.allreduce_plans = PlanCache()
 
     def __repr__(self) -> str:
         return f"SimulatedCommunicator(rank={self.rank}, size={self.size})"
