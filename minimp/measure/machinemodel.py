@@ -31,8 +31,11 @@ costs what these terms say:
                 missed it by 14-34% at the worst of the very sizes they were fitted on
 
   ring(n)                = agree + python + (p-1) ring_step(n/p)
-  recursive_doubling(n)  = agree + python + log2(p) (message(n) + adds(n))  [p a power of 2]
+  recursive_doubling(n)  = python + log2(p) (message(n) + adds(n))  [p a power of 2]
   naive(n)               = agree + python + (p-1) (message(n) + adds(n)) + ceil(log2 p) message(n)
+
+Recursive doubling pays no agreement: its ranks check each other's length, dtype and op in a
+48-byte header on their own messages (minimp/distributed/headers.py), which message(n) prices.
 
 where adds(c) = reduce(c) - reduce(0) (the call's fixed cost is in python already). A model
 without a ring_step term (one built by hand) prices the ring as 2(p-1) message(n/p) + (p-1)
@@ -130,7 +133,8 @@ class MachineModel:
         else:  # naive
             broadcast = math.ceil(math.log2(p)) * self.message(nbytes)
             steps = (p - 1) * (self.message(nbytes) + self.adds(nbytes)) + broadcast
-        return self.agree + fixed + steps
+        agreement = 0.0 if algorithm == "recursive_doubling" else self.agree  # see above
+        return agreement + fixed + steps
 
     def ring_allreduce(self, nbytes: float) -> float:
         return self.allreduce_time("ring", nbytes)
