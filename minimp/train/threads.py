@@ -1,12 +1,13 @@
 """How many BLAS threads each rank runs: one per grain of work in the step's largest product.
 
 `--threads 0` (the default) gives a rank one thread per GRAIN multiply-adds of the largest matrix
-product its step makes, at least one and at most this machine's cores divided by its ranks, as
-PyTorch's at::parallel_for gives a loop one task per grain_size elements. Why a grain this large:
+product its step makes, at least one and at most this machine's cores divided by its ranks: the
+idea of PyTorch's at::parallel_for, which gives a loop no more tasks than it has grain_size chunks
+(rounded up; here down, so that every thread gets a whole grain). Why a grain this large:
 OpenBLAS's threads wait for work by spinning, so where the cores are shared (other processes, or
 ranks) a second thread steals the core the first one needs, and every product then waits for a
-thread the scheduler has set aside. Small products lose to that: the default digits MLP beside two
-busy processes took 7-18 s for 100 steps with two threads and 0.1-0.4 s with one.
+thread the scheduler has set aside. Small products lose to that: beside two busy processes, the
+default digits MLP's first 100 steps took 0.5-18 s with two threads, 0.14-0.36 s with one.
 
 Why a rule and not a probe timing the model's product at start-up: BLAS results depend on the
 thread count (OpenBLAS's sgemm of 64x64 @ 64x128 differs in its last bits between 1 and 2
@@ -23,7 +24,7 @@ from minimp.train.sizes import DIGITS_SHAPE, SHAKESPEARE_VOCABULARY
 if TYPE_CHECKING:  # config.py imports checks.py, which imports sizes.py
     from minimp.train.config import TrainConfig
 
-# Multiply-adds of the largest product per BLAS thread: 2^30, about 17 ms of one core's sgemm on
+# Multiply-adds of the largest product per BLAS thread: 2^30, about 18 ms of one core's sgemm on
 # this project's 2-core machine. Measured there (a product, then elementwise work on its result, as
 # in a step; 2 threads' time / 1 thread's, with two busy processes beside it, and under other
 # agents' load 5-7): 768x128 @ 128x512 (50M) 16.5 and 11.5; 768x512 @ 512x2048 (805M) 1.10 and
