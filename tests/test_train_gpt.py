@@ -192,9 +192,9 @@ def test_the_command_trains_a_gpt_with_evaluations_and_a_final_validation_loss(g
     records = [json.loads(line) for line in (gpt_checkpoint / "m").read_text().splitlines()]
     assert [r["step"] for r in records if "val_loss" in r and "step" in r] == [10, 20]
     assert "lr" in records[0] and records[0]["lr"] < records[9]["lr"]  # warming up
-    final = set(records[-1])  # the whole split, no test accuracy, and the memory account
+    final = set(records[-1])  # the whole split, no test accuracy, the memory account, threads
     assert final == {"val_loss", "model_state_bytes", "model_state_by_kind"} | {
-        "peak_model_state_bytes"
+        "peak_model_state_bytes", "threads", "threads_reason"
     }
 
 

@@ -15,7 +15,9 @@ from minimp.distributed.simulated import SimulatedCommunicator
 from minimp.tensor import Tensor
 from minimp.checkpoints.errors import AgreedError
 from minimp.train import TrainConfig, train
+from minimp.train import threads as threads_rule
 from minimp.train.loop import Run
+from minimp.train.threads import GRAIN
 
 TINY = dict(
     hidden=16, layers=1, batch_size=32, lr=0.01, lr_schedule="cosine", warmup=1, min_lr=1e-4
@@ -85,13 +87,17 @@ def test_a_skipped_step_still_moves_the_learning_rate_schedule():
 
 
 @pytest.mark.parametrize(
-    "threads, cores, expected", [(0, 3, 1), (0, 1, 1), (0, 8, 4), (3, 8, 3)]
+    "threads, cores, grain, expected",
+    [(0, 3, 1, 1), (0, 1, 1, 1), (0, 8, 1, 4), (3, 8, 1, 3), (0, 8, GRAIN, 1), (3, 8, GRAIN, 3)],
 )
-def test_each_rank_takes_its_share_of_the_cores_unless_threads_is_given(
-    monkeypatch, threads, cores, expected
+def test_each_rank_takes_at_most_its_share_of_the_cores_unless_threads_is_given(
+    monkeypatch, threads, cores, grain, expected
 ):
-    """Two ranks on this node (pretended): 3 cores give each 1 thread, 8 give each 4."""
+    """Two ranks on this node (pretended): 3 cores give each 1 thread, 8 give each 4, where the
+    grain is 1 multiply-add (every product asks for all it may have); with the real grain this
+    tiny model's products ask for 1 (minimp/train/threads.py)."""
     asked = []
+    monkeypatch.setattr(threads_rule, "GRAIN", grain)
     monkeypatch.setattr(backend, "available_cores", lambda: cores)
     monkeypatch.setattr(SimulatedCommunicator, "ranks_on_this_node", lambda self: 2)
     real = backend.limit_cpu_threads
@@ -104,8 +110,10 @@ def test_each_rank_takes_its_share_of_the_cores_unless_threads_is_given(
 
 def test_simulated_ranks_share_one_process_so_each_takes_every_core(monkeypatch):
     """The simulated ranks are threads of this one process (one BLAS thread pool): they count as
-    one rank on this node, so on 8 cores each asks for 8 threads, not 8 / 2."""
+    one rank on this node, so on 8 cores each may have 8 threads, not 8 / 2 (a grain of 1
+    multiply-add: every product asks for all it may have)."""
     asked = []
+    monkeypatch.setattr(threads_rule, "GRAIN", 1)
     monkeypatch.setattr(backend, "available_cores", lambda: 8)
     real = backend.limit_cpu_threads
     monkeypatch.setattr(backend, "limit_cpu_threads", lambda n: asked.append(n) or real(n))

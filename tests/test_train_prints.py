@@ -17,7 +17,9 @@ from test_train_gpt import TINY as GPT
 from minimp import distributed as dist
 from minimp import sample
 from minimp.train import TrainConfig, train
-from minimp.train import progress
+from minimp.train import progress, threads
+from minimp.train.threads import choose_threads
+from minimp.backend import available_cores
 
 MLP = dict(hidden=16, layers=2, batch_size=32, log_every=1000)
 SKIPPED = "step 2: skipped, non-finite gradients on {}; loss scale 65536 -> 32768"
@@ -151,6 +153,8 @@ def test_mpirun_prints_the_config_one_skip_line_and_the_summary_from_rank_0():
         "  differs from the digits defaults: --steps 3 --batch-size 32 --layers 1 --hidden 16 "
         "--no-overlap --inject-overflow 2:1",
     ]
+    settings = TrainConfig(hidden=16, layers=1, batch_size=32)  # 16 rows a replica, 2 ranks here
+    assert lines[2] == f"  {threads.describe(choose_threads(settings, available_cores(), 2, 2))}"
     assert lines.count(SKIPPED.format("rank 1")) == 1
     assert lines[-5].startswith("  wall time ") and lines[-2].endswith(" by each of 2 ranks")
 

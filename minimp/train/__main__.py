@@ -26,7 +26,8 @@ from minimp.distributed.launch import flush_and_pause
 from minimp.distributed.protocol import Communicator
 from minimp.train.cli import parse_config
 from minimp.train.config import TrainConfig
-from minimp.train.loop import train
+from minimp.train import threads
+from minimp.train.loop import rank_threads, train
 from minimp.train.plot import plot_formats
 from minimp.train.sizes import check_memory
 from minimp.train.tasks import resume_flags
@@ -93,8 +94,10 @@ def _run(config: TrainConfig, comm: MPICommunicator) -> int:
         if config.timeout and comm.size > 1:
             comm.start_watchdog(config.timeout)
         printer = Printer()
+        chosen = rank_threads(config, comm)  # on every rank: counting a node's ranks is collective
         if comm.rank == 0:
             printer(f"{PROGRAM}: {config.describe(comm.size)}")
+            printer(f"  {threads.describe(chosen)}")
         interactive = sys.stdout.isatty()  # a terminal: one progress bar instead of lines
         result = train(config, log=printer, comm=comm, interactive=interactive)
         failures = [f"{flag} {getattr(config, flag[2:])} ({why})"

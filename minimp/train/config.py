@@ -111,7 +111,10 @@ class TrainConfig:
     force: bool = _flag(False, "let --save, --metrics, --timeline, --plot replace a file that "
                         "holds another kind of output (never --resume's checkpoint)")
     log_every: int = _by_dataset("print a progress line every this many steps")
-    threads: int = _flag(0, "BLAS threads per rank (0 = this machine's cores / its ranks)")
+    threads: int = _flag(
+        0, "BLAS threads per rank; 0 = one per 2^30 multiply-adds of the step's largest matrix "
+        "product, at least 1, at most this machine's cores / its ranks (so 1 for every model the "
+        "README runs: a second thread spins, and loses badly where the cores are shared)")
     dp: int = _flag(0, "data-parallel replicas (0 = the job's ranks / (--tp x --pp))")
     pp: int = _flag(1, "pipeline stages: the layers are split into this many contiguous stages")
     tp: int = _flag(1, "tensor-parallel ranks: every block's Linears are cut across them (GPT: "

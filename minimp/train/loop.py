@@ -32,30 +32,39 @@ from minimp.train.fp8 import Fp8Run
 from minimp.train.guards import Guards
 from minimp.train.meter import Meter
 from minimp.train.tasks import TASKS, resume_flags
+from minimp.train.threads import ThreadChoice, choose_threads
 
 
 def train(config: TrainConfig, log: Callable[[str], None] = print, comm: Communicator | None = None,
           interactive: bool = False) -> dict:
     """Run the configured training on this process's rank; returns a dict with history, skipped
-    count, the final score (test_accuracy or val_loss) and the masters (all stages' on rank 0).
+    count, the final score (test_accuracy or val_loss), the masters (all stages' on rank 0) and
+    the BLAS threads this rank ran with (`threads`, `threads_reason`: minimp/train/threads.py).
     `comm` defaults to the MPI world; `interactive`: show a progress bar instead of lines."""
     comm = comm or world()
-    threads = config.threads or max(1, backend.available_cores() // comm.ranks_on_this_node())
+    chosen = rank_threads(config, comm)
     # Overflow to inf in float16 is expected and handled (skipped steps): no NumPy warning per cast.
-    with backend.limit_cpu_threads(threads), np.errstate(over="ignore", invalid="ignore"):
-        run = Run(config, comm, log, interactive)
+    with backend.limit_cpu_threads(chosen.threads), np.errstate(over="ignore", invalid="ignore"):
+        run = Run(config, comm, log, interactive, chosen)
         for step in range(run.start_step + 1, config.steps + 1):
             run.step(step)
         return saving.finish(run)
+
+
+def rank_threads(config: TrainConfig, comm: Communicator) -> ThreadChoice:
+    """The BLAS threads this rank runs (threads.py's rule on this machine's cores and ranks)."""
+    return choose_threads(config, backend.available_cores(), comm.ranks_on_this_node(), comm.size)
 
 
 class Run:
     """One rank's share of a training run: its stage of the model, its optimizer, its groups."""
 
     def __init__(self, config: TrainConfig, comm: Communicator, log: Callable[[str], None],
-                 interactive: bool = False):
-        """interactive: a person watches this process's terminal (a progress bar, not lines)."""
+                 interactive: bool = False, threads: ThreadChoice | None = None):
+        """interactive: a person watches this process's terminal (a progress bar, not lines).
+        threads: the BLAS threads train() runs it with (the final metrics row says them)."""
         self.started = time.perf_counter()  # the summary's wall time counts the setup too
+        self.threads = threads or rank_threads(config, comm)
         self.config, self.comm, self.dp = config, comm, config.data_parallel_size(comm.size)
         self.log = log if comm.rank == 0 else (lambda line: None)
         self.topology = Topology(comm, dp=self.dp, pp=config.pp, tp=config.tp)

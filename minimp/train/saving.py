@@ -73,7 +73,7 @@ def save_checkpoint(run: "Run", step: int, merged: dict | None) -> None:
 def finish(run: "Run") -> dict:
     """Gather every stage onto rank 0; evaluate, save the checkpoint, the timeline and the plot
     there; returns the run's summary (history, skipped count, the final score, rank 0's masters,
-    the memory fields)."""
+    the memory fields, the BLAS threads and why)."""
     config = run.config
     run.guards.stop_if_nothing_to_keep(run.history.records)  # before any save
     merged = gather_state(run)
@@ -81,7 +81,8 @@ def finish(run: "Run") -> dict:
     score = evaluate(run, batches=None, merged=merged)  # the whole test or validation set
     metric = run.task.final_metric
     held = run.meter.model_state(run.history.records)
-    run.history.close({metric: score, **held})
+    threads = {"threads": run.threads.threads, "threads_reason": run.threads.reason}
+    run.history.close({metric: score, **held, **threads})
     skipped = run.history.skipped
     if config.save:
         save_checkpoint(run, config.steps, merged)
@@ -94,7 +95,7 @@ def finish(run: "Run") -> dict:
     run.comm.barrier()  # nobody leaves before the files are complete
     masters = checkpoint.strip_prefix(merged or {}, "master/")
     return {"history": run.history.records, "skipped": skipped, metric: score,
-            "master_weights": masters, "failed_outputs": failed, **held}
+            "master_weights": masters, "failed_outputs": failed, **held, **threads}
 
 
 def _gather_traces(run: "Run") -> dict | None:
