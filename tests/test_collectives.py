@@ -49,16 +49,15 @@ def test_auto_runs_recursive_doubling_below_512_kib_and_the_ring_from_there_at_a
         assert choose_algorithm(RING_FROM_BYTES, p) == choose_algorithm(2**30, p) == "ring"
 
 
-def test_the_rule_chooses_as_the_shipped_model_at_powers_of_two_but_256_kib_at_p4():
+def test_the_rule_chooses_as_the_shipped_model_at_powers_of_two():
     # The rule replaced the shipped model's choice (issue 34). At p = 4 and 256 KiB the model
-    # predicted the ring and the launches measured recursive doubling faster (0.91-0.96x).
+    # predicted the ring while it charged recursive doubling an agreement all-reduce, and the
+    # launches measured recursive doubling faster (0.91-0.96x); since recursive doubling checks in
+    # its messages' headers (issue 38) the model pays it no agreement and agrees with the rule.
     for p in (2, 4, 8, 16):
         for k in range(12, 27):  # 4 KiB to 64 MiB
             modelled = shipped_model(p).fastest(2**k, tuple(ALGORITHMS))
-            if (p, k) == (4, 18):
-                assert (choose_algorithm(2**k, p), modelled) == ("recursive_doubling", "ring")
-            else:
-                assert choose_algorithm(2**k, p) == modelled, (p, k)
+            assert choose_algorithm(2**k, p) == modelled, (p, k)
 
 
 def test_a_network_given_decides_among_the_algorithms_minimp_implements():
