@@ -36,22 +36,33 @@ CONFIG = GPTConfig(vocab_size=65, context=64, layers=4, heads=4, width=128)
 BATCH = 12
 
 
-def minimp_step(precision: str):
-    """A function running one training step of a fresh model in this precision."""
-    model = GPT(CONFIG, np.random.default_rng(0))
+def build_step(config: GPTConfig, batch: int, precision: str):
+    """One training step of a fresh model in `precision`, its inputs on the current device (the
+    GPU benchmark's worker, gpu_gpt_step.py, builds its steps here too)."""
+    model = GPT(config, np.random.default_rng(0))
     decay = [{"params": [p], "weight_decay": 0.1 * (p.ndim >= 2)} for p in model.parameters()]
     optimizer = AdamW(decay, lr=1e-3, betas=(0.9, 0.99))
     model.to(ACTIVATION_DTYPES[precision])
     scaler = DynamicLossScaler() if precision == "fp16" else NoLossScaler()
-    ids = np.random.default_rng(1).integers(0, CONFIG.vocab_size, (BATCH, CONFIG.context + 1))
-    inputs, targets = Tensor(ids[:, :-1]), ids[:, 1:].reshape(-1)
+    ids = np.random.default_rng(1).integers(0, config.vocab_size, (batch, config.context + 1))
+    inputs = Tensor(backend.to_device(ids[:, :-1]))
+    targets = backend.to_device(ids[:, 1:].reshape(-1))
+    steps = iter(range(1, 2**62))
 
     def step():
+        if config.dropout:  # fresh masks every step, as in training
+            model.set_dropout_state(seed=0, step=next(steps), sample_indices=np.arange(batch))
         logits = model(inputs)  # (B, T, V)
-        loss = F.cross_entropy(logits.reshape(-1, CONFIG.vocab_size), targets)
+        loss = F.cross_entropy(logits.reshape(-1, config.vocab_size), targets)
         scaler.scale(loss).backward()
         mixed_precision_step(optimizer, scaler, max_grad_norm=1.0)
 
+    return step
+
+
+def minimp_step(precision: str):
+    """A function running one training step of this benchmark's model in this precision."""
+    step = build_step(CONFIG, BATCH, precision)
     step()  # warm-up (and numba's first compile)
     return step
 

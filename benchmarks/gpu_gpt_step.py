@@ -21,40 +21,14 @@ import time
 import numpy as np
 
 from minimp import backend
-from minimp import functional as F
-from minimp.models.gpt import GPT, GPTConfig
+from minimp.models.gpt import GPTConfig
 from minimp.ops.linalg import gemm_operand
-from minimp.optim import AdamW
-from minimp.precision import ACTIVATION_DTYPES, DynamicLossScaler, NoLossScaler
-from minimp.precision.step import mixed_precision_step
-from minimp.tensor import Tensor
+from minimp.precision import ACTIVATION_DTYPES
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_gemms import gpt_gemms  # noqa: E402
+from gpt_step_bench import build_step  # noqa: E402
 from step_server import refuse, serve  # noqa: E402
-
-
-def build_step(config, batch, precision):
-    """One training step of a fresh model in `precision`, its inputs on the current device."""
-    model = GPT(config, np.random.default_rng(0))
-    decay = [{"params": [p], "weight_decay": 0.1 * (p.ndim >= 2)} for p in model.parameters()]
-    optimizer = AdamW(decay, lr=1e-3, betas=(0.9, 0.99))
-    model.to(ACTIVATION_DTYPES[precision])
-    scaler = DynamicLossScaler() if precision == "fp16" else NoLossScaler()
-    ids = np.random.default_rng(1).integers(0, config.vocab_size, (batch, config.context + 1))
-    inputs = Tensor(backend.to_device(ids[:, :-1]))
-    targets = backend.to_device(ids[:, 1:].reshape(-1))
-    steps = iter(range(1, 2**62))
-
-    def step():
-        if config.dropout:  # fresh masks every step, as in training
-            model.set_dropout_state(seed=0, step=next(steps), sample_indices=np.arange(batch))
-        logits = model(inputs)  # (B, T, V)
-        loss = F.cross_entropy(logits.reshape(-1, config.vocab_size), targets)
-        scaler.scale(loss).backward()
-        mixed_precision_step(optimizer, scaler, max_grad_norm=1.0)
-
-    return step
 
 
 def gemms_alone_ms(config, batch, precision, repeats=10):
