@@ -31,7 +31,7 @@ from minimp.backend import Array, array_module
 from minimp.distributed.buffers import AllreduceBody, agree_on_layout, checked_allreduce
 from minimp.distributed.buffers import contiguous_flat, flat_copy, output_buffer
 from minimp.distributed.buffers import raise_disagreement, reduce_into
-from minimp.distributed.headers import HeadedBuffers, headed_buffers
+from minimp.distributed.headers import BareBuffers, HeadedBuffers, headed_buffers
 from minimp.distributed.protocol import REDUCE_OPS, Communicator, Tag, check_op
 from minimp.distributed.ring import ring_allreduce, ring_allreduce_into
 from minimp.precision.casting import round_to, widen
@@ -77,50 +77,21 @@ def recursive_doubling_allreduce(comm: Communicator, x: Array, op: str = "sum",
         return flat_copy(x, out).reshape(x.shape)
     flat = output_buffer(x, out)
     buffers = headed_buffers(comm, x, op)
-    recursive_doubling_headed(comm, contiguous_flat(x), flat, op, buffers)
+    recursive_doubling_into(comm, contiguous_flat(x), flat, op, buffers)
     if not buffers.agreed:  # every rank knows it now, and all raise the same line
         raise_disagreement(comm, x.size, x.dtype, op, "recursive_doubling_allreduce")
     return flat.reshape(x.shape)
 
 
-def recursive_doubling_into(comm: Communicator, x_flat: Array, flat: Array,
-                            op: str = "sum") -> None:
+def recursive_doubling_into(comm: Communicator, x_flat: Array, flat: Array, op: str = "sum",
+                            buffers: "HeadedBuffers | BareBuffers | None" = None) -> None:
     """recursive_doubling_allreduce's messages and additions alone, from x_flat into flat (p >= 2:
-    every rank below 2^k exchanges at least once, so flat holds its result)."""
-    p, r = comm.size, comm.rank
-    power = 1 << (p.bit_length() - 1)  # the largest power of two <= p
-    extra = p - power
-    if r >= power:  # fold into rank r - power, wait for the answer
-        comm.send(x_flat, r - power, tag=Tag.DOUBLING_FOLD)
-        comm.recv(flat, r - power, tag=Tag.DOUBLING_UNFOLD)
-        return
-    # What this rank holds so far: its own input (only read), then the partial result in flat.
-    current, incoming = x_flat, array_module(flat).empty_like(flat)
-    if r < extra:
-        comm.recv(incoming, r + power, tag=Tag.DOUBLING_FOLD)
-        reduce_into(flat, incoming, op, first=current)
-        current = flat
-    distance = 1
-    while distance < power:
-        partner = r ^ distance
-        comm.sendrecv(current, partner, incoming, partner, tag=Tag.DOUBLING_EXCHANGE)
-        # Both partners put the lower rank's data first. a + b == b + a for numbers, but not for
-        # NaNs: x86 returns the first operand's NaN, payload and sign, so the order is what makes
-        # both partners (and in the end every rank) hold the same bits.
-        lower, higher = (current, incoming) if r < partner else (incoming, current)
-        reduce_into(flat, higher, op, first=lower)
-        current, distance = flat, distance * 2
-    if r < extra:
-        comm.send(flat, r + power, tag=Tag.DOUBLING_UNFOLD)
-
-
-def recursive_doubling_headed(comm: Communicator, x_flat: Array, flat: Array, op: str,
-                              buffers: HeadedBuffers) -> None:
-    """recursive_doubling_into's messages and additions, each message behind a header: the same
-    partners, the same additions in the same order, so the same bits in flat. A partial result
-    that is sent on is computed straight behind its header where the two travel as one message;
-    an addition after a disagreement is skipped (its operands are not the same array's), its
-    messages are not."""
+    every rank below 2^k exchanges at least once, so flat holds its result). With HeadedBuffers
+    (headers.py) each message travels behind a header, and after a disagreement the additions are
+    skipped (their operands are not the same array's) but not the messages; without, bare messages
+    (the ranks agreed before). A partial result that is sent on is computed in `buffers.outgoing`
+    when there is one: behind its header, sent without a copy."""
+    buffers = BareBuffers(flat) if buffers is None else buffers
     p, r = comm.size, comm.rank
     power = 1 << (p.bit_length() - 1)  # the largest power of two <= p
     extra = p - power
@@ -145,7 +116,10 @@ def recursive_doubling_headed(comm: Communicator, x_flat: Array, flat: Array, op
         distance *= 2
         # the last result goes into flat, unless an unfold still sends it on
         target = flat if distance == power and r >= extra else partial
-        if buffers.agreed:  # the lower rank's data first, as recursive_doubling_into adds
+        if buffers.agreed:
+            # Both partners put the lower rank's data first. a + b == b + a for numbers, but not
+            # for NaNs: x86 returns the first operand's NaN, payload and sign, so the order is
+            # what makes both partners (and in the end every rank) hold the same bits.
             lower, higher = (current, incoming) if r < partner else (incoming, current)
             reduce_into(target, higher, op, first=lower)
         current = target

@@ -174,6 +174,29 @@ class HeadedBuffers:
             self.agreed = False
 
 
+class BareBuffers:
+    """HeadedBuffers' interface for messages without headers, between ranks that agreed on the
+    array before (a PersistentAllreduce, a call that agreed first): `agreed` stays True, a payload
+    arrives in `incoming` (made for one call), and is sent from where it is."""
+
+    agreed, outgoing = True, None
+
+    def __init__(self, like: Array):
+        self.incoming = array_module(like).empty_like(like)
+
+    def begin(self) -> None:
+        """A new collective (nothing to reset)."""
+
+    def send(self, comm: Communicator, array: Array, dest: int, tag: int) -> None:
+        comm.send(array, dest, tag=tag)
+
+    def receive(self, comm: Communicator, source: int, tag: int) -> None:
+        comm.recv(self.incoming, source, tag=tag)
+
+    def exchange(self, comm: Communicator, array: Array, partner: int, tag: int) -> None:
+        comm.sendrecv(array, partner, self.incoming, partner, tag=tag)
+
+
 def headed_buffers(comm: Communicator, x: Array, op: str) -> HeadedBuffers:
     """The HeadedBuffers for x's layout and op: kept on comm (its `allreduce_plans`) when it has
     a PlanCache and the payload is at most LARGEST_KEPT_PAYLOAD bytes, else new ones."""
