@@ -154,4 +154,3 @@ def add_gradients(a: Array, b: Array) -> Array:
 # The one import cycle of every autograd engine: a Tensor's operators are Functions, and a Function
 # makes Tensors. Imported last and used by module, so either file may be imported first.
 from minimp import tensor as graph  # noqa: E402
-

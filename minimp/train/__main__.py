@@ -99,7 +99,7 @@ def _run(config: TrainConfig, comm: MPICommunicator) -> int:
             printer(f"{PROGRAM}: {config.describe(comm.size)}")
             printer(f"  {threads.describe(chosen)}")
         interactive = sys.stdout.isatty()  # a terminal: one progress bar instead of lines
-        result = train(config, log=printer, comm=comm, interactive=interactive)
+        result = train(config, log=printer, comm=comm, interactive=interactive, threads=chosen)
         failures = [f"{flag} {getattr(config, flag[2:])} ({why})"
                     for flag, why in result["failed_outputs"].items()]
         failures += [f"the lines on stdout ({printer.error})"] if printer.error else []

@@ -36,13 +36,14 @@ from minimp.train.threads import ThreadChoice, choose_threads
 
 
 def train(config: TrainConfig, log: Callable[[str], None] = print, comm: Communicator | None = None,
-          interactive: bool = False) -> dict:
+          interactive: bool = False, threads: ThreadChoice | None = None) -> dict:
     """Run the configured training on this process's rank; returns a dict with history, skipped
     count, the final score (test_accuracy or val_loss), the masters (all stages' on rank 0) and
     the BLAS threads this rank ran with (`threads`, `threads_reason`: minimp/train/threads.py).
-    `comm` defaults to the MPI world; `interactive`: show a progress bar instead of lines."""
+    `comm` defaults to the MPI world; `interactive`: show a progress bar instead of lines;
+    `threads`: rank_threads' choice when the caller made it already (it printed it)."""
     comm = comm or world()
-    chosen = rank_threads(config, comm)
+    chosen = threads or rank_threads(config, comm)
     # Overflow to inf in float16 is expected and handled (skipped steps): no NumPy warning per cast.
     with backend.limit_cpu_threads(chosen.threads), np.errstate(over="ignore", invalid="ignore"):
         run = Run(config, comm, log, interactive, chosen)

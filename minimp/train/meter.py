@@ -15,9 +15,9 @@ the loss) and `peak_activation_bytes` (the most bytes kept for backward at once,
 the ranks). In the final row: `model_state_bytes`, one total per rank, held at the end of the last
 step, with `model_state_by_kind` and `peak_model_state_bytes` beside it
 (minimp/parallel/zero/formulas.py has the formulas they are checked against), and rank 0's BLAS
-`threads` with their `threads_reason` (minimp/train/threads.py). After a skipped
-step, `overflowed_ranks` names the ranks whose own check found the non-finite gradient. With
---timeline every timed call also goes into this rank's trace (minimp/measure/trace.py).
+`threads` with their `threads_reason` (minimp/train/threads.py). After a skipped step,
+`overflowed_ranks` names the ranks whose own check found the non-finite gradient. With --timeline
+every timed call also goes into this rank's trace (minimp/measure/trace.py).
 """
 
 import time

@@ -7,7 +7,8 @@ idea of PyTorch's at::parallel_for, which gives a loop no more tasks than it has
 OpenBLAS's threads wait for work by spinning, so where the cores are shared (other processes, or
 ranks) a second thread steals the core the first one needs, and every product then waits for a
 thread the scheduler has set aside. Small products lose to that: beside two busy processes, the
-default digits MLP's first 100 steps took 0.5-18 s with two threads, 0.14-0.36 s with one.
+default digits run took 11-32 s with two threads, 1.8-2.0 s with one (docs/benchmarks.md,
+"Threads that fit the work": `python benchmarks/threads_bench.py --busy 2`).
 
 Why a rule and not a probe timing the model's product at start-up: BLAS results depend on the
 thread count (OpenBLAS's sgemm of 64x64 @ 64x128 differs in its last bits between 1 and 2
@@ -24,12 +25,11 @@ from minimp.train.sizes import DIGITS_SHAPE, SHAKESPEARE_VOCABULARY
 if TYPE_CHECKING:  # config.py imports checks.py, which imports sizes.py
     from minimp.train.config import TrainConfig
 
-# Multiply-adds of the largest product per BLAS thread: 2^30, about 18 ms of one core's sgemm on
-# this project's 2-core machine. Measured there (a product, then elementwise work on its result, as
-# in a step; 2 threads' time / 1 thread's, with two busy processes beside it, and under other
-# agents' load 5-7): 768x128 @ 128x512 (50M) 16.5 and 11.5; 768x512 @ 512x2048 (805M) 1.10 and
-# 2.02; 2048x512 @ 512x2048 (2.1G) 0.80 and 0.93; 4096x768 @ 768x3072 (9.7G) 0.69 and 0.80.
-# Two threads paid from about 2G: a second thread joins at 2 x 2^30, the first size that pays.
+# Multiply-adds of the largest product per BLAS thread: 2^30, about 17 ms of one core's sgemm on
+# this project's 2-core machine. There, beside busy processes, a second thread cost 9-17x on the
+# GPT's largest product (50M) and paid only from billions of multiply-adds (`python
+# benchmarks/threads_bench.py --products --busy 2`; docs/benchmarks.md has the table): a second
+# thread joins at 2 x 2^30.
 GRAIN = 2**30  # a power of two: the reason says it as 2^30
 
 
