@@ -143,22 +143,11 @@ def profile_torch(steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from torch_gpt_step import GPT, gemms_alone_ms
+    from torch_gpt_step import build_step, gemms_alone_ms, parse_args
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    vocab, context, batch = 65, 64, 12
-    model = GPT(vocab, context, 4, 4, 128)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
-    ids = torch.randint(0, vocab, (batch, context + 1))
-
-    def step():
-        logits = model(ids[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    sizes = parse_args([])  # the defaults: gpt_step_bench.py's model and batch, fp32, the CPU
+    step = build_step(sizes)
 
     for _ in range(3):
         step()
@@ -173,8 +162,6 @@ def profile_torch(steps: int) -> dict:
         if event.key.startswith("aten::"):
             seconds[family_of(event.key)] += event.self_cpu_time_total / 1e6
     profile = per_step(seconds, walls, steps)
-    sizes = argparse.Namespace(layers=4, heads=4, width=128, context=context, vocab=vocab,
-                               batch=batch, device="cpu")
     profile["gemms_alone_ms"] = gemms_alone_ms(sizes, torch.float32, repeats=steps)
     return profile
 

@@ -108,7 +108,7 @@ def gemms_alone_ms(args, dtype, repeats=10):
     return statistics.median(times[2:])
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("vocab", 65), ("context", 64), ("layers", 4), ("heads", 4)):
         parser.add_argument(f"--{name}", type=int, default=default)
@@ -120,16 +120,12 @@ def parse_args():
                         help="torch.autocast's dtype (AMP); none: float32 throughout")
     parser.add_argument("--attention", choices=("manual", "sdpa"), default="manual")
     parser.add_argument("--dropout", type=float, default=0.0)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
-def main():
-    args = parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        return refuse(f"PyTorch {torch.__version__} sees no CUDA device")
-    torch.backends.cuda.matmul.allow_tf32 = False  # float32 products in float32, as minimp's
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_num_threads(args.threads)
+def build_step(args):
+    """One training step of a fresh model (seeded) as the flags say, on their device: forward
+    under autocast, cross-entropy, scaled backward, clip at norm 1, AdamW."""
     torch.manual_seed(0)
     dtype = AUTOCAST_DTYPES[args.autocast]
     model = GPT(args.vocab, args.context, args.layers, args.heads, args.width, args.dropout,
@@ -149,6 +145,19 @@ def main():
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def main():
+    args = parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return refuse(f"PyTorch {torch.__version__} sees no CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 products in float32, as minimp's
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_num_threads(args.threads)
+    step = build_step(args)
+    dtype = AUTOCAST_DTYPES[args.autocast]
 
     def stats():
         figures = {"torch": torch.__version__}
