@@ -1,4 +1,4 @@
-"""Reference solutions to lesson 14's exercises (eight bits). Try them yourself first."""
+"""Reference solutions to lesson 15's exercises (eight bits). Try them yourself first."""
 
 import numpy as np
 

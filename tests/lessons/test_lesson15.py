@@ -1,12 +1,13 @@
-"""Every number lesson 14 (eight bits) states, as a test; the other lessons' are in
-test_lessons_claims.py. A failure here means a sentence in lessons/14_eight_bits.ipynb became
-false."""
+"""Lesson 15 (eight bits): every number its prose states, as a test, and its exercises'
+checkers against the reference solutions and wrong ones. A failure here means a sentence in
+lessons/15_eight_bits.ipynb became false, or a checker passes a wrong answer."""
 
 import functools
 import math
 
 import ml_dtypes
 import numpy as np
+from exercising import Wrong, exercise_tests, solutions
 
 from minimp import Tensor, nn, no_grad, optim
 from minimp import functional as F
@@ -106,7 +107,7 @@ def stored(fraction, fmt):
             np.median(np.abs(values - fraction) / fraction))
 
 
-def test_lesson14_the_formats_table_and_their_ranges():
+def test_lesson15_the_formats_table_and_their_ranges():
     infos = {name: ml_dtypes.finfo(t) for name, t in (("fp32", np.float32), ("bf16", BFLOAT16),
              ("fp16", np.float16), ("E5M2", E5M2.dtype), ("E4M3", E4M3.dtype))}
     assert [(infos[n].nexp, infos[n].nmant) for n in ("E4M3", "E5M2")] == [(4, 3), (5, 2)]
@@ -118,7 +119,7 @@ def test_lesson14_the_formats_table_and_their_ranges():
     assert [float(infos[n].eps) for n in ("E4M3", "E5M2", "bf16")] == [1 / 8, 1 / 4, 1 / 128]
 
 
-def test_lesson14_every_bit_pattern_and_e5m2_is_float16s_high_byte():
+def test_lesson15_every_bit_pattern_and_e5m2_is_float16s_high_byte():
     counts = {}
     for fmt in (E4M3, E5M2):
         values = fp8.to_float32(CODES.view(fmt.dtype))
@@ -137,7 +138,7 @@ def test_lesson14_every_bit_pattern_and_e5m2_is_float16s_high_byte():
         assert float(ml_dtypes.finfo(ml_dtypes.float8_e4m3).max) == 240
 
 
-def test_lesson14_ml_dtypes_rounds_past_the_maximum_and_minimp_saturates():
+def test_lesson15_ml_dtypes_rounds_past_the_maximum_and_minimp_saturates():
     beyond = np.array([448, 463.9, 464, 465, 1000, 57344, 61439, 61440, 1e6], np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         e4m3 = beyond.astype(E4M3.dtype).astype(np.float32)
@@ -151,14 +152,14 @@ def test_lesson14_ml_dtypes_rounds_past_the_maximum_and_minimp_saturates():
     assert round(464 / 448, 3) == 1.036
 
 
-def test_lesson14_the_gpt_has_eight_linears_with_three_quantizers_each():
+def test_lesson15_the_gpt_has_eight_linears_with_three_quantizers_each():
     model = nn.enable_fp8(GPT(CONFIG, np.random.default_rng(0)), DelayedScaling())
     assert len(nn.fp8_metas(model)) == 8 and len(list(nn.fp8_quantizers(model))) == 24
     assert [name for name, _ in nn.fp8_metas(model)][:4] == [
         "1.attn.c_attn", "1.attn.c_proj", "1.mlp.c_fc", "1.mlp.c_proj"]
 
 
-def test_lesson14_where_the_linears_tensors_lie_against_each_format():
+def test_lesson15_where_the_linears_tensors_lie_against_each_format():
     assert [round(math.log2(f.max / f.smallest_normal), 1) for f in (E4M3, E5M2)] == [14.8, 29.8]
     zero = [math.log2(f.max / (f.smallest_subnormal / 2)) for f in (E4M3, E5M2)]
     assert [round(z, 1) for z in zero] == [18.8, 32.8]  # 4 and 3 binades below the normals
@@ -179,7 +180,7 @@ def test_lesson14_where_the_linears_tensors_lie_against_each_format():
     assert all(120 < v.max() / part.max() < 140 for part in (q, k))  # "about 130 times (2^7)"
 
 
-def test_lesson14_the_runs_validation_losses_against_bf16():
+def test_lesson15_the_runs_validation_losses_against_bf16():
     bf16 = run()[2]
     above = {name: run(*key)[2] / bf16 - 1 for name, key in (
         ("delayed", ("delayed",)), ("current", ("current",)), ("none", ("none",)),
@@ -195,7 +196,7 @@ def test_lesson14_the_runs_validation_losses_against_bf16():
         assert np.abs(running_mean(run(recipe)[1]) - running_mean(run()[1])).max() < 0.025
 
 
-def test_lesson14_delayed_scaling_step_by_step():
+def test_lesson15_delayed_scaling_step_by_step():
     delayed, current, none = (run(r)[3] for r in ("delayed", "current", "none"))
     for tensor in WATCHED:  # step 1: scale 1, as with no scaling
         assert delayed[tensor]["underflow"][0] == none[tensor]["underflow"][0]
@@ -215,10 +216,99 @@ def test_lesson14_delayed_scaling_step_by_step():
     assert round(outran - 1, 3) == 0.031 and outran < E4M3.saturation_threshold / E4M3.max
 
 
-def test_lesson14_what_e5m2_buys_and_what_no_scaling_loses():
+def test_lesson15_what_e5m2_buys_and_what_no_scaling_loses():
     lost = run("delayed", "E4M3")[3][GRADIENT]["underflow"][1:]
     assert round(lost.max(), 2) == 0.21 and round(lost.mean(), 3) == 0.020
     none = run("none")[3][GRADIENT]
     assert round(none["underflow"][0], 2) == 0.79 and round(none["underflow"].max(), 2) == 0.98
     binades = np.log2(E5M2.max / none["amax"])
     assert 23 <= binades.min() and binades.max() <= 31.5  # "23 to 31 binades below"
+
+
+# ----- exercises: wrong solutions each checker must refuse ------------------------------
+def round_with_ml_dtypes(x, fmt):
+    """ml_dtypes' own cast: NaN (E4M3) or inf (E5M2) past the largest number."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return x.astype(fmt.dtype).astype(np.float32)
+
+
+def round_fp8_half_up(x, fmt):
+    magnitude = np.minimum(np.abs(x.astype(np.float64)), fmt.max)
+    _, exponent = np.frexp(np.maximum(magnitude, fmt.smallest_normal))
+    gap = np.ldexp(1.0, exponent - 1 - fmt.mantissa_bits)
+    return np.copysign(np.floor(magnitude / gap + 0.5) * gap, x).astype(np.float32)
+
+
+def round_flushing_subnormals(x, fmt):
+    rounded = solutions(14).round_to_fp8(x, fmt)
+    return np.where(np.abs(rounded) < fmt.smallest_normal, np.float32(0), rounded)
+
+
+def round_losing_the_sign_of_zero(x, fmt):
+    rounded = solutions(14).round_to_fp8(x, fmt)
+    return np.where(rounded == 0, np.float32(0), rounded)
+
+
+def update_from_this_step_only(amax_history, amax, scale, fp8_max, margin):
+    """The history kept, but the scale from this step's amax alone: current scaling, a step late."""
+    history, _ = solutions(14).delayed_scaling_update(amax_history, amax, scale, fp8_max, margin)
+    one_step = np.zeros(1, np.float32)
+    _, new_scale = solutions(14).delayed_scaling_update(one_step, amax, scale, fp8_max, margin)
+    return history, new_scale
+
+
+def update_dividing_by_anything(amax_history, amax, scale, fp8_max, margin):
+    history = np.roll(amax_history, 1)
+    history[0] = amax
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return history, np.float32(fp8_max * 2.0**-margin / history.max())
+
+
+def update_without_the_margin(amax_history, amax, scale, fp8_max, margin):
+    return solutions(14).delayed_scaling_update(amax_history, amax, scale, fp8_max, 0)
+
+
+def linear_without_scales(x, weight, bias):
+    round_to_fp8 = solutions(14).round_to_fp8
+    x_q = round_to_fp8(x.astype(np.float32), E4M3)
+    w_q = round_to_fp8(weight.astype(np.float32), E4M3)
+    return (x_q @ w_q.T + bias.astype(np.float32)).astype(BFLOAT16)
+
+
+def linear_rounding_twice(x, weight, bias):
+    product = solutions(14).fp8_linear(x, weight, np.zeros_like(bias))  # rounded to bf16 here
+    return (product.astype(np.float32) + bias.astype(np.float32)).astype(BFLOAT16)
+
+
+def linear_in_e5m2(x, weight, bias):
+    def quantized(array):
+        amax = np.float32(np.abs(array.astype(np.float32)).max())
+        scale = np.float32(E5M2.max) / amax if amax > 0 else np.float32(1)
+        return solutions(14).round_to_fp8(array.astype(np.float32) * scale, E5M2), scale
+
+    (x_q, x_scale), (w_q, w_scale) = quantized(x), quantized(weight)
+    inverses = (np.float32(1) / x_scale) * (np.float32(1) / w_scale)
+    return ((x_q @ w_q.T) * inverses + bias.astype(np.float32)).astype(BFLOAT16)
+
+
+WRONG = {
+    "check_round_to_fp8": [
+        Wrong(round_with_ml_dtypes, ""),
+        Wrong(round_fp8_half_up, ""),
+        Wrong(round_flushing_subnormals, ""),
+        Wrong(round_losing_the_sign_of_zero, ""),
+    ],
+    "check_delayed_scaling_update": [
+        Wrong(update_from_this_step_only, ""),
+        Wrong(update_dividing_by_anything, ""),
+        Wrong(update_without_the_margin, ""),
+    ],
+    "check_fp8_linear": [
+        Wrong(linear_without_scales, ""),
+        Wrong(linear_rounding_twice, ""),
+        Wrong(linear_in_e5m2, ""),
+    ],
+}
+(test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,
+ test_every_wrong_solution_fails_naming_its_mistake,
+ test_every_checker_refuses_two_wrong_solutions) = exercise_tests(15, WRONG)

@@ -1,6 +1,6 @@
-"""Checkers for lesson 14 (eight bits): the saturating fp8 cast, delayed scaling's update against
+"""Checkers for lesson 15 (eight bits): the saturating fp8 cast, delayed scaling's update against
 minimp's quantizer, the forward of a Linear in fp8. Reference solutions:
-lessons/solutions/lesson14.py."""
+lessons/solutions/lesson15.py."""
 
 from typing import Any, Callable
 

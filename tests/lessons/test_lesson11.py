@@ -1,6 +1,6 @@
-"""Every number lesson 11 (who holds what) states, as a test; the other lessons' are in
-test_lessons_claims.py. A failure here means a sentence in lessons/11_who_holds_what.ipynb became
-false."""
+"""Lesson 11 (who holds what): every number its prose states, as a test, and its exercises'
+checkers against the reference solutions and wrong ones. A failure here means a sentence in
+lessons/11_who_holds_what.ipynb became false, or a checker passes a wrong answer."""
 
 import functools
 import json
@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from exercising import Wrong, exercise_tests, solutions
 
 from minimp import Tensor, nn, optim
 from minimp import distributed as dist
@@ -16,7 +17,12 @@ from minimp.backend import limit_cpu_threads
 from minimp.data import load_shakespeare, text_batch
 from minimp.lessons import processes
 from minimp.models.gpt import GPT, GPTConfig, block_activation_bytes
-from minimp.parallel import DataParallel, Unit, ZeroLayout, zero_data_parallel
+from minimp.parallel import (
+    DataParallel,
+    Unit,
+    ZeroLayout,
+    zero_data_parallel,
+)
 from minimp.parallel.zero.formulas import (
     bytes_sent_formula,
     memory_formula,
@@ -289,3 +295,117 @@ def test_the_mlp_keeps_the_same_bytes_with_and_without_recomputation():
     peaks = [simulated(1, recompute=r)[0]["history"][-1]["peak_activation_bytes"]
              for r in (False, True)]
     assert peaks[0] == peaks[1] == 272_128
+
+
+# ----- exercises: wrong solutions each checker must refuse ------------------------------
+def held_with_fp16_gradients(stage, unit_sizes, rank, world_size):
+    """The paper's count: 2-byte gradients where minimp keeps float32 accumulators."""
+    held = solutions(11).bytes_held(stage, unit_sizes, rank, world_size)
+    return {**held, "accumulators": held["accumulators"] // 2}
+
+
+def held_with_even_chunks(stage, unit_sizes, rank, world_size):
+    """P // N elements on every rank, where the ring's cut gives some ranks one more."""
+    held = solutions(11).bytes_held(stage, unit_sizes, rank, world_size)
+    exact = sum(solutions(11).chunk(size, rank, world_size) for size in unit_sizes)
+    even = sum(unit_sizes) // world_size
+    first_sharded = {"masters": 1, "optimizer_state": 1, "accumulators": 2, "parameters": 3}
+    per_element = {"masters": 4, "optimizer_state": 8, "accumulators": 4, "parameters": 2}
+    for kind, first in first_sharded.items():
+        if stage >= first:
+            held[kind] += per_element[kind] * (even - exact)
+    return held
+
+
+def held_with_a_gather_buffer_in_stage_3(stage, unit_sizes, rank, world_size):
+    held = solutions(11).bytes_held(stage, unit_sizes, rank, world_size)
+    if stage == 3 and world_size > 1:
+        held["buffers"] += 2 * max(unit_sizes)
+    return held
+
+
+def held_with_buffers_on_one_rank(stage, unit_sizes, rank, world_size):
+    """Wire buffers where there is no wire."""
+    held = solutions(11).bytes_held(stage, unit_sizes, rank, world_size)
+    if world_size == 1:
+        held["buffers"] = 2 * 4 * (sum(unit_sizes) if stage == 0 else max(unit_sizes))
+    return held
+
+
+def zero1_by_all_reduce(comm, weights, master, grad, lr):
+    """The right bits, but the whole mean arrives everywhere before the update."""
+    mean = dist.ring_allreduce(comm, grad * np.float32(1 / comm.size))
+    start, stop = dist.chunk_bounds(weights.size, comm.size)[comm.rank]
+    master -= lr * mean[start:stop]
+    return dist.all_gather(comm, master.astype(weights.dtype), weights.size)
+
+
+def zero1_dividing_after(comm, weights, master, grad, lr):
+    mean = dist.reduce_scatter(comm, grad) / np.float32(comm.size)
+    master -= lr * mean
+    return dist.all_gather(comm, master.astype(weights.dtype), weights.size)
+
+
+def zero1_not_in_place(comm, weights, master, grad, lr):
+    mean = dist.reduce_scatter(comm, grad * np.float32(1 / comm.size))
+    master = master - lr * mean  # a new array: the caller's master never moves
+    return dist.all_gather(comm, master.astype(weights.dtype), weights.size)
+
+
+def zero1_gathering_float32(comm, weights, master, grad, lr):
+    master -= lr * dist.reduce_scatter(comm, grad * np.float32(1 / comm.size))
+    return dist.all_gather(comm, master, weights.size).astype(weights.dtype)
+
+
+def sent_on_average(stage, unit_sizes, rank, world_size, micro_batches):
+    """The formula averaged over the ranks: not any rank's own bytes where chunks are uneven."""
+    per_element = [8, 6, 4 * micro_batches + 2, 8 * micro_batches][stage]
+    return per_element * (world_size - 1) / world_size * sum(unit_sizes)
+
+
+def sent_gathering_all_but_its_own(stage, unit_sizes, rank, world_size, micro_batches):
+    """An all-gather that sends every chunk but the rank's own (the ring sends its own first)."""
+    if world_size == 1:
+        return 0
+    sizes = [sum(unit_sizes)] if stage == 0 else unit_sizes
+    own = sum(size - solutions(11).chunk(size, rank, world_size) for size in sizes)
+    factor = [(4, 4), (4, 2), (4 * micro_batches, 2), (4 * micro_batches, 4 * micro_batches)]
+    return factor[stage][0] * own + factor[stage][1] * own
+
+
+def sent_reducing_stage_2_once(stage, unit_sizes, rank, world_size, micro_batches):
+    return solutions(11).bytes_sent(stage, unit_sizes, rank, world_size,
+                                    1 if stage == 2 else micro_batches)
+
+
+def sent_gathering_stage_3_once(stage, unit_sizes, rank, world_size, micro_batches):
+    """Stage 3 without the gather before backward."""
+    if stage < 3:
+        return solutions(11).bytes_sent(stage, unit_sizes, rank, world_size, micro_batches)
+    once = solutions(11).bytes_sent(1, unit_sizes, rank, world_size, 1)
+    return micro_batches * once
+
+
+WRONG = {
+    "check_bytes_held": [
+        Wrong(held_with_fp16_gradients, ""),
+        Wrong(held_with_even_chunks, ""),
+        Wrong(held_with_a_gather_buffer_in_stage_3, ""),
+        Wrong(held_with_buffers_on_one_rank, ""),
+    ],
+    "check_zero1_step": [
+        Wrong(zero1_by_all_reduce, ""),
+        Wrong(zero1_dividing_after, ""),
+        Wrong(zero1_not_in_place, ""),
+        Wrong(zero1_gathering_float32, ""),
+    ],
+    "check_bytes_sent": [
+        Wrong(sent_on_average, ""),
+        Wrong(sent_gathering_all_but_its_own, ""),
+        Wrong(sent_reducing_stage_2_once, ""),
+        Wrong(sent_gathering_stage_3_once, ""),
+    ],
+}
+(test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,
+ test_every_wrong_solution_fails_naming_its_mistake,
+ test_every_checker_refuses_two_wrong_solutions) = exercise_tests(11, WRONG)

@@ -1,19 +1,20 @@
-"""Every number lesson 12 (cutting every layer) states, as a test; the other lessons' are in
-test_lessons_claims*.py. A failure here means a sentence in lessons/12_cutting_every_layer.ipynb
-became false."""
+"""Lesson 12 (cutting every layer): every number its prose states, as a test, and its exercises'
+checkers against the reference solutions and wrong ones. A failure here means a sentence in
+lessons/12_cutting_every_layer.ipynb became false, or a checker passes a wrong answer."""
 
 import functools
 from dataclasses import replace
 
 import numpy as np
+from exercising import Wrong, exercise_tests, solutions
 
 from minimp import Tensor, nn
 from minimp import distributed as dist
 from minimp import functional as F
 from minimp.backend import limit_cpu_threads
 from minimp.lessons import cutting
-from minimp.parallel.tensor.mappings import all_reduce
 from minimp.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from minimp.parallel.tensor.mappings import all_reduce
 from minimp.plan.inputs import Job
 from minimp.plan.presets import DATACENTER, MODELS, NVLINK, selene
 from minimp.plan.search import best_plans
@@ -158,3 +159,98 @@ def test_tensor_parallelism_over_infiniband():
     assert f"{moved.total:.2f}" == "21.30"
     tp4 = next(p for p in plans if p.layout.tp == 4)
     assert moved.total > tp4.time.total
+
+
+# ----- exercises: wrong solutions each checker must refuse ------------------------------
+def row_parallel_functions():
+    """Row-parallel Linears, each wrong in one way."""
+    from minimp.function import Function
+    from minimp.parallel.tensor.mappings import all_reduce
+
+    class RowParallelWithoutTheSum(Function):
+        """Each rank keeps its partial output: g forgotten."""
+
+        @staticmethod
+        def forward(ctx, x, weight, comm):
+            ctx.save_for_backward(x, weight)
+            return x @ weight.T
+
+        backward = solutions(12).RowParallel.backward
+
+    class RowParallelSummingBackward(Function):
+        """An all-reduce in backward too: dL/dx_r belongs to this rank alone."""
+
+        @staticmethod
+        def forward(ctx, x, weight, comm):
+            ctx.comm = comm
+            return solutions(12).RowParallel.forward(ctx, x, weight, comm)
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            grad_x, grad_weight = solutions(12).RowParallel.backward(ctx, grad_output)
+            return all_reduce(ctx.comm, grad_x), grad_weight
+
+    class RowParallelWithTheWeightGradientOfOneRow(Function):
+        """dL/dW_r from the last sample only: the leading axes not summed."""
+
+        forward = solutions(12).RowParallel.forward
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            x, weight = ctx.saved_arrays
+            return grad_output @ weight, grad_output[-1, -1][:, None] * x[-1, -1][None, :]
+
+    class RowParallelGatheringTheInput(Function):
+        """The right numbers by gathering: every rank's x_r and W_r travel instead of y."""
+
+        @staticmethod
+        def forward(ctx, x, weight, comm):
+            ctx.save_for_backward(x, weight)
+            whole = all_reduce(comm, np.zeros((comm.size, *x.shape)))  # bytes of a gather
+            return all_reduce(comm, x @ weight.T) + 0 * whole.sum()
+
+        backward = solutions(12).RowParallel.backward
+
+    return [RowParallelWithoutTheSum, RowParallelSummingBackward,
+            RowParallelWithTheWeightGradientOfOneRow, RowParallelGatheringTheInput]
+
+
+def tp_bytes_all_reduce_as_twice_the_array(blocks, rows, context, width, tp, micro_batches,
+                                           compute_bytes, sequence_parallel):
+    """An all-reduce counted as 2 n, not 2 (t - 1)/t n."""
+    if tp == 1:
+        return 0
+    fraction = solutions(12).tp_bytes_sent(blocks, rows, context, width, 2, micro_batches,
+                                           compute_bytes, sequence_parallel)
+    return 2 * fraction
+
+
+def tp_bytes_forward_only(blocks, rows, context, width, tp, micro_batches, compute_bytes,
+                          sequence_parallel):
+    return solutions(12).tp_bytes_sent(blocks, rows, context, width, tp, micro_batches,
+                                       compute_bytes, sequence_parallel) / 2
+
+
+def tp_bytes_sequence_parallel_as_plain(blocks, rows, context, width, tp, micro_batches,
+                                        compute_bytes, sequence_parallel):
+    """Sequence parallelism's blocks only: the head's gather and the partial gradients left out."""
+    return solutions(12).tp_bytes_sent(blocks, rows, context, width, tp, micro_batches,
+                                       compute_bytes, False)
+
+
+WRONG = {
+    "check_row_parallel": [
+        Wrong(lambda: row_parallel_functions()[0], "", factory=True),
+        Wrong(lambda: row_parallel_functions()[1], "", factory=True),
+        Wrong(lambda: row_parallel_functions()[2], "", factory=True),
+        Wrong(lambda: row_parallel_functions()[3], "", factory=True),
+    ],
+    "check_tp_bytes_sent": [
+        Wrong(tp_bytes_all_reduce_as_twice_the_array, ""),
+        Wrong(tp_bytes_forward_only, ""),
+        Wrong(tp_bytes_sequence_parallel_as_plain, ""),
+    ],
+}
+(test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,
+ test_every_wrong_solution_fails_naming_its_mistake,
+ test_every_checker_refuses_two_wrong_solutions) = exercise_tests(12, WRONG)

@@ -1,19 +1,27 @@
-"""Every number lesson 13 (hiding communication) states, as a test; the other lessons' are in
-test_lessons_claims.py. A failure here means a sentence in lessons/13_hiding_communication.ipynb
-became false."""
+"""Lesson 13 (hiding communication): every number its prose states, as a test, and its exercises'
+checkers against the reference solutions and wrong ones. A failure here means a sentence in
+lessons/13_hiding_communication.ipynb became false, or a checker passes a wrong answer."""
 
 import os
 import re
 
 import numpy as np
 import pytest
+from exercising import Wrong, exercise_tests, solutions
 
 from minimp import Tensor, nn
-from minimp.measure import costmodel
 from minimp import distributed as dist
 from minimp.distributed.ring_nonblocking import RingAllreduce
 from minimp.lessons import overlap_timeline, timelines
-from minimp.parallel import Costs, format_schedule, peak_activations, simulate_schedule
+from minimp.measure import costmodel
+from minimp.parallel import (
+    Action,
+    Costs,
+    format_schedule,
+    one_f_one_b,
+    peak_activations,
+    simulate_schedule,
+)
 from minimp.parallel.pipeline.schedules import CHOICES, build_schedule
 from minimp.split_backward import backward_input, backward_weight
 
@@ -218,7 +226,7 @@ def test_the_overlap_benchmark_s_ratios_are_7_to_16_percent_quiet_34_to_43_share
     """docs/benchmarks.md gives each machine's ranges over three runs: the ratio's range must lie
     within what the exposed times' ranges allow (the smallest with over the largest without, and
     the other way round), and the prose must say the table's ranges."""
-    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks.md")).read()
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "benchmarks.md")).read()
     section = doc[doc.index("## Overlap"):]
     section = section[:section.index("\n## ", 1)]
     range_ = r"([\d.]+)-([\d.]+)"
@@ -247,3 +255,102 @@ def test_the_cost_model_s_exposed_shares_for_the_7_buckets_on_gpus():
     assert sum(sizes) == 826_378
     assert round(4 * 128 * sum(sizes) / 1e9, 2) == 0.42
     assert round(4 * 128 * sum(sizes) / 100e12 * 1e6, 1) == 4.2
+
+
+# ----- exercises: wrong solutions each checker must refuse ------------------------------
+def interleaved_gpipe_like(P, M, V):
+    """Every forward of every chunk, then every backward: the bubble is right, the memory not."""
+    forwards = [Action("forward", m, chunk=c) for c in range(V) for m in range(M)]
+    backwards = [Action("backward", m, chunk=c) for c in reversed(range(V)) for m in range(M)]
+    return [forwards + backwards for _ in range(P)]
+
+
+def interleaved_backward_in_forward_order(P, M, V):
+    """The chunks not reversed backward: chunk 0's backward waits for a gradient never sent."""
+    return [[action._replace(chunk=V - 1 - action.chunk) if action.op == "backward" else action
+             for action in actions] for actions in solutions(13).interleaved_compute(P, M, V)]
+
+
+def interleaved_on_chunk_0(P, M, V):
+    """1F1B's order with the chunks left out."""
+    computes = ("forward", "backward")
+    return [[a for a in actions if a.op in computes] for actions in one_f_one_b(P, M)]
+
+
+def zb_bubble_with_equal_costs(P, M, t_forward, t_input, t_weight):
+    return (P - 1) / (3 * M + P - 1)
+
+
+def zb_bubble_of_1f1b(P, M, t_forward, t_input, t_weight):
+    return (P - 1) / (M + P - 1)
+
+
+def zb_bubble_of_the_ideal_time(P, M, t_forward, t_input, t_weight):
+    """The idle time over the compute time, not over the step."""
+    return (P - 1) * (t_forward + t_input - t_weight) / (M * (t_forward + t_input + t_weight))
+
+
+def exposed_without_overlap(op_seconds, bucket_ops, ring_seconds):
+    """Every ring after backward."""
+    return sum(ring_seconds)
+
+
+def exposed_without_queueing(op_seconds, bucket_ops, ring_seconds):
+    """Each ring starts when its bucket is ready, even while the one before it still runs."""
+    ready = np.cumsum(op_seconds)[np.cumsum(bucket_ops) - 1]
+    return max(0.0, float(max(ready + np.array(ring_seconds))) - float(sum(op_seconds)))
+
+
+def exposed_last_ring_only(op_seconds, bucket_ops, ring_seconds):
+    """Only the last bucket's ring, as if every other one were hidden."""
+    return ring_seconds[-1]
+
+
+def plan_in_model_order(sizes, bucket_bytes, itemsize):
+    """First parameter first: the first bucket would be complete only at backward's end."""
+    reverse = solutions(13).plan_buckets(sizes[::-1], bucket_bytes, itemsize)
+    return [[len(sizes) - 1 - i for i in bucket] for bucket in reverse]
+
+
+def plan_closing_when_exactly_full(sizes, bucket_bytes, itemsize):
+    """A bucket that would be exactly full is closed too early."""
+    return solutions(13).plan_buckets(sizes, bucket_bytes - 1e-9, itemsize)
+
+
+def plan_with_an_empty_bucket(sizes, bucket_bytes, itemsize):
+    """A parameter larger than a bucket leaves an empty bucket before it."""
+    buckets, current, elements = [], [], 0
+    for index in reversed(range(len(sizes))):
+        if (elements + sizes[index]) * itemsize > bucket_bytes:
+            buckets.append(current)
+            current, elements = [], 0
+        current.append(index)
+        elements += sizes[index]
+    return buckets + [current]
+
+
+WRONG = {
+    "check_interleaved_compute": [
+        Wrong(interleaved_gpipe_like, ""),
+        Wrong(interleaved_backward_in_forward_order, ""),
+        Wrong(interleaved_on_chunk_0, ""),
+    ],
+    "check_zb_h1_bubble": [
+        Wrong(zb_bubble_with_equal_costs, ""),
+        Wrong(zb_bubble_of_1f1b, ""),
+        Wrong(zb_bubble_of_the_ideal_time, ""),
+    ],
+    "check_exposed_seconds": [
+        Wrong(exposed_without_overlap, ""),
+        Wrong(exposed_without_queueing, ""),
+        Wrong(exposed_last_ring_only, ""),
+    ],
+    "check_bucket_plan": [
+        Wrong(plan_in_model_order, ""),
+        Wrong(plan_closing_when_exactly_full, ""),
+        Wrong(plan_with_an_empty_bucket, ""),
+    ],
+}
+(test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,
+ test_every_wrong_solution_fails_naming_its_mistake,
+ test_every_checker_refuses_two_wrong_solutions) = exercise_tests(13, WRONG)
