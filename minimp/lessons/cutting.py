@@ -179,7 +179,7 @@ def split_figure(ranks: int = 2) -> None:
     draw(0.0, n, h, "", "x (n, h):\nwhole on every rank")
     axis.text(2.6, n / 2, "f", fontsize=15, ha="center", va="center")
     draw(3.2, h, wide, "columns", "A^T (h, 4h): column-parallel,\n4h/t columns a rank")
-    draw(7.9, n, wide, "columns", "x A^T (n, 4h):\nsplit, never sent")
+    draw(7.9, n, wide, "columns", "relu(x A^T) (n, 4h):\nsplit, never sent")
     draw(12.6, wide, h, "rows", "B^T (4h, h): row-\nparallel, 4h/t rows\na rank")
     for r in range(ranks):  # the partial outputs, stacked
         offset = 0.15 * r
@@ -193,5 +193,5 @@ def split_figure(ranks: int = 2) -> None:
     axis.set_ylim(-1.3, wide + 0.2)
     axis.set_aspect("equal")
     axis.axis("off")
-    axis.set_title(f"an MLP, x -> x A^T -> (x A^T) B^T, on {ranks} tensor-parallel ranks")
+    axis.set_title(f"an MLP, x -> relu(x A^T) B^T, on {ranks} tensor-parallel ranks")
     plt.show()
