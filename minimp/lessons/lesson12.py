@@ -64,7 +64,7 @@ def check_row_parallel(RowParallel: Any, quiet: bool = False) -> Report:
 
     @report.case("forward on 1, 2, 3 and 4 ranks: every rank holds x W^T, one process's output",
                  hint="x_r @ weight_r.T is only this rank's partial sum; return "
-                 "all_reduce(comm, x_r @ weight_r.T), g's forward")
+                 "all_reduce(comm, x_r @ weight_r.T), g's forward: the sum, not the mean")
     def _():
         for ranks in (1, 2, 3, 4):
             x, weight, grad_output = _cases(shape, out, ranks, seed=ranks)

@@ -204,6 +204,15 @@ def row_parallel_functions():
 
         backward = reference.backward
 
+    class RowParallelAveraging(Function):
+        """The partial sums averaged over the ranks, as data parallelism averages gradients."""
+
+        @staticmethod
+        def forward(ctx, x, weight, comm):
+            return reference.forward(ctx, x, weight, comm) / comm.size
+
+        backward = reference.backward
+
     class RowParallelSummingBackward(Function):
         """An all-reduce in backward too: dL/dx_r belongs to this rank alone."""
 
@@ -252,7 +261,7 @@ def row_parallel_functions():
 
     return [RowParallelWithoutTheSum, RowParallelSummingBackward,
             RowParallelWithTheWeightGradientOfOneRow, RowParallelWithTheTransposedWeightGradient,
-            RowParallelGatheringTheInput]
+            RowParallelGatheringTheInput, RowParallelAveraging]
 
 
 def reference_bytes(*args):
@@ -315,6 +324,7 @@ WRONG = {
         Wrong(lambda: row_parallel_functions()[2], "leading axis", factory=True),
         Wrong(lambda: row_parallel_functions()[3], "transpose", factory=True),
         Wrong(lambda: row_parallel_functions()[4], "one all-reduce of y", factory=True),
+        Wrong(lambda: row_parallel_functions()[5], "not the mean", factory=True),
     ],
     "check_tp_bytes_sent": [
         Wrong(tp_bytes_all_reduce_as_twice_the_array, "(t - 1)/t"),
