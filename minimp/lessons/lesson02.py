@@ -211,6 +211,22 @@ def check_backward(backward: Callable[[Tensor], None], quiet: bool = False) -> R
                        f"leaf {number}'s gradient differs from minimp's by up to "
                        f"{np.max(np.abs(leaf.grad - want.grad)):.3g}")
 
+    @report.case(
+        "a leaf whose .grad holds a gradient already: backward adds to it",
+        hint="as root.backward() does: leaf.grad = grad where leaf.grad is None, else "
+        "leaf.grad + grad (two backward passes add up, as micro-batches do)",
+    )
+    def _():
+        root, (leaf,) = _graphs()[0][1]()
+        leaf.grad = np.ones_like(leaf.data)
+        backward(root)
+        reference_root, (reference_leaf,) = _graphs()[0][1]()
+        reference_leaf.grad = np.ones_like(reference_leaf.data)
+        reference_root.backward()
+        expect(leaf.grad is not None and np.allclose(leaf.grad, reference_leaf.grad, rtol=1e-12),
+               f".grad became {leaf.grad}, expected {reference_leaf.grad} (the gradient plus the "
+               "ones it held)")
+
     return report.finish()
 
 

@@ -190,6 +190,22 @@ def backward_in_forward_order(root):
                 grads[id(parent)] = grads.get(id(parent), 0) + parent_grad
 
 
+def backward_overwriting_the_leaves_grad(root):
+    grads = {id(root): np.ones_like(root.data)}
+    for tensor in reversed(solutions(2).topological_order(root)):
+        grad = grads.pop(id(tensor), None)
+        if grad is None:
+            continue
+        if tensor.node is None:
+            tensor.grad = grad  # what .grad held is lost
+            continue
+        input_grads = tensor.node.function.backward(tensor.node.context, grad)
+        input_grads = input_grads if isinstance(input_grads, tuple) else (input_grads,)
+        for parent, parent_grad in zip(tensor.node.inputs, input_grads):
+            if parent_grad is not None and parent.requires_grad:
+                grads[id(parent)] = grads.get(id(parent), 0) + parent_grad
+
+
 WRONG = {
     "check_exp": [
         Wrong(lambda: wrong_functions()[0], "exp(x)", factory=True),
@@ -209,6 +225,7 @@ WRONG = {
     "check_backward": [
         Wrong(backward_overwriting, "add"),
         Wrong(backward_in_forward_order, "reversed"),
+        Wrong(backward_overwriting_the_leaves_grad, "adds to it"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,
