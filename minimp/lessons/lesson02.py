@@ -1,5 +1,6 @@
-"""Checkers for lesson 2 (autograd): two Functions against central differences, the topological
-order, and backward itself. Reference solutions: lessons/solutions/lesson02.py."""
+"""Lesson 2 (autograd): the configuration its cells use and its claims tests check, and the
+checkers of its exercises (two Functions against central differences, the topological order,
+and backward itself). Reference solutions: lessons/solutions/lesson02.py."""
 
 from typing import Any, Callable
 
@@ -8,8 +9,27 @@ import numpy as np
 from minimp import Tensor
 from minimp.lessons.checking import Failed, Report, call, expect
 
-STEP = 1e-6  # central-difference step in float64: rounding error ~1e-10 relative, see lesson 2
-RTOL, ATOL = 1e-5, 1e-7  # the tolerance of tests/gradcheck.py
+# ----- what the lesson's cells use (tests/lessons/test_lesson02.py checks the same) ----------
+X = (1.0, 2.0, 3.0)  # where the lesson checks d/dx of f(x) = sum(2 x^3 + x)
+H = 1e-6  # its central-difference step, as in tests/test_ops.py and tests/gradcheck.py
+STEPS = np.logspace(-12, -1, 23)  # the steps of its error-against-h plot, half a decade apart
+
+
+def best_step(f_value: float, third_derivative: float) -> float:
+    """The h that minimises truncation h^2 |f3| / 6 plus rounding eps |f| / h in float64 (f3 the
+    third derivative): d/dh = h |f3| / 3 - eps |f| / h^2 = 0 at h = (3 eps |f| / |f3|)^(1/3)."""
+    eps = float(np.finfo(np.float64).eps)
+    return (3 * eps * abs(f_value) / abs(third_derivative)) ** (1 / 3)
+
+
+def scientific(value: float) -> str:
+    """2 significant digits, the way the lesson's prose writes them: 1.7e-8, not 1.7e-08."""
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+STEP = H  # central-difference step in float64: rounding error ~eps / STEP = 2e-10 relative to f
+RTOL, ATOL = 1e-5, 1e-7  # the tolerance of tests/test_ops.py and tests/gradcheck.py
 
 
 def numerical_gradient(scalar: Callable[[list], float], arrays: list, index: int) -> np.ndarray:
@@ -45,7 +65,7 @@ def gradient_check(function: Any, arrays: list, name: str) -> None:
 
 
 def check_exp(Exp: Any, quiet: bool = False) -> Report:
-    """Exp: a Function with y = exp(x) and dL/dx = dL/dy * exp(x)."""
+    """Exp: a Function with y = exp(x), of x's dtype, and dL/dx = dL/dy * exp(x)."""
     report = Report("Exp", quiet)
     x = np.random.default_rng(0).uniform(-3, 3, (3, 4))
 
@@ -61,7 +81,8 @@ def check_exp(Exp: Any, quiet: bool = False) -> Report:
 
     @report.case(
         "backward matches central differences",
-        hint="save the output in forward (ctx.save_for_backward(y)): dy/dx is y itself",
+        hint="the chain rule: return grad_output (dL/dy) times dy/dx = exp(x); save y = exp(x) "
+        "in forward (ctx.save_for_backward(y)): it is its own derivative",
     )
     def _():
         gradient_check(Exp, [x], "Exp")
@@ -95,6 +116,13 @@ def check_pow(Pow: Any, quiet: bool = False) -> Report:
     def _():
         for shape in ((4,), (1, 4), ()):
             gradient_check(Pow, [x, rng.uniform(-2.0, 2.0, shape)], f"Pow with p of shape {shape}")
+
+    @report.case(
+        "broadcasting the other way: x of shape (4,) with p of shape (3, 4)",
+        hint="unbroadcast each input's gradient to that input's own shape, x's too",
+    )
+    def _():
+        gradient_check(Pow, [rng.uniform(0.5, 2.0, 4), p], "Pow with x of shape (4,)")
 
     return report.finish()
 
@@ -161,7 +189,8 @@ def check_topological_order(topological_order: Callable[[Tensor], list],
 
 
 def check_backward(backward: Callable[[Tensor], None], quiet: bool = False) -> Report:
-    """backward(root): fill `.grad` of every leaf that requires grad, as root.backward() does."""
+    """backward(root): add d(root)/d(leaf) into `.grad` of every leaf that requires grad, as
+    root.backward() does (root a scalar)."""
     report = Report("backward", quiet)
     for name, build in _graphs():
 
@@ -181,6 +210,22 @@ def check_backward(backward: Callable[[Tensor], None], quiet: bool = False) -> R
                 expect(np.allclose(leaf.grad, want.grad, rtol=1e-12, atol=1e-12),
                        f"leaf {number}'s gradient differs from minimp's by up to "
                        f"{np.max(np.abs(leaf.grad - want.grad)):.3g}")
+
+    @report.case(
+        "a leaf whose .grad holds a gradient already: backward adds to it",
+        hint="as root.backward() does: leaf.grad = grad where leaf.grad is None, else "
+        "leaf.grad + grad (two backward passes add up, as micro-batches do)",
+    )
+    def _():
+        root, (leaf,) = _graphs()[0][1]()
+        leaf.grad = np.ones_like(leaf.data)
+        backward(root)
+        reference_root, (reference_leaf,) = _graphs()[0][1]()
+        reference_leaf.grad = np.ones_like(reference_leaf.data)
+        reference_root.backward()
+        expect(leaf.grad is not None and np.allclose(leaf.grad, reference_leaf.grad, rtol=1e-12),
+               f".grad became {leaf.grad}, expected {reference_leaf.grad} (the gradient plus the "
+               "ones it held)")
 
     return report.finish()
 

@@ -10,12 +10,13 @@ from exercising import Wrong, exercise_tests, solutions
 from hypothesis import given
 from hypothesis import strategies as st
 
+from minimp.lessons import lesson01 as lesson
+
 f16 = np.float16
 
 
 def test_lesson1_the_formats_table():
-    rows = {name: ml_dtypes.finfo(t) for name, t in
-            (("fp32", np.float32), ("fp16", f16), ("bf16", ml_dtypes.bfloat16))}
+    rows = {name: ml_dtypes.finfo(t) for name, t in lesson.FORMATS.items()}
     assert float(rows["fp16"].max) == 65504 == (2 - 2.0**-10) * 2.0**15
     attributes = ("smallest_normal", "smallest_subnormal", "eps")
     powers = {name: [math.log2(float(getattr(info, a))) for a in attributes]
@@ -24,38 +25,41 @@ def test_lesson1_the_formats_table():
     assert [(info.nexp, info.nmant) for info in rows.values()] == [(8, 23), (5, 10), (8, 7)]
 
 
-def test_lesson1_fp16_spans_12_decades_fp32_and_bf16_more_than_75():
-    def decades(t):
-        info = ml_dtypes.finfo(t)
-        return math.log10(float(info.max) / float(info.smallest_subnormal))
-
-    assert 12 <= decades(f16) < 13
-    assert decades(np.float32) > 75 and decades(ml_dtypes.bfloat16) > 75
+def test_lesson1_decades_fp16_12_bf16_78_6_fp32_83_4():
+    spans = {name: round(lesson.decades(t), 1) for name, t in lesson.FORMATS.items()}
+    assert spans == {"fp32": 83.4, "fp16": 12.0, "bf16": 78.6}
 
 
-def test_lesson1_a_loss_of_2_times_2_to_the_16_is_inf_in_fp16():
+def test_lesson1_overflow_65519_to_65504_65520_and_a_scaled_loss_to_inf():
     with np.errstate(over="ignore"):
+        assert [float(f16(v)) for v in lesson.OVERFLOW] == [65504, 65504, np.inf, np.inf]
         assert np.isinf(f16(2.0 * 2.0**16))
 
 
 def test_lesson1_underflow_in_units_of_2_to_the_minus_24():
-    cases = {2.0**-14: 1024, 2.0**-20: 16, 2.0**-24: 1, float(np.nextafter(2.0**-25, 1.0)): 1,
-             2.0**-25: 0, 2.0**-26: 0, 3 * 2.0**-25: 2}
-    for value, units in cases.items():
-        assert float(f16(value)) == units * 2.0**-24
+    units = [float(f16(value)) / 2.0**-24 for _, value in lesson.UNDERFLOW]
+    assert units == [1024, 16, 1, 1, 0, 0, 2]
+    assert float(np.nextafter(2.0**-25, 1.0)) == 2.0**-25 * (1 + 2.0**-52)
 
 
-@given(st.floats(2.0**-25, 2.0**-24, exclude_min=True))
-def test_lesson1_and_4_everything_above_2_to_the_minus_25_rounds_up_to_2_to_the_minus_24(value):
+@given(st.floats(0, 2.0**-25))
+def test_lesson1_every_number_from_0_to_2_to_the_minus_25_rounds_to_0(value):
+    assert float(f16(value)) == 0 and float(f16(-value)) == 0
+
+
+@given(st.floats(2.0**-25, 3 * 2.0**-25, exclude_min=True, exclude_max=True))
+def test_lesson1_and_4_above_2_to_the_minus_25_and_below_3_times_it_rounds_to_2_to_the_minus_24(
+        value):
     assert float(f16(value)) == 2.0**-24
 
 
-def test_lesson1_ties_to_even_2049_2051_2053():
-    assert [float(f16(v)) for v in (2049, 2051, 2053)] == [2048, 2052, 2052]
+def test_lesson1_ties_to_even_2049_2051_2053_and_half_of_the_ties_go_up():
+    assert [float(f16(v)) for v in lesson.TIES] == [2048, 2052, 2052]
+    assert lesson.ties_between_2048_and_4096() == (512, 512)
 
 
 def test_lesson1_running_sums_stall_where_numpys_float16_sum_does_not():
-    ones = np.ones(3000, f16)
+    ones = np.ones(lesson.ONES, f16)
     running = f16(0)
     for one in ones:
         running = f16(running + one)
@@ -67,14 +71,8 @@ def test_lesson1_numpys_float16_sum_adds_in_float32_and_rounds_once_it_is_not_pa
     """[2048] + [1] * 7 sums to 2055: a running fp16 sum gives 2048, a pairwise fp16 sum 2054
     ((2048 + 1) + (1 + 1)) + ((1 + 1) + (1 + 1)), the exact sum rounded once 2056."""
 
-    def pairwise(values):
-        if len(values) == 1:
-            return values[0]
-        half = len(values) // 2
-        return f16(pairwise(values[:half]) + pairwise(values[half:]))
-
-    eight = np.array([2048] + [1] * 7, f16)
-    assert float(pairwise(list(eight))) == 2054
+    eight = np.array(lesson.EIGHT, f16)
+    assert float(lesson.pairwise_sum16(eight)) == 2054 and sum(lesson.EIGHT) == 2055
     assert float(np.sum(eight)) == 2056 == float(f16(2055))
 
 
@@ -85,6 +83,20 @@ def test_lesson1_the_accumulator_is_float32_not_float64():
     assert float(f16(2049 + 2.0**-20)) == 2050
 
 
+def test_lesson1_minimps_sum_of_3000_float16_ones_is_3000_in_float16():
+    from minimp import Tensor
+
+    total = Tensor(np.ones(lesson.ONES, f16)).sum()
+    assert total.item() == 3000 and total.dtype == f16
+
+
+def test_lesson1_the_kahan_cases_tell_kahan_from_the_exact_sum_rounded_once():
+    for values in lesson.kahan_cases():
+        once = f16(math.fsum(values.astype(np.float64)))
+        assert lesson.kahan_sum16(values) != once == np.sum(values)
+    assert float(lesson.kahan_sum16(np.array([2048, 1, 2.0**-11], f16))) == 2048
+
+
 # ----- exercises: wrong solutions each checker must refuse ------------------------------
 def ulp16_without_the_top_binade(x):
     return float(np.spacing(np.float16(abs(x))))  # inf at 65504
@@ -92,6 +104,10 @@ def ulp16_without_the_top_binade(x):
 
 def ulp16_without_subnormals(x):
     return 2.0 ** (math.frexp(abs(x))[1] - 11) if x else 2.0**-24
+
+
+def ulp16_off_by_one_in_frexp(x):
+    return 2.0 ** (max(math.frexp(abs(x))[1], -14) - 10) if x else 2.0**-24  # frexp says e + 1
 
 
 def round_half_up(x):
@@ -104,6 +120,14 @@ def round_without_overflow(x):
     return round(x / gap) * gap
 
 
+def round_with_the_library_cast(x):
+    return float(np.float16(x))
+
+
+def round_with_astype(x):
+    return float(np.array(x).astype("float16"))
+
+
 def running_sum16(values):
     total = np.float16(0)
     for value in values:
@@ -111,17 +135,44 @@ def running_sum16(values):
     return total
 
 
+def float32_sum16(values):
+    total = np.float32(0)
+    for value in values:
+        total += np.float32(value)
+    return np.float16(total)
+
+
+def numpy_sum16(values):
+    return np.sum(values)  # float16 in, float16 out: NumPy adds in float32
+
+
+def kahan_with_a_float32_compensation(values):
+    total, compensation = np.float16(0), np.float32(0)
+    for value in values:
+        corrected = np.float32(value) - compensation
+        new_total = np.float16(total + corrected)
+        compensation = (np.float32(new_total) - np.float32(total)) - corrected
+        total = new_total
+    return total
+
+
 WRONG = {
     "check_ulp16": [
-        Wrong(ulp16_without_the_top_binade, ""),
-        Wrong(ulp16_without_subnormals, ""),
+        Wrong(ulp16_without_the_top_binade, "65504"),
+        Wrong(ulp16_without_subnormals, "subnormal"),
+        Wrong(ulp16_off_by_one_in_frexp, "frexp"),
     ],
     "check_round_to_float16": [
-        Wrong(round_half_up, ""),
-        Wrong(round_without_overflow, ""),
+        Wrong(round_half_up, "even"),
+        Wrong(round_without_overflow, "inf"),
+        Wrong(round_with_the_library_cast, "np.float16"),
+        Wrong(round_with_astype, "float16 dtype"),
     ],
     "check_compensated_sum16": [
-        Wrong(running_sum16, ""),
+        Wrong(running_sum16, "running sum"),
+        Wrong(float32_sum16, "float32"),
+        Wrong(numpy_sum16, "np.sum"),
+        Wrong(kahan_with_a_float32_compensation, "every intermediate in float16"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,
