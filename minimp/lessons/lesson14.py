@@ -38,7 +38,7 @@ def simulated_exposed(op_seconds: list, bucket_ops: list, ring_seconds: list) ->
 
 
 def _exposed_mistake(got: float, op_seconds: list, bucket_ops: list, ring_seconds: list) -> str:
-    """What a wrong answer matches, in words ('' if nothing we know)."""
+    """What a wrong answer matches, in words (each we know; '' if none)."""
     backward = sum(op_seconds)
     ready = [sum(op_seconds[: sum(bucket_ops[: b + 1])]) for b in range(len(bucket_ops))]
     at_once = max(0.0, max(r + s for r, s in zip(ready, ring_seconds)) - backward)
@@ -46,8 +46,9 @@ def _exposed_mistake(got: float, op_seconds: list, bucket_ops: list, ring_second
              (at_once, "rings run at once; they run one at a time, each after the one before"),
              (ring_seconds[-1], "the last ring only: an earlier ring can still run, or delay "
               "the last, when backward ends")]
-    return next((f" (that is {words})" for value, words in known
-                 if abs(got - value) <= 1e-12 or close(got, value, 1e-9)), "")
+    matches = [words for value, words in known if abs(got - value) <= 1e-12
+               or close(got, value, 1e-9)]
+    return f" (that is {'; or '.join(matches)})" if matches else ""
 
 
 def check_exposed_seconds(exposed_seconds: Callable[[list, list, list], float],
