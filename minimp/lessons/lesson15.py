@@ -1,7 +1,9 @@
-"""Checkers for lesson 15 (eight bits): the saturating fp8 cast, delayed scaling's update against
-minimp's quantizer, the forward of a Linear in fp8. Reference solutions:
-lessons/solutions/lesson15.py."""
+"""Lesson 15 (eight bits): the configuration of its training runs, which the notebook and its
+claims test (tests/lessons/test_lesson15.py) both import, and the checkers of its exercises: the
+saturating fp8 cast, delayed scaling's update against minimp's quantizer, the forward of a Linear
+in fp8. Reference solutions: lessons/solutions/lesson15.py."""
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -21,6 +23,19 @@ from minimp.precision import (
 )
 
 
+# ----- the notebook's training runs ---------------------------------------------------------------
+# Small enough that five runs fit the lesson's 20 s (each fp8 step costs about twice a bf16 one:
+# the casts are emulated), long enough that unscaled fp8 falls behind and the scales move.
+GPT_SHAPE = dict(context=32, layers=2, heads=2, width=32)  # GPTConfig's, the vocabulary the data's
+BATCH_SIZE = 16  # windows of `context` characters a step: 512 positions
+STEPS = 50
+LEARNING_RATE = 3e-3  # AdamW's
+VALIDATION_WINDOWS = 128  # one batch of the validation text, seed 1
+AMAX_HISTORY = 16  # delayed scaling's window of steps (DelayedScaling's default here; TE's 1024)
+# The three tensors of block 1's q, k, v projection whose scales the runs record at every step.
+WATCHED = ("1.attn.c_attn.input", "1.attn.c_attn.weight", "1.attn.c_attn.grad_output")
+
+
 # ----- the saturating cast ------------------------------------------------------------------------
 def _midpoints(values: np.ndarray) -> np.ndarray:
     """The points halfway between neighbours (exact in float32: fp8 has 4 significant bits)."""
@@ -34,19 +49,46 @@ def _positive_values(fmt: Any) -> np.ndarray:
     return np.unique(values[np.isfinite(values) & (values > 0)])
 
 
+@dataclass(frozen=True)
+class _Format:
+    """A format given by its limits alone, with no ml_dtypes dtype to cast to."""
+
+    name: str
+    max: float
+    smallest_normal: float
+    smallest_subnormal: float
+    mantissa_bits: int
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+SHIFT = 8  # E4M3 moved down 8 binades: a format of the same kind that ml_dtypes lacks
+E4M3_DOWN = _Format("E4M3 / 2^8", E4M3.max * 2.0**-SHIFT, E4M3.smallest_normal * 2.0**-SHIFT,
+                    E4M3.smallest_subnormal * 2.0**-SHIFT, E4M3.mantissa_bits)
+
+
 def check_round_to_fp8(round_to_fp8: Callable, quiet: bool = False) -> Report:
     """round_to_fp8(x, fmt): the float32 array of the fmt values nearest x (ties to even), +-max
     for anything beyond (inf included), NaN for NaN, the sign of x kept on zero; compared bit for
-    bit with minimp's saturating cast."""
+    bit with minimp's saturating cast. fmt is E4M3, E5M2 or a format ml_dtypes lacks (E4M3
+    moved down 8 binades, with max, smallest_normal, smallest_subnormal and mantissa_bits but
+    no dtype), so ml_dtypes' cast (`.astype(fmt.dtype)`), which the spec rules out, fails."""
     report = Report("round_to_fp8", quiet)
     rng = np.random.default_rng(14)
+
+    def saturated(x, fmt):
+        """minimp's cast; for E4M3_DOWN, E4M3's on x * 2^8, times 2^-8 (both exact)."""
+        if fmt is E4M3_DOWN:
+            return fp8.to_float32(fp8.cast_saturating(x * 2.0**SHIFT, E4M3)) * 2.0**-SHIFT
+        return fp8.to_float32(fp8.cast_saturating(x, fmt))
 
     def compare(x, fmt):
         x = np.asarray(x, np.float32)
         got = np.asarray(call(round_to_fp8, x.copy(), fmt))
         expect(got.dtype == np.float32 and got.shape == x.shape,
                f"returned {got.dtype} of shape {got.shape}, expected float32 of shape {x.shape}")
-        want = fp8.to_float32(fp8.cast_saturating(x, fmt))
+        want = saturated(x, fmt).astype(np.float32)
         nan = np.isnan(want)
         if not np.array_equal(np.isnan(got), nan):
             expect(False, f"NaN where there should be none, or a number where {fmt} has NaN: "
@@ -78,8 +120,9 @@ def check_round_to_fp8(round_to_fp8: Callable, quiet: bool = False) -> Report:
 
     @report.case(
         "below 2^-6: the subnormals, a fixed gap of 2^-9; below 2^-10, zero (with x's sign)",
-        hint="below the smallest normal the gap stays that of the lowest binade; "
-        "np.copysign puts the sign back on a zero",
+        hint="below the smallest normal the gap stays that of the lowest binade (the "
+        "subnormals are numbers: do not flush them to zero); np.copysign puts the sign back on "
+        "a zero",
     )
     def _():
         small = _positive_values(E4M3)[:9]
@@ -104,6 +147,18 @@ def check_round_to_fp8(round_to_fp8: Callable, quiet: bool = False) -> Report:
         every = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
         every[np.isnan(every)] = np.nan  # one quiet NaN: signalling ones warn when widened
         compare(every, E5M2)
+
+    @report.case(
+        "a format ml_dtypes lacks: E4M3 moved down 8 binades (largest 1.75, smallest normal "
+        "2^-14), given by its limits, with no dtype",
+        hint="build the cast from fmt.max, fmt.smallest_normal and fmt.mantissa_bits: a cast "
+        "to fmt.dtype is ml_dtypes' own, the shortcut the exercise rules out",
+    )
+    def _():
+        between = 2.0 ** rng.uniform(-20, 2, 2000) * rng.choice([-1, 1], 2000)
+        edges = [1.75, 1.8125, 1.82, 100.0, np.inf, 2.0**-18, 2.0**-17.5, -1e-30, np.nan]
+        down = np.concatenate([normals, _midpoints(normals)]) * 2.0**-SHIFT
+        compare(np.concatenate([down, -down, between, edges]), E4M3_DOWN)
 
     return report.finish()
 
@@ -142,14 +197,16 @@ def check_delayed_scaling_update(delayed_scaling_update: Callable, quiet: bool =
 
     @report.case(
         "a history of 4 steps: 30 amaxes between 2^-10 and 2^10",
-        hint="np.roll(history, 1), then history[0] = amax; the scale from history.max()",
+        hint="np.roll(history, 1) moves every amax one row back, then history[0] = amax (row 0 "
+        "is the newest); the scale from history.max(), after this step's amax entered it",
     )
     def _():
         follow((2.0 ** rng.uniform(-10, 10, 30)).astype(np.float32), length=4)
 
     @report.case(
         "a history of 16: one large amax sets the scale for exactly 16 steps, then leaves",
-        hint="the window holds this step's amax and the 15 before it",
+        hint="the scale comes from the whole window, this step's amax and the 15 before it, "
+        "not from this step's alone",
     )
     def _():
         amaxes = np.full(40, 0.5, np.float32)
@@ -226,7 +283,8 @@ def check_fp8_linear(fp8_linear: Callable, quiet: bool = False) -> Report:
 
     @report.case(
         "one input feature (each output one product): bit for bit, scales of any size",
-        hint="s = 448 / amax in float32; q = the E4M3 value nearest x * s (computed in float32); "
+        hint="s = 448 / amax in float32, so that each tensor's amax lands on 448; q = the E4M3 "
+        "value nearest x * s, computed in float32 and not rounded to bf16 first; "
         "y = (q_x * q_w) * (np.float32(1 / s_x) * np.float32(1 / s_w)) + bias",
     )
     def _():
