@@ -44,7 +44,8 @@ def test_lesson7_the_printed_replay_agrees_with_the_formula():
     P, M, forward, backward = lesson07.REPLAYED
     for name in ("gpipe", "1f1b"):
         schedule = build_schedule(name, P, M)
-        assert timelines.replay(schedule, forward, backward)[0] == (M + P - 1) * (forward + backward)
+        step = (M + P - 1) * (forward + backward)
+        assert timelines.replay(schedule, forward, backward)[0] == step
         assert round(timelines.replayed_bubble(schedule, forward, backward), 3) == 0.273
     assert round(costmodel.pipeline_bubble_fraction(P, M), 3) == 0.273
 
