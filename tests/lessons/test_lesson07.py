@@ -5,10 +5,10 @@ lessons/07_model_parallel.ipynb became false, or a checker passes a wrong answer
 import numpy as np
 import pytest
 from exercising import Wrong, exercise_tests, solutions
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minimp.lessons import timelines
+from minimp.lessons import lesson07, timelines
 from minimp.measure import costmodel
 from minimp.parallel import (
     Action,
@@ -35,23 +35,57 @@ def test_lesson7_the_step_takes_m_plus_p_minus_1_slots_for_both_schedules(name):
 
 
 def test_lesson7_peak_activations_gpipe_m_1f1b_p_minus_stage():
-    for M in (4, 8, 16):
+    for M in lesson07.MEMORY_MICRO_BATCHES:
         assert [peak_activations(a) for a in gpipe(4, M)] == [M] * 4
         assert [peak_activations(a) for a in one_f_one_b(4, M)] == [4, 3, 2, 1]
 
 
-@given(st.lists(st.floats(0.1, 10.0), min_size=4, max_size=4), st.integers(1, 8))
-def test_lesson7_two_stages_the_last_slower_both_ways_only_add_to_the_bubble(times, M):
-    """(Not for any unequal stages: a slower first stage can shrink the bubble.)"""
-    forward, backward = sorted(times[:2]), sorted(times[2:])
-    formula = costmodel.pipeline_bubble_fraction(2, M)
-    for schedule in (gpipe(2, M), one_f_one_b(2, M)):
+def test_lesson7_the_printed_replay_agrees_with_the_formula():
+    P, M, forward, backward = lesson07.REPLAYED
+    for name in ("gpipe", "1f1b"):
+        schedule = build_schedule(name, P, M)
+        step = (M + P - 1) * (forward + backward)
+        assert timelines.replay(schedule, forward, backward)[0] == step
+        assert round(timelines.replayed_bubble(schedule, forward, backward), 3) == 0.273
+    assert round(costmodel.pipeline_bubble_fraction(P, M), 3) == 0.273
+
+
+def stage_times(draw, P):
+    """t_f and t_b per stage, from 0.05 to 20 (ratios up to 400 between stages)."""
+    times = st.lists(st.floats(0.05, 20.0), min_size=P, max_size=P)
+    return draw(times), draw(times)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data(), st.integers(1, 5), st.integers(1, 8))
+def test_lesson7_in_gpipe_unequal_stages_never_shrink_the_bubble(data, P, M):
+    """step >= C + (M - 1) c_s for every stage s: their mean is (M + P - 1) C / P."""
+    forward, backward = stage_times(data.draw, P)
+    formula = costmodel.pipeline_bubble_fraction(P, M)
+    assert timelines.replayed_bubble(gpipe(P, M), forward, backward) >= formula - 1e-12
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data(), st.integers(1, 5), st.integers(1, 8))
+def test_lesson7_a_last_stage_at_least_as_slow_as_the_mean_never_shrinks_the_bubble(data, P, M):
+    """step >= C + (M - 1) c_{P-1} in any schedule, and c_{P-1} >= C / P."""
+    forward, backward = stage_times(data.draw, P)
+    last, others = forward[-1] + backward[-1], sum(forward[:-1] + backward[:-1])
+    # the last stage at least as slow as the mean of the others (then also as slow as the mean)
+    scale = max(1.0, others / max(P - 1, 1) / last)
+    forward[-1], backward[-1] = forward[-1] * scale, backward[-1] * scale
+    assert forward[-1] + backward[-1] >= sum(forward + backward) / P * (1 - 1e-12)
+    formula = costmodel.pipeline_bubble_fraction(P, M)
+    for schedule in (gpipe(P, M), one_f_one_b(P, M)):
         assert timelines.replayed_bubble(schedule, forward, backward) >= formula - 1e-12
 
 
-def test_lesson7_a_slower_first_stage_can_shrink_the_bubble():
-    bubble = timelines.replayed_bubble(one_f_one_b(2, 2), [1.0, 1.0], [3.0, 2.0])
-    assert bubble < costmodel.pipeline_bubble_fraction(2, 2)
+def test_lesson7_a_slower_first_stage_shrinks_1f1b_bubble_not_gpipes():
+    P, M, forward, backward = lesson07.SLOW_FIRST
+    assert [f + b for f, b in zip(forward, backward)] == [4.0, 3.0]
+    assert round(costmodel.pipeline_bubble_fraction(P, M), 3) == 0.333
+    assert round(timelines.replayed_bubble(gpipe(P, M), forward, backward), 3) == 0.364
+    assert round(timelines.replayed_bubble(one_f_one_b(P, M), forward, backward), 3) == 0.300
 
 
 def test_lesson7_the_split_of_the_timeline_model():
@@ -63,12 +97,17 @@ def test_lesson7_the_split_of_the_timeline_model():
 
 
 @pytest.mark.mpi
-def test_lesson7_the_measured_bubble_is_larger_than_the_formula():
-    timeline = timelines.measure(2, 4, "gpipe")
-    forward, backward = timelines.compute_times(timeline)
-    formula = costmodel.pipeline_bubble_fraction(2, 4)
-    assert timelines.replayed_bubble(gpipe(2, 4), forward, backward) >= formula
-    assert timelines.bubble(timeline) > formula
+def test_lesson7_the_replayed_and_measured_bubbles_are_larger_than_the_formula():
+    """The notebook's recorded runs: both bubbles above the formula's 0.20 in every run."""
+    formula = costmodel.pipeline_bubble_fraction(*lesson07.MEASURED)
+    assert round(formula, 2) == 0.20
+    for name in ("gpipe", "1f1b"):
+        timeline = timelines.measure(*lesson07.MEASURED, name)
+        forward, backward = timelines.compute_times(timeline)
+        schedule = build_schedule(name, *lesson07.MEASURED)
+        assert timelines.replayed_bubble(schedule, forward, backward) >= formula - 1e-12
+        assert timelines.bubble(timeline) > formula
+        assert timeline["peak_stored_micro_batches"] == ([4, 4] if name == "gpipe" else [2, 1])
 
 
 # ----- exercises: wrong solutions each checker must refuse ------------------------------
@@ -76,8 +115,50 @@ def step_time_without_the_drain(P, M, t_forward, t_backward):
     return (P - 1) * t_forward + M * (t_forward + t_backward)
 
 
+def step_time_without_the_fill(P, M, t_forward, t_backward):
+    return M * (t_forward + t_backward) + (P - 1) * t_backward
+
+
+def step_time_one_slot_too_many(P, M, t_forward, t_backward):
+    return (M + P) * (t_forward + t_backward)
+
+
 def gpipe_compute(P, M):
     return [[a for a in actions if a.op in ("forward", "backward")] for actions in gpipe(P, M)]
+
+
+def one_f_one_b_compute_warmup_one_too_long(P, M):
+    """A warm-up of P - s forwards: the last stage, too, runs two forwards before its backward."""
+    schedule = []
+    for stage in range(P):
+        warmup = min(P - stage, M)
+        actions = [Action("forward", mb) for mb in range(warmup)]
+        for mb in range(M - warmup):
+            actions += [Action("forward", warmup + mb), Action("backward", mb)]
+        schedule.append(actions + [Action("backward", mb) for mb in range(M - warmup, M)])
+    return schedule
+
+
+def one_f_one_b_compute_warmup_not_capped_at_m(P, M):
+    """A warm-up of P - s - 1 forwards even when there are fewer micro-batches."""
+    schedule = []
+    for stage in range(P):
+        warmup = P - stage - 1
+        actions = [Action("forward", mb) for mb in range(warmup)]
+        for mb in range(M - warmup):
+            actions += [Action("forward", warmup + mb), Action("backward", mb)]
+        schedule.append(actions + [Action("backward", mb) for mb in range(M - warmup, M)])
+    return schedule
+
+
+def one_f_one_b_without_the_first_steady_receive(P, M):
+    """Forgets that stage s > 0 receives the steady state's first activation before its forward."""
+    schedule = []
+    for stage, actions in enumerate(solutions(7).one_f_one_b(P, M)):
+        warmup = min(P - stage - 1, M)
+        schedule.append([a for a in actions
+                         if not (a.op == "recv_forward" and a.micro_batch == warmup)])
+    return schedule
 
 
 def one_f_one_b_unpaired(P, M):
@@ -101,14 +182,19 @@ def one_f_one_b_unpaired(P, M):
 
 WRONG = {
     "check_step_time": [
-        Wrong(step_time_without_the_drain, ""),
+        Wrong(step_time_without_the_drain, "drain"),
+        Wrong(step_time_without_the_fill, "fill"),
+        Wrong(step_time_one_slot_too_many, "P - 1"),
     ],
     "check_one_f_one_b_compute": [
-        Wrong(gpipe_compute, ""),
+        Wrong(gpipe_compute, "GPipe"),
+        Wrong(one_f_one_b_compute_warmup_one_too_long, "warm-up"),
+        Wrong(one_f_one_b_compute_warmup_not_capped_at_m, "min(P - s - 1, M)"),
     ],
     "check_one_f_one_b": [
-        Wrong(one_f_one_b_unpaired, ""),
-        Wrong(lambda: gpipe, "", factory=True),
+        Wrong(one_f_one_b_unpaired, "pair them"),
+        Wrong(lambda: gpipe, "warm-up", factory=True),
+        Wrong(one_f_one_b_without_the_first_steady_receive, "recv_forward"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,

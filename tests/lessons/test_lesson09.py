@@ -5,72 +5,55 @@ lessons/09_myths.ipynb became false, or a checker passes a wrong answer."""
 import numpy as np
 from exercising import Wrong, exercise_tests, solutions
 
-from minimp import DynamicLossScaler, Tensor, mixed_precision_step, optim
 from minimp import distributed as dist
-from minimp import functional as F
-from minimp.data import global_batch_indices, load_digits
-from minimp.parallel import (
-    DataParallel,
-    shard,
-    split_stages,
-    stage_parameters,
-)
-from minimp.precision import SINGLE_PROCESS
-from minimp.train import TrainConfig, build_model, train
+from minimp.lessons import lesson09
+from minimp.parallel import split_stages, stage_parameters
+from minimp.train import TrainConfig
 
 f16 = np.float16
 
 
-def test_lesson9_significant_bits_11_against_24():
+def test_lesson9_float16_against_float32_bits_range_and_a_summed_dot_product():
     assert np.finfo(f16).nmant + 1 == 11 and np.finfo(np.float32).nmant + 1 == 24
-
-
-def one_step(comm):
-    """Lesson 9's measured step: bytes held by kind, and bytes sent, on this rank."""
-    digits = load_digits()
-    model = build_model(64, 10, 128, 4, np.random.default_rng(0))
-    optimizer = optim.Adam(model.parameters())
-    model.to(f16)
-    replicas = DataParallel(comm, optimizer) if comm.size > 1 else None
-    if replicas:
-        replicas.broadcast_parameters()
-    before = comm.bytes_sent
-    rows = shard(global_batch_indices(0, 1, 256, len(digits.train_labels)), comm.rank, comm.size)
-    scaler = DynamicLossScaler()
-    logits = model(Tensor(digits.train_images[rows].astype(f16)))
-    scaler.scale(F.cross_entropy(logits, digits.train_labels[rows])).backward()
-    mixed_precision_step(optimizer, scaler, sync=replicas or SINGLE_PROCESS)
-    held = [sum(p.data.nbytes for p in model.parameters()),
-            sum(m.nbytes for m in optimizer.master_weights),
-            sum(s.nbytes for slot in optimizer.slots for s in slot.values()),
-            sum(a.nbytes + b.nbytes for a, b in replicas.buffers) if replicas else 0]
-    return held, comm.bytes_sent - before
+    assert f"{float(np.finfo(f16).max):.6g}" == "65504"
+    assert f"{float(np.finfo(np.float32).max):.6g}" == "3.40282e+38"
+    rng = np.random.default_rng(lesson09.DOT_SEED)
+    a, b = rng.standard_normal(lesson09.DOT_LENGTH), rng.standard_normal(lesson09.DOT_LENGTH)
+    errors = []
+    for dtype in (f16, np.float32):
+        total = dtype(0)
+        for x, y in zip(a.astype(dtype), b.astype(dtype)):
+            total = dtype(total + dtype(x * y))
+        errors.append(f"{abs(float(total) - float(a @ b)):.2e}")
+    assert errors == ["2.22e-01", "9.36e-05"]
 
 
 def test_lesson9_a_replica_holds_what_one_process_holds_plus_its_buffers_and_sends_1_5_gradients():
-    parameters = 59_146
-    (single, sent_alone), = dist.simulate(1, one_step)
-    assert single == [2 * parameters, 4 * parameters, 8 * parameters, 0] and sent_alone == 0
+    parameters = sum(p.size for p in lesson09.build().parameters())
+    assert parameters == 59_146
+    (single, sent_alone), = dist.simulate(1, lesson09.one_step)
+    assert list(single.values()) == [2 * parameters, 4 * parameters, 8 * parameters, 0]
+    assert sent_alone == 0
     assert 8 * parameters / (2 * parameters) == 4 and (4 + 8) / 2 == 6  # the optimizer: 6x
-    for held, sent in dist.simulate(4, one_step):
-        assert held == single[:3] + [2 * 4 * parameters]
-        assert abs(sent - 1.5 * 4 * parameters) <= 4 * 4  # ranks differ by a chunk's element
+    results = dist.simulate(lesson09.REPLICAS, lesson09.one_step)
+    for held, _ in results:
+        assert list(held.values()) == list(single.values())[:3] + [2 * 4 * parameters]
+    sent = [s for _, s in results]
+    assert sent[1] == 1.5 * 4 * parameters  # replica 1, printed
+    assert sent == [354_872, 354_876, 354_880, 354_876]  # the others within a float32 element
 
 
 def test_lesson9_what_dp_and_pp_send_and_hold():
-    model = build_model(64, 10, 128, 4, np.random.default_rng(0))
-    bounds = split_stages(model.layers, 4)
+    model = lesson09.build()
+    bounds = split_stages(model.layers, lesson09.REPLICAS)
     per_stage = [sum(p.size for _, p in stage_parameters(model, b)) for b in bounds]
     assert per_stage == [8320, 16512, 16512, 17802] and sum(per_stage) == 59_146
-
-    def sent(**flags):
-        config = TrainConfig(steps=2, log_every=1000, **flags)
-        results = dist.simulate(4, lambda comm: train(config, log=lambda line: None, comm=comm))
-        return [r["history"][-1]["bytes_sent"] for r in results]
-
-    assert np.mean(sent(dp=4)) == 1.5 * 4 * 59_146
+    assert np.mean(lesson09.training_bytes_per_step(dp=4)) == 1.5 * 4 * 59_146
+    config = TrainConfig(pp=4)
+    assert (config.batch_size, config.hidden, config.precision) == (64, 128, "fp16")
     cut = 64 * 128 * 2  # the batch's activations, float16, one way across one cut
-    assert sent(pp=4) == [cut, 2 * cut, 2 * cut, cut]
+    assert cut == 16_384
+    assert lesson09.training_bytes_per_step(pp=4) == [cut, 2 * cut, 2 * cut, cut]
 
 
 # ----- exercises: wrong solutions each checker must refuse ------------------------------
@@ -78,23 +61,48 @@ def zero3_keeping_the_weights(stage, p):
     return solutions(9).zero_bytes_per_parameter(min(stage, 2), p)
 
 
+def zero1_sharding_the_gradients_too(stage, p):
+    return solutions(9).zero_bytes_per_parameter(min(stage + 1, 3) if stage else 0, p)
+
+
+def zero_with_float32_gradients(stage, p):
+    return solutions(9).zero_bytes_per_parameter(stage, p) + (2.0 / p if stage >= 2 else 2.0)
+
+
 def dp_bytes_of_the_naive_algorithm(parameters, p, itemsize):
     return 2 * parameters * itemsize
+
+
+def dp_bytes_of_the_reduce_scatter_only(parameters, p, itemsize):
+    return (p - 1) / p * parameters * itemsize
+
+
+def dp_bytes_always_float32(parameters, p, itemsize):
+    return 2 * (p - 1) / p * parameters * 4
 
 
 def pp_bytes_both_ways_everywhere(stage, stages, batch, width, itemsize):
     return 2 * batch * width * itemsize
 
 
+def pp_bytes_forward_only(stage, stages, batch, width, itemsize):
+    return batch * width * itemsize if stage < stages - 1 else 0
+
+
 WRONG = {
     "check_zero_bytes_per_parameter": [
-        Wrong(zero3_keeping_the_weights, ""),
+        Wrong(zero3_keeping_the_weights, "ZeRO-3"),
+        Wrong(zero1_sharding_the_gradients_too, "ZeRO-1 splits the 12"),
+        Wrong(zero_with_float32_gradients, "2 of float16 gradient"),
     ],
     "check_dp_bytes_sent": [
-        Wrong(dp_bytes_of_the_naive_algorithm, ""),
+        Wrong(dp_bytes_of_the_naive_algorithm, "2(p - 1) chunks"),
+        Wrong(dp_bytes_of_the_reduce_scatter_only, "all-gather"),
+        Wrong(dp_bytes_always_float32, "itemsize"),
     ],
     "check_pp_bytes_sent": [
-        Wrong(pp_bytes_both_ways_everywhere, ""),
+        Wrong(pp_bytes_both_ways_everywhere, "unless it is the last"),
+        Wrong(pp_bytes_forward_only, "gradient back"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,
