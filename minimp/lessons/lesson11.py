@@ -13,7 +13,7 @@ from minimp import Tensor, nn, optim
 from minimp import functional as F
 from minimp.backend import limit_cpu_threads
 from minimp.data import load_shakespeare, text_batch
-from minimp.distributed import all_gather, chunk_bounds, reduce_scatter
+from minimp.distributed import all_gather, chunk_bounds, reduce_scatter, simulate
 from minimp.lessons.checking import Report, call, expect
 from minimp.lessons.lesson05 import _run
 from minimp.models.gpt import GPT, GPTConfig
@@ -26,9 +26,9 @@ from minimp.train.sizes import zero_unit_sizes
 # ----- the lesson's runs ------------------------------------------------------------------------
 # docs/zero.md's MLP (8 hidden layers of 256 on the digits, fp16, Adam) for 2 steps. Overlap off:
 # with it (the trainer's default) each ring runs during backward with buffers of its own, and the
-# peak inside a step depends on the threads' timing; without it every stage holds what the ZeRO
-# paper counts, every run. A batch of 48 divides by the 3 ranks and 2 micro-batches the checkers
-# run as well as by the lesson's 1, 2 and 4 ranks.
+# peak inside a step depends on the threads' timing; without it the peak is peak_formula's, on every
+# rank and every run. A batch of 48 divides by the checkers' 3 ranks x 2 micro-batches as well as
+# by the lesson's 1, 2 and 4 ranks (x 2).
 MLP = dict(hidden=256, layers=8, batch_size=48, steps=2, log_every=1000, threads=1, overlap=False)
 # The same trainer, smaller and in float32, 10 steps: where ZeRO ends on the bits of --zero 0.
 SAME_TRAINING = {**MLP, "hidden": 32, "layers": 2, "steps": 10, "precision": "fp32"}
@@ -43,7 +43,8 @@ def mlp_config(**flags: Any) -> TrainConfig:
 def simulated(world_size: int, **flags: Any) -> list[dict]:
     """Every rank's result of the lesson's MLP run on `world_size` simulated ranks, without the
     weights (the bytes are what the lesson reads). Cached: a run's bytes are the same every time,
-    and the lesson, its test and its checkers read the same runs."""
+    and the lesson, its test and its checkers read the same runs (so read them, never change
+    them)."""
     return _simulated(world_size, tuple(sorted(flags.items())))
 
 
@@ -51,7 +52,7 @@ def simulated(world_size: int, **flags: Any) -> list[dict]:
 def _simulated(world_size: int, flags: tuple) -> list[dict]:
     config = mlp_config(**dict(flags))
     config.validate(world_size)
-    results = _run(world_size, lambda comm: train(config, log=lambda line: None, comm=comm))
+    results = simulate(world_size, lambda comm: train(config, log=lambda line: None, comm=comm))
     return [{k: v for k, v in result.items() if k != "master_weights"} for result in results]
 
 
@@ -69,8 +70,8 @@ def final_weights(world_size: int, **flags: Any) -> dict:
     """Rank 0's float32 master weights after SAME_TRAINING's 10 steps with these flags."""
     config = TrainConfig(**{**SAME_TRAINING, **flags})
     config.validate(world_size)
-    return _run(world_size, lambda comm: train(config, log=lambda line: None, comm=comm))[0][
-        "master_weights"]
+    results = simulate(world_size, lambda comm: train(config, log=lambda line: None, comm=comm))
+    return results[0]["master_weights"]
 
 
 # ----- recomputation: a GPT of 4 blocks -----------------------------------------------------
