@@ -3,36 +3,43 @@ checkers against the reference solutions and wrong ones. A failure here means a 
 lessons/06_data_parallel.ipynb became false, or a checker passes a wrong answer."""
 
 import warnings
+import zlib
 
 import numpy as np
-import pytest
 from exercising import Wrong, exercise_tests
 
 from minimp import distributed as dist
-from minimp import nn, optim
-from minimp.parallel import (
-    DataParallel,
-    ReplicaMismatchError,
+from minimp.lessons.lesson06 import (
+    EQUIVALENCE,
+    GRADIENT,
+    ONE_DECISION,
+    REPLICAS,
+    average_on_float16_wire,
+    largest_relative_difference,
+    one_bit_off,
+    trained_weights,
 )
-from minimp.train import TrainConfig, train
+from minimp.train import train
 
 f16 = np.float16
 
 
 def test_lesson6_replicas_train_what_one_process_trains_up_to_float32_rounding():
-    def run(world_size):
-        config = TrainConfig(hidden=32, layers=2, batch_size=32, steps=20, precision="fp32",
-                             log_every=1000)
-        def rank(comm):
-            return train(config, log=lambda line: None, comm=comm)
+    assert EQUIVALENCE.batch_size % REPLICAS == 0  # equal shards: the mean of means is the mean
+    one = trained_weights(1)
+    for world_size in (2, REPLICAS):
+        worst = largest_relative_difference(one, trained_weights(world_size))
+        assert 0 < worst < 1e-6  # "between 0 and 1e-6"
 
-        return dist.simulate(world_size, rank)[0]["master_weights"]
 
-    one = run(1)
-    for world_size in (2, 4):
-        many = run(world_size)
-        worst = max(np.abs(many[k] - one[k]).max() / np.abs(one[k]).max() for k in one)
-        assert 0 < worst < 1e-6
+def test_lesson6_dividing_after_the_sum_overflows_float16_and_before_does_not():
+    assert REPLICAS * GRADIENT > 65504 and GRADIENT < 65504
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # each rank silences its own expected overflow
+        after = dist.simulate(REPLICAS, average_on_float16_wire, "after")
+        before = dist.simulate(REPLICAS, average_on_float16_wire, "before")
+    assert all(np.all(np.isinf(r)) for r in after)
+    assert all(np.all(r == GRADIENT) for r in before)
 
 
 def test_lesson6_numpy_errstate_is_per_thread_so_each_rank_sets_its_own():
@@ -53,19 +60,13 @@ def test_lesson6_numpy_errstate_is_per_thread_so_each_rank_sets_its_own():
 
 
 def test_lesson6_the_check_catches_one_bit_and_a_skip_is_one_decision():
-    def one_bit_off(comm):
-        replicas = DataParallel(comm, optim.SGD([nn.Parameter(np.ones(4, np.float32))], lr=0.1))
-        if comm.rank == 2:
-            master = replicas.optimizer.master_weights[0]
-            master[0] = np.nextafter(master[0], np.float32(2))
-        with pytest.raises(ReplicaMismatchError, match=r"\[2\]"):
-            replicas.check_replicas()
-
-    dist.simulate(4, one_bit_off)
-    config = TrainConfig(hidden=32, layers=2, batch_size=32, steps=8, inject_overflow="5:2",
-                         check_replicas=1, log_every=1000)
-    results = dist.simulate(4, lambda comm: train(config, log=lambda line: None, comm=comm))
+    said = dist.simulate(REPLICAS, one_bit_off)
+    assert all("[2]" in line and "differ" in line for line in said)
+    results = dist.simulate(REPLICAS, lambda comm: train(ONE_DECISION, log=lambda line: None,
+                                                         comm=comm))
+    assert ONE_DECISION.check_replicas == 1  # "after every step"
     for result in results:
+        assert len(result["history"]) == ONE_DECISION.steps
         assert [r["step"] for r in result["history"] if r["skipped"]] == [5]
         assert [r["loss_scale"] for r in result["history"]] == [65536.0] * 5 + [32768.0] * 3
 
@@ -90,16 +91,57 @@ def drift_by_value(comm, weights):
     return [rank for rank in range(comm.size) if table[rank] != table[0]]
 
 
+def average_returned_in_float16(comm, grad):
+    return dist.ring_allreduce(comm, (grad / np.float32(comm.size)).astype(np.float16))
+
+
+def average_by_the_naive_algorithm(comm, grad):
+    wire = (grad / np.float32(comm.size)).astype(np.float16)
+    return dist.allreduce(comm, wire, algorithm="naive").astype(np.float32)
+
+
+def sum_over_samples(comm, local_mean, count):
+    return dist.ring_allreduce(comm, local_mean * count)
+
+
+def drift_by_byte_sum(comm, weights):
+    table = np.zeros(comm.size)
+    table[comm.rank] = float(np.frombuffer(weights.tobytes(), np.uint8).sum())
+    table = comm.allreduce_scalars(table, "sum")
+    return [rank for rank in range(comm.size) if table[rank] != table[0]]
+
+
+def drift_by_sending_rank_0s_weights(comm, weights):
+    theirs = dist.ring_allreduce(comm, weights if comm.rank == 0 else np.zeros_like(weights))
+    differs = comm.allreduce_scalars(
+        [float(r == comm.rank and theirs.tobytes() != weights.tobytes())
+         for r in range(comm.size)], "sum")
+    return [rank for rank in range(comm.size) if differs[rank]]
+
+
+def drift_by_crc_of_each_rank_in_one_slot(comm, weights):
+    """Everyone adds its checksum into one slot: a sum cannot say whose differs."""
+    total = comm.allreduce_scalars([zlib.crc32(weights.tobytes())], "sum")[0]
+    mine = zlib.crc32(weights.tobytes())
+    return [] if total == comm.size * mine else [comm.rank]
+
+
 WRONG = {
     "check_average_gradients": [
-        Wrong(average_after_the_sum, ""),
-        Wrong(average_on_a_float32_wire, ""),
+        Wrong(average_after_the_sum, "before the sum"),
+        Wrong(average_on_a_float32_wire, "float16 wire"),
+        Wrong(average_returned_in_float16, "float32"),
+        Wrong(average_by_the_naive_algorithm, "ring"),
     ],
     "check_global_mean_gradient": [
-        Wrong(mean_of_means, ""),
+        Wrong(mean_of_means, "weigh each by its count"),
+        Wrong(sum_over_samples, "divide it by the total count"),
     ],
     "check_drifted_replicas": [
-        Wrong(drift_by_value, ""),
+        Wrong(drift_by_value, "bits"),
+        Wrong(drift_by_byte_sum, "swapped"),
+        Wrong(drift_by_sending_rank_0s_weights, "checksum"),
+        Wrong(drift_by_crc_of_each_rank_in_one_slot, "same list on every rank"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,
