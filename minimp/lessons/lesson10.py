@@ -187,7 +187,8 @@ def _near_the_top(rng: np.random.Generator, shape: tuple) -> np.ndarray:
 def check_scaled_masked_softmax(scaled_masked_softmax: Callable, quiet: bool = False) -> Report:
     """scaled_masked_softmax(scores, scale, mask=None): softmax(scale * scores) over the last axis,
     each query seeing itself and earlier keys (and only keys where `mask` is True), computed in
-    float32, returned in the scores' dtype; fully masked rows give zeros."""
+    float32 (float64 for float64 scores), returned in the scores' dtype; fully masked rows give
+    zeros."""
     report = Report("scaled_masked_softmax", quiet)
     rng = np.random.default_rng(10)
 
@@ -252,8 +253,8 @@ def _softmax(scores: np.ndarray, scale: float, mask: Any = None) -> np.ndarray:
 
 def check_softmax_backward(softmax_backward: Callable, quiet: bool = False) -> Report:
     """softmax_backward(y, grad_output, scale): dL/dscores of y = scaled_masked_softmax(scores,
-    scale) from y alone (what backward keeps), computed in float32 for 16-bit inputs, returned
-    in y's dtype."""
+    scale) from y alone (what backward keeps), computed in float32 for 16-bit inputs (float64
+    for float64), returned in y's dtype."""
     report = Report("softmax_backward", quiet)
     rng = np.random.default_rng(11)
 
@@ -319,7 +320,8 @@ SHAPES = ((8, 2, 16, 2), (16, 3, 32, 4), (5, 1, 12, 3))  # (s, b, h, a)
 
 def check_block_bytes(block_bytes: Callable, quiet: bool = False) -> Report:
     """block_bytes(s, b, h, a, itemsize, dropout): bytes one GPT block keeps for backward, for
-    context s, batch b, width h, a heads, activations of `itemsize` bytes; measured."""
+    context s, batch b, width h, a heads, activations of `itemsize` bytes (LayerNorm's statistics
+    in float32, in float64 for 8-byte activations), dropout True or False; measured."""
     report = Report("block_bytes", quiet)
 
     def compare(dtypes, dropout):
