@@ -235,7 +235,8 @@ def check_scaled_masked_softmax(scaled_masked_softmax: Callable, quiet: bool = F
         "a padding mask that hides every key from the first queries: those rows are zeros",
         hint="a row of -inf has maximum -inf and -inf - (-inf) is NaN: shift such a row by 0 "
         "instead, and divide its zero sum by 1 (a finite stand-in for -inf, like -1e9, gives "
-        "such a row equal weights, not zeros)",
+        "such a row equal weights, not zeros); `mask` hides keys, the last axis, as it "
+        "broadcasts",
     )
     def _():
         scores = (rng.standard_normal((2, 2, 6, 6)) * 4).astype(F16)

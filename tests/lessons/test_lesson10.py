@@ -378,6 +378,27 @@ def softmax_shifting_by_the_maximum_of_every_key(scores, scale, mask=None):
     return (exps / np.where(total == 0, np.float32(1), total)).astype(scores.dtype)
 
 
+def _softmax_keeping(keep_of):
+    """The reference softmax, but with the keep mask keep_of(T, mask) makes."""
+    def softmax(scores, scale, mask=None):
+        keep = keep_of(scores.shape[-1], mask)
+        logits = np.where(keep, scores.astype(np.float32) * np.float32(scale), np.float32(-np.inf))
+        row_max = logits.max(axis=-1, keepdims=True)
+        exps = np.exp(logits - np.where(row_max == -np.inf, np.float32(0), row_max))
+        total = exps.sum(axis=-1, keepdims=True)
+        return (exps / np.where(total == 0, np.float32(1), total)).astype(scores.dtype)
+
+    return softmax
+
+
+# query i sees keys 0 to i - 1 only: np.tri's k=-1, the diagonal left out
+softmax_without_its_own_key = _softmax_keeping(
+    lambda T, mask: np.tri(T, k=-1, dtype=bool) & (True if mask is None else mask))
+# the padding mask laid along the queries (mask[:, None]) instead of the keys
+softmax_masking_queries = _softmax_keeping(
+    lambda T, mask: np.tri(T, dtype=bool) & (True if mask is None else np.asarray(mask)[:, None]))
+
+
 def backward_with_the_diagonal_only(y, grad_output, scale):
     """dy_j/ds_j = scale y_j (1 - y_j) alone, as if each output depended on its own score only."""
     y32, grad = y.astype(np.float32), grad_output.astype(np.float32)
@@ -405,6 +426,8 @@ WRONG = {
         Wrong(softmax_seeing_later_keys, "earlier keys"),
         Wrong(softmax_masking_with_minus_1e9, "-1e9"),
         Wrong(softmax_shifting_by_the_maximum_of_every_key, "after masking"),
+        Wrong(softmax_without_its_own_key, "itself"),
+        Wrong(softmax_masking_queries, "hides keys"),
     ],
     "check_softmax_backward": [
         Wrong(backward_without_the_scale, "scale"),
