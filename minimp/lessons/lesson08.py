@@ -158,7 +158,9 @@ def check_crossover_bytes(crossover_bytes: Callable[[int, float, float, float], 
             for p in (4, 8, 64, 1024):
                 got = float(call(crossover_bytes, p, *network))
                 want = crossover(p, *network)
-                expect(close(got, want, 1e-6), f"{name}, p={p}: returned {got:.6g} bytes, the "
+                # a size rounded to a whole byte (up or down) is as right as the real number
+                expect(close(got, want, 1e-6) or abs(got - want) <= 1.0,
+                       f"{name}, p={p}: returned {got:.6g} bytes, the "
                        f"formulas cross at {want:.6g}")
 
     @report.case(
@@ -167,7 +169,8 @@ def check_crossover_bytes(crossover_bytes: Callable[[int, float, float, float], 
     )
     def _():
         got = float(call(crossover_bytes, 2, 15e-6, 1e-10, 1e-10))
-        expect(close(got, crossover(2, 15e-6, 1e-10, 1e-10), 1e-6), f"returned {got:.6g}")
+        want = crossover(2, 15e-6, 1e-10, 1e-10)
+        expect(close(got, want, 1e-6) or abs(got - want) <= 1.0, f"returned {got:.6g}")
 
     @report.case("p = 2 with free reductions (gamma = 0): the ring never wins, math.inf",
                  hint="B_doubling - B_ring is 0: the sizes never cross")

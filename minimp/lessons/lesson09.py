@@ -109,14 +109,15 @@ def check_dp_bytes_sent(dp_bytes_sent: Callable[[int, int, int], float],
     """dp_bytes_sent(parameters, p, itemsize): the bytes one data-parallel rank sends per step,
     on average over the ranks (minimp's ring, one bucket)."""
     report = Report("dp_bytes_sent", quiet)
-    for p, wire in ((2, "fp32"), (4, "fp16"), (4, "fp32")):
+    # p = 3 does not divide 2(p - 1) x itemsize: the average is not a whole number there
+    for p, wire in ((2, "fp32"), (4, "fp16"), (4, "fp32"), (3, "fp32")):
 
         @report.case(
             f"{p} replicas, {wire} wire: as measured on the training command's ranks",
             hint="the ring all-reduce sends 2(p - 1) chunks of 1/p of the gradient (p - 1 in "
             "its reduce-scatter, p - 1 in its all-gather): 2(p - 1)/p of its bytes, at itemsize "
             "bytes an element on the wire (when p does not divide it, ranks differ by an "
-            "element: the average is exact)",
+            "element: the average is exact, and need not be a whole number: do not round)",
         )
         def _():
             config = dict(hidden=32, layers=2, grad_comm_dtype=wire)

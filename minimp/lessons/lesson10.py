@@ -225,7 +225,8 @@ def check_scaled_masked_softmax(scaled_masked_softmax: Callable, quiet: bool = F
     @report.case(
         "float16 scores near 65504, scale 1/8 (logits near 8188): no inf, no NaN, within 1 ulp",
         hint="exp overflows float16 past 11.09 and float32 past 88.7: subtract each row's "
-        "maximum before exp, so every exp is at most 1",
+        "maximum before exp, so every exp is at most 1; take that maximum after masking (over "
+        "the keys the query sees), or a later key's large score zeroes every kept exp",
     )
     def _():
         compare16(_near_the_top(rng, (3, 2, 7, 7)), 1 / 8)
@@ -233,7 +234,9 @@ def check_scaled_masked_softmax(scaled_masked_softmax: Callable, quiet: bool = F
     @report.case(
         "a padding mask that hides every key from the first queries: those rows are zeros",
         hint="a row of -inf has maximum -inf and -inf - (-inf) is NaN: shift such a row by 0 "
-        "instead, and divide its zero sum by 1",
+        "instead, and divide its zero sum by 1 (a finite stand-in for -inf, like -1e9, gives "
+        "such a row equal weights, not zeros); `mask` hides keys, the last axis, as it "
+        "broadcasts",
     )
     def _():
         scores = (rng.standard_normal((2, 2, 6, 6)) * 4).astype(F16)

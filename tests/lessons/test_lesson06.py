@@ -126,22 +126,43 @@ def drift_by_crc_of_each_rank_in_one_slot(comm, weights):
     return [] if total == comm.size * mine else [comm.rank]
 
 
+def average_over_four_ranks(comm, grad):
+    """The notebook runs 4 replicas: a fixed 4 instead of comm.size."""
+    return dist.ring_allreduce(comm, (grad / np.float32(4)).astype(np.float16)).astype(np.float32)
+
+
+def global_mean_in_float32(comm, local_mean, count):
+    total = comm.allreduce_scalars([count], "sum")[0]
+    return dist.ring_allreduce(comm, (local_mean * (count / total)).astype(np.float32))
+
+
+def drift_by_crc_with_nan_to_num(comm, weights):
+    """NaN made 0 before the checksum, so that NaN equals NaN: it also equals 0.0."""
+    table = np.zeros(comm.size)
+    table[comm.rank] = zlib.crc32(np.nan_to_num(weights).tobytes())
+    table = comm.allreduce_scalars(table, "sum")
+    return [rank for rank in range(comm.size) if table[rank] != table[0]]
+
+
 WRONG = {
     "check_average_gradients": [
         Wrong(average_after_the_sum, "before the sum"),
         Wrong(average_on_a_float32_wire, "float16 wire"),
         Wrong(average_returned_in_float16, "float32"),
         Wrong(average_by_the_naive_algorithm, "ring"),
+        Wrong(average_over_four_ranks, "comm.size"),
     ],
     "check_global_mean_gradient": [
         Wrong(mean_of_means, "weigh each by its count"),
         Wrong(sum_over_samples, "divide it by the total count"),
+        Wrong(global_mean_in_float32, "float64"),
     ],
     "check_drifted_replicas": [
         Wrong(drift_by_value, "bits"),
         Wrong(drift_by_byte_sum, "swapped"),
         Wrong(drift_by_sending_rank_0s_weights, "checksum"),
         Wrong(drift_by_crc_of_each_rank_in_one_slot, "same list on every rank"),
+        Wrong(drift_by_crc_with_nan_to_num, "nan_to_num"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,

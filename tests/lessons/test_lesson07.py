@@ -180,6 +180,34 @@ def one_f_one_b_unpaired(P, M):
     return schedule
 
 
+def one_f_one_b_compute_cool_down_reversed(P, M):
+    """The cool-down's backwards last micro-batch first, as GPipe runs them."""
+    schedule = []
+    for stage, actions in enumerate(solutions(7).one_f_one_b_compute(P, M)):
+        cool_down = len(actions) - min(P - stage - 1, M)
+        schedule.append(actions[:cool_down] + actions[cool_down:][::-1])
+    return schedule
+
+
+def one_f_one_b_compute_same_warmup_everywhere(P, M):
+    """Every stage warms up with the first stage's P - 1 forwards."""
+    schedule = []
+    for _ in range(P):
+        warmup = min(P - 1, M)
+        actions = [Action("forward", mb) for mb in range(warmup)]
+        for mb in range(M - warmup):
+            actions += [Action("forward", warmup + mb), Action("backward", mb)]
+        schedule.append(actions + [Action("backward", mb) for mb in range(M - warmup, M)])
+    return schedule
+
+
+def one_f_one_b_receiving_the_wrong_micro_batch(P, M):
+    """send_backward_recv_forward(k) receives micro-batch k again instead of the next forward's."""
+    return [[Action(a.op, a.micro_batch, received=a.micro_batch)
+             if a.op == "send_backward_recv_forward" else a for a in actions]
+            for actions in solutions(7).one_f_one_b(P, M)]
+
+
 WRONG = {
     "check_step_time": [
         Wrong(step_time_without_the_drain, "drain"),
@@ -190,11 +218,14 @@ WRONG = {
         Wrong(gpipe_compute, "GPipe"),
         Wrong(one_f_one_b_compute_warmup_one_too_long, "warm-up"),
         Wrong(one_f_one_b_compute_warmup_not_capped_at_m, "min(P - s - 1, M)"),
+        Wrong(one_f_one_b_compute_cool_down_reversed, "too late"),
+        Wrong(one_f_one_b_compute_same_warmup_everywhere, "P - s"),
     ],
     "check_one_f_one_b": [
         Wrong(one_f_one_b_unpaired, "pair them"),
         Wrong(lambda: gpipe, "warm-up", factory=True),
         Wrong(one_f_one_b_without_the_first_steady_receive, "recv_forward"),
+        Wrong(one_f_one_b_receiving_the_wrong_micro_batch, "recv_forward"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,

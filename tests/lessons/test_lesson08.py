@@ -138,11 +138,25 @@ def crossover_with_p_minus_1_ring_messages(p, alpha, beta, gamma):
     return math.inf if per_byte <= 0 else latency / per_byte
 
 
+def ring_time_rounding_p_minus_1_over_p_to_1(nbytes, p, alpha, beta, gamma):
+    """The large-p shortcut: 2n bytes sent and n added, whatever p."""
+    return 0.0 if p == 1 else 2 * (p - 1) * alpha + 2 * nbytes * beta + nbytes * gamma
+
+
+def crossover_with_doubling_adding_nothing(p, alpha, beta, gamma):
+    """Recursive doubling's time without its additions, the ring's with them."""
+    rounds = math.log2(p)
+    latency = alpha * (2 * (p - 1) - rounds)
+    per_byte = beta * (rounds - 2 * (p - 1) / p) - gamma * (p - 1) / p
+    return math.inf if per_byte <= 0 else latency / per_byte
+
+
 WRONG = {
     "check_ring_allreduce_time": [
         Wrong(ring_time_without_gamma, "additions"),
         Wrong(ring_time_adding_in_both_halves, "reduce-scatter only"),
         Wrong(ring_time_of_whole_arrays, "n/p bytes"),
+        Wrong(ring_time_rounding_p_minus_1_over_p_to_1, "n/p bytes"),
     ],
     "check_predict_time": [
         Wrong(predict_in_absolute_error, "relative error"),
@@ -153,6 +167,7 @@ WRONG = {
         Wrong(crossover_without_gamma, "gamma"),
         Wrong(crossover_without_the_never_case, "never"),
         Wrong(crossover_with_p_minus_1_ring_messages, "2(p - 1) alpha"),
+        Wrong(crossover_with_doubling_adding_nothing, "n gamma"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,

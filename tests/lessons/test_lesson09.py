@@ -81,6 +81,23 @@ def dp_bytes_always_float32(parameters, p, itemsize):
     return 2 * (p - 1) / p * parameters * 4
 
 
+def zero_sharding_only_each_stages_own_part(stage, p):
+    """ZeRO-2 shards the gradients but keeps the whole optimizer state again, and so on."""
+    parts = [2.0, 2.0, 12.0]  # weights, gradients, optimizer state
+    if stage:
+        parts[3 - stage] /= p
+    return sum(parts)
+
+
+def zero_forgetting_the_float32_master(stage, p):
+    """Adam's two moments (8 bytes) counted as the whole optimizer state."""
+    return solutions(9).zero_bytes_per_parameter(stage, p) - (12.0 - 8.0) / (p if stage else 1)
+
+
+def dp_bytes_in_whole_bytes(parameters, p, itemsize):
+    return 2 * (p - 1) * parameters * itemsize // p
+
+
 def pp_bytes_both_ways_everywhere(stage, stages, batch, width, itemsize):
     return 2 * batch * width * itemsize
 
@@ -94,11 +111,14 @@ WRONG = {
         Wrong(zero3_keeping_the_weights, "ZeRO-3"),
         Wrong(zero1_sharding_the_gradients_too, "ZeRO-1 splits the 12"),
         Wrong(zero_with_float32_gradients, "2 of float16 gradient"),
+        Wrong(zero_sharding_only_each_stages_own_part, "ZeRO-2 the gradient too"),
+        Wrong(zero_forgetting_the_float32_master, "master"),
     ],
     "check_dp_bytes_sent": [
         Wrong(dp_bytes_of_the_naive_algorithm, "2(p - 1) chunks"),
         Wrong(dp_bytes_of_the_reduce_scatter_only, "all-gather"),
         Wrong(dp_bytes_always_float32, "itemsize"),
+        Wrong(dp_bytes_in_whole_bytes, "whole number"),
     ],
     "check_pp_bytes_sent": [
         Wrong(pp_bytes_both_ways_everywhere, "unless it is the last"),

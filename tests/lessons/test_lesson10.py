@@ -361,28 +361,92 @@ def keep_mask_by_row(shape, p, seed, step, layer, sample_indices):
     return solutions(10).keep_mask(shape, p, seed, step, layer, np.arange(shape[0]))
 
 
+def softmax_masking_with_minus_1e9(scores, scale, mask=None):
+    """A finite stand-in for -inf: a row that sees no key gets equal weights, not zeros."""
+    keep = np.tri(scores.shape[-1], dtype=bool) & (True if mask is None else mask)
+    logits = np.where(keep, scores.astype(np.float32) * np.float32(scale), np.float32(-1e9))
+    exps = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return (exps / exps.sum(axis=-1, keepdims=True)).astype(scores.dtype)
+
+
+def softmax_shifting_by_the_maximum_of_every_key(scores, scale, mask=None):
+    """The row's maximum taken before masking: a later key's score can zero every kept exp."""
+    keep = np.tri(scores.shape[-1], dtype=bool) & (True if mask is None else mask)
+    logits = scores.astype(np.float32) * np.float32(scale)
+    exps = np.where(keep, np.exp(logits - logits.max(axis=-1, keepdims=True)), np.float32(0))
+    total = exps.sum(axis=-1, keepdims=True)
+    return (exps / np.where(total == 0, np.float32(1), total)).astype(scores.dtype)
+
+
+def _softmax_keeping(keep_of):
+    """The reference softmax, but with the keep mask keep_of(T, mask) makes."""
+    def softmax(scores, scale, mask=None):
+        keep = keep_of(scores.shape[-1], mask)
+        logits = np.where(keep, scores.astype(np.float32) * np.float32(scale), np.float32(-np.inf))
+        row_max = logits.max(axis=-1, keepdims=True)
+        exps = np.exp(logits - np.where(row_max == -np.inf, np.float32(0), row_max))
+        total = exps.sum(axis=-1, keepdims=True)
+        return (exps / np.where(total == 0, np.float32(1), total)).astype(scores.dtype)
+
+    return softmax
+
+
+# query i sees keys 0 to i - 1 only: np.tri's k=-1, the diagonal left out
+softmax_without_its_own_key = _softmax_keeping(
+    lambda T, mask: np.tri(T, k=-1, dtype=bool) & (True if mask is None else mask))
+# the padding mask laid along the queries (mask[:, None]) instead of the keys
+softmax_masking_queries = _softmax_keeping(
+    lambda T, mask: np.tri(T, dtype=bool) & (True if mask is None else np.asarray(mask)[:, None]))
+
+
+def backward_with_the_diagonal_only(y, grad_output, scale):
+    """dy_j/ds_j = scale y_j (1 - y_j) alone, as if each output depended on its own score only."""
+    y32, grad = y.astype(np.float32), grad_output.astype(np.float32)
+    return (np.float32(scale) * y32 * (1 - y32) * grad).astype(y.dtype)
+
+
+def block_bytes_with_float32_statistics_always(s, b, h, a, itemsize, dropout):
+    """LayerNorm's mean and 1/std at 4 bytes even for float64 activations."""
+    kept = solutions(10).block_bytes(s, b, h, a, itemsize, dropout)
+    return kept - 4 * max(itemsize, 4) * s * b + 4 * 4 * s * b
+
+
+def keep_mask_with_an_xor_key(shape, p, seed, step, layer, sample_indices):
+    """One generator per sample, seeded by an XOR of the words: (1, 2) collides with (2, 1)."""
+    rows = [np.random.default_rng(seed ^ step ^ layer ^ int(n)).random(shape[1:]) >= p
+            for n in sample_indices]
+    return np.array(rows, bool).reshape(shape)
+
+
 WRONG = {
     "check_scaled_masked_softmax": [
         Wrong(softmax_in_float16, "widen"),
         Wrong(softmax_without_the_shift, "maximum"),
         Wrong(softmax_with_nan_rows, "NaN"),
         Wrong(softmax_seeing_later_keys, "earlier keys"),
+        Wrong(softmax_masking_with_minus_1e9, "-1e9"),
+        Wrong(softmax_shifting_by_the_maximum_of_every_key, "after masking"),
+        Wrong(softmax_without_its_own_key, "itself"),
+        Wrong(softmax_masking_queries, "hides keys"),
     ],
     "check_softmax_backward": [
         Wrong(backward_without_the_scale, "scale"),
         Wrong(backward_in_float16, "float32"),
         Wrong(backward_summing_over_queries, "last axis"),
+        Wrong(backward_with_the_diagonal_only, "sum(dL/dy * y)"),
     ],
     "check_block_bytes": [
         Wrong(korthikanti_bytes, "1/std"),
         Wrong(block_bytes_with_masks_of_itemsize, "1 byte"),
         Wrong(block_bytes_with_statistics_of_itemsize, "statistics"),
         Wrong(block_bytes_without_the_dropped_attention, "second s x s"),
+        Wrong(block_bytes_with_float32_statistics_always, "float64"),
     ],
     "check_keep_mask": [
         Wrong(keep_mask_from_a_generator, "in sequence"),
         Wrong(keep_mask_with_a_summed_key, "by a sum"),
         Wrong(keep_mask_by_row, "a shard"),
+        Wrong(keep_mask_with_an_xor_key, "collide"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,
