@@ -289,9 +289,9 @@ def _same_bits(got: list, want: list, what: str) -> None:
                f"{np.sum(weights != weights_)} compute weights differ from {what}'s")
 
 
-HINT = ("dist.reduce_scatter(comm, grad * np.float32(1 / comm.size)) is this rank's chunk of "
-        "the mean; master -= lr * that chunk, in place; then dist.all_gather(comm, the chunk "
-        "rounded to float16, weights.size)")
+HINT = ("a float32 reduce-scatter, dist.reduce_scatter(comm, grad * np.float32(1 / comm.size)), "
+        "is this rank's chunk of the mean; master -= lr * that chunk (a float32 product), in "
+        "place; then dist.all_gather(comm, the master chunk rounded to float16, weights.size)")
 MEAN_HINT = ("scale each rank's float32 gradient by 1 / N before the reduce-scatter (grad / "
              "comm.size, or grad * np.float32(1 / comm.size) as minimp does), not the sum after "
              "it: (a + b + c) / 3 and a / 3 + b / 3 + c / 3 differ in the last bit")

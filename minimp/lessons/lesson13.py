@@ -115,7 +115,8 @@ def check_interleaved_compute(interleaved_compute: Callable[[int, int, int], lis
     @report.case(
         "each rank holds no more (micro-batch, chunk) pairs than Megatron-LM's order does",
         hint="all forwards before any backward fills the bubble too, but holds all M V pairs; "
-        "start the backwards after the warm-up",
+        "start the backwards after the warm-up, and a warm-up longer than min(2 (P - r - 1) + "
+        "(V - 1) P, M V) forwards holds pairs the pipe does not need",
     )
     def _():
         for P, M, V in INTERLEAVED_SHAPES:
@@ -141,7 +142,10 @@ def _zb_mistake(got: float, P: int, M: int, F: float, B: float, W: float) -> str
              ((P - 1) / (M + P - 1), "1F1B's bubble: ZB-H1's W's fill the drain"),
              ((P - 1) * (F + B) / (compute + (P - 1) * (F + B)),
               "the idle time of 1F1B with B and W apart: the W's in the drain are not idle"),
-             (idle / compute, "the idle time over the compute time, not over the step")]
+             (idle / compute, "the idle time over the compute time, not over the step"),
+             (P * idle / (compute + idle), "all P stages' idle time over one step: divide by "
+              "P x step"),
+             (100 * idle / (compute + idle), "a percentage: the bubble is a share, 0 to 1")]
     return next((f" (that is {words})" for value, words in known if close(got, value, 1e-9)), "")
 
 

@@ -123,6 +123,9 @@ def _plan_mistake(got: list, sizes: list, limit: float, itemsize: int) -> str:
         return (" (the first bucket starts at parameter 0: backward completes the last "
                 "parameter first)")
     right = data_parallel_plan(sizes, limit, itemsize)
+    if got != right and [sorted(bucket) for bucket in got] == [sorted(b) for b in right]:
+        return (" (the right buckets, each listed ascending: list each in the order backward "
+                "completes it, last parameter first)")
     if got == _plan(sizes, limit, 1) != right:
         return " (that counts elements: a bucket holds elements x itemsize bytes)"
     if got == _plan(sizes, limit - 0.5, itemsize) != right:  # closed when exactly full

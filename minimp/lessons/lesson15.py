@@ -190,7 +190,8 @@ def check_delayed_scaling_update(delayed_scaling_update: Callable, quiet: bool =
             history, scale = call(delayed_scaling_update, history.copy(), np.float32(amax),
                                   scale, fmt.max, margin)
             history = np.asarray(history, np.float32)
-            expect(history.shape == want_history.shape and np.array_equal(history, want_history),
+            expect(history.shape == want_history.shape
+                   and np.array_equal(history, want_history, equal_nan=True),
                    f"step {step}: history {history.tolist()}, expected {want_history.tolist()}")
             expect(np.float32(scale) == want_scale, f"step {step} (amax {float(amax):.6g}): "
                    f"scale {float(scale)!r}, minimp's quantizer {float(want_scale)!r}")
@@ -222,12 +223,14 @@ def check_delayed_scaling_update(delayed_scaling_update: Callable, quiet: bool =
         follow(amaxes, length=3, margin=2, fmt=E5M2)
 
     @report.case(
-        "an amax of 0 (nothing seen) or inf (an overflow) in the window: the scale stays",
-        hint="only a positive, finite window maximum makes a new scale; a history of one step "
-        "forgets an inf at once, a longer one keeps the scale while the inf is in it",
+        "an amax of 0 (nothing seen), inf or NaN (an overflow) in the window: the scale stays",
+        hint="only a positive, finite window maximum makes a new scale (np.isfinite: NaN is "
+        "not, and history.max() is NaN while a NaN is in the window); a history of one step "
+        "forgets an inf or NaN at once, a longer one keeps the scale while it is in it",
     )
     def _():
-        amaxes = np.array([0, 0, 2, 0, 3, np.inf, 4, 4, 4, 0.5, 0.5, 0.5], np.float32)
+        amaxes = np.array([0, 0, 2, 0, 3, np.inf, 4, 4, 4, 0.5, 0.5, 0.5, 2, np.nan, 4, 4, 4, 1],
+                          np.float32)  # NaN in the window: no np.nanmax, no test of 0 and inf only
         follow(amaxes, length=1)
         follow(amaxes, length=3)
 
@@ -306,6 +309,21 @@ def check_fp8_linear(fp8_linear: Callable, quiet: bool = False) -> Report:
     )
     def _():
         compare(_exact_operands(rng, (4, 8, 64), -3), _exact_operands(rng, (24, 64), -7), bf16(24))
+
+    @report.case(
+        "one input feature, no bias, 300 pairs of scales: the two inverses are one float32 "
+        "number, x * s a float32 product", hint="(1 / s_x) * (1 / s_w) first, rounded once to "
+        "float32, then one multiplication of the sums by it: multiplying the sums by each "
+        "inverse in turn rounds twice, and now and then lands on another bf16; likewise x * s "
+        "in float32 (x.astype(np.float32) * a float32 s), not float64: E4M3 then rounds "
+        "another number",
+    )
+    def _():
+        pairs = np.random.default_rng(0)  # among these, some that two roundings get wrong
+        for _ in range(300):
+            x = pairs.standard_normal((64, 1)) * 2.0 ** pairs.uniform(-12, 4)
+            weight = pairs.standard_normal((8, 1)) * 2.0 ** pairs.uniform(-12, 4)
+            compare(x.astype(BFLOAT16), weight.astype(BFLOAT16), np.zeros(8, BFLOAT16))
 
     @report.case(
         "an all-zero x: its scale is 1 (448 / 0 is no scale) and y is the bias",

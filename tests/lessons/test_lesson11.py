@@ -402,7 +402,35 @@ def zero1_scaling_by_a_python_float(comm, weights, master, grad, lr):
     return dist.all_gather(comm, master.astype(weights.dtype), weights.size)
 
 
-@pytest.mark.parametrize("zero1_step", [zero1_dividing_before, zero1_scaling_by_a_python_float])
+def zero1_reducing_float16(comm, weights, master, grad, lr):
+    """Half the bytes on the wire: the scaled gradient rounded to float16 before the ring."""
+    scaled = (grad * np.float32(1 / comm.size)).astype(np.float16)
+    master -= lr * dist.reduce_scatter(comm, scaled)
+    return dist.all_gather(comm, master.astype(weights.dtype), weights.size)
+
+
+def zero1_updating_the_fp16_copy(comm, weights, master, grad, lr):
+    """The update applied to this rank's slice of the fp16 compute copy: the master never moves."""
+    start, stop = dist.chunk_bounds(weights.size, comm.size)[comm.rank]
+    mean = dist.reduce_scatter(comm, grad * np.float32(1 / comm.size))
+    return dist.all_gather(comm, (weights[start:stop] - lr * mean).astype(np.float16), weights.size)
+
+
+def zero1_updating_in_float64(comm, weights, master, grad, lr):
+    """lr as a NumPy float64: the product lr * chunk is float64, rounded once more by -=."""
+    master -= np.float64(lr) * dist.reduce_scatter(comm, grad * np.float32(1 / comm.size))
+    return dist.all_gather(comm, master.astype(weights.dtype), weights.size)
+
+
+def zero1_returning_in_place(comm, weights, master, grad, lr):
+    """Right: another spelling, the caller's arrays filled in place and returned."""
+    np.subtract(master, dist.reduce_scatter(comm, grad / np.float32(comm.size)) * lr, out=master)
+    weights[:] = dist.all_gather(comm, master.astype(np.float16), weights.size)
+    return weights
+
+
+@pytest.mark.parametrize("zero1_step", [zero1_returning_in_place, zero1_dividing_before,
+                                        zero1_scaling_by_a_python_float])
 def test_zero1_step_accepts_each_mean_the_spec_allows(zero1_step):
     from minimp.lessons.lesson11 import check_zero1_step
 
@@ -430,6 +458,9 @@ WRONG = {
         Wrong(zero1_gathering_float32, "float16 weights"),
         Wrong(zero1_dividing_in_float64, "float32 gradient"),
         Wrong(zero1_gathering_without_the_length, "pass the length"),
+        Wrong(zero1_reducing_float16, "float32 reduce-scatter"),
+        Wrong(zero1_updating_the_fp16_copy, "master -="),
+        Wrong(zero1_updating_in_float64, "float32 product"),
     ],
     "check_bytes_sent": [
         Wrong(sent_on_average, "not the average"),

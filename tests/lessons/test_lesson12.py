@@ -259,9 +259,24 @@ def row_parallel_functions():
 
         backward = reference.backward
 
+    class RowParallelGatheringThePartialSums(Function):
+        """Every rank gathers every partial sum and adds them itself: the right y, but an
+        all-gather of t partial sums sends (t - 1) N, the ring all-reduce 2 (t - 1)/t N."""
+
+        @staticmethod
+        def forward(ctx, x, weight, comm):
+            from minimp import distributed as dist
+
+            ctx.save_for_backward(x, weight)
+            partial = x @ weight.T
+            every = dist.all_gather(comm, partial.ravel()).reshape(comm.size, *partial.shape)
+            return every.sum(axis=0)
+
+        backward = reference.backward
+
     return [RowParallelWithoutTheSum, RowParallelSummingBackward,
             RowParallelWithTheWeightGradientOfOneRow, RowParallelWithTheTransposedWeightGradient,
-            RowParallelGatheringTheInput, RowParallelAveraging]
+            RowParallelGatheringTheInput, RowParallelAveraging, RowParallelGatheringThePartialSums]
 
 
 def reference_bytes(*args):
@@ -317,6 +332,36 @@ def tp_bytes_rows_as_positions(blocks, b, s, h, tp, micro_batches, d, sp):
     return reference_bytes(blocks, b * s, s, h, tp, micro_batches, d, sp)
 
 
+def tp_bytes_partial_gradients_of_the_layer_norms_only(blocks, b, s, h, tp, micro_batches, d,
+                                                       sp):
+    """Sequence parallelism's partial gradients of the 4 LayerNorm vectors a block, the 2
+    row-parallel biases forgotten."""
+    sent = reference_bytes(blocks, b, s, h, tp, micro_batches, d, sp)
+    return sent - (blocks * 2 * h * 4 * 2 * (tp - 1) / tp if sp else 0)
+
+
+def tp_bytes_sequence_gathers_as_all_reduces(blocks, b, s, h, tp, micro_batches, d, sp):
+    """The head's gather and the embeddings' mirror each counted as an all-reduce, 2 (t - 1)/t
+    of the activation, not (t - 1)/t."""
+    sent = reference_bytes(blocks, b, s, h, tp, micro_batches, d, sp)
+    return sent + (micro_batches * 2 * b * s * h * d * (tp - 1) / tp if sp else 0)
+
+
+def tp_bytes_piece_by_piece(blocks, b, s, h, tp, micro_batches, d, sp):
+    """Right: the same bytes added collective by collective, unrounded."""
+    fraction, activation = (tp - 1) / tp, b * s * h * d
+    sent = micro_batches * blocks * 4 * (2 * fraction * activation)
+    if sp:
+        sent += micro_batches * 2 * fraction * activation + 2 * fraction * blocks * 6 * h * 4
+    return sent
+
+
+def test_tp_bytes_sent_accepts_an_unrounded_sum_collective_by_collective():
+    from minimp.lessons.lesson12 import check_tp_bytes_sent
+
+    assert check_tp_bytes_sent(tp_bytes_piece_by_piece, quiet=True).passed
+
+
 WRONG = {
     "check_row_parallel": [
         Wrong(lambda: row_parallel_functions()[0], "partial sum", factory=True),
@@ -325,6 +370,7 @@ WRONG = {
         Wrong(lambda: row_parallel_functions()[3], "transpose", factory=True),
         Wrong(lambda: row_parallel_functions()[4], "one all-reduce of y", factory=True),
         Wrong(lambda: row_parallel_functions()[5], "not the mean", factory=True),
+        Wrong(lambda: row_parallel_functions()[6], "ring all-reduce sends", factory=True),
     ],
     "check_tp_bytes_sent": [
         Wrong(tp_bytes_all_reduce_as_twice_the_array, "(t - 1)/t"),
@@ -334,6 +380,8 @@ WRONG = {
         Wrong(tp_bytes_gathers_once_a_step, "per micro-batch"),
         Wrong(tp_bytes_partial_gradients_every_micro_batch, "once a step"),
         Wrong(tp_bytes_rows_as_positions, "b sequences of s positions"),
+        Wrong(tp_bytes_partial_gradients_of_the_layer_norms_only, "6 h-vectors"),
+        Wrong(tp_bytes_sequence_gathers_as_all_reduces, "(t - 1)/t b s h d each"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,

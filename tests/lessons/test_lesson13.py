@@ -216,17 +216,102 @@ def zb_bubble_with_the_w_s_idle(P, M, t_forward, t_input, t_weight):
     return idle / (M * (t_forward + t_input + t_weight) + idle)
 
 
+def interleaved_warming_up_once_more(P, M, V):
+    """An off-by-one warm-up: one forward more than Megatron-LM's on every rank."""
+    return [_interleaved_with_warm_up(P, M, V, rank, 2 * (P - rank - 1) + (V - 1) * P + 1)
+            for rank in range(P)]
+
+
+def interleaved_warming_up_as_1f1b(P, M, V):
+    """1F1B's warm-up count of 2 (P - r - 1) kept without the (V - 1) P of the other chunks."""
+    return [_interleaved_with_warm_up(P, M, V, rank, 2 * (P - rank - 1)) for rank in range(P)]
+
+
+def interleaved_chunks_round_robin(P, M, V):
+    """Chunk k % V at virtual step k, micro-batch k // V: the chunks alternate every step
+    instead of every P micro-batches."""
+    order = []
+    for rank in range(P):
+        steps = solutions(13).interleaved_compute(P, M, V)[rank]
+        forward, backward = iter(range(M * V)), iter(range(M * V))
+        order.append([Action(a.op, k // V, chunk=(k % V if a.op == "forward" else V - 1 - k % V))
+                      for a in steps
+                      for k in [next(forward) if a.op == "forward" else next(backward)]])
+    return order
+
+
+def _interleaved_with_warm_up(P, M, V, rank, warmup):
+    """Megatron-LM's virtual steps on `rank` with another warm-up count."""
+    def action(op, k):
+        group, position = divmod(k, P * V)
+        chunk = position // P if op == "forward" else V - 1 - position // P
+        return Action(op, group * P + k % P, chunk=chunk)
+
+    total = M * V
+    warmup = min(warmup, total)
+    order = [action("forward", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [action("forward", warmup + k), action("backward", k)]
+    return order + [action("backward", k) for k in range(total - warmup, total)]
+
+
+def interleaved_warming_up_less(P, M, V):
+    """Right: a warm-up of (P - r - 1) + (V - 1) P, shorter than Megatron-LM's, keeps the
+    bubble of the formula with these costs and holds fewer pairs."""
+    return [_interleaved_with_warm_up(P, M, V, rank, (P - rank - 1) + (V - 1) * P)
+            for rank in range(P)]
+
+
+def test_another_interleaved_order_with_the_formula_s_bubble_passes():
+    from minimp.lessons.lesson13 import check_interleaved_compute
+
+    assert check_interleaved_compute(interleaved_warming_up_less, quiet=True).passed
+
+
+def zb_bubble_as_a_percentage(P, M, t_forward, t_input, t_weight):
+    return 100 * solutions(13).zb_h1_bubble(P, M, t_forward, t_input, t_weight)
+
+
+def zb_bubble_of_all_stages_over_one_step(P, M, t_forward, t_input, t_weight):
+    """Every stage's idle time summed, divided by one step (not P steps)."""
+    return P * solutions(13).zb_h1_bubble(P, M, t_forward, t_input, t_weight)
+
+
+def zb_bubble_computing_without_w(P, M, t_forward, t_input, t_weight):
+    """The compute time M (F + B), the W's left out of what a stage computes."""
+    idle = (P - 1) * (t_forward + t_input - t_weight)
+    return idle / (M * (t_forward + t_input) + idle)
+
+
+def zb_bubble_one_minus_the_busy_share(P, M, t_forward, t_input, t_weight):
+    """Right: 1 - compute / step, the same share another way."""
+    compute = M * (t_forward + t_input + t_weight)
+    return 1 - compute / (compute + (P - 1) * (t_forward + t_input - t_weight))
+
+
+def test_the_bubble_as_one_less_the_busy_share_passes():
+    from minimp.lessons.lesson13 import check_zb_h1_bubble
+
+    assert check_zb_h1_bubble(zb_bubble_one_minus_the_busy_share, quiet=True).passed
+
+
 WRONG = {
     "check_interleaved_compute": [
         Wrong(interleaved_gpipe_like, "all M V pairs"),
         Wrong(interleaved_backward_in_forward_order, "in reverse"),
         Wrong(interleaved_on_chunk_0, "each of its V chunks"),
+        Wrong(interleaved_warming_up_once_more, "longer than"),
+        Wrong(interleaved_warming_up_as_1f1b, "(V - 1) P"),
+        Wrong(interleaved_chunks_round_robin, "(k // P) % V"),
     ],
     "check_zb_h1_bubble": [
         Wrong(zb_bubble_with_equal_costs, "F = B = W"),
         Wrong(zb_bubble_of_1f1b, "1F1B's bubble"),
         Wrong(zb_bubble_of_the_ideal_time, "not over the step"),
         Wrong(zb_bubble_with_the_w_s_idle, "W's in the drain"),
+        Wrong(zb_bubble_as_a_percentage, "percentage"),
+        Wrong(zb_bubble_of_all_stages_over_one_step, "P x step"),
+        Wrong(zb_bubble_computing_without_w, "M (F + B + W)"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,

@@ -163,17 +163,74 @@ def plan_in_elements(sizes, bucket_bytes, itemsize):
     return solutions(14).plan_buckets(sizes, bucket_bytes, 1)
 
 
+def exposed_from_each_bucket_s_first_op(op_seconds, bucket_ops, ring_seconds):
+    """A bucket taken as ready when its first op ends, not its last."""
+    ends = np.cumsum(op_seconds)
+    firsts = np.cumsum([0, *bucket_ops])[:-1]
+    ring_end = 0.0
+    for first, seconds in zip(firsts, ring_seconds):
+        ring_end = max(ring_end, float(ends[first])) + seconds
+    return max(0.0, ring_end - float(ends[-1]))
+
+
+def exposed_queueing_on_the_previous_start(op_seconds, bucket_ops, ring_seconds):
+    """Each ring waits for the previous ring to start, not to end: they overlap each other."""
+    ready = np.cumsum(op_seconds)[np.cumsum(bucket_ops) - 1]
+    start = 0.0
+    for when in ready:
+        start = max(start, float(when))
+    return max(0.0, start + ring_seconds[-1] - float(sum(op_seconds)))
+
+
+def plan_listing_each_bucket_ascending(sizes, bucket_bytes, itemsize):
+    """The right buckets, each sorted: [7, 8, 9] where backward completes 9, 8, 7."""
+    return [sorted(bucket) for bucket in solutions(14).plan_buckets(sizes, bucket_bytes, itemsize)]
+
+
+def plan_closing_after_reaching_the_size(sizes, bucket_bytes, itemsize):
+    """A parameter added first, the bucket closed once it holds bucket_bytes or more: buckets
+    run over the size."""
+    buckets, current, elements = [], [], 0
+    for index in reversed(range(len(sizes))):
+        current.append(index)
+        elements += sizes[index]
+        if elements * itemsize >= bucket_bytes:
+            buckets.append(current)
+            current, elements = [], 0
+    return buckets + [current] if current else buckets
+
+
+def exposed_without_the_clip(op_seconds, bucket_ops, ring_seconds):
+    """Right: no max(0, ...): the last bucket is ready only at backward's end, so its ring
+    always runs past it."""
+    ready = np.cumsum(op_seconds)[np.cumsum(bucket_ops) - 1]
+    ring_end = 0.0
+    for when, seconds in zip(ready, ring_seconds):
+        ring_end = max(ring_end, float(when)) + seconds
+    return ring_end - float(np.sum(op_seconds))
+
+
+def test_exposed_seconds_accepts_an_answer_without_the_clip_at_0():
+    from minimp.lessons.lesson14 import check_exposed_seconds
+
+    assert check_exposed_seconds(exposed_without_the_clip, quiet=True).passed
+
+
 WRONG = {
     "check_exposed_seconds": [
         Wrong(exposed_without_overlap, "no overlap"),
         Wrong(exposed_without_queueing, "one at a time"),
         Wrong(exposed_last_ring_only, "the last ring only"),
+        Wrong(exposed_from_each_bucket_s_first_op, "its last op ends"),
+        Wrong(exposed_queueing_on_the_previous_start, "previous ring's end"),
     ],
     "check_bucket_plan": [
         Wrong(plan_in_model_order, "last parameter first"),
         Wrong(plan_closing_when_exactly_full, "exactly full"),
         Wrong(plan_with_an_empty_bucket, "empty bucket"),
         Wrong(plan_in_elements, "itemsize"),
+        Wrong(plan_listing_each_bucket_ascending, "ascending"),
+        Wrong(plan_closing_after_reaching_the_size, "would take it over"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,

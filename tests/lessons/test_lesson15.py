@@ -7,6 +7,7 @@ import math
 
 import ml_dtypes
 import numpy as np
+import pytest
 from exercising import Wrong, exercise_tests, solutions
 
 from minimp import Tensor, nn, no_grad, optim
@@ -379,6 +380,113 @@ def linear_in_e5m2(x, weight, bias):
     return ((x_q @ w_q.T) * inverses + bias.astype(np.float32)).astype(BFLOAT16)
 
 
+def round_with_the_gap_of_each_subnormal(x, fmt):
+    """The gap taken from each value's own binade all the way down: subnormals too fine."""
+    magnitude = np.minimum(np.abs(x.astype(np.float64)), fmt.max)
+    _, exponent = np.frexp(magnitude)
+    gap = np.ldexp(1.0, exponent - 1 - fmt.mantissa_bits)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rounded = np.where(magnitude > 0, np.rint(magnitude / gap) * gap, magnitude)
+    return np.copysign(rounded, x).astype(np.float32)
+
+
+def round_without_saturating(x, fmt):
+    """Rounded as if the format went on: 480 for 465 in E4M3, inf stays inf."""
+    magnitude = np.abs(x.astype(np.float64))
+    _, exponent = np.frexp(np.maximum(magnitude, fmt.smallest_normal))
+    gap = np.ldexp(1.0, exponent - 1 - fmt.mantissa_bits)
+    with np.errstate(invalid="ignore"):
+        return np.copysign(np.rint(magnitude / gap) * gap, x).astype(np.float32)
+
+
+def round_in_float32_then_clipping(x, fmt):
+    """Right: float32 arithmetic (every gap a power of two) and the clip after the rounding."""
+    magnitude = np.abs(np.asarray(x, np.float32))
+    _, exponent = np.frexp(np.maximum(magnitude, np.float32(fmt.smallest_normal)))
+    gap = np.ldexp(np.float32(1), exponent - 1 - fmt.mantissa_bits).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        rounded = np.minimum(np.rint(magnitude / gap) * gap, np.float32(fmt.max))
+    return np.copysign(rounded, x).astype(np.float32)
+
+
+def update_ignoring_nan(amax_history, amax, scale, fp8_max, margin):
+    """np.nanmax: a NaN amax (an overflow) passed over, where the scale should stay."""
+    history = np.roll(np.asarray(amax_history, np.float32), 1)
+    history[0] = amax
+    window = np.nanmax(history) if not np.all(np.isnan(history)) else np.float32(np.nan)
+    if not (np.isfinite(window) and window > 0):
+        return history, np.float32(scale)
+    with np.errstate(over="ignore"):
+        new = np.float32(fp8_max) * np.float32(2.0**-margin) / window
+    return history, new if np.isfinite(new) else np.finfo(np.float32).max
+
+
+def update_testing_0_and_inf_only(amax_history, amax, scale, fp8_max, margin):
+    """The old scale kept for a window maximum of 0 or inf, NaN forgotten."""
+    history = np.roll(np.asarray(amax_history, np.float32), 1)
+    history[0] = amax
+    window = history.max()
+    if window == 0 or window == np.inf:
+        return history, np.float32(scale)
+    with np.errstate(over="ignore", invalid="ignore"):
+        new = np.float32(fp8_max) * np.float32(2.0**-margin) / window
+    return history, new if np.isfinite(new) else np.finfo(np.float32).max
+
+
+def update_overflowing_to_inf(amax_history, amax, scale, fp8_max, margin):
+    """448 / 1e-45 left as inf, not float32's largest number."""
+    history = np.roll(np.asarray(amax_history, np.float32), 1)
+    history[0] = amax
+    window = history.max()
+    if not (np.isfinite(window) and window > 0):
+        return history, np.float32(scale)
+    with np.errstate(over="ignore"):
+        return history, np.float32(fp8_max) * np.float32(2.0**-margin) / window
+
+
+def update_in_float64(amax_history, amax, scale, fp8_max, margin):
+    """Right: the quotient in float64, rounded once to float32 (the same bits)."""
+    history = np.roll(np.asarray(amax_history, np.float32), 1)
+    history[0] = amax
+    window = float(history.max())
+    if not (np.isfinite(window) and window > 0):
+        return history, np.float32(scale)
+    with np.errstate(over="ignore"):
+        new = np.float32(fp8_max * 2.0**-margin / window)
+    return history, new if np.isfinite(new) else np.finfo(np.float32).max
+
+
+def _current_scaled(array, dtype=np.float32):
+    amax = np.float32(np.abs(array.astype(np.float32)).max(initial=0))
+    scale = np.float32(E4M3.max) / amax if amax > 0 else np.float32(1.0)
+    return scale, solutions(15).round_to_fp8(array.astype(np.float32) * dtype(scale), E4M3)
+
+
+def linear_multiplying_each_inverse_in_turn(x, weight, bias):
+    """(sums * (1 / s_x)) * (1 / s_w): two roundings where the spec makes one float32 number."""
+    (x_scale, x_q), (w_scale, w_q) = _current_scaled(x), _current_scaled(weight)
+    y = (x_q @ w_q.T) * (np.float32(1) / x_scale) * (np.float32(1) / w_scale)
+    return (y + bias.astype(np.float32)).astype(BFLOAT16)
+
+
+def linear_scaling_in_float64(x, weight, bias):
+    """x * s as a float64 product (a Python float scale): E4M3 then rounds another number."""
+    (x_scale, x_q), (w_scale, w_q) = (_current_scaled(x, np.float64),
+                                      _current_scaled(weight, np.float64))
+    inverses = (np.float32(1) / x_scale) * (np.float32(1) / w_scale)
+    return ((x_q @ w_q.T) * inverses + bias.astype(np.float32)).astype(BFLOAT16)
+
+
+@pytest.mark.parametrize("checker, solution", [
+    ("check_round_to_fp8", round_in_float32_then_clipping),
+    ("check_delayed_scaling_update", update_in_float64),
+])
+def test_lesson15_checkers_accept_answers_the_spec_allows(checker, solution):
+    import minimp.lessons.lesson15 as lesson
+
+    assert getattr(lesson, checker)(solution, quiet=True).passed
+
+
 WRONG = {
     "check_round_to_fp8": [
         Wrong(round_with_ml_dtypes, "ml_dtypes"),
@@ -386,6 +494,8 @@ WRONG = {
         Wrong(round_fp8_half_up, "half up"),
         Wrong(round_flushing_subnormals, "flush"),
         Wrong(round_losing_the_sign_of_zero, "copysign"),
+        Wrong(round_with_the_gap_of_each_subnormal, "lowest binade"),
+        Wrong(round_without_saturating, "clip the magnitude"),
     ],
     "check_delayed_scaling_update": [
         Wrong(update_from_this_step_only, "not from this step's alone"),
@@ -393,12 +503,17 @@ WRONG = {
         Wrong(update_rolling_the_wrong_way, "row 0 is the newest"),
         Wrong(update_dividing_by_anything, "positive, finite"),
         Wrong(update_without_the_margin, "margin"),
+        Wrong(update_ignoring_nan, "NaN"),
+        Wrong(update_testing_0_and_inf_only, "NaN"),
+        Wrong(update_overflowing_to_inf, "np.finfo"),
     ],
     "check_fp8_linear": [
         Wrong(linear_without_scales, "amax lands on 448"),
         Wrong(linear_rounding_twice, "one rounding"),
         Wrong(linear_scaling_in_bf16, "not rounded to bf16"),
         Wrong(linear_in_e5m2, "E4M3 value"),
+        Wrong(linear_multiplying_each_inverse_in_turn, "each inverse in turn"),
+        Wrong(linear_scaling_in_float64, "not float64"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,
