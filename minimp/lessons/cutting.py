@@ -35,8 +35,9 @@ def mlp_pair() -> tuple[nn.Linear, nn.Linear, np.ndarray, np.ndarray]:
     """The pair's whole float64 Linears A (4h, h) and B (h, 4h), its input x (n, h) and dL/dy
     (n, h), the same on every rank."""
     rng = np.random.default_rng(0)
-    first = nn.Linear(PAIR_WIDTH, 4 * PAIR_WIDTH, rng=rng).to(np.float64)
-    second = nn.Linear(4 * PAIR_WIDTH, PAIR_WIDTH, rng=rng).to(np.float64)
+    first = nn.Linear(PAIR_WIDTH, 4 * PAIR_WIDTH, rng=rng)
+    second = nn.Linear(4 * PAIR_WIDTH, PAIR_WIDTH, rng=rng)
+    first.to(np.float64), second.to(np.float64)  # in place
     x = rng.standard_normal((PAIR_ROWS, PAIR_WIDTH))
     grad_y = rng.standard_normal((PAIR_ROWS, PAIR_WIDTH))
     return first, second, x, grad_y

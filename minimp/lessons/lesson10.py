@@ -90,7 +90,7 @@ def block_forward(block, x, record):
 
 def recorded_forward(model: GPT, ids: np.ndarray) -> tuple[Tensor, list[dict]]:
     """The logits, and one record of named Tensors per block."""
-    x, records = model[0](ids), []
+    x, records = model[0](ids), list[dict]()
     for block in model.layers[1:-1]:
         records.append({})
         x = block_forward(block, x, records[-1])

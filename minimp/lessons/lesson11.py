@@ -84,7 +84,8 @@ def lesson_gpt() -> tuple[GPT, np.ndarray, np.ndarray]:
     """The GPT, a batch of Shakespeare's token ids and their targets, dropout states set."""
     s, b, h, a, layers = (GPT_SHAPE[k] for k in ("s", "b", "h", "a", "layers"))
     gpt = GPT(GPTConfig(vocab_size=65, context=s, layers=layers, heads=a, width=h, dropout=0.1),
-              np.random.default_rng(0)).to(np.float16)
+              np.random.default_rng(0))
+    gpt.to(np.float16)  # in place
     ids, targets = text_batch(load_shakespeare().train, seed=0, step=1, batch_size=b, context=s)
     gpt.set_dropout_state(seed=0, step=1, sample_indices=np.arange(b))
     return gpt, ids, targets

@@ -105,7 +105,9 @@ def data_parallel_plan(sizes: list[int], bucket_bytes: float, itemsize: int) -> 
 
 def _plan(sizes: list, limit: float, itemsize: int) -> list[list[int]]:
     """The rule DataParallel plans by, for the diagnoses of wrong plans."""
-    buckets, current, elements = [], [], 0
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    elements = 0
     for index in reversed(range(len(sizes))):
         if current and (elements + sizes[index]) * itemsize > limit:
             buckets.append(current)
