@@ -91,14 +91,18 @@ def test_the_gpt_blocks_cut():
 
 
 def test_the_losses():
+    """What cell 9 prints: tp agrees with itself and with one process to 4 decimals, not to the
+    bit (another BLAS kernel moves later digits, not these facts); pp's last stage is one process
+    to the bit; the replicas' mean is not."""
     measured = runs()
-    assert f"{measured['one process'][0]['loss']:.6f}" == "4.205114"
-    for layout in ("tp 2", "tp 2 + sp"):
-        assert [f"{r['loss']:.6f}" for r in measured[layout]] == ["4.205112"] * 2
+    one = measured["one process"][0]["loss"]
+    assert f"{one:.4f}" == "4.2051"
+    tp = [r["loss"] for layout in ("tp 2", "tp 2 + sp") for r in measured[layout]]
+    assert len(set(tp)) == 1 and tp[0] != one and f"{tp[0]:.4f}" == f"{one:.4f}"
     assert measured["pp 2"][0]["loss"] is None
-    assert measured["pp 2"][1]["loss"] == measured["one process"][0]["loss"]
+    assert measured["pp 2"][1]["loss"] == one
     dp = [r["loss"] for r in measured["dp 2"]]
-    assert f"{np.mean(dp):.6f}" == "4.205116"
+    assert np.mean(dp) != one and f"{np.mean(dp):.4f}" == f"{one:.4f}"
 
 
 def test_the_side_by_side_numbers():
