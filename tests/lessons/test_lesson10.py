@@ -168,7 +168,7 @@ def test_lesson10_a_quarter_rounds_nothing_above_the_subnormals_1_over_sqrt_48_i
     assert float(f16(1 / math.sqrt(48))) != 1 / math.sqrt(48)
 
 
-def test_lesson10_float16_layer_norm_statistics_six_times_the_error_then_overflow_at_16x():
+def test_lesson10_float16_layer_norm_statistics_over_five_times_the_error_then_overflow_at_16x():
     with np.errstate(over="ignore"):
         assert np.isfinite(f16(255.875) ** 2) and np.isinf(f16(256) ** 2)
     assert 65504 / 64 == 1023.5 and round(math.sqrt(1023.5)) == 32
@@ -185,9 +185,12 @@ def test_lesson10_float16_layer_norm_statistics_six_times_the_error_then_overflo
         overflowed = np.isinf(variance[..., 0])
         assert np.all(naive[overflowed] == 0)  # x / inf: the whole row zero
         results[k] = (np.mean(overflowed), np.abs(naive - exact).max(), np.abs(ours - exact).max())
-    naive = f"{results[0][1]:.2g}"
-    assert naive == "0.0057" if HASWELL else naive in ("0.0054", "0.0057")  # the exception
-    assert results[0][0] == results[2][0] == 0 and 5 < results[0][1] / results[0][2] < 6.5
+    # 0.0057 under Haswell, 0.0054 under three other kernels (docs/benchmarks.md): the cell
+    # prints 0.01 and "over 5 times minimp's", which all four print alike
+    assert f"{results[0][1]:.2f}" == f"{results[2][1]:.2f}" == "0.01"
+    assert results[0][1] > 5 * results[0][2] and results[2][1] > 5 * results[2][2]
+    assert results[0][0] == results[2][0] == 0
+    assert [f"{results[k][1]:.1f}" for k in (4, 5)] == ["2.6", "3.4"]
     assert all(f"{ours:.4f}" == "0.0010" for _, _, ours in results.values())
     assert f"{np.spacing(f16(2)) / 2:.4f}" == "0.0010"
     assert f"{results[4][0]:.0%}" == "6%" and results[5][0] > 0.95  # "almost every row"
