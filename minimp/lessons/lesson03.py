@@ -121,8 +121,13 @@ def _compare_step(sgd_step: Callable, params: list, grads: list, masters: list, 
                   scale: float) -> tuple[bool, bool]:
     ours = ([p.copy() for p in params], grads, [m.copy() for m in masters])
     skipped_ours = _minimp_step(*ours, lr, scale)
+    arrays = [id(a) for a in params + masters]
     with np.errstate(over="ignore", invalid="ignore"):
         skipped = call(sgd_step, params, [g.copy() for g in grads], masters, lr, scale)
+    expect([id(a) for a in params + masters] == arrays,
+           "a new array replaced params[i] or masters[i] in the list: update them in place "
+           "(masters[i] -= ..., params[i][...] = ...), as an optimizer must, since the model "
+           "holds those very arrays")
     for index in range(len(params)):
         expect(np.allclose(masters[index], ours[2][index], rtol=1e-6, atol=1e-12),
                f"master {index} differs from minimp's by up to "

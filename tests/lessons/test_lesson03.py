@@ -107,6 +107,15 @@ def sgd_step_unscaling_in_float16(params, grads, masters, lr, loss_scale):
     return False
 
 
+def sgd_step_replacing_the_arrays(params, grads, masters, lr, loss_scale):
+    if not all(np.isfinite(g).all() for g in grads):
+        return True
+    for i, grad in enumerate(grads):
+        masters[i] = masters[i] - np.float32(lr) * grad.astype(np.float32) / np.float32(loss_scale)
+        params[i] = masters[i].astype(np.float16)  # new arrays: the model's are left as they were
+    return False
+
+
 def round_always_down(x, rng):
     nearest = x.astype(np.float16)
     lower = np.nextafter(nearest, np.float16(-np.inf))
@@ -133,6 +142,7 @@ WRONG = {
         Wrong(sgd_step_on_the_copies, "master"),
         Wrong(sgd_step_without_skipping, "skip"),
         Wrong(sgd_step_unscaling_in_float16, "float32"),
+        Wrong(sgd_step_replacing_the_arrays, "in place"),
     ],
     "check_stochastic_round": [
         Wrong(round_to_nearest, "nearest"),
