@@ -241,6 +241,21 @@ def check_stochastic_round(stochastic_round: Callable[[np.ndarray, Any], np.ndar
         expect(error < 2e-5, f"the mean is {got.mean():.7f}, {error:.2g} from 1 + 2^-12: {why}")
 
     @report.case(
+        "draws from rng: generators in the same state give the same result, and rng advances",
+        hint="use rng.random(x.shape), not np.random (NumPy's global generator) nor a new "
+        "generator of your own: the caller's rng makes a run reproducible",
+    )
+    def _():
+        x = rng.standard_normal(1000).astype(np.float32)
+        first, second = np.random.default_rng(5), np.random.default_rng(5)
+        state = first.bit_generator.state
+        a = np.asarray(call(stochastic_round, x.copy(), first))
+        b = np.asarray(call(stochastic_round, x.copy(), second))
+        expect(first.bit_generator.state != state, "rng was not used: its state did not change")
+        expect(np.array_equal(a, b), "two generators in the same state gave different results: "
+               "the random numbers came from elsewhere than rng")
+
+    @report.case(
         "1000 updates of -2^-12 on a float16 weight at 1.0 end near 1 - 1000 x 2^-12",
         hint="weight = stochastic_round(weight.astype(np.float32) - 2**-12, rng), 1000 times",
     )

@@ -132,6 +132,16 @@ def round_up_with_the_reversed_probability(x, rng):
     return np.where(up & (below.astype(np.float32) != x), above, below)
 
 
+def round_with_numpys_global_generator(x, rng):
+    nearest = x.astype(np.float16)
+    below = np.where(nearest.astype(np.float32) > x,
+                     np.nextafter(nearest, np.float16(-np.inf)), nearest)
+    above = np.nextafter(below, np.float16(np.inf))
+    gap = above.astype(np.float32) - below.astype(np.float32)
+    up = np.random.random(x.shape) < (x - below.astype(np.float32)) / gap  # not rng
+    return np.where(up, above, below)
+
+
 WRONG = {
     "check_activation_bytes": [
         Wrong(activation_bytes_with_the_output, "last output"),
@@ -148,6 +158,7 @@ WRONG = {
         Wrong(round_to_nearest, "nearest"),
         Wrong(round_always_down, "always down"),
         Wrong(round_up_with_the_reversed_probability, "(x - below) / (above - below)"),
+        Wrong(round_with_numpys_global_generator, "np.random"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,
