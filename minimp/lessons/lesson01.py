@@ -182,9 +182,13 @@ def _refuse_library_cast(*args: Any, **kwargs: Any) -> None:
 
 
 def _names_float16(code: Any) -> bool:
-    """Whether a code object (or one nested in it) holds a string naming the float16 type."""
+    """Whether a code object (or one nested in it) names the float16 type: a dtype or struct
+    string ("float16", "half", "f2", "e", "<f2"...), or a name float16 / half (a learner's
+    `from numpy import float16` escapes the stand-in put on np.float16)."""
+    if any(name in ("float16", "half") for name in code.co_names):
+        return True
     for constant in code.co_consts:
-        if isinstance(constant, str) and constant.strip("<>=") in ("float16", "half", "f2"):
+        if isinstance(constant, str) and constant.strip("<>=!@") in ("float16", "half", "f2", "e"):
             return True
         if hasattr(constant, "co_consts") and _names_float16(constant):
             return True
@@ -197,7 +201,8 @@ def _without_numpys_float16(round_to_float16: Callable, values: list) -> None:
     shows too."""
     code = getattr(round_to_float16, "__code__", None)
     expect(code is None or not _names_float16(code),
-           "round_to_float16 names the float16 dtype in a string: that is np.float16's cast")
+           "round_to_float16 names the float16 dtype (a string such as 'float16' or 'e', or the "
+           "name float16): that is NumPy's (or struct's) float16 cast")
     saved = np.float16, np.half
     np.float16 = np.half = _refuse_library_cast  # type: ignore[misc, assignment]
     try:

@@ -2,10 +2,12 @@
 checkers of its exercises (two Functions against central differences, the topological order,
 and backward itself). Reference solutions: lessons/solutions/lesson02.py."""
 
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
+import minimp.tensor
 from minimp import Tensor
 from minimp.lessons.checking import Failed, Report, call, expect
 
@@ -155,6 +157,34 @@ def _graphs() -> list[tuple[str, Callable[[], tuple[Tensor, list[Tensor]]]]]:
     return [("a diamond", diamond), ("a two-layer network", layers), ("a chain of 400 ops", chain)]
 
 
+def _refused(*args: Any, **kwargs: Any) -> None:
+    # runs as the code of a library function, in that function's module: builtins only
+    raise RuntimeError("that is minimp's own answer (the library shortcut): write it yourself")
+
+
+def _refused_backward(self: Any, *args: Any, **kwargs: Any) -> None:
+    raise Failed("called Tensor.backward (root.backward()), minimp's own answer: walk the "
+                 "graph yourself")
+
+
+@contextmanager
+def _without(*functions: Callable, tensor_backward: bool = False) -> Iterator[None]:
+    """While a learner's code runs, the given library functions (under any name they were
+    imported as: their code is swapped) and, with tensor_backward, Tensor.backward refuse."""
+    codes = [function.__code__ for function in functions]
+    saved_backward = Tensor.backward
+    try:
+        for function in functions:
+            function.__code__ = _refused.__code__
+        if tensor_backward:
+            Tensor.backward = _refused_backward  # type: ignore[method-assign]
+        yield
+    finally:
+        for function, code in zip(functions, codes):
+            function.__code__ = code
+        Tensor.backward = saved_backward  # type: ignore[method-assign]
+
+
 def check_topological_order(topological_order: Callable[[Tensor], list],
                             quiet: bool = False) -> Report:
     """topological_order(root): every tensor that requires grad and is reachable from root,
@@ -171,7 +201,8 @@ def check_topological_order(topological_order: Callable[[Tensor], list],
         )
         def _():
             root, _ = build()
-            order = list(call(topological_order, root))
+            with _without(minimp.tensor.topological_order):
+                order = list(call(topological_order, root))
             ids = [id(t) for t in order]
             expect(len(set(ids)) == len(ids), "a tensor appears more than once")
             expect(set(ids) == {id(t) for t in reference(root)},
@@ -202,7 +233,8 @@ def check_backward(backward: Callable[[Tensor], None], quiet: bool = False) -> R
         )
         def _():
             root, leaves = build()
-            backward(root)
+            with _without(minimp.tensor.walk_backward, tensor_backward=True):
+                backward(root)
             reference_root, reference_leaves = build()
             reference_root.backward()
             for number, (leaf, want) in enumerate(zip(leaves, reference_leaves)):
@@ -219,7 +251,8 @@ def check_backward(backward: Callable[[Tensor], None], quiet: bool = False) -> R
     def _():
         root, (leaf,) = _graphs()[0][1]()
         leaf.grad = np.ones_like(leaf.data)
-        backward(root)
+        with _without(minimp.tensor.walk_backward, tensor_backward=True):
+            backward(root)
         reference_root, (reference_leaf,) = _graphs()[0][1]()
         reference_leaf.grad = np.ones_like(reference_leaf.data)
         reference_root.backward()

@@ -121,8 +121,13 @@ def _compare_step(sgd_step: Callable, params: list, grads: list, masters: list, 
                   scale: float) -> tuple[bool, bool]:
     ours = ([p.copy() for p in params], grads, [m.copy() for m in masters])
     skipped_ours = _minimp_step(*ours, lr, scale)
+    arrays = [id(a) for a in params + masters]
     with np.errstate(over="ignore", invalid="ignore"):
         skipped = call(sgd_step, params, [g.copy() for g in grads], masters, lr, scale)
+    expect([id(a) for a in params + masters] == arrays,
+           "a new array replaced params[i] or masters[i] in the list: update them in place "
+           "(masters[i] -= ..., params[i][...] = ...), as an optimizer must, since the model "
+           "holds those very arrays")
     for index in range(len(params)):
         expect(np.allclose(masters[index], ours[2][index], rtol=1e-6, atol=1e-12),
                f"master {index} differs from minimp's by up to "
@@ -234,6 +239,21 @@ def check_stochastic_round(stochastic_round: Callable[[np.ndarray, Any], np.ndar
         else:
             why = f"{up:.0%} of the draws went up, expected 25%"
         expect(error < 2e-5, f"the mean is {got.mean():.7f}, {error:.2g} from 1 + 2^-12: {why}")
+
+    @report.case(
+        "draws from rng: generators in the same state give the same result, and rng advances",
+        hint="use rng.random(x.shape), not np.random (NumPy's global generator) nor a new "
+        "generator of your own: the caller's rng makes a run reproducible",
+    )
+    def _():
+        x = rng.standard_normal(1000).astype(np.float32)
+        first, second = np.random.default_rng(5), np.random.default_rng(5)
+        state = first.bit_generator.state
+        a = np.asarray(call(stochastic_round, x.copy(), first))
+        b = np.asarray(call(stochastic_round, x.copy(), second))
+        expect(first.bit_generator.state != state, "rng was not used: its state did not change")
+        expect(np.array_equal(a, b), "two generators in the same state gave different results: "
+               "the random numbers came from elsewhere than rng")
 
     @report.case(
         "1000 updates of -2^-12 on a float16 weight at 1.0 end near 1 - 1000 x 2^-12",

@@ -95,6 +95,31 @@ def _ring_traffic(trace: list, p: int, messages: int, nbytes: int) -> None:
                f"the ring sends {messages} of {nbytes}")
 
 
+# minimp's own collectives (and the communicator's): calling one is the shortcut the exercises
+# ask you to write yourself
+LIBRARY_COLLECTIVES = {"all_gather", "reduce_scatter", "allreduce", "ring_allreduce",
+                       "naive_allreduce", "recursive_doubling_allreduce", "PersistentAllreduce",
+                       "gather_named_arrays", "bcast", "allreduce_scalars"}
+
+
+def _names_called(code: Any) -> set[str]:
+    """The global and attribute names a code object (and every function nested in it) uses."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if hasattr(constant, "co_names"):
+            names |= _names_called(constant)
+    return names
+
+
+def _without_library_collectives(solution: Callable) -> None:
+    """Fail a solution whose code names one of minimp's collectives: it would pass the traffic
+    checks on the library's ring, not its own."""
+    code = getattr(solution, "__code__", None)
+    used = sorted(_names_called(code) & LIBRARY_COLLECTIVES) if code is not None else []
+    expect(not used, f"calls {', '.join(used)}: that is minimp's own collective (the library "
+           "shortcut); write the ring's steps with comm.sendrecv")
+
+
 def check_all_gather(all_gather: Callable[[Any, np.ndarray], np.ndarray],
                      quiet: bool = False) -> Report:
     """all_gather(comm, chunk): every rank's chunk, concatenated in rank order, on every rank."""
@@ -121,6 +146,11 @@ def check_all_gather(all_gather: Callable[[Any, np.ndarray], np.ndarray],
         chunks = [np.ones(1000, np.float32) * r for r in range(4)]
         results = _run(4, lambda comm: all_gather(comm, chunks[comm.rank]))
         _ring_traffic(results.trace, 4, 3, 4000)
+
+    @report.case("its own ring, not minimp's collective",
+                 hint="dist.all_gather is the library's answer: write the p - 1 sendrecv steps")
+    def _():
+        _without_library_collectives(all_gather)
 
     return report.finish()
 
@@ -157,6 +187,12 @@ def check_reduce_scatter(reduce_scatter: Callable[[Any, np.ndarray], np.ndarray]
         inputs = [np.ones(4000, np.float32) for _ in range(4)]
         results = _run(4, lambda comm: reduce_scatter(comm, inputs[comm.rank]))
         _ring_traffic(results.trace, 4, 3, 4000)
+
+    @report.case("its own ring, not minimp's collective",
+                 hint="dist.reduce_scatter is the library's answer: write the p - 1 sendrecv "
+                 "steps")
+    def _():
+        _without_library_collectives(reduce_scatter)
 
     return report.finish()
 

@@ -3,12 +3,14 @@ checkers against the reference solutions and wrong ones. A failure here means a 
 lessons/01_floating_point.ipynb became false, or a checker passes a wrong answer."""
 
 import math
+import struct
 
 import ml_dtypes
 import numpy as np
 from exercising import Wrong, exercise_tests, solutions
 from hypothesis import given
 from hypothesis import strategies as st
+from numpy import float16
 
 from minimp.lessons import lesson01 as lesson
 
@@ -128,6 +130,21 @@ def round_with_astype(x):
     return float(np.array(x).astype("float16"))
 
 
+def round_with_the_e_typecode(x):
+    return float(np.array(x, dtype="e"))  # "e" is float16's one-letter type code
+
+
+def round_with_struct(x):
+    try:
+        return struct.unpack("e", struct.pack("e", x))[0]  # IEEE half, packed and unpacked
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def round_with_the_imported_float16(x):
+    return float(float16(x))  # from numpy import float16: np.float16 under another name
+
+
 def running_sum16(values):
     total = np.float16(0)
     for value in values:
@@ -167,6 +184,9 @@ WRONG = {
         Wrong(round_without_overflow, "inf"),
         Wrong(round_with_the_library_cast, "np.float16"),
         Wrong(round_with_astype, "float16 dtype"),
+        Wrong(round_with_the_e_typecode, "'e'"),
+        Wrong(round_with_struct, "struct"),
+        Wrong(round_with_the_imported_float16, "name float16"),
     ],
     "check_compensated_sum16": [
         Wrong(running_sum16, "running sum"),

@@ -206,6 +206,16 @@ def backward_overwriting_the_leaves_grad(root):
                 grads[id(parent)] = grads.get(id(parent), 0) + parent_grad
 
 
+def order_by_the_library(root):
+    import minimp.tensor
+
+    return minimp.tensor.topological_order(root)  # minimp's own, not the learner's
+
+
+def backward_by_the_library(root):
+    root.backward()  # what the exercise asks you to write
+
+
 WRONG = {
     "check_exp": [
         Wrong(lambda: wrong_functions()[0], "exp(x)", factory=True),
@@ -221,11 +231,13 @@ WRONG = {
         Wrong(order_without_a_visited_set, "once"),
         Wrong(order_root_first, "root"),
         Wrong(order_with_tensors_that_need_no_grad, "require grad"),
+        Wrong(order_by_the_library, "library"),
     ],
     "check_backward": [
         Wrong(backward_overwriting, "add"),
         Wrong(backward_in_forward_order, "reversed"),
         Wrong(backward_overwriting_the_leaves_grad, "adds to it"),
+        Wrong(backward_by_the_library, "Tensor.backward"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,

@@ -107,6 +107,15 @@ def sgd_step_unscaling_in_float16(params, grads, masters, lr, loss_scale):
     return False
 
 
+def sgd_step_replacing_the_arrays(params, grads, masters, lr, loss_scale):
+    if not all(np.isfinite(g).all() for g in grads):
+        return True
+    for i, grad in enumerate(grads):
+        masters[i] = masters[i] - np.float32(lr) * grad.astype(np.float32) / np.float32(loss_scale)
+        params[i] = masters[i].astype(np.float16)  # new arrays: the model's are left as they were
+    return False
+
+
 def round_always_down(x, rng):
     nearest = x.astype(np.float16)
     lower = np.nextafter(nearest, np.float16(-np.inf))
@@ -123,6 +132,16 @@ def round_up_with_the_reversed_probability(x, rng):
     return np.where(up & (below.astype(np.float32) != x), above, below)
 
 
+def round_with_numpys_global_generator(x, rng):
+    nearest = x.astype(np.float16)
+    below = np.where(nearest.astype(np.float32) > x,
+                     np.nextafter(nearest, np.float16(-np.inf)), nearest)
+    above = np.nextafter(below, np.float16(np.inf))
+    gap = above.astype(np.float32) - below.astype(np.float32)
+    up = np.random.random(x.shape) < (x - below.astype(np.float32)) / gap  # not rng
+    return np.where(up, above, below)
+
+
 WRONG = {
     "check_activation_bytes": [
         Wrong(activation_bytes_with_the_output, "last output"),
@@ -133,11 +152,13 @@ WRONG = {
         Wrong(sgd_step_on_the_copies, "master"),
         Wrong(sgd_step_without_skipping, "skip"),
         Wrong(sgd_step_unscaling_in_float16, "float32"),
+        Wrong(sgd_step_replacing_the_arrays, "in place"),
     ],
     "check_stochastic_round": [
         Wrong(round_to_nearest, "nearest"),
         Wrong(round_always_down, "always down"),
         Wrong(round_up_with_the_reversed_probability, "(x - below) / (above - below)"),
+        Wrong(round_with_numpys_global_generator, "np.random"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,

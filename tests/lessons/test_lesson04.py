@@ -204,6 +204,26 @@ class ScalerCountingThroughToleratedOverflows(solutions(4).DynamicLossScaler):
         super().update(False)
 
 
+class ScalerBackingOffBelowZero(solutions(4).DynamicLossScaler):
+    def update(self, found_inf):
+        if found_inf:
+            self.clean_steps = 0
+            self.tolerated -= 1
+            if self.tolerated < 0:  # one overflow too many: hysteresis + 1 before backing off
+                self.loss_scale *= self.backoff_factor
+            return
+        super().update(False)
+
+
+class ScalerCountingConsecutiveOverflows(solutions(4).DynamicLossScaler):
+    def update(self, found_inf):
+        if not found_inf:
+            self.tolerated = self.hysteresis  # a clean step forgives the overflows before it
+        super().update(found_inf)
+        if found_inf and self.tolerated <= 0:
+            self.tolerated = self.hysteresis
+
+
 WRONG = {
     "check_scale_window": [
         Wrong(window_with_the_ties_inside, "ties to even"),
@@ -222,6 +242,8 @@ WRONG = {
         Wrong(ScalerWithoutHysteresis, "hysteresis"),
         Wrong(ScalerRefillingOnBackoff, "only growth refills"),
         Wrong(ScalerCountingThroughToleratedOverflows, "tolerated or not"),
+        Wrong(ScalerBackingOffBelowZero, "reaches 0"),
+        Wrong(ScalerCountingConsecutiveOverflows, "refill"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,
