@@ -93,7 +93,7 @@ def test_the_gpt_blocks_cut():
 def test_the_losses():
     """What cell 9 prints: tp agrees with itself and with one process to 4 decimals, not to the
     bit (another BLAS kernel moves later digits, not these facts); pp's last stage is one process
-    to the bit; the replicas' mean is not."""
+    to the bit; the replicas' mean is to 4 decimals."""
     measured = runs()
     one = measured["one process"][0]["loss"]
     assert f"{one:.4f}" == "4.2051"
@@ -102,7 +102,8 @@ def test_the_losses():
     assert measured["pp 2"][0]["loss"] is None
     assert measured["pp 2"][1]["loss"] == one
     dp = [r["loss"] for r in measured["dp 2"]]
-    assert np.mean(dp) != one and f"{np.mean(dp):.4f}" == f"{one:.4f}"
+    # to 4 decimals: its last bits differ under Haswell, not under SandyBridge
+    assert f"{np.mean(dp):.4f}" == f"{one:.4f}"
 
 
 def test_the_side_by_side_numbers():
