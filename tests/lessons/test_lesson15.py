@@ -52,6 +52,16 @@ def share(fraction):
     return f"{100 * fraction:.2g}%"
 
 
+def about(fraction):
+    """The notebook's about(): a percentage to 1 significant digit."""
+    return f"{float(f'{100 * fraction:.1g}'):g}%"
+
+
+# The runs' figures move with the OpenBLAS kernel (its order of sums, compounded over 50 steps),
+# so the notebook prints bounds for them; these tests assert the bounds. Under Haswell, Prescott
+# and SandyBridge (docs/benchmarks.md, "From lesson 15") every bound below holds with room.
+
+
 def loss_of(model, ids, targets):
     logits = model(Tensor(ids))
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -216,33 +226,41 @@ def test_lesson15_where_the_linears_tensors_lie_against_each_format():
             assert below5 == zero5 == 0  # "E5M2 holds each as a normal number"
             errors[4].append(f"{error4:.1%}")
             errors[5].append(f"{error5:.1%}")
-    assert sorted(set(errors[4])) == ["2.1%", "2.2%"] and sorted(set(errors[5])) == ["4.3%", "4.4%"]
-    inputs_weights = [(w, k) for w in ("step 1", "trained") for k in ("input", "weight")]
-    assert share(max(below[key] for key in inputs_weights)) == "0.018%"
-    assert share(max(zeros[key] for key in inputs_weights)) == "0.00044%"
+    # "2.1-2.2% off in E4M3, 4.3-4.4% in E5M2": the notebook prints min and max over every row
+    assert (min(errors[4]), max(errors[4]), min(errors[5]), max(errors[5])) == (
+        "2.1%", "2.2%", "4.3%", "4.4%")
+    step_1 = [("step 1", kind) for kind in ("input", "weight")]
+    assert share(max(below[key] for key in step_1)) == "0.018%"  # "at step 1 at most 0.018%"
+    assert share(max(zeros[key] for key in step_1)) == "0.00044%"
+    trained_inputs_weights = [("trained", kind) for kind in ("input", "weight")]
+    assert max(below[key] for key in trained_inputs_weights) < 0.0005  # "under 0.05%"
+    assert max(zeros[key] for key in trained_inputs_weights) < 0.00005  # "and 0.005%"
     assert share(below["step 1", "grad_output"]) == "1.6%"
     assert share(zeros["step 1", "grad_output"]) == "0.13%"
-    assert share(below["trained", "grad_output"]) == "0.62%"
-    assert share(zeros["trained", "grad_output"]) == "0.031%"
+    assert below["trained", "grad_output"] < 0.01  # "under 1% subnormal"
+    assert zeros["trained", "grad_output"] < 0.001  # "under 0.1% zero"
     q, k, v = np.split(np.abs(at_step_1["grad_output"]["1.attn.c_attn"]), 3, axis=-1)
     assert f"{v.max() / q.max():.0f}" == "130"
 
 
 def test_lesson15_the_runs_validation_losses_against_bf16():
     bf16 = run()
+    assert f"{bf16[2]:.1f}" == "3.0"
     above = {name: run(*key)[2] / bf16[2] - 1 for name, key in (
         ("delayed", ("delayed",)), ("current", ("current",)), ("none", ("none",)),
         ("e4m3", ("delayed", "E4M3")))}
-    assert {n: f"{a:+.2%}" for n, a in above.items()} == {
-        "delayed": "-0.27%", "current": "-0.16%", "none": "+6.04%", "e4m3": "+0.56%"}
+    assert abs(above["delayed"]) < 0.01 and abs(above["current"]) < 0.01  # "within 1%"
+    assert above["none"] > 0.05  # "over 5% above bf16"
+    # "above the other scaled runs, under 2% above bf16"
+    assert max(0, above["delayed"], above["current"]) < above["e4m3"] < 0.02
 
     def blocks(recipe):  # mean training loss minus bf16's over steps 1-10, 11-20, ...
         return np.add.reduceat(np.subtract(run(recipe)[1], bf16[1]), np.arange(0, STEPS, 10)) / 10
 
-    for recipe in ("delayed", "current"):  # "their 10-step means stay within 0.010 of bf16's"
-        assert round(np.abs(blocks(recipe)).max(), 3) <= 0.010
-    none = blocks("none")  # "falls behind from steps 21-30 on"
-    assert np.all(none[2:] > 0.05) and np.all(none[:2] < 0.01)
+    for recipe in ("delayed", "current"):  # "every 10-step mean within 0.02 of bf16's"
+        assert np.abs(blocks(recipe)).max() < 0.02
+    none = blocks("none")  # "keeps up to step 20, then falls over 0.05 behind"
+    assert none[2:].min() > 0.05 and np.abs(none[:2]).max() < 0.02
 
 
 def test_lesson15_delayed_scaling_step_by_step():
@@ -254,7 +272,11 @@ def test_lesson15_delayed_scaling_step_by_step():
     assert share(delayed[GRADIENT]["underflow"][0]) == "79%"
     assert share(delayed[WEIGHT]["underflow"][0]) == "4.1%"
     saturated_steps = [int(np.sum(delayed[t]["saturated"] > 0)) for t in WATCHED]
-    assert saturated_steps == [2, 0, 3] and share(delayed[GRADIENT]["saturated"].max()) == "0.11%"
+    assert saturated_steps[1] == 0 and all(0 < n < 10 for n in saturated_steps[::2])
+    assert share(delayed[GRADIENT]["saturated"].max()) == "0.11%"
+    for tensor in WATCHED:  # after step 1, at most 0.05% became zero in a step (the bound)
+        assert delayed[tensor]["underflow"][1:].max() < 0.0005
+        assert current[tensor]["underflow"][1:].max() < 0.0005
     amax = delayed[GRADIENT]["amax"]
     assert f"{(-np.diff(np.log2(amax))).max():.1f}" == "5.7"  # "fell by up to 5.7 binades"
     assert off(GRADIENT, delayed[GRADIENT])[0] == -5.7  # "to 2^-5.7 of its aim"
@@ -269,8 +291,9 @@ def test_lesson15_delayed_scaling_step_by_step():
 def test_lesson15_what_e5m2_buys_and_what_no_scaling_loses():
     e4m3 = run("delayed", "E4M3")[3][GRADIENT]
     lost = e4m3["underflow"][1:]
-    assert (share(lost.max()), share(lost.mean())) == ("21%", "3.9%")
-    assert off(GRADIENT, e4m3, E4M3)[0] == -7.0  # "its amax as low as 2^-7.0 of its aim"
+    assert (about(lost.max()), about(lost.mean())) == ("20%", "4%")
+    lowest = np.log2(e4m3["amax"][1:] / aim(GRADIENT, e4m3, E4M3)[1:]).min()
+    assert f"{lowest:.0f}" == "-7"  # "its amax as low as 2^-7 of its aim"
     none = run("none")[3][GRADIENT]
     assert share(none["underflow"][1:].max()) == "98%"
     assert off(GRADIENT, none) == (-31.1, -23.4)  # "23.4 to 31.1 binades below" (aim: 57344)
