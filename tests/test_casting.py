@@ -72,7 +72,7 @@ def test_sequential_float16_accumulation_stalls_at_2048_float32_does_not():
 
 
 def test_numpy_float16_sum_does_not_stall_where_cumsum_does():
-    """np.sum of float16 adds in float32 and rounds once (tests/test_lessons_claims.py tells it
+    """np.sum of float16 adds in float32 and rounds once (tests/lessons/test_lesson01.py tells it
     apart from a pairwise float16 sum); cumsum keeps float16 between additions and stalls."""
     ones = np.ones(3000, f16)
     assert float(np.sum(ones)) == 3000.0 and float(np.cumsum(ones)[-1]) == 2048.0

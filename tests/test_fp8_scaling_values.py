@@ -86,7 +86,7 @@ def test_fp8_meta_names_its_recipe():
 
 def test_a_stateless_recipe_keeps_the_last_amax_in_front_of_its_history():
     """Current scaling needs no history to scale, but the quantizer still records the step's
-    amax in front, as delayed scaling does (what lesson 14 and a reader of amax_history see)."""
+    amax in front, as delayed scaling does (what lesson 15 and a reader of amax_history see)."""
     from minimp.precision import Float8CurrentScaling
     from minimp.precision.fp8 import E4M3
     from minimp.precision.fp8_scaling import Fp8Quantizer

@@ -1,6 +1,10 @@
 """Overlap on the simulated world: the non-blocking ring's bits, buckets that start during backward,
 training bit-identical with and without overlap (fp32, fp16, micro-batches, a pipeline's GPT), one
-skip decision, the flags, the metrics and the cost model's prediction."""
+skip decision, the flags, the metrics and the cost model's prediction; and the ratios
+docs/benchmarks.md gives for the overlap benchmark against their own ranges."""
+
+import os
+import re
 
 import numpy as np
 import pytest
@@ -263,3 +267,24 @@ def test_zero_with_overlap_trains_a_pipeline_s_gpt_to_the_same_bits(zero):
         assert with_["history"][-1]["bytes_by_collective"] == (
             without["history"][-1]["bytes_by_collective"]
         )
+
+
+def test_the_overlap_benchmark_s_ratios_are_7_to_16_percent_quiet_34_to_43_shared():
+    """docs/benchmarks.md gives each machine's ranges over three runs: the ratio's range must lie
+    within what the exposed times' ranges allow (the smallest with over the largest without, and
+    the other way round), and the prose must say the table's ranges."""
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks.md")).read()
+    section = doc[doc.index("## Overlap"):]
+    section = section[:section.index("\n## ", 1)]
+    range_ = r"([\d.]+)-([\d.]+)"
+    rows = re.findall(rf"^\| (quiet|shared)[^|]* \| {range_} ms \| {range_} ms \| {range_}% \|",
+                      section, re.M)
+    assert [row[0] for row in rows] == ["quiet", "shared"]
+    ratios = {}
+    for machine, *cells in rows:
+        without_low, without_high, with_low, with_high, low, high = map(float, cells)
+        assert 100 * with_low / without_high <= low + 0.5
+        assert high - 0.5 <= 100 * with_high / without_low
+        ratios[machine] = (int(low), int(high))
+    assert ratios == {"quiet": (7, 16), "shared": (34, 43)}
+    assert "overlap exposes 7-16% of the communication it exposes without" in section

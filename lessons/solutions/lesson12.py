@@ -23,15 +23,16 @@ class RowParallel(Function):
         return grad_x, grad_weight
 
 
-def tp_bytes_sent(blocks, rows, context, width, tp, micro_batches, compute_bytes,
+def tp_bytes_sent(blocks, micro_batch_size, context, width, tp, micro_batches, compute_bytes,
                   sequence_parallel):
     """Per block and micro-batch, 4 all-reduces of b s h d bytes (2 forward, 2 backward), each
     2 (t - 1)/t of them; sequence parallelism: the same as halves, plus the head's gather and the
-    embeddings' backward gather, plus the partial float32 gradients (6 h per block) once."""
+    embeddings' backward gather per micro-batch, plus the partial float32 gradients (6 h per
+    block) once a step."""
     fraction = (tp - 1) / tp
-    activation = rows * context * width * compute_bytes
-    halves = micro_batches * blocks * 8 * activation
+    activation = micro_batch_size * context * width * compute_bytes  # b s h d
+    halves = micro_batches * blocks * 8 * activation  # 2 halves an all-reduce
     if sequence_parallel:
         halves += micro_batches * 2 * activation  # the head's gather, the embeddings' gather
-        halves += blocks * 6 * width * 4 * 2  # an all-reduce of the partial gradients
+        halves += blocks * 6 * width * 4 * 2  # one all-reduce of the partial gradients, float32
     return round(halves * fraction)

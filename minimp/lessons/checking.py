@@ -35,6 +35,8 @@ class Report:
     def __init__(self, title: str, quiet: bool = False):
         self.title, self.quiet = title, quiet
         self.results: list[tuple[str, bool, str]] = []
+        # (description, detail, hint) of each failed check: the tests read what a mistake is told
+        self.failures: list[tuple[str, str, str]] = []
         self.stopped = False  # set when the learner's code is not written yet
         self._say(f"{title}:")
 
@@ -67,6 +69,8 @@ class Report:
 
     def _record(self, description: str, passed: bool, detail: str, hint: str = "") -> None:
         self.results.append((description, passed, detail))
+        if not passed:
+            self.failures.append((description, detail, hint))
         self._say(f"  {'✓' if passed else '✗'} {description}")
         if detail:
             self._say(f"      {detail}")

@@ -1,15 +1,37 @@
-"""Checkers for lesson 2 (autograd): two Functions against central differences, the topological
-order, and backward itself. Reference solutions: lessons/solutions/lesson02.py."""
+"""Lesson 2 (autograd): the configuration its cells use and its claims tests check, and the
+checkers of its exercises (two Functions against central differences, the topological order,
+and backward itself). Reference solutions: lessons/solutions/lesson02.py."""
 
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
+import minimp.tensor
 from minimp import Tensor
 from minimp.lessons.checking import Failed, Report, call, expect
 
-STEP = 1e-6  # central-difference step in float64: rounding error ~1e-10 relative, see lesson 2
-RTOL, ATOL = 1e-5, 1e-7  # the tolerance of tests/gradcheck.py
+# ----- what the lesson's cells use (tests/lessons/test_lesson02.py checks the same) ----------
+X = (1.0, 2.0, 3.0)  # where the lesson checks d/dx of f(x) = sum(2 x^3 + x)
+H = 1e-6  # its central-difference step, as in tests/test_ops.py and tests/gradcheck.py
+STEPS = np.logspace(-12, -1, 23)  # the steps of its error-against-h plot, half a decade apart
+
+
+def best_step(f_value: float, third_derivative: float) -> float:
+    """The h that minimises truncation h^2 |f3| / 6 plus rounding eps |f| / h in float64 (f3 the
+    third derivative): d/dh = h |f3| / 3 - eps |f| / h^2 = 0 at h = (3 eps |f| / |f3|)^(1/3)."""
+    eps = float(np.finfo(np.float64).eps)
+    return (3 * eps * abs(f_value) / abs(third_derivative)) ** (1 / 3)
+
+
+def scientific(value: float) -> str:
+    """2 significant digits, the way the lesson's prose writes them: 1.7e-8, not 1.7e-08."""
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+STEP = H  # central-difference step in float64: rounding error ~eps / STEP = 2e-10 relative to f
+RTOL, ATOL = 1e-5, 1e-7  # the tolerance of tests/test_ops.py and tests/gradcheck.py
 
 
 def numerical_gradient(scalar: Callable[[list], float], arrays: list, index: int) -> np.ndarray:
@@ -45,7 +67,7 @@ def gradient_check(function: Any, arrays: list, name: str) -> None:
 
 
 def check_exp(Exp: Any, quiet: bool = False) -> Report:
-    """Exp: a Function with y = exp(x) and dL/dx = dL/dy * exp(x)."""
+    """Exp: a Function with y = exp(x), of x's dtype, and dL/dx = dL/dy * exp(x)."""
     report = Report("Exp", quiet)
     x = np.random.default_rng(0).uniform(-3, 3, (3, 4))
 
@@ -61,7 +83,8 @@ def check_exp(Exp: Any, quiet: bool = False) -> Report:
 
     @report.case(
         "backward matches central differences",
-        hint="save the output in forward (ctx.save_for_backward(y)): dy/dx is y itself",
+        hint="the chain rule: return grad_output (dL/dy) times dy/dx = exp(x); save y = exp(x) "
+        "in forward (ctx.save_for_backward(y)): it is its own derivative",
     )
     def _():
         gradient_check(Exp, [x], "Exp")
@@ -96,6 +119,13 @@ def check_pow(Pow: Any, quiet: bool = False) -> Report:
         for shape in ((4,), (1, 4), ()):
             gradient_check(Pow, [x, rng.uniform(-2.0, 2.0, shape)], f"Pow with p of shape {shape}")
 
+    @report.case(
+        "broadcasting the other way: x of shape (4,) with p of shape (3, 4)",
+        hint="unbroadcast each input's gradient to that input's own shape, x's too",
+    )
+    def _():
+        gradient_check(Pow, [rng.uniform(0.5, 2.0, 4), p], "Pow with x of shape (4,)")
+
     return report.finish()
 
 
@@ -127,6 +157,34 @@ def _graphs() -> list[tuple[str, Callable[[], tuple[Tensor, list[Tensor]]]]]:
     return [("a diamond", diamond), ("a two-layer network", layers), ("a chain of 400 ops", chain)]
 
 
+def _refused(*args: Any, **kwargs: Any) -> None:
+    # runs as the code of a library function, in that function's module: builtins only
+    raise RuntimeError("that is minimp's own answer (the library shortcut): write it yourself")
+
+
+def _refused_backward(self: Any, *args: Any, **kwargs: Any) -> None:
+    raise Failed("called Tensor.backward (root.backward()), minimp's own answer: walk the "
+                 "graph yourself")
+
+
+@contextmanager
+def _without(*functions: Callable, tensor_backward: bool = False) -> Iterator[None]:
+    """While a learner's code runs, the given library functions (under any name they were
+    imported as: their code is swapped) and, with tensor_backward, Tensor.backward refuse."""
+    codes = [function.__code__ for function in functions]
+    saved_backward = Tensor.backward
+    try:
+        for function in functions:
+            function.__code__ = _refused.__code__
+        if tensor_backward:
+            Tensor.backward = _refused_backward  # type: ignore[method-assign]
+        yield
+    finally:
+        for function, code in zip(functions, codes):
+            function.__code__ = code
+        Tensor.backward = saved_backward  # type: ignore[method-assign]
+
+
 def check_topological_order(topological_order: Callable[[Tensor], list],
                             quiet: bool = False) -> Report:
     """topological_order(root): every tensor that requires grad and is reachable from root,
@@ -143,7 +201,8 @@ def check_topological_order(topological_order: Callable[[Tensor], list],
         )
         def _():
             root, _ = build()
-            order = list(call(topological_order, root))
+            with _without(minimp.tensor.topological_order):
+                order = list(call(topological_order, root))
             ids = [id(t) for t in order]
             expect(len(set(ids)) == len(ids), "a tensor appears more than once")
             expect(set(ids) == {id(t) for t in reference(root)},
@@ -161,7 +220,8 @@ def check_topological_order(topological_order: Callable[[Tensor], list],
 
 
 def check_backward(backward: Callable[[Tensor], None], quiet: bool = False) -> Report:
-    """backward(root): fill `.grad` of every leaf that requires grad, as root.backward() does."""
+    """backward(root): add d(root)/d(leaf) into `.grad` of every leaf that requires grad, as
+    root.backward() does (root a scalar)."""
     report = Report("backward", quiet)
     for name, build in _graphs():
 
@@ -173,7 +233,8 @@ def check_backward(backward: Callable[[Tensor], None], quiet: bool = False) -> R
         )
         def _():
             root, leaves = build()
-            backward(root)
+            with _without(minimp.tensor.walk_backward, tensor_backward=True):
+                backward(root)
             reference_root, reference_leaves = build()
             reference_root.backward()
             for number, (leaf, want) in enumerate(zip(leaves, reference_leaves)):
@@ -181,6 +242,23 @@ def check_backward(backward: Callable[[Tensor], None], quiet: bool = False) -> R
                 expect(np.allclose(leaf.grad, want.grad, rtol=1e-12, atol=1e-12),
                        f"leaf {number}'s gradient differs from minimp's by up to "
                        f"{np.max(np.abs(leaf.grad - want.grad)):.3g}")
+
+    @report.case(
+        "a leaf whose .grad holds a gradient already: backward adds to it",
+        hint="as root.backward() does: leaf.grad = grad where leaf.grad is None, else "
+        "leaf.grad + grad (two backward passes add up, as micro-batches do)",
+    )
+    def _():
+        root, (leaf,) = _graphs()[0][1]()
+        leaf.grad = np.ones_like(leaf.data)
+        with _without(minimp.tensor.walk_backward, tensor_backward=True):
+            backward(root)
+        reference_root, (reference_leaf,) = _graphs()[0][1]()
+        reference_leaf.grad = np.ones_like(reference_leaf.data)
+        reference_root.backward()
+        expect(leaf.grad is not None and np.allclose(leaf.grad, reference_leaf.grad, rtol=1e-12),
+               f".grad became {leaf.grad}, expected {reference_leaf.grad} (the gradient plus the "
+               "ones it held)")
 
     return report.finish()
 

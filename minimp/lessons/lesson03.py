@@ -1,5 +1,6 @@
-"""Checkers for lesson 3 (mixed precision): the bytes backward keeps, the mixed-precision SGD step
-by hand, stochastic rounding. Reference solutions: lessons/solutions/lesson03.py."""
+"""Lesson 3 (mixed precision): the model and figures its cells print and its claims tests check,
+and the checkers of its exercises (the bytes backward keeps, the mixed-precision SGD step by hand,
+stochastic rounding). Reference solutions: lessons/solutions/lesson03.py."""
 
 import warnings
 from typing import Any, Callable
@@ -11,6 +12,32 @@ from minimp.lessons.checking import Report, call, expect
 from minimp.tensor import saved_bytes
 
 F16 = np.float16
+
+# ----- what the lesson's cells use (tests/lessons/test_lesson03.py checks the same) ----------
+BATCH = 128  # digits images in the lesson's batch
+WIDTHS = (64, 256, 256, 10)  # its MLP: 8x8 pixels in, 10 classes out
+UPDATE = 2.0**-12  # half the float16 gap just below 1.0
+UPDATES = 1000
+
+
+def mlp(rng: np.random.Generator) -> nn.Sequential:
+    """The lesson's MLP: Linear(64, 256), ReLU, Linear(256, 256), ReLU, Linear(256, 10)."""
+    layers: list[nn.Module] = []
+    for number, (width_in, width_out) in enumerate(zip(WIDTHS, WIDTHS[1:])):
+        layers.append(nn.Linear(width_in, width_out, rng=rng))
+        if number < len(WIDTHS) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def kept_bytes(dtype: Any, images: np.ndarray, labels: np.ndarray) -> int:
+    """Bytes one forward pass of the lesson's MLP (built afresh from seed 0, in `dtype`) and its
+    cross-entropy loss keep for backward, the parameters themselves not counted."""
+    from minimp import functional as F
+
+    network = mlp(np.random.default_rng(0)).to(dtype)
+    loss = F.cross_entropy(network(Tensor(images.astype(dtype))), labels)
+    return saved_bytes(loss, exclude=[p.data for p in network.parameters()])
 
 
 def measured_activation_bytes(batch: int, widths: list[int], dtype: Any) -> int:
@@ -41,12 +68,27 @@ def check_activation_bytes(activation_bytes: Callable[[int, list, int], int],
         )
         def _():
             for batch, widths in cases:
+                itemsize = np.dtype(dtype).itemsize
                 want = measured_activation_bytes(batch, widths, dtype)
-                got = call(activation_bytes, batch, list(widths), np.dtype(dtype).itemsize)
+                got = call(activation_bytes, batch, list(widths), itemsize)
                 expect(got == want, f"batch {batch}, widths {widths}: you say {got}, "
-                       f"minimp keeps {want} bytes")
+                       f"minimp keeps {want} bytes{_miscount(got, batch, widths, itemsize)}")
 
     return report.finish()
+
+
+def _miscount(got: Any, batch: int, widths: list[int], itemsize: int) -> str:
+    """What a wrong count of activation bytes most likely counted, as a clause to append."""
+    per_row = {
+        sum(widths): "the last output, which nothing keeps",
+        sum(widths[1:-1]): "no input: the first Linear keeps its input x too",
+        widths[0] + 2 * sum(widths[1:-1]): "each ReLU output twice: it is the next Linear's "
+        "input, one array, counted once",
+    }
+    for width, mistake in per_row.items():
+        if got == batch * width * itemsize and width != sum(widths[:-1]):
+            return f" (that counts {mistake})"
+    return ""
 
 
 def _problem(seed: int, size: int = 50) -> tuple[list, list, list]:
@@ -79,8 +121,13 @@ def _compare_step(sgd_step: Callable, params: list, grads: list, masters: list, 
                   scale: float) -> tuple[bool, bool]:
     ours = ([p.copy() for p in params], grads, [m.copy() for m in masters])
     skipped_ours = _minimp_step(*ours, lr, scale)
+    arrays = [id(a) for a in params + masters]
     with np.errstate(over="ignore", invalid="ignore"):
         skipped = call(sgd_step, params, [g.copy() for g in grads], masters, lr, scale)
+    expect([id(a) for a in params + masters] == arrays,
+           "a new array replaced params[i] or masters[i] in the list: update them in place "
+           "(masters[i] -= ..., params[i][...] = ...), as an optimizer must, since the model "
+           "holds those very arrays")
     for index in range(len(params)):
         expect(np.allclose(masters[index], ours[2][index], rtol=1e-6, atol=1e-12),
                f"master {index} differs from minimp's by up to "
@@ -118,6 +165,19 @@ def check_sgd_step(sgd_step: Callable[..., bool], quiet: bool = False) -> Report
             expect(skipped is True, f"returned {skipped!r}")
             for now, then in zip(params + masters, before[0] + before[1]):
                 expect(np.array_equal(now, then), "an array changed on a skipped step")
+
+    @report.case(
+        "gradients that are tiny once unscaled (below 2^-14): unscaled in float32",
+        hint="widen the float16 gradient to float32 first, then divide by the loss scale: in "
+        "float16, (1 + 2^-10) / 2^20 rounds to 2^-20 and 1 / 2^26 to 0",
+    )
+    def _():
+        params, masters = [np.zeros(2, F16)], [np.zeros(2, np.float32)]
+        grads = [np.array([1 + 2.0**-10, 2.0**-6], F16)]
+        call(sgd_step, params, grads, masters, 1.0, 2.0**20)
+        want = -grads[0].astype(np.float32) / np.float32(2.0**20)
+        expect(np.array_equal(masters[0], want), f"masters became {masters[0].tolist()}, "
+               f"expected {want.tolist()} (float32 keeps 2^-26 and (1 + 2^-10) x 2^-20)")
 
     @report.case(
         "an update of 2^-13 at 1.0: the master moves, its float16 copy stays 1.0",
@@ -170,8 +230,30 @@ def check_stochastic_round(stochastic_round: Callable[[np.ndarray, Any], np.ndar
         x = np.full(20000, 1 + 2.0**-12, np.float32)
         got = np.asarray(call(stochastic_round, x, np.random.default_rng(2)), np.float64)
         error = abs(got.mean() - (1 + 2.0**-12))
-        expect(error < 2e-5, f"the mean is {got.mean():.7f}, {error:.2g} from 1 + 2^-12; "
-               "rounding to nearest would give 1.0 every time")
+        up = (got.mean() - 1) / 2.0**-10  # the fraction of draws that went up to 1 + 2^-10
+        if up < 0.05:
+            why = "no draw went up: rounding to nearest (or always down) gives 1.0 every time"
+        elif abs(up - 0.75) < 0.05:
+            why = ("3 draws in 4 went up: go up with probability (x - below) / (above - below), "
+                   "a quarter here, not (above - x) / (above - below)")
+        else:
+            why = f"{up:.0%} of the draws went up, expected 25%"
+        expect(error < 2e-5, f"the mean is {got.mean():.7f}, {error:.2g} from 1 + 2^-12: {why}")
+
+    @report.case(
+        "draws from rng: generators in the same state give the same result, and rng advances",
+        hint="use rng.random(x.shape), not np.random (NumPy's global generator) nor a new "
+        "generator of your own: the caller's rng makes a run reproducible",
+    )
+    def _():
+        x = rng.standard_normal(1000).astype(np.float32)
+        first, second = np.random.default_rng(5), np.random.default_rng(5)
+        state = first.bit_generator.state
+        a = np.asarray(call(stochastic_round, x.copy(), first))
+        b = np.asarray(call(stochastic_round, x.copy(), second))
+        expect(first.bit_generator.state != state, "rng was not used: its state did not change")
+        expect(np.array_equal(a, b), "two generators in the same state gave different results: "
+               "the random numbers came from elsewhere than rng")
 
     @report.case(
         "1000 updates of -2^-12 on a float16 weight at 1.0 end near 1 - 1000 x 2^-12",

@@ -1,6 +1,8 @@
-"""Checkers for lesson 5 (the ring): the all-gather and reduce-scatter halves in the simulated
-world, with their bytes counted from the message trace, and a ring shift that cannot deadlock.
-Reference solutions: lessons/solutions/lesson05.py."""
+"""Lesson 5 (the ring): the configurations the notebook runs and its claims tests check (the ring
+on P simulated ranks, the chunk each message carries, the bytes of ring and naive, the send-first
+ring that deadlocks past the eager limit), then the checkers of its exercises: the all-gather and
+reduce-scatter halves in the simulated world, with their bytes counted from the message trace, and
+a ring shift that cannot deadlock. Reference solutions: lessons/solutions/lesson05.py."""
 
 from typing import Any, Callable
 
@@ -8,6 +10,66 @@ import numpy as np
 
 from minimp import distributed as dist
 from minimp.lessons.checking import Failed, Report, expect
+
+P = 4  # ranks in every demonstration of the notebook
+BIG_N = 1_000_000  # float32 elements of the array whose bytes the notebook counts
+EAGER_FLOATS, RENDEZVOUS_FLOATS = 100, 100_000  # 400 and 400,000 bytes: below and past 64 KiB
+
+
+def chunk_sent(rank: int, step: int, p: int) -> int:
+    """The chunk rank `rank` sends at its `step`-th message of a ring all-reduce on p ranks, by the
+    lesson's formula: (rank - step - 1) mod p in the reduce-scatter (steps 0 to p - 2), then
+    (rank - s) mod p at all-gather step s = step - (p - 1)."""
+    return (rank - step - 1) % p if step < p - 1 else (rank - (step - (p - 1))) % p
+
+
+class _ChunkRecorder:
+    """A communicator that passes everything on and notes which chunk each sendrecv sends: the
+    ring sends views of whole arrays, so the view's offset in its array, in chunks, is the chunk."""
+
+    def __init__(self, comm: Any, log: list):
+        self._comm, self._log = comm, log
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+    def sendrecv(self, send_array: Any, dest: int, recv_array: Any, source: int,
+                 **kwargs: Any) -> None:
+        whole = send_array if send_array.base is None else send_array.base
+        offset = send_array.__array_interface__["data"][0] - whole.__array_interface__["data"][0]
+        self._log.append(offset // send_array.nbytes)
+        self._comm.sendrecv(send_array, dest, recv_array, source, **kwargs)
+
+
+def chunks_sent(p: int = P, n: int = 2 * P) -> list[list[int]]:
+    """The chunk each rank's messages carry in minimp's ring_allreduce of n float32 elements on p
+    simulated ranks, read from the arrays the ring hands to sendrecv: one list per rank."""
+
+    def run(comm):
+        log: list[int] = []
+        dist.ring_allreduce(_ChunkRecorder(comm, log), np.ones(n, np.float32))
+        return log
+
+    return list(dist.simulate(p, run))
+
+
+def bytes_sent_per_rank(algorithm: str, p: int = P, n: int = BIG_N) -> list[int]:
+    """Bytes each rank sends in dist.allreduce(algorithm=...) of n float32 ones on p ranks,
+    counted from the simulator's message trace."""
+    arrays = [np.ones(n, np.float32) for _ in range(p)]
+    trace = dist.simulate(p, lambda comm: dist.allreduce(comm, arrays[comm.rank],
+                                                         algorithm=algorithm)).trace
+    return [sum(m.nbytes for m in trace if m.source == rank) for rank in range(p)]
+
+
+def naive_ring(comm: Any, length: int) -> np.ndarray:
+    """Send to the right, then receive from the left: blocking calls in the order a learner
+    writes them first."""
+    outgoing, incoming = np.ones(length, np.float32), np.empty(length, np.float32)
+    comm.send(outgoing, (comm.rank + 1) % comm.size)
+    comm.recv(incoming, (comm.rank - 1) % comm.size)
+    return incoming
+
 
 TIMEOUT = 20.0  # seconds a simulated rank may wait; a deadlock is reported sooner
 
@@ -31,6 +93,31 @@ def _ring_traffic(trace: list, p: int, messages: int, nbytes: int) -> None:
         expect(len(sent) == messages and all(m.nbytes == nbytes for m in sent),
                f"rank {rank} sent {len(sent)} messages of {[m.nbytes for m in sent][:6]} bytes; "
                f"the ring sends {messages} of {nbytes}")
+
+
+# minimp's own collectives (and the communicator's): calling one is the shortcut the exercises
+# ask you to write yourself
+LIBRARY_COLLECTIVES = {"all_gather", "reduce_scatter", "allreduce", "ring_allreduce",
+                       "naive_allreduce", "recursive_doubling_allreduce", "PersistentAllreduce",
+                       "gather_named_arrays", "bcast", "allreduce_scalars"}
+
+
+def _names_called(code: Any) -> set[str]:
+    """The global and attribute names a code object (and every function nested in it) uses."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if hasattr(constant, "co_names"):
+            names |= _names_called(constant)
+    return names
+
+
+def _without_library_collectives(solution: Callable) -> None:
+    """Fail a solution whose code names one of minimp's collectives: it would pass the traffic
+    checks on the library's ring, not its own."""
+    code = getattr(solution, "__code__", None)
+    used = sorted(_names_called(code) & LIBRARY_COLLECTIVES) if code is not None else []
+    expect(not used, f"calls {', '.join(used)}: that is minimp's own collective (the library "
+           "shortcut); write the ring's steps with comm.sendrecv")
 
 
 def check_all_gather(all_gather: Callable[[Any, np.ndarray], np.ndarray],
@@ -60,6 +147,11 @@ def check_all_gather(all_gather: Callable[[Any, np.ndarray], np.ndarray],
         results = _run(4, lambda comm: all_gather(comm, chunks[comm.rank]))
         _ring_traffic(results.trace, 4, 3, 4000)
 
+    @report.case("its own ring, not minimp's collective",
+                 hint="dist.all_gather is the library's answer: write the p - 1 sendrecv steps")
+    def _():
+        _without_library_collectives(all_gather)
+
     return report.finish()
 
 
@@ -73,7 +165,8 @@ def check_reduce_scatter(reduce_scatter: Callable[[Any, np.ndarray], np.ndarray]
 
     for p in (4, 1, 2, 3, 5):
 
-        @report.case(f"{p} rank(s): rank r ends with block r of the sum, x unchanged", hint=hint)
+        @report.case(f"{p} rank(s): rank r ends with block r of the sum, x unchanged",
+                     hint=hint + "; work on a copy of x, never x itself")
         def _():
             inputs = [np.random.default_rng(r).integers(-9, 9, 4 * p).astype(np.float32)
                       for r in range(p)]
@@ -94,6 +187,12 @@ def check_reduce_scatter(reduce_scatter: Callable[[Any, np.ndarray], np.ndarray]
         inputs = [np.ones(4000, np.float32) for _ in range(4)]
         results = _run(4, lambda comm: reduce_scatter(comm, inputs[comm.rank]))
         _ring_traffic(results.trace, 4, 3, 4000)
+
+    @report.case("its own ring, not minimp's collective",
+                 hint="dist.reduce_scatter is the library's answer: write the p - 1 sendrecv "
+                 "steps")
+    def _():
+        _without_library_collectives(reduce_scatter)
 
     return report.finish()
 
@@ -119,12 +218,14 @@ def check_ring_shift(ring_shift: Callable[[Any, np.ndarray], np.ndarray],
     """ring_shift(comm, x): the x of the left neighbour, with send and recv only, for messages
     so large that every send waits for its receive (rendezvous)."""
     report = Report("ring_shift", quiet)
-    hint = ("if every rank sends first, every rank waits: let even ranks send first and odd "
-            "ranks receive first (and think about rank p - 1 when p is odd, and about p = 1)")
+    hint = ("if every rank sends first, every rank waits (deadlock): let even ranks send first "
+            "and odd ranks receive first (and think about rank p - 1 when p is odd, and about "
+            "p = 1, where a rank's left neighbour is itself)")
 
     for p in (2, 4, 3, 5, 1):
 
-        @report.case(f"{p} rank(s), 40,000-byte messages past the eager limit", hint=hint)
+        @report.case(f"{p} rank(s): each rank gets its left neighbour's x, 40,000-byte messages "
+                     "past the eager limit", hint=hint)
         def _():
             inputs = [np.full(10000, float(r), np.float32) for r in range(p)]
             results = _run(p, lambda comm: ring_shift(SendAndRecvOnly(comm), inputs[comm.rank]),

@@ -24,6 +24,15 @@ from minimp.train import build_model
 
 SHAPES = [(4, 6), (2, 4), (1, 3), (4, 2), (3, 7)]  # (P, M): M < P and P = 1 included
 
+# The configurations lessons/07_model_parallel.ipynb prints; tests/lessons/test_lesson07.py checks
+# the same ones.
+SCHEDULE_SHAPE = (4, 6)  # P, M of the printed schedules
+MEMORY_MICRO_BATCHES = (4, 8, 16)  # M of the activation-memory table, with P = 4
+REPLAYED = (4, 8, 1.0, 2.0)  # P, M, t_f, t_b of the replayed step with equal stages
+MEASURED = (2, 4)  # P, M of the recorded timelines: two ranks on a 2-core machine
+# P, M, t_f and t_b per stage of unequal stages whose first is the slower (t_f + t_b 4 against 3)
+SLOW_FIRST = (2, 2, [1.0, 1.0], [3.0, 2.0])
+
 
 def compute_actions(actions: list) -> list[tuple[str, int]]:
     """(op, micro-batch) of a stage's forward and backward actions, in order."""
@@ -46,9 +55,9 @@ def check_step_time(step_time: Callable[[int, int, float, float], float],
 
         @report.case(
             f"P={P}, M={M}, t_forward={forward}, t_backward={backward}: as the simulated step",
-            hint="the last stage's first forward starts after P - 1 forwards; then it runs M "
-            "forwards and M backwards without a gap; the first stage's last backward ends P - 1 "
-            "backwards after the last stage's",
+            hint="the last stage's first forward starts after P - 1 forwards (the fill); then it "
+            "runs M forwards and M backwards without a gap; the first stage's last backward ends "
+            "P - 1 backwards after the last stage's (the drain)",
         )
         def _():
             want = run_compute(one_f_one_b(P, M), forward, backward)
@@ -176,6 +185,10 @@ def check_one_f_one_b(one_f_one_b_full: Callable[[int, int], list], quiet: bool 
             schedule = call(one_f_one_b_full, P, M)
             _structure(schedule, P, M)
             run_compute(schedule, 1.0, 2.0)
+            peaks = [peak_activations(actions) for actions in schedule]
+            expect(all(peak <= P - s for s, peak in enumerate(peaks)),
+                   f"P={P}, M={M}: peaks per stage {peaks}, 1F1B promises at most "
+                   f"{[P - s for s in range(P)]}")
 
     @report.case(
         "every activation is received before its forward and sent after it; gradients alike",

@@ -6,10 +6,61 @@ from typing import Callable
 
 import numpy as np
 
+from minimp import DynamicLossScaler, Tensor, mixed_precision_step, optim
+from minimp import distributed as dist
+from minimp import functional as F
+from minimp import nn
+from minimp.data import global_batch_indices, load_digits
 from minimp.lessons.checking import Report, call, close, expect
 from minimp.lessons.lesson05 import _run
-from minimp.train import TrainConfig, train
+from minimp.parallel import DataParallel, shard
+from minimp.precision import SINGLE_PROCESS
+from minimp.train import TrainConfig, build_model, train
 from minimp.train.sizes import parameter_count
+
+# What lessons/09_myths.ipynb measures; tests/lessons/test_lesson09.py checks the same.
+DOT_SEED, DOT_LENGTH = 0, 4096  # the dot product summed in float16 and float32
+REPLICAS = 4  # data-parallel replicas, pipeline stages
+BATCH = 256  # the global batch of the measured step
+
+
+def build() -> nn.Sequential:
+    """The measured model: an MLP of 4 hidden layers of 128 on the 64-pixel digits, 10 classes."""
+    return build_model(64, 10, 128, 4, np.random.default_rng(0))
+
+
+def one_step(comm: dist.Communicator) -> tuple[dict, int]:
+    """One mixed-precision step (float16 weights, float32 masters, Adam) on this rank's shard of a
+    BATCH-sample batch of digits, data-parallel when comm has several ranks. Returns the bytes
+    this rank holds afterwards, by kind, and the bytes it sent in the step."""
+    digits = load_digits()
+    model = build()
+    optimizer = optim.Adam(model.parameters())
+    model.to(np.float16)
+    replicas = DataParallel(comm, optimizer) if comm.size > 1 else None
+    if replicas:
+        replicas.broadcast_parameters()  # every replica starts from rank 0's weights
+    sent_before = comm.bytes_sent
+    rows = shard(global_batch_indices(0, 1, BATCH, len(digits.train_labels)), comm.rank,
+                 comm.size)
+    scaler = DynamicLossScaler()
+    logits = model(Tensor(digits.train_images[rows].astype(np.float16)))
+    scaler.scale(F.cross_entropy(logits, digits.train_labels[rows])).backward()
+    mixed_precision_step(optimizer, scaler, sync=replicas or SINGLE_PROCESS)
+    buffers = replicas.buffers if replicas else []
+    held = {"float16 weights": sum(p.data.nbytes for p in model.parameters()),
+            "float32 masters": sum(m.nbytes for m in optimizer.master_weights),
+            "Adam's two moments": sum(s.nbytes for slot in optimizer.slots for s in slot.values()),
+            "all-reduce buffers": sum(send.nbytes + receive.nbytes for send, receive in buffers)}
+    return held, comm.bytes_sent - sent_before
+
+
+def training_bytes_per_step(**flags: object) -> list[int]:
+    """Bytes each of REPLICAS simulated ranks sent in the second step of the training command's
+    default model (the same MLP, batch 64, float16)."""
+    config = TrainConfig(steps=2, log_every=1000, **flags)  # type: ignore[arg-type]
+    results = dist.simulate(REPLICAS, lambda comm: train(config, log=lambda line: None, comm=comm))
+    return [result["history"][-1]["bytes_sent"] for result in results]
 
 
 def zero_bytes(stage: int, p: int) -> float:
@@ -58,13 +109,15 @@ def check_dp_bytes_sent(dp_bytes_sent: Callable[[int, int, int], float],
     """dp_bytes_sent(parameters, p, itemsize): the bytes one data-parallel rank sends per step,
     on average over the ranks (minimp's ring, one bucket)."""
     report = Report("dp_bytes_sent", quiet)
-    for p, wire in ((2, "fp32"), (4, "fp16"), (4, "fp32")):
+    # p = 3 does not divide 2(p - 1) x itemsize: the average is not a whole number there
+    for p, wire in ((2, "fp32"), (4, "fp16"), (4, "fp32"), (3, "fp32")):
 
         @report.case(
             f"{p} replicas, {wire} wire: as measured on the training command's ranks",
-            hint="the ring all-reduce sends 2(p - 1) chunks of 1/p of the gradient: 2(p - 1)/p "
-            "of its bytes (when p does not divide it, ranks differ by a chunk: the average is "
-            "exact)",
+            hint="the ring all-reduce sends 2(p - 1) chunks of 1/p of the gradient (p - 1 in "
+            "its reduce-scatter, p - 1 in its all-gather): 2(p - 1)/p of its bytes, at itemsize "
+            "bytes an element on the wire (when p does not divide it, ranks differ by an "
+            "element: the average is exact, and need not be a whole number: do not round)",
         )
         def _():
             config = dict(hidden=32, layers=2, grad_comm_dtype=wire)

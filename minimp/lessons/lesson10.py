@@ -1,20 +1,158 @@
-"""Checkers for lesson 10 (mixed precision meets attention): the fused softmax's forward and
-backward, the bytes one GPT block keeps for backward, dropout's counter-based keep mask.
-Reference solutions: lessons/solutions/lesson10.py."""
+"""Lesson 10 (mixed precision meets attention): the lesson's model, data and measurements, shared
+by the notebook and its claims tests (tests/lessons/test_lesson10.py), and the checkers of its
+exercises: the fused softmax's forward and backward, the bytes one GPT block keeps for backward,
+dropout's counter-based keep mask. Reference solutions: lessons/solutions/lesson10.py."""
 
+import math
 from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
 
-from minimp import Tensor
+from minimp import Tensor, optim
 from minimp import functional as F
+from minimp.backend import limit_cpu_threads
+from minimp.data import text_batch
 from minimp.lessons.checking import Report, call, expect
 from minimp.lessons.lesson02 import ATOL, RTOL, numerical_gradient
 from minimp.models.gpt import GPT, GPTConfig
+from minimp.precision import NoLossScaler, mixed_precision_step
+from minimp.sample import generate
 from minimp.tensor import saved_bytes
 
 F16 = np.float16
+
+# ----- the lesson's model and data (the notebook and its tests use these, nothing else) ------
+# tiny-shakespeare's 65 characters; 2 blocks of width 64, 4 heads of 16, a context of 32
+CONFIG = GPTConfig(vocab_size=65, context=32, layers=2, heads=4, width=64)
+STEPS, BATCH_SIZE, LR = 200, 16, 3e-3  # float32 training: AdamW at 3e-3 on 16 windows a step
+EVAL_BATCH_SIZE = 64  # the validation windows every measurement looks at
+CAUSAL = np.tri(CONFIG.context, dtype=bool)  # (T, T): where query i may attend (keys 0..i)
+
+
+def new_model() -> GPT:
+    """The lesson's GPT, initialised from seed 0 (GPT-2's initialisation)."""
+    return GPT(CONFIG, np.random.default_rng(0))
+
+
+def loss_of(model: GPT, ids: np.ndarray, targets: np.ndarray) -> Tensor:
+    """The cross-entropy averaged over every character of the batch, in nats."""
+    logits = model(Tensor(ids))  # (B, T, V)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def train(model: GPT, data: Any) -> list[float]:
+    """STEPS steps of AdamW in float32 on the training split; the loss of each step."""
+    optimizer, losses = optim.AdamW(model.parameters(), lr=LR), []
+    with limit_cpu_threads(1):  # products this small run fastest on one BLAS thread
+        for step in range(1, STEPS + 1):
+            ids, targets = text_batch(data.train, seed=0, step=step, batch_size=BATCH_SIZE,
+                                      context=CONFIG.context)
+            loss = loss_of(model, ids, targets)
+            loss.backward()
+            mixed_precision_step(optimizer, NoLossScaler())  # float32: accumulate, step, zero
+            losses.append(loss.item())
+    return losses
+
+
+def sample(model: GPT, data: Any) -> str:
+    """160 characters after "ROMEO:", drawn at temperature 0.8 from seed 0."""
+    model.eval()
+    ids = generate(model, data.encode("ROMEO:"), tokens=160, temperature=0.8, top_k=0, seed=0)
+    model.train()
+    return data.decode(ids)
+
+
+def eval_batch(data: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The validation windows every measurement of the lesson looks at: (ids, targets) (B, T)."""
+    return text_batch(data.validation, seed=1, step=1, batch_size=EVAL_BATCH_SIZE,
+                      context=CONFIG.context)
+
+
+def block_forward(block, x, record):
+    """Block.forward (minimp/models/gpt.py) sub-module by sub-module, keeping the intermediate
+    Tensors in `record` under a name."""
+    attn = block.attn
+    batch, tokens, width = x.shape
+    heads, head_width = attn.heads, width // attn.heads
+    record["residual stream"] = x
+    h = record["ln_1 output"] = block.ln_1(x)
+    q, k, v = F.split(attn.c_attn(h), width, axis=2)
+    q, k, v = (t.reshape(batch, tokens, heads, head_width).transpose(0, 2, 1, 3)
+               for t in (q, k, v))  # (B, H, T, D) each
+    scores = record["q.k"] = q @ k.transpose(0, 1, 3, 2)  # (B, H, T, T), not yet scaled
+    softmax = record["softmax"] = F.scaled_masked_softmax(scores, 1 / math.sqrt(head_width))
+    y = (softmax @ v).transpose(0, 2, 1, 3).reshape(batch, tokens, width)  # (B, T, C)
+    x = x + attn.c_proj(y)
+    hidden = record["mlp hidden"] = block.mlp.c_fc(block.ln_2(x))  # (B, T, 4C)
+    return x + block.mlp.c_proj(block.mlp.gelu(hidden))
+
+
+def recorded_forward(model: GPT, ids: np.ndarray) -> tuple[Tensor, list[dict]]:
+    """The logits, and one record of named Tensors per block."""
+    x, records = model[0](ids), list[dict]()
+    for block in model.layers[1:-1]:
+        records.append({})
+        x = block_forward(block, x, records[-1])
+    return model[-1](x), records
+
+
+def values(arrays: dict, name: str) -> np.ndarray:
+    """The values of `name`, flat; attention's (B, H, T, T) arrays only where a query may attend."""
+    array = arrays[name]
+    return (array[..., CAUSAL] if array.ndim == 4 else array).ravel()
+
+
+def float16_shares(array: np.ndarray) -> tuple[float, float, float]:
+    """Where float16 puts the non-zero values: the shares that become zero, subnormal, inf."""
+    stored = np.abs(array[array != 0]).astype(F16)
+    return (float(np.mean(stored == 0)), float(np.mean((stored > 0) & (stored < 2**-14))),
+            float(np.mean(np.isinf(stored))))
+
+
+def in_float16(array: np.ndarray, log2: bool = False) -> str:
+    """float16_shares as a line, after the largest magnitude (as a power of two with `log2`), to
+    digits that other BLAS kernels (other orders of the float32 sums) print alike."""
+    zero, subnormal, inf = float16_shares(array)
+    largest = np.abs(array).max()
+    shown = f"2^{np.log2(largest):.1f}" if log2 else f"{largest:.2g}"
+    return f"largest {shown:>7}  zero {zero:4.0%}  subnormal {subnormal:4.0%}  inf {inf:2.0%}"
+
+
+def unfused_softmax(scores, scale, keep, shift):
+    """Attention's softmax as separate operations in the scores' own dtype."""
+    dtype = scores.dtype.type
+    logits = np.where(keep, scores * dtype(scale), dtype(-np.inf))
+    if shift:
+        logits = logits - logits.max(axis=-1, keepdims=True)
+    exps = np.exp(logits)
+    return exps / exps.sum(axis=-1, keepdims=True)
+
+
+def row_ulps(probabilities: np.ndarray, exact: np.ndarray) -> np.ndarray:
+    """Each row's largest |error|, in units of float16's gap at the exact value (NaN rows: NaN)."""
+    gaps = np.spacing(np.abs(exact).astype(F16)).astype(np.float64)
+    return np.max(np.abs(probabilities.astype(np.float64) - exact) / gaps, axis=-1)
+
+
+def layer_norm_float16(x):
+    """LayerNorm (without weight and bias) with every sum and square rounded to float16: running
+    sums, as np.cumsum adds (lesson 1). Returns the output and the per-row variance."""
+    width = np.float16(x.shape[-1])
+    mean = np.cumsum(x, axis=-1, dtype=np.float16)[..., -1:] / width
+    centered = x - mean
+    variance = np.cumsum(centered * centered, axis=-1, dtype=np.float16)[..., -1:] / width
+    return centered / np.sqrt(variance + np.float16(1e-5)), variance
+
+
+def exact_layer_norm(x: np.ndarray) -> np.ndarray:
+    """LayerNorm without weight and bias, in float64 from the given x (widening is exact)."""
+    x = x.astype(np.float64)
+    centered = x - x.mean(axis=-1, keepdims=True)
+    return centered / np.sqrt((centered**2).mean(axis=-1, keepdims=True) + 1e-5)
+
+
+LAYER_NORM_SCALES = (0, 2, 4, 5)  # block 2's residual stream times 2^k, for these k
 
 
 # ----- the fused softmax ------------------------------------------------------------------------
@@ -49,7 +187,8 @@ def _near_the_top(rng: np.random.Generator, shape: tuple) -> np.ndarray:
 def check_scaled_masked_softmax(scaled_masked_softmax: Callable, quiet: bool = False) -> Report:
     """scaled_masked_softmax(scores, scale, mask=None): softmax(scale * scores) over the last axis,
     each query seeing itself and earlier keys (and only keys where `mask` is True), computed in
-    float32, returned in the scores' dtype; fully masked rows give zeros."""
+    float32 (float64 for float64 scores), returned in the scores' dtype; fully masked rows give
+    zeros."""
     report = Report("scaled_masked_softmax", quiet)
     rng = np.random.default_rng(10)
 
@@ -86,7 +225,8 @@ def check_scaled_masked_softmax(scaled_masked_softmax: Callable, quiet: bool = F
     @report.case(
         "float16 scores near 65504, scale 1/8 (logits near 8188): no inf, no NaN, within 1 ulp",
         hint="exp overflows float16 past 11.09 and float32 past 88.7: subtract each row's "
-        "maximum before exp, so every exp is at most 1",
+        "maximum before exp, so every exp is at most 1; take that maximum after masking (over "
+        "the keys the query sees), or a later key's large score zeroes every kept exp",
     )
     def _():
         compare16(_near_the_top(rng, (3, 2, 7, 7)), 1 / 8)
@@ -94,7 +234,9 @@ def check_scaled_masked_softmax(scaled_masked_softmax: Callable, quiet: bool = F
     @report.case(
         "a padding mask that hides every key from the first queries: those rows are zeros",
         hint="a row of -inf has maximum -inf and -inf - (-inf) is NaN: shift such a row by 0 "
-        "instead, and divide its zero sum by 1",
+        "instead, and divide its zero sum by 1 (a finite stand-in for -inf, like -1e9, gives "
+        "such a row equal weights, not zeros); `mask` hides keys, the last axis, as it "
+        "broadcasts",
     )
     def _():
         scores = (rng.standard_normal((2, 2, 6, 6)) * 4).astype(F16)
@@ -114,8 +256,8 @@ def _softmax(scores: np.ndarray, scale: float, mask: Any = None) -> np.ndarray:
 
 def check_softmax_backward(softmax_backward: Callable, quiet: bool = False) -> Report:
     """softmax_backward(y, grad_output, scale): dL/dscores of y = scaled_masked_softmax(scores,
-    scale) from y alone (what backward keeps), computed in float32 for 16-bit inputs, returned
-    in y's dtype."""
+    scale) from y alone (what backward keeps), computed in float32 for 16-bit inputs (float64
+    for float64), returned in y's dtype."""
     report = Report("softmax_backward", quiet)
     rng = np.random.default_rng(11)
 
@@ -181,7 +323,8 @@ SHAPES = ((8, 2, 16, 2), (16, 3, 32, 4), (5, 1, 12, 3))  # (s, b, h, a)
 
 def check_block_bytes(block_bytes: Callable, quiet: bool = False) -> Report:
     """block_bytes(s, b, h, a, itemsize, dropout): bytes one GPT block keeps for backward, for
-    context s, batch b, width h, a heads, activations of `itemsize` bytes; measured."""
+    context s, batch b, width h, a heads, activations of `itemsize` bytes (LayerNorm's statistics
+    in float32, in float64 for 8-byte activations), dropout True or False; measured."""
     report = Report("block_bytes", quiet)
 
     def compare(dtypes, dropout):
@@ -267,9 +410,9 @@ def check_keep_mask(keep_mask: Callable, quiet: bool = False) -> Report:
         "by a sum",
     )
     def _():
-        reference = mask((16, 64), 0.5, 1, 2, 3, np.arange(16))
+        reference = mask((16, 256), 0.5, 1, 2, 3, np.arange(16))  # 4,096 bits: sd 0.8%
         for seed, step, layer in ((2, 1, 3), (1, 3, 2), (1, 2, 4), (4, 2, 3), (0, 0, 6)):
-            same = (mask((16, 64), 0.5, seed, step, layer, np.arange(16)) == reference).mean()
+            same = (mask((16, 256), 0.5, seed, step, layer, np.arange(16)) == reference).mean()
             expect(abs(same - 0.5) < 0.05, f"seed {seed}, step {step}, layer {layer} agrees "
                    f"with seed 1, step 2, layer 3 on {same:.0%} of the elements (expected ~50%)")
 

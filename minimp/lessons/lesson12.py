@@ -19,9 +19,9 @@ RTOL = 1e-12  # float64 sums in another order: a few units in the last place
 
 
 def _row_parallel_rank(comm: Any, RowParallel: Any, x: np.ndarray, weight: np.ndarray,
-                       grad_output: np.ndarray) -> dict:
+                       grad_output: np.ndarray, backward: bool = True) -> dict:
     """This rank's slice of x's last axis and of the weight's columns through the learner's
-    Function; backward from grad_output (the same on every rank, as g's backward leaves it)."""
+    Function; then (unless not `backward`) backward from grad_output, the same on every rank."""
     cut = np.array_split(np.arange(x.shape[-1]), comm.size)[comm.rank]
     x_r = Tensor(np.ascontiguousarray(x[..., cut]), requires_grad=True)
     weight_r = Tensor(np.ascontiguousarray(weight[:, cut]), requires_grad=True)
@@ -29,6 +29,8 @@ def _row_parallel_rank(comm: Any, RowParallel: Any, x: np.ndarray, weight: np.nd
     y = RowParallel.apply(x_r, weight_r, comm=comm)
     forward = comm.bytes_sent - start
     expect(isinstance(y, Tensor), f"apply returned a {type(y).__name__}, not a Tensor")
+    if not backward:  # the forward check: a wrong backward must not fail it
+        return {"y": y.data}
     y.backward(grad_output)
     return {"y": y.data, "grad_x": x_r.grad, "grad_weight": weight_r.grad, "cut": cut,
             "forward_bytes": forward, "backward_bytes": comm.bytes_sent - start - forward}
@@ -53,25 +55,28 @@ def _close(got: Any, want: np.ndarray, what: str) -> None:
 
 def check_row_parallel(RowParallel: Any, quiet: bool = False) -> Report:
     """RowParallel: a Function; RowParallel.apply(x_r, weight_r, comm=comm) -> y, the sum over
-    comm's ranks of x_r weight_r^T, with x_r (..., in/t) this rank's slice of the input features
-    and weight_r (out, in/t) its columns of the weight; backward: dL/dx_r and dL/dweight_r."""
+    comm's t ranks of x_r weight_r^T, with x_r (..., in/t) this rank's slice of the input features
+    and weight_r (out, in/t) its columns of the weight, rank r holding the r-th contiguous slice
+    (no bias). forward gets the arrays and comm; backward gets dL/dy, the same whole array on every
+    rank, and returns (dL/dx_r, dL/dweight_r), shaped like x_r and weight_r."""
     report = Report("RowParallel", quiet)
     shape, out = (3, 4, 12), 5  # (B, T, in): a batch of sequences, as in the GPT
 
     @report.case("forward on 1, 2, 3 and 4 ranks: every rank holds x W^T, one process's output",
-                 hint="y_r = x_r @ weight_r.T is a partial sum; return all_reduce(comm, y_r) "
-                 "(minimp.parallel.tensor.mappings.all_reduce): g")
+                 hint="x_r @ weight_r.T is only this rank's partial sum; return "
+                 "all_reduce(comm, x_r @ weight_r.T), g's forward: the sum, not the mean")
     def _():
         for ranks in (1, 2, 3, 4):
             x, weight, grad_output = _cases(shape, out, ranks, seed=ranks)
             for rank, got in enumerate(_run(ranks, _row_parallel_rank, RowParallel, x, weight,
-                                            grad_output)):
+                                            grad_output, False)):
                 _close(got["y"], x @ weight.T, f"{ranks} ranks, rank {rank}'s output")
 
     @report.case("backward on 1 to 4 ranks: each rank's dL/dx_r and dL/dW_r are its slices "
-                 "of one process's", hint="dL/dx_r = grad_output @ weight_r (no sum: g's "
-                 "backward is the identity, and these belong to this rank alone); dL/dW_r = "
-                 "grad_output^T x_r, summed over every leading axis (reshape to 2-D first)")
+                 "of one process's", hint="dL/dx_r = grad_output @ weight_r, not summed over "
+                 "the ranks (g's backward is the identity: x_r's gradient is this rank's alone); "
+                 "dL/dW_r = grad_output^T x_r summed over every leading axis (reshape both to "
+                 "2-D first), shaped (out, in/t) like the weight, not its transpose")
     def _():
         for ranks in (1, 2, 3, 4):
             x, weight, grad_output = _cases(shape, out, ranks, seed=10 + ranks)
@@ -110,9 +115,9 @@ def check_row_parallel(RowParallel: Any, quiet: bool = False) -> Report:
         for rank, got in enumerate(_run(4, _row_parallel_rank, RowParallel, x, weight,
                                         grad_output)):
             expect(got["forward_bytes"] == want, f"rank {rank} sent {got['forward_bytes']:,} "
-                   f"bytes in forward; an all-reduce of y sends {want:,.0f}")
+                   f"bytes in forward; one all-reduce of y sends {want:,.0f}")
             expect(got["backward_bytes"] == 0, f"rank {rank} sent {got['backward_bytes']:,} "
-                   "bytes in backward, where nothing needs to travel")
+                   "bytes in backward, where g's backward is the identity and sends nothing")
 
     return report.finish()
 
@@ -132,32 +137,35 @@ def _trainer_bytes(sequence_parallel: bool) -> list[int]:
 
 
 def check_tp_bytes_sent(tp_bytes_sent: Callable[..., float], quiet: bool = False) -> Report:
-    """tp_bytes_sent(blocks, rows, context, width, tp, micro_batches, compute_bytes,
+    """tp_bytes_sent(blocks, micro_batch_size, context, width, tp, micro_batches, compute_bytes,
     sequence_parallel): bytes one rank sends in its tensor-parallel group in one step of minimp's
-    GPT, the whole model on one pipeline stage, without recomputation."""
+    GPT, the whole model on one pipeline stage, without recomputation (the notebook's stub
+    states every convention)."""
     report = Report("tp_bytes_sent", quiet)
-    sizes = [(blocks, rows, context, width, tp, m, d)
-             for blocks, rows, context, width in ((4, 8, 32, 64), (12, 1, 2048, 768))
+    sizes = [(blocks, b, s, h, tp, m, d)
+             for blocks, b, s, h in ((4, 8, 32, 64), (12, 1, 2048, 768))
              for tp in (1, 2, 4, 8) for m in (1, 3) for d in (2, 4)]
     for sp in (False, True):
-        hint = ("per block and micro-batch: two all-reduces of b s h d bytes forward (g) and two "
-                "backward (f), each sending 2 (t - 1)/t of them; one rank sends nothing")
+        hint = ("per block and micro-batch: two all-reduces of one activation, b s h d bytes "
+                "(b sequences of s positions), forward (g) and two backward (f), each sending "
+                "2 (t - 1)/t of it, not 2 of it; t = 1 sends nothing")
         if sp:
-            hint = ("the blocks send what they send without it (an all-reduce is a reduce-scatter"
-                    " and an all-gather); add, per micro-batch, the gather before the head and "
-                    "its conjugate behind the embeddings' split, (t - 1)/t b s h d each; and once "
-                    "a step the partial float32 gradients of 6 h-vectors a block, all-reduced")
+            hint = ("the blocks send the same bytes as without it (an all-reduce is a "
+                    "reduce-scatter and an all-gather); add, per micro-batch, the gather before "
+                    "the head and its mirror behind the embeddings, (t - 1)/t b s h d each; and "
+                    "once a step, not per micro-batch, an all-reduce of the partial gradients of "
+                    "6 h-vectors a block, in float32 (4 bytes whatever d is)")
 
         @report.case(f"sequence parallel {sp}: 32 shapes against "
                      "tensor_parallel_accounts.gpt_tensor_parallel_bytes", hint=hint)
         def _():
-            for blocks, rows, context, width, tp, m, d in sizes:
+            for blocks, b, s, h, tp, m, d in sizes:
                 want = gpt_tensor_parallel_bytes(
-                    blocks=blocks, rows=rows, context=context, width=width, tp=tp,
-                    micro_batches=m, compute_bytes=d, sequence_parallel=sp)
-                got = call(tp_bytes_sent, blocks, rows, context, width, tp, m, d, sp)
-                expect(round(got) == want, f"blocks {blocks}, b {rows}, s {context}, h {width}, "
-                       f"t {tp}, M {m}, d {d}: you say {got:,.0f}, expected {want:,}")
+                    blocks=blocks, rows=b, context=s, width=h, tp=tp, micro_batches=m,
+                    compute_bytes=d, sequence_parallel=sp)
+                got = call(tp_bytes_sent, blocks, b, s, h, tp, m, d, sp)
+                expect(round(got) == want, f"L {blocks}, b {b}, s {s}, h {h}, t {tp}, M {m}, "
+                       f"d {d}: you say {got:,.0f}, expected {want:,}")
 
     @report.case("measured: lesson 12's step of a GPT (4 blocks of 64, b 8, s 32, fp16) on 2 "
                  "simulated ranks, with and without sequence parallelism",
@@ -169,8 +177,9 @@ def check_tp_bytes_sent(tp_bytes_sent: Callable[..., float], quiet: bool = False
             expect(round(got) == sent, f"sequence parallel {sp}: you say {got:,.0f}, it sent "
                    f"{sent:,}")
 
-    @report.case("measured: the training command, --tp 2, 2 micro-batches of 2 rows (2 blocks "
-                 "of 32, context 16, fp16)", hint="the measured bytes are the formula's")
+    @report.case("measured: the training command, --tp 2, 2 micro-batches of 2 sequences "
+                 "(2 blocks of 32, context 16, fp16)", hint="the measured bytes are the "
+                 "formula's: see the crosses above")
     def _():
         for sp in (False, True):
             got = call(tp_bytes_sent, 2, 2, 16, 32, 2, 2, 2, sp)

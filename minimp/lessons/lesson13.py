@@ -1,19 +1,42 @@
-"""Checkers for lesson 13 (hiding communication): the interleaved schedule's compute order as data,
-under the dependency checker and the simulator; ZB-H1's bubble predicted, then simulated; the
-exposed seconds of buckets all-reduced behind backward; DataParallel's bucket plan.
+"""Lesson 13 (shrinking the bubble): the configurations its cells and its claims test share, and
+the checkers of its exercises: the interleaved schedule's compute order as data, under the
+dependency checker and the simulator; ZB-H1's bubble predicted, then simulated.
 Reference solutions: lessons/solutions/lesson13.py."""
 
 from typing import Callable
 
-from minimp.measure import costmodel
 from minimp.lessons.checking import Report, call, close, expect
 from minimp.parallel import Action
-from minimp.parallel.pipeline.schedules.dependencies import check_schedule, with_messages
-from minimp.parallel.pipeline.schedules.interleaved import interleaved
 from minimp.parallel.pipeline.schedules import CHOICES
 from minimp.parallel.pipeline.schedules.actions import peak_activations
-from minimp.parallel.pipeline.simulator import Costs, simulate_schedule
+from minimp.parallel.pipeline.schedules.dependencies import check_schedule, with_messages
+from minimp.parallel.pipeline.schedules.interleaved import interleaved
 from minimp.parallel.pipeline.schedules.zero_bubble import zb_h1
+from minimp.parallel.pipeline.simulator import Costs, simulate_schedule
+
+# The schedules the lesson prints and simulates: P stages, M micro-batches, V chunks per rank.
+P, M = 4, 8
+CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1}
+# The real runs (mpirun): 2 stages, 4 micro-batches, 3 steps each (the first left out).
+RUN_STAGES, RUN_MICRO_BATCHES, RUN_STEPS = 2, 4, 3
+
+
+def equal_costs(V: int) -> Costs:
+    """A stage's forward takes 1 time unit and its backward 2 (ZB-H1's B and W 1 each), cut into
+    V chunks of 1/V each; messages take no time."""
+    return Costs(forward=1 / V, backward=2 / V)
+
+
+def messages(schedule: list) -> int:
+    """Messages per step: each send action sends one (paired exchanges included)."""
+    return sum(action.op.startswith("send") for actions in schedule for action in actions)
+
+
+def computes(schedule: list) -> list[int]:
+    """Compute actions (forwards, backwards, B's and W's) per rank."""
+    ops = ("forward", "backward", "backward_input", "backward_weight")
+    return [sum(action.op in ops for action in actions) for actions in schedule]
+
 
 # (P, M, V): two chunks and more, M = P (one group) and M a few groups
 INTERLEAVED_SHAPES = [(2, 4, 2), (4, 8, 2), (2, 2, 3), (3, 6, 2), (4, 4, 2), (2, 8, 4)]
@@ -23,9 +46,10 @@ ZB_CASES = [(4, 8, 1.0, 1.0, 1.0), (4, 8, 1.0, 1.5, 0.5), (2, 4, 1.0, 2.0, 1.0),
             (5, 12, 3.0, 2.0, 0.5)]
 
 INTERLEAVED_HINT = (
-    "virtual step k of rank r runs micro-batch (k // (P V)) P + k % P on chunk (k // P) % V "
-    "(backward: chunk V - 1 - that); warm up with min(2 (P - r - 1) + (V - 1) P, M V) forwards "
-    "(all M V when M = P), then alternate one forward and one backward, then drain"
+    "virtual step k of rank r runs micro-batch (k // (P V)) P + k % P on chunk (k // P) % V, "
+    "and backward runs the chunks in reverse (chunk V - 1 - that); warm up with "
+    "min(2 (P - r - 1) + (V - 1) P, M V) forwards (all M V when M = P), then alternate one "
+    "forward and one backward, then drain"
 )
 
 
@@ -48,8 +72,24 @@ def check_interleaved_compute(interleaved_compute: Callable[[int, int, int], lis
     in an interleaved 1F1B order; the checker adds the messages (with_messages)."""
     report = Report("interleaved_compute", quiet)
 
+    def learners(P: int, M: int, V: int) -> list:
+        return _computes(call(interleaved_compute, P, M, V), P, M, V)
+
     def schedule(P: int, M: int, V: int) -> list:
-        return with_messages(_computes(call(interleaved_compute, P, M, V), P, M, V), P, V)
+        return with_messages(learners(P, M, V), P, V)
+
+    @report.case("every rank runs each micro-batch's forward and backward once on each of its "
+                 "V chunks", hint="a rank holds V chunks: its M forwards and M backwards run on "
+                 "each of its V chunks, 2 M V computes in all")
+    def _():
+        for P, M, V in INTERLEAVED_SHAPES:
+            want = sorted((op, m, c) for op in ("backward", "forward") for m in range(M)
+                          for c in range(V))
+            for rank, actions in enumerate(learners(P, M, V)):
+                got = sorted((a.op, a.micro_batch, a.chunk) for a in actions)
+                expect(got == want, f"P={P}, M={M}, V={V}: rank {rank} runs {len(got)} computes "
+                       f"on chunks {sorted({c for _, _, c in got})}, expected each of the "
+                       f"{2 * M} on each of the V chunks")
 
     @report.case("the dependency checker finds nothing wrong (sends buffered, as in the trainer)",
                  hint=INTERLEAVED_HINT)
@@ -67,7 +107,7 @@ def check_interleaved_compute(interleaved_compute: Callable[[int, int, int], lis
     )
     def _():
         for P, M, V in INTERLEAVED_SHAPES:
-            got = simulate_schedule(schedule(P, M, V), Costs(forward=1 / V, backward=2 / V))
+            got = simulate_schedule(schedule(P, M, V), equal_costs(V))
             want = CHOICES["interleaved"].bubble(P, M, V)
             expect(close(got.bubble, want, 1e-9),
                    f"P={P}, M={M}, V={V}: simulated bubble {got.bubble:.4f}, formula {want:.4f}")
@@ -75,7 +115,8 @@ def check_interleaved_compute(interleaved_compute: Callable[[int, int, int], lis
     @report.case(
         "each rank holds no more (micro-batch, chunk) pairs than Megatron-LM's order does",
         hint="all forwards before any backward fills the bubble too, but holds all M V pairs; "
-        "start the backwards after the warm-up",
+        "start the backwards after the warm-up, and a warm-up longer than min(2 (P - r - 1) + "
+        "(V - 1) P, M V) forwards holds pairs the pipe does not need",
     )
     def _():
         for P, M, V in INTERLEAVED_SHAPES:
@@ -92,6 +133,20 @@ def simulated_zb_h1(P: int, M: int, t_forward: float, t_input: float, t_weight: 
     costs = Costs(forward=t_forward, backward=t_input + t_weight, backward_input=t_input,
                   backward_weight=t_weight)
     return simulate_schedule(zb_h1(P, M), costs).bubble
+
+
+def _zb_mistake(got: float, P: int, M: int, F: float, B: float, W: float) -> str:
+    """What a wrong prediction matches, in words ('' if nothing we know)."""
+    idle, compute = (P - 1) * (F + B - W), M * (F + B + W)
+    known = [((P - 1) / (3 * M + P - 1), "the bubble of F = B = W: weigh each part by its time"),
+             ((P - 1) / (M + P - 1), "1F1B's bubble: ZB-H1's W's fill the drain"),
+             ((P - 1) * (F + B) / (compute + (P - 1) * (F + B)),
+              "the idle time of 1F1B with B and W apart: the W's in the drain are not idle"),
+             (idle / compute, "the idle time over the compute time, not over the step"),
+             (P * idle / (compute + idle), "all P stages' idle time over one step: divide by "
+              "P x step"),
+             (100 * idle / (compute + idle), "a percentage: the bubble is a share, 0 to 1")]
+    return next((f" (that is {words})" for value, words in known if close(got, value, 1e-9)), "")
 
 
 def check_zb_h1_bubble(zb_h1_bubble: Callable[[int, int, float, float, float], float],
@@ -111,106 +166,8 @@ def check_zb_h1_bubble(zb_h1_bubble: Callable[[int, int, float, float, float], f
         def _():
             want = simulated_zb_h1(P, M, forward, input_, weight)
             got = float(call(zb_h1_bubble, P, M, forward, input_, weight))
-            expect(close(got, want, 1e-9), f"predicted {got:.4f}, simulated {want:.4f}")
-
-    return report.finish()
-
-
-# (op_seconds, bucket_ops, ring_seconds): rings hidden but the last, rings that queue, a backward
-# of no length, one bucket, a ring longer than all of backward
-EXPOSED_CASES = [
-    ([1.0, 1.0, 1.0, 1.0], [2, 1, 1], [0.5, 0.5, 0.5]),
-    ([1.0, 0.5, 0.5, 2.0, 1.0], [1, 2, 2], [2.0, 3.0, 0.5]),
-    ([0.0, 0.0, 0.0], [1, 1, 1], [1.0, 2.0, 3.0]),
-    ([3.0, 1.0], [2], [0.25]),
-    ([0.5, 0.5, 0.5, 0.5], [1, 3], [5.0, 0.1]),
-    ([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [1, 1, 1, 1, 1, 1], [1.5, 2.5, 0.5, 4.0, 1.0, 0.5]),
-]
-# (elements of each parameter in model order, bucket bytes, itemsize)
-PLAN_CASES = [
-    ([32768, 512, 262144, 512, 262144, 512, 262144, 512, 5120, 10], 2**20, 4),
-    ([10, 20, 30, 40], 200, 4), ([10, 20, 30, 40], 120, 4), ([10, 20, 30, 40], 119, 4),
-    ([1000, 1, 1, 1000], 64, 2), ([5, 5, 5], 10**6, 4), ([7], 1, 4),
-]
-
-
-def simulated_exposed(op_seconds: list, bucket_ops: list, ring_seconds: list) -> float:
-    """Play the rings beside backward: bucket b is ready when its last op ends; its ring starts
-    when it is ready and the ring before it has ended."""
-    ends = [sum(op_seconds[: k + 1]) for k in range(len(op_seconds))]
-    ring_end, last_op = 0.0, -1
-    for ops, seconds in zip(bucket_ops, ring_seconds):
-        last_op += ops
-        ring_end = max(ring_end, ends[last_op]) + seconds
-    return max(0.0, ring_end - (ends[-1] if ends else 0.0))
-
-
-def check_exposed_seconds(exposed_seconds: Callable[[list, list, list], float],
-                          quiet: bool = False) -> Report:
-    """exposed_seconds(op_seconds, bucket_ops, ring_seconds): how long the last bucket's ring
-    runs past backward's end, rings beside the compute, one at a time in bucket order."""
-    report = Report("exposed_seconds", quiet)
-    hint = ("a bucket is ready when its last op ends; its ring starts at the later of that and "
-            "the previous ring's end; exposed = last ring's end - backward's end, at least 0")
-    for ops, buckets, rings in EXPOSED_CASES:
-
-        @report.case(f"ops {ops}, buckets of {buckets} ops, rings {rings}: as simulated",
-                     hint=hint)
-        def _():
-            want = simulated_exposed(ops, buckets, rings)
-            got = float(call(exposed_seconds, list(ops), list(buckets), list(rings)))
-            expect(abs(got - want) <= 1e-12 or close(got, want, 1e-9),
-                   f"got {got:g}, simulated {want:g}")
-
-    @report.case("as costmodel.overlapped_exposed_time when each op's time is its bytes' share",
-                 hint="the cost model makes a bucket ready once backward has done its share of "
-                 "the bytes: one op per bucket, each as long as its share")
-    def _():
-        net, nbytes = costmodel.DATACENTER, [4e6, 1e6, 8e6, 2e6]
-        for backward in (0.0, 1e-4, 1e-3, 1e-2):
-            ops = [backward * n / sum(nbytes) for n in nbytes]
-            rings = [costmodel.ring_allreduce_time(n, 2, net) for n in nbytes]
-            want = costmodel.overlapped_exposed_time(nbytes, backward, 2, net)
-            got = float(call(exposed_seconds, ops, [1] * len(nbytes), rings))
-            expect(abs(got - want) <= 1e-12 or close(got, want, 1e-9),
-                   f"backward {backward:g} s: got {got:g}, cost model {want:g}")
-
-    return report.finish()
-
-
-def data_parallel_plan(sizes: list[int], bucket_bytes: float, itemsize: int) -> list[list[int]]:
-    """DataParallel's own plan for parameters of these sizes, on a world of one."""
-    import numpy as np
-
-    from minimp import optim
-    from minimp.distributed import simulate
-    from minimp.parallel.data.data_parallel import DataParallel
-    from minimp.tensor import Tensor
-
-    def plan(comm):
-        params = [Tensor(np.zeros(n, np.float32), requires_grad=True) for n in sizes]
-        sync = DataParallel(comm, optim.SGD(params, lr=0.1), bucket_mb=bucket_bytes / 2**20,
-                            comm_dtype=np.dtype(f"f{itemsize}"))
-        return [indices for indices, _ in sync.buckets]
-
-    return simulate(1, plan)[0]
-
-
-def check_bucket_plan(plan_buckets: Callable[[list, float, int], list],
-                      quiet: bool = False) -> Report:
-    """plan_buckets(sizes, bucket_bytes, itemsize): DataParallel's buckets as lists of parameter
-    indices, last parameter first."""
-    report = Report("plan_buckets", quiet)
-    for sizes, limit, itemsize in PLAN_CASES:
-
-        @report.case(f"sizes {sizes}, {limit:,} bytes, itemsize {itemsize}: DataParallel's plan",
-                     hint="walk the parameters from the last to the first; close the bucket "
-                     "when the next one would take it over bucket_bytes (exactly full is fine), "
-                     "and never leave a bucket empty")
-        def _():
-            want = data_parallel_plan(sizes, limit, itemsize)
-            got = [list(bucket) for bucket in call(plan_buckets, list(sizes), limit, itemsize)]
-            expect(got == want, f"got {got}, DataParallel plans {want}")
+            expect(close(got, want, 1e-9), f"predicted {got:.4f}, simulated {want:.4f}"
+                   + _zb_mistake(got, P, M, forward, input_, weight))
 
     return report.finish()
 
@@ -218,6 +175,4 @@ def check_bucket_plan(plan_buckets: Callable[[list, float, int], list],
 EXERCISES = [
     ("interleaved_compute", check_interleaved_compute),
     ("zb_h1_bubble", check_zb_h1_bubble),
-    ("exposed_seconds", check_exposed_seconds),
-    ("plan_buckets", check_bucket_plan),
 ]

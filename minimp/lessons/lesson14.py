@@ -1,266 +1,161 @@
-"""Checkers for lesson 14 (eight bits): the saturating fp8 cast, delayed scaling's update against
-minimp's quantizer, the forward of a Linear in fp8. Reference solutions:
-lessons/solutions/lesson14.py."""
+"""Lesson 14 (hiding the all-reduce): the checkers of its exercises: the exposed seconds of
+buckets all-reduced behind backward, and DataParallel's bucket plan. The lesson's timed run and
+its configuration live in minimp/lessons/overlap_timeline.py.
+Reference solutions: lessons/solutions/lesson14.py."""
 
-from typing import Any, Callable
+from typing import Callable
 
-import numpy as np
+from minimp.lessons.checking import Report, call, close, expect
+from minimp.measure import costmodel
 
-from minimp import Tensor
-from minimp import functional as F
-from minimp.lessons.checking import Report, call, expect
-from minimp.precision import (
-    BFLOAT16,
-    E4M3,
-    E5M2,
-    DelayedScaling,
-    Float8CurrentScaling,
-    Fp8Meta,
-    Fp8Quantizer,
-    fp8,
-)
-
-
-# ----- the saturating cast ------------------------------------------------------------------------
-def _midpoints(values: np.ndarray) -> np.ndarray:
-    """The points halfway between neighbours (exact in float32: fp8 has 4 significant bits)."""
-    ordered = np.unique(values)
-    return ((ordered[:-1] + ordered[1:]) / 2).astype(np.float32)
+# (op_seconds, bucket_ops, ring_seconds): rings hidden but the last, rings that queue, a backward
+# of no length, one bucket, a ring longer than all of backward
+EXPOSED_CASES = [
+    ([1.0, 1.0, 1.0, 1.0], [2, 1, 1], [0.5, 0.5, 0.5]),
+    ([1.0, 0.5, 0.5, 2.0, 1.0], [1, 2, 2], [2.0, 3.0, 0.5]),
+    ([0.0, 0.0, 0.0], [1, 1, 1], [1.0, 2.0, 3.0]),
+    ([3.0, 1.0], [2], [0.25]),
+    ([0.5, 0.5, 0.5, 0.5], [1, 3], [5.0, 0.1]),
+    ([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [1, 1, 1, 1, 1, 1], [1.5, 2.5, 0.5, 4.0, 1.0, 0.5]),
+]
+# (elements of each parameter in model order, bucket bytes, itemsize)
+PLAN_CASES = [
+    ([32768, 512, 262144, 512, 262144, 512, 262144, 512, 5120, 10], 2**20, 4),
+    ([10, 20, 30, 40], 200, 4), ([10, 20, 30, 40], 120, 4), ([10, 20, 30, 40], 119, 4),
+    ([1000, 1, 1, 1000], 64, 2), ([5, 5, 5], 10**6, 4), ([7], 1, 4),
+]
 
 
-def _positive_values(fmt: Any) -> np.ndarray:
-    """Every positive finite value of the format, as float32."""
-    values = fp8.to_float32(np.arange(256, dtype=np.uint8).view(fmt.dtype))
-    return np.unique(values[np.isfinite(values) & (values > 0)])
+def simulated_exposed(op_seconds: list, bucket_ops: list, ring_seconds: list) -> float:
+    """Play the rings beside backward: bucket b is ready when its last op ends; its ring starts
+    when it is ready and the ring before it has ended."""
+    ends = [sum(op_seconds[: k + 1]) for k in range(len(op_seconds))]
+    ring_end, last_op = 0.0, -1
+    for ops, seconds in zip(bucket_ops, ring_seconds):
+        last_op += ops
+        ring_end = max(ring_end, ends[last_op]) + seconds
+    return max(0.0, ring_end - (ends[-1] if ends else 0.0))
 
 
-def check_round_to_fp8(round_to_fp8: Callable, quiet: bool = False) -> Report:
-    """round_to_fp8(x, fmt): the float32 array of the fmt values nearest x (ties to even), +-max
-    for anything beyond (inf included), NaN for NaN, the sign of x kept on zero; compared bit for
-    bit with minimp's saturating cast."""
-    report = Report("round_to_fp8", quiet)
-    rng = np.random.default_rng(14)
+def _exposed_mistake(got: float, op_seconds: list, bucket_ops: list, ring_seconds: list) -> str:
+    """What a wrong answer matches, in words (each we know; '' if none)."""
+    backward = sum(op_seconds)
+    ready = [sum(op_seconds[: sum(bucket_ops[: b + 1])]) for b in range(len(bucket_ops))]
+    at_once = max(0.0, max(r + s for r, s in zip(ready, ring_seconds)) - backward)
+    known = [(sum(ring_seconds), "every ring after backward, as with no overlap"),
+             (at_once, "rings run at once; they run one at a time, each after the one before"),
+             (ring_seconds[-1], "the last ring only: an earlier ring can still run, or delay "
+              "the last, when backward ends")]
+    matches = [words for value, words in known if abs(got - value) <= 1e-12
+               or close(got, value, 1e-9)]
+    return f" (that is {'; or '.join(matches)})" if matches else ""
 
-    def compare(x, fmt):
-        x = np.asarray(x, np.float32)
-        got = np.asarray(call(round_to_fp8, x.copy(), fmt))
-        expect(got.dtype == np.float32 and got.shape == x.shape,
-               f"returned {got.dtype} of shape {got.shape}, expected float32 of shape {x.shape}")
-        want = fp8.to_float32(fp8.cast_saturating(x, fmt))
-        nan = np.isnan(want)
-        if not np.array_equal(np.isnan(got), nan):
-            expect(False, f"NaN where there should be none, or a number where {fmt} has NaN: "
-                   f"at x = {x[np.isnan(got) != nan][0]!r}")
-        wrong = np.flatnonzero(got[~nan].view(np.uint32) != want[~nan].view(np.uint32))
-        if wrong.size:
-            at = wrong[0]
-            expect(False, f"{wrong.size} of {int((~nan).sum())} values differ; first: x = "
-                   f"{x[~nan][at]!r} gave {got[~nan][at]!r}, {fmt} rounds it to {want[~nan][at]!r}")
 
-    normals = _positive_values(E4M3)
-    normals = normals[normals >= E4M3.smallest_normal]
+def check_exposed_seconds(exposed_seconds: Callable[[list, list, list], float],
+                          quiet: bool = False) -> Report:
+    """exposed_seconds(op_seconds, bucket_ops, ring_seconds): how long the last bucket's ring
+    runs past backward's end, rings beside the compute, one at a time in bucket order."""
+    report = Report("exposed_seconds", quiet)
+    hint = ("a bucket is ready when its last op ends; its ring starts at the later of that and "
+            "the previous ring's end; exposed = last ring's end - backward's end, at least 0")
+    for ops, buckets, rings in EXPOSED_CASES:
 
-    @report.case(
-        "E4M3, 2^-6 to 448: every value, and random numbers between them",
-        hint="the gap is 2^(e - 3) in the binade [2^e, 2^(e+1)); np.frexp(x) gives e + 1 "
-        "exactly; divide by the gap, np.rint, multiply back",
-    )
+        @report.case(f"ops {ops}, buckets of {buckets} ops, rings {rings}: as simulated",
+                     hint=hint)
+        def _():
+            want = simulated_exposed(ops, buckets, rings)
+            got = float(call(exposed_seconds, list(ops), list(buckets), list(rings)))
+            expect(abs(got - want) <= 1e-12 or close(got, want, 1e-9),
+                   f"got {got:g}, simulated {want:g}" + _exposed_mistake(got, ops, buckets, rings))
+
+    @report.case("as costmodel.overlapped_exposed_time when each op's time is its bytes' share",
+                 hint="the cost model makes a bucket ready once backward has done its share of "
+                 "the bytes: one op per bucket, each as long as its share")
     def _():
-        between = 2.0 ** rng.uniform(-6, np.log2(448), 5000) * rng.choice([-1, 1], 5000)
-        compare(np.concatenate([normals, -normals, between]), E4M3)
-
-    @report.case(
-        "halfway between two neighbours: to the even one",
-        hint="np.rint and np.round round half to even; math.floor(x + 0.5) rounds half up",
-    )
-    def _():
-        compare(_midpoints(normals), E4M3)
-
-    @report.case(
-        "below 2^-6: the subnormals, a fixed gap of 2^-9; below 2^-10, zero (with x's sign)",
-        hint="below the smallest normal the gap stays that of the lowest binade; "
-        "np.copysign puts the sign back on a zero",
-    )
-    def _():
-        small = _positive_values(E4M3)[:9]
-        tiny = np.array([2.0**-10, 2.0**-10 * 1.01, 1e-4, 1e-30, 0.0])
-        compare(np.concatenate([small, _midpoints(small), tiny, -tiny]), E4M3)
-
-    @report.case(
-        "past 448: +-448 (464, halfway to the 480 E4M3 lacks, ties to 448 either way); inf too; "
-        "NaN stays NaN",
-        hint="clip the magnitude to the maximum before rounding: rounding past it has nowhere "
-        "to go in eight bits",
-    )
-    def _():
-        compare(np.array([449, 463.9, 464, 464.1, 1e4, np.inf, -500, -np.inf, np.nan]), E4M3)
-
-    @report.case(
-        "E5M2: every float16 value (65,536 of them), 61440 included",
-        hint="nothing about E4M3 is special: read fmt.max, fmt.smallest_normal and "
-        "fmt.mantissa_bits",
-    )
-    def _():
-        every = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
-        every[np.isnan(every)] = np.nan  # one quiet NaN: signalling ones warn when widened
-        compare(every, E5M2)
+        net, nbytes = costmodel.DATACENTER, [4e6, 1e6, 8e6, 2e6]
+        for backward in (0.0, 1e-4, 1e-3, 1e-2):
+            ops = [backward * n / sum(nbytes) for n in nbytes]
+            rings = [costmodel.ring_allreduce_time(n, 2, net) for n in nbytes]
+            want = costmodel.overlapped_exposed_time(nbytes, backward, 2, net)
+            got = float(call(exposed_seconds, ops, [1] * len(nbytes), rings))
+            expect(abs(got - want) <= 1e-12 or close(got, want, 1e-9),
+                   f"backward {backward:g} s: got {got:g}, cost model {want:g}"
+                   + _exposed_mistake(got, ops, [1] * len(nbytes), rings))
 
     return report.finish()
 
 
-# ----- delayed scaling ----------------------------------------------------------------------------
-def _trajectory(amaxes: np.ndarray, length: int, margin: int, fmt: Any) -> list:
-    """(history, scale) after each step, from minimp's quantizer fed these amaxes."""
-    quantizer = Fp8Quantizer(fmt, DelayedScaling(margin=margin, amax_history_len=length))
-    states = []
-    for amax in amaxes:
-        quantizer.end_step(float(amax))
-        states.append((quantizer.amax_history.copy(), quantizer.scale))
-    return states
+def data_parallel_plan(sizes: list[int], bucket_bytes: float, itemsize: int) -> list[list[int]]:
+    """DataParallel's own plan for parameters of these sizes, on a world of one."""
+    import numpy as np
+
+    from minimp import optim
+    from minimp.distributed import simulate
+    from minimp.parallel.data.data_parallel import DataParallel
+    from minimp.tensor import Tensor
+
+    def plan(comm):
+        params = [Tensor(np.zeros(n, np.float32), requires_grad=True) for n in sizes]
+        sync = DataParallel(comm, optim.SGD(params, lr=0.1), bucket_mb=bucket_bytes / 2**20,
+                            comm_dtype=np.dtype(f"f{itemsize}"))
+        return [indices for indices, _ in sync.buckets]
+
+    return simulate(1, plan)[0]
 
 
-def check_delayed_scaling_update(delayed_scaling_update: Callable, quiet: bool = False) -> Report:
-    """delayed_scaling_update(amax_history, amax, scale, fp8_max, margin) -> (history, scale):
-    the history (row 0 the newest step) with `amax` in front and the oldest dropped, and the next
-    scale (fp8_max / 2^margin) / (the largest amax of that history), in float32; the scale as it
-    was when that largest amax is 0, inf or NaN; float32's largest number when the quotient
-    overflows. Compared, step by step, with the trajectory of minimp's Fp8Quantizer."""
-    report = Report("delayed_scaling_update", quiet)
-    rng = np.random.default_rng(15)
-
-    def follow(amaxes, length, margin=0, fmt=E4M3):
-        history, scale = np.zeros(length, np.float32), np.float32(1.0)
-        for step, (amax, (want_history, want_scale)) in enumerate(
-                zip(amaxes, _trajectory(amaxes, length, margin, fmt)), start=1):
-            history, scale = call(delayed_scaling_update, history.copy(), np.float32(amax),
-                                  scale, fmt.max, margin)
-            history = np.asarray(history, np.float32)
-            expect(history.shape == want_history.shape and np.array_equal(history, want_history),
-                   f"step {step}: history {history.tolist()}, expected {want_history.tolist()}")
-            expect(np.float32(scale) == want_scale, f"step {step} (amax {float(amax):.6g}): "
-                   f"scale {float(scale)!r}, minimp's quantizer {float(want_scale)!r}")
-
-    @report.case(
-        "a history of 4 steps: 30 amaxes between 2^-10 and 2^10",
-        hint="np.roll(history, 1), then history[0] = amax; the scale from history.max()",
-    )
-    def _():
-        follow((2.0 ** rng.uniform(-10, 10, 30)).astype(np.float32), length=4)
-
-    @report.case(
-        "a history of 16: one large amax sets the scale for exactly 16 steps, then leaves",
-        hint="the window holds this step's amax and the 15 before it",
-    )
-    def _():
-        amaxes = np.full(40, 0.5, np.float32)
-        amaxes[5] = 100.0
-        follow(amaxes, length=16)
-
-    @report.case(
-        "a margin of 2, and E5M2's maximum: the largest amax is aimed at 57344 / 4",
-        hint="fp8_max * 2.0**-margin, in float32 (a power of two: exact)",
-    )
-    def _():
-        amaxes = (2.0 ** rng.uniform(-20, -5, 20)).astype(np.float32)
-        follow(amaxes, length=3, margin=2, fmt=E5M2)
-
-    @report.case(
-        "an amax of 0 (nothing seen) or inf (an overflow) in the window: the scale stays",
-        hint="only a positive, finite window maximum makes a new scale; a history of one step "
-        "forgets an inf at once, a longer one keeps the scale while the inf is in it",
-    )
-    def _():
-        amaxes = np.array([0, 0, 2, 0, 3, np.inf, 4, 4, 4, 0.5, 0.5, 0.5], np.float32)
-        follow(amaxes, length=1)
-        follow(amaxes, length=3)
-
-    @report.case(
-        "an amax of 1e-45: 448 / amax overflows float32, the scale is float32's largest number",
-        hint="np.finfo(np.float32).max where the quotient is not finite",
-    )
-    def _():
-        follow(np.array([1.0, 1e-45, 1e-45, 1.0], np.float32), length=2)
-
-    return report.finish()
+def _plan(sizes: list, limit: float, itemsize: int) -> list[list[int]]:
+    """The rule DataParallel plans by, for the diagnoses of wrong plans."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    elements = 0
+    for index in reversed(range(len(sizes))):
+        if current and (elements + sizes[index]) * itemsize > limit:
+            buckets.append(current)
+            current, elements = [], 0
+        current.append(index)
+        elements += sizes[index]
+    return buckets + [current] if current else buckets
 
 
-# ----- a Linear in fp8 ----------------------------------------------------------------------------
-def _fp8_linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
-    """minimp's Fp8Linear forward with current scaling."""
-    meta = Fp8Meta(Float8CurrentScaling())
-    return F.linear(Tensor(x), Tensor(weight), Tensor(bias), meta).data
+def _plan_mistake(got: list, sizes: list, limit: float, itemsize: int) -> str:
+    """What a wrong plan shows, in words ('' if nothing we know)."""
+    if any(not bucket for bucket in got):
+        return " (an empty bucket: a parameter larger than a bucket fills one alone)"
+    if got and got[0] and got[0][0] == 0 and len(sizes) > 1:
+        return (" (the first bucket starts at parameter 0: backward completes the last "
+                "parameter first)")
+    right = data_parallel_plan(sizes, limit, itemsize)
+    if got != right and [sorted(bucket) for bucket in got] == [sorted(b) for b in right]:
+        return (" (the right buckets, each listed ascending: list each in the order backward "
+                "completes it, last parameter first)")
+    if got == _plan(sizes, limit, 1) != right:
+        return " (that counts elements: a bucket holds elements x itemsize bytes)"
+    if got == _plan(sizes, limit - 0.5, itemsize) != right:  # closed when exactly full
+        return " (a bucket exactly full, bucket_bytes to the byte, stays one bucket)"
+    return ""
 
 
-def _exact_operands(rng: np.random.Generator, shape: tuple, power: int) -> np.ndarray:
-    """bf16 values that are integers held by E4M3 times 2^power, 448 times 2^power among them:
-    the scale is 2^-power, and sums of up to 64 products of them are exact in float32, in any
-    order (each product an integer below 2^18, their sum below 2^24)."""
-    integers = _positive_values(E4M3)
-    integers = integers[integers == np.round(integers)]
-    values = rng.choice(integers, shape) * rng.choice([-1.0, 1.0], shape)
-    values.flat[rng.integers(values.size)] = 448.0
-    return (values * 2.0**power).astype(BFLOAT16)
+def check_bucket_plan(plan_buckets: Callable[[list, float, int], list],
+                      quiet: bool = False) -> Report:
+    """plan_buckets(sizes, bucket_bytes, itemsize): DataParallel's buckets as lists of parameter
+    indices, last parameter first."""
+    report = Report("plan_buckets", quiet)
+    for sizes, limit, itemsize in PLAN_CASES:
 
-
-def check_fp8_linear(fp8_linear: Callable, quiet: bool = False) -> Report:
-    """fp8_linear(x, weight, bias) -> y: x @ weight^T + bias as minimp's Fp8Linear computes it
-    with current scaling, for bf16 x (..., in), weight (out, in), bias (out,): x and weight
-    quantized to E4M3 with scales 448 / amax (1 for an all-zero tensor), float32 products and
-    sums of the fp8 values, times (1/s_x)(1/s_w), plus the bias, rounded once to bf16."""
-    report = Report("fp8_linear", quiet)
-    rng = np.random.default_rng(16)
-
-    def compare(x, weight, bias):
-        got = np.asarray(call(fp8_linear, x.copy(), weight.copy(), bias.copy()))
-        want = _fp8_linear(x, weight, bias)
-        expect(got.dtype == want.dtype and got.shape == want.shape,
-               f"returned {got.dtype} of shape {got.shape}, expected bf16 of shape {want.shape}")
-        wrong = np.flatnonzero(got.view(np.uint16) != want.view(np.uint16))
-        if wrong.size:
-            at = wrong[0]
-            expect(False, f"{wrong.size} of {want.size} outputs differ; first: "
-                   f"{got.flat[at]!r} against Fp8Linear's {want.flat[at]!r}")
-
-    def bf16(*shape, size=1.0):
-        return (rng.standard_normal(shape) * size).astype(BFLOAT16)
-
-    @report.case(
-        "one input feature (each output one product): bit for bit, scales of any size",
-        hint="s = 448 / amax in float32; q = the E4M3 value nearest x * s (computed in float32); "
-        "y = (q_x * q_w) * (np.float32(1 / s_x) * np.float32(1 / s_w)) + bias",
-    )
-    def _():
-        compare(bf16(64, 1, size=3e-4), bf16(8, 1, size=20.0), bf16(8))
-        compare(bf16(64, 1, size=50.0), bf16(8, 1, size=0.01), bf16(8))
-
-    @report.case(
-        "64 input features, values fp8 holds exactly at power-of-two scales",
-        hint="q_x @ q_w.T in float32 (the tensor core's sums), then the inverse scales, the "
-        "bias (widened to float32) and one rounding to bf16 (.astype(BFLOAT16))",
-    )
-    def _():
-        x, weight = _exact_operands(rng, (32, 64), -12), _exact_operands(rng, (16, 64), -5)
-        compare(x, weight, bf16(16))
-
-    @report.case(
-        "x of shape (B, T, in): the product over the last axis, y of shape (B, T, out)",
-        hint="one scale for the whole of x: its amax over every axis",
-    )
-    def _():
-        compare(_exact_operands(rng, (4, 8, 64), -3), _exact_operands(rng, (24, 64), -7), bf16(24))
-
-    @report.case(
-        "an all-zero x: its scale is 1 (448 / 0 is no scale) and y is the bias",
-        hint="current scaling keeps scale 1 when the amax is 0",
-    )
-    def _():
-        compare(np.zeros((4, 16), BFLOAT16), bf16(8, 16), bf16(8))
+        @report.case(f"sizes {sizes}, {limit:,} bytes, itemsize {itemsize}: DataParallel's plan",
+                     hint="walk the parameters from the last to the first; close the bucket "
+                     "when the next one would take it over bucket_bytes (exactly full is fine), "
+                     "and never leave a bucket empty")
+        def _():
+            want = data_parallel_plan(sizes, limit, itemsize)
+            got = [list(bucket) for bucket in call(plan_buckets, list(sizes), limit, itemsize)]
+            expect(got == want, f"got {got}, DataParallel plans {want}"
+                   + _plan_mistake(got, sizes, limit, itemsize))
 
     return report.finish()
 
 
 EXERCISES = [
-    ("round_to_fp8", check_round_to_fp8),
-    ("delayed_scaling_update", check_delayed_scaling_update),
-    ("fp8_linear", check_fp8_linear),
+    ("exposed_seconds", check_exposed_seconds),
+    ("plan_buckets", check_bucket_plan),
 ]

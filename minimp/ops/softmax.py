@@ -106,8 +106,9 @@ class CrossEntropy(Function):
     """L = mean over the batch of -log softmax(logits)[target];
     dL/dlogits = (softmax - onehot) / B.
 
-    Backward keeps only the logits (already kept by the layer before) and recomputes the softmax,
-    so a float16 graph holds no float32 copy of the probabilities.
+    Backward keeps the logits (in their own dtype: a Linear keeps its input, not its output, so
+    these are held for the loss alone) and the targets, and recomputes the softmax, so a float16
+    graph holds no float32 copy of the probabilities.
     """
 
     @staticmethod
