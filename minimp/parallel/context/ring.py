@@ -1,0 +1,220 @@
+"""Ring attention: causal attention over a sequence sharded across a context-parallel group, the
+key/value blocks passed around a ring while each rank merges them into its queries' online
+softmax (Liu et al. 2023, Ring Attention; Brandon et al. 2023, Striped/zig-zag balance).
+
+Each of the N ranks holds q, k and v of its own positions, (B, H, T/N, D): two chunks of the
+2N-chunk grid (layout.py). At step t = 0..N-1 rank r holds the keys and values of rank
+s = (r - t) mod N. It first posts the send of that block to rank r+1 and the receive of the next
+one from rank r-1 (Tag.CONTEXT_KEYS_VALUES), then merges the block into its two query chunks'
+online softmax (minimp/ops/attention.py's `forward_block`: the same function, on the same chunk
+shapes, as one process's tiled attention), then waits: the message travels while the block is
+computed. Key chunks after a query chunk are skipped (no compute), but every step sends, so the
+ring stays regular. `ring_order` is the resulting visiting order; handed to
+`F.tiled_attention(..., order=...)`, one process gives each rank's output bit for bit.
+
+Backward (FlashAttention-2 per block, `backward_block`): the key/value blocks travel the ring again,
+and their gradients dK, dV travel WITH them (Tag.CONTEXT_GRADIENTS): at step t rank r adds its
+queries' share to block s's gradients and passes them on; after N steps of adding they take one
+more hop and arrive home, where they are rounded once. They travel as float32 accumulators: each
+rank adds its share in float32, so the sum over N ranks rounds once, as one process's does (a
+16-bit hop would round N times). dQ stays home, in a float32 accumulator.
+
+Bytes one rank sends per attention call, n = B H (T/N) D values per tensor, N > 1 (none for N = 1):
+    forward:  (N - 1) * 2n * itemsize                 k and v, N-1 hops
+    backward: (N - 1) * 2n * itemsize + N * 2n * 4    k and v again; dK and dV in float32, N hops
+Memory per rank: saved for backward q, k, v, O (4n * itemsize) and lse (B H (T/N) * 4 bytes):
+1/N of one process's tiled attention. In flight: min(N, 2) buffers of (k, v), the block being
+computed and the one arriving, 2 * 2n * itemsize (one for N = 1); backward adds min(N, 2)
+float32 buffers of (dK, dV), the gradients being added to and the ones arriving, 2 * 2n * 4.
+"""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from minimp import Tensor
+from minimp.backend import Array, array_module
+from minimp.distributed.protocol import Communicator, Request, Tag
+from minimp.function import Context, Function
+from minimp.ops.attention import (BlockGradients, OnlineSoftmax, accumulate_dtype, backward_block,
+                                  check_attention_inputs, chunk, forward_block, output_delta)
+from minimp.parallel.context.layout import ContextLayout
+from minimp.precision.casting import round_to
+
+
+def ring_order(layout: ContextLayout, rank: int) -> dict[int, tuple[int, ...]]:
+    """For each grid chunk rank holds as queries, the key chunks its ring merges, in order: step
+    t brings rank (rank - t) mod N's chunks, in their storage order, those after the query
+    skipped."""
+    order: dict[int, list[int]] = {i: [] for i in layout.chunk_ids(rank)}
+    for step in range(layout.size):
+        for j in layout.chunk_ids((rank - step) % layout.size):
+            for i, keys in order.items():
+                if j <= i:
+                    keys.append(j)
+    return {i: tuple(keys) for i, keys in order.items()}
+
+
+@dataclass(frozen=True)
+class RingBytes:
+    """Bytes one rank sends in one ring attention: forward (key/value blocks) and backward
+    (key/value blocks and their float32 gradients)."""
+
+    forward: int
+    backward: int
+
+
+@dataclass(frozen=True)
+class RingMemory:
+    """One rank's ring attention memory in bytes: saved, what forward keeps for backward (q, k, v,
+    O, lse); forward_buffers and backward_buffers, the ring's in-flight buffers in each pass."""
+
+    saved: int
+    forward_buffers: int
+    backward_buffers: int
+
+
+def ring_bytes(shape: tuple[int, ...], dtype: np.dtype, size: int) -> RingBytes:
+    """The module docstring's byte formula, for a rank's q of shape (B, H, T/N, D) in dtype and a
+    ring of size N."""
+    block = 2 * math.prod(shape)  # k and v: 2n values
+    if size == 1:
+        return RingBytes(0, 0)
+    forward = (size - 1) * block * np.dtype(dtype).itemsize
+    return RingBytes(forward, forward + size * block * accumulate_dtype(dtype).itemsize)
+
+
+def ring_memory(shape: tuple[int, ...], dtype: np.dtype, size: int) -> RingMemory:
+    """The module docstring's memory formula, for a rank's q of shape (B, H, T/N, D) in dtype and
+    a ring of size N."""
+    itemsize, wide = np.dtype(dtype).itemsize, accumulate_dtype(dtype).itemsize
+    values, queries = math.prod(shape), math.prod(shape[:-1])
+    buffers = min(size, 2) * 2 * values  # (k, v) blocks: the one computed, the one arriving
+    return RingMemory(saved=4 * values * itemsize + queries * wide,
+                      forward_buffers=buffers * itemsize,
+                      backward_buffers=buffers * (itemsize + wide))
+
+
+def check_ring_inputs(q: Array, k: Array, v: Array, comm: Communicator,
+                      layout: ContextLayout) -> None:
+    """One clear error before any message: shapes, dtypes, the group and the chunk split."""
+    check_attention_inputs("ring_attention", q, k, v)
+    if comm.size != layout.size:
+        raise ValueError(f"ring_attention: the layout is for {layout.size} ranks, the "
+                         f"communicator has {comm.size} (build ContextLayout({comm.size}))")
+    if q.shape[2] % 2 or q.shape[2] == 0:
+        raise ValueError(f"ring_attention: each rank holds T/N = {q.shape[2]} positions, which "
+                         f"must be 2 equal chunks: choose a context divisible by 2N = "
+                         f"{layout.chunks}")
+
+
+def _exchange(comm: Communicator, send: Array, receive: Array, tag: Tag) -> list[Request]:
+    """Post the receive from rank r-1 and the send to rank r+1, before the compute they hide
+    behind."""
+    previous, following = (comm.rank - 1) % comm.size, (comm.rank + 1) % comm.size
+    return [comm.irecv(receive, previous, tag), comm.isend(send, following, tag)]
+
+
+class RingAttention(Function):
+    """y = softmax(q k^T / sqrt(D), causal) v over the whole sequence, for this rank's queries;
+    dL/dq here, dL/dk and dL/dv gathered around the ring (the module docstring tells how).
+
+    comm: the context-parallel group of N ranks; layout: a ContextLayout(N) naming which positions
+    each rank's q, k, v (B, H, T/N, D) hold.
+    """
+
+    @staticmethod
+    def forward(ctx: Context, q: Array, k: Array, v: Array, comm: Communicator,
+                layout: ContextLayout) -> Array:
+        check_ring_inputs(q, k, v, comm, layout)
+        xp, size, rank = array_module(q), comm.size, comm.rank
+        ctx.comm, ctx.layout, ctx.scale = comm, layout, 1.0 / math.sqrt(q.shape[-1])
+        ctx.chunk_size = q.shape[2] // 2
+        queries = [chunk(q, a, ctx.chunk_size) for a in range(2)]
+        states = [OnlineSoftmax.start(query) for query in queries]
+        held = xp.stack((k, v))  # (2, B, H, T/N, D): one message a step
+        arriving = xp.empty_like(held) if size > 1 else None
+        ctx.buffer_bytes = held.nbytes + (0 if arriving is None else arriving.nbytes)
+        ctx.work = 0.0
+        for step in range(size):
+            requests = _exchange(comm, held, arriving, Tag.CONTEXT_KEYS_VALUES) if (
+                arriving is not None and step < size - 1) else []
+            for a, i in enumerate(layout.chunk_ids(rank)):
+                for b, j in enumerate(layout.chunk_ids((rank - step) % size)):
+                    if j > i:  # causal: a later key chunk is skipped whole
+                        continue
+                    forward_block(states[a], queries[a], chunk(held[0], b, ctx.chunk_size),
+                                  chunk(held[1], b, ctx.chunk_size), ctx.scale, diagonal=i == j)
+                    ctx.work += 0.5 if i == j else 1.0
+            for request in requests:
+                request.wait()
+            if requests:
+                held, arriving = arriving, held
+        finished = [state.finish(q.dtype) for state in states]
+        output = xp.concatenate([out for out, _ in finished], axis=2)
+        lse = xp.concatenate([part for _, part in finished], axis=2)
+        ctx.save_for_backward(q, k, v, output, lse)
+        return output
+
+    @staticmethod
+    def backward(ctx: Context, grad_output: Array) -> tuple[Array, Array, Array]:
+        q, k, v, output, lse = ctx.saved_arrays
+        comm, layout, size, rank = ctx.comm, ctx.layout, ctx.comm.size, ctx.comm.rank
+        xp, c = array_module(q), ctx.chunk_size
+        delta = output_delta(grad_output, output)
+        grad_q = xp.zeros(q.shape, lse.dtype)  # stays home, float32
+        held = xp.stack((k, v))
+        adding = xp.zeros(held.shape, lse.dtype)  # (dK, dV) of the held block, float32
+        arriving = arriving_grads = None
+        if size > 1:
+            arriving, arriving_grads = xp.empty_like(held), xp.empty_like(adding)
+        ctx.backward_buffer_bytes = sum(
+            buffer.nbytes for buffer in (held, adding, arriving, arriving_grads)
+            if buffer is not None)
+        sending: list[Request] = []
+        for step in range(size):
+            requests, receive = [], None
+            if size > 1:
+                if step < size - 1:
+                    requests = _exchange(comm, held, arriving, Tag.CONTEXT_KEYS_VALUES)
+                if step > 0:  # block s's gradients so far, from rank r-1's previous step
+                    receive = comm.irecv(arriving_grads, (rank - 1) % size,
+                                         Tag.CONTEXT_GRADIENTS)
+            for request in sending:  # the previous step's gradients left: reuse their buffer
+                request.wait()
+            adding[...] = 0
+            for a, i in enumerate(layout.chunk_ids(rank)):
+                rows = slice(a * c, (a + 1) * c)
+                query, grad = chunk(q, a, c), chunk(grad_output, a, c)
+                for b, j in enumerate(layout.chunk_ids((rank - step) % size)):
+                    if j > i:
+                        continue
+                    columns = slice(b * c, (b + 1) * c)
+                    grads = BlockGradients(grad_q[..., rows, :], adding[0][..., columns, :],
+                                           adding[1][..., columns, :])
+                    backward_block(grads, query, chunk(held[0], b, c), chunk(held[1], b, c),
+                                   grad, lse[..., rows], delta[..., rows], ctx.scale, i == j)
+            if receive is not None:
+                receive.wait()
+                adding += arriving_grads
+            if size > 1:  # on to rank r+1; after N hops, home
+                sending = [comm.isend(adding, (rank + 1) % size, Tag.CONTEXT_GRADIENTS)]
+            for request in requests:
+                request.wait()
+            if requests:
+                held, arriving = arriving, held
+        home = adding
+        if size > 1:
+            comm.irecv(arriving_grads, (rank - 1) % size, Tag.CONTEXT_GRADIENTS).wait()
+            for request in sending:
+                request.wait()
+            home = arriving_grads
+        return round_to(grad_q, q.dtype), round_to(home[0], k.dtype), round_to(home[1], v.dtype)
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, comm: Communicator,
+                   layout: ContextLayout) -> Tensor:
+    """Causal attention of this rank's queries over the whole sharded sequence (RingAttention):
+    q, k, v (B, H, T/N, D) hold the positions layout gives comm.rank."""
+    return RingAttention.apply(q, k, v, comm=comm, layout=layout)
