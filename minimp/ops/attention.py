@@ -99,9 +99,9 @@ class OnlineSoftmax:
 
 def forward_block(state: OnlineSoftmax, q: Array, k: Array, v: Array, scale: float,
                   diagonal: bool) -> None:
-    """Merge one key/value chunk into a query chunk's state, in place:
-    m' = max(m, rowmax(s)), l' = l e^(m - m') + sum e^(s - m'), acc' = acc e^(m - m') + e^(s - m') v.
-    q (B, H, c, D); k and v (B, H, c_k, D), C-contiguous (`chunk`)."""
+    """Merge one key/value chunk into a query chunk's state, in place: m' = max(m, rowmax(s)),
+    l' = l e^(m - m') + sum e^(s - m'), acc' = acc e^(m - m') + e^(s - m') v. q (B, H, c, D);
+    k and v (B, H, c_k, D), C-contiguous (`chunk`)."""
     xp = array_module(q)
     scores = block_scores(q, k, scale, diagonal)
     row_max = xp.maximum(state.row_max, scores.max(axis=-1, keepdims=True))  # finite: m' > -inf

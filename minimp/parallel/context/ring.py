@@ -130,8 +130,8 @@ class RingAttention(Function):
         check_ring_inputs(q, k, v, comm, layout)
         xp, size, rank = array_module(q), comm.size, comm.rank
         ctx.comm, ctx.layout, ctx.scale = comm, layout, 1.0 / math.sqrt(q.shape[-1])
-        ctx.chunk_size = q.shape[2] // 2
-        queries = [chunk(q, a, ctx.chunk_size) for a in range(2)]
+        ctx.chunk_size = c = q.shape[2] // 2  # two chunks of the 2N-chunk grid
+        queries = [chunk(q, a, c) for a in range(2)]
         states = [OnlineSoftmax.start(query) for query in queries]
         held = xp.stack((k, v))  # (2, B, H, T/N, D): one message a step
         arriving = xp.empty_like(held) if size > 1 else None
@@ -144,8 +144,8 @@ class RingAttention(Function):
                 for b, j in enumerate(layout.chunk_ids((rank - step) % size)):
                     if j > i:  # causal: a later key chunk is skipped whole
                         continue
-                    forward_block(states[a], queries[a], chunk(held[0], b, ctx.chunk_size),
-                                  chunk(held[1], b, ctx.chunk_size), ctx.scale, diagonal=i == j)
+                    forward_block(states[a], queries[a], chunk(held[0], b, c),
+                                  chunk(held[1], b, c), ctx.scale, diagonal=i == j)
                     ctx.work += 0.5 if i == j else 1.0
             for request in requests:
                 request.wait()
@@ -159,9 +159,10 @@ class RingAttention(Function):
 
     @staticmethod
     def backward(ctx: Context, grad_output: Array) -> tuple[Array, Array, Array]:
+        assert ctx.saved_arrays is not None  # the walk refuses a freed graph before calling this
         q, k, v, output, lse = ctx.saved_arrays
         comm, layout, size, rank = ctx.comm, ctx.layout, ctx.comm.size, ctx.comm.rank
-        xp, c = array_module(q), ctx.chunk_size
+        xp, c = array_module(q), int(ctx.chunk_size)
         delta = output_delta(grad_output, output)
         grad_q = xp.zeros(q.shape, lse.dtype)  # stays home, float32
         held = xp.stack((k, v))
