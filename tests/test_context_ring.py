@@ -139,6 +139,8 @@ def test_one_rank_is_plain_tiled_attention(rng):
     for a, b in zip([results[0].output] + results[0].grads, tiled):
         np.testing.assert_array_equal(a, b)
     assert results.trace == [] and results[0].sent == (0, 0)
+    memory = ring_memory((2, 2, 4, 4), np.float32, 1)  # one (k, v) buffer, one (dK, dV)
+    assert results[0].buffers == (memory.forward_buffers, memory.backward_buffers) == (512, 1024)
 
 
 def test_bad_input_fails_on_every_rank_in_one_line_before_any_message(rng):

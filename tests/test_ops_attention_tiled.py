@@ -59,6 +59,17 @@ def test_16_bit_output_within_two_ulps_of_its_largest_value(dtype, rng):
     assert np.abs(got.astype(np.float64) - expected).max() <= tolerance
 
 
+def test_scores_are_rounded_once_into_float16_as_todays_attention_rounds_them(rng):
+    """|q . k| in the hundreds: float16's spacing there (0.25 to 0.5) moves the scaled logits by
+    up to 0.18, which the output shows unless both round the scores alike."""
+    q, k, v, _ = inputs(rng, np.float16)
+    q, k = (16 * x for x in (q, k))
+    expected = todays_attention(Tensor(q), Tensor(k), Tensor(v)).data.astype(np.float64)
+    got = F.tiled_attention(Tensor(q), Tensor(k), Tensor(v), chunk_size=4).data
+    tolerance = 2 * ulp(np.float16, np.abs(expected).max())
+    assert np.abs(got.astype(np.float64) - expected).max() <= tolerance
+
+
 def test_gradients_equal_float64_central_differences(rng):
     q, k, v, _ = inputs(rng, np.float64, shape=(1, 2, 6, 3))
     order = [[0], [1, 0], [2, 0, 1]]  # not ascending: each query chunk's own order
@@ -96,8 +107,8 @@ def test_bad_inputs_fail_in_one_line_naming_the_fix(rng):
     q, k, v = (Tensor(a) for a in inputs(rng, np.float32)[:3])
     with pytest.raises(ValueError, match="chunk_size 5 must divide the sequence's 12 positions"):
         F.tiled_attention(q, k, v, chunk_size=5)
-    with pytest.raises(ValueError, match=r"order\[1\] = \(1,\) must visit each key chunk 0..1"):
-        F.tiled_attention(q, k, v, chunk_size=6, order=[[0], [1]])
+    with pytest.raises(ValueError, match=r"order\[1\] = \(1, 1\) must visit each key chunk 0..1"):
+        F.tiled_attention(q, k, v, chunk_size=6, order=[[0], [1, 1]])
     with pytest.raises(ValueError, match="order has 1 entries, one per query chunk"):
         F.tiled_attention(q, k, v, chunk_size=6, order=[[0]])
     with pytest.raises(ValueError, match="must all be"):
