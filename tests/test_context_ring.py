@@ -100,9 +100,10 @@ def test_ring_equals_tiled_in_its_order_bit_for_bit_and_one_process(size, kind, 
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("size, kind", [(2, "zigzag"), (4, "contiguous")])
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["fp16", "bf16"])
-def test_16_bit_ring_within_two_ulps_of_the_largest_output(dtype, rng):
-    layout, arrays = ContextLayout(2), inputs(rng, 2, dtype)
+def test_16_bit_ring_within_two_ulps_of_the_largest_output(dtype, size, kind, rng):
+    layout, arrays = ContextLayout(size, kind), inputs(rng, size, dtype)
     output = gathered(layout, run_ring(layout, arrays))[0]
     expected = todays_attention(*(Tensor(a) for a in arrays[:3])).data.astype(np.float64)
     largest = np.abs(expected).max()

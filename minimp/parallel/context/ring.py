@@ -43,16 +43,24 @@ from minimp.parallel.context.layout import ContextLayout
 from minimp.precision.casting import round_to
 
 
+def ring_blocks(layout: ContextLayout, rank: int, step: int) -> list[tuple[int, int, bool]]:
+    """The blocks rank computes at ring step `step`, in order: (a, b, diagonal) for its a-th query
+    chunk against the held block's b-th key chunk. A key chunk after the query chunk is left out
+    (the causal mask empties it: no compute); diagonal says the chunk is the query's own."""
+    held = layout.chunk_ids((rank - step) % layout.size)
+    return [(a, b, i == j) for a, i in enumerate(layout.chunk_ids(rank))
+            for b, j in enumerate(held) if j <= i]
+
+
 def ring_order(layout: ContextLayout, rank: int) -> dict[int, tuple[int, ...]]:
-    """For each grid chunk rank holds as queries, the key chunks its ring merges, in order: step
-    t brings rank (rank - t) mod N's chunks, in their storage order, those after the query
-    skipped."""
-    order: dict[int, list[int]] = {i: [] for i in layout.chunk_ids(rank)}
+    """For each grid chunk rank holds as queries, the key chunks its ring merges, in order (what
+    `F.tiled_attention(..., order=...)` takes): step t brings rank (rank - t) mod N's chunks."""
+    queries = layout.chunk_ids(rank)
+    order: dict[int, list[int]] = {i: [] for i in queries}
     for step in range(layout.size):
-        for j in layout.chunk_ids((rank - step) % layout.size):
-            for i, keys in order.items():
-                if j <= i:
-                    keys.append(j)
+        keys = layout.chunk_ids((rank - step) % layout.size)
+        for a, b, _ in ring_blocks(layout, rank, step):
+            order[queries[a]].append(keys[b])
     return {i: tuple(keys) for i, keys in order.items()}
 
 
@@ -130,26 +138,23 @@ class RingAttention(Function):
         check_ring_inputs(q, k, v, comm, layout)
         xp, size, rank = array_module(q), comm.size, comm.rank
         ctx.comm, ctx.layout, ctx.scale = comm, layout, 1.0 / math.sqrt(q.shape[-1])
-        ctx.chunk_size = c = q.shape[2] // 2  # two chunks of the 2N-chunk grid
+        ctx.chunk_size = c = q.shape[2] // 2  # this rank's two chunks of the 2N-chunk grid
         queries = [chunk(q, a, c) for a in range(2)]
         states = [OnlineSoftmax.start(query) for query in queries]
-        held = xp.stack((k, v))  # (2, B, H, T/N, D): one message a step
+        held = xp.stack((k, v))  # (2, B, H, T/N, D): k and v in one message a step
         arriving = xp.empty_like(held) if size > 1 else None
         ctx.buffer_bytes = held.nbytes + (0 if arriving is None else arriving.nbytes)
         ctx.work = 0.0
         for step in range(size):
-            requests = _exchange(comm, held, arriving, Tag.CONTEXT_KEYS_VALUES) if (
-                arriving is not None and step < size - 1) else []
-            for a, i in enumerate(layout.chunk_ids(rank)):
-                for b, j in enumerate(layout.chunk_ids((rank - step) % size)):
-                    if j > i:  # causal: a later key chunk is skipped whole
-                        continue
-                    forward_block(states[a], queries[a], chunk(held[0], b, c),
-                                  chunk(held[1], b, c), ctx.scale, diagonal=i == j)
-                    ctx.work += 0.5 if i == j else 1.0
-            for request in requests:
+            moving = [] if arriving is None or step == size - 1 else _exchange(
+                comm, held, arriving, Tag.CONTEXT_KEYS_VALUES)
+            for a, b, diagonal in ring_blocks(layout, rank, step):
+                forward_block(states[a], queries[a], chunk(held[0], b, c), chunk(held[1], b, c),
+                              ctx.scale, diagonal)
+                ctx.work += 0.5 if diagonal else 1.0
+            for request in moving:
                 request.wait()
-            if requests:
+            if moving:
                 held, arriving = arriving, held
         finished = [state.finish(q.dtype) for state in states]
         output = xp.concatenate([out for out, _ in finished], axis=2)
@@ -161,53 +166,48 @@ class RingAttention(Function):
     def backward(ctx: Context, grad_output: Array) -> tuple[Array, Array, Array]:
         assert ctx.saved_arrays is not None  # the walk refuses a freed graph before calling this
         q, k, v, output, lse = ctx.saved_arrays
-        comm, layout, size, rank = ctx.comm, ctx.layout, ctx.comm.size, ctx.comm.rank
-        xp, c = array_module(q), int(ctx.chunk_size)
-        delta = output_delta(grad_output, output)
-        grad_q = xp.zeros(q.shape, lse.dtype)  # stays home, float32
+        comm, size, rank, c = ctx.comm, ctx.comm.size, ctx.comm.rank, int(ctx.chunk_size)
+        xp, delta = array_module(q), output_delta(grad_output, output)
+        rows = [slice(a * c, (a + 1) * c) for a in range(2)]  # this rank's two query chunks
+        queries = [chunk(q, a, c) for a in range(2)]
+        grads = [chunk(grad_output, a, c) for a in range(2)]
+        grad_q = xp.zeros(q.shape, lse.dtype)  # dQ stays home, in float32
         held = xp.stack((k, v))
-        adding = xp.zeros(held.shape, lse.dtype)  # (dK, dV) of the held block, float32
-        arriving = arriving_grads = None
-        if size > 1:
-            arriving, arriving_grads = xp.empty_like(held), xp.empty_like(adding)
-        ctx.backward_buffer_bytes = sum(
-            buffer.nbytes for buffer in (held, adding, arriving, arriving_grads)
-            if buffer is not None)
+        adding = xp.zeros(held.shape, lse.dtype)  # (dK, dV) of the held block, in float32
+        arriving, arriving_grads = (xp.empty_like(held), xp.empty_like(adding)) if size > 1 else (
+            None, None)
+        ctx.backward_buffer_bytes = sum(buffer.nbytes for buffer in (
+            held, adding, arriving, arriving_grads) if buffer is not None)
+        previous, following = (rank - 1) % size, (rank + 1) % size
         sending: list[Request] = []
         for step in range(size):
-            requests, receive = [], None
-            if size > 1:
-                if step < size - 1:
-                    requests = _exchange(comm, held, arriving, Tag.CONTEXT_KEYS_VALUES)
-                if step > 0:  # block s's gradients so far, from rank r-1's previous step
-                    receive = comm.irecv(arriving_grads, (rank - 1) % size,
-                                         Tag.CONTEXT_GRADIENTS)
-            for request in sending:  # the previous step's gradients left: reuse their buffer
+            moving = [] if arriving is None or step == size - 1 else _exchange(
+                comm, held, arriving, Tag.CONTEXT_KEYS_VALUES)
+            # the held block's gradients so far: rank r-1 sent them after its previous step
+            arrived = None if arriving is None or step == 0 else comm.irecv(
+                arriving_grads, previous, Tag.CONTEXT_GRADIENTS)
+            for request in sending:  # our previous step's gradients have left: reuse the buffer
                 request.wait()
             adding[...] = 0
-            for a, i in enumerate(layout.chunk_ids(rank)):
-                rows = slice(a * c, (a + 1) * c)
-                query, grad = chunk(q, a, c), chunk(grad_output, a, c)
-                for b, j in enumerate(layout.chunk_ids((rank - step) % size)):
-                    if j > i:
-                        continue
-                    columns = slice(b * c, (b + 1) * c)
-                    grads = BlockGradients(grad_q[..., rows, :], adding[0][..., columns, :],
-                                           adding[1][..., columns, :])
-                    backward_block(grads, query, chunk(held[0], b, c), chunk(held[1], b, c),
-                                   grad, lse[..., rows], delta[..., rows], ctx.scale, i == j)
-            if receive is not None:
-                receive.wait()
+            for a, b, diagonal in ring_blocks(ctx.layout, rank, step):
+                columns = slice(b * c, (b + 1) * c)
+                into = BlockGradients(grad_q[..., rows[a], :], adding[0][..., columns, :],
+                                      adding[1][..., columns, :])
+                backward_block(into, queries[a], chunk(held[0], b, c), chunk(held[1], b, c),
+                               grads[a], lse[..., rows[a]], delta[..., rows[a]], ctx.scale,
+                               diagonal)
+            if arrived is not None:
+                arrived.wait()
                 adding += arriving_grads
-            if size > 1:  # on to rank r+1; after N hops, home
-                sending = [comm.isend(adding, (rank + 1) % size, Tag.CONTEXT_GRADIENTS)]
-            for request in requests:
+            if size > 1:  # on to rank r+1; after N hops they are home
+                sending = [comm.isend(adding, following, Tag.CONTEXT_GRADIENTS)]
+            for request in moving:
                 request.wait()
-            if requests:
+            if moving:
                 held, arriving = arriving, held
         home = adding
-        if size > 1:
-            comm.irecv(arriving_grads, (rank - 1) % size, Tag.CONTEXT_GRADIENTS).wait()
+        if size > 1:  # our own block's gradients, from rank r-1's last step
+            comm.irecv(arriving_grads, previous, Tag.CONTEXT_GRADIENTS).wait()
             for request in sending:
                 request.wait()
             home = arriving_grads
