@@ -1,6 +1,7 @@
 """Ring attention: causal attention over a sequence sharded across a context-parallel group, the
 key/value blocks passed around a ring while each rank merges them into its queries' online
-softmax (Liu et al. 2023, Ring Attention; Brandon et al. 2023, Striped/zig-zag balance).
+softmax (Liu et al. 2023, Ring Attention; the zig-zag shards of layout.py balance its causal
+work, as Megatron-Core's and ring-flash-attention's do).
 
 Each of the N ranks holds q, k and v of its own positions, (B, H, T/N, D): two chunks of the
 2N-chunk grid (layout.py). At step t = 0..N-1 rank r holds the keys and values of rank
@@ -15,9 +16,10 @@ ring stays regular. `ring_order` is the resulting visiting order; handed to
 Backward (FlashAttention-2 per block, `backward_block`): the key/value blocks travel the ring again,
 and their gradients dK, dV travel WITH them (Tag.CONTEXT_GRADIENTS): at step t rank r adds its
 queries' share to block s's gradients and passes them on; after N steps of adding they take one
-more hop and arrive home, where they are rounded once. They travel as float32 accumulators: each
-rank adds its share in float32, so the sum over N ranks rounds once, as one process's does (a
-16-bit hop would round N times). dQ stays home, in a float32 accumulator.
+more hop and arrive home, where they are rounded once. They travel as float32 accumulators
+(float64 for float64 inputs; 4 bytes a value below): each rank adds its share in float32, so the
+sum over N ranks rounds once, as one process's does (a 16-bit hop would round N times). dQ stays
+home, in a float32 accumulator.
 
 Bytes one rank sends per attention call, n = B H (T/N) D values per tensor, N > 1 (none for N = 1):
     forward:  (N - 1) * 2n * itemsize                 k and v, N-1 hops
