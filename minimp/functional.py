@@ -3,6 +3,7 @@
 Names and arguments follow torch.nn.functional where PyTorch has the function.
 """
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy.typing as npt
@@ -89,6 +90,15 @@ def scaled_masked_softmax(scores: Tensor, scale: float, causal: bool = True,
     """softmax(scale * scores) over the last axis with keys after each query (causal) and where
     mask is False hidden; float32 inside, fully masked rows give zeros (minimp/ops/softmax.py)."""
     return ops.ScaledMaskedSoftmax.apply(scores, scale=scale, causal=causal, mask=mask)
+
+
+def tiled_attention(q: Tensor, k: Tensor, v: Tensor, chunk_size: int,
+                    order: Sequence[Sequence[int]] | None = None) -> Tensor:
+    """Causal attention softmax(q k^T / sqrt(D)) v of (B, H, T, D) inputs, merged one key/value
+    chunk of chunk_size positions at a time with an online softmax, never holding the T x T
+    probabilities; order[i] lists the key chunks 0..i query chunk i merges, in order (None:
+    ascending) (minimp/ops/attention.py)."""
+    return ops.TiledAttention.apply(q, k, v, chunk_size=chunk_size, order=order)
 
 
 def split(x: Tensor, size: int, axis: int = -1) -> tuple[Tensor, ...]:

@@ -6,6 +6,8 @@ that use it (data and pipeline parallelism) live in minimp.parallel and import t
 never the other way round.
 """
 
+from minimp.distributed.alltoall import AllToAll, all_to_all, all_to_all_bytes, all_to_all_single
+from minimp.distributed.alltoall import exchange_counts
 from minimp.distributed.buffers import CollectiveMismatchError
 from minimp.distributed.collectives import ALGORITHMS, AlgorithmPolicy, PersistentAllreduce
 from minimp.distributed.collectives import allreduce, choose_algorithm, naive_allreduce

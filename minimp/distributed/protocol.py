@@ -34,6 +34,10 @@ class Tag(IntEnum):
     PIPELINE_FORWARD = 9  # activations, stage s -> s + 1
     PIPELINE_BACKWARD = 10  # their gradients, stage s + 1 -> s
     DOUBLING_PAYLOADS = 11  # recursive doubling's payloads that follow their header (headers.py)
+    ALL_TO_ALL_COUNTS = 12  # an all-to-all's per-rank counts, sent before its payloads
+    ALL_TO_ALL = 13  # ... and its payloads (context parallelism's Ulysses, expert dispatch)
+    CONTEXT_KEYS_VALUES = 14  # ring attention: key/value blocks, rank r -> r + 1 of the cp ring
+    CONTEXT_GRADIENTS = 15  # ... and, in backward, their gradients travelling with them
     # Gradient buckets whose rings are in flight at once (minimp/parallel/data/overlap.py): bucket
     # b's reduce-scatter uses GRADIENT_BUCKETS + 2b, its all-gather GRADIENT_BUCKETS + 2b + 1.
     GRADIENT_BUCKETS = 1000

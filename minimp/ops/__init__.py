@@ -1,5 +1,6 @@
 """The op list: one Function per differentiable operation, forward and backward side by side."""
 
+from minimp.ops.attention import TiledAttention
 from minimp.ops.dropout import Dropout
 from minimp.ops.elementwise import GELU, Add, Cast, Div, Exp, Log, Mul, Neg, ReLU, Sub, Tanh
 from minimp.ops.embedding import Embedding
