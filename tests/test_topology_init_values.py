@@ -26,6 +26,19 @@ def test_a_grid_whose_product_is_not_the_job_size_is_refused_with_the_sizes():
     )
 
 
+def test_a_context_grid_that_does_not_fit_names_every_dimension():
+    def build(comm):
+        with pytest.raises(TopologyError) as error:
+            Topology(comm, dp=1, cp=2)
+        return str(error.value)
+
+    [message] = dist.simulate(1, build)
+    assert message == (
+        "--dp 1 x --cp 2 x --tp 1 x --pp 1 = 2 ranks, but the job has 1 "
+        "(choose --dp, --cp, --tp and --pp whose product is 1)"
+    )
+
+
 def _world_ranks_in_group_order(group, world_rank):
     """The world ranks of a group's members, indexed by their rank in the group (one all-reduce)."""
     slots = np.zeros(group.size)

@@ -226,9 +226,9 @@ def _check_tensor_parallel(config: "TrainConfig") -> None:
                           f"do not divide by {tp} (use --hidden divisible by --tp)")
 
 
-# What --cp does not compose with yet (issue 39 wants each later), in the order they are checked.
-CONTEXT_PARALLEL_REFUSED = (("tp", "--tp"), ("pp", "--pp"), ("zero", "--zero"),
-                            ("recompute", "--recompute"))
+# What --cp does not compose with yet (issue 39 wants each later), in the order they are checked:
+# (field, the value that leaves it off).
+CONTEXT_PARALLEL_REFUSED = (("tp", 1), ("pp", 1), ("zero", 0), ("recompute", False))
 
 
 def _check_context_parallel(config: "TrainConfig") -> None:
@@ -252,10 +252,10 @@ def _check_context_parallel(config: "TrainConfig") -> None:
     if config.precision == "fp8":
         raise ConfigError(f"--cp {cp} does not work with --precision fp8 yet (use fp32, fp16 or "
                           "bf16)")
-    for name, what in CONTEXT_PARALLEL_REFUSED:
+    for name, off in CONTEXT_PARALLEL_REFUSED:
         value = getattr(config, name)
-        if value and value != 1:
-            shown = what if isinstance(value, bool) else f"{what} {value}"
+        if value != off:
+            shown = flag(name) if isinstance(value, bool) else f"{flag(name)} {value}"
             raise ConfigError(f"--cp {cp} does not work with {shown} yet (context parallelism "
                               "composes with --dp only for now)")
 
