@@ -82,6 +82,16 @@ def test_every_layout_ends_with_the_one_process_weights_and_sends_the_formula_s_
             assert record["context_work_imbalance"] == imbalance
 
 
+def test_a_context_parallel_checkpoint_resumes_to_the_one_process_weights(one_process, tmp_path):
+    """Saved after 2 steps in the one-process format, resumed for the third: where 3 steps go."""
+    path = str(tmp_path / "cp.npz")
+    run(2, cp=2, steps=2, save=path)
+    result = run(2, cp=2, resume=path)[0]
+    for name, array in one_process["master_weights"].items():
+        np.testing.assert_allclose(result["master_weights"][name], array, rtol=1e-5, atol=1e-7,
+                                   err_msg=name)
+
+
 def test_the_layout_line_places_context_ranks_between_shards_and_replicas():
     def body(comm):
         lines = []
