@@ -42,7 +42,7 @@ LAYOUTS = [
     (4, dict(cp=4)),
     (4, dict(cp=2, dp=2)),
     (2, dict(cp=2, cp_layout="contiguous")),
-    (2, dict(cp=2, micro_batches=2)),
+    pytest.param(2, dict(cp=2, micro_batches=2), marks=pytest.mark.slow),  # the M factor
 ]
 
 
