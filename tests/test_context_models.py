@@ -51,8 +51,11 @@ def test_the_copy_shares_every_parameter_and_leaves_the_whole_model_whole():
         assert attends == [True] * CONFIG.layers and whole
 
 
-@pytest.mark.parametrize("size, kind", [(2, "zigzag"), (2, "contiguous"), (4, "zigzag")])
-def test_logits_and_averaged_gradients_equal_one_process(size, kind):
+@pytest.mark.parametrize("size, kind, mode", [
+    (2, "zigzag", "ring"), (2, "contiguous", "ring"), (4, "zigzag", "ring"),
+    (2, "contiguous", "ulysses"), (4, "contiguous", "ulysses"),
+])  # fmt: skip
+def test_logits_and_averaged_gradients_equal_one_process(size, kind, mode):
     rng = np.random.default_rng(1)
     ids = rng.integers(0, CONFIG.vocab_size, size=(2, CONFIG.context))
     targets = rng.integers(0, CONFIG.vocab_size, size=(2, CONFIG.context))
@@ -64,10 +67,10 @@ def test_logits_and_averaged_gradients_equal_one_process(size, kind):
 
     def body(comm):
         model = gpt()
-        shard = parallelize_context(model, comm, layout)
+        shard = parallelize_context(model, comm, layout, mode)
         loss, logits = mean_loss(shard, layout.shard(ids, comm.rank),
                                  layout.shard(targets, comm.rank))
-        loss.backward()  # the ring brings the other ranks' queries' share of dK, dV home
+        loss.backward()  # the ring (all-to-all) brings the other ranks' share of dK, dV home
         return logits, [p.grad for p in model.parameters()]
 
     results = simulate(size, body, eager_limit=0)
@@ -81,15 +84,19 @@ def test_logits_and_averaged_gradients_equal_one_process(size, kind):
 @pytest.mark.parametrize(
     "layout, mode, message",
     [
-        (ContextLayout(2), "ulysses", "--cp-mode ulysses is not available (use ring)"),
+        (ContextLayout(2), "striped", "--cp-mode striped is not available (use ring or ulysses)"),
         (ContextLayout(4), "ring", "the layout is for 4 ranks, the group has 2"),
         (ContextLayout(2), "ring", "not a multiple of 4"),
+        (ContextLayout(2, "contiguous"), "ring", "not a multiple of 4"),  # 18: 2N does not divide
+        (ContextLayout(2), "ulysses", "takes the contiguous layout, got zigzag (use --cp-layout "
+                                      "contiguous)"),
+        (ContextLayout(2, "contiguous"), "ulysses", "attention heads a rank holds"),
     ],
-    ids=["mode", "size", "context"],
+    ids=["mode", "size", "context", "ring-contiguous", "ulysses-zigzag", "ulysses-heads"],
 )
 def test_bad_input_is_one_error_before_any_message(layout, mode, message):
     config = GPTConfig(vocab_size=65, context=18 if "multiple" in message else 16, layers=1,
-                       heads=2, width=8)
+                       heads=1 if "heads" in message else 2, width=8)
 
     def body(comm):
         with pytest.raises(ValueError, match=re.escape(message)):

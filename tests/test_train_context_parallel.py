@@ -1,7 +1,8 @@
-"""--cp through the training loop, in the simulated world: every layout ends at the one-process
-weights and losses, rank by rank its ring's bytes equal ring_bytes every step and the gradients'
-bytes the all-reduce's formula over dp x cp ranks, the work balance is in the metrics, an fp16
-overflow on one context shard skips the step on every rank, and what --cp refuses is one line."""
+"""--cp through the training loop, in the simulated world: every layout and mode (ring, Ulysses)
+ends at the one-process weights and losses, rank by rank its attention's bytes equal ring_bytes'
+(ulysses_bytes') every step and the gradients' bytes the all-reduce's formula over dp x cp ranks,
+the work balance is in the metrics, an fp16 overflow on one context shard skips the step on every
+rank, Ulysses' context needs N where the ring's needs 2N, and what --cp refuses is one line."""
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from minimp import backend
 from minimp import distributed as dist
 from minimp.checkpoints.errors import ConfigError
-from minimp.parallel.context import ring_bytes
+from minimp.parallel.context import ring_bytes, ulysses_bytes
 from minimp.parallel.zero.formulas import bytes_sent_formula
 from minimp.train import TrainConfig
 from minimp.train.loop import train
@@ -43,17 +44,21 @@ LAYOUTS = [
     (4, dict(cp=2, dp=2)),
     (2, dict(cp=2, cp_layout="contiguous")),
     pytest.param(2, dict(cp=2, micro_batches=2), marks=pytest.mark.slow),  # the M factor
+    (2, dict(cp=2, cp_mode="ulysses", cp_layout="contiguous")),
+    (4, dict(cp=4, cp_mode="ulysses", cp_layout="contiguous")),  # H/N = 1 head a rank
 ]
 
 
 def ring_bytes_per_step(flags):
-    """One rank's context-parallel bytes a step: every block's ring attention, forward and
-    backward, once per micro-batch, its q (B/(dp M), H, T/cp, D) in float32."""
+    """One rank's context-parallel bytes a step: every block's attention (ring_bytes, or
+    ulysses_bytes with --cp-mode ulysses), forward and backward, once per micro-batch, its q
+    (B/(dp M), H, T/cp, D) in float32."""
     cp, dp, micro_batches = flags["cp"], flags.get("dp", 1), flags.get("micro_batches", 1)
     heads = GPT["heads"]
     shape = (GPT["batch_size"] // dp // micro_batches, heads, GPT["context"] // cp,
              GPT["hidden"] // heads)
-    per_call = ring_bytes(shape, np.dtype(np.float32), cp)
+    formula = ulysses_bytes if flags.get("cp_mode") == "ulysses" else ring_bytes
+    per_call = formula(shape, np.dtype(np.float32), cp)
     return GPT["layers"] * micro_batches * (per_call.forward + per_call.backward)
 
 
@@ -70,7 +75,8 @@ def test_every_layout_ends_with_the_one_process_weights_and_sends_the_formula_s_
     np.testing.assert_allclose(losses, [r["loss"] for r in one_process["history"]], rtol=1e-6)
     # The gradients' all-reduce runs over the dp x cp ranks: one bucket of every parameter.
     group = flags["cp"] * flags.get("dp", 1)
-    imbalance = 2 * flags["cp"] - 1 if flags.get("cp_layout") == "contiguous" else 1.0
+    contiguous_ring = flags.get("cp_layout") == "contiguous" and "cp_mode" not in flags
+    imbalance = 2 * flags["cp"] - 1 if contiguous_ring else 1.0  # Ulysses: H/N heads, all of T
     for rank, result in enumerate(results):
         gradients = bytes_sent_formula(
             0, sizes=[parameter_count(TrainConfig(**GPT))], rank=rank % group, world_size=group,
@@ -139,7 +145,13 @@ REFUSED = [
     (dict(dataset="digits", cp=2), "--cp 2 splits a sequence: it needs the GPT"),
     (dict(cp=2, context=10), "--context 10 does not divide by 4 (use a multiple of 4)"),
     (dict(cp=2, context=10, cp_layout="contiguous"), "--context 10 does not divide by 4"),
-    (dict(cp=2, cp_mode="ulysses"), "--cp-mode ulysses is not available yet"),
+    (dict(cp=2, cp_mode="ulysses"), "--cp-mode ulysses takes --cp-layout contiguous, got zigzag"),
+    (dict(cp=2, cp_mode="ulysses", cp_layout="contiguous", context=9),
+     "--cp-mode ulysses: the sequence's 9 positions do not split over --cp 2 ranks: choose a "
+     "context divisible by 2"),
+    (dict(cp=4, cp_mode="ulysses", cp_layout="contiguous", heads=2, hidden=32, dp=1),
+     "--cp-mode ulysses: the 2 attention heads a rank holds (with tensor parallelism, heads / tp) "
+     "do not split over --cp 4 ranks: choose a --cp that divides 2, or --cp-mode ring"),
     (dict(cp=2, dropout=0.1), "--cp 2 with --dropout 0.1: dropout masks are drawn per position"),
     (dict(cp=2, precision="fp8"), "--cp 2 does not work with --precision fp8 yet"),
     (dict(cp=2, tp=2), "--cp 2 does not work with --tp 2 yet"),
@@ -149,6 +161,14 @@ REFUSED = [
     (dict(cp=3, context=18), "--cp 3 x --tp 1 x --pp 1 does not divide the 4 ranks of this job"),
     (dict(cp=2, dp=1), "--dp 1 does not match the 4 ranks of this job (use --dp 2"),
 ]
+
+
+def test_ulysses_needs_the_context_to_divide_by_n_where_the_ring_needs_2n():
+    """context 18 over --cp 2: 9 positions a rank for Ulysses, but not 4 chunks for the ring."""
+    flags = dict(GPT, cp=2, context=18, cp_layout="contiguous")
+    TrainConfig(**flags, cp_mode="ulysses").validate(2)
+    with pytest.raises(ConfigError, match="does not divide by 4"):
+        TrainConfig(**flags).validate(2)
 
 
 @pytest.mark.parametrize("flags, message", REFUSED, ids=lambda value: str(value)[:40])

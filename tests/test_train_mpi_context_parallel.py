@@ -1,7 +1,8 @@
 """`mpirun -n N python -m minimp.train --cp ...` for real: the issue's small fp32 GPT ends at the
-one-process weights (--cp 2 in the default tier; --cp 4, --cp 2 --dp 2 and the contiguous layout
-in the slow one), rank 0's ring bytes are ring_bytes' every step, the layout line and the work
-balance are printed, and a refused flag is one line from rank 0 with no hang."""
+one-process weights (--cp 2 in the default tier; --cp 4, --cp 2 --dp 2, the contiguous layout and
+--cp-mode ulysses in the slow one), rank 0's context bytes are ring_bytes' (ulysses_bytes') every
+step, the layout line and the work balance are printed, and a refused flag is one line from rank 0
+with no hang."""
 
 import json
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import MPIRUN, masters, run_train, slow_cases
 
-from minimp.parallel.context import ring_bytes
+from minimp.parallel.context import ring_bytes, ulysses_bytes
 
 pytestmark = [
     pytest.mark.mpi,
@@ -38,6 +39,7 @@ LAYOUTS = [
     (4, ["--cp", "4"]),
     (4, ["--cp", "2", "--dp", "2"]),
     (2, ["--cp", "2", "--cp-layout", "contiguous"]),
+    (2, ["--cp", "2", "--cp-layout", "contiguous", "--cp-mode", "ulysses"]),
 ]
 
 
@@ -57,11 +59,14 @@ def test_every_layout_ends_with_the_one_process_weights(tmp_path, one_process, r
     cp, dp = int(options["--cp"]), int(options.get("--dp", 1))
     heads, width = GPT["heads"], GPT["hidden"]
     shape = (GPT["batch_size"] // dp, heads, GPT["context"] // cp, width // heads)
-    call = ring_bytes(shape, np.dtype(np.float32), cp)  # a block's ring attention, fp32
+    ulysses = options.get("--cp-mode") == "ulysses"
+    formula = ulysses_bytes if ulysses else ring_bytes
+    call = formula(shape, np.dtype(np.float32), cp)  # a block's attention, fp32
     expected = GPT["layers"] * (call.forward + call.backward)
     steps = [json.loads(line) for line in open(metrics)][:-1]  # the last row is the summary
     assert [r["bytes_by_group"]["context_parallel"] for r in steps] == [expected] * GPT["steps"]
-    balance = 2 * cp - 1 if options.get("--cp-layout") == "contiguous" else 1
+    contiguous_ring = options.get("--cp-layout") == "contiguous" and not ulysses
+    balance = 2 * cp - 1 if contiguous_ring else 1  # Ulysses: every rank H/N heads, all of T
     assert [r["context_work_imbalance"] for r in steps] == [balance] * GPT["steps"]
     assert f"layout: --dp {dp} x --cp {cp} x --tp 1 x --pp 1 = {ranks} ranks" in result.stdout
 

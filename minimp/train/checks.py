@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from minimp.backend import DEVICE_ENVIRONMENT_VARIABLE
 from minimp.checkpoints.errors import ConfigError
+from minimp.parallel.context.ulysses import check_ulysses
 from minimp.parallel.pipeline.schedules import schedule_problem
 from minimp.parallel.pipeline.stage import FIRST_TAG
 from minimp.parallel.zero.stages import zero_stage
@@ -232,16 +233,24 @@ CONTEXT_PARALLEL_REFUSED = (("tp", 1), ("pp", 1), ("zero", 0), ("recompute", Fal
 
 
 def _check_context_parallel(config: "TrainConfig") -> None:
-    """--cp splits the GPT's sequence into 2N chunks, ring attention only for now, no dropout
-    (its masks are drawn per position held), and none of the flags it does not compose with."""
+    """--cp splits the GPT's sequence: into 2N chunks for the ring, into N contiguous pieces of
+    H/N heads each for Ulysses; no dropout (its masks are drawn per position held), and none of
+    the flags it does not compose with."""
     cp = config.cp
     if cp == 1:
         return
     if config.model != "gpt":
         raise ConfigError(f"--cp {cp} splits a sequence: it needs the GPT (--dataset shakespeare)")
     if config.cp_mode == "ulysses":
-        raise ConfigError("--cp-mode ulysses is not available yet (use --cp-mode ring)")
-    if config.context % (2 * cp):
+        if config.cp_layout != "contiguous":
+            raise ConfigError(f"--cp-mode ulysses takes --cp-layout contiguous, got "
+                              f"{config.cp_layout} (every rank attends the whole sequence of its "
+                              "heads, so there is no imbalance to zig-zag away)")
+        try:  # the heads are the config's: --tp is refused with --cp below
+            check_ulysses(config.heads, config.context, cp)
+        except ValueError as error:
+            raise ConfigError(f"--cp-mode {error}") from None
+    elif config.context % (2 * cp):
         raise ConfigError(
             f"--cp {cp} cuts the sequence into 2N = {2 * cp} chunks (the ring computes in chunks "
             f"with either --cp-layout), and --context {config.context} does not divide by "

@@ -128,7 +128,7 @@ class TrainConfig:
                            "and 2N-1-r of 2N, equal causal work) or contiguous (the r-th of N "
                            "pieces)", choices=("zigzag", "contiguous"))
     cp_mode: str = _flag("ring", "with --cp: ring (key/value blocks travel a ring) or ulysses (an "
-                         "all-to-all to head shards; not available yet)",
+                         "all-to-all to head shards; with --cp-layout contiguous)",
                          choices=("ring", "ulysses"))
     schedule: str = _flag("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over "
                           "--virtual-stages chunks per rank) or zb-h1 (backward split into input "

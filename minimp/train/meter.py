@@ -9,14 +9,15 @@ Per step (every row): `bytes_sent` (every group but the scalar all-reduces), `co
 `straggler_seconds`; `bytes_by_group` (tensor_parallel, context_parallel, data_parallel, pipeline,
 tied), `bytes_by_collective` (all_reduce for --zero 0, reduce_scatter and all_gather for ZeRO, tied
 for the GPT's embedding across stages, pipeline for activations, tensor_parallel for --tp's
-activations and partial gradients, context_parallel for --cp's ring attention, whose formula is
-parallel/context/ring.py's ring_bytes), with --cp `context_work_imbalance` (the busiest context
-rank's causal attention blocks over the idlest's: 1 zig-zag, 2N-1 contiguous;
-parallel/context/layout.py), `seconds_by_collective` (ZeRO's run inside backward and the update,
-where `communication_seconds` does not look), `scalar_allreduces` (calls: the overflow flags, the
-norm, the loss) and `peak_activation_bytes` (the most bytes kept for backward at once, the largest
-over the ranks). In the final row: `model_state_bytes`, one total per rank, held at the end of the
-last step, with `model_state_by_kind` and `peak_model_state_bytes` beside it
+activations and partial gradients, context_parallel for --cp's attention, whose formula is
+parallel/context/ring.py's ring_bytes, or ulysses.py's ulysses_bytes with --cp-mode ulysses), with
+--cp `context_work_imbalance` (the busiest context rank's causal attention work over the idlest's:
+the ring's 1 zig-zag, 2N-1 contiguous, parallel/context/layout.py; Ulysses' 1, since every rank
+computes all T positions of H/N heads), `seconds_by_collective` (ZeRO's run inside backward and the
+update, where `communication_seconds` does not look), `scalar_allreduces` (calls: the overflow
+flags, the norm, the loss) and `peak_activation_bytes` (the most bytes kept for backward at once,
+the largest over the ranks). In the final row: `model_state_bytes`, one total per rank, held at the
+end of the last step, with `model_state_by_kind` and `peak_model_state_bytes` beside it
 (minimp/parallel/zero/formulas.py has the formulas they are checked against), and rank 0's BLAS
 `threads` with their `threads_reason` (minimp/train/threads.py). After a skipped step,
 `overflowed_ranks` names the ranks whose own check found the non-finite gradient. With --timeline
@@ -178,7 +179,9 @@ class Meter:
         loss, activation_bytes = self._mean_loss_and_peak(loss_sum)
         row = {"step": step, "loss": loss, **decisions, **self._seconds(), **self._communication(),
                "peak_activation_bytes": activation_bytes, **fp8}
-        if self.topology.cp > 1:
+        if self.topology.cp > 1 and self.config.cp_mode == "ulysses":
+            row["context_work_imbalance"] = 1.0  # every rank: all T positions of H/N heads
+        elif self.topology.cp > 1:
             layout = ContextLayout(self.topology.cp, self.config.cp_layout)
             row["context_work_imbalance"] = layout.work_imbalance()
         return row

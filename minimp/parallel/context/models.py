@@ -23,9 +23,11 @@ and summing over the N copies gives d(sum_c L_dc)/dW. Averaging the gradients ov
 ranks (the data-parallel all-reduce over dp_cp_group, dividing by dp N) therefore gives
 1/(dp N) d(sum_dc L_dc)/dW = dL/dW: the mean over the rank's own tokens needs no other factor.
 
-Modes: "ring" (ring.py). "ulysses" (an all-to-all from sequence shards to head shards) plugs in
-here, in ATTENTIONS, once minimp/parallel/context/ulysses.py exists; the trainer refuses it until
-then (minimp/train/checks.py).
+Modes, in ATTENTIONS: "ring" (ring.py), either layout, the context a multiple of 2N (each rank's
+positions are two chunks of the 2N-chunk grid); "ulysses" (ulysses.py: an all-to-all from sequence
+shards to head shards and back), the contiguous layout only, the heads and the context multiples
+of N. The loss and gradient argument above holds for Ulysses as written: AllToAll's backward sends
+each rank's keys and values their gradients from the heads' ranks.
 """
 
 import copy
@@ -36,6 +38,7 @@ from minimp.distributed.protocol import Communicator
 from minimp.models.gpt import GPT, Attention, CausalSelfAttention, Embeddings
 from minimp.parallel.context.layout import ContextLayout
 from minimp.parallel.context.ring import ring_attention
+from minimp.parallel.context.ulysses import check_ulysses, ulysses_attention
 from minimp.tensor import Tensor
 
 
@@ -51,10 +54,23 @@ class RingAttentionCall:
         return ring_attention(q, k, v, self.comm, self.layout)
 
 
-# Each --cp-mode's Attention, built from the context-parallel group and the layout. Ulysses'
-# entry goes here when its module lands (issue 39).
+@dataclass(frozen=True)
+class UlyssesAttentionCall:
+    """The Attention a block's heads go to under --cp-mode ulysses: causal attention of this
+    rank's q, k, v (B, H, T/N, D) over the whole sequence, each rank attending H/N heads' whole
+    sequence between two all-to-alls (today's attention on them: chunk_size None)."""
+
+    comm: Communicator
+    layout: ContextLayout
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return ulysses_attention(q, k, v, self.comm, self.layout)
+
+
+# Each --cp-mode's Attention, built from the context-parallel group and the layout.
 ATTENTIONS: dict[str, Callable[[Communicator, ContextLayout], Attention]] = {
     "ring": RingAttentionCall,
+    "ulysses": UlyssesAttentionCall,
 }
 
 
@@ -69,7 +85,15 @@ def parallelize_context(model: GPT, comm: Communicator, layout: ContextLayout,
     if comm.size != layout.size:
         raise ValueError(f"context parallelism: the layout is for {layout.size} ranks, the group "
                          f"has {comm.size} (build ContextLayout({comm.size}))")
-    layout.check_tokens(model.config.context)
+    context = model.config.context
+    if mode == "ulysses":
+        if layout.kind != "contiguous":
+            raise ValueError(f"context parallelism: --cp-mode ulysses takes the contiguous layout, "
+                             f"got {layout.kind} (use --cp-layout contiguous)")
+        check_ulysses(model.config.heads, context, comm.size)
+    else:  # the ring computes in the 2N-chunk grid with either layout
+        ContextLayout(layout.size).check_tokens(context)
+    layout.check_tokens(context)
     # The memo maps every Parameter to itself: new modules, the same weights and gradients.
     shared = {id(parameter): parameter for parameter in model.parameters()}
     copied = copy.deepcopy(model, memo=shared)
