@@ -49,6 +49,17 @@ def test_causal_work_is_2n_on_every_zigzag_rank_and_4r_plus_2_contiguous(size):
     assert contiguous.work_imbalance() == 2 * size - 1
 
 
+def test_contiguous_shards_need_n_pieces_not_the_2n_chunk_grid():
+    """Ulysses takes T/N contiguous positions a rank: 6 positions over 2 ranks (not 4 chunks)."""
+    layout = ContextLayout(2, "contiguous")
+    assert [layout.token_indices(r, 6).tolist() for r in range(2)] == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(ValueError, match="7 positions are not a multiple of 2 .choose a context "
+                       "divisible by 2"):
+        layout.token_indices(0, 7)
+    with pytest.raises(ValueError, match="6 positions are not a multiple of 4"):
+        ContextLayout(2).token_indices(0, 6)  # zig-zag still needs the grid
+
+
 def test_bad_layouts_and_sequences_fail_in_one_line_naming_the_fix():
     with pytest.raises(ValueError, match="12 positions are not a multiple of 8 .choose a context "
                        "divisible by 8"):

@@ -26,6 +26,19 @@ def test_a_grid_whose_product_is_not_the_job_size_is_refused_with_the_sizes():
     )
 
 
+def test_a_context_grid_that_does_not_fit_names_every_dimension():
+    def build(comm):
+        with pytest.raises(TopologyError) as error:
+            Topology(comm, dp=1, cp=2)
+        return str(error.value)
+
+    [message] = dist.simulate(1, build)
+    assert message == (
+        "--dp 1 x --cp 2 x --tp 1 x --pp 1 = 2 ranks, but the job has 1 "
+        "(choose --dp, --cp, --tp and --pp whose product is 1)"
+    )
+
+
 def _world_ranks_in_group_order(group, world_rank):
     """The world ranks of a group's members, indexed by their rank in the group (one all-reduce)."""
     slots = np.zeros(group.size)
@@ -33,50 +46,58 @@ def _world_ranks_in_group_order(group, world_rank):
     return [int(rank) for rank in group.allreduce_scalars(slots, op="sum")]
 
 
-def _expected_groups(rank, dp, pp, tp):
+def _expected_groups(rank, dp, pp, tp, cp=1):
     """Each group's members by the docstring's numbering,
-    rank = stage * dp * tp + dp_rank * tp + tp_rank."""
-    stage, dp_rank, tp_rank = rank // (dp * tp), rank // tp % dp, rank % tp
+    rank = stage * dp * cp * tp + dp_rank * cp * tp + cp_rank * tp + tp_rank."""
+    stage, dp_rank = rank // (dp * cp * tp), rank // (cp * tp) % dp
+    cp_rank, tp_rank = rank // tp % cp, rank % tp
 
-    def world(s, d, t):
-        return s * dp * tp + d * tp + t
+    def world(s, d, c, t):
+        return s * dp * cp * tp + d * cp * tp + c * tp + t
 
     return {
-        "tp_group": [world(stage, dp_rank, t) for t in range(tp)],
-        "dp_group": [world(stage, d, tp_rank) for d in range(dp)],
-        "pp_group": [world(s, dp_rank, tp_rank) for s in range(pp)],
-        "mp_group": [world(s, dp_rank, t) for s in range(pp) for t in range(tp)],
-        "stage_group": [world(stage, d, t) for d in range(dp) for t in range(tp)],
+        "tp_group": [world(stage, dp_rank, cp_rank, t) for t in range(tp)],
+        "cp_group": [world(stage, dp_rank, c, tp_rank) for c in range(cp)],
+        "dp_group": [world(stage, d, cp_rank, tp_rank) for d in range(dp)],
+        "dp_cp_group": [world(stage, d, c, tp_rank) for d in range(dp) for c in range(cp)],
+        "pp_group": [world(s, dp_rank, cp_rank, tp_rank) for s in range(pp)],
+        "mp_group": [world(s, dp_rank, cp_rank, t) for s in range(pp) for t in range(tp)],
+        "stage_group": [world(stage, d, c, t) for d in range(dp) for c in range(cp)
+                        for t in range(tp)],
     }
 
 
-GROUPS = ("tp_group", "dp_group", "pp_group", "mp_group", "stage_group")
+GROUPS = ("tp_group", "cp_group", "dp_group", "dp_cp_group", "pp_group", "mp_group", "stage_group")
 
 
 @pytest.mark.parametrize(
-    "dp, pp, tp",
+    "dp, pp, tp, cp",
     [
-        (2, 3, 1),  # more stages than replicas: stage 2 of replica 0 vs stage 0 of replica 1
-        (1, 3, 2),  # more stages than shards: stage 2 shard 0 vs stage 0 shard 1
-        (3, 1, 2),  # more replicas than shards: replica 2 shard 0 vs replica 0 shard 1
-        (2, 2, 2),
+        (2, 3, 1, 1),  # more stages than replicas: stage 2 of replica 0 vs stage 0 of replica 1
+        (1, 3, 2, 1),  # more stages than shards: stage 2 shard 0 vs stage 0 shard 1
+        (3, 1, 2, 1),  # more replicas than shards: replica 2 shard 0 vs replica 0 shard 1
+        (2, 2, 2, 1),
+        (3, 1, 1, 2),  # more replicas than context shards
+        (1, 1, 2, 3),  # more context shards than tensor shards: cp between tp and dp
+        (2, 2, 2, 2),  # every dimension: 16 ranks
     ],
 )
-def test_every_group_holds_the_documented_ranks_in_the_documented_order(dp, pp, tp):
+def test_every_group_holds_the_documented_ranks_in_the_documented_order(dp, pp, tp, cp):
     """Grids where a color formula that divided instead of multiplying would put two groups under
-    one color, and where ordering a stage's ranks by anything but dp_rank * tp + tp_rank would
-    renumber them: each group's members, by group rank, must be exactly the docstring's."""
+    one color, and where ordering a stage's ranks by anything but (dp_rank * cp + cp_rank) * tp
+    + tp_rank would renumber them: each group's members, by group rank, must be exactly the
+    docstring's."""
 
     def groups(comm):
-        topology = Topology(comm, dp=dp, pp=pp, tp=tp)
+        topology = Topology(comm, dp=dp, pp=pp, tp=tp, cp=cp)
         return {
             name: _world_ranks_in_group_order(getattr(topology, name), comm.rank)
             for name in GROUPS
         }
 
-    got = dist.simulate(dp * pp * tp, groups)
+    got = dist.simulate(dp * pp * tp * cp, groups)
     for rank, groups_of_rank in enumerate(got):
-        assert groups_of_rank == _expected_groups(rank, dp, pp, tp), f"rank {rank}"
+        assert groups_of_rank == _expected_groups(rank, dp, pp, tp, cp), f"rank {rank}"
 
 
 class _RecordingCommunicator:
@@ -98,11 +119,11 @@ def test_split_colors_and_keys_are_what_mpi_comm_split_accepts():
 
     def splits(comm):
         recorder = _RecordingCommunicator(comm)
-        Topology(recorder, dp=2, pp=2, tp=2)
+        Topology(recorder, dp=2, pp=2, tp=2, cp=2)
         return recorder.splits
 
-    for rank, calls in enumerate(dist.simulate(8, splits)):
-        assert len(calls) == 5, f"rank {rank}"
+    for rank, calls in enumerate(dist.simulate(16, splits)):
+        assert len(calls) == len(GROUPS), f"rank {rank}"
         for color, key in calls:
             assert type(color) is int and color >= 0, f"rank {rank}: color {color!r}"
             assert type(key) is int, f"rank {rank}: key {key!r}"

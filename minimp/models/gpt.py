@@ -10,6 +10,7 @@ logits (B, T, vocab_size).
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -42,8 +43,22 @@ class GPTConfig:
                 f"GPTConfig: width {self.width} must be a multiple of heads {self.heads}")
 
 
+class Attention(Protocol):
+    """What a CausalSelfAttention may hand its heads to instead of computing causal attention
+    itself: q, k, v (B, H, T, D) -> y (B, H, T, D) (context parallelism's ring attention)."""
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Causal attention of q over k and v."""
+
+
 class Embeddings(nn.Module):
-    """Layer 0: token + position embeddings, then dropout: ids (B, T) -> x (B, T, C)."""
+    """Layer 0: token + position embeddings, then dropout: ids (B, T) -> x (B, T, C).
+
+    positions: None, or the sequence positions of the T tokens a forward gets (a context-parallel
+    rank's shard of every sample: minimp/parallel/context/models.py); None means 0..T-1.
+    """
+
+    positions: npt.NDArray[np.int64] | None = None
 
     def __init__(self, config: GPTConfig, rng: np.random.Generator):
         super().__init__()
@@ -56,13 +71,23 @@ class Embeddings(nn.Module):
         batch, tokens = ids.shape
         if tokens > self.context:
             raise ValueError(f"GPT: {tokens} tokens per sample, the context is {self.context}")
+        positions = np.arange(tokens) if self.positions is None else self.positions
+        if len(positions) != tokens:
+            raise ValueError(f"GPT: {tokens} tokens per sample, but the embeddings were given "
+                             f"{len(positions)} positions")
         token = self.wte(ids)  # (B, T, C)
-        position = self.wpe(np.arange(tokens))  # (T, C), broadcast over the batch
+        position = self.wpe(positions)  # (T, C), broadcast over the batch
         return self.drop(token + position)  # (B, T, C)
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention where each position sees only itself and earlier positions."""
+    """Multi-head self-attention where each position sees only itself and earlier positions.
+
+    attend: None, or the Attention its heads' q, k, v go to instead of the scores, softmax,
+    dropout and product below (set by minimp/parallel/context/models.py; the Linears stay here).
+    """
+
+    attend: Attention | None = None
 
     def __init__(self, config: GPTConfig, index: int, rng: np.random.Generator):
         super().__init__()
@@ -81,10 +106,13 @@ class CausalSelfAttention(nn.Module):
         # q, k and v: each (B, T, C), views of qkv, then split into heads: (B, H, T, D)
         q, k, v = (part.reshape(batch, tokens, heads, head_width).transpose(0, 2, 1, 3)
                    for part in F.split(qkv, width, axis=2))
-        scores = q @ k.transpose(0, 1, 3, 2)  # (B, H, T, T): float32 sums, rounded once
-        # 1/sqrt(D) applied in float32 inside the softmax (see minimp/ops/softmax.py for why)
-        attention = F.scaled_masked_softmax(scores, 1.0 / math.sqrt(head_width))  # (B, H, T, T)
-        y = self.attn_dropout(attention) @ v  # (B, H, T, D)
+        if self.attend is not None:
+            y = self.attend(q, k, v)  # (B, H, T, D)
+        else:
+            scores = q @ k.transpose(0, 1, 3, 2)  # (B, H, T, T): float32 sums, rounded once
+            # 1/sqrt(D) applied in float32 inside the softmax (see minimp/ops/softmax.py for why)
+            attention = F.scaled_masked_softmax(scores, 1.0 / math.sqrt(head_width))  # (B,H,T,T)
+            y = self.attn_dropout(attention) @ v  # (B, H, T, D)
         y = y.transpose(0, 2, 1, 3).reshape(batch, tokens, width)  # (B, T, C), heads side by side
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 

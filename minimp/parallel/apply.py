@@ -6,6 +6,8 @@ is this rank's share of the run, built in the order picotron's train.py and torc
 parallelize.py apply theirs:
 
   1. tensor     a copy of the model whose blocks' Linears are cut over the tp group (tensor/)
+     context    with --cp, a copy of the GPT's modules sharing its weights that runs this rank's
+                shard of the sequence, its attention around the cp group's ring (context/)
   2. pipeline   this rank's layers: pp x virtual_stages chunks of about equal parameter count,
                 chunk r, r + pp, ... on pipeline rank r (pipeline/split.py), and the copy of the
                 tied embedding the last stage reads
@@ -14,7 +16,9 @@ parallelize.py apply theirs:
      must come from the float32 weights, never from their 16-bit rounding)
   3. recompute  the runner of the chunks reruns each block's forward in its backward
   4. data/zero  the stage's replicas start from replica 0's masters and share one GradientSync:
-                DataParallel, or ZeRO's, which shards the optimizer (stage 3: the parameters)
+                DataParallel, or ZeRO's, which shards the optimizer (stage 3: the parameters);
+                with --cp the context shards of a replica are in that group too (each saw other
+                tokens of the same samples: context/models.py derives the average)
 
 Steps 1-3 are `parallelize`, step 4 is `replicate` (PyTorch's name for its composable data
 parallelism). The first sends no message, the second is a collective: between them the trainer
@@ -33,6 +37,8 @@ from minimp.backend import Array
 from minimp.distributed.protocol import Communicator
 from minimp.models.gpt import GPT
 from minimp.optim import Optimizer
+from minimp.parallel.context.layout import ContextLayout
+from minimp.parallel.context.models import parallelize_context
 from minimp.parallel.data.data_parallel import DataParallel, broadcast_masters
 from minimp.parallel.pipeline.schedules import CHOICES as SCHEDULES
 from minimp.parallel.pipeline.split import StageChunk, cut_shapes, run_layers, split_counts
@@ -67,6 +73,8 @@ class Parallelism:
     bucket_mb: float = 25.0  # data parallelism's buckets
     grad_comm_dtype: str = "fp32"  # the gradients' dtype on the wire: fp32 or fp16
     grad_average: str = "before"  # divide by the replicas before or after the sum
+    cp_layout: str = "zigzag"  # context parallelism's shards (context/layout.py)
+    cp_mode: str = "ring"  # context parallelism's attention (context/models.py)
 
 
 class Task(Protocol):
@@ -97,6 +105,7 @@ class Parallelized:
     plan: TensorParallelPlan | None = None
     tensor_parallel: TensorParallelGradients | None = None
     select: Callable[[str, np.ndarray], np.ndarray] | None = None
+    context: ContextLayout | None = None  # with --cp: which positions each context rank holds
 
 
 def parallelize(model: nn.Sequential, grid: Topology, parallelism: Parallelism, task: Task, *,
@@ -106,6 +115,7 @@ def parallelize(model: nn.Sequential, grid: Topology, parallelism: Parallelism, 
     sample_input: one micro-batch of inputs (the shapes of its activations size the pipeline's
     messages); dtype: the compute dtype `prepare` casts to."""
     trained, plan = _tensor_parallel(model, grid, parallelism)
+    trained, context = _context_parallel(trained, grid, parallelism)
     ranges = _pipeline_ranges(trained, grid, parallelism, paired=plan is not None)
     tied = _tied_parameters(trained, grid)
     named = [pair for bounds in ranges for pair in stage_parameters(trained, bounds)]
@@ -122,7 +132,8 @@ def parallelize(model: nn.Sequential, grid: Topology, parallelism: Parallelism, 
         if id(parameter) not in kept:
             free(parameter)
     names, tied_names = [name for name, _ in named], [name for name, _ in tied]
-    share = Parallelized(model, trained, names, optimizer, runner, ranges, tied_names, plan)
+    share = Parallelized(model, trained, names, optimizer, runner, ranges, tied_names, plan,
+                         context=context)
     if plan is not None:
         share.tensor_parallel = TensorParallelGradients.for_names(grid.tp_group, names, plan)
         share.select = shard_selector(plan.partitions, grid.tp_rank, grid.tp)
@@ -136,6 +147,18 @@ def _tensor_parallel(model: nn.Sequential, grid: Topology,
         return model, None
     trained = copy.deepcopy(model)
     return trained, parallelize_module(trained, grid.tp_group, parallelism.sequence_parallel)
+
+
+def _context_parallel(model: nn.Sequential, grid: Topology, parallelism: Parallelism
+                      ) -> tuple[nn.Sequential, ContextLayout | None]:
+    """1b. With --cp, a copy of the GPT's modules sharing its Parameters, running this rank's
+    positions (context/models.py), and the layout naming them; else the model as it is."""
+    if grid.cp == 1:
+        return model, None
+    if not isinstance(model, GPT):
+        raise ValueError("context parallelism splits a sequence: it needs the GPT")
+    layout = ContextLayout(grid.cp, parallelism.cp_layout)
+    return parallelize_context(model, grid.cp_group, layout, parallelism.cp_mode), layout
 
 
 def _pipeline_ranges(model: nn.Sequential, grid: Topology, parallelism: Parallelism,
@@ -179,6 +202,8 @@ def _pipeline_runner(model: nn.Sequential, trained: nn.Sequential, ranges: list[
     if parallelism.sequence_parallel:  # between the embeddings and the head: 1/tp of positions
         shapes = [(shape[0], shape[1] // grid.tp, *shape[2:]) if 0 < index < len(model) else shape
                   for index, shape in enumerate(shapes)]
+    if grid.cp > 1:  # a context shard holds 1/cp of the positions everywhere, ids to logits
+        shapes = [(shape[0], shape[1] // grid.cp, *shape[2:]) for shape in shapes]
     chunks = [StageChunk(trained.layers[a:b], shapes[a], shapes[b]) for a, b in ranges]
 
     def run_group(layers: list[nn.Module], x: Tensor) -> Tensor:
@@ -198,8 +223,9 @@ def replicate(share: Parallelized, grid: Topology, parallelism: Parallelism,
     starting from replica 0's masters: DataParallel, or ZeRO's, which shards the stage's
     optimizer (its `.optimizer` is the one to step from now on) and, in stage 3, gathers the
     parameters around the runner's groups of layers. With --tp both also sum the partial
-    gradients and count the whole parameters once (tensor/grads.py). decision_comm: every rank
-    that shares the step's skip decision (the job)."""
+    gradients and count the whole parameters once (tensor/grads.py). With --cp the group is the
+    replicas' context shards too (dp_cp_group). decision_comm: every rank that shares the step's
+    skip decision (the job)."""
     tied = _tied_gradients(share.trained, share.names, share.tied_names, grid)
     optimizer, runner = share.optimizer, share.runner
     options: dict[str, Any] = dict(
@@ -210,13 +236,13 @@ def replicate(share: Parallelized, grid: Topology, parallelism: Parallelism,
     stage = zero_stage(parallelism.zero)
     if not stage.shards_optimizer_state:
         sync = DataParallel(
-            grid.dp_group, optimizer, bucket_mb=parallelism.bucket_mb,
+            grid.dp_cp_group, optimizer, bucket_mb=parallelism.bucket_mb,
             stages_comm=grid.mp_group,  # the stages and the tensor-parallel shards
             **options)
         sync.broadcast_parameters()
         return sync
-    broadcast_masters(grid.dp_group, optimizer)
-    zero = zero_data_parallel(stage, optimizer, runner.layers, grid.dp_group, **options)
+    broadcast_masters(grid.dp_cp_group, optimizer)
+    zero = zero_data_parallel(stage, optimizer, runner.layers, grid.dp_cp_group, **options)
     plain = runner.run_group
     runner.run_group = lambda layers, x: zero.run_group(layers, x, plain)
     return zero

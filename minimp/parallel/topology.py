@@ -1,14 +1,16 @@
-"""The dp x tp x pp grid: which pipeline stage, data-parallel replica and tensor shard each rank is.
+"""The dp x cp x tp x pp grid: which pipeline stage, data-parallel replica, context shard and tensor
+shard each rank is.
 
-Megatron-LM's order: tensor-parallel ranks are neighbours, then data-parallel replicas, then
-pipeline stages,
+Megatron-Core's order: tensor-parallel ranks are neighbours, then context-parallel ranks, then
+data-parallel replicas, then pipeline stages,
 
-    world rank = stage * (dp * tp) + dp_rank * tp + tp_rank
+    world rank = stage * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
 
 because tensor parallelism talks most (every layer, every micro-batch, activations the size of the
-residual stream), so its ranks belong inside one node; the replicas all-reduce once a step; the
-stages pass one activation per micro-batch to one neighbour and tolerate the slowest links. (Before
-tensor parallelism, minimp numbered stages first: rank = dp_rank * pp + stage; see CHANGELOG.md.)
+residual stream), so its ranks belong inside one node; context parallelism next (every attention
+passes key/value blocks around its ring); the replicas all-reduce once a step; the stages pass one
+activation per micro-batch to one neighbour and tolerate the slowest links. (Before tensor
+parallelism, minimp numbered stages first: rank = dp_rank * pp + stage; see CHANGELOG.md.)
 A Topology is passed as an argument; nothing about it is global.
 """
 
@@ -20,46 +22,64 @@ class TopologyError(ValueError):
 
 
 class Topology:
-    """Coordinates of this rank in a dp x pp x tp grid of comm's ranks (dp * pp * tp ==
+    """Coordinates of this rank in a dp x cp x pp x tp grid of comm's ranks (dp * cp * pp * tp ==
     comm.size), plus the sub-communicators it talks through:
 
-    tp_group     the tensor-parallel shards of this stage of this replica (activations, every layer)
-    dp_group     the replicas of this shard of this stage (gradients, once a step)
+    tp_group     the tensor-parallel shards of this context shard (activations, every layer)
+    cp_group     the context-parallel shards of this tensor shard: the ring attention's ranks, each
+                 holding other positions of the same samples
+    dp_group     the replicas of this context and tensor shard of this stage
+    dp_cp_group  dp_group x cp_group: the ranks whose gradients of the same weights are reduced
+                 (the replicas see other samples, the context shards other tokens of them)
     pp_group     the stages of this replica's shard (activations between stages)
-    mp_group     every rank of this replica, tp x pp (the model's gradient norm adds up over them)
-    stage_group  every rank of this stage, dp x tp (fp8's amaxes: they hold the same tensors)
+    mp_group     every rank of this replica's context shard, tp x pp (the model's gradient norm
+                 adds up over them)
+    stage_group  every rank of this stage, dp x cp x tp (fp8's amaxes: they hold the same tensors)
     """
 
-    def __init__(self, comm: Communicator, dp: int, pp: int = 1, tp: int = 1):
-        if dp < 1 or pp < 1 or tp < 1 or dp * tp * pp != comm.size:
-            raise TopologyError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp} ranks, but "
-                                f"the job has {comm.size} (choose --dp, --tp and --pp whose "
-                                f"product is {comm.size})")
-        self.world, self.dp, self.pp, self.tp = comm, dp, pp, tp
-        self.stage, self.dp_rank, self.tp_rank = self.coordinates(comm.rank)
-        stage, dp_rank, tp_rank = self.stage, self.dp_rank, self.tp_rank
-        self.tp_group = comm.split(color=stage * dp + dp_rank, key=tp_rank)
-        self.dp_group = comm.split(color=stage * tp + tp_rank, key=dp_rank)
-        self.pp_group = comm.split(color=dp_rank * tp + tp_rank, key=stage)
-        self.mp_group = comm.split(color=dp_rank, key=stage * tp + tp_rank)
-        self.stage_group = comm.split(color=stage, key=dp_rank * tp + tp_rank)
+    def __init__(self, comm: Communicator, dp: int, pp: int = 1, tp: int = 1, cp: int = 1):
+        if min(dp, pp, tp, cp) < 1 or dp * cp * tp * pp != comm.size:
+            sizes, names = f"--dp {dp} x --tp {tp} x --pp {pp}", "--dp, --tp and --pp"
+            if cp != 1:
+                sizes = f"--dp {dp} x --cp {cp} x --tp {tp} x --pp {pp}"
+                names = "--dp, --cp, --tp and --pp"
+            raise TopologyError(f"{sizes} = {dp * cp * tp * pp} ranks, but the job has "
+                                f"{comm.size} (choose {names} whose product is {comm.size})")
+        self.world, self.dp, self.pp, self.tp, self.cp = comm, dp, pp, tp, cp
+        self.stage, self.dp_rank, self.cp_rank, self.tp_rank = self.coordinates(comm.rank)
+        stage, dp_rank, cp_rank, tp_rank = self.stage, self.dp_rank, self.cp_rank, self.tp_rank
+        self.tp_group = comm.split(color=(stage * dp + dp_rank) * cp + cp_rank, key=tp_rank)
+        self.cp_group = comm.split(color=(stage * dp + dp_rank) * tp + tp_rank, key=cp_rank)
+        self.dp_group = comm.split(color=(stage * cp + cp_rank) * tp + tp_rank, key=dp_rank)
+        self.dp_cp_group = comm.split(color=stage * tp + tp_rank, key=dp_rank * cp + cp_rank)
+        self.pp_group = comm.split(color=(dp_rank * cp + cp_rank) * tp + tp_rank, key=stage)
+        self.mp_group = comm.split(color=dp_rank * cp + cp_rank, key=stage * tp + tp_rank)
+        self.stage_group = comm.split(color=stage, key=(dp_rank * cp + cp_rank) * tp + tp_rank)
 
-    def coordinates(self, rank: int) -> tuple[int, int, int]:
-        """(stage, dp_rank, tp_rank) of any world rank."""
-        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+    def coordinates(self, rank: int) -> tuple[int, int, int, int]:
+        """(stage, dp_rank, cp_rank, tp_rank) of any world rank."""
+        dp, cp, tp = self.dp, self.cp, self.tp
+        return rank // (dp * cp * tp), rank // (cp * tp) % dp, rank // tp % cp, rank % tp
 
     def describe_rank(self, rank: int) -> str:
-        """'stage 1, replica 0, shard 1' (the parts that exist: pp, dp, tp > 1)."""
-        stage, dp_rank, tp_rank = self.coordinates(rank)
-        parts = [f"stage {stage}", f"replica {dp_rank}", f"shard {tp_rank}"]
-        kept = [part for part, size in zip(parts, (self.pp, self.dp, self.tp)) if size > 1]
+        """'stage 1, replica 0, context 1, shard 1' (the parts that exist: pp, dp, cp, tp > 1)."""
+        stage, dp_rank, cp_rank, tp_rank = self.coordinates(rank)
+        parts = [f"stage {stage}", f"replica {dp_rank}", f"context {cp_rank}", f"shard {tp_rank}"]
+        sizes = (self.pp, self.dp, self.cp, self.tp)
+        kept = [part for part, size in zip(parts, sizes) if size > 1]
         return ", ".join(kept) or "the whole model"
 
     def describe(self) -> str:
-        """The grid and every rank's place in it, as rank 0 prints it once at start."""
-        lines = [f"layout: --dp {self.dp} x --tp {self.tp} x --pp {self.pp} = {self.world.size} "
-                 "ranks (tensor-parallel ranks adjacent, then replicas, then stages)"]
-        lines += [f"  rank {r}: {self.describe_rank(r)}" for r in range(self.world.size)]
+        """The grid and every rank's place in it, as rank 0 prints it once at start (the context
+        dimension named where there is one)."""
+        if self.cp == 1:
+            head = (f"layout: --dp {self.dp} x --tp {self.tp} x --pp {self.pp} = {self.world.size} "
+                    "ranks (tensor-parallel ranks adjacent, then replicas, then stages)")
+        else:
+            head = (f"layout: --dp {self.dp} x --cp {self.cp} x --tp {self.tp} x --pp {self.pp} = "
+                    f"{self.world.size} ranks (tensor-parallel ranks adjacent, then "
+                    "context-parallel ranks, then replicas, then stages)")
+        lines = [head] + [f"  rank {r}: {self.describe_rank(r)}" for r in range(self.world.size)]
         return "\n".join(lines)
 
     @property
@@ -74,4 +94,5 @@ class Topology:
 
     def __repr__(self) -> str:
         return (f"Topology(rank {self.world.rank}: stage {self.stage}/{self.pp}, "
-                f"replica {self.dp_rank}/{self.dp}, shard {self.tp_rank}/{self.tp})")
+                f"replica {self.dp_rank}/{self.dp}, context {self.cp_rank}/{self.cp}, "
+                f"shard {self.tp_rank}/{self.tp})")

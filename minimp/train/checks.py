@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from minimp.backend import DEVICE_ENVIRONMENT_VARIABLE
 from minimp.checkpoints.errors import ConfigError
+from minimp.parallel.context.ulysses import check_ulysses
 from minimp.parallel.pipeline.schedules import schedule_problem
 from minimp.parallel.pipeline.stage import FIRST_TAG
 from minimp.parallel.zero.stages import zero_stage
@@ -23,7 +24,7 @@ if TYPE_CHECKING:  # config.py imports this module to validate itself
     from minimp.train.config import TrainConfig
 
 POSITIVE_INTEGERS = ("steps", "batch_size", "micro_batches", "layers", "hidden", "log_every",
-                     "loss_scale_growth_interval", "pp", "tp", "virtual_stages")
+                     "loss_scale_growth_interval", "pp", "tp", "cp", "virtual_stages")
 NON_NEGATIVE = ("weight_decay", "max_grad_norm", "dp", "threads", "check_replicas",
                 "seed", "save_every", "max_consecutive_skips", "warmup", "lr_decay_steps",
                 "eval_every", "eval_batches", "heads", "context", "zero")
@@ -187,6 +188,7 @@ def _check_layout(config: "TrainConfig", world_size: int) -> None:
         raise ConfigError(f"--tp {config.tp} is more than the {world_size} ranks of this job "
                           f"(start at least {config.tp} ranks with mpirun -n)")
     _check_tensor_parallel(config)
+    _check_context_parallel(config)
     _check_grid(config, world_size)
     _check_schedule(config)
 
@@ -225,6 +227,48 @@ def _check_tensor_parallel(config: "TrainConfig") -> None:
                           f"do not divide by {tp} (use --hidden divisible by --tp)")
 
 
+# What --cp does not compose with yet (issue 39 wants each later), in the order they are checked:
+# (field, the value that leaves it off).
+CONTEXT_PARALLEL_REFUSED = (("tp", 1), ("pp", 1), ("zero", 0), ("recompute", False))
+
+
+def _check_context_parallel(config: "TrainConfig") -> None:
+    """--cp splits the GPT's sequence: into 2N chunks for the ring, into N contiguous pieces of
+    H/N heads each for Ulysses; no dropout (its masks are drawn per position held), and none of
+    the flags it does not compose with."""
+    cp = config.cp
+    if cp == 1:
+        return
+    if config.model != "gpt":
+        raise ConfigError(f"--cp {cp} splits a sequence: it needs the GPT (--dataset shakespeare)")
+    if config.cp_mode == "ulysses":
+        if config.cp_layout != "contiguous":
+            raise ConfigError(f"--cp-mode ulysses takes --cp-layout contiguous, got "
+                              f"{config.cp_layout} (every rank attends the whole sequence of its "
+                              "heads, so there is no imbalance to zig-zag away)")
+        try:  # the heads are the config's: --tp is refused with --cp below
+            check_ulysses(config.heads, config.context, cp)
+        except ValueError as error:
+            raise ConfigError(f"--cp-mode {error}") from None
+    elif config.context % (2 * cp):
+        raise ConfigError(
+            f"--cp {cp} cuts the sequence into 2N = {2 * cp} chunks (the ring computes in chunks "
+            f"with either --cp-layout), and --context {config.context} does not divide by "
+            f"{2 * cp} (use a multiple of {2 * cp})")
+    if config.dropout:
+        raise ConfigError(f"--cp {cp} with --dropout {config.dropout:g}: dropout masks are drawn "
+                          "per position a rank holds, not per global position (use --dropout 0)")
+    if config.precision == "fp8":
+        raise ConfigError(f"--cp {cp} does not work with --precision fp8 yet (use fp32, fp16 or "
+                          "bf16)")
+    for name, off in CONTEXT_PARALLEL_REFUSED:
+        value = getattr(config, name)
+        if value != off:
+            shown = flag(name) if isinstance(value, bool) else f"{flag(name)} {value}"
+            raise ConfigError(f"--cp {cp} does not work with {shown} yet (context parallelism "
+                              "composes with --dp only for now)")
+
+
 def _check_grid(config: "TrainConfig", world_size: int) -> None:
     """--dp x --tp x --pp must tile the job's ranks, and the model must have a layer per stage."""
     if config.pp > weighted_layers(config):
@@ -233,9 +277,11 @@ def _check_grid(config: "TrainConfig", world_size: int) -> None:
             what = "hidden pairs + output: --tp keeps each pair on one stage"
         raise ConfigError(f"--pp {config.pp} needs at least {config.pp} layers with weights, the "
                           f"model has {weighted_layers(config)} ({what}; use --layers)")
-    model_parallel = config.pp * config.tp
+    model_parallel = config.pp * config.tp * config.cp
     if world_size % model_parallel:
         what = f"--pp {config.pp}" if config.tp == 1 else f"--tp {config.tp} x --pp {config.pp}"
+        if config.cp > 1:
+            what = f"--cp {config.cp} x --tp {config.tp} x --pp {config.pp}"
         raise ConfigError(f"{what} does not divide the {world_size} ranks of this job (start a "
                           f"multiple of {model_parallel} ranks with mpirun -n)")
     dp = config.data_parallel_size(world_size)

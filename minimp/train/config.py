@@ -122,6 +122,14 @@ class TrainConfig:
     sequence_parallel: bool = _flag(
         False, "with --tp: the GPT's LayerNorms, residual adds and dropouts run on 1/tp of the "
         "sequence (the all-reduces become reduce-scatters and all-gathers)")
+    cp: int = _flag(1, "context-parallel ranks: every sample's sequence is split across them, "
+                    "attention runs as ring attention over them (GPT)")
+    cp_layout: str = _flag("zigzag", "with --cp: which positions each rank holds: zigzag (chunks r "
+                           "and 2N-1-r of 2N, equal causal work) or contiguous (the r-th of N "
+                           "pieces)", choices=("zigzag", "contiguous"))
+    cp_mode: str = _flag("ring", "with --cp: ring (key/value blocks travel a ring) or ulysses (an "
+                         "all-to-all to head shards; with --cp-layout contiguous)",
+                         choices=("ring", "ulysses"))
     schedule: str = _flag("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over "
                           "--virtual-stages chunks per rank) or zb-h1 (backward split into input "
                           "and weight gradients, Qi et al. 2023)", choices=tuple(SCHEDULE_CHOICES))
@@ -176,8 +184,8 @@ class TrainConfig:
             self.fp8_margin = 0 if self.fp8_margin is None else self.fp8_margin
 
     def data_parallel_size(self, world_size: int) -> int:
-        """The resolved --dp: the job's ranks divided by --tp x --pp unless given."""
-        return self.dp or max(1, world_size // max(self.pp * self.tp, 1))
+        """The resolved --dp: the job's ranks divided by --tp x --cp x --pp unless given."""
+        return self.dp or max(1, world_size // max(self.pp * self.tp * self.cp, 1))
 
     def activation_dtype(self) -> np.dtype:
         """The dtype activations are stored in: --precision's, and bf16 for fp8 runs (fp8 is

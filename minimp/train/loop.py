@@ -68,7 +68,7 @@ class Run:
         self.threads = threads or rank_threads(config, comm)
         self.config, self.comm, self.dp = config, comm, config.data_parallel_size(comm.size)
         self.log = log if comm.rank == 0 else (lambda line: None)
-        self.topology = Topology(comm, dp=self.dp, pp=config.pp, tp=config.tp)
+        self.topology = Topology(comm, dp=self.dp, pp=config.pp, tp=config.tp, cp=config.cp)
         if comm.size > 1:
             self.log(self.topology.describe())
         # Everything that can fail for a user's reason, with no message in between: one rank says
@@ -170,9 +170,14 @@ class Run:
     def _micro_batches(self, step: int) -> tuple[list | None, list | None, list]:
         """This replica's rows of the step's global batch, cut into micro-batches: the inputs (on
         the first stage), the targets (on the last stage) and every micro-batch's global row
-        numbers (what dropout draws its masks from)."""
+        numbers (what dropout draws its masks from). With --cp, of every row this rank's
+        positions only (its inputs and their targets: minimp/parallel/context/layout.py)."""
         config, topology = self.config, self.topology
         inputs, targets = self.task.global_batch(step)
+        layout = self.share.context
+        if layout is not None:  # (B, T) -> (B, T/N): this context shard's positions
+            inputs = layout.shard(inputs, topology.cp_rank)
+            targets = layout.shard(targets, topology.cp_rank)
         local = shard(np.arange(config.batch_size), topology.dp_rank, self.dp)
         rows = np.split(local, config.micro_batches)
         first, last = topology.is_first_stage, topology.is_last_stage

@@ -6,14 +6,18 @@ The training loop calls `start` before the step, `recorder` for the runner's tim
 metrics row; at the end, `model_state` gives the final row's memory fields.
 Per step (every row): `bytes_sent` (every group but the scalar all-reduces), `compute_seconds`,
 `communication_seconds`, `exposed_communication_seconds` and, with --straggler-barrier,
-`straggler_seconds`; `bytes_by_group` (tensor_parallel, data_parallel, pipeline, tied),
-`bytes_by_collective` (all_reduce for --zero 0, reduce_scatter and all_gather for ZeRO, tied for the
-GPT's embedding across stages, pipeline for activations, tensor_parallel for --tp's activations and
-partial gradients), `seconds_by_collective` (ZeRO's run inside backward and the update, where
-`communication_seconds` does not look), `scalar_allreduces` (calls: the overflow flags, the norm,
-the loss) and `peak_activation_bytes` (the most bytes kept for backward at once, the largest over
-the ranks). In the final row: `model_state_bytes`, one total per rank, held at the end of the last
-step, with `model_state_by_kind` and `peak_model_state_bytes` beside it
+`straggler_seconds`; `bytes_by_group` (tensor_parallel, context_parallel, data_parallel, pipeline,
+tied), `bytes_by_collective` (all_reduce for --zero 0, reduce_scatter and all_gather for ZeRO, tied
+for the GPT's embedding across stages, pipeline for activations, tensor_parallel for --tp's
+activations and partial gradients, context_parallel for --cp's attention, whose formula is
+parallel/context/ring.py's ring_bytes, or ulysses.py's ulysses_bytes with --cp-mode ulysses), with
+--cp `context_work_imbalance` (the busiest context rank's causal attention work over the idlest's:
+the ring's 1 zig-zag, 2N-1 contiguous, parallel/context/layout.py; Ulysses' 1, since every rank
+computes all T positions of H/N heads), `seconds_by_collective` (ZeRO's run inside backward and the
+update, where `communication_seconds` does not look), `scalar_allreduces` (calls: the overflow
+flags, the norm, the loss) and `peak_activation_bytes` (the most bytes kept for backward at once,
+the largest over the ranks). In the final row: `model_state_bytes`, one total per rank, held at the
+end of the last step, with `model_state_by_kind` and `peak_model_state_bytes` beside it
 (minimp/parallel/zero/formulas.py has the formulas they are checked against), and rank 0's BLAS
 `threads` with their `threads_reason` (minimp/train/threads.py). After a skipped step,
 `overflowed_ranks` names the ranks whose own check found the non-finite gradient. With --timeline
@@ -29,6 +33,7 @@ import numpy as np
 from minimp.distributed.protocol import Communicator
 from minimp.measure.accounts import KINDS
 from minimp.measure.trace import TraceRecorder, common_origin
+from minimp.parallel.context.layout import ContextLayout
 from minimp.parallel.data.data_parallel import DataParallel
 from minimp.parallel.pipeline.stage import PipelineStage
 from minimp.parallel.topology import Topology
@@ -98,9 +103,12 @@ class Meter:
         self.sync = OverflowWitness(TimedCalls(sync, self.stopwatch))
         # The groups whose bytes a step counts; the scalar all-reduces are counted on every
         # communicator of this rank.
-        self.groups = {"data_parallel": topology.dp_group, "pipeline": topology.pp_group}
+        # (The gradients' group is the replicas', with --cp their context shards' too.)
+        self.groups = {"data_parallel": topology.dp_cp_group, "pipeline": topology.pp_group}
         if topology.tp > 1:
             self.groups["tensor_parallel"] = topology.tp_group
+        if topology.cp > 1:
+            self.groups["context_parallel"] = topology.cp_group
         if sync.tied is not None:
             self.groups["tied"] = sync.tied.comm
         self.communicators = [comm, *self.groups.values()]
@@ -140,7 +148,7 @@ class Meter:
         time overlap cannot hide, kept out of the exposed seconds."""
         if self.config.straggler_barrier:
             started = time.perf_counter()
-            self.topology.dp_group.barrier()
+            self.topology.dp_cp_group.barrier()
             self.straggler = time.perf_counter() - started
 
     @contextmanager
@@ -169,8 +177,14 @@ class Meter:
         """The step's metrics row: the step, the batch's mean loss, the step's `decisions` (lr,
         loss scale, skipped), every measurement above, and the fp8 statistics."""
         loss, activation_bytes = self._mean_loss_and_peak(loss_sum)
-        return {"step": step, "loss": loss, **decisions, **self._seconds(), **self._communication(),
-                "peak_activation_bytes": activation_bytes, **fp8}
+        row = {"step": step, "loss": loss, **decisions, **self._seconds(), **self._communication(),
+               "peak_activation_bytes": activation_bytes, **fp8}
+        if self.topology.cp > 1 and self.config.cp_mode == "ulysses":
+            row["context_work_imbalance"] = 1.0  # every rank: all T positions of H/N heads
+        elif self.topology.cp > 1:
+            layout = ContextLayout(self.topology.cp, self.config.cp_layout)
+            row["context_work_imbalance"] = layout.work_imbalance()
+        return row
 
     def _counts(self) -> tuple[dict, dict, dict, int]:
         """This rank's counters now: bytes sent by group, the sync's bytes and seconds by
@@ -187,7 +201,7 @@ class Meter:
         sent1, bytes1, seconds1, calls1 = self._counts()
         by_collective = {name: bytes1[name] - bytes0.get(name, 0) for name in bytes1}
         by_group = {name: sent1[name] - sent0[name] for name in sent1}
-        for name in ("pipeline", "tied", "tensor_parallel"):
+        for name in ("pipeline", "tied", "tensor_parallel", "context_parallel"):
             if name in sent1:
                 by_collective[name] = by_group[name]
         return {"bytes_sent": sum(by_group.values()), "bytes_by_group": by_group,
@@ -216,7 +230,8 @@ class Meter:
         topology, config = self.topology, self.config
         values = np.zeros(1 + self.comm.size)
         if topology.is_last_stage and topology.tp_rank == 0:  # the shards share one loss
-            values[0] = loss_sum / config.micro_batches / topology.dp
+            # each context shard's mean is over its equal share of the replica's tokens
+            values[0] = loss_sum / config.micro_batches / topology.dp / topology.cp
         values[1 + self.comm.rank] = self.runner.peak_activation_bytes
         total = self.timed(self.comm.allreduce_scalars, "mean_loss")(values, "sum")
         return float(total[0]), int(total[1:].max())

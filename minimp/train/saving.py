@@ -36,7 +36,7 @@ def gather_state(run: "Run") -> dict | None:
         state = run.optimizer.gather_state(run.names)  # a collective of the replicas
     elif topology.dp_rank == 0:
         state = checkpoint.state_arrays(run.names, run.share.optimizer)
-    if topology.dp_rank != 0:
+    if topology.dp_rank != 0 or topology.cp_rank != 0:  # context shards hold replica 0's weights
         return None
     if run.fp8 is not None:  # each stage's scaling state, as "fp8/<quantizer>/<field>"
         state.update(run.fp8.state_arrays())
@@ -165,12 +165,13 @@ def _write_trace(run: "Run", traces: dict) -> None:
                     "name": f"rank {rank}: {topology.describe_rank(rank)}"}
              for rank in range(run.comm.size)}
     coordinates = [topology.coordinates(rank) for rank in range(run.comm.size)]
-    first = [r for r, (_, dp_rank, tp_rank) in enumerate(coordinates) if dp_rank == tp_rank == 0]
+    first = [r for r, (_, dp_rank, cp_rank, tp_rank) in enumerate(coordinates)
+             if dp_rank == cp_rank == tp_rank == 0]
     other = {"schedule": config.schedule, "stages": config.pp, "replicas": run.dp,
              "tensor_parallel": config.tp, "micro_batches": config.micro_batches,
              "virtual_stages": config.virtual_stages,
              "peak_stored_micro_batches": [int(traces[f"peak{rank}"][0]) for rank in first],
-             "stage_of_rank": {str(rank): stage for rank, (stage, _, _) in enumerate(coordinates)},
+             "stage_of_rank": {str(rank): place[0] for rank, place in enumerate(coordinates)},
              "replica_0_ranks": first}
     document = json.dumps(trace.trace_document(ranks, other)).encode()
     files.atomic_write(config.timeline, lambda file: file.write(document))

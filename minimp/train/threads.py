@@ -48,11 +48,13 @@ def threads_for_work(multiply_adds: int, allowed: int, grain: int) -> int:
 def largest_product(config: "TrainConfig", world_size: int) -> tuple[int, int, int]:
     """(rows, inner, columns) of the largest matrix product one rank's step makes: a Linear's
     forward, (rows, inner) @ (inner, columns), whose two backward products make as many
-    multiply-adds; rows are one micro-batch of one replica (times --context for the GPT). --tp
-    cuts every Linear but the last (the MLP's output, the GPT's head) to 1/tp of its columns.
+    multiply-adds; rows are one micro-batch of one replica (times --context / --cp for the GPT,
+    the positions a context shard holds). --tp cuts every Linear but the last (the MLP's output,
+    the GPT's head) to 1/tp of its columns.
     The GPT's attention products (context x head width x context) are smaller than its Linears'."""
     dp = config.data_parallel_size(world_size)
-    rows = max(1, config.batch_size // dp // config.micro_batches) * (config.context or 1)
+    positions = max(1, (config.context or 1) // config.cp)
+    rows = max(1, config.batch_size // dp // config.micro_batches) * positions
     width = config.hidden
     if config.model == "gpt":  # c_fc, C -> 4C, the largest of a block's four Linears
         cut, last = [(width, 4 * width)], (width, SHAKESPEARE_VOCABULARY)

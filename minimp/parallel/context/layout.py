@@ -57,7 +57,14 @@ class ContextLayout:
         return 2 * rank, 2 * rank + 1
 
     def check_tokens(self, tokens: int) -> None:
-        """The sequence must cut into the grid's 2N equal chunks."""
+        """The sequence must cut into the grid's 2N equal chunks; contiguous shards need only N
+        equal pieces (Ulysses takes them so; the ring checks its 2 chunks a rank itself)."""
+        if self.kind == "contiguous" and tokens % self.size == 0 and tokens:
+            return
+        if self.kind == "contiguous":
+            raise ValueError(f"contiguous context shards over {self.size} ranks: the sequence's "
+                             f"{tokens} positions are not a multiple of {self.size} (choose a "
+                             f"context divisible by {self.size})")
         if tokens % self.chunks or tokens == 0:
             raise ValueError(f"context parallelism over {self.size} ranks cuts the sequence into "
                              f"2N = {self.chunks} chunks: its {tokens} positions are not a "
@@ -67,6 +74,10 @@ class ContextLayout:
     def token_indices(self, rank: int, tokens: int) -> np.ndarray:
         """The global positions rank holds, in its storage order: T/N of the sequence's T."""
         self.check_tokens(tokens)
+        self.chunk_ids(rank)  # (a rank outside the group fails here)
+        if self.kind == "contiguous":  # the r-th of N pieces (grid chunks 2r, 2r+1 when 2N | T)
+            share = tokens // self.size
+            return np.arange(rank * share, (rank + 1) * share)
         size = tokens // self.chunks
         return np.concatenate([np.arange(i * size, (i + 1) * size) for i in self.chunk_ids(rank)])
 

@@ -143,7 +143,9 @@ class RingAttention(Function):
         ctx.chunk_size = c = q.shape[2] // 2  # this rank's two chunks of the 2N-chunk grid
         queries = [chunk(q, a, c) for a in range(2)]
         states = [OnlineSoftmax.start(query) for query in queries]
-        held = xp.stack((k, v))  # (2, B, H, T/N, D): k and v in one message a step
+        # (2, B, H, T/N, D): k and v in one message a step, C-contiguous as the wire needs (the
+        # GPT hands in views of its qkv product: stacking them may keep their strides)
+        held = xp.ascontiguousarray(xp.stack((k, v)))
         arriving = xp.empty_like(held) if size > 1 else None
         ctx.buffer_bytes = held.nbytes + (0 if arriving is None else arriving.nbytes)
         ctx.work = 0.0
@@ -174,7 +176,7 @@ class RingAttention(Function):
         queries = [chunk(q, a, c) for a in range(2)]
         grads = [chunk(grad_output, a, c) for a in range(2)]
         grad_q = xp.zeros(q.shape, lse.dtype)  # dQ stays home, in float32
-        held = xp.stack((k, v))
+        held = xp.ascontiguousarray(xp.stack((k, v)))  # C order for the wire, as in forward
         adding = xp.zeros(held.shape, lse.dtype)  # (dK, dV) of the held block, in float32
         arriving, arriving_grads = (xp.empty_like(held), xp.empty_like(adding)) if size > 1 else (
             None, None)

@@ -1,0 +1,106 @@
+"""Context parallelism applied to the GPT: each rank runs the model on its shard of every sample's
+sequence, and its attention over the whole sequence through the ring.
+
+`parallelize_context` gives a rank a copy of the GPT's modules that shares every Parameter with
+the whole model (so the masters, gradients and checkpoints are those of one process, and rank 0
+still evaluates the whole model on whole sequences), with two seams of minimp/models/gpt.py set:
+
+  Embeddings.positions      the GLOBAL positions of the rank's tokens (layout.token_indices), so
+                            its position embeddings are those one process adds at those places
+  CausalSelfAttention.attend  ring attention over the context-parallel group (ring.py)
+
+Everything else (LayerNorm, MLP, residual adds, the head, the loss) is position-wise and runs on
+the rank's T/N tokens unchanged. The caller feeds each rank its shard of the inputs and of the
+targets (layout.shard along the sequence axis) and reduces the gradients over the dp x cp ranks
+(parallel/apply.py: `replicate`).
+
+The loss: rank (d, c) of dp replicas x N context shards computes L_dc, the cross-entropy mean over
+its b (T/N) tokens (b = B/dp rows). One process's loss is L = 1/(B T) sum over all tokens
+= 1/(dp N) sum_dc L_dc, since every L_dc averages the same number of tokens. Ring attention's
+backward sends each rank the gradient its keys and values receive from the other ranks' queries,
+so the gradient each rank holds for its copy of a weight is d(sum_c L_dc)/dW through that copy,
+and summing over the N copies gives d(sum_c L_dc)/dW. Averaging the gradients over the dp x N
+ranks (the data-parallel all-reduce over dp_cp_group, dividing by dp N) therefore gives
+1/(dp N) d(sum_dc L_dc)/dW = dL/dW: the mean over the rank's own tokens needs no other factor.
+
+Modes, in ATTENTIONS: "ring" (ring.py), either layout, the context a multiple of 2N (each rank's
+positions are two chunks of the 2N-chunk grid); "ulysses" (ulysses.py: an all-to-all from sequence
+shards to head shards and back), the contiguous layout only, the heads and the context multiples
+of N. The loss and gradient argument above holds for Ulysses as written: AllToAll's backward sends
+each rank's keys and values their gradients from the heads' ranks.
+"""
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+from minimp.distributed.protocol import Communicator
+from minimp.models.gpt import GPT, Attention, CausalSelfAttention, Embeddings
+from minimp.parallel.context.layout import ContextLayout
+from minimp.parallel.context.ring import ring_attention
+from minimp.parallel.context.ulysses import check_ulysses, ulysses_attention
+from minimp.tensor import Tensor
+
+
+@dataclass(frozen=True)
+class RingAttentionCall:
+    """The Attention a block's heads go to under --cp-mode ring: causal attention of this rank's
+    q, k, v (B, H, T/N, D) over the whole sequence, around comm's ring."""
+
+    comm: Communicator
+    layout: ContextLayout
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return ring_attention(q, k, v, self.comm, self.layout)
+
+
+@dataclass(frozen=True)
+class UlyssesAttentionCall:
+    """The Attention a block's heads go to under --cp-mode ulysses: causal attention of this
+    rank's q, k, v (B, H, T/N, D) over the whole sequence, each rank attending H/N heads' whole
+    sequence between two all-to-alls (today's attention on them: chunk_size None)."""
+
+    comm: Communicator
+    layout: ContextLayout
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return ulysses_attention(q, k, v, self.comm, self.layout)
+
+
+# Each --cp-mode's Attention, built from the context-parallel group and the layout.
+ATTENTIONS: dict[str, Callable[[Communicator, ContextLayout], Attention]] = {
+    "ring": RingAttentionCall,
+    "ulysses": UlyssesAttentionCall,
+}
+
+
+def parallelize_context(model: GPT, comm: Communicator, layout: ContextLayout,
+                        mode: str = "ring") -> GPT:
+    """A copy of model's modules sharing its Parameters, which runs rank comm.rank's positions
+    of every sample (the module docstring): its embeddings at those global positions, every
+    block's attention through `mode`'s Attention over comm."""
+    if mode not in ATTENTIONS:
+        raise ValueError(f"context parallelism: --cp-mode {mode} is not available (use "
+                         f"{' or '.join(ATTENTIONS)})")
+    if comm.size != layout.size:
+        raise ValueError(f"context parallelism: the layout is for {layout.size} ranks, the group "
+                         f"has {comm.size} (build ContextLayout({comm.size}))")
+    context = model.config.context
+    if mode == "ulysses":
+        if layout.kind != "contiguous":
+            raise ValueError(f"context parallelism: --cp-mode ulysses takes the contiguous layout, "
+                             f"got {layout.kind} (use --cp-layout contiguous)")
+        check_ulysses(model.config.heads, context, comm.size)
+    else:  # the ring computes in the 2N-chunk grid with either layout
+        ContextLayout(layout.size).check_tokens(context)
+    layout.check_tokens(context)
+    # The memo maps every Parameter to itself: new modules, the same weights and gradients.
+    shared = {id(parameter): parameter for parameter in model.parameters()}
+    copied = copy.deepcopy(model, memo=shared)
+    attention = ATTENTIONS[mode](comm, layout)
+    for module in copied.modules():
+        if isinstance(module, Embeddings):
+            module.positions = layout.token_indices(comm.rank, model.config.context)
+        elif isinstance(module, CausalSelfAttention):
+            module.attend = attention
+    return copied

@@ -1,0 +1,106 @@
+"""parallelize_context on the GPT: the copy shares the whole model's Parameters and leaves it
+whole, each rank's logits are one process's at its positions, and the gradients of the ranks'
+mean losses, averaged over the ranks, are one process's (the derivation in the module's
+docstring), in float64 to rounding; bad input is one error before any message."""
+
+import re
+
+import numpy as np
+import pytest
+
+from minimp import functional as F
+from minimp.distributed import simulate
+from minimp.models.gpt import GPT, CausalSelfAttention, Embeddings, GPTConfig
+from minimp.parallel.context import ContextLayout
+from minimp.parallel.context.models import parallelize_context
+from minimp.tensor import Tensor
+
+CONFIG = GPTConfig(vocab_size=65, context=16, layers=2, heads=4, width=32)
+
+
+def gpt(dtype=np.float64):
+    """The same GPT on every rank (one seed), in dtype."""
+    return GPT(CONFIG, np.random.default_rng(0)).to(dtype)
+
+
+def mean_loss(model, ids, targets):
+    """Cross-entropy averaged over every position of ids (B, T) -> (the loss, the logits)."""
+    logits = model(Tensor(ids))  # (B, T, V)
+    batch, tokens, vocabulary = logits.shape
+    rows = logits.reshape(batch * tokens, vocabulary)
+    return F.cross_entropy(rows, targets.reshape(batch * tokens)), logits.data
+
+
+def test_the_copy_shares_every_parameter_and_leaves_the_whole_model_whole():
+    layout = ContextLayout(2)
+
+    def body(comm):
+        model = gpt()
+        copy = parallelize_context(model, comm, layout)
+        same = [a is b for a, b in zip(model.parameters(), copy.parameters())]
+        embeddings = [m for m in copy.modules() if isinstance(m, Embeddings)]
+        attention = [m for m in copy.modules() if isinstance(m, CausalSelfAttention)]
+        whole = [m.attend is None for m in model.modules() if isinstance(m, CausalSelfAttention)]
+        whole += [m.positions is None for m in model.modules() if isinstance(m, Embeddings)]
+        return (len(same), all(same), embeddings[0].positions.tolist(),
+                [m.attend is not None for m in attention], all(whole))
+
+    for rank, (count, same, positions, attends, whole) in enumerate(simulate(2, body)):
+        assert count == len(gpt().parameters()) and same
+        assert positions == layout.token_indices(rank, CONFIG.context).tolist()
+        assert attends == [True] * CONFIG.layers and whole
+
+
+@pytest.mark.parametrize("size, kind, mode", [
+    (2, "zigzag", "ring"), (2, "contiguous", "ring"), (4, "zigzag", "ring"),
+    (2, "contiguous", "ulysses"), (4, "contiguous", "ulysses"),
+])  # fmt: skip
+def test_logits_and_averaged_gradients_equal_one_process(size, kind, mode):
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, CONFIG.vocab_size, size=(2, CONFIG.context))
+    targets = rng.integers(0, CONFIG.vocab_size, size=(2, CONFIG.context))
+    whole = gpt()
+    loss, logits = mean_loss(whole, ids, targets)
+    loss.backward()
+    expected = [p.grad for p in whole.parameters()]
+    layout = ContextLayout(size, kind)
+
+    def body(comm):
+        model = gpt()
+        shard = parallelize_context(model, comm, layout, mode)
+        loss, logits = mean_loss(shard, layout.shard(ids, comm.rank),
+                                 layout.shard(targets, comm.rank))
+        loss.backward()  # the ring (all-to-all) brings the other ranks' share of dK, dV home
+        return logits, [p.grad for p in model.parameters()]
+
+    results = simulate(size, body, eager_limit=0)
+    for rank, (got, _) in enumerate(results):
+        np.testing.assert_allclose(got, layout.shard(logits, rank), rtol=1e-12, atol=1e-14)
+    for index, want in enumerate(expected):  # what the all-reduce over dp x cp computes
+        mean = sum(grads[index] for _, grads in results) / size
+        np.testing.assert_allclose(mean, want, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "layout, mode, message",
+    [
+        (ContextLayout(2), "striped", "--cp-mode striped is not available (use ring or ulysses)"),
+        (ContextLayout(4), "ring", "the layout is for 4 ranks, the group has 2"),
+        (ContextLayout(2), "ring", "not a multiple of 4"),
+        (ContextLayout(2, "contiguous"), "ring", "not a multiple of 4"),  # 18: 2N does not divide
+        (ContextLayout(2), "ulysses", "takes the contiguous layout, got zigzag (use --cp-layout "
+                                      "contiguous)"),
+        (ContextLayout(2, "contiguous"), "ulysses", "attention heads a rank holds"),
+    ],
+    ids=["mode", "size", "context", "ring-contiguous", "ulysses-zigzag", "ulysses-heads"],
+)
+def test_bad_input_is_one_error_before_any_message(layout, mode, message):
+    config = GPTConfig(vocab_size=65, context=18 if "multiple" in message else 16, layers=1,
+                       heads=1 if "heads" in message else 2, width=8)
+
+    def body(comm):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parallelize_context(GPT(config, np.random.default_rng(0)), comm, layout, mode)
+        return comm.bytes_sent
+
+    assert simulate(2, body) == [0, 0]
