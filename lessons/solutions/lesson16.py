@@ -1,4 +1,4 @@
-"""Reference solutions to lesson 16's exercises (splitting the sequence). Try them yourself first."""
+"""Reference solutions to lesson 16's exercises (splitting the sequence). Try them first."""
 
 import math
 

@@ -126,7 +126,8 @@ def check_merge(merge: Callable, quiet: bool = False) -> Report:
     each block's state (m, l, acc) over the same query rows (float32; m and l of shape (rows, 1),
     acc (rows, D)): m = max(m_a, m_b), l and acc each block's rescaled by e^(m_block - m) and
     summed. Compared with the state of the two blocks' scores computed at once (m exactly, l and
-    acc to a relative 1e-5), and acc / l with the float64 softmax (1e-5)."""
+    acc to a relative 1e-4: a merge through float32 log-sum-exps near 200 rounds that much), and
+    acc / l with the float64 softmax (to 1e-5)."""
     report = Report("merge", quiet)
     rng = np.random.default_rng(16)
 
@@ -134,22 +135,23 @@ def check_merge(merge: Callable, quiet: bool = False) -> Report:
         a, b = _state(scores[:, :split], v[:split]), _state(scores[:, split:], v[split:])
         got = call(merge, tuple(x.copy() for x in a), tuple(x.copy() for x in b))
         expect(len(got) == 3, f"returned {len(got)} things, expected (m, l, acc)")
-        m, l, acc = (np.asarray(x) for x in got)
+        m, row_sum, acc = (np.asarray(x) for x in got)
         want = _state(scores, v)
-        expect(m.shape == want[0].shape and l.shape == want[1].shape
+        expect(m.shape == want[0].shape and row_sum.shape == want[1].shape
                and acc.shape == want[2].shape,
-               f"shapes m {m.shape}, l {l.shape}, acc {acc.shape}; expected {want[0].shape}, "
-               f"{want[1].shape}, {want[2].shape}")
+               f"shapes m {m.shape}, l {row_sum.shape}, acc {acc.shape}; expected "
+               f"{want[0].shape}, {want[1].shape}, {want[2].shape}")
         with np.errstate(all="ignore"):
-            expect(np.all(np.isfinite(l)) and np.all(np.isfinite(acc)),
+            expect(np.all(np.isfinite(row_sum)) and np.all(np.isfinite(acc)),
                    "l or acc is not finite (inf or NaN): e^(a large score) overflowed")
             expect(np.array_equal(m, want[0]), f"m is {m.ravel()[:3]}..., the row maximum of "
                    f"both blocks is {want[0].ravel()[:3]}...")
-            expect(np.allclose(l, want[1], rtol=1e-5, atol=0), f"l is {l.ravel()[:3]}..., the "
-                   f"two blocks' sum of e^(s - m) is {want[1].ravel()[:3]}...")
-            expect(np.allclose(acc, want[2], rtol=1e-5, atol=1e-6 * np.abs(want[2]).max()),
+            expect(np.allclose(row_sum, want[1], rtol=1e-4, atol=0),
+                   f"l is {row_sum.ravel()[:3]}..., the two blocks' sum of e^(s - m) is "
+                   f"{want[1].ravel()[:3]}...")
+            expect(np.allclose(acc, want[2], rtol=1e-4, atol=1e-6 * np.abs(want[2]).max()),
                    "acc differs from the two blocks' e^(s - m) v")
-            output, exact = acc / l, _float64_softmax(scores, v)
+            output, exact = acc / row_sum, _float64_softmax(scores, v)
         worst = float(np.abs(output - exact).max())
         expect(worst <= 1e-5 * max(1.0, float(np.abs(exact).max())),
                f"acc / l is off the softmax's output by up to {worst:.3g}")
