@@ -281,3 +281,20 @@ def gantt(timelines: list[dict], titles: list[str], unit: str = "ms") -> None:
                               else "backward)"))
     figure.tight_layout()
     plt.show()
+
+
+def causal_work_bars(work: dict[str, Sequence[float]]) -> None:
+    """Lesson 16: each rank's causal work (blocks of the chunk grid), a group of bars per layout."""
+    figure, axis = plt.subplots(figsize=(7, 3))
+    names = list(work)
+    ranks = len(work[names[0]])
+    width = 0.8 / len(names)
+    for index, name in enumerate(names):
+        axis.bar(np.arange(ranks) + index * width, work[name], width, label=name)
+    axis.set_xticks(np.arange(ranks) + width * (len(names) - 1) / 2)
+    axis.set_xticklabels([f"rank {rank}" for rank in range(ranks)])
+    axis.set_ylabel("blocks computed")
+    axis.set_title("causal attention's work per rank (a diagonal block counts 1/2)")
+    axis.legend()
+    figure.tight_layout()
+    plt.show()
