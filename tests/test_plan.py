@@ -626,7 +626,7 @@ def test_the_command_prints_a_cp_layout_and_refuses_cp_one_for_7b_at_128k(capsys
     assert error.count("\n") == 1 and "failed on the memory per GPU" in error
 
 
-@pytest.mark.parametrize("value", ["3", "-2", "0", "x", "2,6"])
+@pytest.mark.parametrize("value", ["3", "-2", "0", "x", "2,6", "8"])  # 8: more than 4 GPUs
 def test_a_bad_cp_is_one_line_exit_2_before_any_work(value, capsys, monkeypatch):
     monkeypatch.setattr("minimp.plan.cli.best_plans", lambda *a, **k: pytest.fail("searched"))
     assert main(["--model", "shakespeare", "--gpus", "4", "--global-batch", "8",

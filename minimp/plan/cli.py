@@ -131,15 +131,17 @@ def _integers(text: str, flag: str) -> tuple[int, ...]:
 
 def context_sizes(text: str, gpus: int) -> tuple[int, ...] | None:
     """--cp's sizes: None for auto, every power of 2 up to the GPUs for any, or the list given,
-    each a power of 2 (zig-zag's chunks and the search's grid; see search.py)."""
+    each a power of 2 (zig-zag's chunks and the search's grid; see search.py) that divides the
+    GPUs."""
     if text == "auto":
         return None
     if text == "any":
         return powers_of_two(gpus)
     sizes = _integers(text, "--cp")
-    bad = [size for size in sizes if size < 1 or size & (size - 1)]
+    bad = [size for size in sizes if size < 1 or size & (size - 1) or gpus % size]
     if bad:
-        raise PlanError(f"--cp takes powers of 2 (1,2,4,...), 'any' or 'auto', got {bad[0]}")
+        raise PlanError(f"--cp takes powers of 2 (1,2,4,...) that divide --gpus {gpus}, 'any' or "
+                        f"'auto', got {bad[0]}")
     return sizes
 
 
