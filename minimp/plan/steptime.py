@@ -16,8 +16,8 @@ Per micro-batch on pipeline stage i (l/P blocks; stage 0 the embeddings, the las
              reduce-scatter of the stage's gradients over dp, ZeRO 3's two all-gathers
 Tensor-parallel collectives run over the intra-node network (tp stays inside a node); with
 sequence parallelism each all-reduce is a reduce-scatter plus an all-gather of the same bytes
-(Korthikanti et al. 2022, section 4.2.2). Nothing overlaps compute: minimp runs one thing at a
-time, and Megatron-LM in 2021 did not overlap these either.
+(Korthikanti et al. 2022, section 4.2.2). Nothing overlaps compute but the ring attention's hops
+(below): minimp runs one thing at a time, and Megatron-LM in 2021 did not overlap these either.
 
 The pipeline (1F1B or GPipe, same span): (M + P - 1) x (the slowest stage's forward + backward + 2
 messages of b s h d bytes): the bubble of Huang et al. 2019, (P - 1)/(M + P - 1) of the step, and in
