@@ -624,6 +624,12 @@ def test_the_command_prints_a_cp_layout_and_refuses_cp_one_for_7b_at_128k(capsys
     assert main(flags + ["--cp", "1"]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "failed on the memory per GPU" in error
+    assert main(flags + ["--cp-mode", "ulysses", "--top", "20", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]  # a block's probabilities while rebuilt
+    assert {(plan["cp_mode"], plan["recompute"]) for plan in plans} == {("ulysses", True)}
+    small = ["--model", "shakespeare", "--gpus", "4", "--global-batch", "8", "--json"]
+    assert main(small + ["--cp", "any", "--top", "100"]) == 0  # cp > 1 searched though 1 fits
+    assert {plan["cp"] for plan in json.loads(capsys.readouterr().out)["plans"]} == {1, 2, 4}
 
 
 @pytest.mark.parametrize("value", ["3", "-2", "0", "x", "2,6", "8"])  # 8: more than 4 GPUs
