@@ -63,3 +63,19 @@ def test_where_the_ring_stops_being_the_right_choice():
 
     assert ring_over_best(2**30, 1024) < 1.15
     assert ring_over_best(2**20, 1024) > 10
+
+
+def test_an_all_to_all_sends_p_minus_1_chunks_of_n_over_p():
+    assert costmodel.alltoall_time(1e6, 1, NET) == 0.0  # its own chunk stays home
+    for p in (2, 8):
+        expected = (p - 1) * NET.alpha + (p - 1) / p * 1e6 * NET.beta
+        assert costmodel.alltoall_time(1e6, p, NET) == pytest.approx(expected, rel=1e-12)
+    # half the bytes of a ring all-reduce's wire traffic, none of its reduction, half its alphas
+    ring = costmodel.ring_allreduce_time(1e6, 8, Network(NET.alpha, NET.beta))
+    assert costmodel.alltoall_time(1e6, 8, NET) == pytest.approx(ring / 2, rel=1e-12)
+
+
+def test_a_hop_slower_than_its_block_exposes_the_difference_and_a_faster_one_nothing():
+    assert costmodel.exposed_behind_compute(hop_seconds=3.0, compute_seconds=1.0, hops=4) == 8.0
+    assert costmodel.exposed_behind_compute(hop_seconds=1.0, compute_seconds=3.0, hops=4) == 0.0
+    assert costmodel.exposed_behind_compute(hop_seconds=2.0, compute_seconds=2.0, hops=4) == 0.0

@@ -16,17 +16,20 @@ from minimp import nn
 from minimp.measure.costmodel import Network
 from minimp.measure.machinemodel import shipped_model
 from minimp.models import GPT, GPTConfig, block_activation_bytes
-from minimp.parallel.zero.formulas import bytes_sent_formula
+from minimp.parallel.context import ring_bytes, ulysses_bytes
+from minimp.parallel.zero.formulas import bytes_sent_formula, memory_formula
 from minimp.plan.cli import main
 from minimp.plan import memory as mem
+from minimp.plan import steptime
 from minimp.parallel.pipeline.schedules import CHOICES
 from minimp.plan.inputs import Cluster, Job, Layout, ModelShape, PlanError, check_inputs
 from minimp.plan.inputs import PRICED_SCHEDULES, shape_for_parameters
 from minimp.plan.links import AlphaBeta, Measured
 from minimp.plan.narayanan import TABLE_1, compare, comparison_table, format_comparison
-from minimp.plan.presets import MEGATRON, SHAKESPEARE, selene
-from minimp.plan.search import best_plans, search
+from minimp.plan.presets import MEGATRON, MODELS, SHAKESPEARE, selene
+from minimp.plan.search import Choices, best_plans, broken_rule, search
 from minimp.plan.steptime import SCALAR_BYTES, narayanan_flops, step_flops, step_time
+from minimp.precision.casting import BFLOAT16
 from minimp.tensor import Tensor, saved_bytes
 from minimp.train import TrainConfig
 from minimp.train.sizes import parameter_count, zero_unit_sizes
@@ -453,3 +456,202 @@ def test_a_repeated_choice_lists_each_layout_once(capsys):
     repeated = json.loads(capsys.readouterr().out)["plans"]
     assert main([*args, "--zero", "1"]) == 0
     assert repeated == json.loads(capsys.readouterr().out)["plans"]
+
+
+# ----- context parallelism (issue 39) --------------------------------------------------------
+class ContextBytesAsSeconds(BytesAsSeconds):
+    """BytesAsSeconds whose messages and all-to-alls cost the bytes one rank sends too."""
+
+    def send(self, nbytes):
+        return nbytes
+
+    def all_to_all(self, nbytes, ranks):
+        return (ranks - 1) / ranks * nbytes
+
+
+def bytes_cluster(gpus):
+    links = ContextBytesAsSeconds()  # and compute free: no hop is hidden
+    return replace(small_cluster(gpus, gpus), peak_flops=1e300, intra=links, inter=links)
+
+
+TRAINED = ModelShape(layers=2, hidden=32, heads=4, context=16, vocab=65, dropout=False)
+
+
+@pytest.mark.parametrize("mode, precision", [("ring", "fp16"), ("ulysses", "fp32")])
+def test_the_planner_predicts_the_trainers_context_bytes_and_memory_to_the_byte(mode, precision):
+    """One step of the issue's small GPT at --cp 2 on the simulated world: what its metrics count
+    (the context-parallel and data-parallel bytes, the activations kept) is what the planner
+    predicts for the same layout; the ring's in-flight buffers are what the planner adds."""
+    from minimp import backend
+    from minimp import distributed as dist
+    from minimp.train.loop import train
+
+    config = TrainConfig(dataset="shakespeare", layers=2, hidden=32, heads=4, context=16,
+                         batch_size=8, steps=1, eval_every=0, log_every=1000, precision=precision,
+                         cp=2, cp_mode=mode, cp_layout="zigzag" if mode == "ring" else "contiguous")
+    config.validate(2)
+    with backend.limit_cpu_threads(1):
+        results = dist.simulate(2, lambda comm: train(config, lambda line: None, comm))
+    layout, job = Layout(1, 1, 1, 0, 8, 1, cp=2, cp_mode=mode), Job(8, (8,), precision=precision)
+    buffers = mem.ring_buffer_bytes(TRAINED, layout, job)
+    assert (buffers > 0) == (mode == "ring")
+    time = step_time(TRAINED, bytes_cluster(2), job, layout)
+    for result in results:
+        record = result["history"][0]
+        assert steptime.context_step_bytes(TRAINED, layout, job) == (
+            record["bytes_by_group"]["context_parallel"])
+        assert time.data_parallel == record["bytes_by_group"]["data_parallel"]  # over dp x cp
+        kept = mem.activation_bytes(TRAINED, layout, job, stage=0) - buffers
+        assert kept == record["peak_activation_bytes"]
+
+
+@pytest.mark.parametrize("mode, formula", [("ring", ring_bytes), ("ulysses", ulysses_bytes)])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_bytes_the_planner_prices_are_ring_bytes_and_ulysses_bytes(mode, formula, recompute):
+    """Every hop and all-to-all priced at its bytes, nothing hidden (free compute): the step's
+    context-parallel seconds are the formulas' bytes for a rank's q (b, a/t, s/c, D), per block
+    and micro-batch, the forward's twice with recomputation."""
+    shape = ModelShape(layers=4, hidden=64, heads=8, context=32, vocab=50)
+    layout = Layout(2, 2, 2, 0, 3, 4, recompute, cp=4, cp_mode=mode)  # 32 GPUs
+    job = Job(24, (3,), precision="bf16")
+    sent = formula((3, 8 // 2, 32 // 4, 64 // 8), BFLOAT16, 4)
+    per_block = sent.forward * (1 + recompute) + sent.backward
+    expected = 4 // 2 * 4 * per_block  # l/P blocks, M micro-batches
+    time = step_time(shape, bytes_cluster(32), job, layout)
+    assert time.context_parallel == pytest.approx(expected, rel=1e-12)
+    assert steptime.context_step_bytes(shape, layout, job) == expected
+
+
+def test_memory_with_cp_is_the_formula_by_hand():
+    """A tiny GPT at tp 2 x cp 2, fp16, no dropout: each rank's s' = s/2 positions; the ring keeps
+    O and a float32 log-sum-exp where one process keeps the probabilities, plus its buffers;
+    Ulysses keeps the probabilities of a/(t c) heads of all s; ZeRO shards over dp x cp."""
+    layers, h, a, s, v, b, d, t = 2, 32, 4, 16, 50, 3, 2, 2
+    shape = ModelShape(layers, h, a, s, v, dropout=False)
+    job, q = Job(6, (b,), precision="fp16"), s // 2
+    n = b * q * h // t  # values in a rank's q, k, v or O
+    block = 4 * d * q * b * h + 12 * d * q * b * h / t + 16 * q * b  # outside attention
+    embedding = 8 * q * b + 8 * q  # token ids, positions
+    head = q * b * (2 * d * h + 2 * 4 + d * v / t + 8)
+    ring = Layout(1, t, 1, 0, b, 1, cp=2, cp_mode="ring")
+    lse = 4 * b * (a // t) * q
+    buffers = 2 * 2 * n * (d + 4)  # (k, v) twice in fp16 and (dK, dV) twice in float32
+    by_hand = layers * (block + d * n + lse) + embedding + head + buffers
+    assert mem.activation_bytes(shape, ring, job, stage=0) == by_hand
+    assert mem.ring_buffer_bytes(shape, ring, job) == buffers
+    ulysses = replace(ring, cp_mode="ulysses")
+    probabilities = d * b * (a // (t * 2)) * s * s
+    by_hand = layers * (block + probabilities) + embedding + head
+    assert mem.activation_bytes(shape, ulysses, job, stage=0) == by_hand
+    sharded = replace(ring, dp=2, zero=1)
+    units = mem.stage_units(shape, sharded, 0)
+    assert mem.model_state_bytes(shape, sharded, job, 0)["optimizer_state"] == memory_formula(
+        1, unit_sizes=units, rank=0, world_size=4, compute_bytes=2, wire_bytes=4,
+        slots=2)["optimizer_state"]  # fmt: skip
+
+
+def test_a_ring_hop_slower_than_its_block_exposes_the_difference():
+    """c - 1 forward hops, each max(step, send): a send of alpha + n beta longer than one ring
+    step's attention exposes the difference; a shorter one nothing. Backward: the hops of k, v
+    and of dK, dV behind twice the step, then the gradients' last hop, behind nothing."""
+    shape, cp = ModelShape(layers=1, hidden=64, heads=4, context=64, vocab=10), 4
+    layout, job = Layout(1, 1, 1, 0, 2, 1, cp=cp), Job(2, (2,), precision="fp16")
+    cluster = small_cluster(gpus=4, per_node=4)
+    step = 4 * 2 * 64 * 64 * 64 / cp / cp / cluster.flops  # 4 b s^2 h / c, a c-th of it a hop
+    keys_values, gradients = 2 * (2 * 16 * 64) * 2, 2 * (2 * 16 * 64) * 4  # 2n d, 2n x 4
+    for alpha in (3 * step, step / 2):  # a hop 3x its step (2 steps exposed), or half of it
+        net = Network(alpha, 1e-15)
+        slow = replace(cluster, intra=AlphaBeta(net))
+        forward, backward = steptime.context_costs(shape, slow, job, layout)
+        hop = alpha + keys_values * 1e-15
+        assert forward == pytest.approx((cp - 1) * (hop - step) if hop > step else 0.0, rel=1e-9)
+        assert (forward > (cp - 1) * 2 * step) == (alpha > step) and forward >= 0.0
+        moving = 2 * alpha + (keys_values + gradients) * 1e-15
+        last = alpha + gradients * 1e-15
+        assert backward == pytest.approx((cp - 1) * max(0.0, moving - 2 * step) + last, rel=1e-9)
+
+
+def test_context_parallel_messages_cross_nodes_when_cp_x_tp_does():
+    shape = ModelShape(layers=2, hidden=64, heads=8, context=64, vocab=10)
+    slow_between = small_cluster(gpus=8, per_node=4, inter=AlphaBeta(Network(1.0, 0.0)))
+    job = Job(8, (1,))
+    inside = Layout(2, 2, 1, 0, 1, 4, cp=2)  # cp x tp = 4 devices: one node
+    across = Layout(1, 2, 1, 0, 1, 8, cp=4)  # 8: two nodes
+    assert step_time(shape, slow_between, job, inside).context_parallel == 0.0
+    assert step_time(shape, slow_between, job, across).context_parallel >= 2 * 8 * 1.0
+
+
+def test_the_context_parallel_rules_count_against_the_first_broken():
+    shape = ModelShape(layers=2, hidden=64, heads=4, context=12, vocab=10)  # 12: 2 x 6
+    cluster, job = small_cluster(gpus=8), Job(8, (1,))  # grids as (dp, cp, tp, pp)
+    assert broken_rule(shape, cluster, job, (4, 2, 1, 1), 1, "ring") == ""  # 2 cp = 4 | 12
+    assert broken_rule(shape, cluster, job, (2, 4, 1, 1), 1, "ring") == "context"  # 8 !| 12
+    assert broken_rule(shape, cluster, job, (2, 4, 1, 1), 1, "ulysses") == ""  # 4 | 12, 4 heads
+    assert broken_rule(shape, cluster, job, (1, 4, 2, 1), 1, "ulysses") == "cp heads"  # 4 !| 2
+    assert broken_rule(shape, cluster, job, (1, 8, 1, 1), 1, "ulysses") == "context"  # 8 !| 12
+    found = search(shape, cluster, job, Choices(context_parallel=(1, 2, 4, 8)))
+    assert {"context", "cp heads"} <= set(found.rejected)
+    for plan in found.plans:
+        x = plan.layout
+        assert x.dp * x.cp * x.tp * x.pp == 8 and x.cp in (1, 2, 4, 8)
+        if x.cp > 1 and x.cp_mode == "ring":
+            assert shape.context % (2 * x.cp) == 0
+        if x.cp_mode == "ulysses":
+            assert shape.heads // x.tp % x.cp == 0 and shape.context % x.cp == 0
+    assert {(x.layout.cp, x.layout.cp_mode) for x in found.plans} >= {(2, "ring"), (4, "ulysses")}
+
+
+def test_7b_at_128k_picks_the_ring_because_nothing_with_cp_1_fits():
+    """Issue 39's example on 64 of Selene's 80 GB A100s: every cp = 1 layout that keeps the other
+    rules needs more memory than a GPU has (at cp = 1 attention keeps a/t heads' s x s
+    probabilities); the default search then tries cp > 1 and picks a ring."""
+    model, cluster, job = MODELS["7B-128k"], selene(64), Job(16)
+    alone = search(model, cluster, job, Choices(context_parallel=(1,)))
+    assert not alone.plans and alone.rejected["memory"] > 0
+    assert alone.smallest_memory_rejected > cluster.memory_bytes
+    assert set(alone.rejected) <= {"memory", "heads", "node", "batch", "layers"}
+    plans = best_plans(model, cluster, job)
+    assert plans[0].layout.cp > 1 and plans[0].layout.cp_mode == "ring"
+    assert all(plan.layout.cp > 1 for plan in plans)
+    assert all(plan.memory.total <= cluster.memory_bytes for plan in plans)
+
+
+def test_the_command_prints_a_cp_layout_and_refuses_cp_one_for_7b_at_128k(capsys):
+    flags = ["--model", "7B-128k", "--gpus", "64", "--global-batch", "16", "--top", "2"]
+    assert main(flags) == 0
+    rows = capsys.readouterr().out.splitlines()[3:]
+    assert len(rows) == 2 and all(row.split()[-2:][0] == "ring" for row in rows)
+    assert main(flags + ["--cp", "1"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "failed on the memory per GPU" in error
+    assert main(flags + ["--cp-mode", "ulysses", "--top", "20", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]  # a block's probabilities while rebuilt
+    assert {(plan["cp_mode"], plan["recompute"]) for plan in plans} == {("ulysses", True)}
+    small = ["--model", "shakespeare", "--gpus", "4", "--global-batch", "8", "--json"]
+    assert main(small + ["--cp", "any", "--top", "100"]) == 0  # cp > 1 searched though 1 fits
+    assert {plan["cp"] for plan in json.loads(capsys.readouterr().out)["plans"]} == {1, 2, 4}
+
+
+@pytest.mark.parametrize("value", ["3", "-2", "0", "x", "2,6", "8"])  # 8: more than 4 GPUs
+def test_a_bad_cp_is_one_line_exit_2_before_any_work(value, capsys, monkeypatch):
+    monkeypatch.setattr("minimp.plan.cli.best_plans", lambda *a, **k: pytest.fail("searched"))
+    assert main(["--model", "shakespeare", "--gpus", "4", "--global-batch", "8",
+                 "--cp", value]) == 2  # fmt: skip
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("minimp.plan: error: --cp takes")
+
+
+def test_the_guide_s_7b_output_is_what_the_command_prints(capsys):
+    guide = open(os.path.join(ROOT, "docs", "planner.md")).read()
+    command = "python -m minimp.plan --model 7B-128k --gpus 64 --global-batch 16 --top 3"
+    assert command in guide
+    shown = guide.split("At 128k tokens", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    assert main(command.split()[3:]) == 0
+    assert capsys.readouterr().out == shown
+
+
+def test_measured_all_to_all_is_minimps_agreement_and_p_minus_1_messages():
+    model = shipped_model(4)
+    expected = model.agree + 3 * model.message(1e6 / 4)
+    assert Measured(model).all_to_all(1e6, 4) == expected
+    assert Measured(model).all_to_all(1e6, 1) == 0.0

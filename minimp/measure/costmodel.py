@@ -12,6 +12,19 @@ Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operatio
                       unless p = 2^k (fold in and out)
   Rabenseifner        2 log2(p) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
 
+An all-to-all of a rank's n bytes, chunk j to rank j and its own chunk kept home (minimp's
+distributed/alltoall.py; Ulysses' four a pass), by pairwise exchange (the algorithm MPICH uses
+for long messages, Thakur et al. 2005): p - 1 messages of n/p bytes, one to and one from each
+other rank,
+
+  all-to-all          (p-1) alpha + (p-1)/p n beta                     (nothing is reduced)
+
+A message that travels while a block is computed (the ring attention's hops: each hop's key/value
+block is sent before the block in hand is computed) costs max(compute, alpha + n beta) a hop, so
+of h hops
+
+  exposed behind compute   h max(0, alpha + n beta - compute)            (the rest is hidden)
+
 Bus bandwidth is nccl-tests' figure of merit: busbw = algbw * 2(p-1)/p with algbw = n / time, so a
 bandwidth-optimal all-reduce shows the link's speed whatever p is.
 """
@@ -109,6 +122,21 @@ def fit_alpha_beta(nbytes: Sequence[float] | np.ndarray,
     design = np.stack([np.ones(len(nbytes)), np.asarray(nbytes, float)], axis=1) / seconds[:, None]
     (alpha, beta), *_ = np.linalg.lstsq(design, np.ones(len(seconds)), rcond=None)
     return max(float(alpha), 0.0), max(float(beta), 0.0)
+
+
+def alltoall_time(nbytes: float, p: int, net: Network) -> float:
+    """Predicted seconds of a pairwise all-to-all of each rank's nbytes over p ranks (module
+    docstring): (p-1) alpha + (p-1)/p n beta; 0 for p = 1."""
+    if p == 1:
+        return 0.0
+    return (p - 1) * net.alpha + (p - 1) / p * nbytes * net.beta
+
+
+def exposed_behind_compute(hop_seconds: float, compute_seconds: float, hops: int) -> float:
+    """Seconds of `hops` messages of hop_seconds each that a block of compute_seconds does not
+    hide, the message sent before its block is computed (module docstring): each hop takes
+    max(compute, message), so hops x max(0, message - compute) of it is the message's alone."""
+    return hops * max(0.0, hop_seconds - compute_seconds)
 
 
 def pipeline_bubble_fraction(stages: int, micro_batches: int) -> float:

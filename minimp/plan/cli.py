@@ -1,6 +1,7 @@
-"""`python -m minimp.plan`: the dp x tp x pp, ZeRO and recompute layouts that fit, best first.
+"""`python -m minimp.plan`: the dp x cp x tp x pp, ZeRO and recompute layouts that fit, best first.
 
     python -m minimp.plan --model 145.6B --cluster selene --gpus 1536 --global-batch 2304
+    python -m minimp.plan --model 7B-128k --gpus 64 --global-batch 16 --top 5
     python -m minimp.plan --parameters 7e9 --context 4096 --vocab 32000 --cluster selene \\
         --gpus 64 --global-batch 512 --micro-batch-size 1,2 --json
     python -m minimp.plan --compare-narayanan
@@ -20,9 +21,16 @@ What it assumes, where each piece is worked out (minimp/plan/):
   parallel all-reduces (4 per block and micro-batch, 6 with recomputation) on the intra-node
   network; the pipeline's bubble (P - 1)/(M + P - 1) (Huang et al. 2019) or the schedule
   simulator (--simulate); ring collectives (Thakur et al. 2005) for the data-parallel gradients
-  and ZeRO, inter-node when the dp group spans nodes; nothing overlaps compute.
+  and ZeRO, inter-node when the dp x cp group spans nodes; nothing overlaps compute but the
+  ring attention's hops, each hidden behind one ring step's attention as far as it is shorter.
+- Context parallelism (memory.py, steptime.py): each rank holds s/cp positions; the ring keeps a
+  log-sum-exp instead of attention's s x s probabilities, plus its in-flight key/value buffers,
+  and sends ring.py's `ring_bytes`; Ulysses keeps the probabilities of a/(t cp) heads and sends
+  ulysses.py's `ulysses_bytes` in 8 all-to-alls a block, not overlapped.
 - Feasibility (search.py): tp divides the heads and the GPUs per node, pp divides the layers,
-  dp x micro-batch size divides the batch, memory fits.
+  2 cp (ring) or cp (Ulysses) divides the context, cp divides the heads per tp rank (Ulysses),
+  dp x micro-batch size divides the batch, memory fits. --cp auto (the default) searches cp > 1
+  only when nothing with cp = 1 fits.
 - Clusters (presets.py): Selene as the paper describes it, 0.6 of its 312 TFLOP/s; this machine
   from its shipped machine model (machinemodel.py) and a measured FLOP rate.
 """
@@ -36,13 +44,14 @@ from typing import NoReturn
 
 from minimp.backend import available_memory
 from minimp.measure.costmodel import Network
-from minimp.plan.inputs import MAX_PARAMETERS, MAX_SIMULATED_MICRO_BATCHES, OPTIMIZER_SLOTS
-from minimp.plan.inputs import PRECISION_BYTES, PRICED_SCHEDULES, Cluster, Job, ModelShape
+from minimp.plan.inputs import CP_MODES, MAX_PARAMETERS, MAX_SIMULATED_MICRO_BATCHES
+from minimp.plan.inputs import OPTIMIZER_SLOTS, PRECISION_BYTES, PRICED_SCHEDULES, Cluster, Job
+from minimp.plan.inputs import ModelShape
 from minimp.plan.inputs import PlanError, check_inputs, shape_for_parameters
 from minimp.plan.links import AlphaBeta
 from minimp.plan.narayanan import comparison_table
 from minimp.plan.presets import GIB, MODELS, selene, this_machine
-from minimp.plan.search import Choices, Plan, best_plans, resimulated
+from minimp.plan.search import Choices, Plan, best_plans, powers_of_two, resimulated
 
 PROGRAM = "minimp.plan"
 CHOICE = {"any": (False, True), "on": (True,), "off": (False,)}
@@ -99,6 +108,12 @@ def parser() -> argparse.ArgumentParser:
     search.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider")
     search.add_argument("--recompute", default="any", choices=sorted(CHOICE))
     search.add_argument("--sequence-parallel", default="any", choices=sorted(CHOICE))
+    search.add_argument("--cp", default="auto", help="context-parallel sizes to consider: powers "
+                        "of 2 (list: 1,2,4), any (every one the GPUs allow), or auto (1, and the "
+                        "others only when nothing with 1 fits)")  # fmt: skip
+    search.add_argument("--cp-mode", default="any", choices=("any", *CP_MODES),
+                        help="how cp > 1 splits attention: a ring of key/value blocks or Ulysses' "
+                        "all-to-alls")  # fmt: skip
     search.add_argument("--top", type=int, default=10, help="rows to print")
     search.add_argument("--simulate", action="store_true", help="time the top rows' pipelines "
                         "with the schedule simulator")  # fmt: skip
@@ -112,6 +127,22 @@ def _integers(text: str, flag: str) -> tuple[int, ...]:
         return tuple(dict.fromkeys(int(part) for part in text.split(",")))
     except ValueError:
         raise PlanError(f"{flag} takes integers separated by commas, got {text!r}") from None
+
+
+def context_sizes(text: str, gpus: int) -> tuple[int, ...] | None:
+    """--cp's sizes: None for auto, every power of 2 up to the GPUs for any, or the list given,
+    each a power of 2 (zig-zag's chunks and the search's grid; see search.py) that divides the
+    GPUs."""
+    if text == "auto":
+        return None
+    if text == "any":
+        return powers_of_two(gpus)
+    sizes = _integers(text, "--cp")
+    bad = [size for size in sizes if size < 1 or size & (size - 1) or gpus % size]
+    if bad:
+        raise PlanError(f"--cp takes powers of 2 (1,2,4,...) that divide --gpus {gpus}, 'any' or "
+                        f"'auto', got {bad[0]}")
+    return sizes
 
 
 def model_from(args: argparse.Namespace) -> ModelShape:
@@ -168,23 +199,27 @@ def cluster_from(args: argparse.Namespace) -> Cluster:
 
 
 def format_table(plans: list[Plan], cluster: Cluster) -> str:
-    """The plans as an aligned table: layout, GiB (model states + activations), seconds by part."""
+    """The plans as an aligned table: layout, GiB (model states + activations), seconds by part,
+    and the context-parallel size and mode last ('-' for none)."""
     header = (f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>4} {'zero':>4} {'b':>3} {'M':>5} {'rc':>3} "
               f"{'sp':>3} {'GiB':>7} {'states':>7} {'activ':>7} {'step s':>9} {'compute':>9} "
-              f"{'tp':>8} {'bubble':>8} {'dp':>8} {'other':>8} {'TFLOP/s':>8}")
+              f"{'tp':>8} {'cp':>8} {'bubble':>8} {'dp':>8} {'other':>8} {'TFLOP/s':>8} "
+              f"{'context':>10}")
     lines = [header]
     for rank, plan in enumerate(plans, 1):
         layout, memory, time = plan.layout, plan.memory, plan.time
         activations = memory.by_kind["activations"]
         states = memory.total - activations
+        context = f"{layout.cp_mode} {layout.cp}" if layout.cp > 1 else "-"
         lines.append(
             f"{rank:>3} {layout.dp:>5} {layout.tp:>3} {layout.pp:>4} {layout.zero:>4} "
             f"{layout.micro_batch_size:>3} {layout.micro_batches:>5} "
             f"{'y' if layout.recompute else '-':>3} {'y' if layout.sequence_parallel else '-':>3} "
             f"{memory.total / GIB:>7.2f} {states / GIB:>7.2f} {activations / GIB:>7.2f} "
             f"{time.total:>9.4g} {time.compute:>9.4g} {time.tensor_parallel:>8.3g} "
-            f"{time.bubble:>8.3g} {time.data_parallel + time.zero_in_step:>8.3g} "
-            f"{time.other:>8.3g} {plan.tflops_per_device(cluster.gpus):>8.4g}")
+            f"{time.context_parallel:>8.3g} {time.bubble:>8.3g} "
+            f"{time.data_parallel + time.zero_in_step:>8.3g} {time.other:>8.3g} "
+            f"{plan.tflops_per_device(cluster.gpus):>8.4g} {context:>10}")
     return "\n".join(lines)
 
 
@@ -216,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
             grad_comm_bytes=PRECISION_BYTES[args.grad_comm_dtype], schedule=args.schedule,
             vocabulary_parallel=args.vocabulary_parallel == "on")
         zero_stages = _integers(args.zero, "--zero")
-        choices = Choices(zero_stages, CHOICE[args.recompute], CHOICE[args.sequence_parallel])
+        cp_modes = CP_MODES if args.cp_mode == "any" else (args.cp_mode,)
+        choices = Choices(zero_stages, CHOICE[args.recompute], CHOICE[args.sequence_parallel],
+                          context_sizes(args.cp, cluster.gpus), cp_modes)
         if not set(choices.zero_stages) <= {0, 1, 2, 3}:
             raise PlanError(f"--zero takes stages 0-3, got {args.zero}")
         check_inputs(model, cluster, job)

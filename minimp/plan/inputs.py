@@ -11,6 +11,13 @@ A cluster is `gpus` devices, `gpus_per_node` of them per node, each with `memory
 `peak_flops` of which `achievable` is reached on the model's matrix products, and two networks:
 `intra` inside a node (NVLink) and `inter` between nodes (InfiniBand), each a model of
 collectives (`Links`, links.py).
+
+A layout's grid is dp x cp x tp x pp = GPUs, placed as Megatron-Core and minimp's trainer place
+it: tensor-parallel ranks adjacent, then context-parallel ranks, then replicas, then pipeline
+stages (rank = stage x dp cp tp + replica x cp tp + context x tp + shard). A group of ranks spans
+the consecutive devices of its own and the inner dimensions (a context-parallel group cp x tp of
+them, the gradients' dp x cp group dp x cp x tp) and uses the intra-node network when that span
+fits in a node, else the inter-node one (steptime.py).
 """
 
 import math
@@ -24,6 +31,9 @@ OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "sgd": 1}  # float32 slots per paramet
 # the planner prices: a step of (M + P - 1) slots (steptime.py), micro-batches in flight as
 # memory.in_flight counts them; the interleaved and zero-bubble schedules are neither
 PRICED_SCHEDULES = ("1f1b", "gpipe")
+# How context parallelism splits attention (minimp/parallel/context/, the trainer's --cp-mode):
+# key/value blocks around a ring, or all-to-alls to head shards (Ulysses)
+CP_MODES = ("ring", "ulysses")
 
 
 class PlanError(ValueError):
@@ -152,8 +162,10 @@ def divisors(number: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Layout:
-    """One configuration: the grid (dp x tp x pp), ZeRO's stage over dp, rows per micro-batch and
-    micro-batches per step on each replica, full recomputation, sequence parallelism."""
+    """One configuration: the grid (dp x cp x tp x pp: the module docstring places it), ZeRO's
+    stage over the dp x cp ranks of a stage, rows per micro-batch and micro-batches per step on
+    each replica, full recomputation, sequence parallelism, and how the cp ranks split attention
+    (cp_mode, one of CP_MODES; nothing to split at cp = 1)."""
 
     dp: int
     tp: int
@@ -163,8 +175,16 @@ class Layout:
     micro_batches: int = 1
     recompute: bool = False
     sequence_parallel: bool = False
+    cp: int = 1
+    cp_mode: str = "ring"
 
     def __str__(self) -> str:
         flags = " recompute" * self.recompute + " sp" * self.sequence_parallel
+        context = f" cp {self.cp} {self.cp_mode}" if self.cp > 1 else ""
         return (f"dp {self.dp} tp {self.tp} pp {self.pp} zero {self.zero} "
-                f"b {self.micro_batch_size} M {self.micro_batches}{flags}")  # fmt: skip
+                f"b {self.micro_batch_size} M {self.micro_batches}{flags}{context}")  # fmt: skip
+
+    @property
+    def ranks(self) -> int:
+        """Devices the grid takes: dp x cp x tp x pp."""
+        return self.dp * self.cp * self.tp * self.pp

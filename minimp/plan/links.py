@@ -7,19 +7,22 @@ reduction gamma) with the ring formulas of Thakur, Rabenseifner & Gropp (2005), 
   reduce-scatter   (p-1) alpha + (p-1)/p n beta + (p-1)/p n gamma     (the all-reduce's first half)
   all-gather       (p-1) alpha + (p-1)/p n beta                        (its second half)
   send             alpha + n beta                                      (one message, Hockney)
+  all-to-all       (p-1) alpha + (p-1)/p n beta                        (pairwise, costmodel's)
 
 `Measured` prices them with this machine's fitted terms (machinemodel.MachineModel: the agreement,
 the Python around the messages, each Sendrecv, each add), measured under one sharing of the cores
 and used for a group of any size inside it: a dp = 2 group of a 4-rank job runs under the 4
 ranks' sharing, with p = 2. Its reduce-scatter and all-gather are the halves of minimp's ring
-(distributed/ring.py), each with the all-reduce's agreement and half of its Python.
+(distributed/ring.py), each with the all-reduce's agreement and half of its Python; its
+all-to-all is minimp's (distributed/alltoall.py): the agreement, then p - 1 messages of n/p bytes
+(its Python around them is not measured: not counted).
 """
 
 import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
-from minimp.measure.costmodel import Network, ring_allreduce_time
+from minimp.measure.costmodel import Network, alltoall_time, ring_allreduce_time
 from minimp.measure.machinemodel import MachineModel
 
 
@@ -33,6 +36,8 @@ class Links(Protocol):
     def all_gather(self, nbytes: float, ranks: int) -> float: ...
 
     def send(self, nbytes: float) -> float: ...
+
+    def all_to_all(self, nbytes: float, ranks: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,9 @@ class AlphaBeta:
 
     def send(self, nbytes: float) -> float:
         return self.network.alpha + nbytes * self.network.beta
+
+    def all_to_all(self, nbytes: float, ranks: int) -> float:
+        return alltoall_time(nbytes, ranks, self.network)
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,11 @@ class Measured:
 
     def send(self, nbytes: float) -> float:
         return self.model.message(nbytes)
+
+    def all_to_all(self, nbytes: float, ranks: int) -> float:
+        if ranks == 1:
+            return 0.0
+        return self.model.agree + (ranks - 1) * self.model.message(nbytes / ranks)
 
     def _fixed(self, ranks: int) -> float:
         """One half of a ring all-reduce's fixed cost: its agreement, half its Python."""

@@ -36,15 +36,40 @@ the byte by tests/test_plan.py at t = 1.
 In flight: 1F1B (Narayanan et al. 2021) keeps min(P - i, M) micro-batches on stage i, so stage 0
 keeps P of them (M if fewer); GPipe keeps all M on every stage. The device that needs most is stage
 0 or the last one (the middle stages hold stage 0's blocks with fewer micro-batches).
+
+Context parallelism over c ranks (minimp/parallel/context/, the trainer's --cp): each rank holds
+s/c of every sample's positions, so every term above but attention's is of s/c positions (the
+token ids, positions and logits too), and attention keeps, per block and micro-batch on a tp rank:
+
+  one process (c = 1)  today's attention, the (2d + 1) a s^2 b/t above
+  Ulysses              today's attention on a/(t c) heads of the whole sequence: (2d + 1) a s^2
+                       b/(t c), 1/c of one process's (ulysses.py's `ulysses_memory`; its heads'
+                       q, k, v are as many values as the 12 d sbh/t count at s/c positions)
+  ring                 tiled attention, no s x s array: its output O as RingAttention keeps it,
+                       (b, a/t, s/c, h/a), beside the copy c_proj keeps in (b, s/c, h) order,
+                       and a float32 log-sum-exp of its a/t heads at s/c positions: d sbh/(t c)
+                       + 4 a s b/(t c) (ring.py's `ring_memory` saved, less q, k, v: views of
+                       c_attn's output, which the 12 d sbh/t count); with dropout priced as
+                       FlashAttention runs it, the masks drawn again in backward, not kept
+                       (minimp's trainer refuses dropout with --cp)
+
+(without dropout the factor 2d + 1 is d, as above), and the ring adds, once per device (one
+attention runs at a time), its in-flight buffers at their backward peak: two (k, v) blocks in
+the activation dtype and two float32 (dK, dV), 2 x 2n (d + 4) with n = b s h/(t c)
+(`ring_memory`'s backward_buffers). Model states: ZeRO shards over the dp x c ranks of a stage,
+the group the trainer reduces the gradients over (parallel/apply.py's dp_cp_group).
 """
 
 import math
 from dataclasses import dataclass, field
 
+from minimp.parallel.context.ring import ring_memory
 from minimp.parallel.zero.formulas import memory_formula, peak_formula
 from minimp.plan.inputs import Job, Layout, ModelShape
+from minimp.precision.casting import ACTIVATION_DTYPES
 
 INT64 = 8  # token ids, positions and targets are int64 arrays
+LSE_BYTES = 4  # the ring's log-sum-exp per query row and head: float32 (ops/attention.py)
 
 
 def layer_parameters(model: ModelShape, tp: int) -> int:
@@ -71,22 +96,35 @@ def stage_units(model: ModelShape, layout: Layout, stage: int, job: Job = Job(1)
 
 
 def model_state_bytes(model: ModelShape, layout: Layout, job: Job, stage: int) -> dict[str, int]:
-    """{kind: bytes} of formulas.memory_formula for rank 0 of the stage's data-parallel group
-    (the largest chunks), plus `gradients16`: the 16-bit gradients at the peak inside a step."""
+    """{kind: bytes} of formulas.memory_formula for rank 0 of the stage's dp x cp group (the
+    largest chunks), plus `gradients16`: the 16-bit gradients at the peak inside a step."""
     units, c = stage_units(model, layout, stage, job), job.compute_bytes
-    held = memory_formula(layout.zero, unit_sizes=units, rank=0, world_size=layout.dp,
+    held = memory_formula(layout.zero, unit_sizes=units, rank=0, world_size=layout.dp * layout.cp,
                           compute_bytes=c, wire_bytes=job.grad_comm_bytes, slots=job.slots)
     held["gradients16"] = peak_formula(layout.zero, unit_sizes=units, compute_bytes=c)
     return held
 
 
-def layer_activation_bytes(model: ModelShape, rows: int, d: int, tp: int, sp: bool) -> float:
-    """Bytes one block keeps for backward on one tp rank (the table in the module docstring)."""
-    s, h, a = model.context, model.hidden, model.heads
+def attention_bytes(model: ModelShape, rows: int, d: int, cp: int = 1,
+                    cp_mode: str = "ring") -> float:
+    """What attention keeps beyond q, k, v and c_proj's input, over all heads (a tp rank keeps
+    1/t): the probabilities of today's attention, or the ring's output and log-sum-exp (module
+    docstring)."""
+    s, a = model.context, model.heads
+    if cp > 1 and cp_mode == "ring":
+        return (d * model.hidden + LSE_BYTES * a) * s * rows / cp
+    return ((2 * d + 1) if model.dropout else d) * a * s * s * rows / cp
+
+
+def layer_activation_bytes(model: ModelShape, rows: int, d: int, tp: int, sp: bool, cp: int = 1,
+                           cp_mode: str = "ring") -> float:
+    """Bytes one block keeps for backward on one tp rank of a cp group (the table in the module
+    docstring)."""
+    s, h = model.context / cp, model.hidden  # the positions this rank holds
     sbh = s * rows * h
     whole = float(4 * d * sbh + (2 * sbh if model.dropout else 0))
     split = 12 * d * sbh
-    attention = ((2 * d + 1) if model.dropout else d) * a * s * s * rows
+    attention = attention_bytes(model, rows, d, cp, cp_mode)
     statistics = float(2 * 2 * max(d, 4) * s * rows)
     if sp:
         whole, statistics = whole / tp, statistics / tp
@@ -97,20 +135,39 @@ def stored_layer_bytes(model: ModelShape, layout: Layout, d: int) -> float:
     """What one block keeps per micro-batch: everything, or its input alone with recomputation."""
     rows, tp, sp = layout.micro_batch_size, layout.tp, layout.sequence_parallel
     if layout.recompute:
-        return d * model.context * rows * model.hidden / (tp if sp else 1)
-    return layer_activation_bytes(model, rows, d, tp, sp)
+        return d * model.context / layout.cp * rows * model.hidden / (tp if sp else 1)
+    return layer_activation_bytes(model, rows, d, tp, sp, layout.cp, layout.cp_mode)
+
+
+def attention_shape(model: ModelShape, layout: Layout) -> tuple[int, int, int, int]:
+    """A rank's q in context-parallel attention, (b, a/t, s/c, h/a): what ring.py's and
+    ulysses.py's formulas take (the search's rules make every division whole)."""
+    return (layout.micro_batch_size, model.heads // layout.tp, model.context // layout.cp,
+            model.hidden // model.heads)
+
+
+def ring_buffer_bytes(model: ModelShape, layout: Layout, job: Job) -> int:
+    """The ring's in-flight buffers at their backward peak, 2 x 2n (d + 4) (module docstring):
+    ring.py's own formula; none without a ring."""
+    if layout.cp == 1 or layout.cp_mode != "ring":
+        return 0
+    dtype = ACTIVATION_DTYPES[job.precision]
+    return ring_memory(attention_shape(model, layout), dtype, layout.cp).backward_buffers
 
 
 def embedding_bytes(model: ModelShape, layout: Layout) -> float:
-    """Stage 0's own: token ids and positions (int64) and the embedding's dropout mask."""
-    s, rows = model.context, layout.micro_batch_size
+    """Stage 0's own: token ids and positions (int64) and the embedding's dropout mask, of the
+    s/c positions a rank holds."""
+    s, rows = model.context / layout.cp, layout.micro_batch_size
     mask = s * rows * model.hidden if model.dropout else 0
     return INT64 * s * rows + INT64 * s + mask / (layout.tp if layout.sequence_parallel else 1)
 
 
 def head_bytes(model: ModelShape, layout: Layout, job: Job) -> float:
-    """The last stage's own: ln_f's input and statistics, the head's input, logits, targets."""
-    s, rows, h, d = model.context, layout.micro_batch_size, model.hidden, job.compute_bytes
+    """The last stage's own: ln_f's input and statistics, the head's input, logits, targets, of
+    the s/c positions a rank holds."""
+    s, rows, h = model.context / layout.cp, layout.micro_batch_size, model.hidden
+    d = job.compute_bytes
     slice_ = layout.tp if layout.sequence_parallel else 1
     inputs = (2 * d * h + 2 * max(d, 4)) / slice_
     vocabulary = model.vocab / layout.tp if job.vocabulary_parallel else model.vocab
@@ -125,8 +182,8 @@ def in_flight(layout: Layout, stage: int, schedule: str) -> int:
 
 
 def activation_bytes(model: ModelShape, layout: Layout, job: Job, stage: int) -> float:
-    """Bytes kept for backward at the stage's peak: its in-flight micro-batches, and with
-    recomputation one block's activations rebuilt during its backward."""
+    """Bytes kept for backward at the stage's peak: its in-flight micro-batches, with
+    recomputation one block's activations rebuilt during its backward, and the ring's buffers."""
     d = job.compute_bytes
     per_micro_batch = model.layers // layout.pp * stored_layer_bytes(model, layout, d)
     if stage == 0:
@@ -136,8 +193,9 @@ def activation_bytes(model: ModelShape, layout: Layout, job: Job, stage: int) ->
     rebuilt = 0.0
     if layout.recompute:
         rows, sp = layout.micro_batch_size, layout.sequence_parallel
-        rebuilt = layer_activation_bytes(model, rows, d, layout.tp, sp)
-    return in_flight(layout, stage, job.schedule) * per_micro_batch + rebuilt
+        rebuilt = layer_activation_bytes(model, rows, d, layout.tp, sp, layout.cp, layout.cp_mode)
+    buffers = ring_buffer_bytes(model, layout, job)
+    return in_flight(layout, stage, job.schedule) * per_micro_batch + rebuilt + buffers
 
 
 @dataclass

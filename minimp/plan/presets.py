@@ -100,4 +100,11 @@ MEGATRON = {row.name: ModelShape(row.layers, row.hidden, row.heads, context=2048
             for row in TABLE_1}  # fmt: skip
 # minimp's own GPT as `python -m minimp.train --dataset shakespeare` builds it by default
 SHAKESPEARE = ModelShape(layers=4, hidden=128, heads=4, context=64, vocab=65, dropout=False)
-MODELS = {"shakespeare": SHAKESPEARE, **MEGATRON}
+# A long context (issue 39's example): LLaMA 7B's shape (Touvron et al. 2023, Table 2: 32 layers
+# of 4096, 32 heads; vocabulary 32,000) as minimp's GPT builds it (a GELU MLP 4x wide, learned
+# positions: 7.1B parameters) at 128k = 131,072 tokens a sample, without dropout (minimp's
+# trainer refuses dropout with --cp). At cp = 1 today's attention keeps a/t heads' s x s
+# probabilities, 2 a s^2/t = 128 GiB a block at tp = 8: nothing fits on 80 GB (search.py).
+LONG_CONTEXT_7B = ModelShape(layers=32, hidden=4096, heads=32, context=131072, vocab=32000,
+                             dropout=False)
+MODELS = {"shakespeare": SHAKESPEARE, "7B-128k": LONG_CONTEXT_7B, **MEGATRON}

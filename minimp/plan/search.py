@@ -6,19 +6,30 @@ rule it breaks, so that "nothing fits" can name the rule that failed most):
   tp divides the heads          each rank computes whole heads (Shoeybi et al. 2019, section 3)
   tp divides the GPUs per node  tensor-parallel all-reduces stay on the intra-node network
   pp divides the layers         every stage holds l/P blocks
+  the context splits over cp    the ring: 2 cp divides the context (zig-zag's 2 cp chunks);
+                                Ulysses: cp divides it (equal shards for the all-to-all)
+  cp divides the heads per tp   Ulysses only: each rank attends whole heads, a/(t cp) of them
   dp x b divides the batch      each replica runs M = B / (dp b) whole micro-batches of b rows
   memory fits                   plan/memory.py's peak <= the device's memory
 
-with dp x tp x pp = GPUs. ZeRO stages above 0 are listed only when dp > 1 (with one replica they
-shard nothing), sequence parallelism only when tp > 1. Ranked by predicted step time, then by
-memory (sequence parallelism costs the same time as tensor parallelism alone in this model and
-less memory), then by fewer tensor- and pipeline-parallel ranks and lower ZeRO stages.
+with dp x cp x tp x pp = GPUs, cp a power of 2 (1, 2, 4, ...) and every cp > 1 in both modes, the
+ring and Ulysses (what minimp's trainer runs: --cp, --cp-mode). By default (Choices.context_parallel
+None) cp > 1 is searched only when nothing with cp = 1 fits: context parallelism is for a context
+whose activations do not fit, and this model cannot see what it costs beyond its messages
+(splitting the sequence shrinks every matrix product, which one achievable fraction of peak
+ignores), so it would otherwise prefer it where nothing is known to gain. Name sizes to search
+them whatever fits. The cp ranks sit inside a node when cp x tp devices fit in one (inputs.py's
+placement), else their messages cross nodes (steptime.py prices both). ZeRO stages above 0 are
+listed only when dp x cp > 1 (with one rank in the group they shard nothing), sequence
+parallelism only when tp > 1. Ranked by predicted step time, then by memory (sequence parallelism
+costs the same time as tensor parallelism alone in this model and less memory), then by fewer
+tensor-, pipeline- and context-parallel ranks and lower ZeRO stages.
 """
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from minimp.plan.inputs import Cluster, Job, Layout, ModelShape, PlanError, divisors
+from minimp.plan.inputs import CP_MODES, Cluster, Job, Layout, ModelShape, PlanError, divisors
 from minimp.plan.memory import Memory, memory_per_device
 from minimp.plan.steptime import StepTime, step_flops, step_time
 
@@ -26,17 +37,22 @@ RULES = {
     "heads": "tp must divide the heads",
     "node": "tp must divide the GPUs per node",
     "layers": "pp must divide the layers",
+    "context": "2 cp (ring) or cp (Ulysses) must divide the context",
+    "cp heads": "cp must divide the heads per tp rank (Ulysses)",
     "batch": "dp x micro-batch size must divide the global batch",
     "memory": "the memory per GPU"}
 
 
 @dataclass
 class Choices:
-    """Which ZeRO stages, recomputation and sequence-parallel settings to consider."""
+    """Which ZeRO stages, recomputation, sequence-parallel settings, context-parallel sizes
+    (powers of 2; None: 1, and the others only when nothing with 1 fits) and modes to consider."""
 
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[bool, ...] = (False, True)
     sequence_parallel: tuple[bool, ...] = (False, True)
+    context_parallel: tuple[int, ...] | None = None
+    cp_modes: tuple[str, ...] = CP_MODES
 
 
 @dataclass
@@ -70,60 +86,90 @@ class Search:
     smallest_memory_rejected: float = float("inf")
 
 
-def grids(gpus: int) -> list[tuple[int, int, int]]:
-    """Every (dp, tp, pp) with dp x tp x pp = gpus."""
-    return [(gpus // (tp * pp), tp, pp) for tp in divisors(gpus) for pp in divisors(gpus // tp)]
+def powers_of_two(limit: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to limit."""
+    return tuple(2**k for k in range(limit.bit_length()) if 2**k <= limit)
 
 
-def broken_rule(model: ModelShape, cluster: Cluster, job: Job, grid: tuple, rows: int) -> str:
-    """The first rule a (dp, tp, pp) with b rows per micro-batch breaks, or '' (memory apart)."""
-    dp, tp, pp = grid
+def grids(gpus: int, cp_sizes: tuple[int, ...] = (1,)) -> list[tuple[int, int, int, int]]:
+    """Every (dp, cp, tp, pp) with dp x cp x tp x pp = gpus and cp one of cp_sizes."""
+    return [(gpus // (cp * tp * pp), cp, tp, pp) for cp in cp_sizes if gpus % cp == 0
+            for tp in divisors(gpus // cp) for pp in divisors(gpus // (cp * tp))]
+
+
+def broken_rule(model: ModelShape, cluster: Cluster, job: Job, grid: tuple, rows: int,
+                cp_mode: str = "ring") -> str:
+    """The first rule a (dp, cp, tp, pp) with b rows per micro-batch and cp_mode breaks, or ''
+    (memory apart)."""
+    dp, cp, tp, pp = grid
     if model.heads % tp:
         return "heads"
     if cluster.gpus_per_node % tp:
         return "node"
     if model.layers % pp:
         return "layers"
+    if cp > 1 and model.context % (2 * cp if cp_mode == "ring" else cp):
+        return "context"
+    if cp > 1 and cp_mode == "ulysses" and model.heads // tp % cp:
+        return "cp heads"
     if job.global_batch % (dp * rows):
         return "batch"
     return ""
 
 
-def layouts(dp: int, tp: int, pp: int, rows: int, micro_batches: int, choices: Choices):
+def layouts(dp: int, cp: int, tp: int, pp: int, rows: int, micro_batches: int, cp_mode: str,
+            choices: Choices):
     """Every ZeRO stage, recomputation and sequence-parallel setting for one grid."""
-    for zero in choices.zero_stages if dp > 1 else (0,):
+    for zero in choices.zero_stages if dp * cp > 1 else (0,):
         for recompute in choices.recompute:
             for sp in choices.sequence_parallel if tp > 1 else (False,):
-                yield Layout(dp, tp, pp, zero, rows, micro_batches, recompute, sp)
+                yield Layout(dp, tp, pp, zero, rows, micro_batches, recompute, sp, cp, cp_mode)
 
 
 def search(model: ModelShape, cluster: Cluster, job: Job, choices: Choices | None = None) -> Search:
-    """Every feasible layout, best first (module docstring)."""
-    choices, found = choices or Choices(), Search()
+    """Every feasible layout, best first (module docstring): with choices.context_parallel None,
+    cp = 1, and if nothing fits every larger power of 2 as well (the rejections of both counted)."""
+    choices = choices or Choices()
+    if choices.context_parallel is not None:
+        return _search(model, cluster, job, choices, choices.context_parallel)
+    found = _search(model, cluster, job, choices, (1,))
+    if found.plans:
+        return found
+    larger = _search(model, cluster, job, choices, powers_of_two(cluster.gpus)[1:])
+    larger.rejected += found.rejected
+    larger.smallest_memory_rejected = min(larger.smallest_memory_rejected,
+                                          found.smallest_memory_rejected)
+    return larger
+
+
+def _search(model: ModelShape, cluster: Cluster, job: Job, choices: Choices,
+            cp_sizes: tuple[int, ...]) -> Search:
+    found = Search()
     flops = step_flops(model, job.global_batch, recompute=False)
-    for grid in grids(cluster.gpus):
-        for rows in job.micro_batch_sizes:
-            rule = broken_rule(model, cluster, job, grid, rows)
-            if rule:
-                found.rejected[rule] += 1
-                continue
-            micro_batches = job.global_batch // (grid[0] * rows)
-            for layout in layouts(*grid, rows, micro_batches, choices):
-                memory = memory_per_device(model, layout, job)
-                if memory.total > cluster.memory_bytes:
-                    found.rejected["memory"] += 1
-                    smallest = min(found.smallest_memory_rejected, memory.total)
-                    found.smallest_memory_rejected = smallest
+    for grid in grids(cluster.gpus, cp_sizes):
+        for cp_mode in choices.cp_modes if grid[1] > 1 else CP_MODES[:1]:
+            for rows in job.micro_batch_sizes:
+                rule = broken_rule(model, cluster, job, grid, rows, cp_mode)
+                if rule:
+                    found.rejected[rule] += 1
                     continue
-                time = step_time(model, cluster, job, layout)
-                found.plans.append(Plan(layout, memory, time, flops))
+                micro_batches = job.global_batch // (grid[0] * rows)
+                for layout in layouts(*grid, rows, micro_batches, cp_mode, choices):
+                    memory = memory_per_device(model, layout, job)
+                    if memory.total > cluster.memory_bytes:
+                        found.rejected["memory"] += 1
+                        smallest = min(found.smallest_memory_rejected, memory.total)
+                        found.smallest_memory_rejected = smallest
+                        continue
+                    time = step_time(model, cluster, job, layout)
+                    found.plans.append(Plan(layout, memory, time, flops))
     found.plans.sort(key=_rank)
     return found
 
 
 def _rank(plan: Plan) -> tuple:
     layout = plan.layout
-    return (plan.time.total, plan.memory.total, layout.tp, layout.pp, layout.zero)
+    return (plan.time.total, plan.memory.total, layout.tp, layout.pp, layout.cp, layout.zero)
 
 
 def best_plans(model: ModelShape, cluster: Cluster, job: Job,
@@ -139,7 +185,8 @@ def best_plans(model: ModelShape, cluster: Cluster, job: Job,
         need, have = found.smallest_memory_rejected / 2**30, cluster.memory_bytes / 2**30
         detail += f" (the smallest layout needs {need:.1f} GiB, a GPU has {have:.1f} GiB)"
     raise PlanError(f"no layout fits: {count} of {total} failed on {detail}; try more GPUs, "
-                    "--recompute on, a smaller --micro-batch-size or another --gpus-per-node")
+                    "--recompute on, a smaller --micro-batch-size, another --gpus-per-node or "
+                    "--cp auto")
 
 
 def resimulated(model: ModelShape, cluster: Cluster, job: Job, plans: list[Plan]) -> list[Plan]:

@@ -16,8 +16,8 @@ Per micro-batch on pipeline stage i (l/P blocks; stage 0 the embeddings, the las
              reduce-scatter of the stage's gradients over dp, ZeRO 3's two all-gathers
 Tensor-parallel collectives run over the intra-node network (tp stays inside a node); with
 sequence parallelism each all-reduce is a reduce-scatter plus an all-gather of the same bytes
-(Korthikanti et al. 2022, section 4.2.2). Nothing overlaps compute: minimp runs one thing at a
-time, and Megatron-LM in 2021 did not overlap these either.
+(Korthikanti et al. 2022, section 4.2.2). Nothing overlaps compute but the ring attention's hops
+(below): minimp runs one thing at a time, and Megatron-LM in 2021 did not overlap these either.
 
 The pipeline (1F1B or GPipe, same span): (M + P - 1) x (the slowest stage's forward + backward + 2
 messages of b s h d bytes): the bubble of Huang et al. 2019, (P - 1)/(M + P - 1) of the step, and in
@@ -25,10 +25,32 @@ every micro-batch's slot one message each way, because 1F1B's exchanges block (m
 pairs, Megatron-LM's send_forward_recv_backward). With `simulate`, the span of
 parallel/pipeline/simulator.py's `simulate_schedule` on the same per-stage costs instead, whose
 sends do not block: shorter when messages are long (tests/test_plan.py). Messages cross nodes when
-the job does (pipeline stages are the outermost dimension: Megatron-LM's order, tp, dp, pp).
+the job does (pipeline stages are the outermost dimension: Megatron-Core's order, tp, cp, dp,
+pp).
 
-After the pipeline, each stage's gradients over its dp group, on the intra-node network when the
-group fits in a node (tp x dp <= GPUs per node), else inter-node: ZeRO 0 a ring all-reduce of
+Context parallelism over c ranks (the grid's cp, placed as inputs.py says): a rank computes 1/c of
+every block's and the head's FLOPs (its s/c positions; attention's 4 b s^2 h split evenly: the
+zig-zag shards give every ring rank the same causal work, Ulysses every rank a/c heads), and its
+tensor-parallel all-reduces and pipeline messages carry b (s/c) h d bytes. Per block and
+micro-batch, with n = b s h/(t c) values in a rank's q (B, a/t, s/c, h/a), on the network that
+the group's c x tp consecutive devices span (intra-node when they fit in a node):
+  ring     forward: c - 1 hops of k and v, 2n d bytes each (the hop's bytes are ring.py's
+           `ring_bytes`), each sent before one ring step's attention (1/c of the rank's attention
+           FLOPs) is computed, so a hop costs max(step, send): only costmodel's
+           exposed_behind_compute, (c - 1) max(0, send - step), is added to the compute.
+           Backward: c - 1 hops of k and v and of the previous step's float32 dK, dV (2n x 4 bytes)
+           behind a step of backward attention (2x forward's), then the gradients' last hop home,
+           behind nothing; with recomputation the rebuilt forward's hops again
+  Ulysses  4 all-to-alls of n d bytes forward (q, k, v out, O back) and 4 backward (dO out, dq,
+           dk, dv back), (c - 1)/c of each sent (ulysses.py's `ulysses_bytes`), none overlapped;
+           4 more with recomputation
+The attention FLOPs are Eq. 3's (the whole s x s, as one process computes it); the ring skips
+blocks above the diagonal, Ulysses computes them masked: a hop's compute is taken as 1/c of the
+former either way.
+
+After the pipeline, each stage's gradients over its dp x cp group (the trainer's dp_cp_group),
+on the intra-node network when the group fits in a node (dp x cp x tp <= GPUs per node), else
+inter-node: ZeRO 0 a ring all-reduce of
 w-byte gradients; ZeRO 1 a reduce-scatter and an all-gather of the d-byte compute copies; ZeRO 2
 the all-gather; ZeRO 3 nothing (parallel/zero/formulas.py has the bytes). The tied token embedding
 is all-reduced between the first and last stage (float32), and four scalar all-reduces span the
@@ -37,13 +59,18 @@ metrics count per step on 4 ranks). Not counted: the optimizer's update, the voc
 parallel embedding's and loss's small all-reduces, kernel launches, and data loading.
 """
 
+import math
 from dataclasses import dataclass
 
+from minimp.measure.costmodel import exposed_behind_compute
+from minimp.parallel.context.ring import ring_bytes
+from minimp.parallel.context.ulysses import ulysses_bytes
 from minimp.parallel.pipeline.schedules import build_schedule
 from minimp.parallel.pipeline.simulator import Costs, simulate_schedule
 from minimp.plan.inputs import Cluster, Job, Layout, ModelShape
 from minimp.plan.links import Links
-from minimp.plan.memory import stage_units, vocabulary_share
+from minimp.plan.memory import attention_shape, stage_units, vocabulary_share
+from minimp.precision.casting import ACTIVATION_DTYPES
 
 # per step over the job: the overflow flag before and after the reduce, the norm, the loss
 SCALAR_ALLREDUCES = 4
@@ -54,7 +81,12 @@ TIED_GRADIENT_BYTES = 4  # the tied embedding's gradient is all-reduced from flo
 def layer_forward_flops(model: ModelShape, rows: int) -> float:
     """One block's forward on `rows` samples: 24 b s h^2 + 4 b s^2 h = 24 b s h^2 (1 + s/(6h))."""
     s, h = model.context, model.hidden
-    return 24 * rows * s * h * h + 4 * rows * s * s * h
+    return 24 * rows * s * h * h + attention_flops(model, rows)
+
+
+def attention_flops(model: ModelShape, rows: int) -> float:
+    """Attention's part of a block's forward, q k^T and its product with v: 4 b s^2 h."""
+    return 4 * rows * model.context * model.context * model.hidden
 
 
 def logits_forward_flops(model: ModelShape, rows: int) -> float:
@@ -81,6 +113,7 @@ class StepTime:
 
     compute: float  # the slowest stage's forwards and backwards, M of each
     tensor_parallel: float  # its tensor-parallel collectives
+    context_parallel: float  # its ring hops not hidden by compute, or its all-to-alls
     zero_in_step: float  # its ZeRO 2-3 collectives inside the micro-batches
     bubble: float  # the pipeline's fill and drain, and its messages
     data_parallel: float  # the gradients' collectives after the last backward
@@ -88,8 +121,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        parts = (self.compute, self.tensor_parallel, self.zero_in_step, self.bubble)
-        return sum(parts) + self.data_parallel + self.other
+        parts = (self.compute, self.tensor_parallel, self.context_parallel, self.zero_in_step)
+        return sum(parts) + self.bubble + self.data_parallel + self.other
 
 
 def _links(cluster: Cluster, group_span: int) -> Links:
@@ -97,52 +130,96 @@ def _links(cluster: Cluster, group_span: int) -> Links:
     return cluster.intra if group_span <= cluster.gpus_per_node else cluster.inter
 
 
+def context_bytes(model: ModelShape, layout: Layout, job: Job) -> tuple[int, int]:
+    """Bytes one rank sends in one block's attention on one micro-batch, forward and backward:
+    ring.py's `ring_bytes` or ulysses.py's `ulysses_bytes` for the rank's q (module docstring);
+    none at cp = 1."""
+    if layout.cp == 1:
+        return 0, 0
+    formula = ring_bytes if layout.cp_mode == "ring" else ulysses_bytes
+    sent = formula(attention_shape(model, layout), ACTIVATION_DTYPES[job.precision], layout.cp)
+    return sent.forward, sent.backward
+
+
+def context_step_bytes(model: ModelShape, layout: Layout, job: Job) -> int:
+    """Bytes one rank sends to its context-parallel group in a step: context_bytes for each of
+    its stage's l/P blocks and M micro-batches, the forward's twice with recomputation (what the
+    trainer's metrics count per step in bytes_by_group.context_parallel)."""
+    forward, backward = context_bytes(model, layout, job)
+    per_block = forward * (1 + layout.recompute) + backward
+    return model.layers // layout.pp * layout.micro_batches * per_block
+
+
+def context_costs(model: ModelShape, cluster: Cluster, job: Job, layout: Layout):
+    """(forward, backward) seconds of one block's context-parallel messages on one micro-batch
+    that compute does not hide (module docstring)."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0, 0.0
+    links = _links(cluster, cp * layout.tp)
+    if layout.cp_mode == "ulysses":  # 4 all-to-alls each way of a tensor of n d bytes
+        tensor = math.prod(attention_shape(model, layout)) * job.compute_bytes
+        forward = 4 * links.all_to_all(tensor, cp)
+        return forward, forward * (1 + layout.recompute)
+    forward_bytes, backward_bytes = context_bytes(model, layout, job)
+    keys_values = forward_bytes / (cp - 1)  # a hop: k and v (c - 1 hops)
+    gradients = (backward_bytes - forward_bytes) / cp  # a hop: float32 dK, dV (c hops)
+    step = attention_flops(model, layout.micro_batch_size) / (layout.tp * cp) / cp / cluster.flops
+    forward = exposed_behind_compute(links.send(keys_values), step, cp - 1)
+    moving = links.send(keys_values) + links.send(gradients)
+    backward = exposed_behind_compute(moving, 2 * step, cp - 1) + links.send(gradients)
+    return forward, backward + (forward if layout.recompute else 0.0)
+
+
 def stage_costs(model: ModelShape, cluster: Cluster, job: Job, layout: Layout, stage: int):
-    """(compute, tensor-parallel, ZeRO) seconds of one micro-batch's forward and of its backward on
-    `stage`, as three (forward, backward) pairs."""
-    rows, tp, dp = layout.micro_batch_size, layout.tp, layout.dp
+    """(compute, tensor-parallel, context-parallel, ZeRO) seconds of one micro-batch's forward and
+    of its backward on `stage`, as four (forward, backward) pairs."""
+    rows, tp, dp, cp = layout.micro_batch_size, layout.tp, layout.dp, layout.cp
     blocks = model.layers // layout.pp
     block_flops = blocks * layer_forward_flops(model, rows)
     head = logits_forward_flops(model, rows) if stage == layout.pp - 1 else 0.0
     if not job.vocabulary_parallel:  # minimp: every tensor-parallel rank computes all logits
         head *= tp
-    forward = (block_flops + head) / tp / cluster.flops
-    backward = 2 * forward + (block_flops / tp / cluster.flops if layout.recompute else 0.0)
+    forward = (block_flops + head) / (tp * cp) / cluster.flops
+    backward = 2 * forward + (block_flops / (tp * cp) / cluster.flops if layout.recompute else 0.0)
 
     intra = cluster.intra
-    activation = rows * model.context * model.hidden * job.compute_bytes
+    activation = rows * model.context / cp * model.hidden * job.compute_bytes
     if layout.sequence_parallel:
         one = intra.reduce_scatter(activation, tp) + intra.all_gather(activation, tp)
     else:
         one = intra.all_reduce(activation, tp)
     tp_forward = 2 * blocks * one
     tp_backward = (2 + 2 * layout.recompute) * blocks * one
+    cp_forward, cp_backward = (blocks * part for part in context_costs(model, cluster, job, layout))
 
     stage_parameters = sum(stage_units(model, layout, stage, job))
-    dp_links = _links(cluster, tp * dp)
+    dp_links = _links(cluster, tp * cp * dp)
     zero_forward = zero_backward = 0.0
     if layout.zero >= 2:  # minimp reduce-scatters every micro-batch's gradients (formulas.py)
-        zero_backward += dp_links.reduce_scatter(stage_parameters * job.grad_comm_bytes, dp)
+        zero_backward += dp_links.reduce_scatter(stage_parameters * job.grad_comm_bytes, dp * cp)
     if layout.zero == 3:  # and gathers each layer before its forward and before its backward
-        gather = dp_links.all_gather(stage_parameters * job.compute_bytes, dp)
+        gather = dp_links.all_gather(stage_parameters * job.compute_bytes, dp * cp)
         zero_forward, zero_backward = gather, zero_backward + gather
-    return (forward, backward), (tp_forward, tp_backward), (zero_forward, zero_backward)
+    return ((forward, backward), (tp_forward, tp_backward), (cp_forward, cp_backward),
+            (zero_forward, zero_backward))
 
 
 def gradient_sync_seconds(model: ModelShape, cluster: Cluster, job: Job, layout: Layout) -> float:
-    """The slowest stage's data-parallel collectives after the last backward (module docstring)."""
-    dp_links = _links(cluster, layout.tp * layout.dp)
+    """The slowest stage's data-parallel collectives after the last backward, over its dp x cp
+    ranks (module docstring)."""
+    dp_links, ranks = _links(cluster, layout.tp * layout.cp * layout.dp), layout.dp * layout.cp
     slowest = 0.0
     for stage in sorted({0, layout.pp - 1}):
         parameters = sum(stage_units(model, layout, stage, job))
         wire, copies = parameters * job.grad_comm_bytes, parameters * job.compute_bytes
         if layout.zero == 0:
-            seconds = dp_links.all_reduce(wire, layout.dp)
+            seconds = dp_links.all_reduce(wire, ranks)
         elif layout.zero == 1:
-            scatter = dp_links.reduce_scatter(wire, layout.dp)
-            seconds = scatter + dp_links.all_gather(copies, layout.dp)
+            scatter = dp_links.reduce_scatter(wire, ranks)
+            seconds = scatter + dp_links.all_gather(copies, ranks)
         elif layout.zero == 2:  # reduce-scattered during backward already
-            seconds = dp_links.all_gather(copies, layout.dp)
+            seconds = dp_links.all_gather(copies, ranks)
         else:  # stage 3: the update is on shards, nothing to gather
             seconds = 0.0
         slowest = max(slowest, seconds)
@@ -156,11 +233,13 @@ def step_time(model: ModelShape, cluster: Cluster, job: Job, layout: Layout,
     costs = [stage_costs(model, cluster, job, layout, stage) for stage in range(pp)]
     per_stage = [sum(f + b for f, b in parts) for parts in costs]
     slowest = max(range(pp), key=lambda stage: per_stage[stage])
-    # its compute, tensor-parallel and ZeRO seconds, M micro-batches of each
-    compute, tensor_parallel, zero_in_step = (micro_batches * (f + b) for f, b in costs[slowest])
+    # its compute, tensor-parallel, context-parallel and ZeRO seconds, M micro-batches of each
+    compute, tensor_parallel, context_parallel, zero_in_step = (
+        micro_batches * (f + b) for f, b in costs[slowest])
 
     whole_job = _links(cluster, cluster.gpus)
-    activation = layout.micro_batch_size * model.context * model.hidden * job.compute_bytes
+    tokens = model.context / layout.cp  # a rank's positions of each sample
+    activation = layout.micro_batch_size * tokens * model.hidden * job.compute_bytes
     message = whole_job.send(activation) if pp > 1 else 0.0
     if simulate and pp > 1:
         schedule = build_schedule(job.schedule, pp, micro_batches)
@@ -176,5 +255,6 @@ def step_time(model: ModelShape, cluster: Cluster, job: Job, layout: Layout,
         tied = whole_job.all_reduce(token * TIED_GRADIENT_BYTES, 2)
     scalars = SCALAR_ALLREDUCES * whole_job.all_reduce(SCALAR_BYTES, cluster.gpus)
     return StepTime(
-        compute, tensor_parallel, zero_in_step, bubble=span - micro_batches * per_stage[slowest],
+        compute, tensor_parallel, context_parallel, zero_in_step,
+        bubble=span - micro_batches * per_stage[slowest],
         data_parallel=gradient_sync_seconds(model, cluster, job, layout), other=tied + scalars)
