@@ -188,15 +188,16 @@ class TiledAttention(Function):
                 order: Sequence[Sequence[int]] | None = None) -> Array:
         check_attention_inputs("tiled_attention", q, k, v)
         ctx.order = causal_order(order, q.shape[2], chunk_size)
-        ctx.chunk_size, ctx.scale, c = chunk_size, 1.0 / math.sqrt(q.shape[-1]), chunk_size
+        ctx.chunk_size = c = chunk_size
+        ctx.scale = 1.0 / math.sqrt(q.shape[-1])
         output = backend.empty(q.shape, q.dtype, q)
         lse = array_module(q).empty(q.shape[:-1], accumulate_dtype(q.dtype))  # (B, H, T)
         for i, keys in enumerate(ctx.order):
-            query = chunk(q, i, c)
+            rows, query = slice(i * c, (i + 1) * c), chunk(q, i, c)
             state = OnlineSoftmax.start(query)
             for j in keys:
                 forward_block(state, query, chunk(k, j, c), chunk(v, j, c), ctx.scale, i == j)
-            output[..., i * c:(i + 1) * c, :], lse[..., i * c:(i + 1) * c] = state.finish(q.dtype)
+            output[..., rows, :], lse[..., rows] = state.finish(q.dtype)
         ctx.save_for_backward(q, k, v, output, lse)
         return output
 
