@@ -42,6 +42,7 @@ from minimp.distributed.buffers import CollectiveMismatchError
 from minimp.distributed.protocol import Communicator, Tag
 from minimp.function import Context, Function
 
+Sizes = tuple[int, ...]  # rows to or from each rank, in rank order
 COUNT_BYTES = 8  # one int64 per count message
 MAX_TRAILING_AXES = 7  # a rank's layout line must fit LINE_CHARS
 # The layout line travels in the agreement, one scalar per character: a dtype's name (at most 18:
@@ -56,7 +57,7 @@ def all_to_all(comm: Communicator, chunks: Sequence[Array],
     output_split_sizes (the rows to expect from each rank) they are exchanged first. The results
     are views of one new C-contiguous array."""
     out, sizes = _all_to_all(comm, chunks, output_split_sizes, "all_to_all")
-    return [out[start:stop] for start, stop in _bounds(sizes)]
+    return _split(out, sizes)
 
 
 def all_to_all_single(comm: Communicator, x: Array, input_split_sizes: Sequence[int] | None = None,
@@ -68,7 +69,7 @@ def all_to_all_single(comm: Communicator, x: Array, input_split_sizes: Sequence[
     return _single(comm, x, input_split_sizes, output_split_sizes)[0]
 
 
-def exchange_counts(comm: Communicator, input_split_sizes: Sequence[int]) -> tuple[int, ...]:
+def exchange_counts(comm: Communicator, input_split_sizes: Sequence[int]) -> Sizes:
     """The rows each rank will send this one (its output_split_sizes), learned from the rows each
     rank sends (input_split_sizes[j]: to rank j): an all-to-all of one int64 per rank."""
     sent = np.array(_check_sizes(comm, input_split_sizes, "input_split_sizes"), np.int64)
@@ -104,13 +105,12 @@ class AllToAll(Function):
         """The rows of dL/dy that came from rank i go back to rank i (output and input sizes
         swap), and the ones this rank sent to rank j come back as dL/dx's chunk j."""
         # Unchecked: the forward agreed on the layout, and dL/dy has y's shape and dtype.
-        chunks = [grad_output[a:b] for a, b in _bounds(ctx.output_split_sizes)]
+        chunks = _split(grad_output, ctx.output_split_sizes)
         return _exchange(ctx.comm, chunks, ctx.input_split_sizes, Tag.ALL_TO_ALL)
 
 
 def _single(comm: Communicator, x: Array, input_split_sizes: Sequence[int] | None,
-            output_split_sizes: Sequence[int] | None) -> tuple[Array, tuple[int, ...],
-                                                              tuple[int, ...]]:
+            output_split_sizes: Sequence[int] | None) -> tuple[Array, Sizes, Sizes]:
     """all_to_all_single's result, its input sizes (given, checked to cover x's rows, or p equal
     chunks of them) and its output sizes."""
     if x.ndim == 0:
@@ -129,12 +129,11 @@ def _single(comm: Communicator, x: Array, input_split_sizes: Sequence[int] | Non
         sizes = (rows // p,) * p
         if output_split_sizes is None:  # Ulysses: every chunk the same shape (the agreement checks)
             output_split_sizes = sizes
-    chunks = [x[start:stop] for start, stop in _bounds(sizes)]
-    out, received = _all_to_all(comm, chunks, output_split_sizes, "all_to_all_single")
+    out, received = _all_to_all(comm, _split(x, sizes), output_split_sizes, "all_to_all_single")
     return out, sizes, received
 
 
-def _check_sizes(comm: Communicator, sizes: Sequence[int], name: str) -> tuple[int, ...]:
+def _check_sizes(comm: Communicator, sizes: Sequence[int], name: str) -> Sizes:
     """sizes as ints, after checking there is one per rank and none is negative."""
     if len(sizes) != comm.size or any(int(n) != n or n < 0 for n in sizes):
         raise ValueError(f"{name} must be {comm.size} non-negative integers (one per rank), got "
@@ -142,8 +141,8 @@ def _check_sizes(comm: Communicator, sizes: Sequence[int], name: str) -> tuple[i
     return tuple(int(n) for n in sizes)
 
 
-def _all_to_all(comm: Communicator, chunks: Sequence[Array], output_split_sizes: Sequence[int]
-                | None, name: str) -> tuple[Array, tuple[int, ...]]:
+def _all_to_all(comm: Communicator, chunks: Sequence[Array],
+                output_split_sizes: Sequence[int] | None, name: str) -> tuple[Array, Sizes]:
     """Check the chunks here, agree with every rank, learn the sizes if need be, exchange."""
     if len(chunks) != comm.size:
         raise ValueError(f"{name}: {len(chunks)} chunks for {comm.size} ranks; pass one per rank "
@@ -165,8 +164,7 @@ def _all_to_all(comm: Communicator, chunks: Sequence[Array], output_split_sizes:
     return _exchange(comm, chunks, sizes, Tag.ALL_TO_ALL), sizes
 
 
-def _agree(comm: Communicator, like: Array, sent: tuple[int, ...],
-           expected: tuple[int, ...] | None, name: str) -> None:
+def _agree(comm: Communicator, like: Array, sent: Sizes, expected: Sizes | None, name: str) -> None:
     """Raise CollectiveMismatchError on every rank, in the same line, unless every rank sends rows
     of one dtype and trailing shape, all or none pass output_split_sizes (`expected`), and each
     given size is what its sender sends. One scalar all-reduce of a p x (LINE_CHARS + 2p) table
@@ -193,10 +191,9 @@ def _agree(comm: Communicator, like: Array, sent: tuple[int, ...],
                                       f"{int(expects[j, i])}; pass the sizes the senders send")
 
 
-def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """(start, stop) of each chunk of rows, in rank order."""
-    stops = np.cumsum(sizes, dtype=np.int64).tolist()
-    return [(stop - n, stop) for n, stop in zip(sizes, stops)]
+def _split(x: Array, sizes: Sequence[int]) -> list[Array]:
+    """Views of x's rows in chunks of sizes[0], sizes[1], ... rows, in rank order."""
+    return array_module(x).split(x, np.cumsum(sizes)[:-1].tolist())
 
 
 def _exchange(comm: Communicator, chunks: Sequence[Array], output_split_sizes: Sequence[int],
@@ -207,7 +204,7 @@ def _exchange(comm: Communicator, chunks: Sequence[Array], output_split_sizes: S
     p, r, first = comm.size, comm.rank, chunks[0]
     xp = array_module(first)
     out = xp.empty((sum(output_split_sizes), *first.shape[1:]), first.dtype)
-    pieces = [out[start:stop] for start, stop in _bounds(output_split_sizes)]
+    pieces = _split(out, output_split_sizes)
     others = [(r + step) % p for step in range(1, p)]  # sends in turn, not all to rank 0 first
     requests = [comm.irecv(pieces[s], s, tag=tag) for s in others if pieces[s].nbytes]
     # a non-contiguous chunk is sent from a contiguous copy

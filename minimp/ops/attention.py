@@ -154,15 +154,14 @@ def check_attention_inputs(name: str, q: Array, k: Array, v: Array) -> None:
                         f"{v.dtype} (cast them alike)")
 
 
-def causal_order(order: Sequence[Sequence[int]] | None, tokens: int,
-                 chunk_size: int) -> list[list[int]]:
-    """The key chunks each query chunk visits, checked: chunk_size divides T and order[i] holds
-    each of 0..i once (the chunks a causal query chunk sees). None gives 0, 1, ..., i
-    (FlashAttention's order)."""
-    if chunk_size < 1 or tokens % chunk_size:
-        raise ValueError(f"tiled_attention: chunk_size {chunk_size} must divide the sequence's "
+def causal_order(order: Sequence[Sequence[int]] | None, tokens: int, size: int) -> list[list[int]]:
+    """The key chunks each query chunk visits, checked: the chunk size divides the T = tokens
+    positions and order[i] holds each of 0..i once (the chunks a causal query chunk sees). None
+    gives 0, 1, ..., i (FlashAttention's order)."""
+    if size < 1 or tokens % size:
+        raise ValueError(f"tiled_attention: chunk_size {size} must divide the sequence's "
                          f"{tokens} positions (choose a divisor of {tokens})")
-    chunks = tokens // chunk_size
+    chunks = tokens // size
     if order is None:
         return [list(range(i + 1)) for i in range(chunks)]
     if len(order) != chunks:

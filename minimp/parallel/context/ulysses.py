@@ -106,8 +106,7 @@ def heads_to_sequence(y: Tensor, comm: Communicator) -> Tensor:
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, comm: Communicator,
-                      layout: ContextLayout | None = None,
-                      chunk_size: int | None = None) -> Tensor:
+                      layout: ContextLayout | None = None, chunk_size: int | None = None) -> Tensor:
     """Causal attention of this rank's positions over the whole sharded sequence: q, k, v (B, H,
     T/N, D) hold comm.rank's T/N contiguous positions of every head; returns (B, H, T/N, D).
 
