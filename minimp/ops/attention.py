@@ -195,7 +195,7 @@ class TiledAttention(Function):
             rows, query = slice(i * c, (i + 1) * c), chunk(q, i, c)
             state = OnlineSoftmax.start(query)
             for j in keys:
-                forward_block(state, query, chunk(k, j, c), chunk(v, j, c), ctx.scale, diagonal=i == j)
+                forward_block(state, query, chunk(k, j, c), chunk(v, j, c), ctx.scale, i == j)
             output[..., rows, :], lse[..., rows] = state.finish(q.dtype)
         ctx.save_for_backward(q, k, v, output, lse)
         return output
