@@ -15,7 +15,7 @@ from minimp import functional as F
 from minimp.distributed import simulate
 from minimp.distributed.buffers import CollectiveMismatchError
 from minimp.distributed.protocol import Tag
-from minimp.parallel.context import (ContextLayout, UlyssesBytes, check_ulysses,
+from minimp.parallel.context import (AttentionBytes, ContextLayout, check_ulysses,
                                      ulysses_attention, ulysses_bytes, ulysses_memory)
 from minimp.tensor import saved_bytes
 
@@ -127,7 +127,7 @@ def test_one_rank_is_plain_attention(rng):
     for a, b in zip(got, expected):
         np.testing.assert_array_equal(a, b)
     assert results.trace == [] and results[0].sent == (0, 0)
-    assert ulysses_bytes((2, 4, 4, 4), np.float32, 1) == UlyssesBytes(0, 0)
+    assert ulysses_bytes((2, 4, 4, 4), np.float32, 1) == AttentionBytes(0, 0)
 
 
 def test_bad_input_fails_on_every_rank_in_one_line_before_any_message(rng):

@@ -45,14 +45,13 @@ from minimp import backend
 from minimp.backend import Array, array_module
 from minimp.function import Context, Function
 from minimp.ops.linalg import gemm_operand, pooled_matmul
-from minimp.precision import casting
-from minimp.precision.casting import round_to, widen
+from minimp.precision.casting import ACCUMULATE_DTYPE, result_dtype, round_to, widen
 
 
 def accumulate_dtype(dtype: np.dtype) -> np.dtype:
     """Where the online softmax runs: float32 for 16- and 32-bit inputs, float64 for float64 (the
     gradient checks)."""
-    return casting.result_dtype(dtype, casting.ACCUMULATE_DTYPE)
+    return result_dtype(dtype, ACCUMULATE_DTYPE)
 
 
 def chunk(x: Array, index: int, size: int) -> Array:
@@ -134,8 +133,7 @@ def backward_block(grads: BlockGradients, q: Array, k: Array, v: Array, grad_out
     grad = widen(grad_output)
     grads.value += pooled_matmul(probabilities.swapaxes(-1, -2), grad)
     grad_probabilities = pooled_matmul(grad, widen(v).swapaxes(-1, -2))
-    grad_scores = probabilities * (grad_probabilities - delta[..., None])
-    grad_scores *= scale
+    grad_scores = probabilities * (grad_probabilities - delta[..., None]) * scale
     grads.query += pooled_matmul(grad_scores, widen(k))
     grads.key += pooled_matmul(grad_scores.swapaxes(-1, -2), widen(q))
 
@@ -156,9 +154,14 @@ def check_attention_inputs(name: str, q: Array, k: Array, v: Array) -> None:
                         f"{v.dtype} (cast them alike)")
 
 
-def causal_order(order: Sequence[Sequence[int]] | None, chunks: int) -> list[list[int]]:
-    """The key chunks each query chunk visits, checked: order[i] holds each of 0..i once (the
-    chunks a causal query chunk sees). None gives 0, 1, ..., i (FlashAttention's order)."""
+def causal_order(order: Sequence[Sequence[int]] | None, tokens: int, size: int) -> list[list[int]]:
+    """The key chunks each query chunk visits, checked: the chunk size divides the T = tokens
+    positions and order[i] holds each of 0..i once (the chunks a causal query chunk sees). None
+    gives 0, 1, ..., i (FlashAttention's order)."""
+    if size < 1 or tokens % size:
+        raise ValueError(f"tiled_attention: chunk_size {size} must divide the sequence's "
+                         f"{tokens} positions (choose a divisor of {tokens})")
+    chunks = tokens // size
     if order is None:
         return [list(range(i + 1)) for i in range(chunks)]
     if len(order) != chunks:
@@ -183,21 +186,16 @@ class TiledAttention(Function):
     def forward(ctx: Context, q: Array, k: Array, v: Array, chunk_size: int,
                 order: Sequence[Sequence[int]] | None = None) -> Array:
         check_attention_inputs("tiled_attention", q, k, v)
-        tokens = q.shape[2]
-        if chunk_size < 1 or tokens % chunk_size:
-            raise ValueError(f"tiled_attention: chunk_size {chunk_size} must divide the "
-                             f"sequence's {tokens} positions (choose a divisor of {tokens})")
-        ctx.order = causal_order(order, tokens // chunk_size)
-        ctx.chunk_size, ctx.scale = chunk_size, 1.0 / math.sqrt(q.shape[-1])
-        xp = array_module(q)
+        ctx.order = causal_order(order, q.shape[2], chunk_size)
+        ctx.chunk_size = c = chunk_size
+        ctx.scale = 1.0 / math.sqrt(q.shape[-1])
         output = backend.empty(q.shape, q.dtype, q)
-        lse = xp.empty(q.shape[:-1], accumulate_dtype(q.dtype))  # (B, H, T)
+        lse = array_module(q).empty(q.shape[:-1], accumulate_dtype(q.dtype))  # (B, H, T)
         for i, keys in enumerate(ctx.order):
-            rows = slice(i * chunk_size, (i + 1) * chunk_size)
-            query, state = chunk(q, i, chunk_size), OnlineSoftmax.start(q[..., rows, :])
+            rows, query = slice(i * c, (i + 1) * c), chunk(q, i, c)
+            state = OnlineSoftmax.start(query)
             for j in keys:
-                forward_block(state, query, chunk(k, j, chunk_size), chunk(v, j, chunk_size),
-                              ctx.scale, diagonal=i == j)
+                forward_block(state, query, chunk(k, j, c), chunk(v, j, c), ctx.scale, i == j)
             output[..., rows, :], lse[..., rows] = state.finish(q.dtype)
         ctx.save_for_backward(q, k, v, output, lse)
         return output
@@ -205,17 +203,16 @@ class TiledAttention(Function):
     @staticmethod
     def backward(ctx: Context, grad_output: Array) -> tuple[Array, Array, Array]:
         q, k, v, output, lse = ctx.saved_arrays
-        size, xp = ctx.chunk_size, array_module(q)
-        delta = output_delta(grad_output, output)
+        c, delta = ctx.chunk_size, output_delta(grad_output, output)
         # float32 accumulators for every chunk's gradients, rounded once at the end
-        grad_q, grad_k, grad_v = (xp.zeros(q.shape, lse.dtype) for _ in range(3))
+        grad_q, grad_k, grad_v = (array_module(q).zeros(q.shape, lse.dtype) for _ in range(3))
         for i, keys in enumerate(ctx.order):
-            rows = slice(i * size, (i + 1) * size)
-            query, grad = chunk(q, i, size), chunk(grad_output, i, size)
+            rows = slice(i * c, (i + 1) * c)
+            query, grad = chunk(q, i, c), chunk(grad_output, i, c)
             for j in keys:
-                columns = slice(j * size, (j + 1) * size)
+                columns = slice(j * c, (j + 1) * c)
                 grads = BlockGradients(grad_q[..., rows, :], grad_k[..., columns, :],
                                        grad_v[..., columns, :])
-                backward_block(grads, query, chunk(k, j, size), chunk(v, j, size), grad,
-                               lse[..., rows], delta[..., rows], ctx.scale, diagonal=i == j)
+                backward_block(grads, query, chunk(k, j, c), chunk(v, j, c), grad, lse[..., rows],
+                               delta[..., rows], ctx.scale, diagonal=i == j)
         return round_to(grad_q, q.dtype), round_to(grad_k, k.dtype), round_to(grad_v, v.dtype)

@@ -3,9 +3,8 @@ keys and values; ring attention passes the key/value blocks around the group (ri
 zig-zag or contiguous shards of layout.py; Ulysses trades sequence shards for head shards with an
 all-to-all (ulysses.py)."""
 
-from minimp.parallel.context.layout import ContextLayout
+from minimp.parallel.context.layout import AttentionBytes, ContextLayout
 from minimp.parallel.context.ring import (RingAttention, RingBytes, RingMemory, ring_attention,
                                           ring_bytes, ring_memory, ring_order)
-from minimp.parallel.context.ulysses import (UlyssesBytes, check_ulysses, heads_to_sequence,
-                                             sequence_to_heads, ulysses_attention, ulysses_bytes,
-                                             ulysses_memory)
+from minimp.parallel.context.ulysses import (check_ulysses, heads_to_sequence, sequence_to_heads,
+                                             ulysses_attention, ulysses_bytes, ulysses_memory)

@@ -17,6 +17,10 @@ blocks; the whole sequence is sum_i (i + 1/2) = (2N)^2 / 2 = 2N^2 blocks.
 - contiguous: rank r does (2r + 1/2) + (2r + 1 + 1/2) = 4r + 2 blocks: 2 on rank 0, 4N - 2 on rank
   N-1, so the busiest rank does (4N-2)/2 = 2N-1 times the idlest's work, and every step of a ring
   waits for the busiest.
+
+AttentionBytes is what both context-parallel attentions report of their messages: the bytes one
+rank sends in one attention call, forward and backward (ring.py's ring_bytes, ulysses.py's
+ulysses_bytes).
 """
 
 from dataclasses import dataclass
@@ -26,6 +30,15 @@ import numpy as np
 from minimp.backend import Array, array_module
 
 LAYOUTS = ("zigzag", "contiguous")
+
+
+@dataclass(frozen=True)
+class AttentionBytes:
+    """Bytes one rank sends in one context-parallel attention call: forward (keys and values, or
+    q, k, v and O) and backward (what travels for the gradients); each formula says its dtypes."""
+
+    forward: int
+    backward: int
 
 
 @dataclass(frozen=True)
@@ -59,27 +72,20 @@ class ContextLayout:
     def check_tokens(self, tokens: int) -> None:
         """The sequence must cut into the grid's 2N equal chunks; contiguous shards need only N
         equal pieces (Ulysses takes them so; the ring checks its 2 chunks a rank itself)."""
-        if self.kind == "contiguous" and tokens % self.size == 0 and tokens:
-            return
-        if self.kind == "contiguous":
-            raise ValueError(f"contiguous context shards over {self.size} ranks: the sequence's "
-                             f"{tokens} positions are not a multiple of {self.size} (choose a "
-                             f"context divisible by {self.size})")
-        if tokens % self.chunks or tokens == 0:
+        pieces = self.size if self.kind == "contiguous" else self.chunks
+        if tokens % pieces or tokens == 0:
+            cut = f"{pieces} contiguous pieces" if pieces == self.size else f"2N = {pieces} chunks"
             raise ValueError(f"context parallelism over {self.size} ranks cuts the sequence into "
-                             f"2N = {self.chunks} chunks: its {tokens} positions are not a "
-                             f"multiple of {self.chunks} (choose a context divisible by "
-                             f"{self.chunks})")
+                             f"{cut}: its {tokens} positions are not a multiple of {pieces} "
+                             f"(choose a context divisible by {pieces})")
 
     def token_indices(self, rank: int, tokens: int) -> np.ndarray:
         """The global positions rank holds, in its storage order: T/N of the sequence's T."""
         self.check_tokens(tokens)
-        self.chunk_ids(rank)  # (a rank outside the group fails here)
+        held = self.chunk_ids(rank)  # (a rank outside the group fails here)
         if self.kind == "contiguous":  # the r-th of N pieces (grid chunks 2r, 2r+1 when 2N | T)
-            share = tokens // self.size
-            return np.arange(rank * share, (rank + 1) * share)
-        size = tokens // self.chunks
-        return np.concatenate([np.arange(i * size, (i + 1) * size) for i in self.chunk_ids(rank)])
+            return np.arange(tokens).reshape(self.size, -1)[rank]
+        return np.arange(tokens).reshape(self.chunks, -1)[list(held)].ravel()
 
     def shard(self, x: Array, rank: int, axis: int = 1) -> Array:
         """Rank's positions of x along axis (the T of (B, T, ...) by default), a new array."""
@@ -91,9 +97,9 @@ class ContextLayout:
         if len(shards) != self.size:
             raise ValueError(f"unshard needs one shard per rank ({self.size}), got {len(shards)}")
         xp = array_module(shards[0])
-        tokens = sum(shard.shape[axis] for shard in shards)
-        order = np.concatenate([self.token_indices(rank, tokens) for rank in range(self.size)])
         stacked = xp.concatenate(shards, axis=axis)
+        tokens = stacked.shape[axis]
+        order = np.concatenate([self.token_indices(rank, tokens) for rank in range(self.size)])
         return xp.take(stacked, xp.asarray(np.argsort(order)), axis=axis)
 
     def causal_work(self, rank: int) -> float:

@@ -43,7 +43,6 @@ T positions are as many values as H heads of T/N. The input shards (B, H, T/N, D
 """
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -52,34 +51,24 @@ from minimp import functional as F
 from minimp.distributed.alltoall import AllToAll
 from minimp.distributed.protocol import Communicator
 from minimp.ops.attention import accumulate_dtype, check_attention_inputs
-from minimp.parallel.context.layout import ContextLayout
+from minimp.parallel.context.layout import AttentionBytes, ContextLayout
 
 
-@dataclass(frozen=True)
-class UlyssesBytes:
-    """Bytes one rank sends in one Ulysses attention: forward (q, k, v out, O back) and backward
-    (dO out, dq, dk, dv back), all in the activation dtype."""
-
-    forward: int
-    backward: int
-
-
-def ulysses_bytes(shape: tuple[int, ...], dtype: np.dtype, size: int) -> UlyssesBytes:
+def ulysses_bytes(shape: tuple[int, ...], dtype: np.dtype, size: int) -> AttentionBytes:
     """The module docstring's byte formula, for a rank's q of shape (B, H, T/N, D) in dtype and a
-    group of N = size ranks."""
+    group of N = size ranks: forward q, k, v out and O back, backward dO out and dq, dk, dv back."""
     sent = 4 * math.prod(shape) // size * (size - 1) * np.dtype(dtype).itemsize
-    return UlyssesBytes(sent, sent)
+    return AttentionBytes(sent, sent)
 
 
 def ulysses_memory(shape: tuple[int, ...], dtype: np.dtype, size: int,
                    chunk_size: int | None = None) -> int:
     """The module docstring's saved bytes, for a rank's q of shape (B, H, T/N, D) in dtype, a group
     of N = size ranks and the local attention chunk_size chooses."""
-    batch, heads, tokens, width = shape
-    values, itemsize, whole = math.prod(shape), np.dtype(dtype).itemsize, tokens * size
-    rows = batch * (heads // size) * whole  # B (H/N) T: the query rows of its heads
-    if chunk_size is None:
-        return 3 * values * itemsize + rows * whole * itemsize
+    values, itemsize = math.prod(shape), np.dtype(dtype).itemsize
+    rows = math.prod(shape[:-1])  # B H (T/N) = B (H/N) T: the query rows of its heads
+    if chunk_size is None:  # and T keys each
+        return 3 * values * itemsize + rows * shape[2] * size * itemsize
     return 4 * values * itemsize + rows * accumulate_dtype(dtype).itemsize
 
 
@@ -117,8 +106,7 @@ def heads_to_sequence(y: Tensor, comm: Communicator) -> Tensor:
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, comm: Communicator,
-                      layout: ContextLayout | None = None,
-                      chunk_size: int | None = None) -> Tensor:
+                      layout: ContextLayout | None = None, chunk_size: int | None = None) -> Tensor:
     """Causal attention of this rank's positions over the whole sharded sequence: q, k, v (B, H,
     T/N, D) hold comm.rank's T/N contiguous positions of every head; returns (B, H, T/N, D).
 
@@ -126,7 +114,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, comm: Communicator,
     today's attention on each rank's heads, an int for tiled attention in chunks of that many
     positions (the module docstring tells what each keeps)."""
     check_attention_inputs("ulysses_attention", q.data, k.data, v.data)
-    if layout is not None and (layout.kind != "contiguous" or layout.size != comm.size):
+    if layout not in (None, ContextLayout(comm.size, "contiguous")):
         raise ValueError(f"ulysses_attention: takes the contiguous layout of the group's "
                          f"{comm.size} ranks, got {layout} (pass ContextLayout({comm.size}, "
                          f"'contiguous'), or use ring_attention for zig-zag)")
