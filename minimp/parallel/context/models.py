@@ -29,14 +29,14 @@ shards to head shards and back), the contiguous layout only, the heads and the c
 of N. The loss and gradient argument above holds for Ulysses as written: AllToAll's backward sends
 each rank's keys and values their gradients from the heads' ranks.
 
-Measured: each mode's Attention holds one AttentionStats (ring.py) per rank, shared by every block,
-which the trainer's meter reads (`attention_stats`). A call adds the bytes its Functions keep for
-backward, every distinct array saved by the graph nodes between its q, k, v and its output (the
-ring's q, k, v, O and log-sum-exp; Ulysses' head-sharded q, k^T, v and probabilities), and its causal
-blocks of the 2N-chunk grid: the ring counts those it merges; Ulysses computes a 1/N share of the
-heads' whole T x T scores, so its blocks are the share of the H heads' T^2 scores its probability
-arrays hold times the whole sequence's (2N)^2 / 2 blocks: 2N on every rank (a call run without a
-graph, under no_grad, keeps no probabilities and counts no Ulysses blocks).
+Measured: each mode's Attention holds one AttentionStats (ring.py) per rank, shared by every
+block, which the trainer's meter reads (`attention_stats`). A call adds the bytes its Functions
+keep for backward, every distinct array saved by the graph nodes between its q, k, v and its output
+(the ring's q, k, v, O and log-sum-exp; Ulysses' head-sharded q, k^T, v and probabilities), and its
+causal blocks of the 2N-chunk grid: the ring counts those it merges; Ulysses computes a 1/N share
+of the heads' whole T x T scores, so its blocks are the share of the H heads' T^2 scores its
+probability arrays hold times the whole sequence's (2N)^2 / 2 blocks: 2N on every rank (a call run
+without a graph, under no_grad, keeps no probabilities and counts no Ulysses blocks).
 """
 
 import copy
