@@ -2,7 +2,9 @@
 every rank, the causal blocks each rank computed per attention call are layout.py's causal work
 (so their max/min is 1 zig-zag and Ulysses, 2N-1 contiguous), and the bytes attention keeps for
 backward are ring_memory's (ulysses_memory's) and 1/N of what one process's attention keeps on the
-whole sequence, measured here; the ring's in-flight buffers are ring_memory's."""
+whole sequence, measured here; the ring's in-flight buffers are ring_memory's; and the memory
+check's activations (sizes.py: a rank's T/cp positions, the ring's buffers) bound the measured
+peak plus those buffers."""
 
 import math
 
@@ -16,6 +18,7 @@ from minimp.parallel.context import ContextLayout, ring_memory, ulysses_memory
 from minimp.tensor import saved_bytes
 from minimp.train import TrainConfig
 from minimp.train.loop import train
+from minimp.train.sizes import memory_parts
 
 # The issue's small fp32 GPT, 2 steps (dropout 0: --cp refuses dropout).
 GPT = dict(
@@ -66,6 +69,8 @@ def test_measured_work_and_attention_bytes_equal_their_formulas_every_step(world
     work = [layout.causal_work(rank % cp) if mode == "ring" else 2 * cp
             for rank in range(world_size)]
     imbalance = 2 * cp - 1 if layout.kind == "contiguous" and mode == "ring" else 1.0
+    estimate = dict((what, size) for what, size, _ in memory_parts(
+        TrainConfig(**{**GPT, **flags}), world_size))["activations"]
     for records in history(world_size, **flags):
         assert len(records) == GPT["steps"]
         for record in records:
@@ -76,6 +81,8 @@ def test_measured_work_and_attention_bytes_equal_their_formulas_every_step(world
                 assert record["attention_buffer_bytes"] == memory.backward_buffers
             else:  # Ulysses' all-to-all buffers live inside AllToAll, not counted here
                 assert "attention_buffer_bytes" not in record
+            measured = record["peak_activation_bytes"] + record.get("attention_buffer_bytes", 0)
+            assert measured <= estimate  # (fp32 ring: 1.02 times the measured)
 
 
 def test_without_cp_the_rows_have_no_attention_fields():
