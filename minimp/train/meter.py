@@ -14,24 +14,23 @@ parallel/context/ring.py's ring_bytes, or ulysses.py's ulysses_bytes with --cp-m
 `seconds_by_collective` (ZeRO's run inside backward and the update, where `communication_seconds`
 does not look), `scalar_allreduces` (calls: the overflow flags, the norm, the loss) and
 `peak_activation_bytes` (the most bytes kept for backward at once, the largest over the ranks).
-With --cp, measured by this rank's attention (parallel/context/models.py's AttentionStats), each
-per attention call (the step's total over its calls: layers x micro-batches): `context_work`, every
-rank's causal blocks of the 2N-chunk grid computed (rank by rank, gathered with the loss; formula
-layout.py's causal_work: 2N each zig-zag, 4r + 2 contiguous, 2N each for Ulysses) and
-`context_work_imbalance`, their max over their min (1 zig-zag and Ulysses, 2N-1 contiguous);
-`attention_saved_bytes`, what this rank's attention keeps for backward (1/N of one process's
-attention: ring.py's ring_memory saved, ulysses.py's ulysses_memory); with the ring,
-`attention_buffer_bytes`, the most bytes its in-flight buffers held in one call (its backward's
-k, v and float32 dK, dV: ring_memory's backward_buffers; the run's most so far, as every call's
-are the same). In the final row: `model_state_bytes`, one total per rank, held at the
-end of the last step, with `model_state_by_kind` and `peak_model_state_bytes` beside it
-(minimp/parallel/zero/formulas.py has the formulas they are checked against), and rank 0's BLAS
-`threads` with their `threads_reason` (minimp/train/threads.py). After a skipped step,
-`overflowed_ranks` names the ranks whose own check found the non-finite gradient. With --timeline
-every timed call also goes into this rank's trace (minimp/measure/trace.py).
+With --cp, measured by this rank's attention (the AttentionStats of parallel/context/models.py's
+Attention calls, reset as each step starts), each per attention call (the step's total over its
+calls, layers x micro-batches): `context_work`, every rank's causal blocks of the 2N-chunk grid
+computed, rank by rank (gathered with the loss; layout.py's causal_work: 2N each zig-zag, 4r + 2
+contiguous, 2N each for Ulysses) and `context_work_imbalance`, their max over their min (1 zig-zag
+and Ulysses, 2N-1 contiguous); `attention_saved_bytes`, what this rank's attention keeps for
+backward (1/N of one process's attention: ring.py's ring_memory saved, ulysses.py's
+ulysses_memory); with the ring, `attention_buffer_bytes`, the most bytes its in-flight buffers held
+in one call (its backward's k, v and float32 dK, dV: ring_memory's backward_buffers). In the final
+row: `model_state_bytes`, one total per rank, held at the end of the last step, with
+`model_state_by_kind` and `peak_model_state_bytes` beside it (minimp/parallel/zero/formulas.py has
+the formulas they are checked against), and rank 0's BLAS `threads` with their `threads_reason`
+(minimp/train/threads.py). After a skipped step, `overflowed_ranks` names the ranks whose own
+check found the non-finite gradient. With --timeline every timed call also goes into this rank's
+trace (minimp/measure/trace.py).
 """
 
-import dataclasses
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -42,7 +41,6 @@ from minimp.distributed.protocol import Communicator
 from minimp.measure.accounts import KINDS
 from minimp.measure.trace import TraceRecorder, common_origin
 from minimp.parallel.context.models import attention_stats
-from minimp.parallel.context.ring import AttentionStats
 from minimp.parallel.data.data_parallel import DataParallel
 from minimp.parallel.pipeline.stage import PipelineStage
 from minimp.parallel.topology import Topology
@@ -128,9 +126,8 @@ class Meter:
         self.current_step, self.exposed_seconds = 0, 0.0
         self.straggler: float | None = None
         self.held: dict[str, int] | None = None  # after a step: the bytes kept until the next
-        # With --cp, the counters this rank's attention adds to (read as differences per step).
+        # With --cp, the counters this rank's attention adds to (reset as each step starts).
         self.attention = attention_stats(runner.layers) if topology.cp > 1 else None
-        self.attention_before: AttentionStats | None = None
         self.bytes_per_step: list[float] = []  # after model_state: each rank's mean bytes sent
 
     def start(self, step: int) -> None:
@@ -143,7 +140,7 @@ class Meter:
         self.stopwatch.seconds = 0.0
         self.counts_before = self._counts()
         if self.attention is not None:
-            self.attention_before = dataclasses.replace(self.attention)  # a copy of the counts
+            self.attention.reset()
         self.step_start = time.perf_counter()
 
     def recorder(self) -> Callable[[str, int, float, float], None] | None:
@@ -190,27 +187,21 @@ class Meter:
                fp8: dict) -> dict[str, Any]:
         """The step's metrics row: the step, the batch's mean loss, the step's `decisions` (lr,
         loss scale, skipped), every measurement above, and the fp8 statistics."""
-        calls, blocks, saved = self._attention_counts()
-        loss, activation_bytes, work = self._mean_loss_and_peak(loss_sum, blocks / max(calls, 1))
+        stats = self.attention
+        calls = max(stats.calls, 1) if stats is not None else 1  # (per call)
+        loss, activation_bytes, work = self._mean_loss_and_peak(
+            loss_sum, stats.blocks / calls if stats is not None else 0.0)
         row = {"step": step, "loss": loss, **decisions, **self._seconds(), **self._communication(),
                "peak_activation_bytes": activation_bytes, **fp8}
-        if self.attention is not None:
+        if stats is not None:
             measured = [blocks for blocks in work if blocks]  # (ranks that ran attention)
             row["context_work"] = work
             row["context_work_imbalance"] = max(measured) / min(measured) if measured else 0.0
-            row["attention_saved_bytes"] = saved // max(calls, 1)
+            row["attention_saved_bytes"] = stats.saved_bytes // calls
             if self.config.cp_mode == "ring":
-                row["attention_buffer_bytes"] = max(self.attention.buffer_bytes,
-                                                    self.attention.backward_buffer_bytes)
+                row["attention_buffer_bytes"] = max(stats.buffer_bytes,
+                                                    stats.backward_buffer_bytes)
         return row
-
-    def _attention_counts(self) -> tuple[int, float, int]:
-        """This step's attention calls, their blocks and saved bytes (none without --cp)."""
-        if self.attention is None or self.attention_before is None:
-            return 0, 0.0, 0
-        now, before = self.attention, self.attention_before
-        return (now.calls - before.calls, now.blocks - before.blocks,
-                now.saved_bytes - before.saved_bytes)
 
     def _counts(self) -> tuple[dict, dict, dict, int]:
         """This rank's counters now: bytes sent by group, the sync's bytes and seconds by

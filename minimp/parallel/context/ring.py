@@ -70,18 +70,22 @@ def ring_order(layout: ContextLayout, rank: int) -> dict[int, tuple[int, ...]]:
 
 @dataclass
 class AttentionStats:
-    """What one rank's context-parallel attention did, added to call by call until the reader
-    resets it: calls (forwards run); blocks, the 2N-chunk grid's causal blocks they computed (a
-    diagonal 1/2, layout.py's unit); saved_bytes, the bytes their Functions kept for backward;
-    buffer_bytes and backward_buffer_bytes, the most bytes of in-flight buffers one forward, one
-    backward held at once (the ring's; none for Ulysses, whose all-to-all buffers are
-    alltoall.py's own)."""
+    """What one rank's context-parallel attention did since `reset`, added to call by call:
+    calls (forwards run); blocks, the 2N-chunk grid's causal blocks they computed (a diagonal 1/2,
+    layout.py's unit); saved_bytes, the bytes their Functions kept for backward; buffer_bytes and
+    backward_buffer_bytes, the most bytes of in-flight buffers one forward, one backward held at
+    once (the ring's; none for Ulysses, whose all-to-all buffers are alltoall.py's own)."""
 
     calls: int = 0
     blocks: float = 0.0
     saved_bytes: int = 0
     buffer_bytes: int = 0
     backward_buffer_bytes: int = 0
+
+    def reset(self) -> None:
+        """Every count back to 0 (the trainer's meter does this as each step starts)."""
+        self.calls, self.blocks, self.saved_bytes = 0, 0.0, 0
+        self.buffer_bytes = self.backward_buffer_bytes = 0
 
 
 @dataclass(frozen=True)
