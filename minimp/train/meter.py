@@ -41,6 +41,7 @@ from minimp.distributed.protocol import Communicator
 from minimp.measure.accounts import KINDS
 from minimp.measure.trace import TraceRecorder, common_origin
 from minimp.parallel.context.models import attention_stats
+from minimp.parallel.context.ring import AttentionStats
 from minimp.parallel.data.data_parallel import DataParallel
 from minimp.parallel.pipeline.stage import PipelineStage
 from minimp.parallel.topology import Topology
@@ -126,8 +127,10 @@ class Meter:
         self.current_step, self.exposed_seconds = 0, 0.0
         self.straggler: float | None = None
         self.held: dict[str, int] | None = None  # after a step: the bytes kept until the next
-        # With --cp, the counters this rank's attention adds to (reset as each step starts).
-        self.attention = attention_stats(runner.layers) if topology.cp > 1 else None
+        # With --cp, the counters this rank's attention adds to (reset as each step starts); a
+        # stage with no block counts nothing, but every rank brings its slots to the all-reduce.
+        self.attention = ((attention_stats(runner.layers) or AttentionStats())
+                          if topology.cp > 1 else None)
         self.bytes_per_step: list[float] = []  # after model_state: each rank's mean bytes sent
 
     def start(self, step: int) -> None:
