@@ -68,12 +68,16 @@ def call_contexts(output: Tensor, inputs: tuple[Tensor, ...]) -> list[tuple[type
     return found
 
 
-def record_call(stats: AttentionStats, output: Tensor, inputs: tuple[Tensor, ...]) -> None:
-    """One call more, and the bytes its nodes saved for backward (each array once)."""
-    arrays = {id(a): a for _, ctx in call_contexts(output, inputs) for a in ctx.saved_arrays or ()
+def record_call(stats: AttentionStats, output: Tensor,
+                inputs: tuple[Tensor, ...]) -> list[tuple[type, Context]]:
+    """One call more, and the bytes its nodes saved for backward (each array once); returns the
+    nodes (call_contexts)."""
+    nodes = call_contexts(output, inputs)
+    arrays = {id(a): a for _, ctx in nodes for a in ctx.saved_arrays or ()
               if hasattr(a, "nbytes")}  # (arrays a saved-tensor hook packed are not arrays)
     stats.calls += 1
     stats.saved_bytes += sum(array.nbytes for array in arrays.values())
+    return nodes
 
 
 @dataclass(frozen=True)
@@ -104,11 +108,11 @@ class UlyssesAttentionCall:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         output = ulysses_attention(q, k, v, self.comm, self.layout)
-        record_call(self.stats, output, (q, k, v))
+        nodes = record_call(self.stats, output, (q, k, v))
         batch, heads, tokens, _ = q.shape
         scores = batch * heads * (tokens * self.comm.size) ** 2  # all H heads' T x T
-        computed = sum(ctx.saved_arrays[0].size for function, ctx in call_contexts(
-            output, (q, k, v)) if function is ScaledMaskedSoftmax and ctx.saved_arrays)
+        computed = sum(ctx.saved_arrays[0].size for function, ctx in nodes
+                       if function is ScaledMaskedSoftmax and ctx.saved_arrays)
         # (the integers first: 2N comes out exact)
         self.stats.blocks += computed * (2 * self.comm.size) ** 2 / (2 * scores)
         return output
