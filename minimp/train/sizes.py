@@ -127,14 +127,17 @@ def gpt_activation_bytes(config: "TrainConfig", rows: int) -> int:
 
         layers x (70 sbh + attention) + 4 sb (V + 2h + 8) + buffers
 
-    70 sbh: a block's position-wise activations, Korthikanti et al.'s 34 sbh (models/gpt.py's
-    block_activation_bytes) with room for float32; the ring's q, k, v and output among them.
-    attention: one process's softmax 5 a s^2 b, with room 10 a T^2 b; --cp ring, its float32
-    log-sum-exp 4 a s b (parallel/context/ring.py: no s x s array); --cp-mode ulysses, its a/cp
-    heads' whole T x T, 10 (a/cp) T^2 b. 4 sb (V + 2h + 8): the head and the loss, at most 4 bytes
-    a value: logits (V), ln_f's input and the head's (2h), the ids, the targets and ln_f's row
-    statistics (8). buffers: with --cp ring, ring_memory's backward_buffers, the most in flight
-    in one call (its k, v and float32 dK, dV; one call at a time)."""
+    70 sbh: a block's position-wise activations, models/gpt.py's block_activation_bytes
+    (Korthikanti et al.'s 34 sbh in 16 bits): 16 d sbh + 16 sb for d-byte values without dropout,
+    (16 d + 2) sbh + 16 sb with; the ring adds its output O, d sbh, so 68 sbh + 16 sb in float32,
+    within 70 sbh for h >= 8. attention: one process's softmax, d a T^2 b ((2 d + 1) a T^2 b with
+    dropout), within 10 a T^2 b; --cp ring, its float32 log-sum-exp 4 a s b (ring.py: no s x s
+    array); --cp-mode ulysses, its a/cp heads' whole T x T, 10 (a/cp) T^2 b. 4 sb (V + 2h + 8):
+    the head and the loss, d <= 4 bytes a value: the logits the loss keeps (V), ln_f's input and
+    the head's (2h), then the int64 ids and targets and ln_f's float32 mean and 1/std (24 sb).
+    buffers: with --cp ring, ring_memory's backward_buffers, the most in flight in one call (its
+    k, v and float32 dK, dV; one call at a time). The trainer's measured peak stays within this
+    (tests/test_train_context_parallel_metrics.py)."""
     tokens, heads, width, cp = config.context, config.heads, config.hidden, config.cp
     s = tokens // cp
     if cp == 1:
