@@ -1,8 +1,10 @@
 """parallelize_context on the GPT: the copy shares the whole model's Parameters and leaves it
 whole, each rank's logits are one process's at its positions, and the gradients of the ranks'
 mean losses, averaged over the ranks, are one process's (the derivation in the module's
-docstring), in float64 to rounding; bad input is one error before any message."""
+docstring), in float64 to rounding; each mode's Attention counts its calls, causal blocks and saved
+bytes as their formulas say; bad input is one error before any message."""
 
+import dataclasses
 import re
 
 import numpy as np
@@ -11,8 +13,8 @@ import pytest
 from minimp import functional as F
 from minimp.distributed import simulate
 from minimp.models.gpt import GPT, CausalSelfAttention, Embeddings, GPTConfig
-from minimp.parallel.context import ContextLayout
-from minimp.parallel.context.models import parallelize_context
+from minimp.parallel.context import ContextLayout, ring_memory, ulysses_memory
+from minimp.parallel.context.models import attention_stats, parallelize_context
 from minimp.tensor import Tensor
 
 CONFIG = GPTConfig(vocab_size=65, context=16, layers=2, heads=4, width=32)
@@ -79,6 +81,38 @@ def test_logits_and_averaged_gradients_equal_one_process(size, kind, mode):
     for index, want in enumerate(expected):  # what the all-reduce over dp x cp computes
         mean = sum(grads[index] for _, grads in results) / size
         np.testing.assert_allclose(mean, want, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("size, kind, mode", [
+    (2, "zigzag", "ring"), (4, "contiguous", "ring"), (2, "contiguous", "ulysses"),
+])  # fmt: skip
+def test_each_block_s_attention_adds_its_blocks_and_saved_bytes_to_the_rank_s_stats(
+    size, kind, mode
+):
+    """One forward and backward of the 2-block GPT: two calls on every rank, each computing
+    layout.py's causal work (the ring: 2N zig-zag, 4r + 2 contiguous; Ulysses: 2N) and keeping
+    1/N of one process's attention (ring_memory's, ulysses_memory's bytes), the ring's buffers
+    those of ring_memory; the whole model's blocks attend themselves and have no stats."""
+    rng, layout = np.random.default_rng(2), ContextLayout(size, kind)
+    ids = rng.integers(0, CONFIG.vocab_size, size=(2, CONFIG.context))
+
+    def body(comm):
+        model = gpt(np.float32)
+        shard = parallelize_context(model, comm, layout, mode)
+        stats = attention_stats(shard.layers)
+        logits = shard(Tensor(layout.shard(ids, comm.rank)))
+        logits.sum().backward()
+        return dataclasses.replace(stats), attention_stats(model.layers)
+
+    shape = (2, CONFIG.heads, CONFIG.context // size, CONFIG.width // CONFIG.heads)
+    memory = ring_memory(shape, np.dtype(np.float32), size)
+    saved = memory.saved if mode == "ring" else ulysses_memory(shape, np.float32, size)
+    for rank, (stats, whole) in enumerate(simulate(size, body)):
+        work = layout.causal_work(rank) if mode == "ring" else 2 * size
+        assert (stats.calls, stats.blocks, stats.saved_bytes) == (2, 2 * work, 2 * saved)
+        buffers = (memory.forward_buffers, memory.backward_buffers) if mode == "ring" else (0, 0)
+        assert (stats.buffer_bytes, stats.backward_buffer_bytes) == buffers
+        assert whole is None
 
 
 @pytest.mark.parametrize(

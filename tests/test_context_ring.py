@@ -15,6 +15,7 @@ from minimp.distributed import simulate
 from minimp.distributed.protocol import Tag
 from minimp.parallel.context import ContextLayout, ring_attention, ring_bytes, ring_memory
 from minimp.parallel.context import ring_order
+from minimp.parallel.context.ring import AttentionStats
 from minimp.tensor import saved_bytes
 
 CASES = [(2, "zigzag"), (2, "contiguous"), (4, "zigzag"), (4, "contiguous")]
@@ -41,13 +42,13 @@ def run_ring(layout, arrays):
 
     def rank_main(comm):
         tensors = [Tensor(layout.shard(a, comm.rank, axis=2), requires_grad=True) for a in qkv]
-        output = ring_attention(*tensors, comm, layout)
+        stats = AttentionStats()
+        output = ring_attention(*tensors, comm, layout, stats)
         forward, saved = comm.bytes_sent, saved_bytes(output)
-        context = output.node.context
         output.backward(layout.shard(grad_output, comm.rank, axis=2))
         return RankResult(output.data, [t.grad for t in tensors],
                           (forward, comm.bytes_sent - forward), saved,
-                          (context.buffer_bytes, context.backward_buffer_bytes), context.work)
+                          (stats.buffer_bytes, stats.backward_buffer_bytes), stats.blocks)
 
     return simulate(layout.size, rank_main, eager_limit=0)
 

@@ -10,18 +10,25 @@ Per step (every row): `bytes_sent` (every group but the scalar all-reduces), `co
 tied), `bytes_by_collective` (all_reduce for --zero 0, reduce_scatter and all_gather for ZeRO, tied
 for the GPT's embedding across stages, pipeline for activations, tensor_parallel for --tp's
 activations and partial gradients, context_parallel for --cp's attention, whose formula is
-parallel/context/ring.py's ring_bytes, or ulysses.py's ulysses_bytes with --cp-mode ulysses), with
---cp `context_work_imbalance` (the busiest context rank's causal attention work over the idlest's:
-the ring's 1 zig-zag, 2N-1 contiguous, parallel/context/layout.py; Ulysses' 1, since every rank
-computes all T positions of H/N heads), `seconds_by_collective` (ZeRO's run inside backward and the
-update, where `communication_seconds` does not look), `scalar_allreduces` (calls: the overflow
-flags, the norm, the loss) and `peak_activation_bytes` (the most bytes kept for backward at once,
-the largest over the ranks). In the final row: `model_state_bytes`, one total per rank, held at the
-end of the last step, with `model_state_by_kind` and `peak_model_state_bytes` beside it
-(minimp/parallel/zero/formulas.py has the formulas they are checked against), and rank 0's BLAS
-`threads` with their `threads_reason` (minimp/train/threads.py). After a skipped step,
-`overflowed_ranks` names the ranks whose own check found the non-finite gradient. With --timeline
-every timed call also goes into this rank's trace (minimp/measure/trace.py).
+parallel/context/ring.py's ring_bytes, or ulysses.py's ulysses_bytes with --cp-mode ulysses),
+`seconds_by_collective` (ZeRO's run inside backward and the update, where `communication_seconds`
+does not look), `scalar_allreduces` (calls: the overflow flags, the norm, the loss) and
+`peak_activation_bytes` (the most bytes kept for backward at once, the largest over the ranks).
+With --cp, measured by this rank's attention (the AttentionStats of parallel/context/models.py's
+Attention calls, reset as each step starts), each per attention call (the step's total over its
+calls, layers x micro-batches): `context_work`, every rank's causal blocks of the 2N-chunk grid
+computed, rank by rank (gathered with the loss; layout.py's causal_work: 2N each zig-zag, 4r + 2
+contiguous, 2N each for Ulysses) and `context_work_imbalance`, their max over their min (1 zig-zag
+and Ulysses, 2N-1 contiguous); `attention_saved_bytes`, what this rank's attention keeps for
+backward (1/N of one process's attention: ring.py's ring_memory saved, ulysses.py's
+ulysses_memory); with the ring, `attention_buffer_bytes`, the most bytes its in-flight buffers held
+in one call (its backward's k, v and float32 dK, dV: ring_memory's backward_buffers). In the final
+row: `model_state_bytes`, one total per rank, held at the end of the last step, with
+`model_state_by_kind` and `peak_model_state_bytes` beside it (minimp/parallel/zero/formulas.py has
+the formulas they are checked against), and rank 0's BLAS `threads` with their `threads_reason`
+(minimp/train/threads.py). After a skipped step, `overflowed_ranks` names the ranks whose own
+check found the non-finite gradient. With --timeline every timed call also goes into this rank's
+trace (minimp/measure/trace.py).
 """
 
 import time
@@ -33,7 +40,8 @@ import numpy as np
 from minimp.distributed.protocol import Communicator
 from minimp.measure.accounts import KINDS
 from minimp.measure.trace import TraceRecorder, common_origin
-from minimp.parallel.context.layout import ContextLayout
+from minimp.parallel.context.models import attention_stats
+from minimp.parallel.context.ring import AttentionStats
 from minimp.parallel.data.data_parallel import DataParallel
 from minimp.parallel.pipeline.stage import PipelineStage
 from minimp.parallel.topology import Topology
@@ -119,6 +127,10 @@ class Meter:
         self.current_step, self.exposed_seconds = 0, 0.0
         self.straggler: float | None = None
         self.held: dict[str, int] | None = None  # after a step: the bytes kept until the next
+        # With --cp, the counters this rank's attention adds to (reset as each step starts); a
+        # stage with no block counts nothing, but every rank brings its slots to the all-reduce.
+        self.attention = ((attention_stats(runner.layers) or AttentionStats())
+                          if topology.cp > 1 else None)
         self.bytes_per_step: list[float] = []  # after model_state: each rank's mean bytes sent
 
     def start(self, step: int) -> None:
@@ -130,6 +142,8 @@ class Meter:
         self.sync.found = False
         self.stopwatch.seconds = 0.0
         self.counts_before = self._counts()
+        if self.attention is not None:
+            self.attention.reset()
         self.step_start = time.perf_counter()
 
     def recorder(self) -> Callable[[str, int, float, float], None] | None:
@@ -176,14 +190,20 @@ class Meter:
                fp8: dict) -> dict[str, Any]:
         """The step's metrics row: the step, the batch's mean loss, the step's `decisions` (lr,
         loss scale, skipped), every measurement above, and the fp8 statistics."""
-        loss, activation_bytes = self._mean_loss_and_peak(loss_sum)
+        stats = self.attention
+        calls = max(stats.calls, 1) if stats is not None else 1  # (per call)
+        loss, activation_bytes, work = self._mean_loss_and_peak(
+            loss_sum, stats.blocks / calls if stats is not None else 0.0)
         row = {"step": step, "loss": loss, **decisions, **self._seconds(), **self._communication(),
                "peak_activation_bytes": activation_bytes, **fp8}
-        if self.topology.cp > 1 and self.config.cp_mode == "ulysses":
-            row["context_work_imbalance"] = 1.0  # every rank: all T positions of H/N heads
-        elif self.topology.cp > 1:
-            layout = ContextLayout(self.topology.cp, self.config.cp_layout)
-            row["context_work_imbalance"] = layout.work_imbalance()
+        if stats is not None:
+            measured = [blocks for blocks in work if blocks]  # (ranks that ran attention)
+            row["context_work"] = work
+            row["context_work_imbalance"] = max(measured) / min(measured) if measured else 0.0
+            row["attention_saved_bytes"] = stats.saved_bytes // calls
+            if self.config.cp_mode == "ring":
+                row["attention_buffer_bytes"] = max(stats.buffer_bytes,
+                                                    stats.backward_buffer_bytes)
         return row
 
     def _counts(self) -> tuple[dict, dict, dict, int]:
@@ -224,17 +244,22 @@ class Meter:
             seconds["straggler_seconds"] = self.straggler
         return seconds
 
-    def _mean_loss_and_peak(self, loss_sum: float) -> tuple[float, int]:
-        """(the batch's mean loss, the most activation bytes any rank kept) on every rank, from
-        one SUM all-reduce: the last stages' loss shares, and each rank's peak in its own slot."""
-        topology, config = self.topology, self.config
-        values = np.zeros(1 + self.comm.size)
+    def _mean_loss_and_peak(self, loss_sum: float,
+                            work: float) -> tuple[float, int, list[float]]:
+        """(the batch's mean loss, the most activation bytes any rank kept, every rank's context
+        work) on every rank, from one SUM all-reduce: the last stages' loss shares, and each
+        rank's peak and work in its own slots (the work only with --cp)."""
+        topology, config, size, rank = self.topology, self.config, self.comm.size, self.comm.rank
+        values = np.zeros(1 + (2 if self.attention is not None else 1) * size)
         if topology.is_last_stage and topology.tp_rank == 0:  # the shards share one loss
             # each context shard's mean is over its equal share of the replica's tokens
             values[0] = loss_sum / config.micro_batches / topology.dp / topology.cp
-        values[1 + self.comm.rank] = self.runner.peak_activation_bytes
+        values[1 + rank] = self.runner.peak_activation_bytes
+        if self.attention is not None:
+            values[1 + size + rank] = work
         total = self.timed(self.comm.allreduce_scalars, "mean_loss")(values, "sum")
-        return float(total[0]), int(total[1:].max())
+        return (float(total[0]), int(total[1 : 1 + size].max()),
+                [float(blocks) for blocks in total[1 + size :]])
 
     def model_state(self, records: list[dict]) -> dict[str, Any]:
         """The final row's memory fields: every rank's held bytes (total and by kind) at the end

@@ -5,6 +5,7 @@ for every buffer a flag sizes."""
 from typing import TYPE_CHECKING
 
 from minimp.checkpoints.errors import ConfigError
+from minimp.parallel.context.ring import ring_memory
 from minimp.parallel.pipeline.split import split_counts
 from minimp.parallel.tensor.models import paired_counts
 from minimp.parallel.zero.formulas import memory_formula, peak_formula
@@ -120,14 +121,47 @@ def fp8_history_bytes(config: "TrainConfig") -> int:
     return history * (FP8_QUANTIZERS_PER_LINEAR * linear_count(config) * models * copies + 1)
 
 
+def gpt_activation_bytes(config: "TrainConfig", rows: int) -> int:
+    """The most bytes a GPT rank keeps for backward, for `rows` samples of its replica, with s its
+    positions (T, or T/cp with --cp), b = rows, h = --hidden, a = --heads, V the vocabulary:
+
+        layers x (70 sbh + attention) + 4 sb (V + 2h + 8) + buffers
+
+    70 sbh: a block's position-wise activations, models/gpt.py's block_activation_bytes
+    (Korthikanti et al.'s 34 sbh in 16 bits): 16 d sbh + 16 sb for d-byte values without dropout,
+    (16 d + 2) sbh + 16 sb with; the ring adds its output O, d sbh, so 68 sbh + 16 sb in float32,
+    within 70 sbh for h >= 8. attention: one process's softmax, d a T^2 b ((2 d + 1) a T^2 b with
+    dropout), within 10 a T^2 b; --cp ring, its float32 log-sum-exp 4 a s b (ring.py: no s x s
+    array); --cp-mode ulysses, its a/cp heads' whole T x T, 10 (a/cp) T^2 b. 4 sb (V + 2h + 8):
+    the head and the loss, d <= 4 bytes a value: the logits the loss keeps (V), ln_f's input and
+    the head's (2h), then the int64 ids and targets and ln_f's float32 mean and 1/std (24 sb).
+    buffers: with --cp ring, ring_memory's backward_buffers, the most in flight in one call (its
+    k, v and float32 dK, dV; one call at a time). The trainer's measured peak stays within this
+    (tests/test_train_context_parallel_metrics.py)."""
+    tokens, heads, width, cp = config.context, config.heads, config.hidden, config.cp
+    s = tokens // cp
+    if cp == 1:
+        attention = 10 * heads * tokens * tokens * rows
+    elif config.cp_mode == "ulysses":
+        attention = 10 * (heads // cp) * tokens * tokens * rows
+    else:
+        attention = 4 * heads * s * rows
+    buffers = 0
+    if cp > 1 and config.cp_mode == "ring":
+        shape = (rows, heads, s, width // heads)  # a rank's q
+        buffers = ring_memory(shape, config.activation_dtype(), cp).backward_buffers
+    head = 4 * s * rows * (SHAKESPEARE_VOCABULARY + 2 * width + 8)
+    return config.layers * (70 * s * rows * width + attention) + head + buffers
+
+
 def memory_parts(config: "TrainConfig", world_size: int = 1) -> list[tuple[str, int, str]]:
     """What one rank needs at most, as (what, bytes, the flags that lower it), before anything is
     allocated. Every rank builds the whole model in float32 and in the compute dtype (6 bytes a
     parameter; with --tp a second float32 copy to cut, 4 more); its stage's model states are
     ZeRO's formulas (minimp/parallel/zero/formulas.py: what a rank holds between steps, and the
     most it adds inside one), on the largest stage; its activations at most its replica's whole
-    batch, bounded by 12 bytes per row, width and layer for the MLP and by the GPT block's
-    34 sbh + 5 a s^2 b (models/gpt.py) with room for float32; then every buffer another flag
+    batch, bounded by 12 bytes per row, width and layer for the MLP and for the GPT by
+    gpt_activation_bytes (with --cp, of the rank's T/cp positions); then every buffer another flag
     sizes: fp8's amax histories, the per-step records and timeline rows, the evaluation's draws.
     world_size: the job's ranks, which resolve --dp 0 (ZeRO's shards, the buckets, each replica's
     share of the batch)."""
@@ -146,8 +180,7 @@ def memory_parts(config: "TrainConfig", world_size: int = 1) -> list[tuple[str, 
     gpt = config.model == "gpt"
     model = "--hidden, --layers or --context" if gpt else "--hidden or --layers"
     if gpt:
-        s, a = config.context, config.heads
-        activations = layers * (70 * s * rows * width + 10 * a * s * s * rows)
+        activations = gpt_activation_bytes(config, rows)
     else:
         activations = 12 * rows * width * (layers + 1)
     record = FP8_RECORD_BYTES if config.precision == "fp8" else RECORD_BYTES

@@ -28,43 +28,105 @@ positions are two chunks of the 2N-chunk grid); "ulysses" (ulysses.py: an all-to
 shards to head shards and back), the contiguous layout only, the heads and the context multiples
 of N. The loss and gradient argument above holds for Ulysses as written: AllToAll's backward sends
 each rank's keys and values their gradients from the heads' ranks.
+
+Measured: each mode's Attention holds one AttentionStats (ring.py) per rank, shared by every
+block, which the trainer's meter reads (`attention_stats`). A call adds the bytes its Functions
+keep for backward, every distinct array saved by the graph nodes between its q, k, v and its output
+(the ring's q, k, v, O and log-sum-exp; Ulysses' head-sharded q, k^T, v and probabilities), and its
+causal blocks of the 2N-chunk grid: the ring counts those it merges; Ulysses computes a 1/N share
+of the heads' whole T x T scores, so its blocks are the share of the H heads' T^2 scores its
+probability arrays hold times the whole sequence's (2N)^2 / 2 blocks: 2N on every rank (a call run
+without a graph, under no_grad, keeps no probabilities and counts no Ulysses blocks).
 """
 
 import copy
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
+from minimp import nn
 from minimp.distributed.protocol import Communicator
+from minimp.function import Context
 from minimp.models.gpt import GPT, Attention, CausalSelfAttention, Embeddings
+from minimp.ops.softmax import ScaledMaskedSoftmax
 from minimp.parallel.context.layout import ContextLayout
-from minimp.parallel.context.ring import ring_attention
+from minimp.parallel.context.ring import AttentionStats, ring_attention
 from minimp.parallel.context.ulysses import check_ulysses, ulysses_attention
 from minimp.tensor import Tensor
+
+
+def call_contexts(output: Tensor, inputs: tuple[Tensor, ...]) -> list[tuple[type, Context]]:
+    """(Function, ctx) of every graph node behind output up to (not including) inputs: what one
+    attention call recorded."""
+    stop, seen, found, stack = {id(t) for t in inputs}, set(), [], [output]
+    while stack:
+        tensor = stack.pop()
+        if id(tensor) in stop or id(tensor) in seen or tensor.node is None:
+            continue
+        seen.add(id(tensor))
+        found.append((tensor.node.function, tensor.node.context))
+        stack.extend(tensor.node.inputs)
+    return found
+
+
+def record_call(stats: AttentionStats, output: Tensor,
+                inputs: tuple[Tensor, ...]) -> list[tuple[type, Context]]:
+    """One call more, and the bytes its nodes saved for backward (each array once); returns the
+    nodes (call_contexts)."""
+    nodes = call_contexts(output, inputs)
+    arrays = {id(a): a for _, ctx in nodes for a in ctx.saved_arrays or ()
+              if hasattr(a, "nbytes")}  # (arrays a saved-tensor hook packed are not arrays)
+    stats.calls += 1
+    stats.saved_bytes += sum(array.nbytes for array in arrays.values())
+    return nodes
 
 
 @dataclass(frozen=True)
 class RingAttentionCall:
     """The Attention a block's heads go to under --cp-mode ring: causal attention of this rank's
-    q, k, v (B, H, T/N, D) over the whole sequence, around comm's ring."""
+    q, k, v (B, H, T/N, D) over the whole sequence, around comm's ring; stats counts its calls."""
 
     comm: Communicator
     layout: ContextLayout
+    stats: AttentionStats = field(default_factory=AttentionStats)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return ring_attention(q, k, v, self.comm, self.layout)
+        output = ring_attention(q, k, v, self.comm, self.layout, self.stats)  # adds the blocks
+        record_call(self.stats, output, (q, k, v))
+        return output
 
 
 @dataclass(frozen=True)
 class UlyssesAttentionCall:
     """The Attention a block's heads go to under --cp-mode ulysses: causal attention of this
     rank's q, k, v (B, H, T/N, D) over the whole sequence, each rank attending H/N heads' whole
-    sequence between two all-to-alls (today's attention on them: chunk_size None)."""
+    sequence between two all-to-alls (today's attention on them: chunk_size None); stats counts
+    its calls (the module docstring: how its blocks are measured)."""
 
     comm: Communicator
     layout: ContextLayout
+    stats: AttentionStats = field(default_factory=AttentionStats)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return ulysses_attention(q, k, v, self.comm, self.layout)
+        output = ulysses_attention(q, k, v, self.comm, self.layout)
+        nodes = record_call(self.stats, output, (q, k, v))
+        batch, heads, tokens, _ = q.shape
+        scores = batch * heads * (tokens * self.comm.size) ** 2  # all H heads' T x T
+        computed = sum(ctx.saved_arrays[0].size for function, ctx in nodes
+                       if function is ScaledMaskedSoftmax and ctx.saved_arrays)
+        # (the integers first: 2N comes out exact)
+        self.stats.blocks += computed * (2 * self.comm.size) ** 2 / (2 * scores)
+        return output
+
+
+def attention_stats(layers: Iterable[nn.Module]) -> AttentionStats | None:
+    """The AttentionStats of the context-parallel Attention these layers' blocks hand their heads
+    to (parallelize_context gives every block of a rank the same one), or None where none does."""
+    for layer in layers:
+        for module in layer.modules():
+            attend = getattr(module, "attend", None)
+            if isinstance(attend, (RingAttentionCall, UlyssesAttentionCall)):
+                return attend.stats
+    return None
 
 
 # Each --cp-mode's Attention, built from the context-parallel group and the layout.

@@ -28,6 +28,8 @@ Memory per rank: saved for backward q, k, v, O (4n * itemsize) and lse (B H (T/N
 1/N of one process's tiled attention. In flight: min(N, 2) buffers of (k, v), the block being
 computed and the one arriving, 2 * 2n * itemsize (one for N = 1); backward adds min(N, 2)
 float32 buffers of (dK, dV), the gradients being added to and the ones arriving, 2 * 2n * 4.
+An AttentionStats handed to `ring_attention` counts what each call did (the trainer's metrics
+compare it with these formulas): the blocks it computed and the buffers it held.
 """
 
 import math
@@ -64,6 +66,26 @@ def ring_order(layout: ContextLayout, rank: int) -> dict[int, tuple[int, ...]]:
         for a, b, _ in ring_blocks(layout, rank, step):
             order[queries[a]].append(keys[b])
     return {i: tuple(keys) for i, keys in order.items()}
+
+
+@dataclass
+class AttentionStats:
+    """What one rank's context-parallel attention did since `reset`, added to call by call:
+    calls (forwards run); blocks, the 2N-chunk grid's causal blocks they computed (a diagonal 1/2,
+    layout.py's unit); saved_bytes, the bytes their Functions kept for backward; buffer_bytes and
+    backward_buffer_bytes, the most bytes of in-flight buffers one forward, one backward held at
+    once (the ring's; none for Ulysses, whose all-to-all buffers are alltoall.py's own)."""
+
+    calls: int = 0
+    blocks: float = 0.0
+    saved_bytes: int = 0
+    buffer_bytes: int = 0
+    backward_buffer_bytes: int = 0
+
+    def reset(self) -> None:
+        """Every count back to 0 (the trainer's meter does this as each step starts)."""
+        self.calls, self.blocks, self.saved_bytes = 0, 0.0, 0
+        self.buffer_bytes = self.backward_buffer_bytes = 0
 
 
 @dataclass(frozen=True)
@@ -131,15 +153,17 @@ class RingAttention(Function):
     dL/dq here, dL/dk and dL/dv gathered around the ring (the module docstring tells how).
 
     comm: the context-parallel group of N ranks; layout: a ContextLayout(N) naming which positions
-    each rank's q, k, v (B, H, T/N, D) hold.
+    each rank's q, k, v (B, H, T/N, D) hold; stats: where the blocks computed and the buffers' bytes
+    are added (its calls and saved_bytes are the caller's to count).
     """
 
     @staticmethod
     def forward(ctx: Context, q: Array, k: Array, v: Array, comm: Communicator,
-                layout: ContextLayout) -> Array:
+                layout: ContextLayout, stats: AttentionStats) -> Array:
         check_ring_inputs(q, k, v, comm, layout)
         xp, size, rank = array_module(q), comm.size, comm.rank
         ctx.comm, ctx.layout, ctx.scale = comm, layout, 1.0 / math.sqrt(q.shape[-1])
+        ctx.stats = stats
         ctx.chunk_size = c = q.shape[2] // 2  # this rank's two chunks of the 2N-chunk grid
         queries = [chunk(q, a, c) for a in range(2)]
         states = [OnlineSoftmax.start(query) for query in queries]
@@ -147,15 +171,15 @@ class RingAttention(Function):
         # GPT hands in views of its qkv product: stacking them may keep their strides)
         held = xp.ascontiguousarray(xp.stack((k, v)))
         arriving = xp.empty_like(held) if size > 1 else None
-        ctx.buffer_bytes = held.nbytes + (0 if arriving is None else arriving.nbytes)
-        ctx.work = 0.0
+        buffers = held.nbytes + (0 if arriving is None else arriving.nbytes)
+        stats.buffer_bytes = max(stats.buffer_bytes, buffers)
         for step in range(size):
             moving = [] if arriving is None or step == size - 1 else _exchange(
                 comm, held, arriving, Tag.CONTEXT_KEYS_VALUES)
             for a, b, diagonal in ring_blocks(layout, rank, step):
                 forward_block(states[a], queries[a], chunk(held[0], b, c), chunk(held[1], b, c),
                               ctx.scale, diagonal)
-                ctx.work += 0.5 if diagonal else 1.0
+                stats.blocks += 0.5 if diagonal else 1.0
             for request in moving:
                 request.wait()
             if moving:
@@ -180,8 +204,9 @@ class RingAttention(Function):
         adding = xp.zeros(held.shape, lse.dtype)  # (dK, dV) of the held block, in float32
         arriving, arriving_grads = (xp.empty_like(held), xp.empty_like(adding)) if size > 1 else (
             None, None)
-        ctx.backward_buffer_bytes = sum(buffer.nbytes for buffer in (
-            held, adding, arriving, arriving_grads) if buffer is not None)
+        buffers = sum(buffer.nbytes for buffer in (held, adding, arriving, arriving_grads)
+                      if buffer is not None)
+        ctx.stats.backward_buffer_bytes = max(ctx.stats.backward_buffer_bytes, buffers)
         previous, following = (rank - 1) % size, (rank + 1) % size
         sending: list[Request] = []
         for step in range(size):
@@ -218,8 +243,9 @@ class RingAttention(Function):
         return round_to(grad_q, q.dtype), round_to(home[0], k.dtype), round_to(home[1], v.dtype)
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, comm: Communicator,
-                   layout: ContextLayout) -> Tensor:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, comm: Communicator, layout: ContextLayout,
+                   stats: AttentionStats | None = None) -> Tensor:
     """Causal attention of this rank's queries over the whole sharded sequence (RingAttention):
-    q, k, v (B, H, T/N, D) hold the positions layout gives comm.rank."""
-    return RingAttention.apply(q, k, v, comm=comm, layout=layout)
+    q, k, v (B, H, T/N, D) hold the positions layout gives comm.rank; stats, when given, counts
+    the blocks computed and the ring's buffers."""
+    return RingAttention.apply(q, k, v, comm=comm, layout=layout, stats=stats or AttentionStats())
