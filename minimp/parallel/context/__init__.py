@@ -4,7 +4,7 @@ zig-zag or contiguous shards of layout.py; Ulysses trades sequence shards for he
 all-to-all (ulysses.py)."""
 
 from minimp.parallel.context.layout import AttentionBytes, ContextLayout
-from minimp.parallel.context.ring import (RingAttention, RingBytes, RingMemory, ring_attention,
+from minimp.parallel.context.ring import (RingAttention, RingMemory, ring_attention,
                                           ring_bytes, ring_memory, ring_order)
 from minimp.parallel.context.ulysses import (check_ulysses, heads_to_sequence, sequence_to_heads,
                                              ulysses_attention, ulysses_bytes, ulysses_memory)

@@ -43,7 +43,7 @@ from minimp.distributed.protocol import Communicator, Request, Tag
 from minimp.function import Context, Function
 from minimp.ops.attention import (BlockGradients, OnlineSoftmax, accumulate_dtype, backward_block,
                                   check_attention_inputs, chunk, forward_block, output_delta)
-from minimp.parallel.context.layout import ContextLayout
+from minimp.parallel.context.layout import AttentionBytes, ContextLayout
 from minimp.precision.casting import round_to
 
 
@@ -89,15 +89,6 @@ class AttentionStats:
 
 
 @dataclass(frozen=True)
-class RingBytes:
-    """Bytes one rank sends in one ring attention: forward (key/value blocks) and backward
-    (key/value blocks and their float32 gradients)."""
-
-    forward: int
-    backward: int
-
-
-@dataclass(frozen=True)
 class RingMemory:
     """One rank's ring attention memory in bytes: saved, what forward keeps for backward (q, k, v,
     O, lse); forward_buffers and backward_buffers, the ring's in-flight buffers in each pass."""
@@ -107,14 +98,14 @@ class RingMemory:
     backward_buffers: int
 
 
-def ring_bytes(shape: tuple[int, ...], dtype: np.dtype, size: int) -> RingBytes:
+def ring_bytes(shape: tuple[int, ...], dtype: np.dtype, size: int) -> AttentionBytes:
     """The module docstring's byte formula, for a rank's q of shape (B, H, T/N, D) in dtype and a
     ring of size N."""
     block = 2 * math.prod(shape)  # k and v: 2n values
     if size == 1:
-        return RingBytes(0, 0)
+        return AttentionBytes(0, 0)
     forward = (size - 1) * block * np.dtype(dtype).itemsize
-    return RingBytes(forward, forward + size * block * accumulate_dtype(dtype).itemsize)
+    return AttentionBytes(forward, forward + size * block * accumulate_dtype(dtype).itemsize)
 
 
 def ring_memory(shape: tuple[int, ...], dtype: np.dtype, size: int) -> RingMemory:
