@@ -27,12 +27,17 @@ GPT = dict(
 )  # fmt: skip
 
 
-def history(world_size, **flags):
-    """Every rank's metrics rows of a run on the simulated world."""
+def history(world_size, printed=None, **flags):
+    """Every rank's metrics rows of a run on the simulated world; rank 0's lines go to printed."""
     config = TrainConfig(**{**GPT, **flags})
     config.validate(world_size)
+
+    def body(comm):
+        return train(config, printed.append if printed is not None and comm.rank == 0 else
+                     lambda line: None, comm)
+
     with backend.limit_cpu_threads(1):
-        results = dist.simulate(world_size, lambda comm: train(config, lambda line: None, comm))
+        results = dist.simulate(world_size, body)
     return [result["history"] for result in results]
 
 
@@ -71,7 +76,8 @@ def test_measured_work_and_attention_bytes_equal_their_formulas_every_step(world
     imbalance = 2 * cp - 1 if layout.kind == "contiguous" and mode == "ring" else 1.0
     estimate = dict((what, size) for what, size, _ in memory_parts(
         TrainConfig(**{**GPT, **flags}), world_size))["activations"]
-    for records in history(world_size, **flags):
+    printed = []
+    for records in history(world_size, printed, **flags):
         assert len(records) == GPT["steps"]
         for record in records:
             assert record["context_work"] == work
@@ -83,6 +89,14 @@ def test_measured_work_and_attention_bytes_equal_their_formulas_every_step(world
                 assert "attention_buffer_bytes" not in record
             measured = record["peak_activation_bytes"] + record.get("attention_buffer_bytes", 0)
             assert measured <= estimate  # (fp32 ring: 1.02 times the measured)
+    # The summary's last line: the measured work, beside the other layout's formula
+    other = {"zigzag": f"contiguous shards: {2 * cp - 1:.2f}",
+             "contiguous": "zig-zag shards: 1.00"}[layout.kind]
+    if mode == "ulysses":
+        other = "Ulysses: every rank all T positions of H/N heads"
+    assert printed[-1].splitlines()[-1] == (
+        f"  attention     blocks per call by rank {', '.join(f'{w:g}' for w in work)}: max/min "
+        f"{imbalance:.2f} ({other})")
 
 
 def test_without_cp_the_rows_have_no_attention_fields():

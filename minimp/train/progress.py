@@ -8,6 +8,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from minimp.checkpoints import files
+from minimp.parallel.context.layout import ContextLayout
 
 
 class History:
@@ -120,11 +121,12 @@ def progress_line(entry: dict, steps: int, loss_scale: float, skipped_so_far: in
 
 
 def summary(history: History, wall_seconds: float, bytes_per_step: list[float],
-            held: dict) -> str:
+            held: dict, context: ContextLayout | None = None, cp_mode: str = "ring") -> str:
     """The lines under `done: ...`: the wall time (from the run's setup to its last file) and the
     steps' own, the throughput over the steps, the skipped steps, the bytes each rank sent per
     step (the meter's bytes_sent, averaged over the steps) and the peak memory the meter
-    measured (model state and activations, on the rank that held the most)."""
+    measured (model state and activations, on the rank that held the most); with --cp (context,
+    the layout) the attention work each rank measured in the last step."""
     records = history.records
     if not records:  # a resume at its last step: nothing was trained
         return f"  wall time     {_seconds(wall_seconds)}, no step to run"
@@ -141,7 +143,23 @@ def summary(history: History, wall_seconds: float, bytes_per_step: list[float],
         f"  sent          {_bytes_by_rank(bytes_per_step)}",
         f"  peak memory   {size_text(model_state)} model state, {size_text(activations)} "
         "activations (the most any rank held)",
+        *([_context_work(records[-1], context, cp_mode)] if context is not None else []),
     ])  # fmt: skip
+
+
+def _context_work(record: dict, layout: ContextLayout, cp_mode: str) -> str:
+    """`  attention     blocks per call by rank 4, 4: max/min 1.00 (contiguous shards: 3.00)`:
+    the causal work each rank measured (parallel/context/models.py), beside what the other
+    layout's formula gives the ring, or why Ulysses has none."""
+    work = ", ".join(f"{blocks:g}" for blocks in record["context_work"])
+    if cp_mode == "ulysses":
+        other = "Ulysses: every rank all T positions of H/N heads"
+    else:
+        kind = "contiguous" if layout.kind == "zigzag" else "zigzag"
+        ratio = ContextLayout(layout.size, kind).work_imbalance()
+        other = f"{kind.replace('zigzag', 'zig-zag')} shards: {ratio:.2f}"
+    return (f"  attention     blocks per call by rank {work}: max/min "
+            f"{record['context_work_imbalance']:.2f} ({other})")
 
 
 def _bytes_by_rank(bytes_per_step: list[float]) -> str:

@@ -91,7 +91,8 @@ def finish(run: "Run") -> dict:
         failed["--metrics"] = run.history.write_error
     what, wall = metric.replace("_", " "), time.perf_counter() - run.started
     run.log(f"done: {config.steps} steps, {skipped} skipped, {what} {score:.4f}\n"
-            + progress.summary(run.history, wall, run.meter.bytes_per_step, held))
+            + progress.summary(run.history, wall, run.meter.bytes_per_step, held,
+                               run.share.context, config.cp_mode))
     run.comm.barrier()  # nobody leaves before the files are complete
     masters = checkpoint.strip_prefix(merged or {}, "master/")
     return {"history": run.history.records, "skipped": skipped, metric: score,
