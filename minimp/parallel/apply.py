@@ -122,7 +122,7 @@ def parallelize(model: nn.Sequential, grid: Topology, parallelism: Parallelism, 
     named += [(name, p) for name, p in tied if name not in dict(named)]
     optimizer = build_optimizer(named)
     prepare(model)
-    if plan is not None:  # with --tp the trained copy is another model
+    if trained is not model:  # with --tp or --cp the trained copy has its own Linears
         prepare(trained)
     runner = _pipeline_runner(model, trained, ranges, grid, parallelism, task, dtype, sample_input)
     # The other stages' layers are rank 0's to evaluate with, and only after it has gathered

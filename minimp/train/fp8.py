@@ -74,7 +74,8 @@ class Fp8Run:
         for row, name in enumerate(self.watched):
             quantizer = own.get(name)
             if quantizer is not None:
-                first = self.topology.dp_rank == 0 and self.topology.tp_rank == 0
+                topology = self.topology  # one rank of the stage says the scale they share
+                first = topology.dp_rank == topology.cp_rank == topology.tp_rank == 0
                 scale = float(quantizer.scale) if first else 0.0
                 table[row] = scale, quantizer.underflow, quantizer.saturated, quantizer.count
         table = allreduce_scalars(table.reshape(-1), "sum").reshape(table.shape)
