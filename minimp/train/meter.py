@@ -10,7 +10,9 @@ Per step (every row): `bytes_sent` (every group but the scalar all-reduces), `co
 tied), `bytes_by_collective` (all_reduce for --zero 0, reduce_scatter and all_gather for ZeRO, tied
 for the GPT's embedding across stages, pipeline for activations, tensor_parallel for --tp's
 activations and partial gradients, context_parallel for --cp's attention, whose formula is
-parallel/context/ring.py's ring_bytes, or ulysses.py's ulysses_bytes with --cp-mode ulysses), with
+parallel/context/ring.py's ring_bytes, or ulysses.py's ulysses_bytes with --cp-mode ulysses, per
+block of the stage and micro-batch, on q's (B/(dp M), H/tp, T/cp, D), the forward part twice with
+--recompute: the recomputed block runs its attention's forward again in backward), with
 --cp `context_work_imbalance` (the busiest context rank's causal attention work over the idlest's:
 the ring's 1 zig-zag, 2N-1 contiguous, parallel/context/layout.py; Ulysses' 1, since every rank
 computes all T positions of H/N heads), `seconds_by_collective` (ZeRO's run inside backward and the
