@@ -2,7 +2,8 @@
 whole, each rank's logits are one process's at its positions, and the gradients of the ranks'
 mean losses, averaged over the ranks, are one process's (the derivation in the module's
 docstring), in float64 to rounding; each mode's Attention counts its calls, causal blocks and saved
-bytes as their formulas say; bad input is one error before any message."""
+bytes as their formulas say; a tensor-parallel copy keeps its group and its H/tp heads (what
+Ulysses splits); bad input is one error before any message."""
 
 import dataclasses
 import re
@@ -13,8 +14,10 @@ import pytest
 from minimp import functional as F
 from minimp.distributed import simulate
 from minimp.models.gpt import GPT, CausalSelfAttention, Embeddings, GPTConfig
+from minimp.parallel import Topology
 from minimp.parallel.context import ContextLayout, ring_memory, ulysses_memory
 from minimp.parallel.context.models import attention_stats, parallelize_context
+from minimp.parallel.tensor.models import parallelize_module
 from minimp.tensor import Tensor
 
 CONFIG = GPTConfig(vocab_size=65, context=16, layers=2, heads=4, width=32)
@@ -138,3 +141,49 @@ def test_bad_input_is_one_error_before_any_message(layout, mode, message):
         return comm.bytes_sent
 
     assert simulate(2, body) == [0, 0]
+
+
+def tensor_parallel_copy(comm, config=CONFIG):
+    """(this rank's Topology of --tp 2 x --cp 2, the GPT cut over its tp group)."""
+    grid = Topology(comm, dp=1, tp=2, cp=2)
+    model = GPT(config, np.random.default_rng(0)).to(np.float64)
+    parallelize_module(model, grid.tp_group)
+    return grid, model
+
+
+@pytest.mark.parametrize("mode, kind", [("ring", "zigzag"), ("ulysses", "contiguous")])
+def test_a_tensor_parallel_copy_keeps_its_group_and_gives_one_process_logits(mode, kind):
+    """The copy's cut Linears talk in the same tp group (a communicator is shared, not copied),
+    its Parameters are the cut model's, and Ulysses splits the H/tp = 2 heads a rank holds."""
+    ids = np.random.default_rng(1).integers(0, CONFIG.vocab_size, size=(2, CONFIG.context))
+    _, logits = mean_loss(gpt(), ids, ids)
+    layout = ContextLayout(2, kind)
+
+    def body(comm):
+        grid, model = tensor_parallel_copy(comm)
+        shard = parallelize_context(model, grid.cp_group, layout, mode)
+        attention = [m for m in shard.modules() if isinstance(m, CausalSelfAttention)]
+        groups = [m.c_attn.comm is grid.tp_group and m.c_proj.comm is grid.tp_group
+                  for m in attention]
+        same = [a is b for a, b in zip(model.parameters(), shard.parameters())]
+        return grid.cp_rank, all(groups) and all(same), shard(Tensor(layout.shard(
+            ids, grid.cp_rank))).data
+
+    for cp_rank, shared, got in simulate(4, body, eager_limit=0):
+        assert shared
+        np.testing.assert_allclose(got, layout.shard(logits, cp_rank), rtol=1e-12, atol=1e-14)
+
+
+def test_ulysses_refuses_a_tensor_parallel_copy_whose_heads_do_not_split_before_any_message():
+    """2 heads over --tp 2: each rank's blocks hold 1, which --cp 2 cannot split (the whole
+    model's 2 heads could)."""
+    config = GPTConfig(vocab_size=65, context=16, layers=1, heads=2, width=8)
+
+    def body(comm):
+        grid, model = tensor_parallel_copy(comm, config)
+        before = grid.cp_group.bytes_sent
+        with pytest.raises(ValueError, match=re.escape("the 1 attention heads a rank holds")):
+            parallelize_context(model, grid.cp_group, ContextLayout(2, "contiguous"), "ulysses")
+        return grid.cp_group.bytes_sent - before
+
+    assert simulate(4, body) == [0, 0, 0, 0]

@@ -1,18 +1,19 @@
 """fp8's amax agreement: the ranks that hold the same tensors take the MAX of their amaxes.
 
 Delayed scaling computes each step's scales from the amaxes it recorded. Data-parallel replicas see
-different shards of the batch, so their activations and gradients have different amaxes; if each
-replica kept its own, their scales, and with them their fp8 states, would drift apart. One MAX
-all-reduce of all of a stage's amaxes after each step (Transformer Engine reduces over its "amax
-reduction group", the data- and tensor-parallel ranks) gives every replica the largest amax any of
-them saw, so all compute the same scales, bit for bit. For activations that is the amax of the
-whole batch, as one process sees it. Output gradients are dp times one process's (each replica's
-loss is the mean over its own shard; the all-reduce divides by dp later), so their scales are 1/dp
-times one process's and the fp8 values the same.
+different shards of the batch (context-parallel ranks other tokens of the same samples), so their
+activations and gradients have different amaxes; if each rank kept its own, their scales, and with
+them their fp8 states, would drift apart. One MAX all-reduce of all of a stage's amaxes after each
+step (Transformer Engine reduces over its "amax reduction group", the data-, context- and
+tensor-parallel ranks) gives every rank the largest amax any of them saw, so all compute the same
+scales, bit for bit. For activations that is the amax of the whole batch, every token of it, as
+one process sees it. Output gradients are dp x cp times one process's (each rank's loss is the
+mean over its own rows and tokens; the all-reduce divides by dp x cp later), so their scales are
+1/(dp cp) times one process's and the fp8 values the same.
 
 `AmaxReduction(comm)` is the `reduce_amax` that `precision.update_scales` takes: any group of ranks
-sharing tensors passes its communicator (the training command passes a stage's group: its replicas
-and, with tensor parallelism, the ranks holding the shards of one tensor as well).
+sharing tensors passes its communicator (the training command passes a stage's group: its replicas,
+its context shards and, with tensor parallelism, the ranks holding the shards of one tensor).
 """
 
 import numpy as np

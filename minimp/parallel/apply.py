@@ -6,13 +6,15 @@ is this rank's share of the run, built in the order picotron's train.py and torc
 parallelize.py apply theirs:
 
   1. tensor     a copy of the model whose blocks' Linears are cut over the tp group (tensor/)
-     context    with --cp, a copy of the GPT's modules sharing its weights that runs this rank's
-                shard of the sequence, its attention around the cp group's ring (context/)
+     context    with --cp, a copy of the GPT's modules (with --tp, of the cut copy's) sharing its
+                weights that runs this rank's shard of the sequence, its attention around the cp
+                group's ring or through Ulysses' all-to-alls on the heads it holds (context/)
   2. pipeline   this rank's layers: pp x virtual_stages chunks of about equal parameter count,
                 chunk r, r + pp, ... on pipeline rank r (pipeline/split.py), and the copy of the
                 tied embedding the last stage reads
      (then the caller's `build_optimizer` makes the float32 masters of those parameters, and its
-     `prepare` casts the models to the compute dtype and gives their Linears fp8 state: masters
+     `prepare` casts the models to the compute dtype and gives their Linears fp8 state, the
+     whole model's and, with --tp or --cp, the trained copy's own Linears: masters
      must come from the float32 weights, never from their 16-bit rounding)
   3. recompute  the runner of the chunks reruns each block's forward in its backward
   4. data/zero  the stage's replicas start from replica 0's masters and share one GradientSync:
@@ -122,7 +124,7 @@ def parallelize(model: nn.Sequential, grid: Topology, parallelism: Parallelism, 
     named += [(name, p) for name, p in tied if name not in dict(named)]
     optimizer = build_optimizer(named)
     prepare(model)
-    if plan is not None:  # with --tp the trained copy is another model
+    if trained is not model:  # with --tp or --cp the trained copy has its own Linears
         prepare(trained)
     runner = _pipeline_runner(model, trained, ranges, grid, parallelism, task, dtype, sample_input)
     # The other stages' layers are rank 0's to evaluate with, and only after it has gathered

@@ -227,15 +227,12 @@ def _check_tensor_parallel(config: "TrainConfig") -> None:
                           f"do not divide by {tp} (use --hidden divisible by --tp)")
 
 
-# What --cp does not compose with yet (issue 39 wants each later), in the order they are checked:
-# (field, the value that leaves it off).
-CONTEXT_PARALLEL_REFUSED = (("tp", 1), ("pp", 1), ("zero", 0), ("recompute", False))
-
-
 def _check_context_parallel(config: "TrainConfig") -> None:
     """--cp splits the GPT's sequence: into 2N chunks for the ring, into N contiguous pieces of
-    H/N heads each for Ulysses; no dropout (its masks are drawn per position held), and none of
-    the flags it does not compose with."""
+    H/(tp N) heads each for Ulysses (the heads a tensor-parallel rank holds, over the cp ranks);
+    with --sequence-parallel each context rank's T/N positions split again over the --tp ranks;
+    no dropout (its masks are drawn per position held). It composes with everything else: --tp,
+    --pp (every schedule), --zero, every precision, --recompute, overlap and micro-batches."""
     cp = config.cp
     if cp == 1:
         return
@@ -246,8 +243,8 @@ def _check_context_parallel(config: "TrainConfig") -> None:
             raise ConfigError(f"--cp-mode ulysses takes --cp-layout contiguous, got "
                               f"{config.cp_layout} (every rank attends the whole sequence of its "
                               "heads, so there is no imbalance to zig-zag away)")
-        try:  # the heads are the config's: --tp is refused with --cp below
-            check_ulysses(config.heads, config.context, cp)
+        try:  # the heads a tensor-parallel rank holds (--tp divides them: checked before)
+            check_ulysses(config.heads // config.tp, config.context, cp)
         except ValueError as error:
             raise ConfigError(f"--cp-mode {error}") from None
     elif config.context % (2 * cp):
@@ -255,18 +252,15 @@ def _check_context_parallel(config: "TrainConfig") -> None:
             f"--cp {cp} cuts the sequence into 2N = {2 * cp} chunks (the ring computes in chunks "
             f"with either --cp-layout), and --context {config.context} does not divide by "
             f"{2 * cp} (use a multiple of {2 * cp})")
+    if config.sequence_parallel and config.context // cp % config.tp:
+        raise ConfigError(
+            f"--sequence-parallel gives each of the --tp {config.tp} ranks an equal slice of its "
+            f"context rank's {config.context // cp} positions (--context {config.context} / --cp "
+            f"{cp}), which do not divide by {config.tp} (use a --context that is a multiple of "
+            f"{math.lcm(cp * config.tp, 2 * cp if config.cp_mode == 'ring' else cp)})")
     if config.dropout:
         raise ConfigError(f"--cp {cp} with --dropout {config.dropout:g}: dropout masks are drawn "
                           "per position a rank holds, not per global position (use --dropout 0)")
-    if config.precision == "fp8":
-        raise ConfigError(f"--cp {cp} does not work with --precision fp8 yet (use fp32, fp16 or "
-                          "bf16)")
-    for name, off in CONTEXT_PARALLEL_REFUSED:
-        value = getattr(config, name)
-        if value != off:
-            shown = flag(name) if isinstance(value, bool) else f"{flag(name)} {value}"
-            raise ConfigError(f"--cp {cp} does not work with {shown} yet (context parallelism "
-                              "composes with --dp only for now)")
 
 
 def _check_grid(config: "TrainConfig", world_size: int) -> None:

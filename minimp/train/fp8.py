@@ -3,12 +3,12 @@ the metrics of a few tensors, and the checkpoint arrays that carry the state.
 
 Every rank builds the whole model and gives every Linear an Fp8Meta; a stage updates the quantizers
 of its own layers, so each pipeline stage owns its layers' state. After each optimizer step the
-ranks of a stage agree on the step's amaxes (parallel.AmaxReduction over the stage's replicas and
-tensor-parallel shards: a shard's amax is part of the whole tensor's), so delayed scaling computes
-the one-process scales on every rank and the replicas stay bit-identical, fp8 state included
-(--check-replicas compares it too). Checkpoints keep the state of delayed scaling as
-"fp8/<quantizer>/amax_history" and ".../scale" (float32), gathered from the stages like the
-masters, so a resume continues bit for bit in any layout.
+ranks of a stage agree on the step's amaxes (parallel.AmaxReduction over the stage's replicas,
+context shards and tensor-parallel shards: a shard's amax is part of the whole tensor's), so
+delayed scaling computes the one-process scales on every rank and the replicas stay
+bit-identical, fp8 state included (--check-replicas compares it too). Checkpoints keep the state
+of delayed scaling as "fp8/<quantizer>/amax_history" and ".../scale" (float32), gathered from the
+stages like the masters, so a resume continues bit for bit in any layout.
 """
 
 from typing import Callable
@@ -57,24 +57,25 @@ class Fp8Run:
     def end_step(self, world: Communicator, timed: Callable) -> dict[str, dict]:
         """After the optimizer step, on every rank: the statistics of the watched tensors (one SUM
         all-reduce over the job), then this stage's next scales from amaxes agreed across its
-        replicas and tensor-parallel shards. Returns {tensor: {"scale", "underflow", "saturated"}}
-        for the metrics row. `timed(function, name)`: wraps the two collectives (the trainer times
-        communication)."""
+        replicas, context shards and tensor-parallel shards. Returns {tensor: {"scale",
+        "underflow", "saturated"}} for the metrics row. `timed(function, name)`: wraps the two
+        collectives (the trainer times communication)."""
         statistics = self._watched_statistics(timed(world.allreduce_scalars, "fp8_statistics"))
         quantizers = [quantizer for _, quantizer in self.quantizers]
         update_scales(quantizers, timed(self.reduce_amax, "fp8_amax"))
         return statistics
 
     def _watched_statistics(self, allreduce_scalars: Callable) -> dict[str, dict[str, float]]:
-        """Each watched tensor's scale this step (replica 0's, the stage that owns it) and the
-        fractions of its values, over every replica's share of the batch, that underflowed to
-        zero or saturated."""
+        """Each watched tensor's scale this step (said by one rank of the stage that owns it:
+        replica 0's context shard 0's tensor shard 0) and the fractions of its values, over every
+        rank's share of the batch, that underflowed to zero or saturated."""
         own = dict(self.quantizers)
         table = np.zeros((len(self.watched), 4))  # scale, underflow, saturated, values
         for row, name in enumerate(self.watched):
             quantizer = own.get(name)
             if quantizer is not None:
-                first = self.topology.dp_rank == 0 and self.topology.tp_rank == 0
+                topology = self.topology  # one rank of the stage says the scale they share
+                first = topology.dp_rank == topology.cp_rank == topology.tp_rank == 0
                 scale = float(quantizer.scale) if first else 0.0
                 table[row] = scale, quantizer.underflow, quantizer.saturated, quantizer.count
         table = allreduce_scalars(table.reshape(-1), "sum").reshape(table.shape)

@@ -10,7 +10,9 @@ Per step (every row): `bytes_sent` (every group but the scalar all-reduces), `co
 tied), `bytes_by_collective` (all_reduce for --zero 0, reduce_scatter and all_gather for ZeRO, tied
 for the GPT's embedding across stages, pipeline for activations, tensor_parallel for --tp's
 activations and partial gradients, context_parallel for --cp's attention, whose formula is
-parallel/context/ring.py's ring_bytes, or ulysses.py's ulysses_bytes with --cp-mode ulysses),
+parallel/context/ring.py's ring_bytes, or ulysses.py's ulysses_bytes with --cp-mode ulysses, per
+block of the stage and micro-batch, on q's (B/(dp M), H/tp, T/cp, D), the forward part twice with
+--recompute: the recomputed block runs its attention's forward again in backward),
 `seconds_by_collective` (ZeRO's run inside backward and the update, where `communication_seconds`
 does not look), `scalar_allreduces` (calls: the overflow flags, the norm, the loss) and
 `peak_activation_bytes` (the most bytes kept for backward at once, the largest over the ranks).

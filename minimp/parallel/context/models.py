@@ -136,11 +136,22 @@ ATTENTIONS: dict[str, Callable[[Communicator, ContextLayout], Attention]] = {
 }
 
 
+def _heads_held(model: GPT) -> int:
+    """The attention heads each block of model computes: H, or H/tp in a tensor-parallel copy
+    (its q, k, v projection holds 3 C/tp of the 3 C features, D = C/H per head)."""
+    config = model.config
+    for module in model.modules():
+        if isinstance(module, CausalSelfAttention):
+            return module.c_attn.out_features // 3 // (config.width // config.heads)
+    return config.heads
+
+
 def parallelize_context(model: GPT, comm: Communicator, layout: ContextLayout,
                         mode: str = "ring") -> GPT:
     """A copy of model's modules sharing its Parameters, which runs rank comm.rank's positions
     of every sample (the module docstring): its embeddings at those global positions, every
-    block's attention through `mode`'s Attention over comm."""
+    block's attention through `mode`'s Attention over comm. model may be a tensor-parallel copy
+    (minimp/parallel/tensor/models.py): Ulysses then splits the H/tp heads its blocks hold."""
     if mode not in ATTENTIONS:
         raise ValueError(f"context parallelism: --cp-mode {mode} is not available (use "
                          f"{' or '.join(ATTENTIONS)})")
@@ -152,12 +163,16 @@ def parallelize_context(model: GPT, comm: Communicator, layout: ContextLayout,
         if layout.kind != "contiguous":
             raise ValueError(f"context parallelism: --cp-mode ulysses takes the contiguous layout, "
                              f"got {layout.kind} (use --cp-layout contiguous)")
-        check_ulysses(model.config.heads, context, comm.size)
+        check_ulysses(_heads_held(model), context, comm.size)
     else:  # the ring computes in the 2N-chunk grid with either layout
         ContextLayout(layout.size).check_tokens(context)
     layout.check_tokens(context)
-    # The memo maps every Parameter to itself: new modules, the same weights and gradients.
-    shared = {id(parameter): parameter for parameter in model.parameters()}
+    # The memo maps what the copy shares to itself: every Parameter (new modules, the same
+    # weights and gradients) and, with --tp, the group the cut Linears talk in (a communicator
+    # holds locks and sockets, which cannot be copied; the copy talks in the same group).
+    shared: dict[int, object] = {id(parameter): parameter for parameter in model.parameters()}
+    shared |= {id(value): value for module in model.modules() for value in vars(module).values()
+               if isinstance(value, Communicator)}
     copied = copy.deepcopy(model, memo=shared)
     attention = ATTENTIONS[mode](comm, layout)
     for module in copied.modules():
