@@ -57,6 +57,11 @@ CASES = [
     (4, dict(cp=4, cp_layout="contiguous")),  # work 2, 6, 10, 14: max/min 7
     (4, dict(cp=2, dp=2)),  # context rank = rank % 2; each replica attends B/2 rows
     (2, dict(cp=2, cp_mode="ulysses", cp_layout="contiguous")),
+    # --recompute: a block's first forward runs without a graph and is not counted
+    (2, dict(cp=2, recompute=True)),
+    pytest.param(2, dict(cp=2, cp_mode="ulysses", cp_layout="contiguous", recompute=True),
+                 marks=pytest.mark.slow),
+    pytest.param(4, dict(cp=2, tp=2), marks=pytest.mark.slow),  # H/tp heads a rank
 ]
 
 
@@ -65,13 +70,14 @@ def test_measured_work_and_attention_bytes_equal_their_formulas_every_step(world
     cp, mode = flags["cp"], flags.get("cp_mode", "ring")
     layout = ContextLayout(cp, flags.get("cp_layout", "zigzag"))
     rows = GPT["batch_size"] // flags.get("dp", 1)
-    heads, width, tokens = GPT["heads"], GPT["hidden"] // GPT["heads"], GPT["context"]
+    tp = flags.get("tp", 1)
+    heads, width, tokens = GPT["heads"] // tp, GPT["hidden"] // GPT["heads"], GPT["context"]
     shape = (rows, heads, tokens // cp, width)  # a rank's q
     memory = ring_memory(shape, np.dtype(np.float32), cp)
     saved = memory.saved if mode == "ring" else ulysses_memory(shape, np.float32, cp)
     one_process = one_process_saved_bytes((rows, heads, tokens, width), mode)
     assert saved * cp == one_process  # 1/N of one process's, to the byte
-    work = [layout.causal_work(rank % cp) if mode == "ring" else 2 * cp
+    work = [layout.causal_work(rank // tp % cp) if mode == "ring" else 2 * cp
             for rank in range(world_size)]
     imbalance = 2 * cp - 1 if layout.kind == "contiguous" and mode == "ring" else 1.0
     estimate = dict((what, size) for what, size, _ in memory_parts(

@@ -35,8 +35,10 @@ keep for backward, every distinct array saved by the graph nodes between its q, 
 (the ring's q, k, v, O and log-sum-exp; Ulysses' head-sharded q, k^T, v and probabilities), and its
 causal blocks of the 2N-chunk grid: the ring counts those it merges; Ulysses computes a 1/N share
 of the heads' whole T x T scores, so its blocks are the share of the H heads' T^2 scores its
-probability arrays hold times the whole sequence's (2N)^2 / 2 blocks: 2N on every rank (a call run
-without a graph, under no_grad, keeps no probabilities and counts no Ulysses blocks).
+probability arrays hold times the whole sequence's (2N)^2 / 2 blocks: 2N on every rank. Only calls
+that build a graph are counted: one run under no_grad (--recompute's first forward of a block,
+which its backward runs again with a graph) keeps nothing for backward, so every figure is per
+call whose graph backward uses.
 """
 
 import copy
@@ -51,7 +53,7 @@ from minimp.ops.softmax import ScaledMaskedSoftmax
 from minimp.parallel.context.layout import ContextLayout
 from minimp.parallel.context.ring import AttentionStats, ring_attention
 from minimp.parallel.context.ulysses import check_ulysses, ulysses_attention
-from minimp.tensor import Tensor
+from minimp.tensor import Tensor, grad_enabled
 
 
 def call_contexts(output: Tensor, inputs: tuple[Tensor, ...]) -> list[tuple[type, Context]]:
@@ -90,6 +92,8 @@ class RingAttentionCall:
     stats: AttentionStats = field(default_factory=AttentionStats)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if not grad_enabled():  # uncounted (the module docstring): a throwaway stats takes it
+            return ring_attention(q, k, v, self.comm, self.layout)
         output = ring_attention(q, k, v, self.comm, self.layout, self.stats)  # adds the blocks
         record_call(self.stats, output, (q, k, v))
         return output
@@ -108,6 +112,8 @@ class UlyssesAttentionCall:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         output = ulysses_attention(q, k, v, self.comm, self.layout)
+        if not grad_enabled():  # uncounted (the module docstring)
+            return output
         nodes = record_call(self.stats, output, (q, k, v))
         batch, heads, tokens, _ = q.shape
         scores = batch * heads * (tokens * self.comm.size) ** 2  # all H heads' T x T
