@@ -408,11 +408,16 @@ def test_the_comparison_table_is_the_one_in_docs_planner_md(comparisons):
     assert comparison_table(("145.6B",)).splitlines()[2] == lines[8]
 
 
-def test_the_guide_s_planner_output_is_what_the_command_prints(capsys):
+@pytest.mark.parametrize("command, before", [
+    ("python -m minimp.plan --model 145.6B --gpus 1536 --global-batch 2304 --top 3",
+     "The first prints"),
+    ("python -m minimp.plan --model 7B-128k --gpus 64 --global-batch 16 --top 3", "At 128k tokens"),
+], ids=["145.6B", "7B-128k"])  # fmt: skip
+def test_the_guide_s_planner_output_is_what_the_command_prints(capsys, command, before):
+    """The guide's output, the first text block after `before`, is what its command prints."""
     guide = open(os.path.join(ROOT, "docs", "planner.md")).read()
-    command = "python -m minimp.plan --model 145.6B --gpus 1536 --global-batch 2304 --top 3"
     assert command in guide
-    shown = guide.split("The first prints", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    shown = guide.split(before, 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
     assert main(command.split()[3:]) == 0
     assert capsys.readouterr().out == shown
 
@@ -639,15 +644,6 @@ def test_a_bad_cp_is_one_line_exit_2_before_any_work(value, capsys, monkeypatch)
                  "--cp", value]) == 2  # fmt: skip
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and error.startswith("minimp.plan: error: --cp takes")
-
-
-def test_the_guide_s_7b_output_is_what_the_command_prints(capsys):
-    guide = open(os.path.join(ROOT, "docs", "planner.md")).read()
-    command = "python -m minimp.plan --model 7B-128k --gpus 64 --global-batch 16 --top 3"
-    assert command in guide
-    shown = guide.split("At 128k tokens", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
-    assert main(command.split()[3:]) == 0
-    assert capsys.readouterr().out == shown
 
 
 def test_measured_all_to_all_is_minimps_agreement_and_p_minus_1_messages():
