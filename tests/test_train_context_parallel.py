@@ -48,12 +48,13 @@ def one_process():
 
 LAYOUTS = [
     (2, dict(cp=2)),
-    (4, dict(cp=4)),
+    pytest.param(4, dict(cp=4), marks=pytest.mark.slow),
     (4, dict(cp=2, dp=2)),
     (2, dict(cp=2, cp_layout="contiguous")),
     pytest.param(2, dict(cp=2, micro_batches=2), marks=pytest.mark.slow),  # the M factor
     (2, dict(cp=2, cp_mode="ulysses", cp_layout="contiguous")),
-    (4, dict(cp=4, cp_mode="ulysses", cp_layout="contiguous")),  # H/N = 1 head a rank
+    pytest.param(4, dict(cp=4, cp_mode="ulysses", cp_layout="contiguous"),  # 1 head a rank
+                 marks=pytest.mark.slow),
 ]
 
 
@@ -305,8 +306,8 @@ def low_precision_runs(world_size, flags, precision, **more):
     PRECISION_GRIDS[0],
     *[pytest.param(*case, marks=pytest.mark.slow) for case in PRECISION_GRIDS[1:]],
 ], ids=str)  # fmt: skip
-@pytest.mark.parametrize("recipe", ["delayed", pytest.param("current", marks=pytest.mark.slow),
-                                    pytest.param("none", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("recipe", [pytest.param(recipe, marks=pytest.mark.slow)
+                                    for recipe in ("delayed", "current", "none")])
 def test_fp8_context_shards_agree_and_follow_one_process(world_size, flags, recipe):
     """Every rank's losses are one; they follow one process's (measured over the three grids:
     within 2.4e-5 delayed, 1.5e-4 current, 2.1e-5 with no scaling). Delayed

@@ -53,9 +53,9 @@ def one_process_saved_bytes(shape, mode):
 
 
 CASES = [
-    (2, dict(cp=2)),
+    pytest.param(2, dict(cp=2), marks=pytest.mark.slow),  # (the --recompute case is zig-zag)
     (4, dict(cp=4, cp_layout="contiguous")),  # work 2, 6, 10, 14: max/min 7
-    (4, dict(cp=2, dp=2)),  # context rank = rank % 2; each replica attends B/2 rows
+    pytest.param(4, dict(cp=2, dp=2), marks=pytest.mark.slow),  # each replica attends B/2 rows
     (2, dict(cp=2, cp_mode="ulysses", cp_layout="contiguous")),
     # --recompute: a block's first forward runs without a graph and is not counted
     (2, dict(cp=2, recompute=True)),
