@@ -144,12 +144,18 @@ def check_merge(merge: Callable, quiet: bool = False) -> Report:
         with np.errstate(all="ignore"):
             expect(np.all(np.isfinite(row_sum)) and np.all(np.isfinite(acc)),
                    "l or acc is not finite (inf or NaN): e^(a large score) overflowed")
-            expect(np.array_equal(m, want[0]), f"m is {m.ravel()[:3]}..., the row maximum of "
-                   f"both blocks is {want[0].ravel()[:3]}...")
-            expect(np.allclose(row_sum, want[1], rtol=1e-4, atol=0),
-                   f"l is {row_sum.ravel()[:3]}..., the two blocks' sum of e^(s - m) is "
-                   f"{want[1].ravel()[:3]}...")
-            expect(np.allclose(acc, want[2], rtol=1e-4, atol=1e-6 * np.abs(want[2]).max()),
+            rows = np.flatnonzero(m.ravel() != want[0].ravel())[:3]  # the first rows that differ
+            expect(rows.size == 0, f"m is {m.ravel()[rows]} in rows {rows.tolist()}, the row "
+                   f"maximum of both blocks is {want[0].ravel()[rows]} there")
+            rows = np.flatnonzero(~np.isclose(row_sum, want[1], rtol=1e-4, atol=0).ravel())[:3]
+            expect(rows.size == 0, f"l is {row_sum.ravel()[rows]} in rows {rows.tolist()}, the "
+                   f"two blocks' sum of e^(s - m) is {want[1].ravel()[rows]} there")
+            close = dict(rtol=1e-4, atol=1e-6 * np.abs(want[2]).max())
+            expect(not (np.allclose(acc, want[2] / want[1], **close)
+                        and not np.allclose(acc, want[2], **close)),
+                   "acc is already divided by l: the state keeps the sum e^(s - m) v and l "
+                   "apart; divide by l only at the end, once every block is merged")
+            expect(np.allclose(acc, want[2], **close),
                    "acc differs from the two blocks' e^(s - m) v")
             output, exact = acc / row_sum, _float64_softmax(scores, v)
         worst = float(np.abs(output - exact).max())
@@ -158,9 +164,9 @@ def check_merge(merge: Callable, quiet: bool = False) -> Report:
 
     @report.case(
         "scores of size about 1, two blocks of 16 keys: acc / l is softmax(s) v",
-        hint="rescale each block by e^(m_block - m) with m = max(m_a, m_b): its exponentials "
-        "were taken against its own maximum; weights are each block's share of the row sum l, "
-        "not one half each",
+        hint="rescale each block by e^(m_block - m) with m = max(m_a, m_b), row by row "
+        "(np.maximum; np.max's second argument is an axis): its exponentials were taken against "
+        "its own maximum; weights are each block's share of the row sum l, not one half each",
     )
     def _():
         compare(rng.standard_normal((8, 32)), rng.standard_normal((32, 4)), 16)
@@ -184,12 +190,14 @@ def check_merge(merge: Callable, quiet: bool = False) -> Report:
         compare(200.0 + rng.standard_normal((8, 32)), rng.standard_normal((32, 4)), 16)
 
     @report.case(
-        "a fully masked block (m = -inf, l = 0, acc = 0) merged with a real one: the real one",
-        hint="e^(-inf - m) = 0 for a finite m: the masked block adds nothing",
+        "rows fully masked in one block (m = -inf, l = 0, acc = 0 there), other rows not: "
+        "those rows are the other block's",
+        hint="e^(-inf - m) = 0 for a finite m: the masked rows add nothing; decide row by row, "
+        "not for the whole block at once",
     )
     def _():
         scores = rng.standard_normal((8, 32))
-        scores[:, :16] = -np.inf
+        scores[:3, :16] = -np.inf
         compare(scores, rng.standard_normal((32, 4)), 16)
 
     return report.finish()
@@ -210,7 +218,12 @@ def check_zigzag_positions(zigzag_positions: Callable, quiet: bool = False) -> R
 
     def positions(rank, size, tokens):
         got = np.asarray(call(zigzag_positions, rank, size, tokens))
-        expect(got.ndim == 1 and got.size == tokens // size,
+        expect(got.ndim == 1, f"rank {rank} of N = {size}, T = {tokens}: an array of shape "
+               f"{got.shape}, expected one flat array of positions: concatenate the two chunks")
+        expect(np.issubdtype(got.dtype, np.integer), f"rank {rank} of N = {size}, T = {tokens}: "
+               f"positions of dtype {got.dtype}, expected ints (an index must be one): "
+               f"T / (2N) is a float in Python 3, T // (2N) an int")
+        expect(got.size == tokens // size,
                f"rank {rank} of N = {size}, T = {tokens}: {got.size} positions, each rank "
                f"holds T/N = {tokens // size}")
         return got
@@ -235,11 +248,15 @@ def check_zigzag_positions(zigzag_positions: Callable, quiet: bool = False) -> R
     )
     def _():
         for size, tokens in cases:
-            work = [_work(positions(r, size, tokens), tokens) for r in range(size)]
+            held = [positions(r, size, tokens) for r in range(size)]
+            work = [_work(each, tokens) for each in held]
+            steps = {int(d) for each in held for d in np.diff(each)}
+            guess = (" (contiguous shards)" if steps == {1} else
+                     " (striped: every N-th position balances only roughly)" if steps == {size}
+                     else "")
             expect(np.allclose(work, 1 / size),
                    f"N = {size}, T = {tokens}: shares of the causal work "
-                   f"{[round(w, 3) for w in work]}, not 1/N = {1 / size:.3g} each "
-                   f"(contiguous shards?)")
+                   f"{[round(w, 3) for w in work]}, not 1/N = {1 / size:.3g} each{guess}")
 
     @report.case(
         "the order ContextLayout stores: chunk rank first, then chunk 2N-1-rank",
@@ -268,7 +285,8 @@ def check_ring_bytes_by_hand(ring_bytes_by_hand: Callable, quiet: bool = False) 
     def compare(shape, dtype, size):
         got = call(ring_bytes_by_hand, shape, np.dtype(dtype), size)
         want = ring_bytes(shape, dtype, size)
-        forward, backward = (int(x) for x in got)
+        expect(len(got) == 2, f"returned {len(got)} things, expected (forward, backward)")
+        forward, backward = got
         expect(forward == want.forward, f"{shape}, {np.dtype(dtype).name}, N = {size}: forward "
                f"{forward:,}, the ring sends {want.forward:,}")
         expect(backward == want.backward, f"{shape}, {np.dtype(dtype).name}, N = {size}: "
@@ -276,8 +294,9 @@ def check_ring_bytes_by_hand(ring_bytes_by_hand: Callable, quiet: bool = False) 
 
     @report.case(
         "forward, float32: N = 2, 4, 8",
-        hint="each rank holds a block of k and v (2n values, n = B H (T/N) D) and sends N - 1 "
-        "hops: at the last step the block it holds is the last it needs, no send",
+        hint="each rank holds a block of k and v (2n values, n = B H (T/N) D, each "
+        "dtype.itemsize bytes) and sends N - 1 hops: at the last step the block it holds is the "
+        "last it needs, no send",
     )
     def _():
         for size in (2, 4, 8):
@@ -310,8 +329,7 @@ def check_ring_bytes_by_hand(ring_bytes_by_hand: Callable, quiet: bool = False) 
     def _():
         measured = on_ranks("ring", inputs())
         got = call(ring_bytes_by_hand, (B, H, T // RANKS, D), np.dtype(np.float32), RANKS)
-        expect(tuple(int(x) for x in got) == (measured["forward_bytes"][0],
-                                              measured["backward_bytes"][0]),
+        expect(tuple(got) == (measured["forward_bytes"][0], measured["backward_bytes"][0]),
                f"{tuple(got)}, the ranks sent {measured['forward_bytes'][0]:,} forward and "
                f"{measured['backward_bytes'][0]:,} backward")
 

@@ -169,6 +169,7 @@ def test_the_long_context_figures():
     assert (ulysses.forward / mib, ulysses.backward / mib) == (448, 448)
     assert ring_memory(BIG, BFLOAT16, 8).saved / mib == 514
     assert ulysses_memory(BIG, BFLOAT16, 8, chunk_size=1024) / mib == 514
+    assert ulysses_memory(BIG, BFLOAT16, 8) / 2**30 == 128.375  # today's attention per head
     with pytest.raises(ValueError, match="do not split"):
         check_ulysses(heads=32, tokens=131072, size=64)
 
@@ -228,6 +229,68 @@ def merge_with_logaddexp(a, b):
     return m, row_sum.astype(np.float32), (output * row_sum).astype(np.float32)
 
 
+def _rescaled(a, b):
+    """m = max(m_a, m_b) and each block's factor e^(m_block - m)."""
+    m_a, m_b = a[0], b[0]
+    m = np.maximum(m_a, m_b)
+    return m, np.exp(m_a - m), np.exp(m_b - m)
+
+
+def merge_dividing_acc_by_l(a, b):
+    """The output acc / l returned where the state's unnormalized acc belongs."""
+    m, scale_a, scale_b = _rescaled(a, b)
+    row_sum = a[1] * scale_a + b[1] * scale_b
+    return m, row_sum, (a[2] * scale_a + b[2] * scale_b) / row_sum
+
+
+def merge_rescaling_only_l(a, b):
+    """l rescaled, acc added as it is."""
+    m, scale_a, scale_b = _rescaled(a, b)
+    return m, a[1] * scale_a + b[1] * scale_b, a[2] + b[2]
+
+
+def merge_with_the_scales_swapped(a, b):
+    """Block a's factor on block b and b's on a."""
+    m, scale_a, scale_b = _rescaled(a, b)
+    return m, a[1] * scale_b + b[1] * scale_a, a[2] * scale_b + b[2] * scale_a
+
+
+def merge_with_one_max_for_all_rows(a, b):
+    """The largest score of every row taken as every row's m."""
+    (m_a, l_a, acc_a), (m_b, l_b, acc_b) = a, b
+    m = np.full_like(m_a, max(m_a.max(), m_b.max()))
+    scale_a, scale_b = np.exp(m_a - m), np.exp(m_b - m)
+    return m, l_a * scale_a + l_b * scale_b, acc_a * scale_a + acc_b * scale_b
+
+
+def merge_skipping_a_block_with_a_masked_row(a, b):
+    """A block with any masked row skipped whole, as if masking were per block."""
+    if np.isneginf(a[0]).any():
+        return b
+    if np.isneginf(b[0]).any():
+        return a
+    return solutions(16).merge(a, b)
+
+
+def merge_with_np_max(a, b):
+    """np.max(m_a, m_b): np.max's second argument is an axis, not a second array."""
+    (m_a, l_a, acc_a), (m_b, l_b, acc_b) = a, b
+    m = np.max(m_a, m_b)
+    scale_a, scale_b = np.exp(m_a - m), np.exp(m_b - m)
+    return m, l_a * scale_a + l_b * scale_b, acc_a * scale_a + acc_b * scale_b
+
+
+def merge_row_by_row_with_where(a, b):
+    """Right: the larger maximum chosen row by row with np.where, the other block rescaled."""
+    (m_a, l_a, acc_a), (m_b, l_b, acc_b) = a, b
+    first = m_a >= m_b
+    with np.errstate(over="ignore", invalid="ignore"):
+        row_sum = np.where(first, l_a + l_b * np.exp(m_b - m_a), l_a * np.exp(m_a - m_b) + l_b)
+        acc = np.where(first, acc_a + acc_b * np.exp(m_b - m_a),
+                       acc_a * np.exp(m_a - m_b) + acc_b)
+    return np.where(first, m_a, m_b), row_sum, acc
+
+
 def zigzag_contiguous(rank, N, T):
     """The r-th of N equal pieces: chunks 2r and 2r + 1."""
     share = T // N
@@ -255,6 +318,48 @@ def zigzag_as_a_list(rank, N, T):
     """Right: a list of ints, built by hand."""
     size = T // (2 * N)
     return [c * size + i for c in (rank, 2 * N - 1 - rank) for i in range(size)]
+
+
+def zigzag_true_division(rank, N, T):
+    """T / (2N): a float in Python 3, so float positions."""
+    size = T / (2 * N)
+    return np.concatenate([np.arange(c * size, (c + 1) * size) for c in (rank, 2 * N - 1 - rank)])
+
+
+def zigzag_chunks_apart(rank, N, T):
+    """The two chunks returned side by side, not one after the other."""
+    size = T // (2 * N)
+    return [np.arange(c * size, (c + 1) * size) for c in (rank, 2 * N - 1 - rank)]
+
+
+def zigzag_chunk_numbers(rank, N, T):
+    """The chunks' numbers, not their positions."""
+    return [rank, 2 * N - 1 - rank]
+
+
+def zigzag_late_chunk_descending(rank, N, T):
+    """The late chunk counted down from the end, mirroring the early one position by position."""
+    size = T // (2 * N)
+    early = np.arange(rank * size, (rank + 1) * size)
+    return np.concatenate([early, T - 1 - early])
+
+
+def zigzag_striped(rank, N, T):
+    """Every N-th position from rank: round-robin, roughly balanced."""
+    return np.arange(rank, T, N)
+
+
+def zigzag_late_chunk_n_plus_rank(rank, N, T):
+    """Chunks r and N + r: one from each half, but not mirrored."""
+    size = T // (2 * N)
+    return np.concatenate([np.arange(c * size, (c + 1) * size) for c in (rank, N + rank)])
+
+
+def zigzag_with_np_r(rank, N, T):
+    """Right: int32 positions from slices."""
+    size = T // (2 * N)
+    late = 2 * N - 1 - rank
+    return np.r_[rank * size:(rank + 1) * size, late * size:(late + 1) * size].astype(np.int32)
 
 
 def bytes_n_hops_forward(shape, dtype, N):
@@ -297,9 +402,61 @@ def bytes_without_the_single_rank(shape, dtype, N):
     return forward, forward + N * block * wide
 
 
+def _bytes(shape, dtype, N, kv_hops, grad_hops, values=2, kv_again=True, grad_size=None):
+    if N == 1:
+        return 0, 0
+    n, itemsize = math.prod(shape), np.dtype(dtype).itemsize
+    wide = grad_size or (8 if itemsize == 8 else 4)
+    forward = kv_hops * values * n * itemsize
+    return forward, (forward if kv_again else 0) + grad_hops * values * n * wide
+
+
+def bytes_counting_values(shape, dtype, N):
+    """Values, not bytes: no itemsize."""
+    if N == 1:
+        return 0, 0
+    block = 2 * math.prod(shape)
+    return (N - 1) * block, (N - 1) * block + N * block
+
+
+def bytes_of_k_alone(shape, dtype, N):
+    """n values a block: v forgotten."""
+    return _bytes(shape, dtype, N, N - 1, N, values=1)
+
+
+def bytes_backward_without_k_and_v(shape, dtype, N):
+    """Backward counted as the gradients alone."""
+    return _bytes(shape, dtype, N, N - 1, N, kv_again=False)
+
+
+def bytes_gradients_n_minus_1_hops(shape, dtype, N):
+    """dK and dV N - 1 hops, like k and v: one short of home."""
+    return _bytes(shape, dtype, N, N - 1, N - 1)
+
+
+def bytes_k_and_v_resent_in_float32(shape, dtype, N):
+    """Backward's k and v counted in float32, like the gradients beside them."""
+    forward, backward = _bytes(shape, dtype, N, N - 1, N)
+    if N == 1:
+        return 0, 0
+    wide = 8 if np.dtype(dtype).itemsize == 8 else 4
+    return forward, backward - forward + (N - 1) * 2 * math.prod(shape) * wide
+
+
+def bytes_with_max_itemsize(shape, dtype, N):
+    """Right: the accumulator's size as max(4, itemsize)."""
+    if N == 1:
+        return 0, 0
+    block, itemsize = 2 * math.prod(shape), np.dtype(dtype).itemsize
+    return (N - 1) * block * itemsize, (N - 1) * block * itemsize + N * block * max(4, itemsize)
+
+
 @pytest.mark.parametrize("checker, solution", [
     ("check_merge", merge_with_logaddexp),
+    ("check_merge", merge_row_by_row_with_where),
     ("check_zigzag_positions", zigzag_as_a_list),
+    ("check_zigzag_positions", zigzag_with_np_r),
+    ("check_ring_bytes_by_hand", bytes_with_max_itemsize),
 ])
 def test_lesson16_checkers_accept_answers_the_spec_allows(checker, solution):
     import minimp.lessons.lesson16 as lesson
@@ -314,12 +471,24 @@ WRONG = {
         Wrong(merge_without_the_max, "overflow"),
         Wrong(merge_keeping_the_first_max, "m = max(m_a, m_b)"),
         Wrong(merge_rescaling_the_wrong_way, "e^(m_block - m)"),
+        Wrong(merge_dividing_acc_by_l, "divide by l only at the end"),
+        Wrong(merge_rescaling_only_l, "rescale"),
+        Wrong(merge_with_the_scales_swapped, "e^(m_block - m)"),
+        Wrong(merge_with_one_max_for_all_rows, "row maximum"),
+        Wrong(merge_skipping_a_block_with_a_masked_row, "row by row"),
+        Wrong(merge_with_np_max, "np.maximum"),
     ],
     "check_zigzag_positions": [
         Wrong(zigzag_contiguous, "contiguous"),
         Wrong(zigzag_off_by_one, "off by one"),
         Wrong(zigzag_late_chunk_first, "early chunk first"),
         Wrong(zigzag_mirrored_in_n, "2N - 1 - rank"),
+        Wrong(zigzag_true_division, "T // (2N)"),
+        Wrong(zigzag_chunks_apart, "concatenate"),
+        Wrong(zigzag_chunk_numbers, "positions c T/(2N)"),
+        Wrong(zigzag_late_chunk_descending, "ascending"),
+        Wrong(zigzag_striped, "striped"),
+        Wrong(zigzag_late_chunk_n_plus_rank, "2N-1-r"),
     ],
     "check_ring_bytes_by_hand": [
         Wrong(bytes_n_hops_forward, "N - 1 hops"),
@@ -327,6 +496,11 @@ WRONG = {
         Wrong(bytes_of_the_whole_sequence, "not the whole T"),
         Wrong(bytes_always_float32_gradients, "float64"),
         Wrong(bytes_without_the_single_rank, "one rank has no ring"),
+        Wrong(bytes_counting_values, "itemsize"),
+        Wrong(bytes_of_k_alone, "2n values"),
+        Wrong(bytes_backward_without_k_and_v, "k and v travel again"),
+        Wrong(bytes_gradients_n_minus_1_hops, "home after N"),
+        Wrong(bytes_k_and_v_resent_in_float32, "in the activation dtype"),
     ],
 }
 (test_the_reference_solution_passes, test_an_unwritten_stub_is_reported_not_raised,
