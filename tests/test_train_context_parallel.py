@@ -164,12 +164,22 @@ REFUSED = [
     (dict(cp=2, tp=2, heads=2, cp_mode="ulysses", cp_layout="contiguous", dp=1),
      "--cp-mode ulysses: the 1 attention heads a rank holds (with tensor parallelism, heads / tp) "
      "do not split over --cp 2 ranks"),
-    (dict(cp=2, tp=4, sequence_parallel=True, context=20, dp=1),
-     "--sequence-parallel gives each of the --tp 4 ranks an equal slice of its context rank's 10 "
-     "positions (--context 20 / --cp 2), which do not divide by 4 (use a --context that is a "
-     "multiple of 8)"),
+    (dict(cp=2, tp=2, sequence_parallel=True, context=6, cp_mode="ulysses",
+          cp_layout="contiguous"),
+     "--sequence-parallel gives each of the --tp 2 ranks an equal slice of its context rank's 3 "
+     "positions (--context 6 / --cp 2), which do not divide by 2 (use a --context that is a "
+     "multiple of 4)"),
     (dict(cp=2, dropout=0.1), "--cp 2 with --dropout 0.1: dropout masks are drawn per position"),
     (dict(cp=3, context=18), "--cp 3 x --tp 1 x --pp 1 does not divide the 4 ranks of this job"),
+    # a --cp the job cannot hold is said as such, before the chunks it would cut: not "use a
+    # --context that is a multiple of 6" (or of 2,000,000), which would not make it run
+    (dict(cp=3), "--cp 3 x --tp 1 x --pp 1 does not divide the 4 ranks of this job (start a "
+     "multiple of 3 ranks with mpirun -n)"),
+    (dict(cp=1_000_000), "--cp 1000000 x --tp 1 x --pp 1 does not divide the 4 ranks of this job"),
+    (dict(cp=8, cp_mode="ulysses", cp_layout="contiguous"),
+     "--cp 8 x --tp 1 x --pp 1 does not divide the 4 ranks of this job"),
+    (dict(cp=2, tp=4, sequence_parallel=True, context=20),
+     "--cp 2 x --tp 4 x --pp 1 does not divide the 4 ranks of this job (start a multiple of 8"),
     (dict(cp=2, dp=1), "--dp 1 does not match the 4 ranks of this job (use --dp 2"),
 ]
 
@@ -190,6 +200,17 @@ def test_what_context_parallelism_refuses_is_one_line_naming_the_fix(flags, mess
     with pytest.raises(ConfigError) as error:
         config.validate(4)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_sequence_parallel_slices_of_a_context_rank_s_positions_name_the_ring_s_multiple():
+    """--cp 2 --tp 4 on the 8 ranks it needs: context 20 is 10 positions a context rank, which
+    4 tensor-parallel ranks cannot slice; 8 divides both the ring's 2N and cp x tp."""
+    with pytest.raises(ConfigError) as error:
+        TrainConfig(**{**GPT, "context": 20}, cp=2, tp=4, sequence_parallel=True).validate(8)
+    assert str(error.value) == (
+        "--sequence-parallel gives each of the --tp 4 ranks an equal slice of its context rank's "
+        "10 positions (--context 20 / --cp 2), which do not divide by 4 (use a --context that is "
+        "a multiple of 8)")
 
 
 def test_the_heads_a_tensor_parallel_rank_holds_are_what_ulysses_splits():

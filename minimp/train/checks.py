@@ -183,11 +183,14 @@ def _check_distinct_files(config: "TrainConfig") -> None:
 
 
 def _check_layout(config: "TrainConfig", world_size: int) -> None:
-    """The layout's own checks, --tp first: a grid larger than the job is said as such."""
+    """The layout's own checks, --tp first: a grid larger than the job is said as such, and so
+    is a --cp x --tp that does not divide it (a --context cut for it would not make it run)."""
     if config.tp > world_size:  # said as such, before what it would cut
         raise ConfigError(f"--tp {config.tp} is more than the {world_size} ranks of this job "
                           f"(start at least {config.tp} ranks with mpirun -n)")
     _check_tensor_parallel(config)
+    if world_size % (config.cp * config.tp):  # said as such, before the chunks --cp would cut
+        _check_grid(config, world_size)
     _check_context_parallel(config)
     _check_grid(config, world_size)
     _check_schedule(config)
