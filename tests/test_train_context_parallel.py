@@ -381,3 +381,17 @@ def test_an_fp16_overflow_on_one_context_shard_of_a_grid_skips_the_step_on_every
         history = result["history"]
         assert [r["skipped"] for r in history] == [False, False, True, False]
         assert history[3]["loss_scale"] == history[2]["loss_scale"] / 2
+
+
+def test_zero_over_the_context_shards_leaves_no_rank_empty_handed():
+    """ZeRO shards over dp x cp ranks: 33 x 2 = 66 shards of a stage whose largest layer (the
+    token embedding of a 1-wide GPT) holds 65 parameters would leave a rank none; 32 x 2 do not."""
+    tiny = {**GPT, "hidden": 1, "heads": 1, "layers": 1, "context": 4, "zero": 1,
+            "batch_size": 32 * 33}
+    TrainConfig(**tiny, cp=2).validate(64)
+    with pytest.raises(ConfigError) as error:
+        TrainConfig(**tiny, cp=2).validate(66)
+    assert str(error.value) == (
+        "--zero 1 over --dp 33 x --cp 2: pipeline stage 0's largest layer has 65 parameters, so "
+        "some ranks would hold none of that stage (use --dp x --cp 65 or fewer, a wider model, "
+        "or --zero 0)")

@@ -162,12 +162,15 @@ def _check_zero(config: "TrainConfig", dp: int) -> None:
         raise ConfigError(
             f"--check-replicas compares the replicas' masters, and --zero {config.zero} gives "
             "each replica a different part of them (use --zero 0 to check replicas)")
+    # With --cp the context shards of a replica share its optimizer too: dp x cp shards.
+    shards, over = dp * config.cp, f"--dp {dp}" + (f" x --cp {config.cp}" if config.cp > 1 else "")
     for index, sizes in enumerate(zero_unit_sizes(config)):
-        if max(sizes) < dp:
+        if max(sizes) < shards:
             raise ConfigError(
-                f"--zero {config.zero} over --dp {dp}: pipeline stage {index}'s largest layer "
-                f"has {max(sizes)} parameters, so some replicas would hold none of that stage "
-                f"(use --dp {max(sizes)} or fewer, a wider model, or --zero 0)")
+                f"--zero {config.zero} over {over}: pipeline stage {index}'s largest layer "
+                f"has {max(sizes)} parameters, so some ranks would hold none of that stage "
+                f"(use {'--dp x --cp' if config.cp > 1 else '--dp'} {max(sizes)} or fewer, a "
+                "wider model, or --zero 0)")
 
 
 def _check_distinct_files(config: "TrainConfig") -> None:
