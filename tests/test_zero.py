@@ -203,7 +203,7 @@ def test_the_tied_embedding_s_chunks_stay_identical_across_the_pipeline(zero):
         (
             dict(zero=2, hidden=1, layers=1, pp=2, batch_size=42),
             42,
-            "pipeline stage 1's largest layer has 20 parameters, so some replicas",
+            "pipeline stage 1's largest layer has 20 parameters, so some ranks",
         ),
     ],
     ids=["stage-5", "negative", "nan", "recompute-yes", "check-replicas", "empty-shards"],
