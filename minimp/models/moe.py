@@ -25,7 +25,7 @@ import numpy as np
 
 from minimp import backend, nn
 from minimp import functional as F
-from minimp.tensor import Tensor
+from minimp.tensor import Tensor, grad_enabled
 
 
 @dataclass
@@ -62,6 +62,26 @@ def route(probs: np.ndarray, top_k: int, capacity_factor: float) -> Routing:
     return Routing(chosen, kept, limit, one_hot.sum(axis=1))
 
 
+class ExpertStats:
+    """What a layer's training forwards routed since `reset` (the metrics: minimp/train/meter.py):
+    load (E,), the (token, choice) pairs chosen for each expert before dropping; dropped, the
+    pairs dropped; aux_loss, the sum of the forwards' load-balancing losses; forwards."""
+
+    def __init__(self, experts: int):
+        self.load = np.zeros(experts, np.int64)
+        self.dropped, self.aux_loss, self.forwards = 0, 0.0, 0
+
+    def add(self, routing: Routing, aux_loss: float) -> None:
+        """Count one forward's routing."""
+        self.load += routing.counts.sum(axis=0)
+        self.dropped += int(routing.kept.size - routing.kept.sum())
+        self.aux_loss, self.forwards = self.aux_loss + aux_loss, self.forwards + 1
+
+    def reset(self) -> None:
+        """Start counting anew (each step)."""
+        self.__init__(len(self.load))  # type: ignore[misc]
+
+
 class Expert(nn.Module):
     """One expert: the dense MLP's C -> hidden, GELU, hidden -> C (nanoGPT's names)."""
 
@@ -88,6 +108,7 @@ class MoE(nn.Module):
         self.experts = nn.Sequential(*(Expert(width, hidden, bias, rng) for _ in range(experts)))
         self.dropout = dropout
         self.routing: Routing | None = None
+        self.stats = ExpertStats(experts)  # the training forwards' counts, for the metrics
         self.aux_loss: Tensor | None = None
         self.z_loss: Tensor | None = None
 
@@ -121,6 +142,8 @@ class MoE(nn.Module):
         self.routing = routing
         self.aux_loss = load_balancing_loss(probs.reshape(batch, tokens, experts), routing, k)
         self.z_loss = z_loss(logits)
+        if grad_enabled():  # a training forward (evaluations run under no_grad)
+            self.stats.add(routing, self.aux_loss.item())
         return self.dropout(out.reshape(batch, tokens, width))  # (B, T, C)
 
 
