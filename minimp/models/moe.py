@@ -111,6 +111,7 @@ class MoE(nn.Module):
         self.stats = ExpertStats(experts)  # the training forwards' counts, for the metrics
         self.aux_loss: Tensor | None = None
         self.z_loss: Tensor | None = None
+        self.router_logits: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         batch, tokens, width = x.shape
@@ -118,9 +119,11 @@ class MoE(nn.Module):
         flat = x.reshape(rows, width)  # (N, C), N = B*T
         # The router in float32 in every precision (input, weight, logits, softmax): a 16-bit
         # logit differs from its float32 value by up to 1/2048 of itself (fp16; 1/256 in bf16),
-        # enough to flip which expert is in the top k, and a 16-bit softmax saturates.
-        wide = np.dtype(np.float32)
-        logits = F.linear(flat.astype(wide), self.router.weight.astype(wide))  # (N, E) float32
+        # enough to flip which expert is in the top k, and a 16-bit softmax saturates. (float64,
+        # the gradient checks' dtype, stays float64.)
+        wide = np.promote_types(x.dtype, np.float32)
+        logits = F.linear(flat.astype(wide), self.router.weight.astype(wide))  # (N, E)
+        self.router_logits = logits  # (kept for the tests and metrics; Mixtral's name)
         probs = F.softmax(logits, axis=-1)  # (N, E)
         experts = probs.shape[1]
         routing = route(backend.to_numpy(probs.data).reshape(batch, tokens, experts), k,
