@@ -111,3 +111,17 @@ def test_a_gpt_with_experts_replaces_each_mlp_and_keeps_the_dense_one_without():
     dense = GPT(GPTConfig(vocab_size=7, context=5, layers=2, heads=2, width=8),
                 np.random.default_rng(0))
     assert "1.mlp.c_fc.weight" in dict(dense.named_parameters())
+
+
+def test_an_expert_no_token_chose_gets_a_zero_gradient_not_none():
+    """Every data-parallel replica must reduce the same parameters, whatever its tokens chose."""
+    rng = np.random.default_rng(0)
+    moe = tiny_moe(0.0, rng, top_k=1)
+    moe.router.weight.data[...] = 0.0
+    moe.router.weight.data[0, 0] = 1.0  # every token with x[..., 0] > 0 picks expert 0
+    x = Tensor(np.abs(rng.standard_normal((1, 3, 4))).astype(np.float32))
+    moe(x).sum().backward()
+    assert (moe.routing.experts == 0).all()
+    for name, parameter in moe.experts.named_parameters():
+        assert parameter.grad is not None, name
+        assert (parameter.grad == 0).all() == (not name.startswith("0.")), name

@@ -135,13 +135,13 @@ class MoE(nn.Module):
         gates = gates.reshape(rows * k, 1).astype(x.dtype)  # (N*K, 1), the activations' dtype
         kept, out = routing.kept.reshape(rows * k), None
         for index, expert in enumerate(self.experts):
-            pairs = np.flatnonzero(kept & (chosen == index))  # in token order
-            if len(pairs) == 0:
-                continue
+            # in token order; an expert no pair reached runs on 0 rows: its gradients are then
+            # zeros, not absent, so every data-parallel replica reduces the same parameters
+            pairs = np.flatnonzero(kept & (chosen == index))
             y = expert(F.embedding(pairs // k, flat)) * F.embedding(pairs, gates)  # (n, C)
             part = F.index_add(y, backend.to_device(pairs // k), rows)  # (N, C)
             out = part if out is None else out + part
-        assert out is not None  # capacity >= 1: each group admits at least one pair
+        assert out is not None  # E >= 1
         self.routing = routing
         self.aux_loss = load_balancing_loss(probs.reshape(batch, tokens, experts), routing, k)
         self.z_loss = z_loss(logits)
