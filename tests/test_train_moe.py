@@ -8,6 +8,7 @@ import pytest
 from conftest import PYTHON
 
 from minimp import distributed as dist
+from minimp import export, sample
 from minimp.checkpoints.errors import ConfigError
 from minimp.train import TrainConfig, train
 from minimp.train.cli import parse_config
@@ -102,3 +103,20 @@ def test_the_command_refuses_in_one_line():
                              "--experts", "2", "--top-k", "3"], capture_output=True, text=True)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "--top-k 3 is more than --experts 2" in result.stderr and not result.stdout
+
+
+@pytest.mark.slow
+def test_a_moe_checkpoint_resumes_and_sample_and_export_refuse_it_in_one_line(tmp_path, capsys):
+    path = str(tmp_path / "moe.npz")
+    whole = simulated(1, steps=2)
+    simulated(1, steps=1, save=path)
+    resumed = simulated(1, steps=2, resume=path)
+    for name, array in whole["master_weights"].items():
+        np.testing.assert_array_equal(resumed["master_weights"][name], array, err_msg=name)
+    capsys.readouterr()
+    for main, argv in ((sample.main, ["--resume", path]),
+                       (export.main, [path, str(tmp_path / "moe.safetensors")])):
+        assert main(argv) == 2
+        error = capsys.readouterr().err
+        assert "a mixture of experts (--experts 4), which this command does not read yet" in error
+        assert len(error.strip().splitlines()) == 1

@@ -210,4 +210,6 @@ def resume_flags(config: TrainConfig) -> dict:
     names = (*TASKS[config.dataset].model_flags, "seed", "batch_size", "optimizer")
     if config.precision == "fp8":
         names += ("fp8_recipe", "fp8_amax_history", "fp8_margin")
+    if config.experts:  # (only then: a dense checkpoint's flags stay as they were)
+        names += ("experts", "top_k", "capacity_factor", "expert_hidden")
     return {flag(name): getattr(config, name) for name in names}
