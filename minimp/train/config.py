@@ -109,7 +109,8 @@ class TrainConfig:
         0.01, "with --experts: weight of the load-balancing loss added to the training loss")
     router_z_loss_coef: float = _flag(
         0.0, "with --experts: weight of the router z-loss added to the training loss")
-    expert_hidden: int = _flag(0, "with --experts: each expert's width (0 = the dense 4 x --hidden)")
+    expert_hidden: int = _flag(
+        0, "with --experts: each expert's width (0 = the dense MLP's 4 x --hidden)")
     eval_every: int = _by_dataset("validation loss every this many steps (GPT; 0 = at the end)")
     eval_batches: int = _by_dataset("random validation batches per evaluation during training")
     device: str = _flag(

@@ -224,7 +224,7 @@ class Meter:
     def _expert_metrics(self) -> dict[str, Any]:
         """expert_load, expert_load_imbalance, dropped_tokens, aux_loss (the module's docstring),
         over every replica: one SUM all-reduce of (load, dropped, aux) from each rank."""
-        load = sum(stats.load for stats in self.experts)
+        load = np.sum([stats.load for stats in self.experts], axis=0)  # (E,)
         aux = sum(stats.aux_loss / max(stats.forwards, 1) for stats in self.experts)
         values = np.array([*load, sum(stats.dropped for stats in self.experts), aux], np.float64)
         total = self.timed(self.comm.allreduce_scalars, "expert_load")(values, "sum")
