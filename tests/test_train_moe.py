@@ -12,6 +12,8 @@ from minimp import export, sample
 from minimp.checkpoints.errors import ConfigError
 from minimp.train import TrainConfig, train
 from minimp.train.cli import parse_config
+from minimp.train.sizes import parameter_count
+from minimp.train.tasks import ShakespeareTask
 
 TINY = dict(dataset="shakespeare", layers=2, hidden=16, heads=2, context=8, batch_size=4, steps=3,
             warmup=1, precision="fp32", eval_every=0, log_every=1000, experts=4, top_k=2)
@@ -51,6 +53,13 @@ def test_dp_2_and_micro_batches_end_at_the_one_process_weights(capacity_factor):
             assert np.isclose(first["aux_loss"], second["aux_loss"], rtol=1e-6)
     dropped = [row["dropped_tokens"] for row in rows(one)]
     assert (max(dropped) > 0) == bool(capacity_factor)
+
+
+@pytest.mark.parametrize("expert_hidden", [0, 24])
+def test_the_memory_check_counts_the_experts_parameters(expert_hidden):
+    config = TrainConfig(**{**TINY, "expert_hidden": expert_hidden})
+    model = ShakespeareTask(config, np.float32).build_model(np.random.default_rng(0))
+    assert parameter_count(config) == sum(p.size for p in model.parameters())
 
 
 def test_the_logged_loss_is_the_cross_entropy_and_the_aux_loss_trains_the_router():
