@@ -33,6 +33,9 @@ def test_admission_is_first_choices_first_then_token_order_and_drops_exactly_tho
     assert routing.capacity == 3 == capacity(4, 2, 3, 1.0)
     np.testing.assert_array_equal(routing.kept, [[[1, 1], [1, 1], [1, 0], [1, 0]]])
     np.testing.assert_array_equal(routing.counts, [[4, 4, 0]])  # before dropping
+    # the same tokens in another order: the drops follow them (token order alone: the last two)
+    np.testing.assert_array_equal(route(PROBS[None, [3, 0, 1, 2]], 2, 1.0).kept,
+                                  [[[1, 0], [1, 1], [1, 1], [1, 0]]])
     assert route(PROBS[None], 2, capacity_factor=0).kept.all()  # dropless keeps every pair
     assert route(PROBS[None], 2, capacity_factor=2.0).kept.all()  # ceil(2 x 8 / 3) = 6
     assert capacity(4, 2, 3, 0) == 8
@@ -54,6 +57,26 @@ def test_the_load_balancing_loss_and_the_z_loss_by_hand():
 def tiny_moe(capacity_factor, rng, top_k=2):
     return MoE(width=4, experts=3, top_k=top_k, capacity_factor=capacity_factor, hidden=5,
                bias=True, dropout=nn.Dropout(0.0, layer=3), rng=rng)
+
+
+def test_the_output_is_the_renormalised_gate_weighted_sum_of_the_admitted_experts():
+    rng = np.random.default_rng(2)
+    moe = tiny_moe(1.0, rng).to(np.float64)
+    x = rng.standard_normal((2, 6, 4))
+    y = moe(Tensor(x)).data
+    probs = np.exp(moe.router_logits.data)
+    probs /= probs.sum(axis=1, keepdims=True)  # (N, E)
+    routing, rows = moe.routing, x.reshape(12, 4)
+    assert not routing.kept.all()
+    expected = np.zeros((12, 4))
+    for token, (experts, kept) in enumerate(zip(routing.experts.reshape(12, 2),
+                                                routing.kept.reshape(12, 2))):
+        chosen = probs[token, experts]
+        for expert, gate, admitted in zip(experts, chosen / chosen.sum(), kept):
+            if admitted:
+                output = moe.experts[expert](Tensor(rows[token : token + 1])).data[0]
+                expected[token] += gate * output
+    np.testing.assert_allclose(y.reshape(12, 4), expected, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("capacity_factor, top_k", [(0.0, 2), (1.0, 2), (1.0, 1)],
