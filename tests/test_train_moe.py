@@ -97,6 +97,7 @@ REFUSED = [
     (["--experts", "2", "--dp", "2", "--zero", "1"], "--experts with --zero 1: not yet"),
     (["--experts", "2", "--recompute"], "--experts with --recompute: not yet"),
     (["--experts", "2", "--precision", "fp8"], "--experts with --precision fp8: not yet"),
+    (["--dataset", "digits", "--experts", "2"], "--experts applies to the GPT"),
 ]
 
 
