@@ -79,7 +79,8 @@ class ExpertStats:
 
     def reset(self) -> None:
         """Start counting anew (each step)."""
-        self.__init__(len(self.load))  # type: ignore[misc]
+        self.load[...] = 0
+        self.dropped, self.aux_loss, self.forwards = 0, 0.0, 0
 
 
 class Expert(nn.Module):
@@ -123,7 +124,7 @@ class MoE(nn.Module):
         # the gradient checks' dtype, stays float64.)
         wide = np.promote_types(x.dtype, np.float32)
         logits = F.linear(flat.astype(wide), self.router.weight.astype(wide))  # (N, E)
-        self.router_logits = logits  # (kept for the tests and metrics; Mixtral's name)
+        self.router_logits = logits  # (for the tests; Hugging Face's Mixtral returns them too)
         probs = F.softmax(logits, axis=-1)  # (N, E)
         experts = probs.shape[1]
         routing = route(backend.to_numpy(probs.data).reshape(batch, tokens, experts), k,
@@ -160,7 +161,7 @@ def load_balancing_loss(probs: Tensor, routing: Routing, top_k: int) -> Tensor:
     batch, tokens, experts = probs.shape
     fraction = routing.counts / (tokens * top_k)  # (B, E)
     weights = experts * fraction[:, None, :] / tokens / batch  # (B, 1, E): mean over t and b
-    return (probs * backend.to_device(weights.astype(np.float32))).sum()
+    return (probs * backend.to_device(weights.astype(probs.dtype))).sum()
 
 
 def z_loss(logits: Tensor) -> Tensor:
