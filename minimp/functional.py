@@ -74,6 +74,11 @@ def embedding(indices: TensorLike, weight: Tensor) -> Tensor:
     return ops.Embedding.apply(as_tensor(indices), weight)
 
 
+def index_add(rows: Tensor, indices: Array, num_rows: int) -> Tensor:
+    """zeros (num_rows, C) with rows[i] added at row indices[i] (PyTorch's index_add)."""
+    return ops.IndexAdd.apply(rows, indices=indices, num_rows=num_rows)
+
+
 def dropout(x: Tensor, p: float, seed: int, step: int, layer: int, sample_indices: npt.ArrayLike,
             offset: int = 0) -> Tensor:
     """Zero each element with probability p and scale the rest by 1/(1 - p); the mask is a pure

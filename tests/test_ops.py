@@ -43,6 +43,8 @@ OPS = [
     ("cross_entropy", lambda a: F.cross_entropy(a, np.array([0, 4, 2])), [(3, 5)], False),
     ("layer_norm", lambda x, w, b: F.layer_norm(x, w, b), [(3, 6), (6,), (6,)], False),
     ("shared input", lambda a: a * a + a, [(3, 4)], False),
+    ("index_add", lambda a: F.index_add(a, np.array([2, 0, 2, 3]), 5), [(4, 3)], False),
+    ("index_add no rows", lambda a: F.index_add(a, np.zeros(0, np.int64), 2), [(0, 3)], False),
 ]
 
 

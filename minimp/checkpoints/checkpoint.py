@@ -106,6 +106,9 @@ def checked_gpt(path: str, flags: dict[str, Any], masters: dict[str, np.ndarray]
     are the truth: each flag that sizes an array is compared with it before a model of that size
     is built (an edited --context 1e9 would allocate 119 GiB); then every master (named without
     "master/") against the built model's parameters."""
+    if flags.get("--experts"):
+        raise CheckpointError(f"checkpoint {path}: a mixture of experts (--experts "
+                              f"{flags['--experts']}), which this command does not read yet")
     layers, width, heads, context = _model_sizes(path, flags, "--layers", "--hidden", "--heads",
                                                  "--context")
     if width % heads:

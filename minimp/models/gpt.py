@@ -18,6 +18,7 @@ import numpy.typing as npt
 from minimp import backend, nn
 from minimp import functional as F
 from minimp.backend import Array
+from minimp.models.moe import MoE
 from minimp.tensor import Tensor
 
 
@@ -27,7 +28,8 @@ class GPTConfig:
     tokens per sample (block_size); layers, transformer blocks (n_layer); heads, attention heads
     per block (n_head); width, channels of the residual stream (n_embd), a multiple of heads;
     dropout, the probability of zeroing an activation; bias, biases in every Linear and
-    LayerNorm."""
+    LayerNorm; experts, top_k, capacity_factor, expert_hidden: the mixture of experts that
+    replaces each block's MLP when experts > 0 (minimp/models/moe.py)."""
 
     vocab_size: int = 65  # tiny shakespeare's distinct characters (nanoGPT's shakespeare_char)
     context: int = 64  # tokens per sample, nanoGPT's block_size (64 in its CPU example)
@@ -36,6 +38,10 @@ class GPTConfig:
     width: int = 128  # channels of the residual stream (n_embd); the MLP is 4x wider
     dropout: float = 0.0  # probability of zeroing an activation; 0 needs no dropout state
     bias: bool = True  # biases in every Linear and LayerNorm, as GPT-2 has them
+    experts: int = 0  # E: each block's MLP a mixture of E experts (models/moe.py); 0: dense MLP
+    top_k: int = 2  # K: experts per token (Mixtral's 2; Switch's 1)
+    capacity_factor: float = 0.0  # pairs per expert per sample = ceil(F T K / E); 0: dropless
+    expert_hidden: int = 0  # each expert's width; 0: the dense MLP's 4 x width
 
     def __post_init__(self) -> None:
         if self.width % self.heads:
@@ -143,7 +149,11 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.width, bias=config.bias)
         self.attn = CausalSelfAttention(config, index, rng)
         self.ln_2 = nn.LayerNorm(config.width, bias=config.bias)
-        self.mlp = MLP(config, index, rng)
+        # with experts, the mixture replaces the dense MLP under its name ("1.mlp.router.weight")
+        self.mlp = MoE(config.width, config.experts, config.top_k, config.capacity_factor,
+                       config.expert_hidden or 4 * config.width, config.bias,
+                       nn.Dropout(config.dropout, layer=3 * index + 3), rng
+                       ) if config.experts else MLP(config, index, rng)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))  # (B, T, C)

@@ -20,6 +20,8 @@ def _scatter_add_rows(indices: Array, rows: Array, num_rows: int) -> Array:
     """out[v] = sum of rows[i] over the i with indices[i] == v, in rows' dtype (float32 or 64)."""
     xp = array_module(rows)
     out = xp.zeros((num_rows, rows.shape[1]), rows.dtype)
+    if len(indices) == 0:  # (no rows: reduceat needs at least one)
+        return out
     if xp is not np:
         xp.add.at(out, indices, rows)
         return out

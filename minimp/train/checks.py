@@ -24,8 +24,9 @@ if TYPE_CHECKING:  # config.py imports this module to validate itself
     from minimp.train.config import TrainConfig
 
 POSITIVE_INTEGERS = ("steps", "batch_size", "micro_batches", "layers", "hidden", "log_every",
-                     "loss_scale_growth_interval", "pp", "tp", "cp", "virtual_stages")
-NON_NEGATIVE = ("weight_decay", "max_grad_norm", "dp", "threads", "check_replicas",
+                     "loss_scale_growth_interval", "pp", "tp", "cp", "virtual_stages", "top_k")
+NON_NEGATIVE = ("experts", "capacity_factor", "aux_loss_coef", "router_z_loss_coef",
+                "expert_hidden", "weight_decay", "max_grad_norm", "dp", "threads", "check_replicas",
                 "seed", "save_every", "max_consecutive_skips", "warmup", "lr_decay_steps",
                 "eval_every", "eval_batches", "heads", "context", "zero")
 # Every number's range, checked in this order: (fields, low, whether low itself is allowed, high
@@ -54,6 +55,7 @@ def validate(config: "TrainConfig", world_size: int) -> None:
     _check_ranges(config)
     _check_fp8(config)
     _check_model(config)
+    _check_experts(config)
     _check_layout(config, world_size)
     _check_batch(config, config.data_parallel_size(world_size))
     _check_zero(config, config.data_parallel_size(world_size))
@@ -132,7 +134,25 @@ def _check_model(config: "TrainConfig") -> None:
                                   "digits MLP has none")
 
 
-GPT_ONLY = ("heads", "context", "dropout", "eval_every", "eval_batches")
+GPT_ONLY = ("heads", "context", "dropout", "eval_every", "eval_batches", "experts")
+
+
+def _check_experts(config: "TrainConfig") -> None:
+    """--top-k within --experts, and what the mixture does not compose with yet, one line each:
+    plain --dp does (every rank holds every expert)."""
+    if not config.experts:
+        return
+    if config.top_k > config.experts:
+        raise ConfigError(f"--top-k {config.top_k} is more than --experts {config.experts} (each "
+                          "token goes to top-k distinct experts)")
+    given = [(f"--{name} {getattr(config, name)}", getattr(config, name) > 1)
+             for name in ("tp", "pp", "cp")]
+    given += [(f"--zero {config.zero}", config.zero > 0), ("--recompute", config.recompute),
+              ("--precision fp8", config.precision == "fp8")]
+    for what, set_ in given:
+        if set_:
+            raise ConfigError(f"--experts with {what}: not yet (the mixture of experts runs on "
+                              "one process or with plain --dp)")
 
 
 def _check_batch(config: "TrainConfig", dp: int) -> None:

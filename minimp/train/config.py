@@ -99,6 +99,18 @@ class TrainConfig:
     heads: int = _by_dataset("attention heads (GPT; must divide --hidden)")
     context: int = _by_dataset("characters per sample (GPT)")
     dropout: float = _by_dataset("dropout probability (GPT)")
+    experts: int = _flag(0, "E: each block's MLP becomes a mixture of E expert MLPs, top-k routed "
+                         "per sample (GPT; 0 = the dense MLP)")
+    top_k: int = _flag(2, "with --experts: experts each token is sent to, gates renormalised")
+    capacity_factor: float = _flag(
+        0.0, "with --experts: each expert admits ceil(F x context x top-k / experts) (token, "
+        "choice) pairs per sample, the rest pass through the residual (0 = dropless)")
+    aux_loss_coef: float = _flag(
+        0.01, "with --experts: weight of the load-balancing loss added to the training loss")
+    router_z_loss_coef: float = _flag(
+        0.0, "with --experts: weight of the router z-loss added to the training loss")
+    expert_hidden: int = _flag(
+        0, "with --experts: each expert's width (0 = the dense MLP's 4 x --hidden)")
     eval_every: int = _by_dataset("validation loss every this many steps (GPT; 0 = at the end)")
     eval_batches: int = _by_dataset("random validation batches per evaluation during training")
     device: str = _flag(

@@ -31,6 +31,12 @@ the formulas they are checked against), and rank 0's BLAS `threads` with their `
 (minimp/train/threads.py). After a skipped step, `overflowed_ranks` names the ranks whose own
 check found the non-finite gradient. With --timeline every timed call also goes into this rank's
 trace (minimp/measure/trace.py).
+With --experts, per step, each summed over the blocks' mixtures and the global batch (every
+replica and micro-batch): `expert_load`, the (token, choice) pairs each expert was chosen for
+before dropping (E numbers; a token counts top-k times), `expert_load_imbalance`, their max over
+their mean (1 when balanced), `dropped_tokens`, the (token, choice) pairs the capacity dropped, and
+`aux_loss`, the load-balancing loss summed over the blocks, as a mean over the batch's samples:
+what --aux-loss-coef multiplies (the row's `loss` stays the cross-entropy).
 """
 
 import time
@@ -42,6 +48,7 @@ import numpy as np
 from minimp.distributed.protocol import Communicator
 from minimp.measure.accounts import KINDS
 from minimp.measure.trace import TraceRecorder, common_origin
+from minimp.models.moe import MoE
 from minimp.parallel.context.models import attention_stats
 from minimp.parallel.context.ring import AttentionStats
 from minimp.parallel.data.data_parallel import DataParallel
@@ -134,6 +141,8 @@ class Meter:
         self.attention = ((attention_stats(runner.layers) or AttentionStats())
                           if topology.cp > 1 else None)
         self.bytes_per_step: list[float] = []  # after model_state: each rank's mean bytes sent
+        self.experts = [module.stats for layer in runner.layers for module in layer.modules()
+                        if isinstance(module, MoE)]
 
     def start(self, step: int) -> None:
         """The step's clock and counters start; with --timeline all ranks start it together, so
@@ -146,6 +155,8 @@ class Meter:
         self.counts_before = self._counts()
         if self.attention is not None:
             self.attention.reset()
+        for stats in self.experts:
+            stats.reset()
         self.step_start = time.perf_counter()
 
     def recorder(self) -> Callable[[str, int, float, float], None] | None:
@@ -206,7 +217,21 @@ class Meter:
             if self.config.cp_mode == "ring":
                 row["attention_buffer_bytes"] = max(stats.buffer_bytes,
                                                     stats.backward_buffer_bytes)
+        if self.experts:
+            row.update(self._expert_metrics())
         return row
+
+    def _expert_metrics(self) -> dict[str, Any]:
+        """expert_load, expert_load_imbalance, dropped_tokens, aux_loss (the module's docstring),
+        over every replica: one SUM all-reduce of (load, dropped, aux) from each rank."""
+        load = np.sum([stats.load for stats in self.experts], axis=0)  # (E,)
+        aux = sum(stats.aux_loss / max(stats.forwards, 1) for stats in self.experts)
+        values = np.array([*load, sum(stats.dropped for stats in self.experts), aux], np.float64)
+        total = self.timed(self.comm.allreduce_scalars, "expert_load")(values, "sum")
+        counts = total[:-2]
+        return {"expert_load": [int(count) for count in counts],
+                "expert_load_imbalance": float(counts.max() / counts.mean()),
+                "dropped_tokens": int(total[-2]), "aux_loss": float(total[-1]) / self.comm.size}
 
     def _counts(self) -> tuple[dict, dict, dict, int]:
         """This rank's counters now: bytes sent by group, the sync's bytes and seconds by

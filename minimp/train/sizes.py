@@ -34,7 +34,12 @@ def layer_parameter_counts(config: "TrainConfig") -> list[int]:
     width, layers = config.hidden, config.layers
     if config.model == "gpt":  # embeddings (tied head), per block 12 C^2 + 13 C, final LayerNorm
         embeddings = (SHAKESPEARE_VOCABULARY + config.context) * width
-        return [embeddings] + [12 * width * width + 13 * width] * layers + [2 * width]
+        block = 12 * width * width + 13 * width
+        if config.experts:  # attention and LayerNorms 4 C^2 + 8 C, router E C, E experts of H
+            hidden, experts = config.expert_hidden or 4 * width, config.experts
+            block = 4 * width * width + 8 * width + experts * (width + 2 * width * hidden
+                                                               + hidden + width)
+        return [embeddings] + [block] * layers + [2 * width]
     features, classes = DIGITS_SHAPE
     counts, inputs = [], features
     for _ in range(layers):

@@ -17,6 +17,7 @@ from minimp.checkpoints.errors import ConfigError
 from minimp.data import global_batch_indices, load_digits, load_shakespeare, text_batch
 from minimp.models.gpt import GPT, Block, GPTConfig
 from minimp.models.mlp import build_model
+from minimp.models.moe import MoE
 from minimp.tensor import Tensor, no_grad
 from minimp.train.checks import flag
 from minimp.train.config import TrainConfig
@@ -124,10 +125,15 @@ class ShakespeareTask:
         self.dataset = shipped(load_shakespeare, "shakespeare")
         self.gpt_config = GPTConfig(
             vocab_size=self.dataset.vocab_size, context=config.context, layers=config.layers,
-            heads=config.heads, width=config.hidden, dropout=config.dropout)
+            heads=config.heads, width=config.hidden, dropout=config.dropout,
+            experts=config.experts, top_k=config.top_k, capacity_factor=config.capacity_factor,
+            expert_hidden=config.expert_hidden)
+        self.moe_layers: list[MoE] = []  # the built model's mixtures, whose losses loss() adds
 
     def build_model(self, rng: np.random.Generator) -> GPT:
-        return GPT(self.gpt_config, rng)
+        model = GPT(self.gpt_config, rng)
+        self.moe_layers = [module for module in model.modules() if isinstance(module, MoE)]
+        return model
 
     def global_batch(self, step: int) -> tuple[Array, Array]:
         config = self.config
@@ -143,10 +149,25 @@ class ShakespeareTask:
         return isinstance(layers[0], Block)
 
     def loss(self, logits: Tensor, targets: Array) -> Tensor:
-        """Mean cross-entropy over every position of every sample (nats per character)."""
+        """Mean cross-entropy over every position of every sample (nats per character).
+
+        With --experts, the training loss is ce + aux_loss_coef x aux + router_z_loss_coef x z,
+        each summed over the blocks' mixtures of this forward (Switch's recipe: the auxiliary
+        losses are part of the loss backward starts from, so they are scaled, averaged over
+        micro-batches and reduced over replicas exactly as the cross-entropy). They are added
+        here, where the loss is made, as `extra - extra.detach()`: the value stays the
+        cross-entropy to the bit (what the metrics' "loss" and the evaluations report; the
+        metrics carry `aux_loss` apart), and the gradient is that of the sum."""
         batch, tokens, vocabulary = logits.shape
         rows = logits.reshape(batch * tokens, vocabulary)  # (B*T, V)
-        return functional.cross_entropy(rows, targets.reshape(batch * tokens))
+        loss = functional.cross_entropy(rows, targets.reshape(batch * tokens))
+        if not self.moe_layers:
+            return loss
+        config = self.config
+        extra = sum((config.aux_loss_coef * layer.aux_loss + config.router_z_loss_coef
+                     * layer.z_loss for layer in self.moe_layers if layer.aux_loss is not None),
+                    Tensor(np.zeros((), np.float32)))
+        return loss + (extra - extra.detach())  # the value: loss + 0, exactly
 
     def evaluate(self, model: nn.Module, batches: int | None = None) -> float:
         """Validation loss: over `batches` random batches of windows (drawn once from the seed,
@@ -189,4 +210,6 @@ def resume_flags(config: TrainConfig) -> dict:
     names = (*TASKS[config.dataset].model_flags, "seed", "batch_size", "optimizer")
     if config.precision == "fp8":
         names += ("fp8_recipe", "fp8_amax_history", "fp8_margin")
+    if config.experts:  # (only then: a dense checkpoint's flags stay as they were)
+        names += ("experts", "top_k", "capacity_factor", "expert_hidden")
     return {flag(name): getattr(config, name) for name in names}

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from minimp import nn
 from minimp.distributed.protocol import Communicator
-from minimp.models.gpt import GPT, Block
+from minimp.models.gpt import GPT, MLP, Block
 from minimp.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, partitions
 from minimp.parallel.tensor.mappings import (gather_from_sequence_parallel_region,
                                              scatter_to_sequence_parallel_region)
@@ -82,6 +82,7 @@ def _parallelize_gpt(model: GPT, comm: Communicator, sequence_parallel: bool) ->
         if not isinstance(block, Block):
             continue
         attn, mlp = block.attn, block.mlp
+        assert isinstance(mlp, MLP), "--tp with --experts is refused (minimp/train/checks.py)"
         attn.c_attn = ColumnParallelLinear(attn.c_attn, comm, 3, sequence_parallel)  # q, k, v
         attn.c_proj = RowParallelLinear(attn.c_proj, comm, sequence_parallel)
         attn.attn_dropout.slice_index = comm.rank  # (B, H/tp, T, T): this rank's heads
