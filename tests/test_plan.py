@@ -482,7 +482,8 @@ def bytes_cluster(gpus):
 TRAINED = ModelShape(layers=2, hidden=32, heads=4, context=16, vocab=65, dropout=False)
 
 
-@pytest.mark.parametrize("mode, precision", [("ring", "fp16"), ("ulysses", "fp32")])
+@pytest.mark.parametrize("mode, precision", [
+    ("ring", "fp16"), pytest.param("ulysses", "fp32", marks=pytest.mark.slow)])
 def test_the_planner_predicts_the_trainers_context_bytes_and_memory_to_the_byte(mode, precision):
     """One step of the issue's small GPT at --cp 2 on the simulated world: what its metrics count
     (the context-parallel and data-parallel bytes, the activations kept) is what the planner

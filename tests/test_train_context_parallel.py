@@ -50,7 +50,7 @@ LAYOUTS = [
     (2, dict(cp=2)),
     pytest.param(4, dict(cp=4), marks=pytest.mark.slow),
     (4, dict(cp=2, dp=2)),
-    (2, dict(cp=2, cp_layout="contiguous")),
+    pytest.param(2, dict(cp=2, cp_layout="contiguous"), marks=pytest.mark.slow),
     pytest.param(2, dict(cp=2, micro_batches=2), marks=pytest.mark.slow),  # the M factor
     (2, dict(cp=2, cp_mode="ulysses", cp_layout="contiguous")),
     pytest.param(4, dict(cp=4, cp_mode="ulysses", cp_layout="contiguous"),  # 1 head a rank
