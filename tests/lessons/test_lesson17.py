@@ -36,24 +36,36 @@ def test_the_lessons_configuration():
 
 
 def test_why_sparse_the_parameter_counts():
-    """The prose: a width-128 GPT of 4 blocks, dense against 8 experts with top-2."""
+    """The prose: a width-128 GPT of 4 blocks, dense against 8 experts with top-2: 5.56 x the
+    parameters, 1.66 x those a token uses (its 2 experts' and the routers')."""
     def count(model):
         return sum(p.size for p in model.parameters())
 
     rng = np.random.default_rng(0)
     dense, sparse = GPT(GPTConfig(), rng), GPT(GPTConfig(experts=8, top_k=2), rng)
-    expert = 2 * 128 * 512 + 512 + 128  # c_fc and c_proj with biases
+    expert = 2 * 128 * 512 + 512 + 128  # c_fc and c_proj with biases: one dense MLP
+    assert count(sparse.layers[1].mlp.experts[0]) == expert == 131_712
     assert count(sparse) - count(dense) == 4 * (7 * expert + 8 * 128)  # 7 more experts, router
     active = count(sparse) - 4 * 6 * expert  # 6 of 8 experts idle for each token
     assert active - count(dense) == 4 * (expert + 8 * 128)
+    assert (count(dense), count(sparse), active) == (809_856, 4_501_888, 1_340_800)
+    assert (round(count(sparse) / count(dense), 2), round(active / count(dense), 2)) == (
+        5.56, 1.66)
 
 
 def test_the_capacity_and_the_dropped_pairs():
+    """The prose: sample 0 chooses expert 5 9 times and expert 0 once; capacity 4 at F = 1 drops
+    29 of 128 pairs (4 tokens lose both), F = 1.25 18, F = 2 1, dropless none."""
     probs = router_probs(moe_layer(), tokens())
-    assert capacity(TOKENS, TOP_K, EXPERTS, CAPACITY_FACTOR) == 4
+    routing = route(probs, TOP_K, CAPACITY_FACTOR)
+    assert (routing.counts[0, 5], routing.counts[0, 0]) == (9, 1) and routing.capacity == 4
+    assert capacity(TOKENS, TOP_K, EXPERTS, CAPACITY_FACTOR) == 4 == math.ceil(16 * 2 / 8)
     dropped = {f: int((~route(probs, TOP_K, f).kept).sum()) for f in (1.0, 1.25, 2.0, 0.0)}
-    assert dropped[0.0] == 0 and dropped[2.0] <= dropped[1.25] <= dropped[1.0]
-    assert dropped[1.0] > 0
+    assert dropped == {1.0: 29, 1.25: 18, 2.0: 1, 0.0: 0}
+    lost = {f: int((~route(probs, TOP_K, f).kept.any(axis=2)).sum()) for f in (1.0, 1.25)}
+    assert lost == {1.0: 4, 1.25: 1}
+    kept = routing.kept[0][routing.experts[0] == 5]
+    assert kept.sum() == 4  # expert 5 keeps its capacity, drops 5
 
 
 @functools.cache
@@ -61,32 +73,40 @@ def _runs():
     return {coef: train_moe(coef) for coef in AUX_COEFS}
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two short trainings, about 5 s
 def test_the_aux_loss_balances_the_load():
-    """Without it the router collapses onto a few experts (max/mean near 4: 2 of 8 take most);
-    with 0.1 the last step's imbalance stays below 2 and fewer pairs are dropped."""
-    without, with_aux = (_runs()[coef][-1] for coef in AUX_COEFS)
-    assert without["expert_load_imbalance"] > 3.0 and with_aux["expert_load_imbalance"] < 2.0
-    assert with_aux["dropped_tokens"] < without["dropped_tokens"]
-    assert sum(without["expert_load"]) == 2 * 8 * 32 * 2  # layers x batch x context x top-2
-    assert with_aux["aux_loss"] < without["aux_loss"] and with_aux["aux_loss"] >= 2 * 0.99
+    """The prose: the same first step; without the auxiliary loss 3 of 8 experts take 1,017 of
+    the 1,024 pairs at step 10 (max/mean 3.96 at step 40, 763 pairs dropped); with 0.1 max/mean
+    1.53, 195 dropped, aux 2.01; losses 3.32 and 3.29. (The same under Haswell's and Prescott's
+    OpenBLAS kernels, which the slow nbval check compares.)"""
+    without, with_aux = (_runs()[coef] for coef in AUX_COEFS)
+    assert without[0]["loss"] == with_aux[0]["loss"]
+    assert sum(without[-1]["expert_load"]) == 2 * 8 * 32 * 2 == 1024  # layers x batch x T x K
+    assert sum(sorted(without[9]["expert_load"])[-3:]) == 1017  # step 10
+    last, balanced = without[-1], with_aux[-1]
+    assert (round(last["expert_load_imbalance"], 2), last["dropped_tokens"]) == (3.96, 763)
+    assert (round(balanced["expert_load_imbalance"], 2), balanced["dropped_tokens"]) == (1.53, 195)
+    assert round(balanced["aux_loss"], 2) == 2.01 and min(balanced["expert_load"]) > 0
+    assert (round(last["loss"], 2), round(balanced["loss"], 2)) == (3.32, 3.29)
 
 
 def test_expert_parallelism_equals_one_process_and_its_bytes_are_the_counts():
+    """The prose: equal to one process to 1e-6; rank r's dispatch is row r of the rank-to-rank
+    table without the diagonal, its combine column r (640 and 512 bytes on rank 0); the counts
+    (p - 1) E/p 8 = 48 bytes; the dispatch's and the combine's totals equal."""
     moe, x = moe_layer(), tokens()
     run = expert_parallel(moe, x)
     assert np.abs(run["output"] - one_process(moe, x)).max() < 1e-6
     counts, row_bytes, per = run["counts"], WIDTH * 4, EXPERTS // RANKS
-    owner = np.arange(EXPERTS) // per
+    by_rank = counts.reshape(RANKS, RANKS, per).sum(axis=2)
     for rank in range(RANKS):
-        mine = owner == rank
-        assert run["dispatch_bytes"][rank] == counts[rank, ~mine].sum() * row_bytes
-        assert run["combine_bytes"][rank] == (counts[:, mine].sum()
-                                              - counts[rank, mine].sum()) * row_bytes
-        assert run["counts_bytes"][rank] == (RANKS - 1) * per * 8
-    assert counts.sum() + int((~route(router_probs(moe, x), TOP_K, 1.0).kept).sum()) == (
-        RANKS * TOKENS * TOP_K)
-    assert math.isclose(sum(run["dispatch_bytes"]), sum(run["combine_bytes"]))
+        assert run["dispatch_bytes"][rank] == (by_rank[rank].sum() - by_rank[rank, rank]) * 32
+        assert run["combine_bytes"][rank] == (by_rank[:, rank].sum() - by_rank[rank, rank]) * 32
+        assert run["counts_bytes"][rank] == (RANKS - 1) * per * 8 == 48
+    assert row_bytes == 32 and (run["dispatch_bytes"][0], run["combine_bytes"][0]) == (640, 512)
+    assert sum(run["dispatch_bytes"]) == sum(run["combine_bytes"])
+    dropped = int((~route(router_probs(moe, x), TOP_K, 1.0).kept).sum())
+    assert counts.sum() + dropped == RANKS * TOKENS * TOP_K
 
 
 # ----- wrong solutions a learner would write --------------------------------------------------
