@@ -19,9 +19,10 @@ from minimp.train import TrainConfig, train
 # The short trainings: a 2-block MoE GPT on Shakespeare, 8 experts, top-2, capacity factor 1.0,
 # 40 steps, with the auxiliary loss off and at 0.1 (the trainer's default is 0.01: 0.1 makes its
 # effect visible within 40 steps).
-TRAIN = dict(dataset="shakespeare", layers=2, hidden=32, heads=2, context=32, batch_size=8,
-             steps=40, warmup=1, lr=3e-3, precision="fp32", eval_every=0, log_every=1000,
-             experts=8, top_k=2, capacity_factor=1.0, seed=0)
+TRAIN: dict[str, Any] = dict(
+    dataset="shakespeare", layers=2, hidden=32, heads=2, context=32, batch_size=8, steps=40,
+    warmup=1, lr=3e-3, precision="fp32", eval_every=0, log_every=1000, experts=8, top_k=2,
+    capacity_factor=1.0, seed=0)
 AUX_COEFS = (0.0, 0.1)
 # The expert-parallel dispatch: one MoE layer of width 8, 8 experts (2 on each of 4 simulated
 # ranks), top-2, capacity factor 1.0; each rank holds one sample of 16 tokens (float32).
@@ -44,7 +45,7 @@ def moe_layer(capacity_factor: float = CAPACITY_FACTOR) -> MoE:
 
 
 def tokens() -> np.ndarray:
-    """The tokens' activations: (RANKS, TOKENS, WIDTH) float32 standard normal, one sample a rank."""
+    """The tokens' activations: (RANKS, TOKENS, WIDTH) float32 standard normal, a sample a rank."""
     return np.random.default_rng(SEED + 1).standard_normal((RANKS, TOKENS, WIDTH)).astype(
         np.float32)
 
