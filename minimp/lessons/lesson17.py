@@ -193,10 +193,13 @@ def check_aux_loss(aux_loss: Callable, quiet: bool = False) -> Report:
         got = float(call(aux_loss, probs.copy(), routing.experts[0].copy(),
                          routing.kept[0].copy()))
         experts = probs.shape[1]
+        admitted = np.bincount(routing.experts[0][routing.kept[0]], minlength=experts)
+        after = experts * float(np.sum(admitted / routing.kept[0].size * probs.mean(axis=0)))
         expect(np.isclose(got, want, rtol=1e-6, atol=0),
                f"{name}: {got:.6g}, expected {want:.6g}" +
                (f" (off by a factor E = {experts})" if np.isclose(got * experts, want) else "") +
-               (f" (off by a factor K = {top_k})" if np.isclose(got, want * top_k) else ""))
+               (f" (off by a factor K = {top_k})" if np.isclose(got, want * top_k) else "") +
+               (" (f counted after dropping)" if np.isclose(got, after) else ""))
 
     @report.case("a balanced router (each token's top choice rotates over the experts): 1.0",
                  hint="E sum_i f_i P_i is 1 when both are uniform (f_i = P_i = 1/E): times E, "
