@@ -298,3 +298,20 @@ def causal_work_bars(work: dict[str, Sequence[float]]) -> None:
     axis.legend()
     figure.tight_layout()
     plt.show()
+
+
+def expert_load_bars(loads: dict[str, Sequence[int]]) -> None:
+    """Lesson 17: the (token, choice) pairs routed to each expert, a group of bars per run."""
+    figure, axis = plt.subplots(figsize=(7, 3))
+    names = list(loads)
+    experts = len(loads[names[0]])
+    width = 0.8 / len(names)
+    for index, name in enumerate(names):
+        axis.bar(np.arange(experts) + index * width, loads[name], width, label=name)
+    axis.set_xticks(np.arange(experts) + width * (len(names) - 1) / 2)
+    axis.set_xticklabels([f"expert {e}" for e in range(experts)])
+    axis.set_ylabel("pairs routed (before dropping)")
+    axis.set_title("the load of each expert at the last step (both blocks)")
+    axis.legend()
+    figure.tight_layout()
+    plt.show()
