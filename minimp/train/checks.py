@@ -24,7 +24,8 @@ if TYPE_CHECKING:  # config.py imports this module to validate itself
     from minimp.train.config import TrainConfig
 
 POSITIVE_INTEGERS = ("steps", "batch_size", "micro_batches", "layers", "hidden", "log_every",
-                     "loss_scale_growth_interval", "pp", "tp", "cp", "virtual_stages", "top_k", "ep")
+                     "loss_scale_growth_interval", "pp", "tp", "cp", "virtual_stages", "top_k",
+                     "ep")
 NON_NEGATIVE = ("experts", "capacity_factor", "aux_loss_coef", "router_z_loss_coef",
                 "expert_hidden", "weight_decay", "max_grad_norm", "dp", "threads", "check_replicas",
                 "seed", "save_every", "max_consecutive_skips", "warmup", "lr_decay_steps",
