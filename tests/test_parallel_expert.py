@@ -9,6 +9,7 @@ from minimp import Tensor, nn
 from minimp import distributed as dist
 from minimp.models.moe import MoE
 from minimp.parallel.expert import ExpertParallelDispatch, dispatch_bytes, local_experts
+from minimp.parallel.topology import Topology, TopologyError
 
 WIDTH, EXPERTS, BATCH, TOKENS = 4, 4, 4, 6
 
@@ -65,3 +66,47 @@ def test_the_dispatch_routes_computes_and_differentiates_as_one_process(size):
                 key = f"experts.{expert}.{name}"
                 np.testing.assert_allclose(ranks[r][2][key], one[2][key], rtol=1e-12,
                                            atol=1e-14, err_msg=key)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_rows_and_bytes_each_rank_sends_equal_the_formula_from_the_routing(size):
+    """S: the admitted pairs of a rank's samples whose expert another rank holds; R: the other
+    ranks' admitted pairs for this rank's experts (from one process's routing); the bytes the
+    transport counted == counts (N - 1) E/N 8 + 2 (S + R) C x 8 (float64 rows)."""
+    one, ranks = one_and_ep(size, capacity_factor=1.0)
+    routing, share = one[3], BATCH // size
+    holder = (routing.experts // (EXPERTS // size))[routing.kept]  # the rank of each admitted pair
+    source = np.repeat(np.arange(BATCH) // share, TOKENS * 2).reshape(routing.kept.shape)
+    source = source[routing.kept]
+    for r, (*_, dispatch, sent) in enumerate(ranks):
+        rows_sent = int(((source == r) & (holder != r)).sum())
+        rows_received = int(((source != r) & (holder == r)).sum())
+        assert (dispatch.calls, dispatch.rows_sent, dispatch.rows_received) == (
+            1, rows_sent, rows_received)
+        assert sent == dispatch_bytes(1, rows_sent, rows_received, EXPERTS, size, WIDTH * 8)
+        assert sent == (size - 1) * (EXPERTS // size) * 8 + 2 * (rows_sent + rows_received) * 32
+
+
+def test_the_ep_groups_are_adjacent_replicas_and_the_expert_groups_stride_across_them():
+    """--dp 4 --ep 2: ranks {0, 1} and {2, 3} each hold all experts between them (rank 0 experts
+    0-1 of 4, rank 1 experts 2-3); {0, 2} and {1, 3} hold the same experts."""
+    def groups(comm):
+        grid = Topology(comm, dp=4, ep=2)
+        return (grid.ep_rank, [grid.ep_group.size, grid.expert_dp_group.size],
+                list(local_experts(4, grid.ep, grid.ep_rank)),
+                grid.ep_group.allreduce_scalars([float(comm.rank)], op="sum")[0],
+                grid.expert_dp_group.allreduce_scalars([float(comm.rank)], op="sum")[0])
+
+    result = dist.simulate(4, groups)
+    assert [ep_rank for ep_rank, *_ in result] == [0, 1, 0, 1]
+    assert all(sizes == [2, 2] for _, sizes, *_ in result)
+    assert [mine for _, _, mine, *_ in result] == [[0, 1], [2, 3], [0, 1], [2, 3]]
+    assert [ep for *_, ep, _ in result] == [1, 1, 5, 5]  # 0 + 1, 2 + 3
+    assert [expert for *_, expert in result] == [2, 4, 2, 4]  # 0 + 2, 1 + 3
+
+
+def test_bad_splits_are_refused_in_one_line():
+    with pytest.raises(TopologyError, match="--ep 3 does not divide --dp 4"):
+        dist.simulate(4, lambda comm: Topology(comm, dp=4, ep=3))
+    with pytest.raises(ValueError, match="6 experts do not split over 4"):
+        local_experts(6, 4, 0)

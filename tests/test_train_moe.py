@@ -12,6 +12,7 @@ from minimp import export, sample
 from minimp.checkpoints.errors import ConfigError
 from minimp.train import TrainConfig, train
 from minimp.train.cli import parse_config
+from minimp.parallel.expert import dispatch_bytes, held_parameters, memory_by_kind
 from minimp.train.sizes import parameter_count
 from minimp.train.tasks import ShakespeareTask
 
@@ -53,6 +54,84 @@ def test_dp_2_and_micro_batches_end_at_the_one_process_weights(capacity_factor):
             assert np.isclose(first["aux_loss"], second["aux_loss"], rtol=1e-6)
     dropped = [row["dropped_tokens"] for row in rows(one)]
     assert (max(dropped) > 0) == bool(capacity_factor)
+
+
+# The issue's small fp32 MoE GPT, with SGD for the reason above.
+EP = dict(TINY, hidden=32, heads=4, context=16, batch_size=8, optimizer="sgd", lr=0.5)
+EP_LAYOUTS = [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2)]
+
+
+@pytest.fixture(scope="module")
+def one_process_ep():
+    """One process's run of EP for a capacity factor, each run once and shared by the layouts."""
+    runs: dict[float, dict] = {}
+
+    def run(capacity_factor):
+        if capacity_factor not in runs:
+            runs[capacity_factor] = simulated(1, **EP, capacity_factor=capacity_factor)
+        return runs[capacity_factor]
+
+    return run
+
+
+def ep_case(layout, capacity_factor):
+    """--dp 4 --ep 2 dropless in the default tier (both expert groups, the 1/dp of the expert
+    gradients: parallel/expert/grads.py), the rest slow."""
+    name = f"dp {layout['dp']} ep {layout['ep']} {'capacity 1.0' if capacity_factor else 'dropless'}"
+    default = layout == dict(dp=4, ep=2) and not capacity_factor
+    return pytest.param(layout, capacity_factor, id=name,
+                        marks=() if default else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("layout, capacity_factor",
+                         [ep_case(layout, factor) for layout in EP_LAYOUTS for factor in (0.0, 1.0)])
+def test_ep_routes_as_one_process_and_ends_at_its_weights(one_process_ep, layout, capacity_factor):
+    """Routing first (every step's load and drops: each rank routes its own samples, per sample),
+    then the weights after 3 steps; every step's expert_parallel bytes == dispatch_bytes of the
+    rank's rows (parallel/expert/dispatch.py), one dispatch per block; every rank's memory by kind
+    == memory_by_kind (parallel/expert/layout.py)."""
+    one = one_process_ep(capacity_factor)
+    other = simulated(layout["dp"], **EP, **layout, capacity_factor=capacity_factor)
+    for first, second in zip(rows(one), rows(other), strict=True):
+        assert first["expert_load"] == second["expert_load"]
+        assert first["dropped_tokens"] == second["dropped_tokens"]
+        assert np.isclose(first["aux_loss"], second["aux_loss"], rtol=1e-6)
+    assert (max(row["dropped_tokens"] for row in rows(one)) > 0) == bool(capacity_factor)
+    for name, array in one["master_weights"].items():  # rtol 1e-5, atol 1e-7
+        np.testing.assert_allclose(other["master_weights"][name], array, rtol=1e-5, atol=1e-7,
+                                   err_msg=f"{layout} {name}")
+    ep, width = layout["ep"], EP["hidden"]
+    for row in rows(other):
+        assert row["expert_dispatches"] == EP["layers"]
+        assert row["bytes_by_group"]["expert_parallel"] == dispatch_bytes(
+            row["expert_dispatches"], row["expert_rows_sent"], row["expert_rows_received"],
+            EP["experts"], ep, width * 4)  # float32 rows of C
+    config = TrainConfig(**{**TINY, **EP})
+    model = ShakespeareTask(config, np.float32).build_model(np.random.default_rng(0))
+    per_expert = sum(p.size for p in model.layers[1].mlp.experts[0].parameters())
+    total = sum(p.size for p in model.parameters())
+    dense = total - EP["layers"] * EP["experts"] * per_expert
+    held = held_parameters(dense, per_expert, EP["experts"], EP["layers"], ep)
+    expected = memory_by_kind(dense, held - dense, layout["dp"], ep, compute_bytes=4, slots=1)
+    for kinds in other["model_state_by_kind"]:
+        assert {kind: kinds[kind] for kind in expected} == expected
+
+
+@pytest.mark.slow
+def test_fp16_skips_agree_on_every_rank_with_ep_and_the_rows_travel_in_fp16():
+    """An overflow injected on rank 1 at step 2 skips that step on both ranks (one decision for
+    the job); the dispatched rows are float16, 2 bytes an element."""
+    config = TrainConfig(**{**TINY, "precision": "fp16", "dp": 2, "ep": 2,
+                            "inject_overflow": "2:1"})
+    config.validate(2)
+    results = dist.simulate(2, lambda comm: train(config, lambda line: None, comm=comm),
+                            eager_limit=0)
+    skipped = [[row["skipped"] for row in rows(result)] for result in results]
+    assert skipped[0] == skipped[1] and skipped[0][1]
+    for row in rows(results[0]):
+        assert row["bytes_by_group"]["expert_parallel"] == dispatch_bytes(
+            row["expert_dispatches"], row["expert_rows_sent"], row["expert_rows_received"],
+            TINY["experts"], 2, TINY["hidden"] * 2)
 
 
 @pytest.mark.parametrize("expert_hidden", [0, 24])
@@ -98,6 +177,12 @@ REFUSED = [
     (["--experts", "2", "--recompute"], "--experts with --recompute: not yet"),
     (["--experts", "2", "--precision", "fp8"], "--experts with --precision fp8: not yet"),
     (["--dataset", "digits", "--experts", "2"], "--experts applies to the GPT"),
+    (["--dp", "8", "--ep", "2"], "--ep 2 needs --experts"),
+    (["--experts", "4", "--ep", "0"], "--ep must be a positive integer, got 0"),
+    (["--experts", "6", "--dp", "8", "--ep", "3"], "--ep 3 does not divide --dp 8"),
+    (["--experts", "6", "--dp", "8", "--ep", "4"], "--experts 6 is not divisible by --ep 4"),
+    (["--experts", "4", "--dp", "8", "--ep", "2", "--zero", "1"],
+     "--experts with --zero 1: not yet"),
 ]
 
 

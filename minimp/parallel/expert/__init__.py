@@ -5,4 +5,5 @@ rank holds which expert and what it keeps (layout.py); the expert gradients' own
 
 from minimp.parallel.expert.dispatch import ExpertParallelDispatch, dispatch_bytes
 from minimp.parallel.expert.grads import ExpertGradients
-from minimp.parallel.expert.layout import expert_index, held_parameters, local_experts
+from minimp.parallel.expert.layout import (expert_index, held_parameters, local_experts,
+                                          memory_by_kind)

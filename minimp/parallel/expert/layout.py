@@ -34,3 +34,20 @@ def local_experts(experts: int, ep: int, ep_rank: int) -> range:
 def held_parameters(dense: int, per_expert: int, experts: int, mixtures: int, ep: int) -> int:
     """dense + (E / ep) x per_expert x mixtures: the parameters one expert-parallel rank holds."""
     return dense + experts // ep * per_expert * mixtures
+
+
+def memory_by_kind(dense: int, experts_held: int, dp: int, ep: int, compute_bytes: int,
+                   slots: int, wire_bytes: int = 4) -> dict[str, int]:
+    """The bytes one rank holds between steps with --ep (data parallelism, ZeRO's stage 0), by
+    kind: P = dense + experts_held (held_parameters's two terms) parameters, each c bytes (the
+    compute dtype) in the model, 4 in its float32 accumulator, 4 in its master (none when c = 4:
+    the master is the compute copy), 4 k in the optimizer's k float32 slots; and the all-reduce's
+    send and receive buffers, w bytes per element, for the dense parameters when dp > 1 and for
+    the experts when dp/ep > 1 (alone in its expert group a rank sends nothing):
+
+        buffers = 2 w (dense [dp > 1] + experts_held [dp/ep > 1])"""
+    held = dense + experts_held
+    buffered = dense * (dp > 1) + experts_held * (dp // ep > 1)
+    return {"parameters": compute_bytes * held, "accumulators": 4 * held,
+            "masters": 0 if compute_bytes == 4 else 4 * held, "optimizer_state": 4 * slots * held,
+            "buffers": 2 * wire_bytes * buffered}
