@@ -77,14 +77,17 @@ def one_process_ep():
 def ep_case(layout, capacity_factor):
     """--dp 4 --ep 2 dropless in the default tier (both expert groups, the 1/dp of the expert
     gradients: parallel/expert/grads.py), the rest slow."""
-    name = f"dp {layout['dp']} ep {layout['ep']} {'capacity 1.0' if capacity_factor else 'dropless'}"
+    kind = "capacity 1.0" if capacity_factor else "dropless"
+    name = f"dp {layout['dp']} ep {layout['ep']} {kind}"
     default = layout == dict(dp=4, ep=2) and not capacity_factor
     return pytest.param(layout, capacity_factor, id=name,
                         marks=() if default else pytest.mark.slow)
 
 
-@pytest.mark.parametrize("layout, capacity_factor",
-                         [ep_case(layout, factor) for layout in EP_LAYOUTS for factor in (0.0, 1.0)])
+EP_CASES = [ep_case(layout, factor) for layout in EP_LAYOUTS for factor in (0.0, 1.0)]
+
+
+@pytest.mark.parametrize("layout, capacity_factor", EP_CASES)
 def test_ep_routes_as_one_process_and_ends_at_its_weights(one_process_ep, layout, capacity_factor):
     """Routing first (every step's load and drops: each rank routes its own samples, per sample),
     then the weights after 3 steps; every step's expert_parallel bytes == dispatch_bytes of the
