@@ -57,44 +57,48 @@ def test_dp_2_and_micro_batches_end_at_the_one_process_weights(capacity_factor):
 
 
 # The issue's small fp32 MoE GPT, with SGD for the reason above.
-EP = dict(TINY, hidden=32, heads=4, context=16, batch_size=8, optimizer="sgd", lr=0.5)
+# The issue's small fp32 MoE GPT (slow tier), and TINY (4 samples: one per rank at --dp 4) for the
+# default tier's --dp 4 --ep 2: both expert groups, the 1/dp of the expert gradients.
+EP_SIZES = {"issue": dict(TINY, hidden=32, heads=4, context=16, batch_size=8),
+            "tiny": dict(TINY)}
 EP_LAYOUTS = [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2)]
 
 
 @pytest.fixture(scope="module")
 def one_process_ep():
-    """One process's run of EP for a capacity factor, each run once and shared by the layouts."""
-    runs: dict[float, dict] = {}
+    """One process's run of a size and capacity factor, each run once, shared by the layouts."""
+    runs: dict[tuple[str, float], dict] = {}
 
-    def run(capacity_factor):
-        if capacity_factor not in runs:
-            runs[capacity_factor] = simulated(1, **EP, capacity_factor=capacity_factor)
-        return runs[capacity_factor]
+    def run(size, capacity_factor):
+        if (size, capacity_factor) not in runs:
+            runs[size, capacity_factor] = simulated(1, **EP_SIZES[size], optimizer="sgd", lr=0.5,
+                                                    capacity_factor=capacity_factor)
+        return runs[size, capacity_factor]
 
     return run
 
 
-def ep_case(layout, capacity_factor):
-    """--dp 4 --ep 2 dropless in the default tier (both expert groups, the 1/dp of the expert
-    gradients: parallel/expert/grads.py), the rest slow."""
+def ep_case(size, layout, capacity_factor):
     kind = "capacity 1.0" if capacity_factor else "dropless"
-    name = f"dp {layout['dp']} ep {layout['ep']} {kind}"
-    default = layout == dict(dp=4, ep=2) and not capacity_factor
-    return pytest.param(layout, capacity_factor, id=name,
-                        marks=() if default else pytest.mark.slow)
+    name = f"{size} dp {layout['dp']} ep {layout['ep']} {kind}"
+    return pytest.param(size, layout, capacity_factor, id=name,
+                        marks=() if size == "tiny" else pytest.mark.slow)
 
 
-EP_CASES = [ep_case(layout, factor) for layout in EP_LAYOUTS for factor in (0.0, 1.0)]
+EP_CASES = [ep_case("issue", layout, factor) for layout in EP_LAYOUTS for factor in (0.0, 1.0)]
+EP_CASES += [ep_case("tiny", dict(dp=4, ep=2), 0.0)]
 
 
-@pytest.mark.parametrize("layout, capacity_factor", EP_CASES)
-def test_ep_routes_as_one_process_and_ends_at_its_weights(one_process_ep, layout, capacity_factor):
+@pytest.mark.parametrize("size, layout, capacity_factor", EP_CASES)
+def test_ep_routes_as_one_process_and_ends_at_its_weights(one_process_ep, size, layout,
+                                                          capacity_factor):
     """Routing first (every step's load and drops: each rank routes its own samples, per sample),
     then the weights after 3 steps; every step's expert_parallel bytes == dispatch_bytes of the
     rank's rows (parallel/expert/dispatch.py), one dispatch per block; every rank's memory by kind
     == memory_by_kind (parallel/expert/layout.py)."""
-    one = one_process_ep(capacity_factor)
-    other = simulated(layout["dp"], **EP, **layout, capacity_factor=capacity_factor)
+    one, sizes = one_process_ep(size, capacity_factor), EP_SIZES[size]
+    other = simulated(layout["dp"], **sizes, **layout, optimizer="sgd", lr=0.5,
+                      capacity_factor=capacity_factor)
     for first, second in zip(rows(one), rows(other), strict=True):
         assert first["expert_load"] == second["expert_load"]
         assert first["dropped_tokens"] == second["dropped_tokens"]
@@ -103,18 +107,18 @@ def test_ep_routes_as_one_process_and_ends_at_its_weights(one_process_ep, layout
     for name, array in one["master_weights"].items():  # rtol 1e-5, atol 1e-7
         np.testing.assert_allclose(other["master_weights"][name], array, rtol=1e-5, atol=1e-7,
                                    err_msg=f"{layout} {name}")
-    ep, width = layout["ep"], EP["hidden"]
+    ep, width, experts, layers = layout["ep"], sizes["hidden"], sizes["experts"], sizes["layers"]
     for row in rows(other):
-        assert row["expert_dispatches"] == EP["layers"]
+        assert row["expert_dispatches"] == layers
         assert row["bytes_by_group"]["expert_parallel"] == dispatch_bytes(
             row["expert_dispatches"], row["expert_rows_sent"], row["expert_rows_received"],
-            EP["experts"], ep, width * 4)  # float32 rows of C
-    config = TrainConfig(**{**TINY, **EP})
+            experts, ep, width * 4)  # float32 rows of C
+    config = TrainConfig(**sizes)
     model = ShakespeareTask(config, np.float32).build_model(np.random.default_rng(0))
     per_expert = sum(p.size for p in model.layers[1].mlp.experts[0].parameters())
     total = sum(p.size for p in model.parameters())
-    dense = total - EP["layers"] * EP["experts"] * per_expert
-    held = held_parameters(dense, per_expert, EP["experts"], EP["layers"], ep)
+    dense = total - layers * experts * per_expert
+    held = held_parameters(dense, per_expert, experts, layers, ep)
     expected = memory_by_kind(dense, held - dense, layout["dp"], ep, compute_bytes=4, slots=1)
     for kinds in other["model_state_by_kind"]:
         assert {kind: kinds[kind] for kind in expected} == expected

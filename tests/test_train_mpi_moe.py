@@ -12,6 +12,7 @@ from minimp.parallel.expert import dispatch_bytes
 
 pytestmark = [
     pytest.mark.mpi,
+    pytest.mark.slow,  # about 12 s (two launches): the simulated world covers --ep by default
     pytest.mark.skipif(MPIRUN is None, reason="no mpirun on PATH (pip install 'minimp[mpi]')"),
 ]
 GPT = dict(layers=2, hidden=32, heads=4, context=16, batch_size=8, steps=3, experts=4, top_k=2)
