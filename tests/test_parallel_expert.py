@@ -95,9 +95,12 @@ def test_the_ep_groups_are_adjacent_replicas_and_the_expert_groups_stride_across
         return (grid.ep_rank, [grid.ep_group.size, grid.expert_dp_group.size],
                 list(local_experts(4, grid.ep, grid.ep_rank)),
                 grid.ep_group.allreduce_scalars([float(comm.rank)], op="sum")[0],
-                grid.expert_dp_group.allreduce_scalars([float(comm.rank)], op="sum")[0])
+                grid.expert_dp_group.allreduce_scalars([float(comm.rank)], op="sum")[0],
+                grid.describe())
 
     result = dist.simulate(4, groups)
+    assert "--ep 2: each 2 adjacent replicas hold the experts once" in result[0][-1]
+    result = [values[:-1] for values in result]
     assert [ep_rank for ep_rank, *_ in result] == [0, 1, 0, 1]
     assert all(sizes == [2, 2] for _, sizes, *_ in result)
     assert [mine for _, _, mine, *_ in result] == [[0, 1], [2, 3], [0, 1], [2, 3]]

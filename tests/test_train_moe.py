@@ -125,6 +125,22 @@ def test_ep_routes_as_one_process_and_ends_at_its_weights(one_process_ep, size, 
 
 
 @pytest.mark.slow
+def test_an_ep_checkpoint_is_the_one_process_format_both_ways(tmp_path):
+    """--dp 2 --ep 2 gathers every expert into its checkpoint, and reads one process's: each
+    resumes where the other would have gone (SGD's momentum slots included)."""
+    sgd, ep = dict(optimizer="sgd", lr=0.5), dict(dp=2, ep=2)
+    one_path, ep_path = str(tmp_path / "one.npz"), str(tmp_path / "ep.npz")
+    simulated(1, **sgd, steps=1, save=one_path)
+    simulated(2, **sgd, **ep, steps=1, save=ep_path)
+    reference = simulated(1, **sgd, resume=one_path)["master_weights"]
+    for world, layout, path in ((2, ep, one_path), (1, {}, ep_path)):
+        resumed = simulated(world, **sgd, **layout, resume=path)["master_weights"]
+        assert resumed.keys() == reference.keys()
+        for name, array in reference.items():
+            np.testing.assert_allclose(resumed[name], array, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.slow
 def test_fp16_skips_agree_on_every_rank_with_ep_and_the_rows_travel_in_fp16():
     """An overflow injected on rank 1 at step 2 skips that step on both ranks (one decision for
     the job); the dispatched rows are float16, 2 bytes an element."""

@@ -84,7 +84,7 @@ class Topology:
 
     def describe(self) -> str:
         """The grid and every rank's place in it, as rank 0 prints it once at start (the context
-        dimension named where there is one)."""
+        dimension named where there is one, the experts' split with --ep)."""
         if self.cp == 1:
             head = (f"layout: --dp {self.dp} x --tp {self.tp} x --pp {self.pp} = {self.world.size} "
                     "ranks (tensor-parallel ranks adjacent, then replicas, then stages)")
@@ -93,6 +93,10 @@ class Topology:
                     f"{self.world.size} ranks (tensor-parallel ranks adjacent, then "
                     "context-parallel ranks, then replicas, then stages)")
         lines = [head] + [f"  rank {r}: {self.describe_rank(r)}" for r in range(self.world.size)]
+        if self.ep > 1:
+            ep = self.ep
+            lines.append(f"  --ep {ep}: each {ep} adjacent replicas hold the experts once between "
+                         f"them, replica r share r mod {ep} (E/{ep} of each mixture)")
         return "\n".join(lines)
 
     @property
