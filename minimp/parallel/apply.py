@@ -181,7 +181,7 @@ def _expert_parallel(model: nn.Sequential, grid: Topology
     """1c. With --ep, a copy of the modules sharing the model's Parameters whose mixtures run
     their experts through the ep group's all-to-alls (`model` keeps running them locally: rank 0
     evaluates it alone); else the model as it is."""
-    if grid.ep == 1:
+    if grid.ep_group is None:
         return model, None
     trained = copy.deepcopy(model, {id(p): p for p in model.parameters()})
     dispatch = ExpertParallelDispatch(grid.ep_group)
@@ -264,9 +264,12 @@ def replicate(share: Parallelized, grid: Topology, parallelism: Parallelism,
         tensor_parallel=share.tensor_parallel, overlap=parallelism.overlap,
         micro_batches=parallelism.micro_batches)
     stage = zero_stage(parallelism.zero)
+    if stage.shards_optimizer_state and grid.ep_group is not None:
+        raise ValueError(f"ZeRO stage {parallelism.zero} with expert parallelism: not yet (ZeRO "
+                         "would have to shard each kind of parameter over its own group)")
     if not stage.shards_optimizer_state:
         experts = None
-        if share.dispatch is not None:  # --ep: the expert parameters reduce apart
+        if grid.ep_group is not None and grid.expert_dp_group is not None:  # --ep: apart
             indices = frozenset(i for i, name in enumerate(share.names)
                                 if expert_index(name) is not None)
             experts = ExpertGradients(grid.expert_dp_group, grid.ep_group, indices)

@@ -35,11 +35,12 @@ class Topology:
     mp_group     every rank of this replica's context shard, tp x pp (the model's gradient norm
                  adds up over them)
     stage_group  every rank of this stage, dp x cp x tp (fp8's amaxes: they hold the same tensors)
-    ep_group     with --ep, the ep adjacent replicas (dp_rank // ep alike) whose experts together
-                 are the E of a mixture: tokens travel between them (Megatron-Core's expert model
-                 parallel group); ep_rank = dp_rank % ep holds experts ep_rank E/ep, ...
-    expert_dp_group  the dp/ep replicas holding the same experts (ep_rank alike): their expert
-                 gradients are reduced over it (Megatron-Core's expert data parallel group)
+    ep_group     with --ep (None without), the ep adjacent replicas (dp_rank // ep alike) whose
+                 experts together are the E of a mixture: tokens travel between them
+                 (Megatron-Core's expert model parallel group); ep_rank = dp_rank % ep holds
+                 experts ep_rank E/ep, ...
+    expert_dp_group  with --ep, the dp/ep replicas holding the same experts (ep_rank alike): their
+                 expert gradients are reduced over it (Megatron-Core's expert data parallel group)
     """
 
     def __init__(self, comm: Communicator, dp: int, pp: int = 1, tp: int = 1, cp: int = 1,
@@ -65,9 +66,12 @@ class Topology:
         self.mp_group = comm.split(color=dp_rank * cp + cp_rank, key=stage * tp + tp_rank)
         self.stage_group = comm.split(color=stage, key=(dp_rank * cp + cp_rank) * tp + tp_rank)
         self.ep, self.ep_rank = ep, dp_rank % ep
-        shard = (stage * cp + cp_rank) * tp + tp_rank  # the replicas' place outside dp
-        self.ep_group = comm.split(color=shard * (dp // ep) + dp_rank // ep, key=self.ep_rank)
-        self.expert_dp_group = comm.split(color=shard * ep + self.ep_rank, key=dp_rank // ep)
+        self.ep_group: Communicator | None = None
+        self.expert_dp_group: Communicator | None = None
+        if ep > 1:  # (no split without --ep: every split is a collective of the job)
+            shard = (stage * cp + cp_rank) * tp + tp_rank  # the replicas' place outside dp
+            self.ep_group = comm.split(color=shard * (dp // ep) + dp_rank // ep, key=self.ep_rank)
+            self.expert_dp_group = comm.split(color=shard * ep + self.ep_rank, key=dp_rank // ep)
 
     def coordinates(self, rank: int) -> tuple[int, int, int, int]:
         """(stage, dp_rank, cp_rank, tp_rank) of any world rank."""

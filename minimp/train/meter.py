@@ -133,7 +133,7 @@ class Meter:
             self.groups["tensor_parallel"] = topology.tp_group
         if topology.cp > 1:
             self.groups["context_parallel"] = topology.cp_group
-        if topology.ep > 1:
+        if topology.ep_group is not None and topology.expert_dp_group is not None:
             self.groups["expert_parallel"] = topology.ep_group
             if topology.expert_dp_group.size > 1:
                 self.groups["expert_data_parallel"] = topology.expert_dp_group

@@ -37,7 +37,7 @@ def gather_state(run: "Run") -> dict | None:
         state = run.optimizer.gather_state(run.names)  # a collective of the replicas
     elif topology.dp_rank < topology.ep:  # replica 0's ep group holds every expert between them
         state = checkpoint.state_arrays(run.names, run.share.optimizer)
-        if topology.ep > 1:
+        if topology.ep_group is not None:
             state = gather_named_arrays(topology.ep_group, state)
     if topology.dp_rank != 0 or topology.cp_rank != 0:  # context shards hold replica 0's weights
         return None
