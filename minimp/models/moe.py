@@ -8,7 +8,8 @@ of E expert MLPs, and the output is the gate-weighted sum of what those experts 
 A routing group is ONE SAMPLE's sequence of T tokens: capacity, admission and the load-balancing
 loss are computed per sample. Megatron groups the tokens of a rank's micro-batch instead; minimp
 does not, so that which token goes where never depends on the layout (--dp, --micro-batches,
-later --ep): every layout routes every token as one process does.
+--ep): every layout routes every token as one process does. The experts run behind a seam
+(ExpertDispatch): here on this process, with --ep on the ranks holding them (parallel/expert/).
 
 Capacity per expert per group = ceil(capacity_factor x T x K / E) (capacity_factor 0: dropless).
 Admission is GShard's (Lepikhin et al. 2020, section 2.2): every first choice before any second
