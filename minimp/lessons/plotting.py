@@ -2,7 +2,7 @@
 draws one figure and shows it (inline in a notebook; nothing under a non-interactive backend)."""
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import matplotlib.ticker as ticker
@@ -283,35 +283,31 @@ def gantt(timelines: list[dict], titles: list[str], unit: str = "ms") -> None:
     plt.show()
 
 
-def causal_work_bars(work: dict[str, Sequence[float]]) -> None:
-    """Lesson 16: each rank's causal work (blocks of the chunk grid), a group of bars per layout."""
+def grouped_bars(groups: Mapping[str, Sequence[float]], tick: str, ylabel: str,
+                 title: str) -> None:
+    """A group of bars per item (ticks "`tick` 0", "`tick` 1", ...), a bar in it per series."""
     figure, axis = plt.subplots(figsize=(7, 3))
-    names = list(work)
-    ranks = len(work[names[0]])
+    names = list(groups)
+    items = len(groups[names[0]])
     width = 0.8 / len(names)
     for index, name in enumerate(names):
-        axis.bar(np.arange(ranks) + index * width, work[name], width, label=name)
-    axis.set_xticks(np.arange(ranks) + width * (len(names) - 1) / 2)
-    axis.set_xticklabels([f"rank {rank}" for rank in range(ranks)])
-    axis.set_ylabel("blocks computed")
-    axis.set_title("causal attention's work per rank (a diagonal block counts 1/2)")
+        axis.bar(np.arange(items) + index * width, groups[name], width, label=name)
+    axis.set_xticks(np.arange(items) + width * (len(names) - 1) / 2)
+    axis.set_xticklabels([f"{tick} {item}" for item in range(items)])
+    axis.set_ylabel(ylabel)
+    axis.set_title(title)
     axis.legend()
     figure.tight_layout()
     plt.show()
+
+
+def causal_work_bars(work: dict[str, Sequence[float]]) -> None:
+    """Lesson 16: each rank's causal work (blocks of the chunk grid), a group of bars per layout."""
+    grouped_bars(work, "rank", "blocks computed",
+                 "causal attention's work per rank (a diagonal block counts 1/2)")
 
 
 def expert_load_bars(loads: dict[str, Sequence[int]]) -> None:
     """Lesson 17: the (token, choice) pairs routed to each expert, a group of bars per run."""
-    figure, axis = plt.subplots(figsize=(7, 3))
-    names = list(loads)
-    experts = len(loads[names[0]])
-    width = 0.8 / len(names)
-    for index, name in enumerate(names):
-        axis.bar(np.arange(experts) + index * width, loads[name], width, label=name)
-    axis.set_xticks(np.arange(experts) + width * (len(names) - 1) / 2)
-    axis.set_xticklabels([f"expert {e}" for e in range(experts)])
-    axis.set_ylabel("pairs routed (before dropping)")
-    axis.set_title("the load of each expert at the last step (both blocks)")
-    axis.legend()
-    figure.tight_layout()
-    plt.show()
+    grouped_bars(loads, "expert", "pairs routed (before dropping)",
+                 "the load of each expert at the last step (both blocks)")
