@@ -12,6 +12,7 @@ from minimp import export, sample
 from minimp.checkpoints.errors import ConfigError
 from minimp.train import TrainConfig, train
 from minimp.train.cli import parse_config
+from minimp.parallel.expert import dispatch_bytes, held_parameters, memory_by_kind
 from minimp.train.sizes import parameter_count
 from minimp.train.tasks import ShakespeareTask
 
@@ -53,6 +54,107 @@ def test_dp_2_and_micro_batches_end_at_the_one_process_weights(capacity_factor):
             assert np.isclose(first["aux_loss"], second["aux_loss"], rtol=1e-6)
     dropped = [row["dropped_tokens"] for row in rows(one)]
     assert (max(dropped) > 0) == bool(capacity_factor)
+
+
+# The issue's small fp32 MoE GPT, with SGD for the reason above.
+# The issue's small fp32 MoE GPT (slow tier), and TINY (4 samples: one per rank at --dp 4) for the
+# default tier's --dp 4 --ep 2: both expert groups, the 1/dp of the expert gradients.
+EP_SIZES = {"issue": dict(TINY, hidden=32, heads=4, context=16, batch_size=8),
+            "tiny": dict(TINY)}
+EP_LAYOUTS = [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2)]
+
+
+@pytest.fixture(scope="module")
+def one_process_ep():
+    """One process's run of a size and capacity factor, each run once, shared by the layouts."""
+    runs: dict[tuple[str, float], dict] = {}
+
+    def run(size, capacity_factor):
+        if (size, capacity_factor) not in runs:
+            runs[size, capacity_factor] = simulated(1, **EP_SIZES[size], optimizer="sgd", lr=0.5,
+                                                    capacity_factor=capacity_factor)
+        return runs[size, capacity_factor]
+
+    return run
+
+
+def ep_case(size, layout, capacity_factor):
+    kind = "capacity 1.0" if capacity_factor else "dropless"
+    name = f"{size} dp {layout['dp']} ep {layout['ep']} {kind}"
+    return pytest.param(size, layout, capacity_factor, id=name,
+                        marks=() if size == "tiny" else pytest.mark.slow)
+
+
+EP_CASES = [ep_case("issue", layout, factor) for layout in EP_LAYOUTS for factor in (0.0, 1.0)]
+EP_CASES += [ep_case("tiny", dict(dp=4, ep=2), 0.0)]
+
+
+@pytest.mark.parametrize("size, layout, capacity_factor", EP_CASES)
+def test_ep_routes_as_one_process_and_ends_at_its_weights(one_process_ep, size, layout,
+                                                          capacity_factor):
+    """Routing first (every step's load and drops: each rank routes its own samples, per sample),
+    then the weights after 3 steps; every step's expert_parallel bytes == dispatch_bytes of the
+    rank's rows (parallel/expert/dispatch.py), one dispatch per block; every rank's memory by kind
+    == memory_by_kind (parallel/expert/layout.py)."""
+    one, sizes = one_process_ep(size, capacity_factor), EP_SIZES[size]
+    other = simulated(layout["dp"], **sizes, **layout, optimizer="sgd", lr=0.5,
+                      capacity_factor=capacity_factor)
+    for first, second in zip(rows(one), rows(other), strict=True):
+        assert first["expert_load"] == second["expert_load"]
+        assert first["dropped_tokens"] == second["dropped_tokens"]
+        assert np.isclose(first["aux_loss"], second["aux_loss"], rtol=1e-6)
+    assert (max(row["dropped_tokens"] for row in rows(one)) > 0) == bool(capacity_factor)
+    for name, array in one["master_weights"].items():  # rtol 1e-5, atol 1e-7
+        np.testing.assert_allclose(other["master_weights"][name], array, rtol=1e-5, atol=1e-7,
+                                   err_msg=f"{layout} {name}")
+    ep, width, experts, layers = layout["ep"], sizes["hidden"], sizes["experts"], sizes["layers"]
+    for row in rows(other):
+        assert row["expert_dispatches"] == layers
+        assert row["bytes_by_group"]["expert_parallel"] == dispatch_bytes(
+            row["expert_dispatches"], row["expert_rows_sent"], row["expert_rows_received"],
+            experts, ep, width * 4)  # float32 rows of C
+    config = TrainConfig(**sizes)
+    model = ShakespeareTask(config, np.float32).build_model(np.random.default_rng(0))
+    per_expert = sum(p.size for p in model.layers[1].mlp.experts[0].parameters())
+    total = sum(p.size for p in model.parameters())
+    dense = total - layers * experts * per_expert
+    held = held_parameters(dense, per_expert, experts, layers, ep)
+    expected = memory_by_kind(dense, held - dense, layout["dp"], ep, compute_bytes=4, slots=1)
+    for kinds in other["model_state_by_kind"]:
+        assert {kind: kinds[kind] for kind in expected} == expected
+
+
+@pytest.mark.slow
+def test_an_ep_checkpoint_is_the_one_process_format_both_ways(tmp_path):
+    """--dp 2 --ep 2 gathers every expert into its checkpoint, and reads one process's: each
+    resumes where the other would have gone (SGD's momentum slots included)."""
+    sgd, ep = dict(optimizer="sgd", lr=0.5), dict(dp=2, ep=2)
+    one_path, ep_path = str(tmp_path / "one.npz"), str(tmp_path / "ep.npz")
+    simulated(1, **sgd, steps=1, save=one_path)
+    simulated(2, **sgd, **ep, steps=1, save=ep_path)
+    reference = simulated(1, **sgd, resume=one_path)["master_weights"]
+    for world, layout, path in ((2, ep, one_path), (1, {}, ep_path)):
+        resumed = simulated(world, **sgd, **layout, resume=path)["master_weights"]
+        assert resumed.keys() == reference.keys()
+        for name, array in reference.items():
+            np.testing.assert_allclose(resumed[name], array, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.slow
+def test_fp16_skips_agree_on_every_rank_with_ep_and_the_rows_travel_in_fp16():
+    """An overflow injected on rank 1 at step 2 skips that step on both ranks (one decision for
+    the job); the dispatched rows are float16, 2 bytes an element."""
+    config = TrainConfig(**{**TINY, "precision": "fp16", "dp": 2, "ep": 2,
+                            "inject_overflow": "2:1"})
+    config.validate(2)
+    results = dist.simulate(2, lambda comm: train(config, lambda line: None, comm=comm),
+                            eager_limit=0)
+    skipped = [[row["skipped"] for row in rows(result)] for result in results]
+    assert skipped[0] == skipped[1] and skipped[0][1]
+    for row in rows(results[0]):
+        assert row["bytes_by_group"]["expert_parallel"] == dispatch_bytes(
+            row["expert_dispatches"], row["expert_rows_sent"], row["expert_rows_received"],
+            TINY["experts"], 2, TINY["hidden"] * 2)
 
 
 @pytest.mark.parametrize("expert_hidden", [0, 24])
@@ -98,6 +200,12 @@ REFUSED = [
     (["--experts", "2", "--recompute"], "--experts with --recompute: not yet"),
     (["--experts", "2", "--precision", "fp8"], "--experts with --precision fp8: not yet"),
     (["--dataset", "digits", "--experts", "2"], "--experts applies to the GPT"),
+    (["--dp", "8", "--ep", "2"], "--ep 2 needs --experts"),
+    (["--experts", "4", "--ep", "0"], "--ep must be a positive integer, got 0"),
+    (["--experts", "6", "--dp", "8", "--ep", "3"], "--ep 3 does not divide --dp 8"),
+    (["--experts", "6", "--dp", "8", "--ep", "4"], "--experts 6 is not divisible by --ep 4"),
+    (["--experts", "4", "--dp", "8", "--ep", "2", "--zero", "1"],
+     "--experts with --zero 1: not yet"),
 ]
 
 

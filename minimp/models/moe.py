@@ -8,7 +8,8 @@ of E expert MLPs, and the output is the gate-weighted sum of what those experts 
 A routing group is ONE SAMPLE's sequence of T tokens: capacity, admission and the load-balancing
 loss are computed per sample. Megatron groups the tokens of a rank's micro-batch instead; minimp
 does not, so that which token goes where never depends on the layout (--dp, --micro-batches,
-later --ep): every layout routes every token as one process does.
+--ep): every layout routes every token as one process does. The experts run behind a seam
+(ExpertDispatch): here on this process, with --ep on the ranks holding them (parallel/expert/).
 
 Capacity per expert per group = ceil(capacity_factor x T x K / E) (capacity_factor 0: dropless).
 Admission is GShard's (Lepikhin et al. 2020, section 2.2): every first choice before any second
@@ -20,6 +21,7 @@ MLP's, while the parameters are E times.
 
 import math
 from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -96,6 +98,40 @@ class Expert(nn.Module):
         return self.c_proj(self.gelu(self.c_fc(x)))  # (n, hidden) inside, (n, C)
 
 
+class ExpertDispatch(Protocol):
+    """The seam between routing and the experts: rows (n, C), the admitted pairs' activations
+    sorted by expert (expert 0's rows first, each expert's in token order), counts (E,) the rows
+    of each -> each row through its expert, (n, C) in the same order. One process runs them here
+    (`run_locally`); --ep sends them to the ranks holding their experts and back
+    (minimp/parallel/expert/dispatch.py)."""
+
+    def __call__(self, experts: nn.Sequential, rows: Tensor, counts: np.ndarray) -> Tensor: ...
+
+
+def run_locally(experts: nn.Sequential, rows: Tensor, counts: np.ndarray) -> Tensor:
+    """Every expert on its own rows, on this process (counts (E,): one source of rows)."""
+    return run_experts(list(experts), rows, counts.reshape(1, -1))
+
+
+def run_experts(experts: Sequence[nn.Module], rows: Tensor, counts: np.ndarray) -> Tensor:
+    """rows (n, C) from S sources one after another, each source's sorted by expert; counts
+    (S, L) the rows source s has for expert l of `experts` -> each row through its expert, in
+    place. Every expert runs, on 0 rows if none reached it: its gradients are then zeros, not
+    absent, so every data-parallel replica reduces the same parameters. The outputs land in place
+    by index_add on zeros: each row is written once, so the sum adds nothing to its bits."""
+    sources, local = counts.shape
+    starts = np.cumsum([0, *counts.reshape(-1)])[:-1].reshape(sources, local)
+    out = None
+    for index, expert in enumerate(experts):
+        where = np.concatenate([np.arange(starts[s, index], starts[s, index] + counts[s, index])
+                                for s in range(sources)]).astype(np.int64)
+        part = F.index_add(expert(F.embedding(where, rows)), backend.to_device(where),
+                           rows.shape[0])
+        out = part if out is None else out + part
+    assert out is not None  # E >= 1
+    return out
+
+
 class MoE(nn.Module):
     """The MoE MLP: x (B, T, C) -> (B, T, C). After each forward it holds `routing`, `aux_loss`
     (the Switch/GShard load-balancing loss, a float32 scalar Tensor) and `z_loss` (the router
@@ -113,6 +149,7 @@ class MoE(nn.Module):
         self.aux_loss: Tensor | None = None
         self.z_loss: Tensor | None = None
         self.router_logits: Tensor | None = None
+        self.dispatch: ExpertDispatch = run_locally  # --ep: parallel/expert/dispatch.py's
 
     def forward(self, x: Tensor) -> Tensor:
         batch, tokens, width = x.shape
@@ -134,15 +171,14 @@ class MoE(nn.Module):
                              probs.reshape(rows * experts, 1)).reshape(rows, k)  # (N, K)
         gates = picked / picked.sum(axis=1, keepdims=True)  # renormalised over the K chosen
         gates = gates.reshape(rows * k, 1).astype(x.dtype)  # (N*K, 1), the activations' dtype
-        kept, out = routing.kept.reshape(rows * k), None
-        for index, expert in enumerate(self.experts):
-            # in token order; an expert no pair reached runs on 0 rows: its gradients are then
-            # zeros, not absent, so every data-parallel replica reduces the same parameters
-            pairs = np.flatnonzero(kept & (chosen == index))
-            y = expert(F.embedding(pairs // k, flat)) * F.embedding(pairs, gates)  # (n, C)
-            part = F.index_add(y, backend.to_device(pairs // k), rows)  # (N, C)
-            out = part if out is None else out + part
-        assert out is not None  # E >= 1
+        kept = routing.kept.reshape(rows * k)
+        # the admitted pairs sorted by expert, each expert's in token order (stable)
+        pairs = np.flatnonzero(kept)
+        pairs = pairs[np.argsort(chosen[pairs], kind="stable")]
+        counts = np.bincount(chosen[pairs], minlength=experts)  # (E,) rows per expert
+        y = self.dispatch(self.experts, F.embedding(pairs // k, flat), counts)  # (n, C)
+        y = y * F.embedding(pairs, gates)
+        out = F.index_add(y, backend.to_device(pairs // k), rows)  # (N, C): a token's K summed
         self.routing = routing
         self.aux_loss = load_balancing_loss(probs.reshape(batch, tokens, experts), routing, k)
         self.z_loss = z_loss(logits)

@@ -9,6 +9,9 @@ parallelize.py apply theirs:
      context    with --cp, a copy of the GPT's modules (with --tp, of the cut copy's) sharing its
                 weights that runs this rank's shard of the sequence, its attention around the cp
                 group's ring or through Ulysses' all-to-alls on the heads it holds (context/)
+     expert     with --ep, a copy of the modules sharing the weights whose mixtures send their
+                tokens' rows to the ep group's ranks holding their experts (expert/); this rank
+                trains E/ep experts of each mixture, and the others' weights are freed
   2. pipeline   this rank's layers: pp x virtual_stages chunks of about equal parameter count,
                 chunk r, r + pp, ... on pipeline rank r (pipeline/split.py), and the copy of the
                 tied embedding the last stage reads
@@ -19,6 +22,7 @@ parallelize.py apply theirs:
   3. recompute  the runner of the chunks reruns each block's forward in its backward
   4. data/zero  the stage's replicas start from replica 0's masters and share one GradientSync:
                 DataParallel, or ZeRO's, which shards the optimizer (stage 3: the parameters);
+                with --ep its expert parameters reduce over their own group (expert/grads.py);
                 with --cp the context shards of a replica are in that group too (each saw other
                 tokens of the same samples: context/models.py derives the average)
 
@@ -41,7 +45,10 @@ from minimp.models.gpt import GPT
 from minimp.optim import Optimizer
 from minimp.parallel.context.layout import ContextLayout
 from minimp.parallel.context.models import parallelize_context
+from minimp.models.moe import MoE
 from minimp.parallel.data.data_parallel import DataParallel, broadcast_masters
+from minimp.parallel.expert import ExpertGradients, ExpertParallelDispatch, expert_index
+from minimp.parallel.expert import local_experts
 from minimp.parallel.pipeline.schedules import CHOICES as SCHEDULES
 from minimp.parallel.pipeline.split import StageChunk, cut_shapes, run_layers, split_counts
 from minimp.parallel.pipeline.split import stage_parameters
@@ -108,6 +115,7 @@ class Parallelized:
     tensor_parallel: TensorParallelGradients | None = None
     select: Callable[[str, np.ndarray], np.ndarray] | None = None
     context: ContextLayout | None = None  # with --cp: which positions each context rank holds
+    dispatch: ExpertParallelDispatch | None = None  # with --ep: the mixtures' all-to-alls
 
 
 def parallelize(model: nn.Sequential, grid: Topology, parallelism: Parallelism, task: Task, *,
@@ -118,13 +126,18 @@ def parallelize(model: nn.Sequential, grid: Topology, parallelism: Parallelism, 
     messages); dtype: the compute dtype `prepare` casts to."""
     trained, plan = _tensor_parallel(model, grid, parallelism)
     trained, context = _context_parallel(trained, grid, parallelism)
+    trained, dispatch = _expert_parallel(trained, grid)
     ranges = _pipeline_ranges(trained, grid, parallelism, paired=plan is not None)
     tied = _tied_parameters(trained, grid)
     named = [pair for bounds in ranges for pair in stage_parameters(trained, bounds)]
+    if dispatch is not None:  # this rank's experts only
+        experts = len(next(m for m in trained.modules() if isinstance(m, MoE)).experts)
+        mine = local_experts(experts, grid.ep, grid.ep_rank)
+        named = [(name, p) for name, p in named if expert_index(name) in (None, *mine)]
     named += [(name, p) for name, p in tied if name not in dict(named)]
     optimizer = build_optimizer(named)
     prepare(model)
-    if trained is not model:  # with --tp or --cp the trained copy has its own Linears
+    if trained is not model:  # with --tp, --cp or --ep the trained copy has its own modules
         prepare(trained)
     runner = _pipeline_runner(model, trained, ranges, grid, parallelism, task, dtype, sample_input)
     # The other stages' layers are rank 0's to evaluate with, and only after it has gathered
@@ -135,7 +148,7 @@ def parallelize(model: nn.Sequential, grid: Topology, parallelism: Parallelism, 
             free(parameter)
     names, tied_names = [name for name, _ in named], [name for name, _ in tied]
     share = Parallelized(model, trained, names, optimizer, runner, ranges, tied_names, plan,
-                         context=context)
+                         context=context, dispatch=dispatch)
     if plan is not None:
         share.tensor_parallel = TensorParallelGradients.for_names(grid.tp_group, names, plan)
         share.select = shard_selector(plan.partitions, grid.tp_rank, grid.tp)
@@ -161,6 +174,21 @@ def _context_parallel(model: nn.Sequential, grid: Topology, parallelism: Paralle
         raise ValueError("context parallelism splits a sequence: it needs the GPT")
     layout = ContextLayout(grid.cp, parallelism.cp_layout)
     return parallelize_context(model, grid.cp_group, layout, parallelism.cp_mode), layout
+
+
+def _expert_parallel(model: nn.Sequential, grid: Topology
+                     ) -> tuple[nn.Sequential, ExpertParallelDispatch | None]:
+    """1c. With --ep, a copy of the modules sharing the model's Parameters whose mixtures run
+    their experts through the ep group's all-to-alls (`model` keeps running them locally: rank 0
+    evaluates it alone); else the model as it is."""
+    if grid.ep_group is None:
+        return model, None
+    trained = copy.deepcopy(model, {id(p): p for p in model.parameters()})
+    dispatch = ExpertParallelDispatch(grid.ep_group)
+    for module in trained.modules():
+        if isinstance(module, MoE):
+            module.dispatch = dispatch
+    return trained, dispatch
 
 
 def _pipeline_ranges(model: nn.Sequential, grid: Topology, parallelism: Parallelism,
@@ -236,11 +264,19 @@ def replicate(share: Parallelized, grid: Topology, parallelism: Parallelism,
         tensor_parallel=share.tensor_parallel, overlap=parallelism.overlap,
         micro_batches=parallelism.micro_batches)
     stage = zero_stage(parallelism.zero)
+    if stage.shards_optimizer_state and grid.ep_group is not None:
+        raise ValueError(f"ZeRO stage {parallelism.zero} with expert parallelism: not yet (ZeRO "
+                         "would have to shard each kind of parameter over its own group)")
     if not stage.shards_optimizer_state:
+        experts = None
+        if grid.ep_group is not None and grid.expert_dp_group is not None:  # --ep: apart
+            indices = frozenset(i for i, name in enumerate(share.names)
+                                if expert_index(name) is not None)
+            experts = ExpertGradients(grid.expert_dp_group, grid.ep_group, indices)
         sync = DataParallel(
             grid.dp_cp_group, optimizer, bucket_mb=parallelism.bucket_mb,
             stages_comm=grid.mp_group,  # the stages and the tensor-parallel shards
-            **options)
+            experts=experts, **options)
         sync.broadcast_parameters()
         return sync
     broadcast_masters(grid.dp_cp_group, optimizer)

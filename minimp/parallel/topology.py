@@ -35,9 +35,19 @@ class Topology:
     mp_group     every rank of this replica's context shard, tp x pp (the model's gradient norm
                  adds up over them)
     stage_group  every rank of this stage, dp x cp x tp (fp8's amaxes: they hold the same tensors)
+    ep_group     with --ep (None without), the ep adjacent replicas (dp_rank // ep alike) whose
+                 experts together are the E of a mixture: tokens travel between them
+                 (Megatron-Core's expert model parallel group); ep_rank = dp_rank % ep holds
+                 experts ep_rank E/ep, ...
+    expert_dp_group  with --ep, the dp/ep replicas holding the same experts (ep_rank alike): their
+                 expert gradients are reduced over it (Megatron-Core's expert data parallel group)
     """
 
-    def __init__(self, comm: Communicator, dp: int, pp: int = 1, tp: int = 1, cp: int = 1):
+    def __init__(self, comm: Communicator, dp: int, pp: int = 1, tp: int = 1, cp: int = 1,
+                 ep: int = 1):
+        if ep < 1 or dp % ep:
+            raise TopologyError(f"--ep {ep} does not divide --dp {dp} (expert-parallel ranks are "
+                                "data-parallel ranks: choose an --ep that divides --dp)")
         if min(dp, pp, tp, cp) < 1 or dp * cp * tp * pp != comm.size:
             sizes, names = f"--dp {dp} x --tp {tp} x --pp {pp}", "--dp, --tp and --pp"
             if cp != 1:
@@ -55,6 +65,13 @@ class Topology:
         self.pp_group = comm.split(color=(dp_rank * cp + cp_rank) * tp + tp_rank, key=stage)
         self.mp_group = comm.split(color=dp_rank * cp + cp_rank, key=stage * tp + tp_rank)
         self.stage_group = comm.split(color=stage, key=(dp_rank * cp + cp_rank) * tp + tp_rank)
+        self.ep, self.ep_rank = ep, dp_rank % ep
+        self.ep_group: Communicator | None = None
+        self.expert_dp_group: Communicator | None = None
+        if ep > 1:  # (no split without --ep: every split is a collective of the job)
+            shard = (stage * cp + cp_rank) * tp + tp_rank  # the replicas' place outside dp
+            self.ep_group = comm.split(color=shard * (dp // ep) + dp_rank // ep, key=self.ep_rank)
+            self.expert_dp_group = comm.split(color=shard * ep + self.ep_rank, key=dp_rank // ep)
 
     def coordinates(self, rank: int) -> tuple[int, int, int, int]:
         """(stage, dp_rank, cp_rank, tp_rank) of any world rank."""
@@ -71,7 +88,7 @@ class Topology:
 
     def describe(self) -> str:
         """The grid and every rank's place in it, as rank 0 prints it once at start (the context
-        dimension named where there is one)."""
+        dimension named where there is one, the experts' split with --ep)."""
         if self.cp == 1:
             head = (f"layout: --dp {self.dp} x --tp {self.tp} x --pp {self.pp} = {self.world.size} "
                     "ranks (tensor-parallel ranks adjacent, then replicas, then stages)")
@@ -80,6 +97,10 @@ class Topology:
                     f"{self.world.size} ranks (tensor-parallel ranks adjacent, then "
                     "context-parallel ranks, then replicas, then stages)")
         lines = [head] + [f"  rank {r}: {self.describe_rank(r)}" for r in range(self.world.size)]
+        if self.ep > 1:
+            ep = self.ep
+            lines.append(f"  --ep {ep}: each {ep} adjacent replicas hold the experts once between "
+                         f"them, replica r share r mod {ep} (E/{ep} of each mixture)")
         return "\n".join(lines)
 
     @property

@@ -3,6 +3,7 @@
 import numpy as np
 
 from minimp import nn, optim
+from minimp.models.moe import MoE
 from minimp.parallel.apply import Named, Parallelized, parallelize
 from minimp.parallel.topology import Topology
 from minimp.precision import DynamicLossScaler, LossScaler, NoLossScaler, StaticLossScaler
@@ -54,6 +55,9 @@ def build_stage(config: TrainConfig, task: Task, topology: Topology,
         if config.precision == "fp8":
             nn.enable_fp8(each, recipe(config))
 
-    return parallelize(
+    share = parallelize(
         model, topology, config.parallelism(), task, sample_input=task.sample_input(rows),
         dtype=dtype, build_optimizer=lambda named: build_optimizer(config, named), prepare=prepare)
+    if share.dispatch is not None:  # --ep trains a copy: its mixtures' losses join the loss
+        setattr(task, "moe_layers", [m for m in share.trained.modules() if isinstance(m, MoE)])
+    return share

@@ -24,7 +24,8 @@ if TYPE_CHECKING:  # config.py imports this module to validate itself
     from minimp.train.config import TrainConfig
 
 POSITIVE_INTEGERS = ("steps", "batch_size", "micro_batches", "layers", "hidden", "log_every",
-                     "loss_scale_growth_interval", "pp", "tp", "cp", "virtual_stages", "top_k")
+                     "loss_scale_growth_interval", "pp", "tp", "cp", "virtual_stages", "top_k",
+                     "ep")
 NON_NEGATIVE = ("experts", "capacity_factor", "aux_loss_coef", "router_z_loss_coef",
                 "expert_hidden", "weight_decay", "max_grad_norm", "dp", "threads", "check_replicas",
                 "seed", "save_every", "max_consecutive_skips", "warmup", "lr_decay_steps",
@@ -57,6 +58,7 @@ def validate(config: "TrainConfig", world_size: int) -> None:
     _check_model(config)
     _check_experts(config)
     _check_layout(config, world_size)
+    _check_expert_parallel(config, config.data_parallel_size(world_size))
     _check_batch(config, config.data_parallel_size(world_size))
     _check_zero(config, config.data_parallel_size(world_size))
     if config.save_every and not config.save:
@@ -153,6 +155,21 @@ def _check_experts(config: "TrainConfig") -> None:
         if set_:
             raise ConfigError(f"--experts with {what}: not yet (the mixture of experts runs on "
                               "one process or with plain --dp)")
+
+
+def _check_expert_parallel(config: "TrainConfig", dp: int) -> None:
+    """--ep splits the experts over data-parallel ranks (Megatron-Core's): it needs experts, must
+    divide --dp and the experts; what it does not compose with yet, one line each."""
+    if config.ep == 1:
+        return
+    if not config.experts:
+        raise ConfigError(f"--ep {config.ep} needs --experts (it splits the experts over ranks)")
+    if dp % config.ep:
+        raise ConfigError(f"--ep {config.ep} does not divide --dp {dp} (expert-parallel ranks are "
+                          "data-parallel ranks: choose an --ep that divides --dp)")
+    if config.experts % config.ep:
+        raise ConfigError(f"--experts {config.experts} is not divisible by --ep {config.ep} (each "
+                          "rank holds experts / ep of them)")
 
 
 def _check_batch(config: "TrainConfig", dp: int) -> None:

@@ -111,6 +111,9 @@ class TrainConfig:
         0.0, "with --experts: weight of the router z-loss added to the training loss")
     expert_hidden: int = _flag(
         0, "with --experts: each expert's width (0 = the dense MLP's 4 x --hidden)")
+    ep: int = _flag(
+        1, "with --experts: expert parallelism, the experts split over this many data-parallel "
+        "ranks (E/ep each; divides --dp)")
     eval_every: int = _by_dataset("validation loss every this many steps (GPT; 0 = at the end)")
     eval_batches: int = _by_dataset("random validation batches per evaluation during training")
     device: str = _flag(

@@ -68,7 +68,8 @@ class Run:
         self.threads = threads or rank_threads(config, comm)
         self.config, self.comm, self.dp = config, comm, config.data_parallel_size(comm.size)
         self.log = log if comm.rank == 0 else (lambda line: None)
-        self.topology = Topology(comm, dp=self.dp, pp=config.pp, tp=config.tp, cp=config.cp)
+        self.topology = Topology(comm, dp=self.dp, pp=config.pp, tp=config.tp, cp=config.cp,
+                                 ep=config.ep)
         if comm.size > 1:
             self.log(self.topology.describe())
         # Everything that can fail for a user's reason, with no message in between: one rank says

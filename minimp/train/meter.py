@@ -37,6 +37,12 @@ before dropping (E numbers; a token counts top-k times), `expert_load_imbalance`
 their mean (1 when balanced), `dropped_tokens`, the (token, choice) pairs the capacity dropped, and
 `aux_loss`, the load-balancing loss summed over the blocks, as a mean over the batch's samples:
 what --aux-loss-coef multiplies (the row's `loss` stays the cross-entropy).
+With --ep, bytes_by_group (and bytes_by_collective) has `expert_parallel`, the dispatch's and
+combine's all-to-alls, equal every step to parallel/expert/dispatch.py's dispatch_bytes of this
+rank's `expert_dispatches` (the training forwards of its mixtures), `expert_rows_sent` and
+`expert_rows_received` (its rows to and from the other ranks of its ep group, forward); with
+dp/ep > 1 also `expert_data_parallel`, the expert gradients' all-reduce (bytes_by_collective's
+expert_all_reduce).
 """
 
 import time
@@ -52,6 +58,7 @@ from minimp.models.moe import MoE
 from minimp.parallel.context.models import attention_stats
 from minimp.parallel.context.ring import AttentionStats
 from minimp.parallel.data.data_parallel import DataParallel
+from minimp.parallel.expert import ExpertParallelDispatch
 from minimp.parallel.pipeline.stage import PipelineStage
 from minimp.parallel.topology import Topology
 from minimp.parallel.zero.data_parallel import ZeroDataParallel
@@ -126,6 +133,10 @@ class Meter:
             self.groups["tensor_parallel"] = topology.tp_group
         if topology.cp > 1:
             self.groups["context_parallel"] = topology.cp_group
+        if topology.ep_group is not None and topology.expert_dp_group is not None:
+            self.groups["expert_parallel"] = topology.ep_group
+            if topology.expert_dp_group.size > 1:
+                self.groups["expert_data_parallel"] = topology.expert_dp_group
         if sync.tied is not None:
             self.groups["tied"] = sync.tied.comm
         self.communicators = [comm, *self.groups.values()]
@@ -141,8 +152,11 @@ class Meter:
         self.attention = ((attention_stats(runner.layers) or AttentionStats())
                           if topology.cp > 1 else None)
         self.bytes_per_step: list[float] = []  # after model_state: each rank's mean bytes sent
-        self.experts = [module.stats for layer in runner.layers for module in layer.modules()
-                        if isinstance(module, MoE)]
+        mixtures = [module for layer in runner.layers for module in layer.modules()
+                    if isinstance(module, MoE)]
+        self.experts = [module.stats for module in mixtures]
+        self.dispatch = next((module.dispatch for module in mixtures
+                              if isinstance(module.dispatch, ExpertParallelDispatch)), None)
 
     def start(self, step: int) -> None:
         """The step's clock and counters start; with --timeline all ranks start it together, so
@@ -157,6 +171,8 @@ class Meter:
             self.attention.reset()
         for stats in self.experts:
             stats.reset()
+        if self.dispatch is not None:
+            self.dispatch.reset()
         self.step_start = time.perf_counter()
 
     def recorder(self) -> Callable[[str, int, float, float], None] | None:
@@ -219,6 +235,10 @@ class Meter:
                                                     stats.backward_buffer_bytes)
         if self.experts:
             row.update(self._expert_metrics())
+        if self.dispatch is not None:
+            row.update(expert_dispatches=self.dispatch.calls,
+                       expert_rows_sent=self.dispatch.rows_sent,
+                       expert_rows_received=self.dispatch.rows_received)
         return row
 
     def _expert_metrics(self) -> dict[str, Any]:
@@ -248,7 +268,7 @@ class Meter:
         sent1, bytes1, seconds1, calls1 = self._counts()
         by_collective = {name: bytes1[name] - bytes0.get(name, 0) for name in bytes1}
         by_group = {name: sent1[name] - sent0[name] for name in sent1}
-        for name in ("pipeline", "tied", "tensor_parallel", "context_parallel"):
+        for name in ("pipeline", "tied", "tensor_parallel", "context_parallel", "expert_parallel"):
             if name in sent1:
                 by_collective[name] = by_group[name]
         return {"bytes_sent": sum(by_group.values()), "bytes_by_group": by_group,

@@ -30,12 +30,15 @@ def gather_state(run: "Run") -> dict | None:
     """Replica 0's stages send their masters, optimizer slots and fp8 scaling state to rank 0
     (replicas are identical, so replica 0 speaks for all; with ZeRO each replica first sends its
     chunks to replica 0, which stitches them whole; with --tp each stage's shards are joined on
-    its tensor-parallel rank 0 first); None on every other rank."""
+    its tensor-parallel rank 0 first; with --ep replica 0's ep group sends its experts to
+    replica 0); None on every other rank."""
     topology = run.topology
     if isinstance(run.optimizer, ShardedOptimizer):
         state = run.optimizer.gather_state(run.names)  # a collective of the replicas
-    elif topology.dp_rank == 0:
+    elif topology.dp_rank < topology.ep:  # replica 0's ep group holds every expert between them
         state = checkpoint.state_arrays(run.names, run.share.optimizer)
+        if topology.ep_group is not None:
+            state = gather_named_arrays(topology.ep_group, state)
     if topology.dp_rank != 0 or topology.cp_rank != 0:  # context shards hold replica 0's weights
         return None
     if run.fp8 is not None:  # each stage's scaling state, as "fp8/<quantizer>/<field>"
@@ -121,7 +124,7 @@ def evaluate(run: "Run", batches: int | None, merged: Merged = GATHER) -> float:
     if isinstance(merged, _Gather):
         topology = run.topology  # does rank 0 hold every weight?
         sharded = zero_stage(run.config.zero).shards_parameters
-        whole = topology.pp == 1 and topology.tp == 1 and not sharded
+        whole = topology.pp == 1 and topology.tp == 1 and topology.ep == 1 and not sharded
         merged = None if whole else gather_state(run)
     score = 0.0
     if run.comm.rank == 0:

@@ -17,6 +17,10 @@ Averaging by the world size p can happen before or after the all-reduce:
 to agree on overflows, to average the gradients and to add up the gradient norm (`ReplicaSync`, the
 part it shares with ZeRO's). With overlap, `OverlappedBuckets` all-reduces each bucket during the
 backward of the step's last micro-batch (minimp/parallel/data/overlap.py).
+
+With --ep the expert parameters are reduced apart (`ExpertGradients`): summed over the replicas
+holding the same experts and divided by every replica (minimp/parallel/expert/grads.py derives
+it), after the dense buckets, never during backward.
 """
 
 from typing import Callable, Sequence
@@ -30,6 +34,7 @@ from minimp.distributed.protocol import Communicator
 from minimp.measure.accounts import BytesSent, PeakMemory, held_bytes
 from minimp.optim import Optimizer
 from minimp.parallel.data.overlap import RingsInFlight, hook_each, refuse_incomplete
+from minimp.parallel.expert.grads import ExpertGradients
 from minimp.parallel.pipeline.tied import TiedGradients
 from minimp.parallel.replicas import check_same
 from minimp.parallel.tensor.grads import TensorParallelGradients
@@ -102,7 +107,7 @@ class DataParallel(ReplicaSync):
                  decision_comm: Communicator | None = None,
                  stages_comm: Communicator | None = None, tied: TiedGradients | None = None,
                  tensor_parallel: TensorParallelGradients | None = None, overlap: bool = False,
-                 micro_batches: int = 1):
+                 micro_batches: int = 1, experts: ExpertGradients | None = None):
         """comm: the replicas of this stage. optimizer: this replica's, whose float32 gradient sums
         are averaged. bucket_mb: the most MiB of gradients (counted in comm_dtype) one all-reduce
         carries. comm_dtype: the dtype gradients travel in (float32, or a 16-bit wire). average:
@@ -116,32 +121,45 @@ class DataParallel(ReplicaSync):
         TensorParallelGradients (parallel/tensor/grads.py), whose partial gradients are summed after
         averaging and whose whole copies count once. overlap: all-reduce each bucket during the
         backward of the step's last micro-batch (of `micro_batches`) as soon as it is complete
-        (minimp/parallel/data/overlap.py)."""
+        (minimp/parallel/data/overlap.py). experts: with --ep, the expert parameters, reduced
+        apart over their own group (the module's docstring)."""
         super().__init__(comm, average, decision_comm, tied, tensor_parallel)
-        self.optimizer, self.stages_comm = optimizer, stages_comm
+        self.optimizer, self.stages_comm, self.experts = optimizer, stages_comm, experts
         self.comm_dtype = np.dtype(comm_dtype)
-        self.buckets = self._plan_buckets(bucket_mb * 2**20)
-        xp = array_module(optimizer.master_weights[0]) if optimizer.master_weights else np
-        sizes = [size for _, size in self.buckets] if comm.size > 1 else []
-        # One send and one receive buffer per bucket, reused every step (no allocations, no page
-        # faults); one replica sends nothing and needs none.
-        self.buffers = [(xp.empty(n, self.comm_dtype), xp.empty(n, self.comm_dtype)) for n in sizes]
-        # The ranks agree on every bucket's length and dtype here, once, instead of at every
-        # all-reduce of every step (the overlapped rings never check: they rely on this).
-        self.plans = [PersistentAllreduce(comm, (n,), self.comm_dtype, algorithm="ring")
-                      for n in sizes]
+        expert_indices = experts.indices if experts is not None else frozenset()
+        everything = range(len(optimizer.params))
+        self.dense = [index for index in everything if index not in expert_indices]
+        self.buckets = self._plan_buckets(bucket_mb * 2**20, self.dense)
+        self.buffers, self.plans = self._plan_buffers(comm, self.buckets)
+        self.expert_buckets = self._plan_buckets(bucket_mb * 2**20, sorted(expert_indices))
+        self.expert_buffers, self.expert_plans = self._plan_buffers(
+            experts.comm if experts is not None else comm, self.expert_buckets)
         self.overlap: OverlappedBuckets | None = None
         if overlap and comm.size > 1:  # one replica has nothing to send
             self.overlap = OverlappedBuckets(self, micro_batches)
 
-    def _plan_buckets(self, bucket_bytes: float) -> list[tuple[list[int], int]]:
-        """[(parameter indices, elements)]; parameters are taken last to first, the order in which
-        backward produces their gradients (so, with overlap, the first bucket is complete early in
-        backward and its ring starts then, as in PyTorch DDP)."""
+    def _plan_buffers(self, comm: Communicator, buckets: list[tuple[list[int], int]]
+                      ) -> tuple[list[tuple[Array, Array]], list[PersistentAllreduce]]:
+        """One send and one receive buffer per bucket, reused every step (no allocations, no page
+        faults), and the all-reduce of each; one replica sends nothing and needs none."""
+        masters = self.optimizer.master_weights
+        xp = array_module(masters[0]) if masters else np
+        sizes = [size for _, size in buckets] if comm.size > 1 else []
+        buffers = [(xp.empty(n, self.comm_dtype), xp.empty(n, self.comm_dtype)) for n in sizes]
+        # The ranks agree on every bucket's length and dtype here, once, instead of at every
+        # all-reduce of every step (the overlapped rings never check: they rely on this).
+        plans = [PersistentAllreduce(comm, (n,), self.comm_dtype, algorithm="ring") for n in sizes]
+        return buffers, plans
+
+    def _plan_buckets(self, bucket_bytes: float,
+                      indices: list[int]) -> list[tuple[list[int], int]]:
+        """[(parameter indices, elements)] of the parameters at `indices`; they are taken last to
+        first, the order in which backward produces their gradients (so, with overlap, the first
+        bucket is complete early in backward and its ring starts then, as in PyTorch DDP)."""
         buckets: list[tuple[list[int], int]] = []
         current: list[int] = []
         size = 0
-        for index in reversed(range(len(self.optimizer.params))):
+        for index in reversed(indices):
             elements = self.optimizer.master_weights[index].size
             if current and (size + elements) * self.comm_dtype.itemsize > bucket_bytes:
                 buckets.append((current, size))
@@ -153,13 +171,25 @@ class DataParallel(ReplicaSync):
         return buckets
 
     def broadcast_parameters(self, root: int = 0) -> None:
-        """Make every replica start from root's float32 masters, bit for bit."""
-        broadcast_masters(self.comm, self.optimizer, root)
+        """Make every replica start from root's float32 masters, bit for bit (with --ep, the
+        expert ones from root's rank of their own group)."""
+        if self.experts is None:
+            return broadcast_masters(self.comm, self.optimizer, root)
+        broadcast_masters(self.comm, self.optimizer, root, self.dense)
+        broadcast_masters(self.experts.comm, self.optimizer, root, sorted(self.experts.indices))
 
     def global_squared_norm(self, gradients: Sequence[Array | None]) -> float:
         """This stage's squared gradient norm plus the other stages' (replicas hold the same
-        averaged gradients, so they are not added again; a tied copy counts once)."""
-        return self._squared_norm(gradients, range(len(gradients)), self.stages_comm)
+        averaged gradients, so they are not added again; a tied copy counts once). With --ep the
+        expert squares add up over the ep group first (each rank holds other experts)."""
+        if self.experts is None:
+            return self._squared_norm(gradients, range(len(gradients)), self.stages_comm)
+        dense = self._squared_norm([gradients[i] for i in self.dense], self.dense, None)
+        indices = sorted(self.experts.indices)
+        experts = self._squared_norm([gradients[i] for i in indices], indices, self.experts.ep_comm)
+        if self.stages_comm is None or self.stages_comm.size == 1:
+            return dense + experts
+        return float(self.stages_comm.allreduce_scalars([dense + experts], op="sum")[0])
 
     def finalize_backward(self) -> None:
         """With overlap, wait for the buckets still in flight (the others were all-reduced during
@@ -177,6 +207,9 @@ class DataParallel(ReplicaSync):
         else:
             with self.sent.counting(self.comm, "all_reduce"):
                 self._average_over_replicas(gradients)
+        if self.experts is not None:
+            with self.sent.counting(self.experts.comm, "expert_all_reduce"):
+                self._reduce_experts(gradients)
         if self.tied is not None:
             self.tied.reduce(gradients)
         if self.tensor_parallel is not None:
@@ -201,7 +234,7 @@ class DataParallel(ReplicaSync):
             "accumulators": list(optimizer.accumulators),
             "masters": list(optimizer.master_weights),
             "optimizer_state": slots,
-            "buffers": [buffer for pair in self.buffers for buffer in pair],
+            "buffers": [buffer for pair in self.buffers + self.expert_buffers for buffer in pair],
         }
 
     def _average_over_replicas(self, gradients: list[Array | None]) -> None:
@@ -212,22 +245,44 @@ class DataParallel(ReplicaSync):
             self.plans[bucket](send, out=receive)
             self._unpack(bucket, gradients)
 
+    def _reduce_experts(self, gradients: list[Array | None]) -> None:
+        """The expert gradients: summed over the replicas holding the same experts, times 1/p
+        of every replica (p = comm.size, not the expert group's: expert/grads.py). Alone in its
+        group a rank sends nothing and only divides."""
+        assert self.experts is not None  # reduce calls this with --ep only
+        if self.experts.comm.size == 1:
+            for index in self.experts.indices:
+                gradient = _gradient_or_zeros(gradients, index, self.optimizer)
+                gradient *= np.float32(1.0 / self.comm.size)
+            return
+        for bucket in range(len(self.expert_buckets)):
+            send, receive = self.expert_buffers[bucket]
+            self._pack_bucket(self.expert_buckets[bucket][0], send, gradients)
+            self.expert_plans[bucket](send, out=receive)
+            self._unpack_bucket(self.expert_buckets[bucket][0], receive, gradients)
+
     def _pack(self, bucket: int, gradients: list[Array | None]) -> tuple[Array, Array]:
         """Write the bucket's float32 gradients onto its send buffer (times 1/p, by default);
         returns the bucket's (send, receive) buffers."""
-        indices, _ = self.buckets[bucket]
         send, receive = self.buffers[bucket]
+        self._pack_bucket(self.buckets[bucket][0], send, gradients)
+        return send, receive
+
+    def _unpack(self, bucket: int, gradients: list[Array | None]) -> None:
+        """The bucket's reduced sum, off its receive buffer, into the float32 gradients."""
+        self._unpack_bucket(self.buckets[bucket][0], self.buffers[bucket][1], gradients)
+
+    def _pack_bucket(self, indices: list[int], send: Array, gradients: list[Array | None]) -> None:
+        """The float32 gradients at `indices` onto `send` (times 1/p, p = comm.size, by default)."""
         inverse, offset = 1.0 / self.comm.size, 0
         for index in indices:
             flat = _gradient_or_zeros(gradients, index, self.optimizer).reshape(-1)
             pack(send[offset : offset + flat.size], flat, inverse, self.average)
             offset += flat.size
-        return send, receive
 
-    def _unpack(self, bucket: int, gradients: list[Array | None]) -> None:
-        """The bucket's reduced sum, off its receive buffer, into the float32 gradients."""
-        indices, _ = self.buckets[bucket]
-        receive = self.buffers[bucket][1]
+    def _unpack_bucket(self, indices: list[int], receive: Array,
+                       gradients: list[Array | None]) -> None:
+        """A reduced sum off `receive` into the float32 gradients at `indices`."""
         inverse, offset = 1.0 / self.comm.size, 0
         for index in indices:
             grad = gradients[index]
@@ -243,7 +298,11 @@ class DataParallel(ReplicaSync):
         fp8 scaling state) differ from rank 0's."""
         what = "master weights or fp8 state" if extra else "master weights"
         message = what + " of rank(s) {ranks} differ from rank 0's (replicas drifted apart)"
-        check_same(self.comm, [*self.optimizer.master_weights, *extra], message)
+        masters = self.optimizer.master_weights
+        check_same(self.comm, [*(masters[i] for i in self.dense), *extra], message)
+        if self.experts is not None:  # the replicas holding the same experts
+            check_same(self.experts.comm, [masters[i] for i in sorted(self.experts.indices)],
+                       "expert " + message + " in their expert data-parallel group")
 
 
 class OverlappedBuckets(RingsInFlight):
@@ -267,7 +326,10 @@ class OverlappedBuckets(RingsInFlight):
 
     def _arrived(self, index: int) -> None:
         """Parameter index's gradient of one micro-batch is in .grad. On the last micro-batch it
-        is final: into the float32 sum now, and its bucket may start."""
+        is final: into the float32 sum now, and its bucket may start. (An expert parameter, in no
+        bucket here, stays for after_backward and reduce.)"""
+        if index not in self.bucket_of:
+            return
         self.arrivals[index] += 1
         self.pending = True
         if self.arrivals[index] != self.micro_batches:
@@ -309,11 +371,14 @@ class OverlappedBuckets(RingsInFlight):
         self._reset()
 
 
-def broadcast_masters(comm: Communicator, optimizer: Optimizer, root: int = 0) -> None:
-    """Overwrite every rank's float32 masters (and compute copies) with root's, bit for bit."""
-    for index, master in enumerate(optimizer.master_weights):
-        comm.bcast(master, root=root)
-        optimizer.set_master_weight(index, master)
+def broadcast_masters(comm: Communicator, optimizer: Optimizer, root: int = 0,
+                      indices: Sequence[int] | None = None) -> None:
+    """Overwrite every rank's float32 masters (and compute copies) with root's, bit for bit
+    (those at `indices`, by default all)."""
+    masters = optimizer.master_weights
+    for index in range(len(masters)) if indices is None else indices:
+        comm.bcast(masters[index], root=root)
+        optimizer.set_master_weight(index, masters[index])
 
 
 def pack(wire: Array, gradient: Array, inverse: float, average: str) -> None:
