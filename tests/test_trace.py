@@ -170,3 +170,39 @@ def test_every_collective_the_loop_times_has_a_name_in_the_trace(tmp_path, flags
     dist.simulate(flags.get("tp", 1), lambda comm: train(config, log=lambda line: None, comm=comm))
     events = json.loads(path.read_text())["traceEvents"]
     assert names <= {e["name"] for e in events if e.get("cat") == "communication"}
+
+
+def test_every_named_collective_of_the_trainer_has_a_trace_name():
+    """A meter.timed(..., "name") call whose name the trace does not know stops the run at its
+    first such call with --timeline ("expert_load" and "overflowed_ranks" once did): every name the
+    package passes is one of NAMES."""
+    import pathlib
+    import re
+    package = pathlib.Path(__file__).parents[1] / "minimp"
+    names = {name for path in package.rglob("*.py")
+             for name in re.findall(r"timed\([^()]*?,\s*\"(\w+)\"\)", path.read_text())}
+    assert {"expert_load", "overflowed_ranks", "mean_loss"} <= names  # the scan finds them
+    assert names - set(NAMES) == set()
+
+
+def test_an_expert_run_draws_its_load_and_drops_as_counters_per_step(tmp_path):
+    """With --experts, counter tracks carry each step's metrics: the load per expert, max/mean,
+    the dropped pairs (Perfetto draws a "C" event as a graph), at the end of the step's events."""
+    path = tmp_path / "trace.json"
+    config = TrainConfig(dataset="shakespeare", layers=1, hidden=16, heads=2, context=8,
+                         batch_size=4, steps=2, eval_every=0, log_every=1000, experts=4,
+                         capacity_factor=1.0, timeline=str(path))
+    config.validate(2)
+    result = dist.simulate(2, lambda comm: train(config, log=lambda line: None, comm=comm))[0]
+    events = json.loads(path.read_text())["traceEvents"]
+    counters = [event for event in events if event["ph"] == "C"]
+    assert len(counters) == 3 * 2  # three tracks, two steps
+    rows = [row for row in result["history"] if "step" in row]
+    for step, row in enumerate(rows):
+        load, ratio, dropped = counters[3 * step : 3 * step + 3]
+        assert list(load["args"].values()) == row["expert_load"]
+        assert ratio["args"] == {"max/mean": row["expert_load_imbalance"]}
+        assert dropped["args"] == {"dropped": row["dropped_tokens"]}
+        last = max(e["ts"] + e["dur"] for e in events
+                   if e["ph"] == "X" and e["pid"] == 0 and e["args"]["step"] == row["step"])
+        assert load["ts"] == pytest.approx(last, abs=1e-3) and load["pid"] == 0

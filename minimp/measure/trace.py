@@ -7,7 +7,9 @@ rank ("rank 2: stage 0, replica 1"), two lanes (threads) in each, "compute" and 
 one complete event ("ph": "X") per forward, backward, message and collective, named F3 / B3 / "send
 activation 3" / "all-reduce gradients", with the step and the micro-batch in its args. Times are
 microseconds from a common origin that every rank takes right after one barrier, so the ranks' lanes
-line up (to the barrier's skew). `read_timeline` turns a file back into the rows the Gantt chart of
+line up (to the barrier's skew). With --experts, counter tracks ("ph": "C", drawn as a graph per
+step in rank 0's process) carry each step's expert load, its max/mean and the dropped (token,
+choice) pairs, the metrics' figures (`expert_counters`). `read_timeline` turns a file back into the rows the Gantt chart of
 mpirun_examples/pipeline_timeline.py draws.
 """
 
@@ -35,6 +37,8 @@ NAMES = {
     "wait_sends": ("wait for the step's sends", COMMUNICATION),
     "finalize_backward": ("wait for gradient buckets", COMMUNICATION),
     "any_rank": ("agree on overflow", COMMUNICATION),
+    "overflowed_ranks": ("find the overflowed ranks", COMMUNICATION),
+    "expert_load": ("all-reduce expert load", COMMUNICATION),
     "reduce": ("all-reduce gradients", COMMUNICATION),
     "global_squared_norm": ("sum gradient norms", COMMUNICATION),
     "mean_loss": ("all-reduce loss", COMMUNICATION),
@@ -86,14 +90,41 @@ def trace_events(ranks: dict[int, dict]) -> list[dict]:
     return events
 
 
+# The mixture's counter tracks: (track name, the metrics row's key, the series in the track).
+EXPERT_COUNTERS = (("expert load (pairs per expert, before dropping)", "expert_load", "expert {}"),
+                   ("expert load max/mean", "expert_load_imbalance", "max/mean"),
+                   ("dropped (token, choice) pairs", "dropped_tokens", "dropped"))
+
+
+def expert_counters(records: list[dict], rows: np.ndarray, pid: int = 0) -> list[dict]:
+    """Counter events from the metrics rows of an --experts run (records without expert_load give
+    none): each step's figures at the end of that step's last event of process pid (its rows),
+    where Perfetto draws the step's value until the next one."""
+    ends: dict[int, float] = {}
+    for _, step, _, _, end in rows.tolist():
+        ends[int(step)] = max(ends.get(int(step), 0.0), end)
+    events = []
+    for record in records:
+        if "expert_load" not in record or record.get("step") not in ends:
+            continue
+        for track, key, series in EXPERT_COUNTERS:
+            values = record[key] if isinstance(record[key], list) else [record[key]]
+            args = {series.format(i): value for i, value in enumerate(values)}
+            events.append({"name": track, "ph": "C", "pid": pid, "ts":
+                           round(ends[record["step"]] * 1e6, 3), "args": args})
+    return events
+
+
 def _metadata(kind: str, pid: int, tid: int, value: str | int, key: str = "name") -> dict:
     return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {key: value}}
 
 
-def trace_document(ranks: dict[int, dict], other: dict) -> dict:
+def trace_document(ranks: dict[int, dict], other: dict, counters: list[dict] = ()) -> dict:
     """The whole trace as one JSON-ready object; `other` (schedule, stages, ...) goes in
-    "otherData" (the training command writes it with minimp.checkpoints.files.atomic_write)."""
-    return {"traceEvents": trace_events(ranks), "displayTimeUnit": "ms", "otherData": other}
+    "otherData" (the training command writes it with minimp.checkpoints.files.atomic_write);
+    `counters`, counter events (expert_counters') after the ranks' events."""
+    return {"traceEvents": trace_events(ranks) + list(counters), "displayTimeUnit": "ms",
+            "otherData": other}
 
 
 def read_timeline(path: str) -> dict:

@@ -177,5 +177,6 @@ def _write_trace(run: "Run", traces: dict) -> None:
              "peak_stored_micro_batches": [int(traces[f"peak{rank}"][0]) for rank in first],
              "stage_of_rank": {str(rank): place[0] for rank, place in enumerate(coordinates)},
              "replica_0_ranks": first}
-    document = json.dumps(trace.trace_document(ranks, other)).encode()
+    counters = trace.expert_counters(run.history.records, traces["rows0"])  # with --experts
+    document = json.dumps(trace.trace_document(ranks, other, counters)).encode()
     files.atomic_write(config.timeline, lambda file: file.write(document))
