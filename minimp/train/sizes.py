@@ -36,9 +36,8 @@ def layer_parameter_counts(config: "TrainConfig") -> list[int]:
         embeddings = (SHAKESPEARE_VOCABULARY + config.context) * width
         block = 12 * width * width + 13 * width
         if config.experts:  # attention and LayerNorms 4 C^2 + 8 C, router E C, E experts of H
-            hidden, experts = config.expert_hidden or 4 * width, config.experts
-            block = 4 * width * width + 8 * width + experts * (width + 2 * width * hidden
-                                                               + hidden + width)
+            block = 4 * width * width + 8 * width + config.experts * width
+            block += config.experts * expert_parameter_count(config)
         return [embeddings] + [block] * layers + [2 * width]
     features, classes = DIGITS_SHAPE
     counts, inputs = [], features
@@ -48,11 +47,21 @@ def layer_parameter_counts(config: "TrainConfig") -> list[int]:
     return counts + [inputs * classes + classes]
 
 
+def expert_parameter_count(config: "TrainConfig") -> int:
+    """One expert's parameters: C x H + H and H x C + C (H = --expert-hidden, default 4C)."""
+    hidden = config.expert_hidden or 4 * config.hidden
+    return 2 * config.hidden * hidden + hidden + config.hidden
+
+
 def rank_layer_counts(config: "TrainConfig") -> list[int]:
     """layer_parameter_counts of one tensor-parallel rank: a GPT block keeps 1/tp of its
     matrices and of the cut biases (12 C^2/tp + 7 C/tp) and whole LayerNorms and row biases (6 C);
-    an MLP pair keeps 1/tp of both matrices and of the first bias, the second bias whole."""
+    an MLP pair keeps 1/tp of both matrices and of the first bias, the second bias whole. With
+    --ep a block keeps E/ep of its experts (minimp/parallel/expert/layout.py)."""
     counts, tp, width = layer_parameter_counts(config), config.tp, config.hidden
+    if config.ep > 1:  # the other ranks' experts are freed once the model is cut
+        freed = (config.experts - config.experts // config.ep) * expert_parameter_count(config)
+        return [counts[0]] + [count - freed for count in counts[1:-1]] + [counts[-1]]
     if tp == 1:
         return counts
     if config.model == "gpt":
@@ -110,8 +119,11 @@ FP8_QUANTIZERS_PER_LINEAR = 3  # input and weight (E4M3), output gradient (E5M2)
 
 def linear_count(config: "TrainConfig") -> int:
     """Linears of the whole model: each hidden layer and the output (MLP), four per block (GPT:
-    attention's c_attn and c_proj, the MLP's c_fc and c_proj; the head reuses the embedding)."""
-    return 4 * config.layers if config.model == "gpt" else config.layers + 1
+    attention's c_attn and c_proj, the MLP's c_fc and c_proj; the head reuses the embedding);
+    with --experts 2 + 2E per block (each expert's c_fc and c_proj; the float32 router is none)."""
+    if config.model == "gpt":
+        return (2 + 2 * config.experts if config.experts else 4) * config.layers
+    return config.layers + 1
 
 
 def fp8_history_bytes(config: "TrainConfig") -> int:
@@ -141,8 +153,15 @@ def gpt_activation_bytes(config: "TrainConfig", rows: int) -> int:
     the head and the loss, d <= 4 bytes a value: the logits the loss keeps (V), ln_f's input and
     the head's (2h), then the int64 ids and targets and ln_f's float32 mean and 1/std (24 sb).
     buffers: with --cp ring, ring_memory's backward_buffers, the most in flight in one call (its
-    k, v and float32 dK, dV; one call at a time). The trainer's measured peak stays within this
-    (tests/test_train_context_parallel_metrics.py)."""
+    k, v and float32 dK, dV; one call at a time). With --experts the MLP's 36 sbh (its float32
+    input, 4h and 4h) give way to the mixture's, for K choices of H-wide experts:
+
+        K (4h + 2H) d sb  +  (4h + 32 E + 32 K) sb
+
+    (each routed row's gathered input, expert input, hidden, GELU and output; the router's float32
+    input, logits and probabilities, the gates; --ep: balanced routing, each rank computing as
+    many rows as it sends). The trainer's measured peak stays within this
+    (tests/test_train_context_parallel_metrics.py, tests/test_train_moe.py)."""
     tokens, heads, width, cp = config.context, config.heads, config.hidden, config.cp
     s = tokens // cp
     if cp == 1:
@@ -156,7 +175,13 @@ def gpt_activation_bytes(config: "TrainConfig", rows: int) -> int:
         shape = (rows, heads, s, width // heads)  # a rank's q
         buffers = ring_memory(shape, config.activation_dtype(), cp).backward_buffers
     head = 4 * s * rows * (SHAKESPEARE_VOCABULARY + 2 * width + 8)
-    return config.layers * (70 * s * rows * width + attention) + head + buffers
+    block = 70 * s * rows * width
+    if config.experts:
+        k, hidden = config.top_k, config.expert_hidden or 4 * width
+        d = config.activation_dtype().itemsize
+        block += s * rows * (k * (4 * width + 2 * hidden) * d + 4 * width + 32 * config.experts
+                             + 32 * k - 36 * width)
+    return config.layers * (block + attention) + head + buffers
 
 
 def memory_parts(config: "TrainConfig", world_size: int = 1) -> list[tuple[str, int, str]]:
