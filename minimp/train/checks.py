@@ -8,6 +8,7 @@ fits in memory: sizes.py.) Each check raises ConfigError naming the flag and the
 allocates or communicates.
 """
 
+import dataclasses
 import math
 import os
 from typing import TYPE_CHECKING
@@ -55,6 +56,7 @@ def validate(config: "TrainConfig", world_size: int) -> None:
     """Raise ConfigError naming the flag and the fix for the first value that cannot work."""
     _check_ranges(config)
     _check_fp8(config)
+    _check_companions(config)
     _check_model(config)
     _check_experts(config)
     _check_layout(config, world_size)
@@ -115,6 +117,27 @@ def _check_fp8(config: "TrainConfig") -> None:
             f"--fp8-amax-history must be a positive integer, got {config.fp8_amax_history}")
     if not 0 <= config.fp8_margin <= 64:
         raise ConfigError(f"--fp8-margin must lie in 0..64, got {config.fp8_margin}")
+
+
+# Flags that act only beside another (fields, the flag they need, whether the config has it).
+COMPANIONS = (
+    (("top_k", "capacity_factor", "aux_loss_coef", "router_z_loss_coef", "expert_hidden"),
+     "--experts E", lambda config: config.experts > 0),
+    (("cp_layout", "cp_mode"), "--cp N", lambda config: config.cp > 1),
+)
+
+
+def _check_companions(config: "TrainConfig") -> None:
+    """A flag moved from its default without the flag it acts beside would do nothing: a typo
+    or a forgotten flag, said in one line (as the fp8 flags without --precision fp8)."""
+    defaults = {field.name: field.default for field in dataclasses.fields(config)}
+    for names, needed, present in COMPANIONS:
+        if present(config):
+            continue
+        for name in names:
+            if getattr(config, name) != defaults[name]:
+                raise ConfigError(f"{flag(name)} {getattr(config, name)} does nothing without "
+                                  f"{needed}: add {needed.split()[0]}, or leave {flag(name)} out")
 
 
 def _check_model(config: "TrainConfig") -> None:
