@@ -1,6 +1,7 @@
-"""`mpirun -n 2 python -m minimp.train --experts 4 --dp 2 --ep 2` for real: the issue's small fp32
-MoE GPT routes every step's tokens as one process (asserted first), ends at its weights after 3
-steps, and rank 0's expert_parallel bytes equal dispatch_bytes of its rows every step."""
+"""`mpirun -n D python -m minimp.train --experts 4 --dp D --ep N` for real (the issue's --dp 2 --ep 2,
+--dp 4 --ep 4, --dp 4 --ep 2): the issue's small fp32 MoE GPT routes every step's tokens as one
+process (asserted first), drops the same pairs at capacity 1.0, ends at its weights after 3 steps,
+and rank 0's expert_parallel bytes equal dispatch_bytes of its rows every step."""
 
 import json
 
@@ -12,7 +13,7 @@ from minimp.parallel.expert import dispatch_bytes
 
 pytestmark = [
     pytest.mark.mpi,
-    pytest.mark.slow,  # about 12 s (two launches): the simulated world covers --ep by default
+    pytest.mark.slow,  # about 40 s (five launches, 4 ranks on 2 cores): the simulated world covers --ep by default
     pytest.mark.skipif(MPIRUN is None, reason="no mpirun on PATH (pip install 'minimp[mpi]')"),
 ]
 GPT = dict(layers=2, hidden=32, heads=4, context=16, batch_size=8, steps=3, experts=4, top_k=2)
@@ -30,13 +31,37 @@ def run(tmp_path, ranks, *flags):
     return masters(path), [json.loads(line) for line in open(metrics)][:-1]  # less the summary
 
 
-def test_dp_2_ep_2_routes_and_ends_as_one_process(tmp_path):
-    """SGD, as tests/test_train_moe.py says why."""
-    one, one_rows = run(tmp_path, 1)
-    got, rows = run(tmp_path, 2, "--dp", "2", "--ep", "2")
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """One process's run at a capacity factor, each run once, shared by the layouts."""
+    runs: dict[str, tuple] = {}
+
+    def get(capacity_factor):
+        if capacity_factor not in runs:
+            runs[capacity_factor] = run(tmp_path_factory.mktemp("one"), 1,
+                                        "--capacity-factor", capacity_factor)
+        return runs[capacity_factor]
+
+    return get
+
+
+LAYOUTS = [(2, 2, "0"), (4, 4, "0"), (4, 2, "0"), (4, 2, "1.0")]  # (dp, ep, capacity factor)
+
+
+@pytest.mark.parametrize("dp, ep, capacity_factor", LAYOUTS,
+                         ids=[f"dp{d}-ep{e}-capacity{c}" for d, e, c in LAYOUTS])
+def test_the_layout_routes_and_ends_as_one_process(tmp_path, one_process, dp, ep,
+                                                   capacity_factor):
+    """SGD, as tests/test_train_moe.py says why. --dp 4 --ep 2: two copies of each expert
+    group, whose expert gradients sum over the copies and divide by 4; capacity 1.0: the same
+    pairs dropped as one process drops."""
+    one, one_rows = one_process(capacity_factor)
+    got, rows = run(tmp_path, dp, "--dp", str(dp), "--ep", str(ep),
+                    "--capacity-factor", capacity_factor)
     for first, second in zip(one_rows, rows, strict=True):  # routing first
         assert first["expert_load"] == second["expert_load"]
         assert first["dropped_tokens"] == second["dropped_tokens"]
+    assert (sum(row["dropped_tokens"] for row in rows) > 0) == (capacity_factor != "0")
     assert got.keys() == one.keys()
     for name, array in one.items():
         np.testing.assert_allclose(got[name], array, rtol=1e-5, atol=1e-7, err_msg=name)
@@ -44,4 +69,4 @@ def test_dp_2_ep_2_routes_and_ends_as_one_process(tmp_path):
         assert row["expert_dispatches"] == GPT["layers"]
         assert row["bytes_by_group"]["expert_parallel"] == dispatch_bytes(
             row["expert_dispatches"], row["expert_rows_sent"], row["expert_rows_received"],
-            GPT["experts"], 2, GPT["hidden"] * 4)
+            GPT["experts"], ep, GPT["hidden"] * 4)
