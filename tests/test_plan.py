@@ -17,6 +17,7 @@ from minimp.measure.costmodel import Network
 from minimp.measure.machinemodel import shipped_model
 from minimp.models import GPT, GPTConfig, block_activation_bytes
 from minimp.parallel.context import ring_bytes, ulysses_bytes
+from minimp.parallel.expert import dispatch_bytes, memory_by_kind
 from minimp.parallel.zero.formulas import bytes_sent_formula, memory_formula
 from minimp.plan.cli import main
 from minimp.plan import memory as mem
@@ -412,7 +413,9 @@ def test_the_comparison_table_is_the_one_in_docs_planner_md(comparisons):
     ("python -m minimp.plan --model 145.6B --gpus 1536 --global-batch 2304 --top 3",
      "The first prints"),
     ("python -m minimp.plan --model 7B-128k --gpus 64 --global-batch 16 --top 3", "At 128k tokens"),
-], ids=["145.6B", "7B-128k"])  # fmt: skip
+    ("python -m minimp.plan --model mixtral-8x7b --gpus 64 --global-batch 256 --top 3",
+     "Mixtral 8x7B on"),
+], ids=["145.6B", "7B-128k", "mixtral-8x7b"])  # fmt: skip
 def test_the_guide_s_planner_output_is_what_the_command_prints(capsys, command, before):
     """The guide's output, the first text block after `before`, is what its command prints."""
     guide = open(os.path.join(ROOT, "docs", "planner.md")).read()
@@ -652,3 +655,146 @@ def test_measured_all_to_all_is_minimps_agreement_and_p_minus_1_messages():
     expected = model.agree + 3 * model.message(1e6 / 4)
     assert Measured(model).all_to_all(1e6, 4) == expected
     assert Measured(model).all_to_all(1e6, 1) == 0.0
+
+
+# ----- mixture of experts and expert parallelism (issue 40) ----------------------------------
+MIXTURE = ModelShape(layers=2, hidden=8, heads=2, context=4, vocab=10, dropout=False, experts=4,
+                     top_k=2, expert_hidden=16)
+
+
+def test_a_mixture_s_parameters_and_units_are_minimps():
+    config = TrainConfig(dataset="shakespeare", model="gpt", layers=3, hidden=48, heads=4,
+                         experts=4, top_k=2, expert_hidden=40)
+    shape = ModelShape(3, 48, 4, 64, 65, experts=4, top_k=2, expert_hidden=40)
+    assert shape.parameters() == parameter_count(config)
+    assert [mem.stage_units(shape, Layout(1, 1, 1), 0)] == zero_unit_sizes(config)  # ep = 1
+    assert MODELS["mixtral-8x7b"].parameters() == 32_366_927_872  # presets.py's 32.4B
+
+
+@pytest.mark.parametrize("dtype, dropout", PRECISIONS)
+def test_a_mixture_keeps_what_minimps_moe_gpt_keeps_to_the_byte(dtype, dropout):
+    """The whole MoE GPT's graph, its loss made as the trainer's task makes it (the auxiliary
+    losses added as `extra - extra.detach()`, minimp/train/tasks.py)."""
+    from minimp.models.moe import MoE
+
+    b, s, h, a, v, layers, experts, k, f = 3, 16, 32, 2, 50, 2, 4, 2, 48
+    config = GPTConfig(v, s, layers, a, h, dropout, experts=experts, top_k=k, expert_hidden=f)
+    model = GPT(config, np.random.default_rng(0)).to(dtype)
+    model.set_dropout_state(seed=0, step=1, sample_indices=np.arange(b))
+    ids = np.random.default_rng(1).integers(0, v, (b, s))
+    loss = F.cross_entropy(model(ids).reshape(-1, v), ids.reshape(-1))
+    mixtures = [module for module in model.modules() if isinstance(module, MoE)]
+    extra = sum((0.01 * m.aux_loss + 0.0 * m.z_loss for m in mixtures), Tensor(np.zeros((), "f4")))
+    kept = saved_bytes(loss + (extra - extra.detach()),
+                       exclude=[p.data for p in model.parameters()])
+    shape = ModelShape(layers, h, a, s, v, dropout > 0, experts, k, f)
+    job = Job(b, (b,), precision="fp16" if dtype == np.float16 else "fp32")
+    assert mem.activation_bytes(shape, Layout(1, 1, 1, 0, b, 1), job, stage=0) == kept
+
+
+def test_model_states_with_ep_by_hand():
+    """MIXTURE at dp 4, ep 2, fp16 Adam: an expert 2hf + f + h = 280, a block's dense part
+    4h^2 + 8h + E h = 352; a rank holds the dense 832 (embeddings (10 + 4) 8, 2 blocks, ln_f 16)
+    and 2 of 4 experts of each block, 1,120. ZeRO 0: parallel/expert/layout.py's memory_by_kind;
+    ZeRO 1: the dense states over 4 ranks, the experts' over the 2 replicas holding them."""
+    job = Job(8, (1,), precision="fp16")
+    zero0 = mem.model_state_bytes(MIXTURE, Layout(4, 1, 1, 0, ep=2), job, stage=0)
+    by_kind = memory_by_kind(832, 1120, dp=4, ep=2, compute_bytes=2, slots=2)
+    assert {kind: zero0[kind] for kind in by_kind} == by_kind
+    assert zero0["buffers"] == 2 * 4 * (832 + 1120)
+    zero1 = mem.model_state_bytes(MIXTURE, Layout(4, 1, 1, 1, ep=2), job, stage=0)
+    shard = 832 // 4 + 1120 // 2
+    assert zero1["parameters"] == 2 * 1952 and zero1["accumulators"] == 4 * 1952
+    assert zero1["masters"] == 4 * shard and zero1["optimizer_state"] == 8 * shard
+    assert zero1["buffers"] == (2 * 4 + 2) * (352 + 560)  # each group's largest unit
+    assert zero1["gradients16"] == 2 * 1952
+    alone = mem.model_state_bytes(MIXTURE, Layout(2, 1, 1, 0, ep=2), job, stage=0)
+    assert alone["buffers"] == 2 * 4 * 832  # dp/ep = 1: nothing to reduce the experts over
+
+
+@pytest.mark.parametrize("experts, k, ep, rows, precision", [
+    (4, 2, 2, 3, "fp16"), (8, 2, 4, 1, "fp32"), (8, 1, 8, 2, "bf16"), (6, 3, 3, 2, "fp16")])
+def test_the_all_to_all_bytes_are_dispatch_bytes_for_balanced_counts(experts, k, ep, rows,
+                                                                       precision):
+    """What the planner prices for one block on one micro-batch is what dispatch.py's formula
+    gives for balanced counts: every expert chosen T K / E times on each rank of the group."""
+    shape = replace(MIXTURE, context=12, experts=experts, top_k=k)
+    layout, job = Layout(ep, 1, 1, 0, rows, ep=ep), Job(ep * rows, (rows,), precision=precision)
+    counts = np.full(experts, rows * shape.context * k // experts)  # (E,) on every rank
+    to_rank = counts.reshape(ep, experts // ep).sum(axis=1)  # rows for each rank's experts
+    sent = received = int(to_rank.sum() - to_rank[0])  # rank 0's rows away, and others' to it
+    row_bytes = shape.hidden * job.compute_bytes
+    expected = dispatch_bytes(1, sent, received, experts, ep, row_bytes)
+    assert sum(steptime.expert_bytes(shape, layout, job)) == expected
+    cluster = bytes_cluster(ep)  # its all-to-alls cost the bytes a rank sends: the step's too
+    time = step_time(replace(shape, layers=2), cluster, job, replace(layout, micro_batches=1))
+    assert time.expert_parallel == pytest.approx(2 * expected, rel=1e-12)
+
+
+def test_the_all_to_alls_are_the_cost_models_by_hand():
+    """Per block and micro-batch: the counts' all-to-all and two of the rows forward, two
+    backward, each (p - 1) alpha + (p - 1)/p n beta, n a rank's N K rows of h d bytes."""
+    net = Network(alpha=1e-5, beta=1e-9)
+    layout, job = Layout(4, 1, 1, 0, 2, ep=4), Job(8, (2,), precision="fp16")
+    counts = 3 * net.alpha + 3 / 4 * (4 * 8) * net.beta  # E = 4 int64 counts
+    rows = 3 * net.alpha + 3 / 4 * (2 * 4 * 2 * 8 * 2) * net.beta  # b s K rows of h x 2 bytes
+    forward, backward = steptime.expert_costs(MIXTURE, small_cluster(4, intra=AlphaBeta(net)),
+                                              job, layout)
+    assert forward == pytest.approx(counts + 2 * rows, rel=1e-12)
+    assert backward == pytest.approx(2 * rows, rel=1e-12)
+    across = small_cluster(8, per_node=2, intra=FREE, inter=AlphaBeta(net))  # 4 ranks, 2 nodes
+    assert steptime.expert_costs(MIXTURE, across, job, layout)[1] == pytest.approx(2 * rows)
+    assert steptime.expert_costs(MIXTURE, across, job, replace(layout, ep=1)) == (0.0, 0.0)
+
+
+def test_a_mixture_s_flops_are_k_expert_mlps_a_token():
+    dense, b = replace(MIXTURE, experts=0), 3
+    s, h = MIXTURE.context, MIXTURE.hidden
+    # K = 1 expert of 4h with E = 0 router rows: the dense block's FLOPs
+    assert steptime.layer_forward_flops(replace(MIXTURE, top_k=1, expert_hidden=4 * h), b) == (
+        steptime.layer_forward_flops(dense, b) + 2 * b * s * h * MIXTURE.experts)
+    attention = 8 * b * s * h * h + 4 * b * s * s * h
+    expected = attention + 2 * b * s * h * 4 + 2 * 2 * (2 * b * s * h * 16)  # router, 2 experts
+    assert steptime.layer_forward_flops(MIXTURE, b) == expected
+
+
+def test_ep_is_chosen_when_the_experts_do_not_fit_otherwise_and_tp_never():
+    """MIXTURE on 4 GPUs too small for every expert's states on one rank without ZeRO: ep = 1
+    fits nowhere, the search picks ep > 1; tp > 1 is refused for a mixture (minimp's trainer
+    refuses --experts with --tp)."""
+    job, choices = Job(8, (1,), precision="fp16"), Choices(zero_stages=(0,))
+    cluster = small_cluster(4, memory=30_000)
+    alone = search(MIXTURE, cluster, job, replace(choices, expert_parallel=(1,)))
+    assert not alone.plans and alone.rejected["memory"] > 0
+    assert alone.rejected["experts tp"] > 0 and alone.rejected["ep"] == 0
+    found = search(MIXTURE, cluster, job, choices)
+    assert found.plans and all(plan.layout.ep > 1 for plan in found.plans)
+    assert {plan.layout.tp for plan in found.plans} == {1}
+    assert all(plan.layout.dp % plan.layout.ep == 0 for plan in found.plans)
+    assert found.rejected["ep"] > 0  # ep 4 with dp 2
+
+
+def test_the_command_prints_an_ep_column_for_a_mixture_only(capsys):
+    flags = ["--gpus", "8", "--global-batch", "8", "--top", "2"]
+    assert main(["--model", "shakespeare", *flags]) == 0
+    assert " ep " not in capsys.readouterr().out.splitlines()[2]
+    assert main(["--model", "shakespeare", "--experts", "4", "--ep", "2,4", *flags]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "4 experts of 512, top-2" in lines[0]
+    assert lines[2].split()[:4] == ["#", "dp", "ep", "tp"] and "  cp     ep s   bubble" in lines[2]
+    assert all(int(row.split()[2]) in (2, 4) for row in lines[3:])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ep", "3"], "--ep takes sizes that divide --experts 4"),
+    (["--ep", "x"], "--ep takes integers"),
+    (["--experts", "0", "--ep", "2"], "--ep 2 needs a mixture of experts"),
+    (["--top-k", "5"], "--top-k must be between 1 and --experts 4, got 5"),
+    (["--experts", "-1"], "--experts and --expert-hidden must be 0 or more")])
+def test_a_bad_mixture_flag_is_one_line_exit_2_before_any_work(flags, message, capsys,
+                                                                monkeypatch):
+    monkeypatch.setattr("minimp.plan.cli.best_plans", lambda *a, **k: pytest.fail("searched"))
+    assert main(["--model", "shakespeare", "--experts", "4", "--gpus", "4", "--global-batch",
+                 "8", *flags]) == 2  # fmt: skip
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and message in error

@@ -13,9 +13,9 @@ Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operatio
   Rabenseifner        2 log2(p) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
 
 An all-to-all of a rank's n bytes, chunk j to rank j and its own chunk kept home (minimp's
-distributed/alltoall.py; Ulysses' four a pass), by pairwise exchange (the algorithm MPICH uses
-for long messages, Thakur et al. 2005): p - 1 messages of n/p bytes, one to and one from each
-other rank,
+distributed/alltoall.py; Ulysses' four a pass, --ep's dispatch and combine), by pairwise
+exchange (the algorithm MPICH uses for long messages, Thakur et al. 2005): p - 1 messages of n/p
+bytes, one to and one from each other rank,
 
   all-to-all          (p-1) alpha + (p-1)/p n beta                     (nothing is reduced)
 

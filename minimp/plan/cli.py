@@ -2,6 +2,7 @@
 
     python -m minimp.plan --model 145.6B --cluster selene --gpus 1536 --global-batch 2304
     python -m minimp.plan --model 7B-128k --gpus 64 --global-batch 16 --top 5
+    python -m minimp.plan --model mixtral-8x7b --gpus 64 --global-batch 256 --top 3
     python -m minimp.plan --parameters 7e9 --context 4096 --vocab 32000 --cluster selene \\
         --gpus 64 --global-batch 512 --micro-batch-size 1,2 --json
     python -m minimp.plan --compare-narayanan
@@ -27,6 +28,12 @@ What it assumes, where each piece is worked out (minimp/plan/):
   log-sum-exp instead of attention's s x s probabilities, plus its in-flight key/value buffers,
   and sends ring.py's `ring_bytes`; Ulysses keeps the probabilities of a/(t cp) heads and sends
   ulysses.py's `ulysses_bytes` in 8 all-to-alls a block, not overlapped.
+- A mixture of experts (--experts, --top-k, --expert-hidden; memory.py, steptime.py): routing
+  assumed dropless and balanced; tp = 1 (minimp refuses --experts with --tp); each of ep replicas
+  holds E/ep experts, their states sharded over the (dp/ep) x cp replicas holding the same ones;
+  the expert FLOPs are K expert MLPs a token; per block the counts and 4 all-to-alls of a rank's
+  K rows a token, as parallel/expert/dispatch.py's `dispatch_bytes` counts them. --ep auto
+  searches every ep that divides the experts and dp.
 - Feasibility (search.py): tp divides the heads and the GPUs per node, pp divides the layers,
   2 cp (ring) or cp (Ulysses) divides the context, cp divides the heads per tp rank (Ulysses),
   dp x micro-batch size divides the batch, memory fits. --cp auto (the default) searches cp > 1
@@ -59,6 +66,10 @@ CHOICE = {"any": (False, True), "on": (True,), "off": (False,)}
 SHAPE_FLAGS = {
     "layers": "transformer blocks", "hidden": "width of the residual stream",
     "heads": "attention heads", "context": "tokens per sample", "vocab": "vocabulary size"}
+# ModelShape's mixture-of-experts fields, each given by its flag (--top-k for top_k), optional
+MIXTURE_FLAGS = {
+    "experts": "experts per block (0: the dense MLP)", "top_k": "experts per token (default 2)",
+    "expert_hidden": "each expert's width (default 0: 4 x hidden)"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,6 +93,8 @@ def parser() -> argparse.ArgumentParser:
     for name, text in SHAPE_FLAGS.items():
         model.add_argument(f"--{name}", type=int, help=text)
     model.add_argument("--dropout", choices=("on", "off"), help="dropout masks kept (default on)")
+    for name, text in MIXTURE_FLAGS.items():
+        model.add_argument(f"--{name.replace('_', '-')}", type=int, help=text)
     cluster = p.add_argument_group("cluster (a preset, each flag overriding it)")
     cluster.add_argument("--cluster", choices=("selene", "this-machine"), default="selene")
     cluster.add_argument("--gpus", type=int, help="devices (ranks) in all (required)")
@@ -114,6 +127,9 @@ def parser() -> argparse.ArgumentParser:
     search.add_argument("--cp-mode", default="any", choices=("any", *CP_MODES),
                         help="how cp > 1 splits attention: a ring of key/value blocks or Ulysses' "
                         "all-to-alls")  # fmt: skip
+    search.add_argument("--ep", default="auto", help="expert-parallel sizes to consider, with "
+                        "--experts: sizes dividing the experts (list: 1,2,4,8) or auto (every "
+                        "one); each kept where it divides dp")  # fmt: skip
     search.add_argument("--top", type=int, default=10, help="rows to print")
     search.add_argument("--simulate", action="store_true", help="time the top rows' pipelines "
                         "with the schedule simulator")  # fmt: skip
@@ -145,10 +161,25 @@ def context_sizes(text: str, gpus: int) -> tuple[int, ...] | None:
     return sizes
 
 
+def expert_sizes(text: str, model: ModelShape) -> tuple[int, ...] | None:
+    """--ep's sizes: None for auto, or the list given, each dividing the model's experts."""
+    if text == "auto":
+        return None
+    sizes = _integers(text, "--ep")
+    if sizes != (1,) and not model.experts:
+        raise PlanError(f"--ep {text} needs a mixture of experts (--experts, or --model "
+                        "mixtral-8x7b)")
+    bad = [size for size in sizes if size < 1 or model.experts % size]
+    if bad:
+        raise PlanError(f"--ep takes sizes that divide --experts {model.experts} or 'auto', got "
+                        f"{bad[0]}")
+    return sizes
+
+
 def model_from(args: argparse.Namespace) -> ModelShape:
-    """The model the flags describe: a name or --parameters, each shape flag given replacing
-    its field; or every shape flag."""
-    fields = {name: getattr(args, name) for name in SHAPE_FLAGS}
+    """The model the flags describe: a name or --parameters, each shape or mixture flag given
+    replacing its field; or every shape flag."""
+    fields = {name: getattr(args, name) for name in (*SHAPE_FLAGS, *MIXTURE_FLAGS)}
     fields["dropout"] = None if args.dropout is None else args.dropout == "on"
     given = {key: value for key, value in fields.items() if value is not None}
     if args.model and args.parameters is not None:
@@ -198,26 +229,30 @@ def cluster_from(args: argparse.Namespace) -> Cluster:
     return replace(base, **{key: value for key, value in overrides.items() if value is not None})
 
 
-def format_table(plans: list[Plan], cluster: Cluster) -> str:
+def format_table(plans: list[Plan], cluster: Cluster, experts: bool = False) -> str:
     """The plans as an aligned table: layout, GiB (model states + activations), seconds by part,
-    and the context-parallel size and mode last ('-' for none)."""
-    header = (f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>4} {'zero':>4} {'b':>3} {'M':>5} {'rc':>3} "
+    and the context-parallel size and mode last ('-' for none); for a mixture of experts also the
+    ep size after dp and the all-to-alls' seconds (ep s) after cp."""
+    ep, ep_seconds = (f" {'ep':>3}", f" {'ep s':>8}") if experts else ("", "")
+    header = (f"{'#':>3} {'dp':>5}{ep} {'tp':>3} {'pp':>4} {'zero':>4} {'b':>3} {'M':>5} {'rc':>3} "
               f"{'sp':>3} {'GiB':>7} {'states':>7} {'activ':>7} {'step s':>9} {'compute':>9} "
-              f"{'tp':>8} {'cp':>8} {'bubble':>8} {'dp':>8} {'other':>8} {'TFLOP/s':>8} "
-              f"{'context':>10}")
+              f"{'tp':>8} {'cp':>8}{ep_seconds} {'bubble':>8} {'dp':>8} {'other':>8} "
+              f"{'TFLOP/s':>8} {'context':>10}")
     lines = [header]
     for rank, plan in enumerate(plans, 1):
         layout, memory, time = plan.layout, plan.memory, plan.time
         activations = memory.by_kind["activations"]
         states = memory.total - activations
         context = f"{layout.cp_mode} {layout.cp}" if layout.cp > 1 else "-"
+        ep = f" {layout.ep:>3}" if experts else ""
+        ep_seconds = f" {time.expert_parallel:>8.3g}" if experts else ""
         lines.append(
-            f"{rank:>3} {layout.dp:>5} {layout.tp:>3} {layout.pp:>4} {layout.zero:>4} "
+            f"{rank:>3} {layout.dp:>5}{ep} {layout.tp:>3} {layout.pp:>4} {layout.zero:>4} "
             f"{layout.micro_batch_size:>3} {layout.micro_batches:>5} "
             f"{'y' if layout.recompute else '-':>3} {'y' if layout.sequence_parallel else '-':>3} "
             f"{memory.total / GIB:>7.2f} {states / GIB:>7.2f} {activations / GIB:>7.2f} "
             f"{time.total:>9.4g} {time.compute:>9.4g} {time.tensor_parallel:>8.3g} "
-            f"{time.context_parallel:>8.3g} {time.bubble:>8.3g} "
+            f"{time.context_parallel:>8.3g}{ep_seconds} {time.bubble:>8.3g} "
             f"{time.data_parallel + time.zero_in_step:>8.3g} {time.other:>8.3g} "
             f"{plan.tflops_per_device(cluster.gpus):>8.4g} {context:>10}")
     return "\n".join(lines)
@@ -225,8 +260,10 @@ def format_table(plans: list[Plan], cluster: Cluster) -> str:
 
 def describe(model: ModelShape, cluster: Cluster, job: Job) -> str:
     """Two lines: the model and the job, then the cluster, as the planner resolved them."""
+    mixture = (f", {model.experts} experts of {model.expert_width}, top-{model.top_k}"
+               if model.experts else "")
     return (
-        f"model: {model.layers} blocks of {model.hidden}, {model.heads} heads, context "
+        f"model: {model.layers} blocks of {model.hidden}, {model.heads} heads{mixture}, context "
         f"{model.context}, vocabulary {model.vocab}, dropout {'on' if model.dropout else 'off'} "
         f"({model.parameters():,} parameters); global batch {job.global_batch}, {job.precision}\n"
         f"cluster: {cluster.name}; {cluster.gpus} GPUs, {cluster.gpus_per_node} a node, "
@@ -253,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         zero_stages = _integers(args.zero, "--zero")
         cp_modes = CP_MODES if args.cp_mode == "any" else (args.cp_mode,)
         choices = Choices(zero_stages, CHOICE[args.recompute], CHOICE[args.sequence_parallel],
-                          context_sizes(args.cp, cluster.gpus), cp_modes)
+                          context_sizes(args.cp, cluster.gpus), cp_modes,
+                          expert_sizes(args.ep, model))
         if not set(choices.zero_stages) <= {0, 1, 2, 3}:
             raise PlanError(f"--zero takes stages 0-3, got {args.zero}")
         check_inputs(model, cluster, job)
@@ -274,5 +312,5 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(document, indent=1, default=str))
     else:
         print(describe(model, cluster, job))
-        print(format_table(plans, cluster))
+        print(format_table(plans, cluster, experts=model.experts > 0))
     return 0

@@ -7,6 +7,15 @@ of parameters, `shape_for_parameters` picks one: GPT-3's proportions (Brown et a
 2.1: 175B has 96 layers of 12,288, heads of 128 channels), hidden = 128 x layers, rounded to whole
 heads of 128.
 
+A mixture of experts (minimp/models/moe.py, the trainer's --experts): with `experts` E > 0 each
+block's MLP is E expert MLPs of width `expert_hidden` (0: the dense MLP's 4h), each C -> f, GELU,
+f -> C with biases, and a router (E h, no bias) sending each token to its `top_k` K of them. The
+planner assumes dropless, balanced routing: every expert gets T K / E of a sample's (token,
+choice) pairs and none is dropped, so it takes no capacity factor (balanced, any factor >= 1
+drops nothing, and minimp pads no expert up to its capacity, so such a factor changes neither
+memory nor time; one below 1 drops pairs, which is not priced). The experts split over `ep`
+ranks (expert parallelism, --ep; the placement below).
+
 A cluster is `gpus` devices, `gpus_per_node` of them per node, each with `memory_bytes`,
 `peak_flops` of which `achievable` is reached on the model's matrix products, and two networks:
 `intra` inside a node (NVLink) and `inter` between nodes (InfiniBand), each a model of
@@ -17,7 +26,8 @@ it: tensor-parallel ranks adjacent, then context-parallel ranks, then replicas, 
 stages (rank = stage x dp cp tp + replica x cp tp + context x tp + shard). A group of ranks spans
 the consecutive devices of its own and the inner dimensions (a context-parallel group cp x tp of
 them, the gradients' dp x cp group dp x cp x tp) and uses the intra-node network when that span
-fits in a node, else the inter-node one (steptime.py).
+fits in a node, else the inter-node one (steptime.py). An expert-parallel group is ep adjacent
+replicas (minimp/parallel/expert/, Megatron-Core's): it spans ep x cp x tp devices; ep divides dp.
 """
 
 import math
@@ -50,12 +60,34 @@ class ModelShape:
     context: int
     vocab: int
     dropout: bool = True  # Korthikanti et al.'s 34 sbh counts the dropout masks
+    experts: int = 0  # E: each block's MLP a mixture of E experts; 0: the dense MLP
+    top_k: int = 2  # K: experts per token
+    expert_hidden: int = 0  # f: each expert's width; 0: the dense MLP's 4h
+
+    @property
+    def expert_width(self) -> int:
+        """f, each expert's hidden width (4h unless given)."""
+        return self.expert_hidden or 4 * self.hidden
+
+    def expert_parameters(self) -> int:
+        """One expert (c_fc and c_proj with their biases): 2hf + f + h."""
+        h, f = self.hidden, self.expert_width
+        return 2 * h * f + f + h
+
+    def block_parameters(self) -> int:
+        """A block: 12h^2 + 13h dense; with experts attention and LayerNorms 4h^2 + 8h, the
+        router E h and E experts (minimp/train/sizes.py's count)."""
+        h = self.hidden
+        if not self.experts:
+            return 12 * h * h + 13 * h
+        return 4 * h * h + 8 * h + self.experts * (h + self.expert_parameters())
 
     def parameters(self) -> int:
         """minimp's GPT: per block 12h^2 + 13h, embeddings (V + s) h, final LayerNorm 2h (the head
-        is tied). Narayanan et al.'s Eq. 2, 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)), plus 2h."""
+        is tied). Narayanan et al.'s Eq. 2, 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)), plus 2h.
+        With experts, block_parameters's per block."""
         h = self.hidden
-        return self.layers * (12 * h * h + 13 * h) + (self.vocab + self.context) * h + 2 * h
+        return self.layers * self.block_parameters() + (self.vocab + self.context) * h + 2 * h
 
 
 @dataclass(frozen=True)
@@ -132,6 +164,12 @@ def check_inputs(model: ModelShape, cluster: Cluster, job: Job) -> None:
     if min(job.micro_batch_sizes) > job.global_batch:
         raise PlanError(f"--global-batch {job.global_batch} is smaller than the smallest "
                         f"--micro-batch-size {min(job.micro_batch_sizes)}")
+    if model.experts < 0 or model.expert_hidden < 0:
+        raise PlanError(f"--experts and --expert-hidden must be 0 or more, got {model.experts} "
+                        f"and {model.expert_hidden}")
+    if model.experts and not 1 <= model.top_k <= model.experts:
+        raise PlanError(f"--top-k must be between 1 and --experts {model.experts}, got "
+                        f"{model.top_k}")
     if job.precision not in PRECISION_BYTES:
         raise PlanError(f"--precision must be one of {sorted(PRECISION_BYTES)}")
     if job.optimizer not in OPTIMIZER_SLOTS:
@@ -164,8 +202,9 @@ def divisors(number: int) -> list[int]:
 class Layout:
     """One configuration: the grid (dp x cp x tp x pp: the module docstring places it), ZeRO's
     stage over the dp x cp ranks of a stage, rows per micro-batch and micro-batches per step on
-    each replica, full recomputation, sequence parallelism, and how the cp ranks split attention
-    (cp_mode, one of CP_MODES; nothing to split at cp = 1)."""
+    each replica, full recomputation, sequence parallelism, how the cp ranks split attention
+    (cp_mode, one of CP_MODES; nothing to split at cp = 1), and over how many of the dp replicas
+    each mixture's experts are split (ep, dividing dp; 1: every replica holds every expert)."""
 
     dp: int
     tp: int
@@ -177,12 +216,14 @@ class Layout:
     sequence_parallel: bool = False
     cp: int = 1
     cp_mode: str = "ring"
+    ep: int = 1
 
     def __str__(self) -> str:
         flags = " recompute" * self.recompute + " sp" * self.sequence_parallel
-        context = f" cp {self.cp} {self.cp_mode}" if self.cp > 1 else ""
+        flags += f" cp {self.cp} {self.cp_mode}" if self.cp > 1 else ""
+        flags += f" ep {self.ep}" if self.ep > 1 else ""
         return (f"dp {self.dp} tp {self.tp} pp {self.pp} zero {self.zero} "
-                f"b {self.micro_batch_size} M {self.micro_batches}{flags}{context}")  # fmt: skip
+                f"b {self.micro_batch_size} M {self.micro_batches}{flags}")  # fmt: skip
 
     @property
     def ranks(self) -> int:

@@ -58,9 +58,35 @@ attention runs at a time), its in-flight buffers at their backward peak: two (k,
 the activation dtype and two float32 (dK, dV), 2 x 2n (d + 4) with n = b s h/(t c)
 (`ring_memory`'s backward_buffers). Model states: ZeRO shards over the dp x c ranks of a stage,
 the group the trainer reduces the gradients over (parallel/apply.py's dp_cp_group).
+
+A mixture of experts (inputs.py; tp = 1: minimp refuses --experts with --tp). A block holds
+4h^2 + 8h + E h + E (2hf + f + h) (ModelShape.block_parameters). With ep > 1 a rank holds E/ep of
+each mixture's experts (parallel/expert/layout.py's `held_parameters`), and its model states are
+two of formulas.py's: the dense parameters (routers included) over the dp x cp ranks as above,
+the E/ep experts of each block over the replicas holding the same experts, (dp/ep) x cp ranks
+(ZeRO shards each group apart, with buffers of its own); at ZeRO 0 that is layout.py's
+`memory_by_kind`. The 16-bit gradients' peak is peak_formula's over both groups' units. At ep = 1
+a block is one unit, as the trainer's.
+
+A mixture's activations per block and micro-batch replace the dense MLP's 9 d sbh (c_fc's input
+d, GELU's 4d, mlp.c_proj's 4d; its dropout mask stays), with N = sb/c tokens on a rank and, the
+routing dropless and balanced, N K (token, choice) rows through the experts (with ep > 1 a rank
+computes as many rows for its experts as it sends away, so the count holds on every rank):
+
+  per token   4h (the router's float32 input) + 12E (the float32 probabilities, kept by the
+              softmax and again, a (B, T, E) view, by the load-balancing loss; log_softmax's
+              output for the z-loss) + 8 (the gates' sum, the z-loss's logsumexp)
+  per row     2d (h + f) (an expert's c_fc input and output, its GELU and c_proj inputs) + d
+              (the row's gate) + 4 (the float32 chosen probability) + 40 (five int64 indices)
+  per sample  4E (the load-balancing loss's float32 weights)
+  per block   16 (four float32 scalars of the loss's coefficients) + 4Eh in 16 bits (the router
+              weight's float32 copy)
+
+which is what minimp's MoE block keeps, counted as `saved_bytes` counts (tests/test_plan.py).
 """
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from minimp.parallel.context.ring import ring_memory
@@ -72,10 +98,23 @@ INT64 = 8  # token ids, positions and targets are int64 arrays
 LSE_BYTES = 4  # the ring's log-sum-exp per query row and head: float32 (ops/attention.py)
 
 
-def layer_parameters(model: ModelShape, tp: int) -> int:
-    """Parameters of one block on one tensor-parallel rank: 12h^2/t + 7h/t + 6h."""
+def layer_parameters(model: ModelShape, tp: int, ep: int = 1) -> int:
+    """Parameters of one block on one tensor-parallel rank: 12h^2/t + 7h/t + 6h; with experts
+    (t = 1) the whole block, less its experts when ep > 1 (they are `expert_units`)."""
     h = model.hidden
+    if model.experts:
+        experts = model.experts * model.expert_parameters() if ep > 1 else 0
+        return model.block_parameters() - experts
     return math.ceil((12 * h * h + 7 * h) / tp) + 6 * h
+
+
+def expert_units(model: ModelShape, layout: Layout) -> list[int]:
+    """The units reduced over the replicas holding the same experts: with ep > 1, one per block
+    of the stage, E/ep experts each; none otherwise."""
+    if layout.ep == 1:
+        return []
+    held = model.experts // layout.ep * model.expert_parameters()
+    return [held] * (model.layers // layout.pp)
 
 
 def vocabulary_share(model: ModelShape, layout: Layout, job: Job) -> int:
@@ -85,11 +124,12 @@ def vocabulary_share(model: ModelShape, layout: Layout, job: Job) -> int:
 
 def stage_units(model: ModelShape, layout: Layout, stage: int, job: Job = Job(1)) -> list[int]:
     """Sizes of ZeRO's units on one tensor-parallel rank of `stage` (train/sizes.py's with
-    job.vocabulary_parallel off)."""
+    job.vocabulary_parallel off), reduced over the dp x cp ranks: with ep > 1, the experts
+    apart (expert_units)."""
     first, last = stage == 0, stage == layout.pp - 1
     token = vocabulary_share(model, layout, job) * model.hidden
     units = [token, model.context * model.hidden] if first else []
-    units += [layer_parameters(model, layout.tp)] * (model.layers // layout.pp)
+    units += [layer_parameters(model, layout.tp, layout.ep)] * (model.layers // layout.pp)
     if last:
         units += [2 * model.hidden] + ([] if first else [token])
     return units
@@ -97,12 +137,19 @@ def stage_units(model: ModelShape, layout: Layout, stage: int, job: Job = Job(1)
 
 def model_state_bytes(model: ModelShape, layout: Layout, job: Job, stage: int) -> dict[str, int]:
     """{kind: bytes} of formulas.memory_formula for rank 0 of the stage's dp x cp group (the
-    largest chunks), plus `gradients16`: the 16-bit gradients at the peak inside a step."""
-    units, c = stage_units(model, layout, stage, job), job.compute_bytes
-    held = memory_formula(layout.zero, unit_sizes=units, rank=0, world_size=layout.dp * layout.cp,
-                          compute_bytes=c, wire_bytes=job.grad_comm_bytes, slots=job.slots)
-    held["gradients16"] = peak_formula(layout.zero, unit_sizes=units, compute_bytes=c)
-    return held
+    largest chunks), and with ep > 1 of its (dp/ep) x cp expert group, plus `gradients16`: the
+    16-bit gradients at the peak inside a step (module docstring)."""
+    units, experts = stage_units(model, layout, stage, job), expert_units(model, layout)
+    c, held = job.compute_bytes, Counter[str]()
+    groups = [(units, layout.dp * layout.cp)]
+    if experts:
+        groups.append((experts, layout.dp // layout.ep * layout.cp))
+    for group_units, world_size in groups:
+        held.update(memory_formula(layout.zero, unit_sizes=group_units, rank=0,
+                                   world_size=world_size, compute_bytes=c,
+                                   wire_bytes=job.grad_comm_bytes, slots=job.slots))
+    held["gradients16"] = peak_formula(layout.zero, unit_sizes=units + experts, compute_bytes=c)
+    return dict(held)
 
 
 def attention_bytes(model: ModelShape, rows: int, d: int, cp: int = 1,
@@ -128,8 +175,22 @@ def layer_activation_bytes(model: ModelShape, rows: int, d: int, tp: int, sp: bo
     statistics = float(2 * 2 * max(d, 4) * s * rows)
     if sp:
         whole, statistics = whole / tp, statistics / tp
+    if model.experts:  # t = 1: the mixture's instead of the dense MLP's 9 d sbh
+        mixture = mixture_bytes(model, rows, d, cp) - 9 * d * sbh
+        return whole + split + attention + statistics + mixture
     return whole + (split + attention) / tp + statistics
 
+
+def mixture_bytes(model: ModelShape, rows: int, d: int, cp: int = 1) -> float:
+    """What a mixture of experts keeps for backward on one rank for one block (the table in the
+    module docstring): N = b s/c tokens, N K rows, dropless and balanced."""
+    h, f, experts = model.hidden, model.expert_width, model.experts
+    tokens = rows * model.context / cp
+    per_token = 4 * h + 12 * experts + 8
+    per_row = 2 * d * (h + f) + d + 4 + 5 * INT64
+    router_copy = 4 * experts * h if d < 4 else 0
+    return (tokens * per_token + tokens * model.top_k * per_row + 4 * experts * rows + 16
+            + router_copy)
 
 def stored_layer_bytes(model: ModelShape, layout: Layout, d: int) -> float:
     """What one block keeps per micro-batch: everything, or its input alone with recomputation."""

@@ -107,4 +107,19 @@ SHAKESPEARE = ModelShape(layers=4, hidden=128, heads=4, context=64, vocab=65, dr
 # probabilities, 2 a s^2/t = 128 GiB a block at tp = 8: nothing fits on 80 GB (search.py).
 LONG_CONTEXT_7B = ModelShape(layers=32, hidden=4096, heads=32, context=131072, vocab=32000,
                              dropout=False)
-MODELS = {"shakespeare": SHAKESPEARE, "7B-128k": LONG_CONTEXT_7B, **MEGATRON}
+# A mixture of experts: Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", arXiv 2401.04088)
+# as Hugging Face's MixtralConfig gives its defaults, "mistralai/Mixtral-8x7B-v0.1"
+# (huggingface/transformers, src/transformers/models/mixtral/configuration_mixtral.py, read in the
+# search tool's code index on 2026-12-06: vocab_size 32000, hidden_size 4096, intermediate_size
+# 14336, num_hidden_layers 32, num_attention_heads 32, num_key_value_heads 8,
+# num_local_experts 8, num_experts_per_tok 2, max_position_embeddings 32768), as minimp's GPT
+# builds it: experts of two matrices and a GELU (Mixtral's have three, SwiGLU's w1, w2, w3),
+# every head with its own keys and values (the planner has no grouped-query attention: Mixtral's
+# 8 KV heads make k and v a quarter of this), LayerNorms, biases, learned positions and the head
+# tied to the embedding (Mixtral's is its own): 32.4B parameters, 9.8B of them active a token,
+# where the paper's abstract gives 47B and 13B. Trained here on 4,096 tokens a sample (the
+# config allows 32,768: --context 32768 prices that), without dropout.
+MIXTRAL_8X7B = ModelShape(layers=32, hidden=4096, heads=32, context=4096, vocab=32000,
+                          dropout=False, experts=8, top_k=2, expert_hidden=14336)
+MODELS = {"shakespeare": SHAKESPEARE, "7B-128k": LONG_CONTEXT_7B, "mixtral-8x7b": MIXTRAL_8X7B,
+          **MEGATRON}

@@ -62,6 +62,7 @@ parallel embedding's and loss's small all-reduces, kernel launches, and data loa
 import math
 from dataclasses import dataclass
 
+from minimp.distributed.alltoall import COUNT_BYTES
 from minimp.measure.costmodel import exposed_behind_compute
 from minimp.parallel.context.ring import ring_bytes
 from minimp.parallel.context.ulysses import ulysses_bytes
@@ -69,7 +70,7 @@ from minimp.parallel.pipeline.schedules import build_schedule
 from minimp.parallel.pipeline.simulator import Costs, simulate_schedule
 from minimp.plan.inputs import Cluster, Job, Layout, ModelShape
 from minimp.plan.links import Links
-from minimp.plan.memory import attention_shape, stage_units, vocabulary_share
+from minimp.plan.memory import attention_shape, expert_units, stage_units, vocabulary_share
 from minimp.precision.casting import ACTIVATION_DTYPES
 
 # per step over the job: the overflow flag before and after the reduce, the norm, the loss
@@ -79,8 +80,12 @@ TIED_GRADIENT_BYTES = 4  # the tied embedding's gradient is all-reduced from flo
 
 
 def layer_forward_flops(model: ModelShape, rows: int) -> float:
-    """One block's forward on `rows` samples: 24 b s h^2 + 4 b s^2 h = 24 b s h^2 (1 + s/(6h))."""
+    """One block's forward on `rows` samples: 24 b s h^2 + 4 b s^2 h = 24 b s h^2 (1 + s/(6h));
+    with experts 8 b s h^2 + 4 b s^2 h + 2 b s h E + 4 K b s h f (module docstring)."""
     s, h = model.context, model.hidden
+    if model.experts:
+        mixture = 2 * rows * s * h * (model.experts + 2 * model.top_k * model.expert_width)
+        return 8 * rows * s * h * h + attention_flops(model, rows) + mixture
     return 24 * rows * s * h * h + attention_flops(model, rows)
 
 
@@ -118,11 +123,12 @@ class StepTime:
     bubble: float  # the pipeline's fill and drain, and its messages
     data_parallel: float  # the gradients' collectives after the last backward
     other: float  # the tied embedding's all-reduce and the scalars
+    expert_parallel: float = 0.0  # its experts' all-to-alls
 
     @property
     def total(self) -> float:
         parts = (self.compute, self.tensor_parallel, self.context_parallel, self.zero_in_step)
-        return sum(parts) + self.bubble + self.data_parallel + self.other
+        return sum(parts) + self.bubble + self.data_parallel + self.other + self.expert_parallel
 
 
 def _links(cluster: Cluster, group_span: int) -> Links:
@@ -171,9 +177,42 @@ def context_costs(model: ModelShape, cluster: Cluster, job: Job, layout: Layout)
     return forward, backward + (forward if layout.recompute else 0.0)
 
 
+def expert_rows(model: ModelShape, layout: Layout) -> tuple[float, float]:
+    """(rows, rows sent away) of one block's dispatch on one micro-batch of a rank: its N K
+    (token, choice) rows, and (ep - 1)/ep of them (dropless, balanced; as many received)."""
+    rows = layout.micro_batch_size * model.context / layout.cp * model.top_k
+    return rows, rows * (layout.ep - 1) / layout.ep
+
+
+def expert_bytes(model: ModelShape, layout: Layout, job: Job) -> tuple[float, float]:
+    """Bytes one rank sends in one block's dispatch on one micro-batch, forward and backward:
+    the counts, (ep - 1) (E/ep) int64s, then S rows out and R back of h x d bytes each (module
+    docstring); none at ep = 1."""
+    if layout.ep == 1:
+        return 0.0, 0.0
+    _, sent = expert_rows(model, layout)
+    counts = (layout.ep - 1) * (model.experts // layout.ep) * COUNT_BYTES
+    rows = 2 * sent * model.hidden * job.compute_bytes  # S out, R = S back
+    return counts + rows, rows
+
+
+def expert_costs(model: ModelShape, cluster: Cluster, job: Job, layout: Layout):
+    """(forward, backward) seconds of one block's all-to-alls on one micro-batch (module
+    docstring)."""
+    ep = layout.ep
+    if ep == 1:
+        return 0.0, 0.0
+    links = _links(cluster, ep * layout.cp * layout.tp)
+    rows, _ = expert_rows(model, layout)
+    counts = links.all_to_all(model.experts * COUNT_BYTES, ep)
+    moved = 2 * links.all_to_all(rows * model.hidden * job.compute_bytes, ep)
+    forward = counts + moved
+    return forward, moved + (forward if layout.recompute else 0.0)
+
+
 def stage_costs(model: ModelShape, cluster: Cluster, job: Job, layout: Layout, stage: int):
-    """(compute, tensor-parallel, context-parallel, ZeRO) seconds of one micro-batch's forward and
-    of its backward on `stage`, as four (forward, backward) pairs."""
+    """(compute, tensor-parallel, context-parallel, ZeRO, expert-parallel) seconds of one
+    micro-batch's forward and of its backward on `stage`, as five (forward, backward) pairs."""
     rows, tp, dp, cp = layout.micro_batch_size, layout.tp, layout.dp, layout.cp
     blocks = model.layers // layout.pp
     block_flops = blocks * layer_forward_flops(model, rows)
@@ -193,35 +232,46 @@ def stage_costs(model: ModelShape, cluster: Cluster, job: Job, layout: Layout, s
     tp_backward = (2 + 2 * layout.recompute) * blocks * one
     cp_forward, cp_backward = (blocks * part for part in context_costs(model, cluster, job, layout))
 
-    stage_parameters = sum(stage_units(model, layout, stage, job))
     dp_links = _links(cluster, tp * cp * dp)
     zero_forward = zero_backward = 0.0
-    if layout.zero >= 2:  # minimp reduce-scatters every micro-batch's gradients (formulas.py)
-        zero_backward += dp_links.reduce_scatter(stage_parameters * job.grad_comm_bytes, dp * cp)
-    if layout.zero == 3:  # and gathers each layer before its forward and before its backward
-        gather = dp_links.all_gather(stage_parameters * job.compute_bytes, dp * cp)
-        zero_forward, zero_backward = gather, zero_backward + gather
+    for parameters, ranks in gradient_groups(model, layout, job, stage):
+        if layout.zero >= 2:  # minimp reduce-scatters every micro-batch's gradients (formulas.py)
+            zero_backward += dp_links.reduce_scatter(parameters * job.grad_comm_bytes, ranks)
+        if layout.zero == 3:  # and gathers each layer before its forward and before its backward
+            gather = dp_links.all_gather(parameters * job.compute_bytes, ranks)
+            zero_forward, zero_backward = zero_forward + gather, zero_backward + gather
+    ep_forward, ep_backward = (blocks * part for part in expert_costs(model, cluster, job, layout))
     return ((forward, backward), (tp_forward, tp_backward), (cp_forward, cp_backward),
-            (zero_forward, zero_backward))
+            (zero_forward, zero_backward), (ep_forward, ep_backward))
+
+
+def gradient_groups(model: ModelShape, layout: Layout, job: Job, stage: int):
+    """(parameters, ranks) of each group the stage's gradients are reduced over: the dense ones
+    over dp x cp, and with ep > 1 the experts over (dp/ep) x cp (module docstring)."""
+    groups = [(sum(stage_units(model, layout, stage, job)), layout.dp * layout.cp)]
+    experts = sum(expert_units(model, layout))
+    if experts:
+        groups.append((experts, layout.dp // layout.ep * layout.cp))
+    return groups
 
 
 def gradient_sync_seconds(model: ModelShape, cluster: Cluster, job: Job, layout: Layout) -> float:
     """The slowest stage's data-parallel collectives after the last backward, over its dp x cp
     ranks (module docstring)."""
-    dp_links, ranks = _links(cluster, layout.tp * layout.cp * layout.dp), layout.dp * layout.cp
+    dp_links = _links(cluster, layout.tp * layout.cp * layout.dp)
     slowest = 0.0
     for stage in sorted({0, layout.pp - 1}):
-        parameters = sum(stage_units(model, layout, stage, job))
-        wire, copies = parameters * job.grad_comm_bytes, parameters * job.compute_bytes
-        if layout.zero == 0:
-            seconds = dp_links.all_reduce(wire, ranks)
-        elif layout.zero == 1:
-            scatter = dp_links.reduce_scatter(wire, ranks)
-            seconds = scatter + dp_links.all_gather(copies, ranks)
-        elif layout.zero == 2:  # reduce-scattered during backward already
-            seconds = dp_links.all_gather(copies, ranks)
-        else:  # stage 3: the update is on shards, nothing to gather
-            seconds = 0.0
+        seconds = 0.0
+        for parameters, ranks in gradient_groups(model, layout, job, stage):
+            wire, copies = parameters * job.grad_comm_bytes, parameters * job.compute_bytes
+            if layout.zero == 0:
+                seconds += dp_links.all_reduce(wire, ranks)
+            elif layout.zero == 1:
+                scatter = dp_links.reduce_scatter(wire, ranks)
+                seconds += scatter + dp_links.all_gather(copies, ranks)
+            elif layout.zero == 2:  # reduce-scattered during backward already
+                seconds += dp_links.all_gather(copies, ranks)
+            # stage 3: the update is on shards, nothing to gather
         slowest = max(slowest, seconds)
     return slowest
 
@@ -233,8 +283,8 @@ def step_time(model: ModelShape, cluster: Cluster, job: Job, layout: Layout,
     costs = [stage_costs(model, cluster, job, layout, stage) for stage in range(pp)]
     per_stage = [sum(f + b for f, b in parts) for parts in costs]
     slowest = max(range(pp), key=lambda stage: per_stage[stage])
-    # its compute, tensor-parallel, context-parallel and ZeRO seconds, M micro-batches of each
-    compute, tensor_parallel, context_parallel, zero_in_step = (
+    # its compute, tensor-, context-parallel, ZeRO and expert-parallel seconds, M micro-batches
+    compute, tensor_parallel, context_parallel, zero_in_step, expert_parallel = (
         micro_batches * (f + b) for f, b in costs[slowest])
 
     whole_job = _links(cluster, cluster.gpus)
@@ -257,4 +307,5 @@ def step_time(model: ModelShape, cluster: Cluster, job: Job, layout: Layout,
     return StepTime(
         compute, tensor_parallel, context_parallel, zero_in_step,
         bubble=span - micro_batches * per_stage[slowest],
-        data_parallel=gradient_sync_seconds(model, cluster, job, layout), other=tied + scalars)
+        data_parallel=gradient_sync_seconds(model, cluster, job, layout), other=tied + scalars,
+        expert_parallel=expert_parallel)
