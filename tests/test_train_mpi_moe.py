@@ -1,5 +1,5 @@
-"""`mpirun -n D python -m minimp.train --experts 4 --dp D --ep N` for real (the issue's --dp 2 --ep 2,
---dp 4 --ep 4, --dp 4 --ep 2): the issue's small fp32 MoE GPT routes every step's tokens as one
+"""`mpirun -n D python -m minimp.train --experts 4 --dp D --ep N` for real (the issue's --dp 2
+--ep 2, --dp 4 --ep 4, --dp 4 --ep 2): the issue's small fp32 MoE GPT routes every step's tokens as one
 process (asserted first), drops the same pairs at capacity 1.0, ends at its weights after 3 steps,
 and rank 0's expert_parallel bytes equal dispatch_bytes of its rows every step."""
 
@@ -13,7 +13,8 @@ from minimp.parallel.expert import dispatch_bytes
 
 pytestmark = [
     pytest.mark.mpi,
-    pytest.mark.slow,  # about 40 s (five launches, 4 ranks on 2 cores): the simulated world covers --ep by default
+    pytest.mark.slow,  # about 40 s (five launches, 4 ranks on 2 cores); the simulated world
+    # covers --ep in the default tier
     pytest.mark.skipif(MPIRUN is None, reason="no mpirun on PATH (pip install 'minimp[mpi]')"),
 ]
 GPT = dict(layers=2, hidden=32, heads=4, context=16, batch_size=8, steps=3, experts=4, top_k=2)

@@ -67,4 +67,5 @@ def test_with_ep_a_rank_counts_its_own_experts_and_every_expert_has_two_linears(
     expert = 2 * 16 * 64 + 64 + 16
     assert expert_parameter_count(one) == expert
     assert [w - m for w, m in zip(whole, mine)] == [0, 2 * expert, 0]
-    assert linear_count(one) == 2 + 2 * 4 and linear_count(TrainConfig(**{**MOE, "experts": 0})) == 4
+    assert linear_count(one) == 2 + 2 * 4
+    assert linear_count(TrainConfig(**{**MOE, "experts": 0})) == 4

@@ -9,8 +9,8 @@ activation 3" / "all-reduce gradients", with the step and the micro-batch in its
 microseconds from a common origin that every rank takes right after one barrier, so the ranks' lanes
 line up (to the barrier's skew). With --experts, counter tracks ("ph": "C", drawn as a graph per
 step in rank 0's process) carry each step's expert load, its max/mean and the dropped (token,
-choice) pairs, the metrics' figures (`expert_counters`). `read_timeline` turns a file back into the rows the Gantt chart of
-mpirun_examples/pipeline_timeline.py draws.
+choice) pairs, the metrics' figures (`expert_counters`). `read_timeline` turns a file back into
+the rows the Gantt chart of mpirun_examples/pipeline_timeline.py draws.
 """
 
 import json
