@@ -1,7 +1,7 @@
 """`mpirun -n D python -m minimp.train --experts 4 --dp D --ep N` for real (the issue's --dp 2
---ep 2, --dp 4 --ep 4, --dp 4 --ep 2): the issue's small fp32 MoE GPT routes every step's tokens as one
-process (asserted first), drops the same pairs at capacity 1.0, ends at its weights after 3 steps,
-and rank 0's expert_parallel bytes equal dispatch_bytes of its rows every step."""
+--ep 2, --dp 4 --ep 4, --dp 4 --ep 2): the issue's small fp32 MoE GPT routes every step's tokens
+as one process (asserted first), drops the same pairs at capacity 1.0, ends at its weights after
+3 steps, and rank 0's expert_parallel bytes equal dispatch_bytes of its rows every step."""
 
 import json
 

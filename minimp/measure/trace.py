@@ -15,6 +15,7 @@ the rows the Gantt chart of mpirun_examples/pipeline_timeline.py draws.
 
 import json
 import time
+from typing import Sequence
 
 import numpy as np
 
@@ -119,7 +120,7 @@ def _metadata(kind: str, pid: int, tid: int, value: str | int, key: str = "name"
     return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {key: value}}
 
 
-def trace_document(ranks: dict[int, dict], other: dict, counters: list[dict] = ()) -> dict:
+def trace_document(ranks: dict[int, dict], other: dict, counters: Sequence[dict] = ()) -> dict:
     """The whole trace as one JSON-ready object; `other` (schedule, stages, ...) goes in
     "otherData" (the training command writes it with minimp.checkpoints.files.atomic_write);
     `counters`, counter events (expert_counters') after the ranks' events."""
