@@ -59,13 +59,13 @@ def test_with_ep_a_rank_counts_its_own_experts_and_every_expert_has_two_linears(
     """rank_layer_counts keeps E/ep experts a block (the others are freed once the model is cut:
     the trainer's model_state_by_kind is checked against the same count in test_train_moe.py);
     fp8's histories count 2 + 2E Linears a block (the router is float32)."""
-    from minimp.train.sizes import (expert_parameter_count, layer_parameter_counts,
-                                    linear_count, rank_layer_counts)
+    from minimp.train.sizes import (gpt_shape, layer_parameter_counts, linear_count,
+                                    rank_layer_counts)
 
     one, split = TrainConfig(**MOE), TrainConfig(**MOE, ep=2, dp=2)
     whole, mine = layer_parameter_counts(one), rank_layer_counts(split)
     expert = 2 * 16 * 64 + 64 + 16
-    assert expert_parameter_count(one) == expert
+    assert gpt_shape(one).expert_parameters() == expert
     assert [w - m for w, m in zip(whole, mine)] == [0, 2 * expert, 0]
     assert linear_count(one) == 2 + 2 * 4
     assert linear_count(TrainConfig(**{**MOE, "experts": 0})) == 4

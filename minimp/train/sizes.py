@@ -2,6 +2,7 @@
 layer, ZeRO's units per stage, and whether the ranks on this machine have the memory for it and
 for every buffer a flag sizes."""
 
+import math
 from typing import TYPE_CHECKING
 
 from minimp.checkpoints.errors import ConfigError
@@ -9,6 +10,8 @@ from minimp.parallel.context.ring import ring_memory
 from minimp.parallel.pipeline.split import split_counts
 from minimp.parallel.tensor.models import paired_counts
 from minimp.parallel.zero.formulas import memory_formula, peak_formula
+from minimp.plan.inputs import ModelShape
+from minimp.plan.memory import mixture_bytes
 from minimp.precision.casting import ACTIVATION_DTYPES
 from minimp.train.progress import size_text  # the summary's sizes: 1.5 KiB, 2.0 GiB
 
@@ -34,10 +37,7 @@ def layer_parameter_counts(config: "TrainConfig") -> list[int]:
     width, layers = config.hidden, config.layers
     if config.model == "gpt":  # embeddings (tied head), per block 12 C^2 + 13 C, final LayerNorm
         embeddings = (SHAKESPEARE_VOCABULARY + config.context) * width
-        block = 12 * width * width + 13 * width
-        if config.experts:  # attention and LayerNorms 4 C^2 + 8 C, router E C, E experts of H
-            block = 4 * width * width + 8 * width + config.experts * width
-            block += config.experts * expert_parameter_count(config)
+        block = gpt_shape(config).block_parameters()  # with experts: the router and E experts
         return [embeddings] + [block] * layers + [2 * width]
     features, classes = DIGITS_SHAPE
     counts, inputs = [], features
@@ -47,10 +47,11 @@ def layer_parameter_counts(config: "TrainConfig") -> list[int]:
     return counts + [inputs * classes + classes]
 
 
-def expert_parameter_count(config: "TrainConfig") -> int:
-    """One expert's parameters: C x H + H and H x C + C (H = --expert-hidden, default 4C)."""
-    hidden = config.expert_hidden or 4 * config.hidden
-    return 2 * config.hidden * hidden + hidden + config.hidden
+def gpt_shape(config: "TrainConfig") -> ModelShape:
+    """The GPT these flags build, as the planner describes a model (its parameter counts)."""
+    return ModelShape(config.layers, config.hidden, config.heads, config.context,
+                      SHAKESPEARE_VOCABULARY, dropout=config.dropout > 0, experts=config.experts,
+                      top_k=config.top_k, expert_hidden=config.expert_hidden)
 
 
 def rank_layer_counts(config: "TrainConfig") -> list[int]:
@@ -60,7 +61,7 @@ def rank_layer_counts(config: "TrainConfig") -> list[int]:
     --ep a block keeps E/ep of its experts (minimp/parallel/expert/layout.py)."""
     counts, tp, width = layer_parameter_counts(config), config.tp, config.hidden
     if config.ep > 1:  # the other ranks' experts are freed once the model is cut
-        freed = (config.experts - config.experts // config.ep) * expert_parameter_count(config)
+        freed = (config.experts - config.experts // config.ep) * gpt_shape(config).expert_parameters()
         return [counts[0]] + [count - freed for count in counts[1:-1]] + [counts[-1]]
     if tp == 1:
         return counts
@@ -154,13 +155,9 @@ def gpt_activation_bytes(config: "TrainConfig", rows: int) -> int:
     the head's (2h), then the int64 ids and targets and ln_f's float32 mean and 1/std (24 sb).
     buffers: with --cp ring, ring_memory's backward_buffers, the most in flight in one call (its
     k, v and float32 dK, dV; one call at a time). With --experts the MLP's 36 sbh (its float32
-    input, 4h and 4h) give way to the mixture's, for K choices of H-wide experts:
-
-        K (4h + 2H) d sb  +  (4h + 32 E + 32 K) sb
-
-    (each routed row's gathered input, expert input, hidden, GELU and output; the router's float32
-    input, logits and probabilities, the gates; --ep: balanced routing, each rank computing as
-    many rows as it sends). The trainer's measured peak stays within this
+    input, 4h and 4h) give way to the mixture's, the planner's count of what the block keeps
+    (minimp/plan/memory.py's mixture_bytes: dropless; with --ep balanced routing, each rank
+    computing as many rows as it sends). The trainer's measured peak stays within this
     (tests/test_train_context_parallel_metrics.py, tests/test_train_moe.py)."""
     tokens, heads, width, cp = config.context, config.heads, config.hidden, config.cp
     s = tokens // cp
@@ -177,10 +174,8 @@ def gpt_activation_bytes(config: "TrainConfig", rows: int) -> int:
     head = 4 * s * rows * (SHAKESPEARE_VOCABULARY + 2 * width + 8)
     block = 70 * s * rows * width
     if config.experts:
-        k, hidden = config.top_k, config.expert_hidden or 4 * width
         d = config.activation_dtype().itemsize
-        block += s * rows * (k * (4 * width + 2 * hidden) * d + 4 * width + 32 * config.experts
-                             + 32 * k - 36 * width)
+        block += math.ceil(mixture_bytes(gpt_shape(config), rows, d, cp)) - 36 * s * rows * width
     return config.layers * (block + attention) + head + buffers
 
 
