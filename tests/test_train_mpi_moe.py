@@ -1,6 +1,7 @@
 """`mpirun -n 2 python -m minimp.train --experts 4 --dp 2 --ep 2` for real: the issue's small fp32
 MoE GPT routes every step's tokens as one process (asserted first), ends at its weights after 3
-steps, and rank 0's expert_parallel bytes equal dispatch_bytes of its rows every step."""
+steps, and rank 0's expert_parallel bytes equal dispatch_bytes of its rows every step; in fp8 the
+replicas stay identical and the rows travel in bf16."""
 
 import json
 
@@ -45,3 +46,14 @@ def test_dp_2_ep_2_routes_and_ends_as_one_process(tmp_path):
         assert row["bytes_by_group"]["expert_parallel"] == dispatch_bytes(
             row["expert_dispatches"], row["expert_rows_sent"], row["expert_rows_received"],
             GPT["experts"], 2, GPT["hidden"] * 4)
+
+
+def test_dp_2_ep_2_in_fp8_keeps_the_replicas_identical_and_sends_bf16_rows(tmp_path):
+    """--precision fp8 (delayed) under mpirun: --check-replicas 1 ends the run on any drift of the
+    masters or the fp8 state (every rank keeps every expert's); the rows travel in bf16."""
+    _, rows = run(tmp_path, 2, "--dp", "2", "--ep", "2", "--precision", "fp8",
+                  "--check-replicas", "1")
+    for row in rows:
+        assert row["bytes_by_group"]["expert_parallel"] == dispatch_bytes(
+            row["expert_dispatches"], row["expert_rows_sent"], row["expert_rows_received"],
+            GPT["experts"], 2, GPT["hidden"] * 2)
