@@ -30,7 +30,8 @@ def run_steps(world_size, **overrides):
             run.step(step)
         masters = {name: master.copy()
                    for name, master in zip(run.names, run.optimizer.master_weights)}
-        return masters, run.fp8.state_arrays() if run.fp8 else {}, [r for r in run.history.records if "step" in r]
+        state = run.fp8.state_arrays() if run.fp8 is not None else {}  # {} in bf16
+        return masters, state, [row for row in run.history.records if "step" in row]
 
     with backend.limit_cpu_threads(1):
         return dist.simulate(world_size, body, eager_limit=0)
