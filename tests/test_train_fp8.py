@@ -199,7 +199,9 @@ def test_fp8_trains_as_well_as_bf16_and_unscaled_fp8_loses_its_gradients():
     (1, dict(dataset="digits", layers=3, hidden=8, heads=0, context=0)),
     (1, dict()),
     (2, dict(tp=2)),
-], ids=["mlp", "gpt", "gpt-tp2"])
+    (1, dict(experts=4, top_k=2)),
+    (2, dict(experts=4, top_k=2, dp=2, ep=2)),
+], ids=["mlp", "gpt", "gpt-tp2", "moe", "moe-ep2"])
 def test_the_memory_check_counts_every_amax_history_a_rank_builds(world_size, overrides):
     """--fp8-amax-history 1000000000 passed the memory check, which did not count the histories,
     and the run grew until the kernel killed it: the estimate is what the built ranks hold (and
@@ -209,7 +211,7 @@ def test_the_memory_check_counts_every_amax_history_a_rank_builds(world_size, ov
 
     def held(comm):
         run = Run(config, comm, log=lambda line: None)
-        models = [run.model] + ([run.share.trained] if config.tp > 1 else [])
+        models = [run.model] + ([run.share.trained] if run.share.trained is not run.model else [])
         quantizers = {id(q): q for model in models for _, q in nn.fp8_quantizers(model)}
         return sum(q.amax_history.nbytes for q in quantizers.values())
 

@@ -198,7 +198,6 @@ REFUSED = [
     (["--experts", "2", "--cp", "2"], "--experts with --cp 2: not yet"),
     (["--experts", "2", "--dp", "2", "--zero", "1"], "--experts with --zero 1: not yet"),
     (["--experts", "2", "--recompute"], "--experts with --recompute: not yet"),
-    (["--experts", "2", "--precision", "fp8"], "--experts with --precision fp8: not yet"),
     (["--dataset", "digits", "--experts", "2"], "--experts applies to the GPT"),
     (["--dp", "8", "--ep", "2"], "--ep 2 needs --experts"),
     (["--experts", "4", "--ep", "0"], "--ep must be a positive integer, got 0"),

@@ -1,7 +1,8 @@
 """`mpirun -n D python -m minimp.train --experts 4 --dp D --ep N` for real (the issue's --dp 2
 --ep 2, --dp 4 --ep 4, --dp 4 --ep 2): the issue's small fp32 MoE GPT routes every step's tokens
 as one process (asserted first), drops the same pairs at capacity 1.0, ends at its weights after
-3 steps, and rank 0's expert_parallel bytes equal dispatch_bytes of its rows every step."""
+3 steps, and rank 0's expert_parallel bytes equal dispatch_bytes of its rows every step. In fp8
+the replicas stay identical and the rows travel in bf16."""
 
 import json
 
@@ -71,3 +72,14 @@ def test_the_layout_routes_and_ends_as_one_process(tmp_path, one_process, dp, ep
         assert row["bytes_by_group"]["expert_parallel"] == dispatch_bytes(
             row["expert_dispatches"], row["expert_rows_sent"], row["expert_rows_received"],
             GPT["experts"], ep, GPT["hidden"] * 4)
+
+
+def test_dp_2_ep_2_in_fp8_keeps_the_replicas_identical_and_sends_bf16_rows(tmp_path):
+    """--precision fp8 (delayed) under mpirun: --check-replicas 1 ends the run on any drift of the
+    masters or the fp8 state (every rank keeps every expert's); the rows travel in bf16."""
+    _, rows = run(tmp_path, 2, "--dp", "2", "--ep", "2", "--precision", "fp8",
+                  "--check-replicas", "1")
+    for row in rows:
+        assert row["bytes_by_group"]["expert_parallel"] == dispatch_bytes(
+            row["expert_dispatches"], row["expert_rows_sent"], row["expert_rows_received"],
+            GPT["experts"], 2, GPT["hidden"] * 2)

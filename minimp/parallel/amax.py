@@ -9,7 +9,15 @@ tensor-parallel ranks) gives every rank the largest amax any of them saw, so all
 scales, bit for bit. For activations that is the amax of the whole batch, every token of it, as
 one process sees it. Output gradients are dp x cp times one process's (each rank's loss is the
 mean over its own rows and tokens; the all-reduce divides by dp x cp later), so their scales are
-1/(dp cp) times one process's and the fp8 values the same.
+1/(dp cp) times one process's and the fp8 values the same (train/fp8.py starts them there).
+
+With --ep an expert's Linears run on one rank of each ep group, on the rows of the whole group;
+the stage's other ranks never quantize through their copies of them and record amax 0. The
+stage's MAX of an expert's amaxes is then the MAX over the ranks holding it (the expert
+data-parallel group): the expert's amax over the whole batch, as one process records it, and
+every rank of the stage, holder or not, keeps that state for every expert (replica 0 writes the
+checkpoint; --check-replicas compares the state over the replicas). A reduction over the expert
+group alone would carry fewer numbers but leave each rank with only its own experts' state.
 
 `AmaxReduction(comm)` is the `reduce_amax` that `precision.update_scales` takes: any group of ranks
 sharing tensors passes its communicator (the training command passes a stage's group: its replicas,

@@ -46,7 +46,8 @@ def build_stage(config: TrainConfig, task: Task, topology: Topology,
                 dtype: np.dtype) -> Parallelized:
     """This rank's share of the task's model (parallel/apply.py's steps 1-3), from the seed: the
     optimizer built on the float32 weights, then the model cast to the compute dtype (and, with
-    --precision fp8, every Linear given fp8 scaling state: rank 0 evaluates the whole model)."""
+    --precision fp8, every Linear but a mixture's router given fp8 scaling state: rank 0
+    evaluates the whole model)."""
     model = task.build_model(np.random.default_rng(config.seed))
     rows = config.batch_size // topology.dp // config.micro_batches
 
@@ -54,6 +55,10 @@ def build_stage(config: TrainConfig, task: Task, topology: Topology,
         each.to(dtype)
         if config.precision == "fp8":
             nn.enable_fp8(each, recipe(config))
+            for moe in (module for module in each.modules() if isinstance(module, MoE)):
+                # The router multiplies in float32 (moe.py says why), never through its Linear's
+                # fp8 path: no fp8 state for it, which would sit at scale 1 forever.
+                moe.router.fp8_meta = None
 
     share = parallelize(
         model, topology, config.parallelism(), task, sample_input=task.sample_input(rows),

@@ -172,8 +172,7 @@ def _check_experts(config: "TrainConfig") -> None:
                           "token goes to top-k distinct experts)")
     given = [(f"--{name} {getattr(config, name)}", getattr(config, name) > 1)
              for name in ("tp", "pp", "cp")]
-    given += [(f"--zero {config.zero}", config.zero > 0), ("--recompute", config.recompute),
-              ("--precision fp8", config.precision == "fp8")]
+    given += [(f"--zero {config.zero}", config.zero > 0), ("--recompute", config.recompute)]
     for what, set_ in given:
         if set_:
             raise ConfigError(f"--experts with {what}: not yet (the mixture of experts runs on "

@@ -20,8 +20,9 @@ from minimp.checkpoints.checkpoint import strip_prefix
 from minimp.checkpoints.errors import CheckpointError
 from minimp.distributed.protocol import Communicator
 from minimp.parallel import AmaxReduction, Topology
-from minimp.precision.fp8_scaling import (DelayedScaling, Float8CurrentScaling, Fp8Meta, Fp8Recipe,
-                                          NoScaling)
+from minimp.parallel.expert import expert_index
+from minimp.precision.fp8_scaling import (DelayedScaling, Float8CurrentScaling, Fp8Meta,
+                                          Fp8Quantizer, Fp8Recipe, NoScaling)
 from minimp.precision.fp8_scaling import (load_quantizers_state_dict, quantizers_state_dict,
                                           update_scales)
 from minimp.train.config import TrainConfig
@@ -36,6 +37,20 @@ def recipe(config: TrainConfig) -> Fp8Recipe:
     return Float8CurrentScaling() if config.fp8_recipe == "current" else NoScaling()
 
 
+def start_output_gradient_scales(quantizers: list[tuple[str, Fp8Quantizer]],
+                                 replicas: int) -> None:
+    """Delayed scaling's first output-gradient scales: 1/replicas (dp x cp), not 1.
+
+    A replica's loss is the mean over its own rows and tokens, so its output gradients are
+    dp x cp times one process's (parallel/amax.py), and the agreed amaxes make their scales
+    1/(dp cp) times one process's from step 2 on: the same fp8 codes. At scale 1 in step 1 they
+    would not be (E5M2 rounds x and 2x apart below its normals, where step 1's gradients lie):
+    starting at 1/(dp cp) makes every step quantize them as one process does."""
+    for name, quantizer in quantizers:
+        if name.endswith(".grad_output") and quantizer.recipe.has_state:
+            quantizer.scale = np.float32(1.0 / replicas)
+
+
 class Fp8Run:
     """This rank's fp8 quantizers (those of its stage's layers), their agreement and metrics."""
 
@@ -48,9 +63,13 @@ class Fp8Run:
         self.quantizers = [
             (name, quantizer) for name, quantizer in nn.fp8_quantizers(model)
             if any(start <= int(name.split(".")[0]) < stop for start, stop in ranges)]
+        # With --ep too: a rank records nothing for the experts it does not hold (0), so the
+        # stage's MAX of an expert's amaxes is the MAX over its holders (parallel/amax.py).
         self.reduce_amax = AmaxReduction(topology.stage_group)
-        linears = [name for name, _ in nn.fp8_metas(model)]
-        # A few tensors to watch in the metrics: the first and the last Linear's three.
+        start_output_gradient_scales(self.quantizers, topology.dp * topology.cp)
+        # A few tensors to watch in the metrics: the first and the last dense Linear's three (an
+        # expert's current scale is said by the ranks holding it, which rank 0 may not be).
+        linears = [name for name, _ in nn.fp8_metas(model) if expert_index(name) is None]
         ends = (linears[0], linears[-1])
         self.watched = [f"{linear}.{tensor}" for linear in ends for tensor in Fp8Meta.TENSORS]
 

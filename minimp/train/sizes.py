@@ -119,22 +119,22 @@ FP8_QUANTIZERS_PER_LINEAR = 3  # input and weight (E4M3), output gradient (E5M2)
 
 
 def linear_count(config: "TrainConfig") -> int:
-    """Linears of the whole model: each hidden layer and the output (MLP), four per block (GPT:
-    attention's c_attn and c_proj, the MLP's c_fc and c_proj; the head reuses the embedding);
-    with --experts 2 + 2E per block (each expert's c_fc and c_proj; the float32 router is none)."""
-    if config.model == "gpt":
-        return (2 + 2 * config.experts if config.experts else 4) * config.layers
-    return config.layers + 1
+    """fp8 Linears of the whole model: each hidden layer and the output (MLP), four per block (GPT:
+    attention's c_attn and c_proj, the MLP's c_fc and c_proj; the head reuses the embedding),
+    2 + 2E with --experts E (each expert's two; the router multiplies in float32, no fp8)."""
+    if config.model != "gpt":
+        return config.layers + 1
+    return (2 + 2 * config.experts if config.experts else 4) * config.layers
 
 
 def fp8_history_bytes(config: "TrainConfig") -> int:
     """The float32 amax histories of delayed scaling one rank holds: three per Linear of the
-    whole model every rank builds (and of the copy --tp cuts), twice with --save (a checkpoint
-    copies them), and the one history np.roll copies at a time."""
+    whole model every rank builds (and of the copy --tp cuts or --ep dispatches from), twice with
+    --save (a checkpoint copies them), and the one history np.roll copies at a time."""
     if config.precision != "fp8" or config.fp8_recipe != "delayed":
         return 0
     history = 4 * config.fp8_amax_history
-    models = 2 if config.tp > 1 else 1
+    models = 2 if config.tp > 1 or config.ep > 1 else 1
     copies = 2 if config.save else 1
     return history * (FP8_QUANTIZERS_PER_LINEAR * linear_count(config) * models * copies + 1)
 
