@@ -61,7 +61,8 @@ def rank_layer_counts(config: "TrainConfig") -> list[int]:
     --ep a block keeps E/ep of its experts (minimp/parallel/expert/layout.py)."""
     counts, tp, width = layer_parameter_counts(config), config.tp, config.hidden
     if config.ep > 1:  # the other ranks' experts are freed once the model is cut
-        freed = (config.experts - config.experts // config.ep) * gpt_shape(config).expert_parameters()
+        others = config.experts - config.experts // config.ep
+        freed = others * gpt_shape(config).expert_parameters()
         return [counts[0]] + [count - freed for count in counts[1:-1]] + [counts[-1]]
     if tp == 1:
         return counts
