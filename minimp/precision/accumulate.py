@@ -1,4 +1,4 @@
-"""How a low-precision GEMM accumulates: exact fp32, or a 14-bit accumulator promoted every 128.
+"""How a low-precision GEMM accumulates: in fp32, or in 14 bits promoted to fp32 every 128 products.
 
 DeepSeek-V3 (technical report, section 3.3, "Increasing Accumulation Precision") measured that
 the H800's tensor cores keep only about 14 significant bits while they sum the products of an fp8
@@ -27,7 +27,7 @@ and a b-bit rounding, then at most K/interval - 1 times by the fp32 sum of the i
                                  * sum_k |a_ik b_kj|,
 
 about interval * 2^-b = 128 * 2^-14 = 0.8% of sum |a b| at worst (the sums of random products
-come far closer). Exact fp32 accumulation has the same bound without the b-bit factor.
+come far closer). Plain fp32 accumulation has the same bound without the b-bit factor.
 
 `blockwise_matmul` is DeepSeek-V3's fine-grained fp8 GEMM (section 3.3, "Fine-Grained
 Quantization"): a's values come in 1 x 128 tiles, b's in 128 x 128 blocks, each with its own
@@ -80,14 +80,14 @@ def _check_shapes(a: np.ndarray, b: np.ndarray, interval: int) -> None:
 
 
 def _interval_sums(a: np.ndarray, b: np.ndarray, interval: int, bits: int | None) -> np.ndarray:
-    """(K/interval, M, N): each K interval's partial products summed, in exact fp32 (BLAS,
-    bits None) or in the b-bit accumulator of the module docstring."""
+    """(K/interval, M, N): each K interval's products summed, in plain fp32 (BLAS, bits None)
+    or in the b-bit accumulator of the module docstring."""
     _check_shapes(a, b, interval)
     (m, k), n = a.shape, b.shape[1]
     a_blocks = a.reshape(m, k // interval, interval).transpose(1, 0, 2)  # (Q, M, interval)
     b_blocks = b.reshape(k // interval, interval, n)  # (Q, interval, N)
     if bits is None:
-        return np.matmul(a_blocks, b_blocks)  # fp32 on purpose: the exact-fp32 accumulator
+        return np.matmul(a_blocks, b_blocks)  # fp32 on purpose: what the promotion restores
     sums = np.zeros((k // interval, m, n), dtype=FLOAT32)
     for t in range(interval):  # one product per step into every running sum at once
         products = a_blocks[:, :, t, None] * b_blocks[:, None, t, :]  # (Q, M, N), fl32(a b)
@@ -107,13 +107,13 @@ def limited_accumulation(a: np.ndarray, b: np.ndarray, interval: int = PROMOTION
 def blockwise_matmul(a_values: np.ndarray, a_scales: np.ndarray, b_values: np.ndarray,
                      b_scales: np.ndarray, block: int = 128,
                      accumulate: Accumulate = "fp32") -> np.ndarray:
-    """(a_values * a_scales) @ (b_values * b_scales), summed block by block along K, in float32.
+    """DeepSeek-V3's fine-grained GEMM: each K block's partial product times its scales, summed.
 
     a_values (M, K) has a scale per 1 x block tile, a_scales (M, K/block); b_values (K, N) one per
     block x block block, b_scales (K/block, ceil(N/block)). A scale multiplies the values back to
     what they stand for (PyTorch's `_scaled_mm` and DeepGEMM's convention; Transformer Engine's
     scale_inv). The values are float32 arrays (normally holding fp8 values; any float32 works).
-    Each K block's partial sum P_q (M, N) is taken in exact fp32 (accumulate="fp32") or in the
+    Each K block's partial sum P_q (M, N) is taken in plain fp32 (accumulate="fp32") or in the
     14-bit accumulator promoted at the block's end (accumulate="limited"); then
     out = fl32(sum over q of P_q * fl32(a_scales[:, q] b_scales[q, j // block])).
     """

@@ -9,14 +9,13 @@ and in float32 exactly so (entries +-1/4, sums of 16 products +-1/16).
 
 The weight gradient of y = x W^T (a Linear's) is dW = dY^T X: a GEMM whose K is the tokens T
 (dY (T, C_out), X (T, C_in)). Multiplying every block of 16 consecutive tokens of both operands by
-the same R leaves it unchanged in real arithmetic, (R dY)^T (R X) = dY^T R^T R X = dY^T X, block
-by block.
-What changes is what gets quantized: each new value is a +-1/4-weighted sum of 16 tokens, so an
-outlier token is spread over its block (a lone spike v becomes 16 values of magnitude v/4), and a
-16-element FP4 scale no longer has to cover one huge value among small ones. NVIDIA's NVFP4
-recipe applies a 16 x 16 random Hadamard transform to the weight-gradient GEMM's inputs only
-(Transformer Engine's NVFP4 recipe; "Pretraining Large Language Models with NVFP4", NVIDIA,
-2025); the forward and input-gradient GEMMs, whose K is not the tokens, go without it.
+the same R leaves it unchanged in real arithmetic: (R dY)^T (R X) = dY^T R^T R X = dY^T X, block
+by block. What changes is what gets quantized: each new value is a +-1/4-weighted sum of 16
+tokens, so an outlier token is spread over its block (a lone spike v becomes 16 values of
+magnitude v/4), and a 16-element FP4 scale no longer has to cover one huge value among small ones.
+NVIDIA's NVFP4 recipe applies a 16 x 16 random Hadamard transform to the inputs of the
+weight-gradient GEMM only, none in the forward or input-gradient GEMMs (Transformer Engine's
+NVFP4 recipe; "Pretraining Large Language Models with NVFP4", NVIDIA, 2025).
 """
 
 import numpy as np
