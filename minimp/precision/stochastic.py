@@ -1,20 +1,21 @@
-"""Stochastic rounding float32 -> bfloat16: round up with the probability that keeps the mean exact.
+"""Stochastic rounding float32 -> bfloat16: up or down at random, so that the mean is exact.
 
 bfloat16 is float32's upper half: the sign, the same 8 exponent bits and the top 7 of the 23
-fraction bits. A float32 x lies between two bfloat16 neighbours: t, x with its low 16 bits
-cleared, and t + ulp, the next one away from zero (its bit pattern is t's plus one in the upper
-half, so x - t = ulp * low / 2^16, where low is the 16 cleared bits read as an integer).
-Round-to-nearest takes the closer one, so an update to a bf16 weight smaller than half an ulp is
-lost every time. Stochastic rounding takes t + ulp with probability low / 2^16, so that
+fraction bits. A float32 x lies between two bfloat16 numbers of its sign: t, x with its low 16
+bits cleared, and t', the next one away from zero (t's bit pattern plus one in the upper half).
+In magnitudes, |t'| = |t| + ulp and |x| = |t| + ulp * low / 2^16, where low is the 16 cleared
+bits read as an integer. Round-to-nearest takes the closer one, so an update to a bf16 weight
+smaller than half an ulp is lost every time. Stochastic rounding takes t' with probability
+low / 2^16, so that
 
-    E[result] = t + ulp * low / 2^16 = x,
+    E[|result|] = |t| + ulp * low / 2^16 = |x|,
 
 exactly, for subnormals and negative numbers too. With 16 random bits r, uniform on 0 .. 2^16 - 1,
 adding r to x's bit pattern and keeping the upper half carries into it for r >= 2^16 - low: for
 low of the 2^16 values of r. That is OneTrainer's `copy_stochastic_` (Nerogar's, in PyTorch issue
 #120376); llm.c's `stochastic_rounding` (llmc/cuda_utils.cuh) and torchao's `_fp32_to_bf16_sr`
-have the same law, rounding up when low > r. The random bits are passed in (`draw_random_bits`
-takes them from a NumPy Generator): no global state.
+have the same law, rounding away from zero when low > r. The random bits are passed in
+(`draw_random_bits` takes them from a NumPy Generator): no global state.
 
 Infinities stay (their low bits are zero). NaN stays NaN. A finite float32 beyond bfloat16's
 largest value, 0x7F7F0000 = 3.3895e38, rounds to inf with probability low / 2^16, as it does to
