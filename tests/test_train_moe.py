@@ -10,7 +10,10 @@ from conftest import PYTHON
 from minimp import distributed as dist
 from minimp import export, sample
 from minimp.checkpoints.errors import ConfigError
+from minimp.models.moe import MoE
+from minimp.tensor import Tensor
 from minimp.train import TrainConfig, train
+from minimp.train.loop import Run
 from minimp.train.cli import parse_config
 from minimp.parallel.expert import (DispatchCounts, dispatch_bytes, held_parameters,
                                    memory_by_kind)
@@ -173,7 +176,7 @@ PP_LAYOUTS = [
     ("issue", dict(dp=2, pp=2, ep=2, micro_batches=2, schedule="interleaved", virtual_stages=2)),
     ("tiny", dict(recompute=True)),
     ("tiny", dict(recompute=True, pp=2, micro_batches=2)),
-    ("issue", dict(recompute=True, dp=2, ep=2)),
+    ("issue", dict(recompute=True, dp=2, ep=2, eval_every=1, eval_batches=1)),  # + evaluations
 ]
 
 
@@ -201,7 +204,8 @@ def one_process_aux():
 
 def pp_case(size, layout):
     default = layout == dict(pp=2, micro_batches=2)
-    return pytest.param(size, layout, id=" ".join(f"{k} {v}" for k, v in layout.items()),
+    name = " ".join(f"{k} {v}" for k, v in layout.items() if not k.startswith("eval"))
+    return pytest.param(size, layout, id=name,
                         marks=() if default else pytest.mark.slow)
 
 
@@ -213,10 +217,11 @@ def test_pp_and_recompute_route_as_one_process_and_end_at_its_weights(one_proces
     forward. Routing first: rank 0's row equals one process's (each stage counts its blocks, the
     meter sums the job); then the weights after 3 steps, which the run without the auxiliary
     losses misses (so this test sees a lost aux gradient); with --ep every rank's bytes equal
-    dispatch_bytes, the forwards without a graph (--recompute's first) counted apart."""
+    dispatch_bytes, the forwards without a graph (--recompute's first) counted apart, and the
+    evaluations between steps (without a graph too) in neither."""
     one, sizes = one_process_aux(size), EP_SIZES[size]
     world = layout.get("dp", 1) * layout.get("pp", 1)
-    ranks = simulated_ranks(world, **sizes, **AUX, **layout)
+    ranks = simulated_ranks(world, **{**sizes, **AUX, **layout})
     for first, second in zip(rows(one), rows(ranks[0]), strict=True):
         assert first["expert_load"] == second["expert_load"]
         assert first["dropped_tokens"] == second["dropped_tokens"]
@@ -245,6 +250,26 @@ def test_pp_and_recompute_route_as_one_process_and_end_at_its_weights(one_proces
             assert row["bytes_by_group"]["expert_parallel"] == dispatch_bytes(
                 row["expert_dispatches"], row["expert_rows_sent"], row["expert_rows_received"],
                 sizes["experts"], layout["ep"], sizes["hidden"] * 4, without_graph)
+
+
+def test_the_loop_gives_every_mixture_the_gradient_the_root_gives_the_loss():
+    """fp16 (a loss scale S) over 2 micro-batches with --dp 2 --ep 2: each mixture of the trained
+    copy (--ep's) reads grad_scale = S / 2, the gradient backward from _scale_loss's root gives
+    the loss, which the auxiliary losses then get (models/moe.py's AttachAuxLoss)."""
+    config = TrainConfig(**{**TINY, "precision": "fp16", "micro_batches": 2, "dp": 2, "ep": 2})
+    config.validate(2)
+
+    def body(comm):
+        run = Run(config, comm, log=lambda line: None)
+        run._tell_aux_losses()
+        loss = Tensor(np.ones((), np.float32), requires_grad=True)
+        run._scale_loss(loss).backward()
+        mixtures = [m for m in run.share.trained.modules() if isinstance(m, MoE)]
+        assert run.share.trained is not run.model and len(mixtures) == TINY["layers"]
+        return float(loss.grad), [m.aux_weights.grad_scale for m in mixtures], run.scaler
+
+    for grad, scales, scaler in dist.simulate(2, body, eager_limit=0):
+        assert scaler.loss_scale > 1 and scales == [grad] * 2 == [scaler.loss_scale / 2] * 2
 
 
 @pytest.mark.slow
