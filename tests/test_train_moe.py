@@ -172,6 +172,7 @@ PP_LAYOUTS = [
     ("tiny", dict(pp=2, micro_batches=2, schedule="gpipe")),
     ("tiny", dict(pp=2, micro_batches=2, schedule="interleaved", virtual_stages=2)),
     ("tiny", dict(pp=2, micro_batches=4, schedule="zb-h1")),  # the router's gradient in W
+    ("tiny", dict(pp=4, micro_batches=4)),  # embeddings, block, block, head: two without one
     ("issue", dict(dp=2, pp=2, ep=2)),  # the issue's
     ("issue", dict(dp=2, pp=2, ep=2, micro_batches=2, schedule="interleaved", virtual_stages=2)),
     ("tiny", dict(recompute=True)),

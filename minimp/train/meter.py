@@ -238,7 +238,7 @@ class Meter:
             if self.config.cp_mode == "ring":
                 row["attention_buffer_bytes"] = max(stats.buffer_bytes,
                                                     stats.backward_buffer_bytes)
-        if self.experts:
+        if self.config.experts:  # every rank: a stage without a block brings zeros
             row.update(self._expert_metrics())
         if self.dispatch is not None:
             graph, forward_only = self.dispatch.with_graph, self.dispatch.without_graph
@@ -256,7 +256,7 @@ class Meter:
         each counting the mixtures of its stage's blocks (its replica's samples), so the sum
         over the job counts every block and every sample once; the aux losses' sum is then over
         the dp replicas, and divided by dp is their mean."""
-        load = np.sum([stats.load for stats in self.experts], axis=0)  # (E,)
+        load = sum((stats.load for stats in self.experts), np.zeros(self.config.experts))  # (E,)
         aux = sum(stats.aux_loss / max(stats.forwards, 1) for stats in self.experts)
         values = np.array([*load, sum(stats.dropped for stats in self.experts), aux], np.float64)
         total = self.timed(self.comm.allreduce_scalars, "expert_load")(values, "sum")
