@@ -9,7 +9,9 @@ from gradcheck import numerical_gradient
 
 from minimp import Tensor, nn
 from minimp.models.gpt import GPT, GPTConfig
-from minimp.models.moe import MoE, capacity, load_balancing_loss, route, z_loss
+from minimp.models.moe import (AttachAuxLoss, AuxLossWeights, MoE, capacity,
+                               load_balancing_loss, route, z_loss)
+from minimp.split_backward import backward_input, backward_weight
 from minimp.precision.casting import BFLOAT16
 
 # One group (sample) of T = 4 tokens over E = 3 experts, each row a token's router probabilities.
@@ -79,13 +81,21 @@ def test_the_output_is_the_renormalised_gate_weighted_sum_of_the_admitted_expert
     np.testing.assert_allclose(y.reshape(12, 4), expected, rtol=1e-12, atol=1e-14)
 
 
+# What the training loop tells the mixtures in the gradient checks: the coefficients, and the
+# root's gradient 0.25 (a loss scale of 1 over 4 micro-batches), not 1, so a scale lost is seen.
+AUX_WEIGHTS = AuxLossWeights(aux_loss_coef=1.0, router_z_loss_coef=0.5, grad_scale=0.25)
+
+
 @pytest.mark.parametrize("capacity_factor, top_k", [(0.0, 2), (1.0, 2), (1.0, 1)],
                          ids=["dropless", "capacity 1.0", "top-1"])
 def test_every_gradient_matches_float64_central_differences(capacity_factor, top_k):
     """The input, the router (through the gates, the load-balancing loss and the z-loss) and
-    every expert's weights; with capacity 1.0 some pairs are dropped (asserted)."""
+    every expert's weights; with capacity 1.0 some pairs are dropped (asserted). The auxiliary
+    losses reach backward as a training forward attaches them (AttachAuxLoss, grad_scale 0.25):
+    backward from 0.25 x sum(y w) gives the gradient of 0.25 x (sum(y w) + aux + 0.5 z)."""
     rng = np.random.default_rng(5)
     moe = tiny_moe(capacity_factor, rng, top_k).to(np.float64)
+    moe.aux_weights = AUX_WEIGHTS
     x = rng.standard_normal((2, 6, 4))
     weights = rng.standard_normal((2, 6, 4))
 
@@ -93,20 +103,67 @@ def test_every_gradient_matches_float64_central_differences(capacity_factor, top
         for parameter, array in zip(moe.parameters(), arrays[1:]):
             parameter.data = array
         y = moe(Tensor(arrays[0]))
-        return float((y.data * weights).sum() + moe.aux_loss.item() + 0.5 * moe.z_loss.item())
+        losses = (y.data * weights).sum() + moe.aux_loss.item() + 0.5 * moe.z_loss.item()
+        return float(0.25 * losses)
 
     originals = [x] + [parameter.data.copy() for parameter in moe.parameters()]
     tensor = Tensor(x, requires_grad=True)
     y = moe(tensor)
     if capacity_factor:
         assert not moe.routing.kept.all()  # the check covers dropped pairs
-    ((y * Tensor(weights)).sum() + moe.aux_loss + 0.5 * moe.z_loss).backward()
+    ((y * Tensor(weights)).sum() * 0.25).backward()
     analytic = [tensor.grad] + [parameter.grad.copy() for parameter in moe.parameters()]
     names = ["x"] + [name for name, _ in moe.named_parameters()]
     for index, (name, got) in enumerate(zip(names, analytic)):
         positions = list(np.ndindex(originals[index].shape))
         expected = numerical_gradient(scalar, [a.copy() for a in originals], index, positions)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_attach_aux_loss_is_the_identity_forward_and_gives_the_aux_the_roots_gradient():
+    """AttachAuxLoss(x, aux) against float64 central differences of sum(y w) + 0.25 aux, which
+    is what its backward computes (grad_scale 0.25): dL/dx = w, and aux's 0.25."""
+    rng = np.random.default_rng(3)
+    x, w, aux = rng.standard_normal((2, 3)), rng.standard_normal((2, 3)), np.array(1.5)
+    tensors = [Tensor(x, requires_grad=True), Tensor(aux, requires_grad=True)]
+    y = AttachAuxLoss.apply(*tensors, grad_scale=0.25)
+    np.testing.assert_array_equal(y.data, x)
+    (y * Tensor(w)).sum().backward()
+
+    def scalar(arrays):
+        return float((arrays[0] * w).sum() + 0.25 * arrays[1])
+
+    for index, tensor in enumerate(tensors):
+        positions = list(np.ndindex(tensor.shape))
+        expected = numerical_gradient(scalar, [x.copy(), aux.copy()], index, positions)
+        np.testing.assert_allclose(tensor.grad, expected, rtol=1e-7, atol=1e-9)
+
+
+def test_the_aux_gradient_reaches_the_router_in_w_when_backward_is_split():
+    """zb-h1 splits backward into B (inputs) and W (weights): the router's gradient, aux part
+    included, waits for W, and B then W gives one backward's bits; without the attached losses
+    the router's gradient differs (they reached it)."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 6, 4)).astype(np.float32)
+
+    def router_gradient(split, weights=AUX_WEIGHTS):
+        moe = tiny_moe(1.0, np.random.default_rng(7))
+        moe.aux_weights = weights
+        tensor = Tensor(x, requires_grad=True)
+        y = moe(tensor).sum()
+        if not split:
+            y.backward()
+            return moe.router.weight.grad, tensor.grad
+        pending = backward_input(y, None, list(moe.parameters()))
+        assert moe.router.weight.grad is None and tensor.grad is not None
+        backward_weight(pending)
+        return moe.router.weight.grad, tensor.grad
+
+    (whole, x_whole), (split, x_split) = router_gradient(False), router_gradient(True)
+    np.testing.assert_array_equal(split, whole)
+    np.testing.assert_array_equal(x_split, x_whole)
+    without, _ = router_gradient(False, AuxLossWeights())
+    assert not np.allclose(without, whole, rtol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])

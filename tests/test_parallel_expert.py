@@ -8,7 +8,8 @@ import pytest
 from minimp import Tensor, nn
 from minimp import distributed as dist
 from minimp.models.moe import MoE
-from minimp.parallel.expert import ExpertParallelDispatch, dispatch_bytes, local_experts
+from minimp.parallel.expert import (DispatchCounts, ExpertParallelDispatch, dispatch_bytes,
+                                    local_experts)
 from minimp.parallel.topology import Topology, TopologyError
 
 WIDTH, EXPERTS, BATCH, TOKENS = 4, 4, 4, 6
@@ -81,8 +82,10 @@ def test_the_rows_and_bytes_each_rank_sends_equal_the_formula_from_the_routing(s
     for r, (*_, dispatch, sent) in enumerate(ranks):
         rows_sent = int(((source == r) & (holder != r)).sum())
         rows_received = int(((source != r) & (holder == r)).sum())
-        assert (dispatch.calls, dispatch.rows_sent, dispatch.rows_received) == (
+        counts = dispatch.with_graph
+        assert (counts.calls, counts.rows_sent, counts.rows_received) == (
             1, rows_sent, rows_received)
+        assert dispatch.without_graph == DispatchCounts()
         assert sent == dispatch_bytes(1, rows_sent, rows_received, EXPERTS, size, WIDTH * 8)
         assert sent == (size - 1) * (EXPERTS // size) * 8 + 2 * (rows_sent + rows_received) * 32
 

@@ -10,9 +10,13 @@ from conftest import PYTHON
 from minimp import distributed as dist
 from minimp import export, sample
 from minimp.checkpoints.errors import ConfigError
+from minimp.models.moe import MoE
+from minimp.tensor import Tensor
 from minimp.train import TrainConfig, train
+from minimp.train.loop import Run
 from minimp.train.cli import parse_config
-from minimp.parallel.expert import dispatch_bytes, held_parameters, memory_by_kind
+from minimp.parallel.expert import (DispatchCounts, dispatch_bytes, held_parameters,
+                                   memory_by_kind)
 from minimp.train.sizes import parameter_count
 from minimp.train.tasks import ShakespeareTask
 
@@ -157,6 +161,128 @@ def test_fp16_skips_agree_on_every_rank_with_ep_and_the_rows_travel_in_fp16():
             TINY["experts"], 2, TINY["hidden"] * 2)
 
 
+# --pp (every schedule, with the micro-batches each needs), --recompute, and both with --ep. The
+# auxiliary losses weigh more than by default (and the z-loss joins) so that their gradient
+# moves the weights beyond the tolerance (asserted: a run without them ends elsewhere); capacity
+# 1.0, so the drops each stage counts are summed too.
+AUX = dict(optimizer="sgd", lr=0.5, aux_loss_coef=0.1, router_z_loss_coef=0.01,
+           capacity_factor=1.0)
+PP_LAYOUTS = [
+    ("tiny", dict(pp=2, micro_batches=2)),  # 1f1b, the default schedule (default tier)
+    ("tiny", dict(pp=2, micro_batches=2, schedule="gpipe")),
+    ("tiny", dict(pp=2, micro_batches=2, schedule="interleaved", virtual_stages=2)),
+    ("tiny", dict(pp=2, micro_batches=4, schedule="zb-h1")),  # the router's gradient in W
+    ("tiny", dict(pp=4, micro_batches=4)),  # embeddings, block, block, head: two without one
+    ("issue", dict(dp=2, pp=2, ep=2)),  # the issue's
+    ("issue", dict(dp=2, pp=2, ep=2, micro_batches=2, schedule="interleaved", virtual_stages=2)),
+    ("tiny", dict(recompute=True)),
+    ("tiny", dict(recompute=True, pp=2, micro_batches=2)),
+    ("issue", dict(recompute=True, dp=2, ep=2, eval_every=1, eval_batches=1)),  # + evaluations
+]
+
+
+def simulated_ranks(world_size, **overrides):
+    """Every rank's result of a training run on the simulated world."""
+    config = TrainConfig(**{**TINY, **overrides})
+    config.validate(world_size)
+    return dist.simulate(world_size, lambda comm: train(config, lambda line: None, comm=comm),
+                         eager_limit=0)
+
+
+@pytest.fixture(scope="module")
+def one_process_aux():
+    """One process's run of a size, with and without the auxiliary losses, each run once."""
+    runs: dict[tuple[str, bool], dict] = {}
+
+    def run(size, aux=True):
+        if (size, aux) not in runs:
+            losses = {} if aux else dict(aux_loss_coef=0.0, router_z_loss_coef=0.0)
+            runs[size, aux] = simulated(1, **{**EP_SIZES[size], **AUX, **losses})
+        return runs[size, aux]
+
+    return run
+
+
+def pp_case(size, layout):
+    default = layout == dict(pp=2, micro_batches=2)
+    name = " ".join(f"{k} {v}" for k, v in layout.items() if not k.startswith("eval"))
+    return pytest.param(size, layout, id=name,
+                        marks=() if default else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("size, layout", [pp_case(*case) for case in PP_LAYOUTS])
+def test_pp_and_recompute_route_as_one_process_and_end_at_its_weights(one_process_aux, size,
+                                                                      layout):
+    """Each mixture attaches its auxiliary losses to its own output's graph (models/moe.py), so
+    their gradient flows on every stage, in every schedule's order and through the recomputed
+    forward. Routing first: rank 0's row equals one process's (each stage counts its blocks, the
+    meter sums the job); then the weights after 3 steps, which the run without the auxiliary
+    losses misses (so this test sees a lost aux gradient); with --ep every rank's bytes equal
+    dispatch_bytes, the forwards without a graph (--recompute's first) counted apart, and the
+    evaluations between steps (without a graph too) in neither."""
+    one, sizes = one_process_aux(size), EP_SIZES[size]
+    world = layout.get("dp", 1) * layout.get("pp", 1)
+    ranks = simulated_ranks(world, **{**sizes, **AUX, **layout})
+    for first, second in zip(rows(one), rows(ranks[0]), strict=True):
+        assert first["expert_load"] == second["expert_load"]
+        assert first["dropped_tokens"] == second["dropped_tokens"]
+        assert np.isclose(first["aux_loss"], second["aux_loss"], rtol=1e-6)
+    assert max(row["dropped_tokens"] for row in rows(one)) > 0
+    without = one_process_aux(size, aux=False)["master_weights"]
+    assert any(not np.allclose(without[name], array, rtol=1e-5, atol=1e-7)
+               for name, array in one["master_weights"].items())
+    for name, array in one["master_weights"].items():  # rtol 1e-5, atol 1e-7
+        np.testing.assert_allclose(ranks[0]["master_weights"][name], array, rtol=1e-5,
+                                   atol=1e-7, err_msg=f"{layout} {name}")
+    if "ep" not in layout:
+        return
+    blocks = sizes["layers"] // layout.get("pp", 1)  # the mixtures of a stage
+    forwards_without = blocks if layout.get("recompute") else 0
+    for result in ranks:
+        for row in rows(result):
+            assert row["expert_dispatches"] == blocks * layout.get("micro_batches", 1)
+            without_graph = DispatchCounts(
+                row.get("expert_forward_only_dispatches", 0),
+                row.get("expert_forward_only_rows_sent", 0),
+                row.get("expert_forward_only_rows_received", 0))
+            assert without_graph.calls == forwards_without
+            if forwards_without:  # the rerun sends the rows the first forward sent
+                assert without_graph.rows_sent == row["expert_rows_sent"]
+            assert row["bytes_by_group"]["expert_parallel"] == dispatch_bytes(
+                row["expert_dispatches"], row["expert_rows_sent"], row["expert_rows_received"],
+                sizes["experts"], layout["ep"], sizes["hidden"] * 4, without_graph)
+
+
+def test_the_loop_gives_every_mixture_the_gradient_the_root_gives_the_loss():
+    """fp16 (a loss scale S) over 2 micro-batches with --dp 2 --ep 2: each mixture of the trained
+    copy (--ep's) reads grad_scale = S / 2, the gradient backward from _scale_loss's root gives
+    the loss, which the auxiliary losses then get (models/moe.py's AttachAuxLoss)."""
+    config = TrainConfig(**{**TINY, "precision": "fp16", "micro_batches": 2, "dp": 2, "ep": 2})
+    config.validate(2)
+
+    def body(comm):
+        run = Run(config, comm, log=lambda line: None)
+        run._tell_aux_losses()
+        loss = Tensor(np.ones((), np.float32), requires_grad=True)
+        run._scale_loss(loss).backward()
+        mixtures = [m for m in run.share.trained.modules() if isinstance(m, MoE)]
+        assert run.share.trained is not run.model and len(mixtures) == TINY["layers"]
+        return float(loss.grad), [m.aux_weights.grad_scale for m in mixtures], run.scaler
+
+    for grad, scales, scaler in dist.simulate(2, body, eager_limit=0):
+        assert scaler.loss_scale > 1 and scales == [grad] * 2 == [scaler.loss_scale / 2] * 2
+
+
+@pytest.mark.slow
+def test_fp16_skips_agree_on_every_stage_with_experts():
+    """An overflow injected on rank 1 (the last stage) at step 2 skips that step on both stages;
+    the other steps train (the aux losses' gradient carries the loss scale: finite weights)."""
+    results = simulated_ranks(2, precision="fp16", pp=2, micro_batches=2, inject_overflow="2:1")
+    skipped = [[row["skipped"] for row in rows(result)] for result in results]
+    assert skipped[0] == skipped[1] == [False, True, False]
+    assert all(np.isfinite(array).all() for array in results[0]["master_weights"].values())
+
+
 @pytest.mark.parametrize("expert_hidden", [0, 24])
 def test_the_memory_check_counts_the_experts_parameters(expert_hidden):
     config = TrainConfig(**{**TINY, "expert_hidden": expert_hidden})
@@ -194,10 +320,8 @@ REFUSED = [
     (["--experts", "2", "--aux-loss-coef", "-0.1"], "--aux-loss-coef must be 0 or more"),
     (["--experts", "2", "--router-z-loss-coef", "nan"], "--router-z-loss-coef must be 0 or more"),
     (["--experts", "2", "--tp", "2"], "--experts with --tp 2: not yet"),
-    (["--experts", "2", "--pp", "2"], "--experts with --pp 2: not yet"),
     (["--experts", "2", "--cp", "2"], "--experts with --cp 2: not yet"),
     (["--experts", "2", "--dp", "2", "--zero", "1"], "--experts with --zero 1: not yet"),
-    (["--experts", "2", "--recompute"], "--experts with --recompute: not yet"),
     (["--dataset", "digits", "--experts", "2"], "--experts applies to the GPT"),
     (["--dp", "8", "--ep", "2"], "--ep 2 needs --experts"),
     (["--experts", "4", "--ep", "0"], "--ep must be a positive integer, got 0"),

@@ -1,8 +1,9 @@
 """`mpirun -n D python -m minimp.train --experts 4 --dp D --ep N` for real (the issue's --dp 2
---ep 2, --dp 4 --ep 4, --dp 4 --ep 2): the issue's small fp32 MoE GPT routes every step's tokens
-as one process (asserted first), drops the same pairs at capacity 1.0, ends at its weights after
-3 steps, and rank 0's expert_parallel bytes equal dispatch_bytes of its rows every step. In fp8
-the replicas stay identical and the rows travel in bf16."""
+--ep 2, --dp 4 --ep 4, --dp 4 --ep 2, and --dp 2 --pp 2 --ep 2 on 4 ranks): the issue's small fp32
+MoE GPT routes every step's tokens as one process (asserted first), drops the same pairs at
+capacity 1.0, ends at its weights after 3 steps, and rank 0's expert_parallel bytes equal
+dispatch_bytes of its rows every step. In fp8 the replicas stay identical and the rows travel in
+bf16."""
 
 import json
 
@@ -14,7 +15,7 @@ from minimp.parallel.expert import dispatch_bytes
 
 pytestmark = [
     pytest.mark.mpi,
-    pytest.mark.slow,  # about 40 s (five launches, 4 ranks on 2 cores); the simulated world
+    pytest.mark.slow,  # about 50 s (seven launches, 4 ranks on 2 cores); the simulated world
     # covers --ep in the default tier
     pytest.mark.skipif(MPIRUN is None, reason="no mpirun on PATH (pip install 'minimp[mpi]')"),
 ]
@@ -47,18 +48,20 @@ def one_process(tmp_path_factory):
     return get
 
 
-LAYOUTS = [(2, 2, "0"), (4, 4, "0"), (4, 2, "0"), (4, 2, "1.0")]  # (dp, ep, capacity factor)
+# (dp, pp, ep, capacity factor)
+LAYOUTS = [(2, 1, 2, "0"), (4, 1, 4, "0"), (4, 1, 2, "0"), (4, 1, 2, "1.0"), (2, 2, 2, "0")]
 
 
-@pytest.mark.parametrize("dp, ep, capacity_factor", LAYOUTS,
-                         ids=[f"dp{d}-ep{e}-capacity{c}" for d, e, c in LAYOUTS])
-def test_the_layout_routes_and_ends_as_one_process(tmp_path, one_process, dp, ep,
+@pytest.mark.parametrize("dp, pp, ep, capacity_factor", LAYOUTS,
+                         ids=[f"dp{d}-pp{p}-ep{e}-capacity{c}" for d, p, e, c in LAYOUTS])
+def test_the_layout_routes_and_ends_as_one_process(tmp_path, one_process, dp, pp, ep,
                                                    capacity_factor):
     """SGD, as tests/test_train_moe.py says why. --dp 4 --ep 2: two copies of each expert
     group, whose expert gradients sum over the copies and divide by 4; capacity 1.0: the same
-    pairs dropped as one process drops."""
+    pairs dropped as one process drops; --pp 2: the auxiliary losses' gradient on each stage,
+    rank 0's stage dispatching its blocks only, the routing counted over every stage."""
     one, one_rows = one_process(capacity_factor)
-    got, rows = run(tmp_path, dp, "--dp", str(dp), "--ep", str(ep),
+    got, rows = run(tmp_path, dp * pp, "--dp", str(dp), "--pp", str(pp), "--ep", str(ep),
                     "--capacity-factor", capacity_factor)
     for first, second in zip(one_rows, rows, strict=True):  # routing first
         assert first["expert_load"] == second["expert_load"]
@@ -68,7 +71,7 @@ def test_the_layout_routes_and_ends_as_one_process(tmp_path, one_process, dp, ep
     for name, array in one.items():
         np.testing.assert_allclose(got[name], array, rtol=1e-5, atol=1e-7, err_msg=name)
     for row in rows:
-        assert row["expert_dispatches"] == GPT["layers"]
+        assert row["expert_dispatches"] == GPT["layers"] // pp
         assert row["bytes_by_group"]["expert_parallel"] == dispatch_bytes(
             row["expert_dispatches"], row["expert_rows_sent"], row["expert_rows_received"],
             GPT["experts"], ep, GPT["hidden"] * 4)

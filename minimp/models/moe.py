@@ -27,6 +27,8 @@ import numpy as np
 
 from minimp import backend, nn
 from minimp import functional as F
+from minimp.backend import Array
+from minimp.function import Context, Function
 from minimp.tensor import Tensor, grad_enabled
 
 
@@ -85,6 +87,41 @@ class ExpertStats:
         self.dropped, self.aux_loss, self.forwards = 0, 0.0, 0
 
 
+@dataclass
+class AuxLossWeights:
+    """What a mixture's auxiliary losses weigh in the gradient: aux_loss_coef x aux +
+    router_z_loss_coef x z joins the loss, and grad_scale is the gradient backward's root gives
+    the loss (the loss scale / micro-batches, which the training loop sets before each step's
+    actions: train/loop.py). One object serves every mixture of a model; a copy of the model
+    (--ep's) shares it, so the loop's one update reaches every mixture."""
+
+    aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
+    grad_scale: float = 1.0
+
+    def __deepcopy__(self, memo: dict) -> "AuxLossWeights":
+        return self  # shared, never copied (the docstring)
+
+
+class AttachAuxLoss(Function):
+    """y = x, with the scalar aux riding on y's graph (Megatron-Core's MoEAuxLossAutoScaler);
+    dL/dx = dL/dy, and aux gets grad_scale, what the root's gradient gives the loss it joins.
+
+    The auxiliary losses need no path to the root: backward reaches them wherever the block's
+    backward runs, on any pipeline stage, in any micro-batch order, and in the recomputed forward
+    of --recompute (whose first forward, without a graph, has nothing to attach to)."""
+
+    @staticmethod
+    def forward(ctx: Context, x: Array, aux: Array, grad_scale: float) -> Array:
+        ctx.aux_shape, ctx.aux_dtype, ctx.grad_scale = aux.shape, aux.dtype, grad_scale
+        return x
+
+    @staticmethod
+    def backward(ctx: Context, grad_output: Array) -> tuple[Array, Array]:
+        grad_aux = backend.current_device().xp.full(ctx.aux_shape, ctx.grad_scale, ctx.aux_dtype)
+        return grad_output, grad_aux
+
+
 class Expert(nn.Module):
     """One expert: the dense MLP's C -> hidden, GELU, hidden -> C (nanoGPT's names)."""
 
@@ -135,7 +172,8 @@ def run_experts(experts: Sequence[nn.Module], rows: Tensor, counts: np.ndarray) 
 class MoE(nn.Module):
     """The MoE MLP: x (B, T, C) -> (B, T, C). After each forward it holds `routing`, `aux_loss`
     (the Switch/GShard load-balancing loss, a float32 scalar Tensor) and `z_loss` (the router
-    z-loss, ST-MoE's), which the task adds to the training loss (minimp/train/tasks.py)."""
+    z-loss, ST-MoE's); a training forward attaches them, weighed by `aux_weights` (the task's),
+    to its output's graph (AttachAuxLoss), so backward gives them their gradient."""
 
     def __init__(self, width: int, experts: int, top_k: int, capacity_factor: float,
                  hidden: int, bias: bool, dropout: nn.Dropout, rng: np.random.Generator):
@@ -150,6 +188,7 @@ class MoE(nn.Module):
         self.z_loss: Tensor | None = None
         self.router_logits: Tensor | None = None
         self.dispatch: ExpertDispatch = run_locally  # --ep: parallel/expert/dispatch.py's
+        self.aux_weights = AuxLossWeights()  # none by default; the task's (train/tasks.py)
 
     def forward(self, x: Tensor) -> Tensor:
         batch, tokens, width = x.shape
@@ -184,7 +223,20 @@ class MoE(nn.Module):
         self.z_loss = z_loss(logits)
         if grad_enabled():  # a training forward (evaluations run under no_grad)
             self.stats.add(routing, self.aux_loss.item())
-        return self.dropout(out.reshape(batch, tokens, width))  # (B, T, C)
+        return self._attach_aux_losses(self.dropout(out.reshape(batch, tokens, width)))
+
+    def _attach_aux_losses(self, y: Tensor) -> Tensor:
+        """y (B, T, C) carrying the weighed auxiliary losses to backward (when a graph is built
+        and a coefficient is not 0)."""
+        weights, terms = self.aux_weights, []
+        if weights.aux_loss_coef and self.aux_loss is not None:
+            terms.append(self.aux_loss * weights.aux_loss_coef)
+        if weights.router_z_loss_coef and self.z_loss is not None:
+            terms.append(self.z_loss * weights.router_z_loss_coef)
+        if not (terms and grad_enabled()):
+            return y
+        penalty = terms[0] if len(terms) == 1 else terms[0] + terms[1]
+        return AttachAuxLoss.apply(y, penalty, grad_scale=weights.grad_scale)
 
 
 def load_balancing_loss(probs: Tensor, routing: Routing, top_k: int) -> Tensor:

@@ -3,7 +3,6 @@
 import numpy as np
 
 from minimp import nn, optim
-from minimp.models.moe import MoE
 from minimp.parallel.apply import Named, Parallelized, parallelize
 from minimp.parallel.topology import Topology
 from minimp.precision import DynamicLossScaler, LossScaler, NoLossScaler, StaticLossScaler
@@ -63,6 +62,4 @@ def build_stage(config: TrainConfig, task: Task, topology: Topology,
     share = parallelize(
         model, topology, config.parallelism(), task, sample_input=task.sample_input(rows),
         dtype=dtype, build_optimizer=lambda named: build_optimizer(config, named), prepare=prepare)
-    if share.dispatch is not None:  # --ep trains a copy: its mixtures' losses join the loss
-        setattr(task, "moe_layers", [m for m in share.trained.modules() if isinstance(m, MoE)])
     return share

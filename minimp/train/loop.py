@@ -127,6 +127,7 @@ class Run:
         self.meter.start(step)
         inputs, targets, rows = self._micro_batches(step)
         self.optimizer.lr = self.learning_rate(step)
+        self._tell_aux_losses()
         with self.guards.overflow_injected(step, self.optimizer.params[0]):
             loss_sum = self.runner.run(
                 self.actions, inputs=inputs, targets=targets, scale_loss=self._scale_loss,
@@ -201,6 +202,13 @@ class Run:
     def _scale_loss(self, loss: Tensor) -> Tensor:
         """Each micro-batch carries 1/M of the batch mean; the loss scale lifts fp16 gradients."""
         return self.scaler.scale(loss) * (1.0 / self.config.micro_batches)
+
+    def _tell_aux_losses(self) -> None:
+        """The gradient _scale_loss's root gives the loss, S x 1/M, to the model's auxiliary
+        losses (the mixtures'), which reach backward through their blocks, not the loss."""
+        if self.task.aux_weights is not None:
+            share = 1.0 / self.config.micro_batches
+            self.task.aux_weights.grad_scale = self.scaler.loss_scale * share
 
     def _say_skipped(self, step: int, scale_before: float) -> None:
         """The lesson of a skipped step, as it happens: whose gradients overflowed (every rank

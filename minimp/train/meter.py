@@ -37,12 +37,17 @@ before dropping (E numbers; a token counts top-k times), `expert_load_imbalance`
 their mean (1 when balanced), `dropped_tokens`, the (token, choice) pairs the capacity dropped, and
 `aux_loss`, the load-balancing loss summed over the blocks, as a mean over the batch's samples:
 what --aux-loss-coef multiplies (the row's `loss` stays the cross-entropy).
+With --pp each rank counts its stage's mixtures, and the sums run over the whole job. A step's
+routing counts once with --recompute: the counters skip forwards without a graph (the first of a
+recomputed block, and the evaluations').
 With --ep, bytes_by_group (and bytes_by_collective) has `expert_parallel`, the dispatch's and
 combine's all-to-alls, equal every step to parallel/expert/dispatch.py's dispatch_bytes of this
-rank's `expert_dispatches` (the training forwards of its mixtures), `expert_rows_sent` and
-`expert_rows_received` (its rows to and from the other ranks of its ep group, forward); with
-dp/ep > 1 also `expert_data_parallel`, the expert gradients' all-reduce (bytes_by_collective's
-expert_all_reduce).
+rank's `expert_dispatches` (the training forwards of its mixtures that built a graph),
+`expert_rows_sent` and `expert_rows_received` (its rows to and from the other ranks of its ep
+group, forward) and, with --recompute, the `expert_forward_only_dispatches`,
+`expert_forward_only_rows_sent` and `expert_forward_only_rows_received` of the forwards without a
+graph; with dp/ep > 1 also `expert_data_parallel`, the expert gradients' all-reduce
+(bytes_by_collective's expert_all_reduce).
 """
 
 import time
@@ -233,25 +238,32 @@ class Meter:
             if self.config.cp_mode == "ring":
                 row["attention_buffer_bytes"] = max(stats.buffer_bytes,
                                                     stats.backward_buffer_bytes)
-        if self.experts:
+        if self.config.experts:  # every rank: a stage without a block brings zeros
             row.update(self._expert_metrics())
         if self.dispatch is not None:
-            row.update(expert_dispatches=self.dispatch.calls,
-                       expert_rows_sent=self.dispatch.rows_sent,
-                       expert_rows_received=self.dispatch.rows_received)
+            graph, forward_only = self.dispatch.with_graph, self.dispatch.without_graph
+            row.update(expert_dispatches=graph.calls, expert_rows_sent=graph.rows_sent,
+                       expert_rows_received=graph.rows_received)
+            if self.config.recompute:
+                row.update(expert_forward_only_dispatches=forward_only.calls,
+                           expert_forward_only_rows_sent=forward_only.rows_sent,
+                           expert_forward_only_rows_received=forward_only.rows_received)
         return row
 
     def _expert_metrics(self) -> dict[str, Any]:
         """expert_load, expert_load_imbalance, dropped_tokens, aux_loss (the module's docstring),
-        over every replica: one SUM all-reduce of (load, dropped, aux) from each rank."""
-        load = np.sum([stats.load for stats in self.experts], axis=0)  # (E,)
+        over every replica and stage: one SUM all-reduce of (load, dropped, aux) from each rank,
+        each counting the mixtures of its stage's blocks (its replica's samples), so the sum
+        over the job counts every block and every sample once; the aux losses' sum is then over
+        the dp replicas, and divided by dp is their mean."""
+        load = sum((stats.load for stats in self.experts), np.zeros(self.config.experts))  # (E,)
         aux = sum(stats.aux_loss / max(stats.forwards, 1) for stats in self.experts)
         values = np.array([*load, sum(stats.dropped for stats in self.experts), aux], np.float64)
         total = self.timed(self.comm.allreduce_scalars, "expert_load")(values, "sum")
         counts = total[:-2]
         return {"expert_load": [int(count) for count in counts],
                 "expert_load_imbalance": float(counts.max() / counts.mean()),
-                "dropped_tokens": int(total[-2]), "aux_loss": float(total[-1]) / self.comm.size}
+                "dropped_tokens": int(total[-2]), "aux_loss": float(total[-1]) / self.topology.dp}
 
     def _counts(self) -> tuple[dict, dict, dict, int]:
         """This rank's counters now: bytes sent by group, the sync's bytes and seconds by

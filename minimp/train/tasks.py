@@ -17,7 +17,7 @@ from minimp.checkpoints.errors import ConfigError
 from minimp.data import global_batch_indices, load_digits, load_shakespeare, text_batch
 from minimp.models.gpt import GPT, Block, GPTConfig
 from minimp.models.mlp import build_model
-from minimp.models.moe import MoE
+from minimp.models.moe import AuxLossWeights, MoE
 from minimp.tensor import Tensor, no_grad
 from minimp.train.checks import flag
 from minimp.train.config import TrainConfig
@@ -41,6 +41,9 @@ class Task(Protocol):
     unit: str  # what the progress line counts per second
     final_metric: str  # the name of evaluate's score in the summary and the metrics' last row
     model_flags: tuple[str, ...]  # the flags a checkpoint must be resumed with (model shapes)
+    # What the model's own losses weigh (the MoE's auxiliary losses; None: it has none): the
+    # training loop sets its grad_scale before each step's actions.
+    aux_weights: AuxLossWeights | None
 
     def build_model(self, rng: np.random.Generator) -> nn.Sequential:
         """The whole float32 model, from the generator."""
@@ -68,6 +71,7 @@ class DigitsTask:
     final_metric = "test_accuracy"
     # The flags a checkpoint of this task must be resumed with (the model's shapes).
     model_flags: tuple[str, ...] = ("dataset", "layers", "hidden")
+    aux_weights: AuxLossWeights | None = None  # the MLP has no loss of its own
 
     def __init__(self, config: TrainConfig, dtype: np.dtype):
         self.config, self.dtype = config, dtype
@@ -128,11 +132,15 @@ class ShakespeareTask:
             heads=config.heads, width=config.hidden, dropout=config.dropout,
             experts=config.experts, top_k=config.top_k, capacity_factor=config.capacity_factor,
             expert_hidden=config.expert_hidden)
-        self.moe_layers: list[MoE] = []  # the built model's mixtures, whose losses loss() adds
+        self.aux_weights: AuxLossWeights | None = (AuxLossWeights(
+            config.aux_loss_coef, config.router_z_loss_coef) if config.experts else None)
 
     def build_model(self, rng: np.random.Generator) -> GPT:
+        """The GPT; with --experts its mixtures weigh their auxiliary losses by aux_weights."""
         model = GPT(self.gpt_config, rng)
-        self.moe_layers = [module for module in model.modules() if isinstance(module, MoE)]
+        for module in model.modules():
+            if isinstance(module, MoE) and self.aux_weights is not None:
+                module.aux_weights = self.aux_weights
         return model
 
     def global_batch(self, step: int) -> tuple[Array, Array]:
@@ -151,23 +159,14 @@ class ShakespeareTask:
     def loss(self, logits: Tensor, targets: Array) -> Tensor:
         """Mean cross-entropy over every position of every sample (nats per character).
 
-        With --experts, the training loss is ce + aux_loss_coef x aux + router_z_loss_coef x z,
-        each summed over the blocks' mixtures of this forward (Switch's recipe: the auxiliary
-        losses are part of the loss backward starts from, so they are scaled, averaged over
-        micro-batches and reduced over replicas exactly as the cross-entropy). They are added
-        here, where the loss is made, as `extra - extra.detach()`: the value stays the
-        cross-entropy to the bit (what the metrics' "loss" and the evaluations report; the
-        metrics carry `aux_loss` apart), and the gradient is that of the sum."""
+        With --experts the gradient is that of ce + aux_loss_coef x aux + router_z_loss_coef x z
+        (Switch's recipe), but the auxiliary losses are not added here: each mixture attaches
+        its own to its output's graph (models/moe.py's AttachAuxLoss), where backward finds them
+        on any pipeline stage and in a recomputed block. The value stays the cross-entropy (what
+        the metrics' "loss" and the evaluations report; the metrics carry `aux_loss` apart)."""
         batch, tokens, vocabulary = logits.shape
         rows = logits.reshape(batch * tokens, vocabulary)  # (B*T, V)
-        loss = functional.cross_entropy(rows, targets.reshape(batch * tokens))
-        if not self.moe_layers:
-            return loss
-        config = self.config
-        extra = sum((config.aux_loss_coef * layer.aux_loss + config.router_z_loss_coef
-                     * layer.z_loss for layer in self.moe_layers if layer.aux_loss is not None),
-                    Tensor(np.zeros((), np.float32)))
-        return loss + (extra - extra.detach())  # the value: loss + 0, exactly
+        return functional.cross_entropy(rows, targets.reshape(batch * tokens))
 
     def evaluate(self, model: nn.Module, batches: int | None = None) -> float:
         """Validation loss: over `batches` random batches of windows (drawn once from the seed,

@@ -23,11 +23,14 @@ rows other ranks sent it:
     counts (N - 1) x (E/N) x 8  +  forward (S + R) x C x itemsize  [+ backward the same again]
 
 (the dispatch sends S and the combine R; in backward the combine sends S back and the dispatch
-R). `dispatch_bytes` is this formula; the trainer's bytes_by_group["expert_parallel"] equals it
-every step (tests/test_parallel_expert.py). The agreements are scalar all-reduces, counted apart.
+R). A forward without a graph has no backward: --recompute's first forward of a block, which its
+backward runs again with the graph, so a recomputed block's call sends the counts and the forward
+rows twice. `dispatch_bytes` is this formula, the calls with and without a graph counted apart;
+the trainer's bytes_by_group["expert_parallel"] equals it every step (tests/test_train_moe.py).
+The agreements are scalar all-reduces, counted apart.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,15 +42,25 @@ from minimp.tensor import Tensor, grad_enabled
 
 
 @dataclass
-class ExpertParallelDispatch:
-    """The ExpertDispatch of one rank of an ep group (comm): it holds experts comm.rank x E/N ..
-    of every mixture. Counts since `reset` (every step, for the metrics): calls, the training
-    forwards that dispatched; rows_sent (S) and rows_received (R) over them."""
+class DispatchCounts:
+    """What some calls moved: calls, rows_sent (S) and rows_received (R) summed over them."""
 
-    comm: Communicator
     calls: int = 0
     rows_sent: int = 0
     rows_received: int = 0
+
+
+@dataclass
+class ExpertParallelDispatch:
+    """The ExpertDispatch of one rank of an ep group (comm): it holds experts comm.rank x E/N ..
+    of every mixture. Counts since `reset` (every step, for the metrics): with_graph, the
+    training forwards whose backward runs too, and without_graph, those without (--recompute's
+    first forwards; the evaluations run the whole model's local experts, and after the step's
+    metrics: minimp/train/meter.py)."""
+
+    comm: Communicator
+    with_graph: DispatchCounts = field(default_factory=DispatchCounts)
+    without_graph: DispatchCounts = field(default_factory=DispatchCounts)
 
     def __call__(self, experts: nn.Sequential, rows: Tensor, counts: np.ndarray) -> Tensor:
         p, rank = self.comm.size, self.comm.rank
@@ -59,21 +72,25 @@ class ExpertParallelDispatch:
         x = AllToAll.apply(rows, comm=self.comm, input_split_sizes=sent,
                            output_split_sizes=received)
         y = run_experts(mine, x, receiving)
-        if grad_enabled():  # a training forward (evaluations run under no_grad)
-            self.calls += 1
-            self.rows_sent += sum(sent) - sent[rank]
-            self.rows_received += sum(received) - received[rank]
+        tally = self.with_graph if grad_enabled() else self.without_graph
+        tally.calls += 1
+        tally.rows_sent += sum(sent) - sent[rank]
+        tally.rows_received += sum(received) - received[rank]
         return AllToAll.apply(y, comm=self.comm, input_split_sizes=received,
                               output_split_sizes=sent)
 
     def reset(self) -> None:
         """Start counting anew (each step)."""
-        self.calls = self.rows_sent = self.rows_received = 0
+        self.with_graph, self.without_graph = DispatchCounts(), DispatchCounts()
 
 
 def dispatch_bytes(calls: int, rows_sent: int, rows_received: int, experts: int, ep: int,
-                   row_bytes: int) -> int:
-    """The bytes one rank sends in `calls` training forwards and their backwards (the module's
-    formula): calls x (N - 1) x (E/N) x 8 + 2 (S + R) x row_bytes (C x the activation itemsize)."""
-    counts = calls * (ep - 1) * (experts // ep) * COUNT_BYTES
-    return counts + 2 * (rows_sent + rows_received) * row_bytes
+                   row_bytes: int, without_graph: DispatchCounts | None = None) -> int:
+    """The bytes one rank sends in `calls` training forwards and their backwards, and in the
+    forwards `without_graph` (the module's formula): calls x (N - 1) x (E/N) x 8 + 2 (S + R) x
+    row_bytes (C x the activation itemsize), plus calls' x (N - 1) x (E/N) x 8 + (S' + R') x
+    row_bytes for the forwards without a graph."""
+    without_graph = without_graph or DispatchCounts()
+    counts = (calls + without_graph.calls) * (ep - 1) * (experts // ep) * COUNT_BYTES
+    forward_only = without_graph.rows_sent + without_graph.rows_received
+    return counts + (2 * (rows_sent + rows_received) + forward_only) * row_bytes
