@@ -3,6 +3,7 @@
 import numpy as np
 
 from minimp import nn, optim
+from minimp.models.moe import MoE
 from minimp.parallel.apply import Named, Parallelized, parallelize
 from minimp.parallel.topology import Topology
 from minimp.precision import DynamicLossScaler, LossScaler, NoLossScaler, StaticLossScaler
