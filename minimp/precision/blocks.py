@@ -32,10 +32,12 @@ range for the rest of the group.
 
 Edge rules, the same in every rule: past +-max a value saturates to +-max (MX v1.0's "clamped to
 the max normal"; ml_dtypes would give NaN or inf). A group holding a NaN or an infinity decodes as
-NaN: its scale is NaN (E8M0 0xFF, E4M3 0x7F, float32 NaN) and its values are stored as 0. That is
-the MX reference implementation's rule, carried to the others so that E2M1, which has no NaN code,
-loses no NaN; fp8_scaling's current scaling instead keeps s = 1 there and saturates the infinity.
-An all-zero group gets the smallest scale its rule has (E8M0 2^-127; s = 1 for current scaling).
+NaN: its scale is NaN (E8M0 0xFF, E4M3 0x7F, float32 NaN) and its values are stored as 0. A whole
+block NaN is what the MX reference implementation (microsoft/microxcaling) gives; the other rules
+do the same, so that E2M1, which has no NaN code, loses no NaN (fp8_scaling's current scaling
+instead keeps s = 1 there and saturates an infinity). An all-zero group decodes as 0 whatever its
+scale: E8M0's smallest, 2^-127, for the mx rules, s = 1 for current scaling (Transformer Engine's
+choice), an E4M3 scale of 0 for nvfp4.
 """
 
 from dataclasses import dataclass
@@ -177,7 +179,7 @@ def mx_floor_exponent(amax: np.ndarray, fmt: ElementFormat) -> np.ndarray:
 def mx_round_up_exponent(amax: np.ndarray, fmt: ElementFormat) -> np.ndarray:
     """ceil(log2(amax / max)), clamped to E8M0's exponents: the quotient rounded once in float32,
     then its ceiling from its bits (m * 2^e with m in [0.5, 1): e - 1 when m is 0.5, else e). A
-    quotient that rounds down onto 2^k leaves amax / 2^k within half a float32 ulp of max, which
+    quotient that rounds down onto 2^k leaves amax / 2^k above max by a float32 rounding, which
     the cast rounds to max anyway."""
     with np.errstate(under="ignore"):  # a tiny amax's quotient may be a float32 subnormal or 0
         quotient = amax / np.float32(fmt.max)
@@ -203,10 +205,12 @@ def _current(xg: np.ndarray, amax: np.ndarray, fmt: ElementFormat):
 
 
 def _mx_floor(xg: np.ndarray, amax: np.ndarray, fmt: ElementFormat):
+    """x / X with X = 2^(floor(log2 amax) - emax) (OCP MX v1.0 section 6.3); no tensor scale."""
     return (*_power_of_two_scaled(xg, mx_floor_exponent(amax, fmt)), np.float32(1.0))
 
 
 def _mx_round_up(xg: np.ndarray, amax: np.ndarray, fmt: ElementFormat):
+    """x / X with X = 2^ceil(log2(amax / max)) (NVIDIA's variant); no tensor scale."""
     return (*_power_of_two_scaled(xg, mx_round_up_exponent(amax, fmt)), np.float32(1.0))
 
 
@@ -217,7 +221,9 @@ def _nvfp4(xg: np.ndarray, amax: np.ndarray, fmt: ElementFormat):
       s_dec = 1 / s_enc, the tensor_scale_inv;
       each group's scale_inv: amax_b * (s_enc * (1/6)) cast to E4M3, nearest even, saturating;
       the values: x * min(1 / (scale_inv * s_dec), float32 max), then cast to fmt.
-    A group whose E4M3 scale rounds to 0 decodes as 0 (its values saturate; times 0)."""
+    A group whose E4M3 scale rounds to 0 decodes as 0 (its values saturate; times 0). A tensor
+    whose amax is below about 2^-114 (448 * 6 times float32's smallest normal) has a subnormal
+    s_dec, short of significant bits: NVFP4 loses precision there."""
     tensor_amax = amax.max()
     with np.errstate(over="ignore"):
         s_enc = np.float32(E4M3.max * fmt.max) / tensor_amax if tensor_amax > 0 else np.float32(1)
@@ -268,9 +274,12 @@ def dequantize(q: BlockQuantized) -> np.ndarray:
     """value * scale_inv (* tensor_scale_inv) in float32, shape (R, C). The mx rules decode exactly
     (a short significand times a power of two); nvfp4's value * scale_inv is exact too (E2M1 times
     E4M3: 6 significant bits at most), then rounded once by the tensor scale; current scaling's
-    product is rounded once."""
+    product is rounded once. One exception: under mx_round_up a group whose amax is in float32's
+    top binade [2^127, 2^128) may hold a value that rounded up to 2^128, which float32 lacks: inf
+    (1.875 * 2^127 in E5M2 is 2^15 * 2^113, a tie rounded to even)."""
     values = grouped(q.data.astype(FLOAT32), q.group_shape)  # exact: all are float32 values
-    decoded = values * per_group(q.scale_inv.astype(FLOAT32))
+    with np.errstate(over="ignore"):
+        decoded = values * per_group(q.scale_inv.astype(FLOAT32))
     if q.rule == "nvfp4":
         decoded = decoded * q.tensor_scale_inv
     return decoded.reshape(q.data.shape)
