@@ -2,7 +2,8 @@
 the replicas) and with --ep (the dense parameters over the replicas, the experts over the dp/ep
 replicas holding the same ones), every layout routes as one process (asserted first), ends at its
 weights after 3 steps, holds memory_by_kind and sends zero_bytes_sent
-(minimp/parallel/expert/layout.py) every step; fp16's skip is one decision for the job."""
+(minimp/parallel/expert/layout.py) every step; fp16's skip is one decision for the job; a
+--dp 4 --ep 2 --zero 3 checkpoint is the one-process format both ways; fp8 composes."""
 
 import numpy as np
 import pytest
@@ -146,3 +147,13 @@ def test_a_zero_3_ep_checkpoint_is_the_one_process_format_both_ways(tmp_path):
         assert resumed.keys() == reference.keys()
         for name, array in reference.items():
             np.testing.assert_allclose(resumed[name], array, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.slow
+def test_delayed_fp8_with_zero_3_and_ep_ends_as_one_process(monkeypatch):
+    """fp8 (delayed) composes: --dp 4 --ep 2 --zero 3 routes as one process and ends at its
+    weights, with float32 activations (tests/test_train_moe_fp8.py says why: bf16 activations
+    alone part replicas from one process)."""
+    monkeypatch.setattr(TrainConfig, "activation_dtype", lambda self: np.dtype(np.float32))
+    fp8 = dict(SGD, precision="fp8")
+    assert_as_one_process(simulated(1, **fp8), simulated(4, **fp8, dp=4, ep=2, zero=3))
