@@ -3,19 +3,21 @@
 MoE GPT routes every step's tokens as one process (asserted first), drops the same pairs at
 capacity 1.0, ends at its weights after 3 steps, and rank 0's expert_parallel bytes equal
 dispatch_bytes of its rows every step. In fp8 the replicas stay identical and the rows travel in
-bf16."""
+bf16. With --zero 1 (--dp 2 --ep 2) it ends at the same weights, its data_parallel bytes those of
+zero_bytes_sent."""
 
 import json
 
 import numpy as np
 import pytest
 from conftest import MPIRUN, masters, run_train
+from test_train_moe_zero import units
 
-from minimp.parallel.expert import dispatch_bytes
+from minimp.parallel.expert import dispatch_bytes, zero_bytes_sent
 
 pytestmark = [
     pytest.mark.mpi,
-    pytest.mark.slow,  # about 50 s (seven launches, 4 ranks on 2 cores); the simulated world
+    pytest.mark.slow,  # about 55 s (eight launches, 4 ranks on 2 cores); the simulated world
     # covers --ep in the default tier
     pytest.mark.skipif(MPIRUN is None, reason="no mpirun on PATH (pip install 'minimp[mpi]')"),
 ]
@@ -86,3 +88,24 @@ def test_dp_2_ep_2_in_fp8_keeps_the_replicas_identical_and_sends_bf16_rows(tmp_p
         assert row["bytes_by_group"]["expert_parallel"] == dispatch_bytes(
             row["expert_dispatches"], row["expert_rows_sent"], row["expert_rows_received"],
             GPT["experts"], 2, GPT["hidden"] * 2)
+
+
+def test_dp_2_ep_2_zero_1_routes_and_ends_as_one_process(one_process, tmp_path):
+    """The dense parameters sharded over both ranks, each rank's experts its own (ep = dp: the
+    expert group is the rank alone, and sends nothing): routing first, then the weights, then
+    rank 0's bytes, the dense units' reduce-scatter and all-gather alone."""
+    (one, one_rows), (got, rows) = one_process("0"), run(tmp_path, 2, "--dp", "2", "--ep", "2",
+                                                         "--zero", "1")
+    for first, second in zip(one_rows, rows, strict=True):
+        assert first["expert_load"] == second["expert_load"]
+        assert first["dropped_tokens"] == second["dropped_tokens"]
+    assert got.keys() == one.keys()
+    for name, array in one.items():
+        np.testing.assert_allclose(got[name], array, rtol=1e-5, atol=1e-7, err_msg=name)
+    dense, experts, _ = units(2, GPT)
+    sent = zero_bytes_sent(1, dense, experts, 2, 2, 0, micro_batches=1, compute_bytes=4,
+                           wire_bytes=4)
+    assert set(sent) == {"reduce_scatter", "all_gather"}
+    for row in rows:
+        assert {name: row["bytes_by_collective"][name] for name in sent} == sent
+        assert row["bytes_by_group"]["data_parallel"] == sum(sent.values())

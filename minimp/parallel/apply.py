@@ -22,7 +22,8 @@ parallelize.py apply theirs:
   3. recompute  the runner of the chunks reruns each block's forward in its backward
   4. data/zero  the stage's replicas start from replica 0's masters and share one GradientSync:
                 DataParallel, or ZeRO's, which shards the optimizer (stage 3: the parameters);
-                with --ep its expert parameters reduce over their own group (expert/grads.py);
+                with --ep its expert parameters reduce (and ZeRO shards them) over their own
+                group (expert/grads.py, zero/data_parallel.py);
                 with --cp the context shards of a replica are in that group too (each saw other
                 tokens of the same samples: context/models.py derives the average)
 
@@ -264,14 +265,10 @@ def replicate(share: Parallelized, grid: Topology, parallelism: Parallelism,
         tensor_parallel=share.tensor_parallel, overlap=parallelism.overlap,
         micro_batches=parallelism.micro_batches)
     stage = zero_stage(parallelism.zero)
-    if stage.shards_optimizer_state and grid.ep_group is not None:
-        raise ValueError(f"ZeRO stage {parallelism.zero} with expert parallelism: not yet (ZeRO "
-                         "would have to shard each kind of parameter over its own group)")
+    indices = frozenset(i for i, name in enumerate(share.names) if expert_index(name) is not None)
     if not stage.shards_optimizer_state:
         experts = None
         if grid.ep_group is not None and grid.expert_dp_group is not None:  # --ep: apart
-            indices = frozenset(i for i, name in enumerate(share.names)
-                                if expert_index(name) is not None)
             experts = ExpertGradients(grid.expert_dp_group, grid.ep_group, indices)
         sync = DataParallel(
             grid.dp_cp_group, optimizer, bucket_mb=parallelism.bucket_mb,
@@ -279,8 +276,14 @@ def replicate(share: Parallelized, grid: Topology, parallelism: Parallelism,
             experts=experts, **options)
         sync.broadcast_parameters()
         return sync
-    broadcast_masters(grid.dp_cp_group, optimizer)
-    zero = zero_data_parallel(stage, optimizer, runner.layers, grid.dp_cp_group, **options)
+    # Each kind of parameter over its own group (with --ep the experts over the replicas holding
+    # the same ones), both from their group's rank 0, as DataParallel.broadcast_parameters.
+    expert_comm = grid.expert_dp_group or grid.dp_cp_group
+    dense = [index for index in range(len(optimizer.params)) if index not in indices]
+    broadcast_masters(grid.dp_cp_group, optimizer, 0, dense)
+    broadcast_masters(expert_comm, optimizer, 0, sorted(indices))
+    zero = zero_data_parallel(stage, optimizer, runner.layers, grid.dp_cp_group, experts=indices,
+                              expert_comm=expert_comm, **options)
     plain = runner.run_group
     runner.run_group = lambda layers, x: zero.run_group(layers, x, plain)
     return zero

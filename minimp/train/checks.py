@@ -164,8 +164,8 @@ GPT_ONLY = ("heads", "context", "dropout", "eval_every", "eval_batches", "expert
 
 def _check_experts(config: "TrainConfig") -> None:
     """--top-k within --experts, and what the mixture does not compose with yet, one line each:
-    plain --dp does (every rank holds every expert), and --pp and --recompute (each mixture
-    attaches its auxiliary losses to its own output's graph: models/moe.py)."""
+    --dp (every rank holds every expert), --ep, --pp and --recompute (each mixture attaches its
+    auxiliary losses to its own output's graph: models/moe.py) and ZeRO's stages do."""
     if not config.experts:
         return
     if config.top_k > config.experts:
@@ -173,11 +173,10 @@ def _check_experts(config: "TrainConfig") -> None:
                           "token goes to top-k distinct experts)")
     given = [(f"--{name} {getattr(config, name)}", getattr(config, name) > 1)
              for name in ("tp", "cp")]
-    given += [(f"--zero {config.zero}", config.zero > 0)]
     for what, set_ in given:
         if set_:
             raise ConfigError(f"--experts with {what}: not yet (the mixture of experts runs on "
-                              "one process, with --dp, --pp or --recompute)")
+                              "one process, with --dp, --ep, --pp, --recompute or --zero)")
 
 
 def _check_expert_parallel(config: "TrainConfig", dp: int) -> None:

@@ -31,14 +31,16 @@ def gather_state(run: "Run") -> dict | None:
     (replicas are identical, so replica 0 speaks for all; with ZeRO each replica first sends its
     chunks to replica 0, which stitches them whole; with --tp each stage's shards are joined on
     its tensor-parallel rank 0 first; with --ep replica 0's ep group sends its experts to
-    replica 0); None on every other rank."""
+    replica 0, with ZeRO each expert group stitching its experts on that group first); None on
+    every other rank."""
     topology = run.topology
     if isinstance(run.optimizer, ShardedOptimizer):
         state = run.optimizer.gather_state(run.names)  # a collective of the replicas
     elif topology.dp_rank < topology.ep:  # replica 0's ep group holds every expert between them
         state = checkpoint.state_arrays(run.names, run.share.optimizer)
-        if topology.ep_group is not None:
-            state = gather_named_arrays(topology.ep_group, state)
+    if topology.ep_group is not None and topology.dp_rank < topology.ep:
+        # (with ZeRO too: each of these ranks has stitched its own experts whole)
+        state = gather_named_arrays(topology.ep_group, state or {})
     if topology.dp_rank != 0 or topology.cp_rank != 0:  # context shards hold replica 0's weights
         return None
     if run.fp8 is not None:  # each stage's scaling state, as "fp8/<quantizer>/<field>"

@@ -7,4 +7,4 @@ from minimp.parallel.expert.dispatch import (DispatchCounts, ExpertParallelDispa
                                              dispatch_bytes)
 from minimp.parallel.expert.grads import ExpertGradients
 from minimp.parallel.expert.layout import (expert_index, held_parameters, local_experts,
-                                          memory_by_kind)
+                                          memory_by_kind, zero_bytes_sent)

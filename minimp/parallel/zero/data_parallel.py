@@ -22,6 +22,24 @@ every rank's chunks and every stage, update, scaler. What changes is where the b
 `reduce` leaves in the list this rank's gradient pieces instead of whole gradients. With overlap,
 `OverlappedUnits` keeps each unit's reduce-scatter in flight while backward goes on
 (minimp/parallel/data/overlap.py).
+
+A mixture of experts (--experts). One ZeRO that knows two groups, rather than one ZeRO per kind of
+parameter: each layer's experts are a unit of their own (layout.py), cut over the expert group
+(with --ep, the dp/ep replicas holding the same experts, as Megatron-Core's distributed optimizer
+shards them; without it, the replicas), and every other part of the step (the overflow decision,
+the norm, the update, the checkpoint's stitching, stage 3's gathers) stays one piece of code that
+asks each unit for its group. Two ZeROs would each need the hooks, the step and the gathers of the
+whole stage, and a third object to make one optimizer of them. What changes for an expert unit:
+  - its reduce-scatter and all-gather run over its group, counted as "expert_reduce_scatter" and
+    "expert_all_gather" when that group is not the replicas'; the 1/dp stays the replicas' (every
+    replica's loss is in the mean: minimp/parallel/expert/grads.py), and alone in its group
+    (--ep = --dp) a rank only divides, as data parallelism does;
+  - its reduce-scatter starts when its gradients are complete, as a dense unit's, but runs at
+    once: the rings in flight (overlap) are the replicas'. Every rank completes the same units at
+    the same point of backward, because every expert runs, on zero rows if no token reached it
+    (minimp/models/moe.py's run_experts): its gradient is zeros, never absent;
+  - the gradient norm needs nothing new: each element, dense or expert, lies in one chunk of one
+    rank of the job, so the squares of every rank's pieces, summed over the job, count each once.
 """
 
 from typing import Any, Callable, Sequence
@@ -70,7 +88,7 @@ class ZeroDataParallel(ReplicaSync):
         self.stage = zero_stage(optimizer.stage)
         self.gatherer: ParameterGatherer | None = None
         xp = array_module(*optimizer.masters)
-        largest = self.layout.largest_unit() if comm.size > 1 else 0  # one replica sends nothing
+        largest = self.layout.largest_unit()  # 0 when no unit travels (one replica)
         # One send and one receive buffer, as large as the largest unit, reused by every unit
         # (without overlap).
         self.send, self.receive = xp.empty(largest, comm_dtype), xp.empty(largest, comm_dtype)
@@ -161,9 +179,11 @@ class ZeroDataParallel(ReplicaSync):
         self.sample_peak()
         spec = self.layout.units[unit]
         flats = [self._gradient(index) for index in spec.indices]
-        if self.comm.size == 1:
-            # flats is never empty: a unit has a parameter, and this runs once one arrived
-            self.optimizer.add_reduced(unit, widen(array_module(*flats).concatenate(flats)))
+        if self.optimizer.group(unit)[0].size == 1:  # the whole unit is this rank's chunk
+            whole = widen(array_module(*flats).concatenate(flats))  # (a unit has a parameter)
+            if self.comm.size > 1:  # an expert unit alone in its group: the 1/dp only
+                whole = whole * np.float32(1.0 / self.comm.size)
+            self.optimizer.add_reduced(unit, whole)
         else:
             self._reduce_scatter(unit, flats, lambda chunk: self._add_reduced(unit, chunk))
         for index in spec.indices:
@@ -185,24 +205,27 @@ class ZeroDataParallel(ReplicaSync):
         return parameter.grad.reshape(-1)
 
     def _reduce_scatter(self, unit: int, flats: list[Array], then: Callable[[Array], None]) -> None:
-        """Pack the unit's flat gradients (times 1/N before, by default), reduce-scatter them
-        around the ring and call then(this rank's chunk of the sum, widened to float32): at once,
-        or, with overlap, when the ring in flight is done."""
+        """Pack the unit's flat gradients (times 1/N before, by default, N the replicas), reduce-
+        scatter them around the ring of the unit's group and call then(this rank's chunk of the
+        sum, widened to float32): at once, or, with overlap, when the ring in flight is done (the
+        rings in flight are the replicas'; an expert group's ring runs at once)."""
         size, inverse = self.layout.units[unit].size, 1.0 / self.comm.size
-        if self.overlap is None:
+        comm, prefix = self.optimizer.group(unit)
+        overlap = self.overlap if comm is self.comm else None
+        if overlap is None:
             send, receive = self.send[:size], self.receive[:size]
         else:  # rings in flight at once need buffers of their own
-            send, receive = self.overlap.new_buffers(self.send, size)
+            send, receive = overlap.new_buffers(self.send, size)
         offset = 0
         for flat in flats:
             pack(send[offset : offset + flat.size], flat, inverse, self.average)
             offset += flat.size
         (start, stop), bounds = self.layout.chunk(unit), self.layout.bounds[unit]
-        if self.overlap is not None:
-            self.overlap.start(unit, send, receive, bounds, lambda o: then(widen(o[start:stop])))
+        if overlap is not None:
+            overlap.start(unit, send, receive, bounds, lambda o: then(widen(o[start:stop])))
             return
-        with self.sent.counting(self.comm, "reduce_scatter"):
-            ring_reduce_scatter_into(self.comm, send, receive, bounds)
+        with self.sent.counting(comm, prefix + "reduce_scatter"):
+            ring_reduce_scatter_into(comm, send, receive, bounds)
         then(widen(receive[start:stop]))
 
     def _reduce_scatter_accumulators(self) -> None:
@@ -211,8 +234,6 @@ class ZeroDataParallel(ReplicaSync):
         for index, summed in enumerate(self.optimizer.inner.master_gradients):
             if summed is None:  # no gradient reached it: zeros, as the all-reduce sends
                 self._accumulator(index)[...] = 0
-        if self.comm.size == 1:
-            return
         for unit in range(len(self.layout.units)):
             if unit not in self.started:  # with overlap, the complete units started in backward
                 self._reduce_accumulator(unit)
@@ -226,6 +247,11 @@ class ZeroDataParallel(ReplicaSync):
         inverse = 1.0 / self.comm.size
         self.started.add(unit)
         self.arrived[unit].clear()
+        if self.optimizer.group(unit)[0].size == 1:  # nothing travels
+            if self.comm.size > 1:  # an expert unit alone in its group: the 1/dp only
+                for index in self.layout.units[unit].indices:
+                    self._accumulator(index)[...] *= np.float32(inverse)
+            return
 
         def write(chunk: Array) -> None:
             for piece in self.layout.pieces[unit]:
@@ -297,16 +323,22 @@ class OverlappedUnits(RingsInFlight):
 
 def zero_data_parallel(stage: ZeroStage | int, optimizer: Optimizer, layers: list[Module],
                        comm: Communicator, *, tied: TiedGradients | None = None,
+                       experts: frozenset[int] = frozenset(),
+                       expert_comm: Communicator | None = None,
                        **options: Any) -> ZeroDataParallel:
     """Shard a stage's optimizer (built, and resumed, as without ZeRO) over comm's replicas and
     return its GradientSync; `.optimizer` is the ShardedOptimizer the step must use, and
     `.run_group` the way the pipeline stage must run its layers. stage: a ZeroStage, or its
-    number (--zero); layers: the stage's layers, in order; options: those of ZeroDataParallel."""
+    number (--zero); layers: the stage's layers, in order; experts: the optimizer positions of a
+    mixture's experts, sharded over expert_comm (with --ep the replicas holding the same experts;
+    by default comm); options: those of ZeroDataParallel."""
     stage = zero_stage(stage)
     tied_indices = set(tied.indices) if tied is not None else set()
-    units, layer_units = plan_units(layers, optimizer.params, tied_indices)
-    layout, sent = ZeroLayout(units, comm.rank, comm.size), BytesSent()
-    sharded = ShardedOptimizer(optimizer, layout, comm, stage.number, sent=sent)
+    units, layer_units = plan_units(layers, optimizer.params, tied_indices, experts)
+    expert_comm = expert_comm or comm
+    layout = ZeroLayout(units, comm.rank, comm.size, expert_comm.rank, expert_comm.size)
+    sent = BytesSent()
+    sharded = ShardedOptimizer(optimizer, layout, comm, stage.number, sent, expert_comm)
     sync = ZeroDataParallel(comm, sharded, tied=tied, sent=sent, **options)
     if stage.shards_parameters:
         sync.gatherer = ParameterGatherer(sharded, layers, layer_units, sync.sample_peak)

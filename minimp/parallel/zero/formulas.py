@@ -23,6 +23,12 @@ measured apart (minimp/measure/accounts.py's `PeakMemory`, `peak_formula` here):
 stages 0-1 (every 16-bit gradient, at the end of backward), c U in stage 2 (one layer's), 2 c U in
 stage 3 (and that layer gathered).
 
+With a mixture's experts in a group of their own (--ep: the N_e = dp/ep replicas holding the same
+experts, zero/data_parallel.py), S_r adds this rank's chunks of the expert units cut over N_e, P
+counts them once, U is the largest unit whose group has more than one rank, and stage 0's buffers
+hold the dense parameters when N > 1 and the experts when N_e > 1: `memory_formula`'s expert_*
+arguments.
+
 Bytes sent per step by rank r, ring collectives over units of s_u elements whose chunk r has c_u(r)
 elements (a ring reduce-scatter sends every chunk but its own, an all-gather every chunk but its
 right neighbour's), M micro-batches, g_u the layers that read unit u:
@@ -33,6 +39,9 @@ right neighbour's), M micro-batches, g_u the layers that read unit u:
   stage 3   M reduce-scatters (w) + M (g_u + 1) all-gathers (c): before each layer's forward
             and once before the backward
 
+(the expert units' over their own group: the same formula with N_e and this rank's place there,
+counted as expert_reduce_scatter and expert_all_gather).
+
 With even chunks that is ZeRO's 2 (N - 1)/N P elements (stages 0-2) and 3 (N - 1)/N P (stage 3).
 Stage 2 reduce-scatters every micro-batch, (M + 1)(N - 1)/N P elements: reducing once, on the
 last, would need a whole float32 accumulator until then, which is stage 1. Scalar all-reduces
@@ -40,6 +49,8 @@ last, would need a whole float32 accumulator until then, which is stage 1. Scala
 
 Every formula takes the stage as a ZeroStage or as its number (--zero).
 """
+
+from typing import Sequence
 
 from minimp.distributed.ring import chunk_bounds
 from minimp.parallel.zero.stages import ZeroStage, zero_stage
@@ -51,26 +62,30 @@ def chunk_sizes(sizes: list[int], rank: int, world_size: int) -> list[int]:
 
 
 def memory_formula(stage: ZeroStage | int, *, unit_sizes: list[int], rank: int, world_size: int,
-                   compute_bytes: int, wire_bytes: int, slots: int) -> dict[str, int]:
-    """The table above, in bytes, for one rank (stage 0's buckets hold P elements in all)."""
+                   compute_bytes: int, wire_bytes: int, slots: int,
+                   expert_unit_sizes: Sequence[int] = (), expert_rank: int = 0,
+                   expert_world_size: int = 1) -> dict[str, int]:
+    """The table above, in bytes, for one rank (stage 0's buckets hold P elements in all); the
+    expert units, if any, cut over expert_world_size ranks, this one expert_rank of them."""
     stage = zero_stage(stage)
-    total = sum(unit_sizes)
-    shard = sum(chunk_sizes(unit_sizes, rank, world_size))
+    groups = [(unit_sizes, rank, world_size), (expert_unit_sizes, expert_rank, expert_world_size)]
+    total = sum(unit_sizes) + sum(expert_unit_sizes)
+    shard = sum(sum(chunk_sizes(list(sizes), r, n)) for sizes, r, n in groups)
     held = shard if stage.shards_optimizer_state else total
-    largest = max(unit_sizes, default=0)
+    travelling = [size for sizes, _, n in groups if n > 1 for size in sizes]
     c, w = compute_bytes, wire_bytes
     master_is_compute_copy = c == 4 and stage.shards_parameters == stage.shards_optimizer_state
     if not stage.shards_optimizer_state:
-        buffers = 2 * w * total  # the buckets' send and receive buffers
+        buffers = 2 * w * sum(travelling)  # the buckets' send and receive buffers
     else:  # one unit's reduce-scatter buffers (and, but in stage 3, its all-gather buffer)
-        buffers = (2 * w + (0 if stage.shards_parameters else c)) * largest
+        buffers = (2 * w + (0 if stage.shards_parameters else c)) * max(travelling, default=0)
     return {
         "parameters": c * (shard if stage.shards_parameters else total),
         "gradients": 0,
         "accumulators": 4 * (shard if stage.shards_gradients else total),
         "masters": 0 if master_is_compute_copy else 4 * held,
         "optimizer_state": 4 * slots * held,
-        "buffers": buffers if world_size > 1 else 0,
+        "buffers": buffers,
         "gathered": 0,
     }
 

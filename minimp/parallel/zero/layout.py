@@ -14,6 +14,11 @@ chunks are empty when the unit has fewer than N elements). Rank r holds chunk r 
 Where a parameter meets a chunk is a `Piece`. Example: a unit [W (3 x 2), b (3)] has 9 elements;
 with N = 2 the chunks are [0, 5) and [5, 9), so rank 0 holds W's elements 0..4 and rank 1 holds W's
 element 5 and all of b: pieces (W, 0, 5) on rank 0, (W, 5, 6) and (b, 0, 3) on rank 1.
+
+A mixture's experts (--experts) are a unit of their own in each layer, an expert unit, cut over
+the expert group: with --ep the replicas holding the same experts (Megatron-Core's expert data
+parallel group, dp/ep ranks), without it the replicas, as the dense units. Rank r holds chunk r of
+a unit in that unit's group.
 """
 
 from collections import Counter
@@ -43,10 +48,12 @@ class Piece:
 
 @dataclass(frozen=True)
 class Unit:
-    """Parameters laid out flat, one after another: indices (optimizer positions) and sizes."""
+    """Parameters laid out flat, one after another: indices (optimizer positions) and sizes;
+    expert: they are a mixture's experts, cut over the expert group."""
 
     indices: tuple[int, ...]
     sizes: tuple[int, ...]
+    expert: bool = False
 
     @property
     def size(self) -> int:
@@ -70,16 +77,23 @@ class Unit:
 
 class ZeroLayout:
     """The units of one stage and this rank's chunk of each, over N data-parallel ranks: `units`,
-    the stage's parameters laid out flat, and this rank, `rank` of `world_size` = N."""
+    the stage's parameters laid out flat, and this rank, `rank` of `world_size` = N; the expert
+    units over this rank's expert group, `expert_rank` of `expert_world_size` (by default the
+    data-parallel ranks too)."""
 
-    def __init__(self, units: list[Unit], rank: int, world_size: int):
+    def __init__(self, units: list[Unit], rank: int, world_size: int,
+                 expert_rank: int | None = None, expert_world_size: int | None = None):
         self.units, self.rank, self.world_size = units, rank, world_size
-        self.bounds = [chunk_bounds(unit.size, world_size) for unit in units]
-        self.pieces = [unit.pieces(rank, world_size) for unit in units]
+        expert = (rank if expert_rank is None else expert_rank,
+                  world_size if expert_world_size is None else expert_world_size)
+        # (this rank's place, ranks) in each unit's group
+        self.places = [expert if unit.expert else (rank, world_size) for unit in units]
+        self.bounds = [chunk_bounds(unit.size, n) for unit, (_, n) in zip(units, self.places)]
+        self.pieces = [unit.pieces(r, n) for unit, (r, n) in zip(units, self.places)]
 
     def chunk(self, unit: int, rank: int | None = None) -> tuple[int, int]:
         """(start, stop) of a rank's chunk (this rank's by default) in the flat unit."""
-        return self.bounds[unit][self.rank if rank is None else rank]
+        return self.bounds[unit][self.places[unit][0] if rank is None else rank]
 
     def chunk_size(self, unit: int, rank: int | None = None) -> int:
         """Elements of a unit a rank holds (this rank by default)."""
@@ -87,22 +101,26 @@ class ZeroLayout:
         return stop - start
 
     def shard_size(self, rank: int | None = None) -> int:
-        """Elements a rank holds: its chunks of every unit."""
+        """Elements a rank holds: its chunks of every unit (rank: its place in each unit's
+        group)."""
         return sum(self.chunk_size(unit, rank) for unit in range(len(self.units)))
 
     def largest_unit(self) -> int:
-        """Elements of the largest unit (what one reduce-scatter or all-gather buffer holds)."""
-        return max((unit.size for unit in self.units), default=0)
+        """Elements of the largest unit that travels, cut over more than one rank (what one
+        reduce-scatter or all-gather buffer holds); 0 when none does."""
+        return max((unit.size for unit, (_, n) in zip(self.units, self.places) if n > 1),
+                   default=0)
 
     def unit_of(self) -> dict[int, int]:
         """{optimizer position: its unit}."""
         return {index: u for u, unit in enumerate(self.units) for index in unit.indices}
 
 
-def plan_units(layers: list[Module], params: list[Parameter],
-               tied: set[int]) -> tuple[list[Unit], list[list[int]]]:
+def plan_units(layers: list[Module], params: list[Parameter], tied: set[int],
+               experts: frozenset[int] = frozenset()) -> tuple[list[Unit], list[list[int]]]:
     """(units, the units each layer reads) for a stage's layers and its optimizer's parameters
-    (params, in optimizer order). tied: optimizer positions another stage holds a copy of."""
+    (params, in optimizer order). tied: optimizer positions another stage holds a copy of;
+    experts: those of a mixture's experts (a unit of their own in each layer)."""
     position = {id(parameter): index for index, parameter in enumerate(params)}
     reads = [[position[id(p)] for p in reachable_parameters(layer) if id(p) in position]
              for layer in layers]
@@ -111,20 +129,21 @@ def plan_units(layers: list[Module], params: list[Parameter],
     units: list[Unit] = []
     unit_of: dict[int, int] = {}
 
-    def add(indices: list[int]) -> None:
+    def add(indices: list[int], expert: bool = False) -> None:
         for index in indices:
             unit_of[index] = len(units)
-        units.append(Unit(tuple(indices), tuple(params[i].size for i in indices)))
+        units.append(Unit(tuple(indices), tuple(params[i].size for i in indices), expert))
 
     for indices in reads:
         own = [index for index in indices if index not in shared and index not in unit_of]
-        if own:
-            add(own)
+        for kind in (False, True):  # the layer's dense parameters, then its experts
+            if part := [index for index in own if (index in experts) == kind]:
+                add(part, kind)
         for index in indices:
             if index in shared and index not in unit_of:
                 add([index])
     for index in range(len(params)):  # a parameter no layer of the stage reads: a unit of its own
         if index not in unit_of:
-            add([index])
+            add([index], index in experts)
     layer_units = [sorted({unit_of[index] for index in indices}) for indices in reads]
     return units, layer_units

@@ -19,6 +19,9 @@ Its part of the mixed-precision step is the optimizer's: `accumulate_gradients()
 (minimp/optim/optimizer.py's `sgd` or `adam`: elementwise, so a piece gets the bits the whole
 parameter would), rounds the chunks into the compute dtype and, in stages 1 and 2, all-gathers
 them into every rank's whole compute copies.
+
+A mixture's expert units (layout.py) are gathered over their own group, `expert_comm` (with --ep
+the replicas holding the same experts), and their bytes counted as "expert_all_gather".
 """
 
 from types import ModuleType
@@ -41,14 +44,16 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     """Masters, slots (and, from stage 2, gradient sums) of this rank's chunks; see the module."""
 
     def __init__(self, optimizer: Optimizer, layout: ZeroLayout, comm: Communicator, stage: int,
-                 sent: BytesSent | None = None):
+                 sent: BytesSent | None = None, expert_comm: Communicator | None = None):
         """optimizer: the whole optimizer of this stage, built (and resumed) as without ZeRO; its
         masters and slots are cut into this rank's chunks and then dropped. comm: the
         data-parallel replicas of this stage, over which the layout was cut. sent: counts the
-        all-gathers' bytes (shared with the GradientSync's counter)."""
+        all-gathers' bytes (shared with the GradientSync's counter). expert_comm: the group the
+        expert units were cut over (by default comm)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         self.inner, self.layout, self.comm, self.stage = optimizer, layout, comm, stage
+        self.expert_comm = expert_comm or comm
         self.params = optimizer.params
         self.dtype = self.params[0].dtype if self.params else MASTER_DTYPE
         xp = array_module(*optimizer.master_weights)
@@ -67,7 +72,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         # Stage 3's compute copies are chunks; in float32 the chunk is the master itself.
         self.compute_chunks = [round_to(m, self.dtype) for m in self.masters] if stage == 3 else []
         self.sent = sent or BytesSent()
-        many = comm.size > 1 and stage < 3
+        many = layout.largest_unit() > 0 and stage < 3  # some unit travels
         self.gather_buffer = xp.empty(layout.largest_unit(), self.dtype) if many else None
         optimizer.master_weights = [None] * len(self.params)  # the whole masters are not kept
         optimizer.slots = [dict.fromkeys(optimizer.slot_names) for _ in self.params]
@@ -78,6 +83,13 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         for piece in self.layout.pieces[unit]:
             chunk[piece.offset : piece.offset + piece.size] = _part(arrays[piece.index], piece)
         return chunk
+
+    def group(self, unit: int) -> tuple[Communicator, str]:
+        """The communicator a unit is cut over, and the prefix of its collectives' names in the
+        byte account: "expert_" over an expert group of its own, else none."""
+        if self.layout.units[unit].expert and self.expert_comm is not self.comm:
+            return self.expert_comm, "expert_"
+        return self.comm, ""
 
     # ----- the wrapped optimizer's settings ---------------------------------------------------
     @property
@@ -162,8 +174,9 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     def _gathered(self, unit: int) -> Array:
         """The unit's whole compute copy, flat: all-gathered from every rank's chunk."""
         rounded = round_to(self.masters[unit], self.dtype)
-        if self.gather_buffer is None:  # one rank: the chunk is the unit
+        if self.group(unit)[0].size == 1:  # one rank: the chunk is the unit
             return rounded
+        assert self.gather_buffer is not None  # allocated when any unit travels
         return self.all_gather(unit, rounded, self.gather_buffer[: self.layout.units[unit].size])
 
     def all_gather(self, unit: int, chunk: Array, flat: Array) -> Array:
@@ -171,9 +184,10 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         every other rank's gathered around the ring (stage 3's layers gather so too)."""
         start, stop = self.layout.chunk(unit)
         flat[start:stop] = chunk
-        if self.comm.size > 1:
-            with self.sent.counting(self.comm, "all_gather"):
-                ring_all_gather_inplace(self.comm, flat, self.layout.bounds[unit])
+        comm, prefix = self.group(unit)
+        if comm.size > 1:
+            with self.sent.counting(comm, prefix + "all_gather"):
+                ring_all_gather_inplace(comm, flat, self.layout.bounds[unit])
         return flat
 
     def zero_grad(self) -> None:
@@ -183,20 +197,34 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
 
     # ----- checkpoints and the memory account -------------------------------------------------
     def gather_state(self, names: list[str]) -> dict[str, Any] | None:
-        """Every rank sends its pieces to data-parallel rank 0, which returns this stage's whole
-        masters and slots under the one-process names (master/<name>, optimizer/<name>/<slot>);
-        None on the other ranks. A collective of the replicas."""
-        pieces: dict[str, Any] = {}
-        for unit, unit_pieces in enumerate(self.layout.pieces):
-            for piece, slots in zip(unit_pieces, self.slots[unit]):
-                name, at = names[piece.index], f"@{piece.start}"
-                chunk = self.masters[unit][piece.offset : piece.offset + piece.size]
-                pieces[f"master/{name}{at}"] = chunk
-                for slot, value in slots.items():
-                    if value is not None:
-                        pieces[f"optimizer/{name}/{slot}{at}"] = value
-        gathered = gather_named_arrays(self.comm, pieces)
-        return None if gathered is None else _stitch(gathered, names, self.params)
+        """Every rank sends its pieces to rank 0 of each unit's group, which returns those whole
+        masters and slots under the one-process names (master/<name>, optimizer/<name>/<slot>):
+        data-parallel rank 0 this stage's, and with an expert group of their own each expert
+        group's rank 0 its experts (with --ep, data-parallel ranks 1 .. ep - 1 return only
+        theirs); None on the other ranks. A collective of the replicas (and the expert groups)."""
+        whole: dict[str, Any] | None = None
+        groups = [self.comm] if self.expert_comm is self.comm else [self.comm, self.expert_comm]
+        for comm in groups:
+            pieces: dict[str, Any] = {}
+            for unit, unit_pieces in enumerate(self.layout.pieces):
+                if self.group(unit)[0] is comm:
+                    pieces.update(self._named_pieces(unit, unit_pieces, names))
+            gathered = gather_named_arrays(comm, pieces)
+            if gathered is not None:
+                whole = {**(whole or {}), **gathered}
+        return None if whole is None else _stitch(whole, names, self.params)
+
+    def _named_pieces(self, unit: int, pieces: list[Piece], names: list[str]) -> dict[str, Any]:
+        """{"master/<name>@<start>": this rank's piece, "optimizer/<name>/<slot>@<start>": ...}."""
+        named: dict[str, Any] = {}
+        for piece, slots in zip(pieces, self.slots[unit]):
+            name, at = names[piece.index], f"@{piece.start}"
+            chunk = self.masters[unit][piece.offset : piece.offset + piece.size]
+            named[f"master/{name}{at}"] = chunk
+            for slot, value in slots.items():
+                if value is not None:
+                    named[f"optimizer/{name}/{slot}{at}"] = value
+        return named
 
     def arrays_by_kind(self) -> dict[str, list[Any]]:
         """What this optimizer holds, by kind (minimp/measure/accounts.py adds the bytes up)."""
