@@ -699,14 +699,15 @@ def test_model_states_with_ep_by_hand():
     ZeRO 1: the dense states over 4 ranks, the experts' over the 2 replicas holding them."""
     job = Job(8, (1,), precision="fp16")
     zero0 = mem.model_state_bytes(MIXTURE, Layout(4, 1, 1, 0, ep=2), job, stage=0)
-    by_kind = memory_by_kind(832, 1120, dp=4, ep=2, compute_bytes=2, slots=2)
+    by_kind = memory_by_kind([832], [1120], dp=4, ep=2, dp_rank=0, compute_bytes=2, slots=2)
     assert {kind: zero0[kind] for kind in by_kind} == by_kind
     assert zero0["buffers"] == 2 * 4 * (832 + 1120)
     zero1 = mem.model_state_bytes(MIXTURE, Layout(4, 1, 1, 1, ep=2), job, stage=0)
     shard = 832 // 4 + 1120 // 2
     assert zero1["parameters"] == 2 * 1952 and zero1["accumulators"] == 4 * 1952
     assert zero1["masters"] == 4 * shard and zero1["optimizer_state"] == 8 * shard
-    assert zero1["buffers"] == (2 * 4 + 2) * (352 + 560)  # each group's largest unit
+    # one unit's collective at a time (the trainer's ZeRO, both groups): the largest, 2 experts
+    assert zero1["buffers"] == (2 * 4 + 2) * 560
     assert zero1["gradients16"] == 2 * 1952
     alone = mem.model_state_bytes(MIXTURE, Layout(2, 1, 1, 0, ep=2), job, stage=0)
     assert alone["buffers"] == 2 * 4 * 832  # dp/ep = 1: nothing to reduce the experts over

@@ -12,7 +12,7 @@ from test_train_moe import TINY, rows, simulated
 from minimp import distributed as dist
 from minimp.parallel.expert import memory_by_kind, zero_bytes_sent
 from minimp.train import TrainConfig, train
-from minimp.train.sizes import zero_unit_sizes
+from minimp.train.sizes import expert_unit_sizes, zero_unit_sizes
 from minimp.train.tasks import ShakespeareTask
 
 SGD = dict(optimizer="sgd", lr=0.5)  # not Adam: tests/test_train_moe.py says why
@@ -36,7 +36,10 @@ def units(ep, sizes=TINY):
     assert len(blocks) == layers
     dense = [wte, wpe, *(block - experts * per_expert for block in blocks), ln_f]
     held = [experts // ep * per_expert] * layers
-    if ep > 1:
+    if ep > 1:  # what the pre-run memory check sizes (train/sizes.py) is the trainer's too
+        split = TrainConfig(**{**TINY, **sizes, "ep": ep, "dp": ep})
+        assert (zero_unit_sizes(split, experts_apart=True)[0], expert_unit_sizes(split)[0]) == (
+            dense, held)
         return dense, held, [2] + [1] * (len(dense) - 1)
     mixed = [wte, wpe, *(size for block, own in zip(dense[2:-1], held) for size in (block, own)),
              ln_f]

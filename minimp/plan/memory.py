@@ -86,7 +86,6 @@ which is what minimp's MoE block keeps, counted as `saved_bytes` counts (tests/t
 """
 
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 
 from minimp.parallel.context.ring import ring_memory
@@ -140,16 +139,13 @@ def model_state_bytes(model: ModelShape, layout: Layout, job: Job, stage: int) -
     largest chunks), and with ep > 1 of its (dp/ep) x cp expert group, plus `gradients16`: the
     16-bit gradients at the peak inside a step (module docstring)."""
     units, experts = stage_units(model, layout, stage, job), expert_units(model, layout)
-    c, held = job.compute_bytes, Counter[str]()
-    groups = [(units, layout.dp * layout.cp)]
-    if experts:
-        groups.append((experts, layout.dp // layout.ep * layout.cp))
-    for group_units, world_size in groups:
-        held.update(memory_formula(layout.zero, unit_sizes=group_units, rank=0,
-                                   world_size=world_size, compute_bytes=c,
-                                   wire_bytes=job.grad_comm_bytes, slots=job.slots))
-    held["gradients16"] = peak_formula(layout.zero, unit_sizes=units + experts, compute_bytes=c)
-    return dict(held)
+    held = memory_formula(layout.zero, unit_sizes=units, rank=0, world_size=layout.dp * layout.cp,
+                          compute_bytes=job.compute_bytes, wire_bytes=job.grad_comm_bytes,
+                          slots=job.slots, expert_unit_sizes=experts,
+                          expert_world_size=layout.dp // layout.ep * layout.cp)
+    held["gradients16"] = peak_formula(layout.zero, unit_sizes=units + experts,
+                                       compute_bytes=job.compute_bytes)
+    return held
 
 
 def attention_bytes(model: ModelShape, rows: int, d: int, cp: int = 1,

@@ -87,11 +87,15 @@ def stage_bounds(config: "TrainConfig") -> list[tuple[int, int]]:
     return split_counts(counts, config.pp * config.virtual_stages)
 
 
-def zero_unit_sizes(config: "TrainConfig") -> list[list[int]]:
+def zero_unit_sizes(config: "TrainConfig", experts_apart: bool = False) -> list[list[int]]:
     """The sizes of ZeRO's units (minimp/parallel/zero/layout.py) on each pipeline stage: one
     per layer with weights, the GPT's token and position embeddings apart (the head reads the
-    first too), and the last stage's copy of the token embedding (whole with --tp too)."""
+    first too), and the last stage's copy of the token embedding (whole with --tp too).
+    experts_apart: each block without the experts it holds (their units: expert_unit_sizes)."""
     counts = rank_layer_counts(config)
+    if experts_apart and config.experts:
+        held = expert_unit_sizes(config)[0][:1] or [0]  # every block holds the same experts
+        counts = [counts[0]] + [count - held[0] for count in counts[1:-1]] + [counts[-1]]
     token = SHAKESPEARE_VOCABULARY * config.hidden
     sizes: list[list[int]] = [[] for _ in range(config.pp)]
     for index, (start, stop) in enumerate(stage_bounds(config)):
@@ -102,6 +106,18 @@ def zero_unit_sizes(config: "TrainConfig") -> list[list[int]]:
             elif stop == len(counts):  # the head reads the tied copy of the token embedding
                 units.append(token)
         sizes[index % config.pp] += units
+    return sizes
+
+
+def expert_unit_sizes(config: "TrainConfig") -> list[list[int]]:
+    """ZeRO's expert units on each pipeline stage: with --experts each block's experts are a unit
+    of their own (E/ep of them with --ep), cut over the replicas holding them (parallel/zero/)."""
+    sizes: list[list[int]] = [[] for _ in range(config.pp)]
+    if not config.experts:
+        return sizes
+    held = config.experts // config.ep * gpt_shape(config).expert_parameters()
+    for index, (start, stop) in enumerate(stage_bounds(config)):  # layers 1 .. L are the blocks
+        sizes[index % config.pp] += [held] * len(range(max(start, 1), min(stop, config.layers + 1)))
     return sizes
 
 
@@ -196,10 +212,13 @@ def memory_parts(config: "TrainConfig", world_size: int = 1) -> list[tuple[str, 
     wire = ACTIVATION_DTYPES[config.grad_comm_dtype].itemsize
     slots = 1 if config.optimizer == "sgd" else 2  # SGD's momentum buffer, Adam's two moments
     states = []
-    for units in zero_unit_sizes(config):  # each pipeline stage's units
+    # each pipeline stage's units; with --experts the experts' cut over the dp/ep holding them
+    for units, experts in zip(zero_unit_sizes(config, experts_apart=True),
+                              expert_unit_sizes(config)):
         held = memory_formula(config.zero, unit_sizes=units, rank=0, world_size=dp,
-                              compute_bytes=compute, wire_bytes=wire, slots=slots)
-        peak = peak_formula(config.zero, unit_sizes=units, compute_bytes=compute)
+                              compute_bytes=compute, wire_bytes=wire, slots=slots,
+                              expert_unit_sizes=experts, expert_world_size=dp // config.ep)
+        peak = peak_formula(config.zero, unit_sizes=units + experts, compute_bytes=compute)
         states.append(sum(held.values()) + peak)
     per_parameter = 6 + (4 if config.tp > 1 else 0)  # the copy --tp cuts, float32 until it is
     rows, width, layers = max(1, config.batch_size // dp), config.hidden, config.layers
