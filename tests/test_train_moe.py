@@ -53,7 +53,7 @@ def test_dp_2_and_micro_batches_end_at_the_one_process_weights(capacity_factor):
             np.testing.assert_allclose(other["master_weights"][name], array, rtol=1e-5,
                                        atol=1e-7, err_msg=f"{layout} {name}")
         for first, second in zip(rows(one), rows(other)):
-            assert first["expert_load"] == second["expert_load"]
+            assert first["expert_load_by_block"] == second["expert_load_by_block"]
             assert first["dropped_tokens"] == second["dropped_tokens"]
             assert np.isclose(first["aux_loss"], second["aux_loss"], rtol=1e-6)
     dropped = [row["dropped_tokens"] for row in rows(one)]
@@ -104,7 +104,7 @@ def test_ep_routes_as_one_process_and_ends_at_its_weights(one_process_ep, size, 
     other = simulated(layout["dp"], **sizes, **layout, optimizer="sgd", lr=0.5,
                       capacity_factor=capacity_factor)
     for first, second in zip(rows(one), rows(other), strict=True):
-        assert first["expert_load"] == second["expert_load"]
+        assert first["expert_load_by_block"] == second["expert_load_by_block"]
         assert first["dropped_tokens"] == second["dropped_tokens"]
         assert np.isclose(first["aux_loss"], second["aux_loss"], rtol=1e-6)
     assert (max(row["dropped_tokens"] for row in rows(one)) > 0) == bool(capacity_factor)
@@ -225,7 +225,7 @@ def test_pp_and_recompute_route_as_one_process_and_end_at_its_weights(one_proces
     world = layout.get("dp", 1) * layout.get("pp", 1)
     ranks = simulated_ranks(world, **{**sizes, **AUX, **layout})
     for first, second in zip(rows(one), rows(ranks[0]), strict=True):
-        assert first["expert_load"] == second["expert_load"]
+        assert first["expert_load_by_block"] == second["expert_load_by_block"]
         assert first["dropped_tokens"] == second["dropped_tokens"]
         assert np.isclose(first["aux_loss"], second["aux_loss"], rtol=1e-6)
     assert max(row["dropped_tokens"] for row in rows(one)) > 0
@@ -302,8 +302,10 @@ def test_the_logged_loss_is_the_cross_entropy_and_the_aux_loss_trains_the_router
     row = rows(with_aux)[0]
     # every (token, choice) pair of every layer: 2 layers x 4 samples x 8 tokens x top-2
     assert sum(row["expert_load"]) == 2 * 4 * 8 * 2 and len(row["expert_load"]) == 4
-    load = np.array(row["expert_load"])
-    assert row["expert_load_imbalance"] == load.max() / load.mean()
+    by_block = np.array(row["expert_load_by_block"])  # (2 blocks, 4 experts)
+    assert by_block.shape == (2, 4) and by_block.sum(axis=0).tolist() == row["expert_load"]
+    assert by_block.sum(axis=1).tolist() == [4 * 8 * 2] * 2
+    assert row["expert_load_imbalance"] == max(load.max() / load.mean() for load in by_block)
     assert row["dropped_tokens"] == 0 and 2 * 0.99 < row["aux_loss"] < 2 * 4  # 2 layers, >= 1
 
 

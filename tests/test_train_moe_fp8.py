@@ -71,7 +71,7 @@ def test_delayed_fp8_routes_as_one_process_and_ends_at_its_weights_and_scales(
     results = run_steps(dp, **layout)
     for masters, state, records in results:
         for first, second in zip(one_rows, records, strict=True):
-            assert first["expert_load"] == second["expert_load"]
+            assert first["expert_load_by_block"] == second["expert_load_by_block"]
             assert first["dropped_tokens"] == second["dropped_tokens"]
         for name, array in masters.items():  # rtol 1e-5, atol 1e-7
             np.testing.assert_allclose(array, one_masters[name], rtol=1e-5, atol=1e-7,

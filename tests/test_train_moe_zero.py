@@ -49,7 +49,7 @@ def units(ep, sizes=TINY):
 def assert_as_one_process(one, other):
     """Routing first (every step's load and drops), then the weights after 3 steps."""
     for first, second in zip(rows(one), rows(other), strict=True):
-        assert first["expert_load"] == second["expert_load"]
+        assert first["expert_load_by_block"] == second["expert_load_by_block"]
         assert first["dropped_tokens"] == second["dropped_tokens"]
     assert other["master_weights"].keys() == one["master_weights"].keys()
     for name, array in one["master_weights"].items():  # rtol 1e-5, atol 1e-7

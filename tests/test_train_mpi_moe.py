@@ -66,7 +66,7 @@ def test_the_layout_routes_and_ends_as_one_process(tmp_path, one_process, dp, pp
     got, rows = run(tmp_path, dp * pp, "--dp", str(dp), "--pp", str(pp), "--ep", str(ep),
                     "--capacity-factor", capacity_factor)
     for first, second in zip(one_rows, rows, strict=True):  # routing first
-        assert first["expert_load"] == second["expert_load"]
+        assert first["expert_load_by_block"] == second["expert_load_by_block"]
         assert first["dropped_tokens"] == second["dropped_tokens"]
     assert (sum(row["dropped_tokens"] for row in rows) > 0) == (capacity_factor != "0")
     assert got.keys() == one.keys()
@@ -97,7 +97,7 @@ def test_dp_2_ep_2_zero_1_routes_and_ends_as_one_process(one_process, tmp_path):
     (one, one_rows), (got, rows) = one_process("0"), run(tmp_path, 2, "--dp", "2", "--ep", "2",
                                                          "--zero", "1")
     for first, second in zip(one_rows, rows, strict=True):
-        assert first["expert_load"] == second["expert_load"]
+        assert first["expert_load_by_block"] == second["expert_load_by_block"]
         assert first["dropped_tokens"] == second["dropped_tokens"]
     assert got.keys() == one.keys()
     for name, array in one.items():

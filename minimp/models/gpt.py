@@ -152,7 +152,7 @@ class Block(nn.Module):
         # with experts, the mixture replaces the dense MLP under its name ("1.mlp.router.weight")
         self.mlp = MoE(config.width, config.experts, config.top_k, config.capacity_factor,
                        config.expert_hidden or 4 * config.width, config.bias,
-                       nn.Dropout(config.dropout, layer=3 * index + 3), rng
+                       nn.Dropout(config.dropout, layer=3 * index + 3), rng, block=index
                        ) if config.experts else MLP(config, index, rng)
 
     def forward(self, x: Tensor) -> Tensor:

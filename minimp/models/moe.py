@@ -69,9 +69,11 @@ def route(probs: np.ndarray, top_k: int, capacity_factor: float) -> Routing:
 class ExpertStats:
     """What a layer's training forwards routed since `reset` (the metrics: minimp/train/meter.py):
     load (E,), the (token, choice) pairs chosen for each expert before dropping; dropped, the
-    pairs dropped; aux_loss, the sum of the forwards' load-balancing losses; forwards."""
+    pairs dropped; aux_loss, the sum of the forwards' load-balancing losses; forwards; block, the
+    GPT block the layer is in (the metrics' per-block load)."""
 
-    def __init__(self, experts: int):
+    def __init__(self, experts: int, block: int = 0):
+        self.block = block
         self.load = np.zeros(experts, np.int64)
         self.dropped, self.aux_loss, self.forwards = 0, 0.0, 0
 
@@ -176,14 +178,15 @@ class MoE(nn.Module):
     to its output's graph (AttachAuxLoss), so backward gives them their gradient."""
 
     def __init__(self, width: int, experts: int, top_k: int, capacity_factor: float,
-                 hidden: int, bias: bool, dropout: nn.Dropout, rng: np.random.Generator):
+                 hidden: int, bias: bool, dropout: nn.Dropout, rng: np.random.Generator,
+                 block: int = 0):
         super().__init__()
         self.top_k, self.capacity_factor = top_k, capacity_factor
         self.router = nn.Linear(width, experts, bias=False, rng=rng)  # no bias, as Mixtral's
         self.experts = nn.Sequential(*(Expert(width, hidden, bias, rng) for _ in range(experts)))
         self.dropout = dropout
         self.routing: Routing | None = None
-        self.stats = ExpertStats(experts)  # the training forwards' counts, for the metrics
+        self.stats = ExpertStats(experts, block)  # the training forwards' counts, for the metrics
         self.aux_loss: Tensor | None = None
         self.z_loss: Tensor | None = None
         self.router_logits: Tensor | None = None

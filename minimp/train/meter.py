@@ -31,10 +31,12 @@ the formulas they are checked against), and rank 0's BLAS `threads` with their `
 (minimp/train/threads.py). After a skipped step, `overflowed_ranks` names the ranks whose own
 check found the non-finite gradient. With --timeline every timed call also goes into this rank's
 trace (minimp/measure/trace.py).
-With --experts, per step, each summed over the blocks' mixtures and the global batch (every
-replica and micro-batch): `expert_load`, the (token, choice) pairs each expert was chosen for
-before dropping (E numbers; a token counts top-k times), `expert_load_imbalance`, their max over
-their mean (1 when balanced), `dropped_tokens`, the (token, choice) pairs the capacity dropped, and
+With --experts, per step, each over the global batch (every replica and micro-batch):
+`expert_load`, the (token, choice) pairs each expert was chosen for before dropping, summed over
+the blocks' mixtures (E numbers; a token counts top-k times), `expert_load_by_block` (the same, L x E,
+block by block), `expert_load_imbalance`, each block's max over its mean, the worst block's (1
+when every block is balanced; a sum over the blocks would hide a block whose overload another
+block's offsets), `dropped_tokens`, the (token, choice) pairs the capacity dropped, and
 `aux_loss`, the load-balancing loss summed over the blocks, as a mean over the batch's samples:
 what --aux-loss-coef multiplies (the row's `loss` stays the cross-entropy).
 With --pp each rank counts its stage's mixtures, and the sums run over the whole job. A step's
@@ -256,13 +258,17 @@ class Meter:
         each counting the mixtures of its stage's blocks (its replica's samples), so the sum
         over the job counts every block and every sample once; the aux losses' sum is then over
         the dp replicas, and divided by dp is their mean."""
-        load = sum((stats.load for stats in self.experts), np.zeros(self.config.experts))  # (E,)
+        load = np.zeros((self.config.layers, self.config.experts))  # (L, E): this stage's rows
+        for stats in self.experts:
+            load[stats.block] += stats.load
         aux = sum(stats.aux_loss / max(stats.forwards, 1) for stats in self.experts)
-        values = np.array([*load, sum(stats.dropped for stats in self.experts), aux], np.float64)
+        values = np.array([*load.ravel(), sum(stats.dropped for stats in self.experts), aux])
         total = self.timed(self.comm.allreduce_scalars, "expert_load")(values, "sum")
-        counts = total[:-2]
-        return {"expert_load": [int(count) for count in counts],
-                "expert_load_imbalance": float(counts.max() / counts.mean()),
+        by_block = total[:-2].reshape(load.shape)
+        worst = max(row.max() / row.mean() for row in by_block)
+        return {"expert_load": [int(count) for count in by_block.sum(axis=0)],
+                "expert_load_by_block": by_block.astype(np.int64).tolist(),
+                "expert_load_imbalance": float(worst),
                 "dropped_tokens": int(total[-2]), "aux_loss": float(total[-1]) / self.topology.dp}
 
     def _counts(self) -> tuple[dict, dict, dict, int]:
