@@ -163,25 +163,29 @@ GPT_ONLY = ("heads", "context", "dropout", "eval_every", "eval_batches", "expert
 
 
 def _check_experts(config: "TrainConfig") -> None:
-    """--top-k within --experts, and what the mixture does not compose with yet, one line each:
-    --dp (every rank holds every expert), --ep, --pp and --recompute (each mixture attaches its
-    auxiliary losses to its own output's graph: models/moe.py) and ZeRO's stages do."""
+    """--top-k within --experts, and the two layouts the mixture refuses, one line each. It runs
+    on one process and with --dp, --ep, --pp (every schedule), --recompute, --zero 1-3 and every
+    precision. Not built: --tp, which would cut each expert's matrices over the tensor-parallel
+    ranks (minimp splits the experts whole, with --ep), and --cp, which would cut a routing group
+    (one sample's sequence, whose capacity and auxiliary loss count all its T tokens) over ranks."""
     if not config.experts:
         return
     if config.top_k > config.experts:
         raise ConfigError(f"--top-k {config.top_k} is more than --experts {config.experts} (each "
                           "token goes to top-k distinct experts)")
-    given = [(f"--{name} {getattr(config, name)}", getattr(config, name) > 1)
-             for name in ("tp", "cp")]
-    for what, set_ in given:
-        if set_:
-            raise ConfigError(f"--experts with {what}: not yet (the mixture of experts runs on "
-                              "one process, with --dp, --ep, --pp, --recompute or --zero)")
+    if config.tp > 1:
+        raise ConfigError(f"--experts with --tp {config.tp}: not built (minimp does not cut an "
+                          "expert's matrices over tensor-parallel ranks; split the experts over "
+                          "ranks with --ep, or use --tp without --experts)")
+    if config.cp > 1:
+        raise ConfigError(f"--experts with --cp {config.cp}: not built (a routing group is a "
+                          "sample's whole sequence, which --cp would cut over ranks; use --ep, or "
+                          "--cp without --experts)")
 
 
 def _check_expert_parallel(config: "TrainConfig", dp: int) -> None:
     """--ep splits the experts over data-parallel ranks (Megatron-Core's): it needs experts, must
-    divide --dp and the experts; what it does not compose with yet, one line each."""
+    divide --dp and the experts."""
     if config.ep == 1:
         return
     if not config.experts:
