@@ -109,17 +109,26 @@ def test_zero_with_experts_routes_and_ends_as_one_process_with_the_formulas_byte
         assert (expert_sent > 0) == (1 < ep < dp)
 
 
-COMPOSED = [dict(dp=2, pp=2, zero=1), dict(dp=2, pp=2, ep=2, zero=3),
-            dict(dp=2, ep=2, zero=3, recompute=True)]
+COMPOSED = [dict(dp=2, pp=2, zero=1), dict(dp=2, pp=2, ep=2, zero=0),
+            dict(dp=2, pp=2, ep=2, zero=3), dict(dp=2, ep=2, zero=3, recompute=True)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", COMPOSED, ids=[str(layout) for layout in COMPOSED])
 def test_zero_with_experts_composes_with_the_pipeline_and_recomputation(one_process, layout):
     """Each stage's units over its own replicas (and expert group); stage 3 gathers a block's
-    units again when --recompute reruns its forward."""
-    other = simulated(layout["dp"] * layout.get("pp", 1), **SGD, **layout)
-    assert_as_one_process(one_process, other)
+    units again when --recompute reruns its forward. Every rank's memory by kind ==
+    memory_by_kind of its stage's units, as the pre-run check sizes them (train/sizes.py)."""
+    dp, ep = layout["dp"], layout.get("ep", 1)
+    results = run_all_ranks(dp * layout.get("pp", 1), **SGD, **layout)
+    assert_as_one_process(one_process, results[0])
+    config = TrainConfig(**{**TINY, **layout})
+    dense, experts = zero_unit_sizes(config, experts_apart=True), expert_unit_sizes(config)
+    for rank, result in enumerate(results):  # rank = stage x dp + replica (tp = 1)
+        stage, replica = divmod(rank, dp)
+        expected = memory_by_kind(dense[stage], experts[stage], dp, ep, replica, compute_bytes=4,
+                                  slots=1, zero=layout["zero"])
+        assert result["model_state_by_kind"][rank] == expected, rank
 
 
 @pytest.mark.slow
