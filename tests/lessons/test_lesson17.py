@@ -76,10 +76,10 @@ def _runs():
 @pytest.mark.slow  # two short trainings, about 5 s
 def test_the_aux_loss_balances_the_load():
     """The prose: the same first step; without the auxiliary loss the blocks send 505 and 510 of
-    their 512 pairs to two experts each at step 10, at step 40 a block's 512 pairs go to 2 experts (max/mean 4.00,
-    763 pairs dropped); with 0.1 the worse block's max/mean 1.59, 198 dropped, aux 2.01; losses
-    3.32 and 3.29. (The same under Haswell's and Prescott's
-    OpenBLAS kernels, which the slow nbval check compares.)"""
+    their 512 pairs to two experts each at step 10, at step 40 a block's 512 pairs go to 2
+    experts (max/mean 4.00, 763 pairs dropped); with 0.1 the worse block's max/mean 1.59, 198
+    dropped, aux 2.01; losses 3.32 and 3.29. (The same under Haswell's and Prescott's OpenBLAS
+    kernels, which the slow nbval check compares.)"""
     without, with_aux = (_runs()[coef] for coef in AUX_COEFS)
     assert without[0]["loss"] == with_aux[0]["loss"]
     assert sum(without[-1]["expert_load"]) == 2 * 8 * 32 * 2 == 1024  # layers x batch x T x K
