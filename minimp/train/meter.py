@@ -35,8 +35,8 @@ With --experts, per step, each over the global batch (every replica and micro-ba
 `expert_load`, the (token, choice) pairs each expert was chosen for before dropping, summed over
 the blocks' mixtures (E numbers; a token counts top-k times), `expert_load_by_block` (the same,
 L x E, block by block), `expert_load_imbalance`, each block's max over its mean, the worst
-block's (1 when every block is balanced; a sum over the blocks would hide a block whose overload another
-block's offsets), `dropped_tokens`, the (token, choice) pairs the capacity dropped, and
+block's (1 when every block is balanced; a sum over the blocks would hide a block whose
+overload another block's offsets), `dropped_tokens`, the (token, choice) pairs the capacity dropped, and
 `aux_loss`, the load-balancing loss summed over the blocks, as a mean over the batch's samples:
 what --aux-loss-coef multiplies (the row's `loss` stays the cross-entropy).
 With --pp each rank counts its stage's mixtures, and the sums run over the whole job. A step's
