@@ -36,9 +36,9 @@ With --experts, per step, each over the global batch (every replica and micro-ba
 the blocks' mixtures (E numbers; a token counts top-k times), `expert_load_by_block` (the same,
 L x E, block by block), `expert_load_imbalance`, each block's max over its mean, the worst
 block's (1 when every block is balanced; a sum over the blocks would hide a block whose
-overload another block's offsets), `dropped_tokens`, the (token, choice) pairs the capacity dropped, and
-`aux_loss`, the load-balancing loss summed over the blocks, as a mean over the batch's samples:
-what --aux-loss-coef multiplies (the row's `loss` stays the cross-entropy).
+overload another block's offsets), `dropped_tokens`, the (token, choice) pairs the capacity
+dropped, and `aux_loss`, the load-balancing loss summed over the blocks, as a mean over the
+batch's samples: what --aux-loss-coef multiplies (the row's `loss` stays the cross-entropy).
 With --pp each rank counts its stage's mixtures, and the sums run over the whole job. A step's
 routing counts once with --recompute: the counters skip forwards without a graph (the first of a
 recomputed block, and the evaluations').
