@@ -180,12 +180,12 @@ class WeightFormat(NamedTuple):
 # one for every 16 values along K, so 16 x 16 weight blocks hand it each block's scale 16 times;
 # kept once per block they take 1/256 byte a value (the last row).
 WEIGHT_FORMATS = (
-    WeightFormat("fp8 per-tensor", E4M3, "tensor", "current", "Transformer engine"),
+    WeightFormat("fp8 per-tensor", E4M3, "tensor", "current", "TE"),
     WeightFormat("fp8 rowwise", E4M3, "rowwise", "current", ""),
     WeightFormat("fp8 blockwise 128x128", E4M3, "128x128", "current", "DeepSeek-V3"),
     WeightFormat("MXFP8", E4M3, "1x32", "mx_floor", ""),
     WeightFormat("NVFP4", E2M1, "1x16", "nvfp4", ""),
-    WeightFormat("NVFP4, 16x16 scales once", E2M1, "16x16", "nvfp4", ""),
+    WeightFormat("NVFP4, scale per 16x16", E2M1, "16x16", "nvfp4", ""),
 )
 # What one scale is stored in, by rule (blocks.py): current scaling's float32 scale_inv
 # (Transformer Engine's), an E8M0 exponent (OCP MX v1.0 section 5.4.1), an E4M3 scale (NVFP4).
@@ -198,16 +198,17 @@ GRADIENT_BYTES, OPTIMIZER_BYTES, MASTER_BYTES = 4, 2 * 4, 4
 BF16_BYTES = np.dtype(ml_dtypes.bfloat16).itemsize
 
 # The Ultra-Scale Playbook (https://huggingface.co/spaces/nanotron/ultrascale-playbook), section
-# "FP8 pretraining", its table of known approaches to FP8 training: bytes per parameter as
-# (master weights, accumulated gradients, weights, gradients, optimizer states, total).
-PLAYBOOK = (
-    ("BF16 with FP32 mixed precision baseline", 4, 4, 2, 2, 8, 20),
-    ("The above without FP32 grad accumulation", 4, 0, 2, 2, 8, 16),
-    ("Transformer engine", 0, 0, 4, 4, 8, 16),
-    ("FP8-LM's O3 level", 2, 2, 1, 1, 3, 9),
-    ("DeepSeek-V3", 4, 4, 1, 2, 4, 15),
-    ("Nanotron's FP8", 2, 4, 1, 1, 2, 10),
-)
+# "FP8 pretraining", its table of known approaches to FP8 training: {short name: (its row's name,
+# bytes per parameter of master weights, accumulated gradients, weights, gradients, optimizer
+# states, total)}.
+PLAYBOOK = {
+    "baseline": ("BF16 with FP32 mixed precision baseline", 4, 4, 2, 2, 8, 20),
+    "no fp32 grads": ("The above without FP32 grad accumulation", 4, 0, 2, 2, 8, 16),
+    "TE": ("Transformer engine", 0, 0, 4, 4, 8, 16),
+    "FP8-LM O3": ("FP8-LM's O3 level", 2, 2, 1, 1, 3, 9),
+    "DeepSeek-V3": ("DeepSeek-V3", 4, 4, 1, 2, 4, 15),
+    "Nanotron": ("Nanotron's FP8", 2, 4, 1, 1, 2, 10),
+}
 
 
 def value_bytes(fmt: ElementFormat) -> Fraction:
@@ -243,8 +244,7 @@ def weight_formula(shape: tuple[int, int], weight: WeightFormat) -> str:
 
 def bytes_table(shape: tuple[int, int]) -> list[dict]:
     """A row per weight format (bf16 first): weights, gradients, optimizer state, masters, total."""
-    rows = [("bf16", Fraction(BF16_BYTES), str(BF16_BYTES),
-             "BF16 with FP32 mixed precision baseline")]
+    rows = [("bf16", Fraction(BF16_BYTES), str(BF16_BYTES), "baseline")]
     rows += [(w.name, weight_bytes(shape, w), weight_formula(shape, w), w.playbook)
              for w in WEIGHT_FORMATS]
     others = GRADIENT_BYTES + OPTIMIZER_BYTES + MASTER_BYTES
@@ -255,20 +255,20 @@ def bytes_table(shape: tuple[int, int]) -> list[dict]:
 
 
 def print_bytes(rows: list[dict], shape: tuple[int, int]) -> None:
-    totals = {row[0]: row[-1] for row in PLAYBOOK}
     print(f"\nBytes per parameter: a {shape[0]} x {shape[1]} weight (w.T, P = "
-          f"{shape[0] * shape[1]:,}) stored in each format, minimp's other states beside it")
-    print(f"  {'format':<26}{'weights (formula)':<20}{'weights':>9}{'grads':>6}{'optim':>6}"
-          f"{'master':>7}{'total':>9}  the Playbook's nearest")
+          f"{shape[0] * shape[1]:,}) stored in each format,\nminimp's other model states beside it")
+    print(f"  {'format':<25}{'weights (formula)':<18}{'weights':>8}{'grads':>6}{'optim':>6}"
+          f"{'master':>7}{'total':>9}  Playbook")
     for row in rows:
-        nearest = f"{row['playbook']}: {totals[row['playbook']]}" if row["playbook"] else "none"
-        print(f"  {row['recipe']:<26}{row['formula']:<20}{row['weights']:>9.5f}"
+        short = row["playbook"]
+        nearest = f"{short}: {PLAYBOOK[short][-1]}" if short else "none"
+        print(f"  {row['recipe']:<25}{row['formula']:<18}{row['weights']:>8.5f}"
               f"{row['gradients']:>6}{row['optimizer']:>6}{row['masters']:>7}{row['total']:>9.5f}"
               f"  {nearest}")
-    print("  The Ultra-Scale Playbook, FP8 pretraining (master + accumulated grads + weights +"
-          " grads + optimizer):")
-    for name, *parts, total in PLAYBOOK:
-        print(f"    {name:<42}{' + '.join(str(p) for p in parts)} = {total}")
+    print("The Ultra-Scale Playbook's FP8 table: master + accumulated grads + weights + grads +"
+          " optimizer")
+    for short, (name, *parts, total) in PLAYBOOK.items():
+        print(f"  {name + ' (' + short + ')':<58}{' + '.join(str(p) for p in parts)} = {total}")
 
 
 def main(argv: list[str] | None = None) -> None:
