@@ -143,8 +143,8 @@ def explanations(x: np.ndarray, table: dict[str, dict[str, float]], outlier: flo
         f"the outlier's {np.log2(outlier):.1f}: per tensor {zeroed:.1%} of the other channels' "
         f"values round to 0. NVFP4 against FP4 per-tensor: {ratios}. NVFP4's own rest error is "
         f"mostly the {block - 1} channels sharing the outlier's block "
-        f"({(neighbours == 0).mean():.1%} of their values round to 0): zeroed, they alone would "
-        f"give sqrt({block - 1}/"
+        f"({(neighbours == 0).mean():.1%} of their values round to 0): all zeroed, they alone "
+        f"would give about sqrt({block - 1}/"
         f"{x.shape[1] - 1}) = {share:.3f}.",
     ]
 
