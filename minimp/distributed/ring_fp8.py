@@ -25,6 +25,7 @@ sum_{j != r} (c_j + 4) too. x and out are float32; only "sum" reduces.
 import numpy as np
 
 from minimp.distributed.alltoall import all_to_all
+from minimp.distributed.buffers import agree_on_layout
 from minimp.distributed.protocol import Communicator, Tag
 from minimp.distributed.ring import Bounds, chunk_bounds, ring_step
 from minimp.precision.wire import Fp8Wire
@@ -81,10 +82,13 @@ def fp8_ring_allreduce_into(comm: Communicator, flat_x: np.ndarray, flat_out: np
 
 
 class Fp8RingAllreduce:
-    """A bucket's all-reduce on the fp8 wire, called as PersistentAllreduce is: plan(x, out)."""
+    """A bucket's all-reduce on the fp8 wire, called as PersistentAllreduce is: plan(x, out).
+    Constructing it is a collective: the ranks agree on the length once (CollectiveMismatchError
+    on all otherwise), as PersistentAllreduce's do."""
 
     def __init__(self, comm: Communicator, size: int, wire: Fp8Wire):
         self.comm, self.size, self.wire = comm, size, wire
+        agree_on_layout(comm, size, np.dtype(np.float32), "Fp8RingAllreduce", "sum")
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         if x.shape != (self.size,) or x.dtype != np.float32:

@@ -25,6 +25,7 @@ import numpy as np
 
 from minimp.precision.blocks import E4M3, E5M2, BlockQuantized, ElementFormat, dequantize
 from minimp.precision.blocks import quantize
+from minimp.precision.casting import ACTIVATION_DTYPES
 
 FLOAT32 = np.dtype(np.float32)
 SCALE_BYTES = FLOAT32.itemsize  # each message's float32 scale_inv, in front of its values
@@ -75,3 +76,16 @@ def wire_of(name: str) -> Fp8Wire:
         raise ValueError(f"minimp.precision.wire: unknown fp8 wire {name!r}; choose one of "
                          f"{', '.join(WIRE_FORMATS)}")
     return Fp8Wire(WIRE_FORMATS[name])
+
+
+def grad_wire(name: str) -> "np.dtype | Fp8Wire":
+    """What --grad-comm-dtype (or --param-gather-dtype) names: an Fp8Wire for "fp8", else the
+    16- or 32-bit dtype the values travel in (precision/casting.py's ACTIVATION_DTYPES)."""
+    return Fp8Wire(WIRE_FORMATS[name]) if name in WIRE_FORMATS else ACTIVATION_DTYPES[name]
+
+
+def buffer_bytes(name: str) -> int:
+    """Bytes per element of the send and receive buffers a wire's collectives hold: an fp8 wire
+    packs gradients into float32 buffers (its messages are made chunk by chunk, one at a time)."""
+    wire = grad_wire(name)
+    return FLOAT32.itemsize if isinstance(wire, Fp8Wire) else wire.itemsize
