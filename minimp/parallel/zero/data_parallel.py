@@ -338,20 +338,22 @@ def zero_data_parallel(stage: ZeroStage | int, optimizer: Optimizer, layers: lis
                        comm: Communicator, *, tied: TiedGradients | None = None,
                        experts: frozenset[int] = frozenset(),
                        expert_comm: Communicator | None = None,
-                       **options: Any) -> ZeroDataParallel:
+                       gather_wire: Fp8Wire | None = None, **options: Any) -> ZeroDataParallel:
     """Shard a stage's optimizer (built, and resumed, as without ZeRO) over comm's replicas and
     return its GradientSync; `.optimizer` is the ShardedOptimizer the step must use, and
     `.run_group` the way the pipeline stage must run its layers. stage: a ZeroStage, or its
     number (--zero); layers: the stage's layers, in order; experts: the optimizer positions of a
     mixture's experts, sharded over expert_comm (with --ep the replicas holding the same experts;
-    by default comm); options: those of ZeroDataParallel."""
+    by default comm); gather_wire: stage 3's all-gathers in fp8 (zero/optimizer.py); options:
+    those of ZeroDataParallel."""
     stage = zero_stage(stage)
     tied_indices = set(tied.indices) if tied is not None else set()
     units, layer_units = plan_units(layers, optimizer.params, tied_indices, experts)
     expert_comm = expert_comm or comm
     layout = ZeroLayout(units, comm.rank, comm.size, expert_comm.rank, expert_comm.size)
     sent = BytesSent()
-    sharded = ShardedOptimizer(optimizer, layout, comm, stage.number, sent, expert_comm)
+    sharded = ShardedOptimizer(optimizer, layout, comm, stage.number, sent, expert_comm,
+                               gather_wire)
     sync = ZeroDataParallel(comm, sharded, tied=tied, sent=sent, **options)
     if stage.shards_parameters:
         sync.gatherer = ParameterGatherer(sharded, layers, layer_units, sync.sample_peak)
