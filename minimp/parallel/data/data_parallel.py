@@ -130,8 +130,10 @@ class DataParallel(ReplicaSync):
         super().__init__(comm, average, decision_comm, tied, tensor_parallel)
         self.optimizer, self.stages_comm, self.experts = optimizer, stages_comm, experts
         # An fp8 wire packs its buckets in float32; its ring makes each chunk's message.
-        self.wire = comm_dtype if isinstance(comm_dtype, Fp8Wire) else None
-        self.comm_dtype = np.dtype(np.float32 if self.wire is not None else comm_dtype)
+        self.wire: Fp8Wire | None = None
+        if isinstance(comm_dtype, Fp8Wire):
+            self.wire, comm_dtype = comm_dtype, np.float32
+        self.comm_dtype = np.dtype(comm_dtype)
         if self.wire is not None and overlap and comm.size > 1:
             raise ValueError("DataParallel: the fp8 wire has no overlapped ring; pass "
                              "overlap=False (--no-overlap)")
