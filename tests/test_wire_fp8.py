@@ -11,9 +11,9 @@ from minimp.checkpoints.errors import ConfigError
 from minimp.distributed.ring import chunk_bounds
 from minimp.distributed.ring_fp8 import fp8_reduce_scatter_into, fp8_ring_allreduce_into
 from minimp.distributed.ring_fp8 import quantized_reduce_scatter_once
-from minimp.parallel.zero.formulas import bytes_sent_formula
+from minimp.parallel.zero.formulas import bytes_sent_formula, memory_formula
 from minimp.precision.blocks import E4M3, dequantize, quantize
-from minimp.precision.wire import Fp8Wire, grad_wire
+from minimp.precision.wire import Fp8Wire, buffer_bytes, grad_wire
 from minimp.train import TrainConfig, train
 from minimp.train.sizes import zero_unit_sizes
 
@@ -133,7 +133,8 @@ SMALL = dict(hidden=32, layers=2, batch_size=36, log_every=1000, overlap=False, 
 @pytest.mark.parametrize("flags", [dict(zero=0), dict(zero=1, micro_batches=2),
                                    dict(zero=3, micro_batches=2, param_gather_dtype="fp8")])
 def test_training_sends_the_formula_s_bytes_and_replicas_stay_identical(flags):
-    """Three replicas (uneven chunks), fp16 compute; every rank, every collective, each step.
+    """Three replicas (uneven chunks), fp16 compute; every rank, every collective, each step,
+    and what each rank holds (the buckets and units packed in float32).
     --zero 0 compares the replicas' weights bit for bit every step (--check-replicas 1)."""
     check = dict(check_replicas=1) if flags["zero"] == 0 else {}
     config = TrainConfig(**{**SMALL, **flags, **check})
@@ -148,6 +149,9 @@ def test_training_sends_the_formula_s_bytes_and_replicas_stay_identical(flags):
             scale_bytes=4, gather_scale_bytes=4 if gather == 1 else 0)
         for record in result["history"]:
             assert {k: v for k, v in record["bytes_by_collective"].items() if v} == formula
+        held = memory_formula(zero, unit_sizes=units, rank=rank, world_size=3, compute_bytes=2,
+                              wire_bytes=buffer_bytes("fp8"), slots=2)  # float32 buffers
+        assert result["model_state_by_kind"][rank] == held
 
 
 @pytest.mark.parametrize("flags, words", [
