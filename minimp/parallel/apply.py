@@ -62,7 +62,7 @@ from minimp.parallel.topology import Topology
 from minimp.parallel.zero.data_parallel import ZeroDataParallel, zero_data_parallel
 from minimp.parallel.zero.stage3 import free
 from minimp.parallel.zero.stages import zero_stage
-from minimp.precision.casting import ACTIVATION_DTYPES
+from minimp.precision.wire import grad_wire, wire_of
 from minimp.tensor import Tensor
 
 Named = list[tuple[str, nn.Parameter]]
@@ -81,7 +81,8 @@ class Parallelism:
     zero: int = 0  # ZeRO's stage (zero/stages.py); 0: data parallelism
     overlap: bool = True  # gradients move during backward, bucket by bucket or unit by unit
     bucket_mb: float = 25.0  # data parallelism's buckets
-    grad_comm_dtype: str = "fp32"  # the gradients' dtype on the wire: fp32 or fp16
+    grad_comm_dtype: str = "fp32"  # the gradients' dtype on the wire: fp32, fp16, bf16 or fp8
+    param_gather_dtype: str = "compute"  # ZeRO-3's all-gathers: the compute dtype, or fp8
     grad_average: str = "before"  # divide by the replicas before or after the sum
     cp_layout: str = "zigzag"  # context parallelism's shards (context/layout.py)
     cp_mode: str = "ring"  # context parallelism's attention (context/models.py)
@@ -260,7 +261,7 @@ def replicate(share: Parallelized, grid: Topology, parallelism: Parallelism,
     tied = _tied_gradients(share.trained, share.names, share.tied_names, grid)
     optimizer, runner = share.optimizer, share.runner
     options: dict[str, Any] = dict(
-        comm_dtype=ACTIVATION_DTYPES[parallelism.grad_comm_dtype],
+        comm_dtype=grad_wire(parallelism.grad_comm_dtype),
         average=parallelism.grad_average, decision_comm=decision_comm, tied=tied,
         tensor_parallel=share.tensor_parallel, overlap=parallelism.overlap,
         micro_batches=parallelism.micro_batches)
@@ -282,8 +283,11 @@ def replicate(share: Parallelized, grid: Topology, parallelism: Parallelism,
     dense = [index for index in range(len(optimizer.params)) if index not in indices]
     broadcast_masters(grid.dp_cp_group, optimizer, 0, dense)
     broadcast_masters(expert_comm, optimizer, 0, sorted(indices))
+    gather = parallelism.param_gather_dtype
     zero = zero_data_parallel(stage, optimizer, runner.layers, grid.dp_cp_group, experts=indices,
-                              expert_comm=expert_comm, **options)
+                              expert_comm=expert_comm,
+                              gather_wire=wire_of(gather) if gather != "compute" else None,
+                              **options)
     plain = runner.run_group
     runner.run_group = lambda layers, x: zero.run_group(layers, x, plain)
     return zero

@@ -63,6 +63,7 @@ def validate(config: "TrainConfig", world_size: int) -> None:
     _check_expert_parallel(config, config.data_parallel_size(world_size))
     _check_batch(config, config.data_parallel_size(world_size))
     _check_zero(config, config.data_parallel_size(world_size))
+    _check_wire(config)
     if config.save_every and not config.save:
         raise ConfigError("--save-every needs --save (the path to save to)")
     _check_distinct_files(config)
@@ -234,6 +235,24 @@ def _check_zero(config: "TrainConfig", dp: int) -> None:
                 f"has {max(sizes)} parameters, so some ranks would hold none of that stage "
                 f"(use {'--dp x --cp' if config.cp > 1 else '--dp'} {max(sizes)} or fewer, a "
                 "wider model, or --zero 0)")
+
+
+def _check_wire(config: "TrainConfig") -> None:
+    """The fp8 wire (minimp/precision/wire.py, minimp/distributed/ring_fp8.py): what it is not
+    built for, one line each, before any work."""
+    fp8 = [name for name in ("grad_comm_dtype", "param_gather_dtype")
+           if getattr(config, name) == "fp8"]
+    if config.param_gather_dtype == "fp8" and config.zero != 3:
+        raise ConfigError(f"--param-gather-dtype fp8 needs --zero 3 (only stage 3 gathers the "
+                          f"parameters; --zero {config.zero} all-gathers updated compute copies)")
+    if config.grad_comm_dtype == "fp8" and config.overlap:
+        raise ConfigError("--grad-comm-dtype fp8 with overlap: not built (the rings in flight "
+                          "during backward, parallel/data/overlap.py, carry 16- and 32-bit "
+                          "buckets, not fp8 messages); add --no-overlap")
+    device = config.device or os.environ.get(DEVICE_ENVIRONMENT_VARIABLE, "").strip().lower()
+    if fp8 and device == "gpu":
+        raise ConfigError(f"{flag(fp8[0])} fp8 quantizes NumPy arrays (ml_dtypes casts); use "
+                          f"--device cpu")
 
 
 def _check_distinct_files(config: "TrainConfig") -> None:

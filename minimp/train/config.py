@@ -165,7 +165,13 @@ class TrainConfig:
     straggler_barrier: bool = _flag(
         False, "diagnostic: a barrier of the replicas between backward and the gradients' wait, "
         "timed apart as straggler_seconds (overlap cannot hide a slower replica)")
-    grad_comm_dtype: str = _flag("fp32", "dtype of gradients on the wire", choices=("fp32", "fp16"))
+    grad_comm_dtype: str = _flag(
+        "fp32", "dtype of gradients on the wire; fp8: E4M3 values and a float32 scale per chunk, "
+        "requantized at every hop of the ring (precision/wire.py; needs --no-overlap)",
+        choices=("fp32", "fp16", "bf16", "fp8"))
+    param_gather_dtype: str = _flag(
+        "compute", "dtype of ZeRO-3's parameter all-gathers: the compute dtype, or fp8 (E4M3 and "
+        "a float32 scale per chunk, ZeRO++'s qwZ; needs --zero 3)", choices=("compute", "fp8"))
     grad_average: str = _flag("before", "divide by the number of replicas before or after the "
                               "all-reduce", choices=("before", "after"))
     check_replicas: int = _flag(

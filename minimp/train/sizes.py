@@ -12,7 +12,7 @@ from minimp.parallel.tensor.models import paired_counts
 from minimp.parallel.zero.formulas import memory_formula, peak_formula
 from minimp.plan.inputs import ModelShape
 from minimp.plan.memory import mixture_bytes
-from minimp.precision.casting import ACTIVATION_DTYPES
+from minimp.precision.wire import buffer_bytes
 from minimp.train.progress import size_text  # the summary's sizes: 1.5 KiB, 2.0 GiB
 
 if TYPE_CHECKING:  # config.py imports this module's callers (checks.py)
@@ -209,7 +209,7 @@ def memory_parts(config: "TrainConfig", world_size: int = 1) -> list[tuple[str, 
     share of the batch)."""
     parameters, dp = parameter_count(config), config.data_parallel_size(world_size)
     compute = config.activation_dtype().itemsize
-    wire = ACTIVATION_DTYPES[config.grad_comm_dtype].itemsize
+    wire = buffer_bytes(config.grad_comm_dtype)  # the buckets' bytes per element (fp8: float32)
     slots = 1 if config.optimizer == "sgd" else 2  # SGD's momentum buffer, Adam's two moments
     states = []
     # each pipeline stage's units; with --experts the experts' cut over the dp/ep holding them

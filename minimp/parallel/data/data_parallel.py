@@ -31,6 +31,7 @@ import numpy.typing as npt
 from minimp.backend import Array, array_module
 from minimp.distributed.collectives import PersistentAllreduce
 from minimp.distributed.protocol import Communicator
+from minimp.distributed.ring_fp8 import Fp8RingAllreduce
 from minimp.measure.accounts import BytesSent, PeakMemory, held_bytes
 from minimp.optim import Optimizer
 from minimp.parallel.data.overlap import RingsInFlight, hook_each, refuse_incomplete
@@ -40,6 +41,7 @@ from minimp.parallel.replicas import check_same
 from minimp.parallel.tensor.grads import TensorParallelGradients
 from minimp.precision.casting import round_to, widen
 from minimp.precision.step import GradientSync, squared_norm
+from minimp.precision.wire import Fp8Wire
 
 
 class ReplicaSync(GradientSync):
@@ -103,14 +105,16 @@ class DataParallel(ReplicaSync):
     """Gradient buckets and the collective decisions of one data-parallel group."""
 
     def __init__(self, comm: Communicator, optimizer: Optimizer, *, bucket_mb: float = 25.0,
-                 comm_dtype: npt.DTypeLike = np.float32, average: str = "before",
+                 comm_dtype: "npt.DTypeLike | Fp8Wire" = np.float32, average: str = "before",
                  decision_comm: Communicator | None = None,
                  stages_comm: Communicator | None = None, tied: TiedGradients | None = None,
                  tensor_parallel: TensorParallelGradients | None = None, overlap: bool = False,
                  micro_batches: int = 1, experts: ExpertGradients | None = None):
         """comm: the replicas of this stage. optimizer: this replica's, whose float32 gradient sums
         are averaged. bucket_mb: the most MiB of gradients (counted in comm_dtype) one all-reduce
-        carries. comm_dtype: the dtype gradients travel in (float32, or a 16-bit wire). average:
+        carries. comm_dtype: the dtype gradients travel in (float32, or a 16-bit wire), or an
+        Fp8Wire (precision/wire.py): the buckets are packed in float32 and each chunk travels as
+        fp8 with its own scale (distributed/ring_fp8.py; not with overlap). average:
         "before" multiplies each gradient by 1/replicas before the sum (in float32, then rounded
         onto the wire), "after" multiplies the sum as it comes off the wire. decision_comm: who
         shares the skip decision (with pipeline stages, every rank of the job; by default the
@@ -125,7 +129,14 @@ class DataParallel(ReplicaSync):
         apart over their own group (the module's docstring)."""
         super().__init__(comm, average, decision_comm, tied, tensor_parallel)
         self.optimizer, self.stages_comm, self.experts = optimizer, stages_comm, experts
+        # An fp8 wire packs its buckets in float32; its ring makes each chunk's message.
+        self.wire: Fp8Wire | None = None
+        if isinstance(comm_dtype, Fp8Wire):
+            self.wire, comm_dtype = comm_dtype, np.float32
         self.comm_dtype = np.dtype(comm_dtype)
+        if self.wire is not None and overlap and comm.size > 1:
+            raise ValueError("DataParallel: the fp8 wire has no overlapped ring; pass "
+                             "overlap=False (--no-overlap)")
         expert_indices = experts.indices if experts is not None else frozenset()
         everything = range(len(optimizer.params))
         self.dense = [index for index in everything if index not in expert_indices]
@@ -139,16 +150,20 @@ class DataParallel(ReplicaSync):
             self.overlap = OverlappedBuckets(self, micro_batches)
 
     def _plan_buffers(self, comm: Communicator, buckets: list[tuple[list[int], int]]
-                      ) -> tuple[list[tuple[Array, Array]], list[PersistentAllreduce]]:
+                      ) -> tuple[list[tuple[Array, Array]],
+                                 list[PersistentAllreduce | Fp8RingAllreduce]]:
         """One send and one receive buffer per bucket, reused every step (no allocations, no page
         faults), and the all-reduce of each; one replica sends nothing and needs none."""
         masters = self.optimizer.master_weights
         xp = array_module(masters[0]) if masters else np
         sizes = [size for _, size in buckets] if comm.size > 1 else []
         buffers = [(xp.empty(n, self.comm_dtype), xp.empty(n, self.comm_dtype)) for n in sizes]
+        if self.wire is not None:
+            return buffers, [Fp8RingAllreduce(comm, n, self.wire) for n in sizes]
         # The ranks agree on every bucket's length and dtype here, once, instead of at every
         # all-reduce of every step (the overlapped rings never check: they rely on this).
-        plans = [PersistentAllreduce(comm, (n,), self.comm_dtype, algorithm="ring") for n in sizes]
+        plans: list[PersistentAllreduce | Fp8RingAllreduce] = [
+            PersistentAllreduce(comm, (n,), self.comm_dtype, algorithm="ring") for n in sizes]
         return buffers, plans
 
     def _plan_buckets(self, bucket_bytes: float,

@@ -50,6 +50,7 @@ import numpy.typing as npt
 from minimp.backend import Array, array_module
 from minimp.distributed.protocol import Communicator
 from minimp.distributed.ring import ring_reduce_scatter_into
+from minimp.distributed.ring_fp8 import fp8_reduce_scatter_into
 from minimp.measure.accounts import BytesSent
 from minimp.nn import Module
 from minimp.optim import Optimizer
@@ -63,6 +64,7 @@ from minimp.parallel.zero.optimizer import ShardedOptimizer
 from minimp.parallel.zero.stage3 import ParameterGatherer
 from minimp.parallel.zero.stages import ZeroStage, zero_stage
 from minimp.precision.casting import widen
+from minimp.precision.wire import Fp8Wire
 from minimp.tensor import Tensor
 
 
@@ -70,13 +72,15 @@ class ZeroDataParallel(ReplicaSync):
     """ZeRO's GradientSync over one stage's replicas; build it with `zero_data_parallel`."""
 
     def __init__(self, comm: Communicator, optimizer: ShardedOptimizer, *,
-                 comm_dtype: npt.DTypeLike = np.float32, average: str = "before",
+                 comm_dtype: "npt.DTypeLike | Fp8Wire" = np.float32, average: str = "before",
                  decision_comm: Communicator | None = None, tied: TiedGradients | None = None,
                  sent: BytesSent | None = None,
                  tensor_parallel: TensorParallelGradients | None = None, overlap: bool = False,
                  micro_batches: int = 1):
         """As DataParallel's: comm the replicas of this stage, optimizer this replica's
-        ShardedOptimizer, comm_dtype the gradients' wire dtype, average "before" or "after" the sum
+        ShardedOptimizer, comm_dtype the gradients' wire dtype (an Fp8Wire: packed in float32,
+        each chunk sent as fp8 with its scale, minimp/distributed/ring_fp8.py; not with
+        overlap), average "before" or "after" the sum
         (the division by the replicas), decision_comm every rank that shares the skip decision and
         the gradient norm (by default the replicas), tied the parameters this stage shares with
         another, tensor_parallel the partial gradients and whole copies of --tp; sent counts the
@@ -88,6 +92,12 @@ class ZeroDataParallel(ReplicaSync):
         self.stage = zero_stage(optimizer.stage)
         self.gatherer: ParameterGatherer | None = None
         xp = array_module(*optimizer.masters)
+        self.wire = comm_dtype if isinstance(comm_dtype, Fp8Wire) else None
+        if self.wire is not None:
+            comm_dtype = np.float32  # the units are packed in float32, quantized chunk by chunk
+            if overlap and comm.size > 1:
+                raise ValueError("ZeroDataParallel: the fp8 wire has no overlapped ring; pass "
+                                 "overlap=False (--no-overlap)")
         largest = self.layout.largest_unit()  # 0 when no unit travels (one replica)
         # One send and one receive buffer, as large as the largest unit, reused by every unit
         # (without overlap).
@@ -225,7 +235,10 @@ class ZeroDataParallel(ReplicaSync):
             overlap.start(unit, send, receive, bounds, lambda o: then(widen(o[start:stop])))
             return
         with self.sent.counting(comm, prefix + "reduce_scatter"):
-            ring_reduce_scatter_into(comm, send, receive, bounds)
+            if self.wire is not None:
+                fp8_reduce_scatter_into(comm, send, receive, bounds, self.wire)
+            else:
+                ring_reduce_scatter_into(comm, send, receive, bounds)
         then(widen(receive[start:stop]))
 
     def _reduce_scatter_accumulators(self) -> None:
@@ -325,20 +338,22 @@ def zero_data_parallel(stage: ZeroStage | int, optimizer: Optimizer, layers: lis
                        comm: Communicator, *, tied: TiedGradients | None = None,
                        experts: frozenset[int] = frozenset(),
                        expert_comm: Communicator | None = None,
-                       **options: Any) -> ZeroDataParallel:
+                       gather_wire: Fp8Wire | None = None, **options: Any) -> ZeroDataParallel:
     """Shard a stage's optimizer (built, and resumed, as without ZeRO) over comm's replicas and
     return its GradientSync; `.optimizer` is the ShardedOptimizer the step must use, and
     `.run_group` the way the pipeline stage must run its layers. stage: a ZeroStage, or its
     number (--zero); layers: the stage's layers, in order; experts: the optimizer positions of a
     mixture's experts, sharded over expert_comm (with --ep the replicas holding the same experts;
-    by default comm); options: those of ZeroDataParallel."""
+    by default comm); gather_wire: stage 3's all-gathers in fp8 (zero/optimizer.py); options:
+    those of ZeroDataParallel."""
     stage = zero_stage(stage)
     tied_indices = set(tied.indices) if tied is not None else set()
     units, layer_units = plan_units(layers, optimizer.params, tied_indices, experts)
     expert_comm = expert_comm or comm
     layout = ZeroLayout(units, comm.rank, comm.size, expert_comm.rank, expert_comm.size)
     sent = BytesSent()
-    sharded = ShardedOptimizer(optimizer, layout, comm, stage.number, sent, expert_comm)
+    sharded = ShardedOptimizer(optimizer, layout, comm, stage.number, sent, expert_comm,
+                               gather_wire)
     sync = ZeroDataParallel(comm, sharded, tied=tied, sent=sent, **options)
     if stage.shards_parameters:
         sync.gatherer = ParameterGatherer(sharded, layers, layer_units, sync.sample_peak)

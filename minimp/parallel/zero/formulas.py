@@ -42,6 +42,12 @@ right neighbour's), M micro-batches, g_u the layers that read unit u:
 (the expert units' over their own group: the same formula with N_e and this rank's place there,
 counted as expert_reduce_scatter and expert_all_gather).
 
+On the fp8 wire (--grad-comm-dtype fp8, and --param-gather-dtype fp8 for stage 3's all-gathers,
+minimp/distributed/ring_fp8.py) w (or c) is 1 and every message also carries its chunk's float32
+scale: 4 bytes more for each of a ring collective's N - 1 messages, so 2 (N - 1) 4 more per bucket
+of stage 0 and (N - 1) 4 more per unit's reduce-scatter or all-gather (`scale_bytes`,
+`gather_scale_bytes`).
+
 With even chunks that is ZeRO's 2 (N - 1)/N P elements (stages 0-2) and 3 (N - 1)/N P (stage 3).
 Stage 2 reduce-scatters every micro-batch, (M + 1)(N - 1)/N P elements: reducing once, on the
 last, would need a whole float32 accumulator until then, which is stage 1. Scalar all-reduces
@@ -104,9 +110,12 @@ def peak_formula(stage: ZeroStage | int, *, unit_sizes: list[int], compute_bytes
 
 def bytes_sent_formula(stage: ZeroStage | int, *, sizes: list[int], rank: int, world_size: int,
                        micro_batches: int, compute_bytes: int, wire_bytes: int,
-                       readers: list[int] | None = None) -> dict[str, int]:
+                       readers: list[int] | None = None, scale_bytes: int = 0,
+                       gather_scale_bytes: int = 0) -> dict[str, int]:
     """Bytes rank sends in one step that is not skipped, by collective. sizes: stage 0's
-    buckets, or ZeRO's units; readers: how many layers read each unit (stage 3)."""
+    buckets, or ZeRO's units; readers: how many layers read each unit (stage 3); scale_bytes,
+    gather_scale_bytes: what each message of the gradients' (the parameters') collectives carries
+    besides its elements (4 on the fp8 wire: its scale)."""
     stage = zero_stage(stage)
     if world_size == 1:
         return {}
@@ -115,14 +124,17 @@ def bytes_sent_formula(stage: ZeroStage | int, *, sizes: list[int], rank: int, w
     scatter = sum(s - o for s, o in zip(sizes, own))  # elements: every chunk but its own
     gather = [s - n for s, n in zip(sizes, right)]  # every chunk but its right neighbour's
     m, c, w = micro_batches, compute_bytes, wire_bytes
+    # each ring collective over a unit (or bucket) sends N - 1 messages, each with its scale
+    scales, gather_scales = (world_size - 1) * scale_bytes, (world_size - 1) * gather_scale_bytes
     if not stage.shards_optimizer_state:
-        return {"all_reduce": (scatter + sum(gather)) * w}
+        return {"all_reduce": (scatter + sum(gather)) * w + 2 * scales * len(sizes)}
+    scatter_bytes = scatter * w + scales * len(sizes)
     if stage.shards_parameters:
         readers = readers or [1] * len(sizes)
-        gathers = sum((g + 1) * n for g, n in zip(readers, gather))
-        return {"reduce_scatter": m * scatter * w, "all_gather": m * gathers * c}
+        gathers = sum((g + 1) * (n * c + gather_scales) for g, n in zip(readers, gather))
+        return {"reduce_scatter": m * scatter_bytes, "all_gather": m * gathers}
     times = m if stage.shards_gradients else 1
-    return {"reduce_scatter": times * scatter * w, "all_gather": sum(gather) * c}
+    return {"reduce_scatter": times * scatter_bytes, "all_gather": sum(gather) * c}
 
 
 def per_parameter(stage: ZeroStage | int, world_size: int, compute_bytes: int = 2,

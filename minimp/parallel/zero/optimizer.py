@@ -20,6 +20,11 @@ Its part of the mixed-precision step is the optimizer's: `accumulate_gradients()
 parameter would), rounds the chunks into the compute dtype and, in stages 1 and 2, all-gathers
 them into every rank's whole compute copies.
 
+Stage 3 with `gather_wire` (--param-gather-dtype fp8, ZeRO++'s qwZ, Wang et al. 2023 section
+3.1): each owner's chunk travels as fp8 values behind its float32 scale
+(minimp/distributed/ring_fp8.py), decoded on every rank, the owner's included, and rounded into
+the compute dtype; the masters and the chunks kept between steps stay as they were.
+
 A mixture's expert units (layout.py) are gathered over their own group, `expert_comm` (with --ep
 the replicas holding the same experts), and their bytes counted as "expert_all_gather".
 """
@@ -33,10 +38,12 @@ from minimp.backend import Array, array_module
 from minimp.distributed import gather_named_arrays
 from minimp.distributed.protocol import Communicator
 from minimp.distributed.ring import ring_all_gather_inplace
+from minimp.distributed.ring_fp8 import fp8_all_gather_inplace
 from minimp.measure.accounts import BytesSent
 from minimp.optim import Optimizer
 from minimp.parallel.zero.layout import Piece, ZeroLayout
-from minimp.precision.casting import MASTER_DTYPE, round_to
+from minimp.precision.casting import MASTER_DTYPE, round_to, widen
+from minimp.precision.wire import Fp8Wire
 from minimp.precision.step import MixedPrecisionOptimizer
 
 
@@ -44,14 +51,20 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     """Masters, slots (and, from stage 2, gradient sums) of this rank's chunks; see the module."""
 
     def __init__(self, optimizer: Optimizer, layout: ZeroLayout, comm: Communicator, stage: int,
-                 sent: BytesSent | None = None, expert_comm: Communicator | None = None):
+                 sent: BytesSent | None = None, expert_comm: Communicator | None = None,
+                 gather_wire: Fp8Wire | None = None):
         """optimizer: the whole optimizer of this stage, built (and resumed) as without ZeRO; its
         masters and slots are cut into this rank's chunks and then dropped. comm: the
         data-parallel replicas of this stage, over which the layout was cut. sent: counts the
         all-gathers' bytes (shared with the GradientSync's counter). expert_comm: the group the
-        expert units were cut over (by default comm)."""
+        expert units were cut over (by default comm). gather_wire: stage 3's all-gathers in fp8
+        (the module's docstring); None: in the compute dtype."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
+        if gather_wire is not None and stage != 3:
+            raise ValueError(f"ZeRO stage {stage} gathers updated compute copies, not parameters "
+                             "for a layer: an fp8 gather_wire needs stage 3")
+        self.gather_wire = gather_wire
         self.inner, self.layout, self.comm, self.stage = optimizer, layout, comm, stage
         self.expert_comm = expert_comm or comm
         self.params = optimizer.params
@@ -187,7 +200,13 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         comm, prefix = self.group(unit)
         if comm.size > 1:
             with self.sent.counting(comm, prefix + "all_gather"):
-                ring_all_gather_inplace(comm, flat, self.layout.bounds[unit])
+                if self.gather_wire is None:
+                    ring_all_gather_inplace(comm, flat, self.layout.bounds[unit])
+                else:  # decoded in float32, then rounded once into the compute dtype
+                    whole = widen(flat)  # flat itself when float32
+                    fp8_all_gather_inplace(comm, whole, self.layout.bounds[unit],
+                                           self.gather_wire)
+                    flat[...] = round_to(whole, flat.dtype)
         return flat
 
     def zero_grad(self) -> None:

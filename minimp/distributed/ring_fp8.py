@@ -1,0 +1,121 @@
+"""The ring's two halves with fp8 messages: each chunk sent as fp8 values behind a float32 scale.
+
+The same messages as minimp/distributed/ring.py, each carried by minimp/precision/wire.py's codec:
+a chunk of n elements travels as n + 4 bytes (its values, one byte each, and its scale).
+
+  reduce-scatter  at step s rank r quantizes its float32 partial sum of chunk r - s - 1 (its own
+                  share at step 0) with that chunk's own scale and sends it; it dequantizes the
+                  incoming chunk r - s - 2 and adds its own share to it in float32. A chunk is
+                  requantized at every hop: the sum rank r ends with has passed through p - 1
+                  quantizations, each of a partial sum (ZeRO++, Wang et al. 2023, section 3.3:
+                  the reason qgZ replaces the ring with an all-to-all, below). The owner's sum is
+                  float32, never quantized.
+  all-gather      the owner quantizes its final chunk once and the message goes around the ring
+                  unchanged, byte for byte; every rank, the owner included, writes its decoded
+                  values, so every replica ends with the same bits.
+  one-shot        `quantized_reduce_scatter_once`: each rank quantizes each other rank's chunk
+                  once and sends it straight to it (an all-to-all); the owner adds the p decoded
+                  shares in rank order in float32. One quantization per share, the same bytes.
+
+Bytes rank r sends per collective, with c_j the elements of chunk j: reduce-scatter
+sum_{j != r} (c_j + 4); all-gather sum_{j != r + 1} (c_j + 4); the one-shot reduce-scatter
+sum_{j != r} (c_j + 4) too. x and out are float32; only "sum" reduces.
+"""
+
+import numpy as np
+
+from minimp.distributed.alltoall import all_to_all
+from minimp.distributed.buffers import agree_on_layout
+from minimp.distributed.protocol import Communicator, Tag
+from minimp.distributed.ring import Bounds, chunk_bounds, ring_step
+from minimp.precision.wire import Fp8Wire
+
+
+def message_buffers(wire: Fp8Wire, bounds: Bounds) -> tuple[np.ndarray, np.ndarray]:
+    """Two uint8 buffers, each as long as the largest chunk's message (send and receive)."""
+    largest = wire.message_bytes(max((stop - start for start, stop in bounds), default=0))
+    return np.empty(largest, np.uint8), np.empty(largest, np.uint8)
+
+
+def fp8_reduce_scatter_into(comm: Communicator, x: np.ndarray, out: np.ndarray, bounds: Bounds,
+                            wire: Fp8Wire) -> None:
+    """Afterwards out[bounds[rank]] holds that chunk summed over all ranks (float32), each partial
+    sum quantized on its way (the module's docstring). x (flat float32) is only read."""
+    p, r = comm.size, comm.rank
+    right, left = (r + 1) % p, (r - 1) % p
+    outgoing, incoming = message_buffers(wire, bounds)
+    for step in range(p - 1):
+        (send_start, send_stop), (recv_start, recv_stop) = ring_step(comm, bounds, step + 1)
+        send = outgoing[: wire.message_bytes(send_stop - send_start)]
+        wire.encode((x if step == 0 else out)[send_start:send_stop], send)
+        receive = incoming[: wire.message_bytes(recv_stop - recv_start)]
+        comm.sendrecv(send, right, receive, left, tag=Tag.RING_REDUCE_SCATTER)
+        # float32 on purpose: the dequantized partial sum plus this rank's share, rounded once
+        out[recv_start:recv_stop] = wire.decode(receive) + x[recv_start:recv_stop]
+
+
+def fp8_all_gather_inplace(comm: Communicator, flat: np.ndarray, bounds: Bounds,
+                           wire: Fp8Wire) -> None:
+    """Rank r starts with chunk r final (float32) in flat; afterwards flat holds every chunk as the
+    decoded message of its owner, on every rank, its own chunk included."""
+    p, r = comm.size, comm.rank
+    right, left = (r + 1) % p, (r - 1) % p
+    outgoing, incoming = message_buffers(wire, bounds)
+    start, stop = bounds[r]
+    message = outgoing[: wire.message_bytes(stop - start)]
+    wire.encode(flat[start:stop], message)
+    flat[start:stop] = wire.decode(message)  # the owner keeps what the others will hold
+    for step in range(p - 1):
+        _, (recv_start, recv_stop) = ring_step(comm, bounds, step)
+        receive = incoming[: wire.message_bytes(recv_stop - recv_start)]
+        comm.sendrecv(message, right, receive, left, tag=Tag.RING_ALL_GATHER)
+        flat[recv_start:recv_stop] = wire.decode(receive)
+        message, outgoing, incoming = receive, incoming, outgoing  # forwarded next step, as is
+
+
+def fp8_ring_allreduce_into(comm: Communicator, flat_x: np.ndarray, flat_out: np.ndarray,
+                            wire: Fp8Wire) -> None:
+    """The sum of flat_x over all ranks into flat_out (p >= 2), the same bits on every rank."""
+    bounds = chunk_bounds(flat_x.size, comm.size)
+    fp8_reduce_scatter_into(comm, flat_x, flat_out, bounds, wire)
+    fp8_all_gather_inplace(comm, flat_out, bounds, wire)
+
+
+class Fp8RingAllreduce:
+    """A bucket's all-reduce on the fp8 wire, called as PersistentAllreduce is: plan(x, out).
+    Constructing it is a collective: the ranks agree on the length once (CollectiveMismatchError
+    on all otherwise), as PersistentAllreduce's do."""
+
+    def __init__(self, comm: Communicator, size: int, wire: Fp8Wire):
+        self.comm, self.size, self.wire = comm, size, wire
+        agree_on_layout(comm, size, np.dtype(np.float32), "Fp8RingAllreduce", "sum")
+
+    def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        if x.shape != (self.size,) or x.dtype != np.float32:
+            raise ValueError(f"Fp8RingAllreduce: planned for float32 ({self.size},), called "
+                             f"with {x.dtype} {x.shape}")
+        if self.comm.size == 1:
+            out[...] = x
+        else:
+            fp8_ring_allreduce_into(self.comm, x, out, self.wire)
+        return out
+
+
+def quantized_reduce_scatter_once(comm: Communicator, x: np.ndarray,
+                                  wire: Fp8Wire) -> np.ndarray:
+    """This rank's chunk (chunk_bounds(x.size, p)[rank]) of the sum of x over all ranks: every
+    other rank's share of it quantized once and sent straight here (all-to-all), this rank's own
+    share exact, added in rank order in float32."""
+    bounds = chunk_bounds(x.size, comm.size)
+    messages = []
+    for start, stop in bounds:
+        message = np.empty(wire.message_bytes(stop - start), np.uint8)
+        wire.encode(x[start:stop], message)
+        messages.append(message)
+    start, stop = bounds[comm.rank]
+    expected = [wire.message_bytes(stop - start)] * comm.size
+    received = all_to_all(comm, messages, expected)
+    total = np.zeros(stop - start, np.float32)
+    for source, message in enumerate(received):
+        total += x[start:stop] if source == comm.rank else wire.decode(message)
+    return total
