@@ -61,7 +61,8 @@ def test_adam_without_masters_keeps_its_state_in_float32_and_updates_a_widened_c
     assert parameter.data.tobytes() == widened.astype(BF16).tobytes()
     slots = optimizer.slots[0]
     assert slots["exp_avg"].dtype == slots["exp_avg_sq"].dtype == np.float32
-    assert slots["exp_avg"].tobytes() == m.tobytes() and slots["exp_avg_sq"].tobytes() == v.tobytes()
+    assert slots["exp_avg"].tobytes() == m.tobytes()
+    assert slots["exp_avg_sq"].tobytes() == v.tobytes()
 
 
 class EveryRandomValue(StochasticWeights):

@@ -61,8 +61,9 @@ class TrainConfig:
     dataset: str = _flag("digits", "dataset shipped with minimp", choices=tuple(DATASET_DEFAULTS))
     model: str = _by_dataset("mlp (digits) or gpt (shakespeare)", choices=("mlp", "gpt"))
     precision: str = _flag(
-        "fp16", "activation dtype; masters are fp32 (see --master-weights). fp8: bf16 activations, and every "
-        "Linear multiplies fp8 inputs (E4M3 forward, E5M2 backward, a scale per tensor)",
+        "fp16", "activation dtype; masters are fp32 (but see --master-weights). fp8: bf16 "
+        "activations, and every Linear multiplies fp8 inputs (E4M3 forward, E5M2 backward, a "
+        "scale per tensor)",
         choices=("fp32", "fp16", "bf16", "fp8"))
     fp8_recipe: str = _flag(None, "fp8 scaling: delayed (from the largest amax of the last "
                             "--fp8-amax-history steps), current (from each tensor's own amax) or "
