@@ -6,11 +6,12 @@
 Trains the digits MLP three times in this run, from the same seed and batches, in bf16: with
 float32 masters (--master-weights fp32, the reference), without masters rounding each update to
 nearest (--master-weights none), and without masters rounding stochastically (--master-weights none
---stochastic-rounding). Adam's steps are about lr per weight (exactly lr at the first step); at
+--stochastic-rounding). Adam's steps are about lr per weight (lr g / (|g| + 1e-8) at the first); at
 lr 3e-5 that is below half a bf16 ulp for every weight of magnitude 2^-7 = 0.0078 or more (half an
-ulp there is at least 2^-15 = 3.05e-5), so to nearest such steps round away. Prints, for each run, the mean training loss of the
-last 50 steps, the loss at a few steps, the test accuracy, and how many weights end the run at
-their initial bf16 value; then each run's final loss over the fp32-master run's (1: the same).
+ulp there is at least 2^-15 = 3.05e-5), so to nearest such steps round away. Prints, for each
+run, the mean training loss of the last 50 steps, the loss at a few steps, the test accuracy, and
+how many weights end the run at their initial bf16 value; then each run's final loss over the
+fp32-master run's (1: the same).
 """
 
 import argparse

@@ -13,8 +13,9 @@ Without masters (`master_weights=False`, llm.c's bf16 training): the weights liv
 dtype only. Each step widens a weight to float32 (exactly), updates it there with the float32
 gradient, and writes it back with a `rounding` (precision/stochastic.py: to nearest, or stochastic,
 whose expected value is the float32 result); the optimizer state (Adam's m and v, SGD's momentum)
-stays float32, as llm.c keeps it: v's update (1 - beta2) (g^2 - v) is a relative 1e-3 of v with
-beta2 = 0.999, below half a bfloat16 ulp (2^-9), and would round away as the weights' do.
+stays float32, as llm.c keeps it: v's update (1 - beta2) (g^2 - v) is a relative 1e-3 of v when
+g^2 = 2 v (beta2 = 0.999), below half a bfloat16 ulp (2^-9 to 2^-8), and would round away as the
+weights' do (docs/low-precision.md).
 """
 
 import math
