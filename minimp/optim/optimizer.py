@@ -187,6 +187,9 @@ class Optimizer(MixedPrecisionOptimizer):
         `rounding`. The copy is freed at once: it is not held between steps."""
         parameter = self.params[index]
         weight = casting.round_to(parameter.data, MASTER_DTYPE)
+        # A replica fills a gradient no loss reached with zeros shaped like the "master" (here the
+        # 16-bit weight: parallel/data/data_parallel.py); the rule must still add in float32.
+        grad = casting.round_to(grad, MASTER_DTYPE)
         self.update(weight, grad, self.slots[index], self.weight_decays[index])
         if weight is not parameter.data:
             parameter.data[...] = self.rounding(weight, parameter.dtype, self.step_count, index)
