@@ -67,7 +67,7 @@ def test_adam_without_masters_keeps_its_state_in_float32_and_updates_a_widened_c
 
 def test_a_16_bit_gradient_of_zeros_still_meets_the_update_rule_in_float32():
     """Data parallelism fills a gradient no loss reached with zeros like the parameter's array,
-    bf16 here; SGD's weight decay must still add in float32 (in bf16 this one rounds to 0.703125)."""
+    bf16 here; SGD's weight decay must still add in float32 (in bf16 this one gives 0.703125)."""
     parameter = bf16_parameter(np.array([1.0 + 2.0**-7], np.float32))
     optimizer = optim.SGD([parameter], lr=1.0, weight_decay=0.3, master_weights=False)
     parameter.data = parameter.data.astype(BF16)
