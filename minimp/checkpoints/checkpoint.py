@@ -33,7 +33,7 @@ from minimp.models.gpt import GPT, GPTConfig
 from minimp.nn import Module
 from minimp.npz import read_arrays
 from minimp.optim import Optimizer
-from minimp.precision import LossScaler
+from minimp.precision import LossScaler, widen
 
 FORMAT = "minimp-checkpoint"
 VERSION = 2
@@ -45,7 +45,9 @@ def state_arrays(names: list[str], optimizer: Optimizer) -> dict[str, np.ndarray
     arrays = {}
     slots_by_index = optimizer.state_dict()["slots"]
     for name, master, slots in zip(names, optimizer.master_weights, slots_by_index):
-        arrays[f"master/{name}"] = backend.to_numpy(master)
+        # widen: a bf16 weight without a master (--master-weights none) is saved as float32,
+        # exactly, so every checkpoint keeps one format
+        arrays[f"master/{name}"] = backend.to_numpy(widen(master))
         for slot, value in slots.items():
             arrays[f"optimizer/{name}/{slot}"] = backend.to_numpy(value)
     return arrays

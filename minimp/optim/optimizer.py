@@ -1,4 +1,4 @@
-"""Optimizers that always update float32 master weights and round them into the compute copies.
+"""Optimizers that update float32 master weights and round them into the compute copies.
 
 Why masters: float16 numbers near 1.0 are 2^-10 apart above it and 2^-11 below, so an update of
 2^-12 rounds away in either direction and the weight never moves (tests/test_casting.py shows it).
@@ -8,6 +8,14 @@ rounded result into the float16 parameter the model computes with. For a float32
 
 Build the optimizer before casting the model (`model.to(float16)`), so the masters keep
 the exact float32 initial values.
+
+Without masters (`master_weights=False`, llm.c's bf16 training): the weights live in their 16-bit
+dtype only. Each step widens a weight to float32 (exactly), updates it there with the float32
+gradient, and writes it back with a `rounding` (precision/stochastic.py: to nearest, or stochastic,
+whose expected value is the float32 result); the optimizer state (Adam's m and v, SGD's momentum)
+stays float32, as llm.c keeps it: v's update (1 - beta2) (g^2 - v) is a relative 1e-3 of v when
+g^2 = 2 v (beta2 = 0.999), below half a bfloat16 ulp (2^-9 to 2^-8), and would round away as the
+weights' do (docs/low-precision.md).
 """
 
 import math
@@ -19,6 +27,7 @@ from minimp.backend import Array, array_module
 from minimp.precision import casting
 from minimp.precision.casting import MASTER_DTYPE
 from minimp.precision.step import MixedPrecisionOptimizer
+from minimp.precision.stochastic import WeightRounding, to_nearest
 from minimp.tensor import Tensor
 
 # What an optimizer is built from: Parameters, or groups of them (dicts, see Optimizer.__init__).
@@ -36,12 +45,15 @@ class Optimizer(MixedPrecisionOptimizer):
 
     slot_names: tuple[str, ...] = ()
 
-    def __init__(self, params: ParamsT, lr: float, weight_decay: float = 0.0):
+    def __init__(self, params: ParamsT, lr: float, weight_decay: float = 0.0, *,
+                 master_weights: bool = True, rounding: WeightRounding = to_nearest):
         """params: Parameters, or groups as in PyTorch, dicts {"params": [...], "weight_decay":
         x} whose settings override the optimizer's for their parameters (nanoGPT decays only the
         2-D weights this way). lr: the learning rate, positive (`step()` reads `self.lr`, so a
         schedule may change it between steps). weight_decay: the update rule's decay coefficient
         for every parameter outside a group that sets its own (0 = none).
+        master_weights: keep float32 masters (True), or update the weights in their own dtype
+        (False; the module's docstring), writing each result back with `rounding`.
 
         Every setting is checked here, as PyTorch's optimizers check theirs: a NaN, an infinite
         or a negative one is a ValueError naming it, a value that is not a number a TypeError,
@@ -53,8 +65,14 @@ class Optimizer(MixedPrecisionOptimizer):
         self.params, self.weight_decays = _parameter_groups(params, weight_decay)
         _check_parameters(self.params)
         self.lr = lr
+        self.keeps_masters, self.rounding = master_weights, rounding
+        if master_weights and rounding is not to_nearest:
+            raise ValueError("optimizer: a rounding other than to_nearest needs "
+                             "master_weights=False (the masters are float32: nothing to round)")
         # A float32 parameter is its own master (the same array); others get a float32 copy.
-        self.master_weights = [casting.round_to(p.data, MASTER_DTYPE) for p in self.params]
+        self._masters: list[Array | None] | None = None
+        if master_weights:
+            self._masters = [casting.round_to(p.data, MASTER_DTYPE) for p in self.params]
         # This step's float32 sums of each parameter's gradients over micro-batches (None: nothing
         # arrived yet). They live in one buffer per parameter, kept between steps (as DDP keeps
         # its gradient buckets; ZeRO's memory account, minimp/measure/accounts.py, counts
@@ -65,6 +83,20 @@ class Optimizer(MixedPrecisionOptimizer):
         self.accumulators: list[Array | None] = [None] * len(self.params)
         self.slots: list[Slots] = [dict.fromkeys(self.slot_names) for _ in self.params]
         self.step_count = 0
+
+    @property
+    def master_weights(self) -> list:
+        """The arrays the update rule acts on: the float32 masters, or without them the parameters'
+        own arrays (whatever their dtype; `model.to` replaces them, so they are looked up)."""
+        if self._masters is None:
+            return [parameter.data for parameter in self.params]
+        return self._masters
+
+    @master_weights.setter
+    def master_weights(self, arrays: list) -> None:
+        if self._masters is None:  # ZeRO shards masters: an optimizer without them has none
+            raise ValueError("optimizer: no float32 masters to replace (master_weights=False)")
+        self._masters = arrays
 
     def zero_grad(self) -> None:
         """Forget the gradients: the parameters' and this step's float32 sums (buffers stay)."""
@@ -121,14 +153,16 @@ class Optimizer(MixedPrecisionOptimizer):
         """Parameter index's float32 gradient buffer, allocated once and kept."""
         accumulator = self.accumulators[index]
         if accumulator is None:
-            master = self.master_weights[index]
-            accumulator = self.accumulators[index] = array_module(master).empty_like(master)
+            master = self.master_weights[index]  # without masters: a 16-bit parameter
+            accumulator = array_module(master).empty_like(master, dtype=MASTER_DTYPE)
+            self.accumulators[index] = accumulator
         return accumulator
 
     def step(self) -> None:
         """Update every master with its accumulated float32 gradient, as it is (unscaled and
-        clipped already), then round the masters into the parameters. Parameters without a
-        gradient are left alone; the accumulated gradients are consumed."""
+        clipped already), then round the masters into the parameters (without masters: update
+        each weight as _update_without_master says). Parameters without a gradient are left
+        alone; the accumulated gradients are consumed."""
         pending = sum(parameter.grad is not None for parameter in self.params)
         if pending:
             raise RuntimeError(
@@ -139,10 +173,26 @@ class Optimizer(MixedPrecisionOptimizer):
         for index, grad in enumerate(self.master_gradients):
             if grad is None:
                 continue
+            if self._masters is None:
+                self._update_without_master(index, grad)
+                continue
             weight_decay = self.weight_decays[index]
-            self.update(self.master_weights[index], grad, self.slots[index], weight_decay)
+            self.update(self._masters[index], grad, self.slots[index], weight_decay)
             self._write_back(index)
         self.master_gradients = [None] * len(self.params)
+
+    def _update_without_master(self, index: int, grad: Array) -> None:
+        """The update rule on a float32 copy of the weight (exact: every 16-bit value is a float32
+        value; a float32 weight is updated in place), then the result written back with
+        `rounding`. The copy is freed at once: it is not held between steps."""
+        parameter = self.params[index]
+        weight = casting.round_to(parameter.data, MASTER_DTYPE)
+        # A replica fills a gradient no loss reached with zeros shaped like the "master" (here the
+        # 16-bit weight: parallel/data/data_parallel.py); the rule must still add in float32.
+        grad = casting.round_to(grad, MASTER_DTYPE)
+        self.update(weight, grad, self.slots[index], self.weight_decays[index])
+        if weight is not parameter.data:
+            parameter.data[...] = self.rounding(weight, parameter.dtype, self.step_count, index)
 
     def update(self, master: Array, grad: Array, slots: Slots, weight_decay: float) -> None:
         """The update rule on float32 arrays, in place: a whole parameter's master here, a piece
@@ -153,7 +203,8 @@ class Optimizer(MixedPrecisionOptimizer):
         raise NotImplementedError
 
     def set_master_weight(self, index: int, array: Array) -> None:
-        """Overwrite master `index` with array (float32) and round it into its parameter."""
+        """Overwrite master `index` with array (float32) and round it into its parameter (without
+        masters: round it to nearest into the parameter)."""
         master = self.master_weights[index]
         if array is not master:
             master[...] = array
@@ -280,16 +331,18 @@ class SGD(Optimizer):
     params: Parameters or groups (see Optimizer); lr: the learning rate, positive (default 0.01);
     momentum: the factor in [0, 1) the momentum buffer is multiplied by each step before the
     gradient is added (0 = plain SGD); weight_decay: L2, added to the gradient as
-    weight_decay * w (0 = none).
+    weight_decay * w (0 = none); master_weights, rounding: as in Optimizer.
     """
 
     slot_names = ("momentum_buffer",)
 
     def __init__(self, params: ParamsT, lr: float = 0.01, momentum: float = 0.0,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, *, master_weights: bool = True,
+                 rounding: WeightRounding = to_nearest):
         # [0, 1) as Adam's betas: a factor of 1 or more makes the buffer grow without bound
         self.momentum = _setting("momentum value", "momentum", momentum, DECAY_RATE)
-        super().__init__(params, lr, weight_decay)
+        super().__init__(params, lr, weight_decay, master_weights=master_weights,
+                         rounding=rounding)
 
     def update(self, master: Array, grad: Array, slots: Slots, weight_decay: float) -> None:
         slots["momentum_buffer"] = sgd(master, grad, slots["momentum_buffer"], lr=self.lr,
@@ -340,14 +393,15 @@ class Adam(Optimizer):
     and of its square; eps: added to the square root of the second moment (positive, default
     1e-8), so that a tiny second moment cannot blow the step up; weight_decay: L2, added to the
     gradient as weight_decay * w (0 = none), or with decoupled_weight_decay, AdamW's shrink of
-    the weight by lr * weight_decay each step.
+    the weight by lr * weight_decay each step; master_weights, rounding: as in Optimizer.
     """
 
     slot_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0,
-                 decoupled_weight_decay: bool = False):
+                 decoupled_weight_decay: bool = False, *, master_weights: bool = True,
+                 rounding: WeightRounding = to_nearest):
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise TypeError(f"Invalid betas: {betas!r}; betas must be a pair (beta1, beta2), "
                             "each in [0, 1), e.g. (0.9, 0.999)")
@@ -355,7 +409,8 @@ class Adam(Optimizer):
                       _setting("beta parameter at index 1", "betas[1]", betas[1], DECAY_RATE))
         # eps > 0: with 0, a parameter whose gradients were all 0 would update by 0 / 0 = NaN
         self.eps = _setting("epsilon value", "eps", eps, POSITIVE)
-        super().__init__(params, lr, weight_decay)
+        super().__init__(params, lr, weight_decay, master_weights=master_weights,
+                         rounding=rounding)
         self.decoupled_weight_decay = decoupled_weight_decay
 
     def update(self, master: Array, grad: Array, slots: Slots, weight_decay: float) -> None:
@@ -369,9 +424,12 @@ class AdamW(Adam):
     """Adam with decoupled weight decay (default 0.01, as in PyTorch).
 
     params, lr, betas, eps: as in Adam; weight_decay: each step shrinks the weight by
-    lr * weight_decay (Loshchilov & Hutter 2019) instead of adding to the gradient.
+    lr * weight_decay (Loshchilov & Hutter 2019) instead of adding to the gradient;
+    master_weights, rounding: as in Optimizer.
     """
 
     def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01):
-        super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay=True)
+                 eps: float = 1e-8, weight_decay: float = 0.01, *, master_weights: bool = True,
+                 rounding: WeightRounding = to_nearest):
+        super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay=True,
+                         master_weights=master_weights, rounding=rounding)

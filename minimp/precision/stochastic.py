@@ -20,12 +20,20 @@ have the same law, rounding away from zero when low > r. The random bits are pas
 Infinities stay (their low bits are zero). NaN stays NaN. A finite float32 beyond bfloat16's
 largest value, 0x7F7F0000 = 3.3895e38, rounds to inf with probability low / 2^16, as it does to
 nearest from halfway on: inf is the next bf16 pattern up.
+
+An optimizer without float32 masters (`--master-weights none`, minimp/optim/optimizer.py) writes
+each updated weight back with a `WeightRounding`: `to_nearest`, or `StochasticWeights`, which
+draws its bits from a Generator seeded from (--seed, the step, the parameter's index).
 """
+
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
+from minimp.backend import Array
 from minimp.precision.accumulate import round_to_significant_bits
-from minimp.precision.casting import BFLOAT16, FLOAT32
+from minimp.precision.casting import BFLOAT16, FLOAT32, round_to
 
 RANDOM_BITS = 16  # the float32 fraction bits bfloat16 drops
 
@@ -58,3 +66,42 @@ def round_to_bfloat16_stochastic(x: np.ndarray, random_bits: np.ndarray) -> np.n
     if random_bits.dtype != np.uint32 or np.any(random_bits >> np.uint32(RANDOM_BITS)):
         raise ValueError("random_bits must be uint32 values below 2^16 (draw_random_bits)")
     return _upper_halves(x.view(np.uint32) + random_bits, x)  # a NaN's carry is replaced
+
+
+# ----- writing an optimizer's float32 result into a bfloat16 weight (--master-weights none) ------
+
+# Mixed into every stream's seed, so that these bits never repeat another draw made from --seed
+# with the same numbers (the initial weights, the batch order, dropout's masks).
+STREAM_TAG = 0x5352  # "SR"
+
+
+class WeightRounding(Protocol):
+    """How an optimizer without float32 masters writes the float32 result of parameter `index`'s
+    update at step `step` (numbered from 1) into the parameter's dtype."""
+
+    def __call__(self, weight: Array, dtype: np.dtype, step: int, index: int) -> Array: ...
+
+
+def to_nearest(weight: Array, dtype: np.dtype, step: int, index: int) -> Array:
+    """Round to nearest, ties to even (the cast every other write-back uses); step and index are
+    unused: this rounding draws nothing."""
+    return round_to(weight, dtype)
+
+
+@dataclass(frozen=True)
+class StochasticWeights:
+    """Stochastic rounding into bfloat16, its random bits from a Generator seeded from (seed, the
+    step, the parameter's index): no state is kept between steps, so every data-parallel replica
+    draws the same bits (the replicas stay identical), and a run resumed after step k draws at
+    step k + 1 exactly the bits the uninterrupted run drew (nothing to save in a checkpoint)."""
+
+    seed: int
+
+    def random_bits(self, shape: tuple[int, ...], step: int, index: int) -> np.ndarray:
+        """The uint32 bits below 2^16 that round parameter `index` at step `step`."""
+        return draw_random_bits(np.random.default_rng([self.seed, STREAM_TAG, step, index]), shape)
+
+    def __call__(self, weight: Array, dtype: np.dtype, step: int, index: int) -> Array:
+        if dtype != BFLOAT16:
+            raise ValueError(f"stochastic rounding writes bfloat16 weights, not {dtype}")
+        return round_to_bfloat16_stochastic(weight, self.random_bits(weight.shape, step, index))

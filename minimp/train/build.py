@@ -7,6 +7,7 @@ from minimp.models.moe import MoE
 from minimp.parallel.apply import Named, Parallelized, parallelize
 from minimp.parallel.topology import Topology
 from minimp.precision import DynamicLossScaler, LossScaler, NoLossScaler, StaticLossScaler
+from minimp.precision.stochastic import StochasticWeights, to_nearest
 from minimp.train.config import TrainConfig
 from minimp.train.fp8 import recipe
 from minimp.train.tasks import Task
@@ -22,13 +23,16 @@ def build_optimizer(config: TrainConfig, named: Named) -> optim.Optimizer:
                   for _, p in named]
     else:
         params = [p for _, p in named]
+    # --master-weights none: no float32 masters; each update rounds back into the bf16 weight.
+    rounding = StochasticWeights(config.seed) if config.stochastic_rounding else to_nearest
+    keep = config.master_weights == "fp32"
     if config.optimizer == "sgd":
         return optim.SGD(params, lr=config.lr, momentum=config.momentum,
-                         weight_decay=config.weight_decay)
+                         weight_decay=config.weight_decay, master_weights=keep, rounding=rounding)
     betas = (0.9, config.beta2)
-    if config.optimizer == "adamw":
-        return optim.AdamW(params, lr=config.lr, betas=betas, weight_decay=config.weight_decay)
-    return optim.Adam(params, lr=config.lr, betas=betas, weight_decay=config.weight_decay)
+    kind = optim.AdamW if config.optimizer == "adamw" else optim.Adam
+    return kind(params, lr=config.lr, betas=betas, weight_decay=config.weight_decay,
+                master_weights=keep, rounding=rounding)
 
 
 def build_scaler(config: TrainConfig) -> LossScaler:

@@ -56,6 +56,7 @@ def validate(config: "TrainConfig", world_size: int) -> None:
     """Raise ConfigError naming the flag and the fix for the first value that cannot work."""
     _check_ranges(config)
     _check_fp8(config)
+    _check_master_weights(config)
     _check_companions(config)
     _check_model(config)
     _check_experts(config)
@@ -118,6 +119,46 @@ def _check_fp8(config: "TrainConfig") -> None:
             f"--fp8-amax-history must be a positive integer, got {config.fp8_amax_history}")
     if not 0 <= config.fp8_margin <= 64:
         raise ConfigError(f"--fp8-margin must lie in 0..64, got {config.fp8_margin}")
+
+
+MASTER_WEIGHTS = ("fp32", "none")
+# Layouts --master-weights none is built for: one process and --dp at --zero 0, whose replicas
+# draw the same stochastic-rounding bits (from --seed, the step and the parameter's index).
+# (flag, its value that leaves it off, why it is not built)
+NOT_WITHOUT_MASTERS = (("zero", 0, "ZeRO shards the float32 masters, and there are none"),
+                       ("pp", 1, "a pipeline's tied embedding copies would draw different bits"),
+                       ("tp", 1, "its shards' stochastic rounding is not checked"),
+                       ("cp", 1, "its shards' stochastic rounding is not checked"))
+
+
+def _check_master_weights(config: "TrainConfig") -> None:
+    """--master-weights none keeps bf16 weights only: with --precision bf16, on the layouts it is
+    built for; --stochastic-rounding only without masters, on the CPU (stochastic.py is NumPy's)."""
+    if config.master_weights not in MASTER_WEIGHTS:
+        raise ConfigError(f"--master-weights must be one of {', '.join(MASTER_WEIGHTS)}, got "
+                          f"{config.master_weights!r}")
+    if not isinstance(config.stochastic_rounding, bool):
+        raise ConfigError("--stochastic-rounding is a switch (True or False), got "
+                          f"{config.stochastic_rounding!r}")
+    if config.master_weights == "fp32":
+        if config.stochastic_rounding:
+            raise ConfigError("--stochastic-rounding rounds weights kept without float32 masters; "
+                              "with --master-weights fp32 the masters hold every update exactly "
+                              "(add --master-weights none, or leave --stochastic-rounding out)")
+        return
+    if config.precision != "bf16":
+        raise ConfigError(f"--master-weights none keeps the weights in bf16 only: it needs "
+                          f"--precision bf16, got {config.precision} (fp32 weights are their own "
+                          "masters; fp16 and fp8 runs keep fp32 masters)")
+    for name, off, why in NOT_WITHOUT_MASTERS:
+        value = getattr(config, name)
+        if value != off:
+            raise ConfigError(f"--master-weights none with {flag(name)} {value}: not built ({why}; "
+                              f"use --master-weights fp32, or --dp without {flag(name)})")
+    device = config.device or os.environ.get(DEVICE_ENVIRONMENT_VARIABLE, "").strip().lower()
+    if config.stochastic_rounding and device == "gpu":
+        raise ConfigError("--stochastic-rounding is emulated on the CPU (NumPy bit patterns, "
+                          "minimp/precision/stochastic.py); use --device cpu")
 
 
 # Flags that act only beside another (fields, the flag they need, whether the config has it).

@@ -19,7 +19,7 @@ from minimp.parallel.apply import Parallelism
 from minimp.parallel.pipeline.schedules import CHOICES as SCHEDULE_CHOICES
 from minimp.precision.casting import ACTIVATION_DTYPES, BFLOAT16
 from minimp.precision.scaler import positive_scale
-from minimp.train.checks import FP8_RECIPES, flag, validate
+from minimp.train.checks import FP8_RECIPES, MASTER_WEIGHTS, flag, validate
 
 # The settings that differ by dataset. shakespeare: nanoGPT's README command for a CPU
 # (`--block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000
@@ -61,8 +61,9 @@ class TrainConfig:
     dataset: str = _flag("digits", "dataset shipped with minimp", choices=tuple(DATASET_DEFAULTS))
     model: str = _by_dataset("mlp (digits) or gpt (shakespeare)", choices=("mlp", "gpt"))
     precision: str = _flag(
-        "fp16", "activation dtype; masters are always fp32. fp8: bf16 activations, and every "
-        "Linear multiplies fp8 inputs (E4M3 forward, E5M2 backward, a scale per tensor)",
+        "fp16", "activation dtype; masters are fp32 (but see --master-weights). fp8: bf16 "
+        "activations, and every Linear multiplies fp8 inputs (E4M3 forward, E5M2 backward, a "
+        "scale per tensor)",
         choices=("fp32", "fp16", "bf16", "fp8"))
     fp8_recipe: str = _flag(None, "fp8 scaling: delayed (from the largest amax of the last "
                             "--fp8-amax-history steps), current (from each tensor's own amax) or "
@@ -72,6 +73,16 @@ class TrainConfig:
         None, "steps of amax history delayed scaling keeps (default: 16 with --fp8-recipe delayed)")
     fp8_margin: int = _flag(
         None, "delayed scaling aims the amax at fp8's max / 2^margin (default: 0, as TE's)")
+    # --master-weights and --stochastic-rounding (issue 41; checks.py's _check_master_weights)
+    master_weights: str = _flag(
+        "fp32", "fp32: the optimizer updates float32 masters and rounds them into the compute "
+        "copies; none (with --precision bf16): the weights live in bf16 only, each update is "
+        "computed in float32 and rounded back (optimizer state stays float32)",
+        choices=MASTER_WEIGHTS)
+    stochastic_rounding: bool = _flag(
+        False, "with --master-weights none: round each updated weight into bf16 stochastically "
+        "(random bits from --seed, the step and the parameter), so updates below half a bf16 ulp "
+        "survive on average instead of rounding away")
     loss_scale: str = _flag(
         "auto", "'dynamic', 'none' or a number; auto = dynamic for fp16, none otherwise")
     loss_scale_growth_interval: int = _flag(2000, "clean steps before the dynamic scale doubles")

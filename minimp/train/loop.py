@@ -250,8 +250,9 @@ class Run:
             assert isinstance(self.sync, DataParallel)  # checks.py refuses it with ZeRO
             self.meter.timed(self.sync.check_replicas)(fp8_state)  # raises
             what = " and fp8 scaling state" if fp8_state else ""
+            masters = "float32 masters" if self.config.master_weights == "fp32" else "bf16 weights"
             if self.dp > 1:
-                self.log(f"step {step}: replicas identical (the {self.dp} replicas' float32 masters"
+                self.log(f"step {step}: replicas identical (the {self.dp} replicas' {masters}"
                          f"{what} have the same checksum)")
             if self.share.tensor_parallel is not None:
                 check = self.meter.timed(self.share.tensor_parallel.check_replicated)
