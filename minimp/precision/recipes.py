@@ -3,9 +3,9 @@ scaling groups, how a group's scale is chosen, what format its values take, how 
 
 A Linear y = x W^T runs three GEMMs C (M, N) = A (M, K) B (K, N), each with its own K:
 
-    forward      y  = x    W^T      K = in features     A = x  (tokens, in)   B^T = W   (out, in)
-    grad_input   dx = dy   W        K = out features    A = dy (tokens, out)  B^T = W^T (in, out)
-    grad_weight  dW = dy^T x        K = tokens          A = dy^T (out, tokens) B^T = x^T (in, tokens)
+    forward      y  = x    W^T   K = in features   A = x    (tokens, in)   B^T = W   (out, in)
+    grad_input   dx = dy   W     K = out features  A = dy   (tokens, out)  B^T = W^T (in, out)
+    grad_weight  dW = dy^T x     K = tokens        A = dy^T (out, tokens)  B^T = x^T (in, tokens)
 
 An `Operand` describes A or B^T as the GEMM reads it, K last, so a group shape is always (rows,
 values along K): "rowwise" (1, K) is one scale per token row of x and per output row of W in the
