@@ -10,7 +10,8 @@ from minimp import functional as F
 from minimp.precision import BFLOAT16, blocks
 from minimp.precision.accumulate import limited_accumulation
 from minimp.precision.fp8_scaling import DelayedScaling, Float8CurrentScaling, Fp8Meta, NoScaling
-from minimp.precision.recipes import RECIPES, BlockScaledMeta, Gemm, Operand, scaled_gemm
+from minimp.precision.recipes import (RECIPES, BlockScaledMeta, Gemm, Operand, saved_scale_bytes,
+                                      scaled_gemm)
 
 F32 = np.float32
 # Each recipe's groups, written out here (not read from RECIPES): (x and dy along K, W in the
@@ -133,8 +134,8 @@ def test_sizes_a_group_does_not_tile_are_refused_in_one_line(overrides, message)
 
 
 def three_steps(**overrides):
-    """The losses of 3 steps of a one-block GPT of width 128 on one process (8 x 16 = 128 tokens
-    a step: one 128-token block for the weight gradient's K)."""
+    """Each step's (loss, peak activation bytes) over 3 steps of a one-block GPT of width 128 on
+    one process (8 x 16 = 128 tokens a step: one 128-token block for the weight gradient's K)."""
     from minimp import backend, distributed as dist
     from minimp.train.config import TrainConfig
     from minimp.train.loop import Run
@@ -148,7 +149,8 @@ def three_steps(**overrides):
         run = Run(config, comm, log=lambda line: None)
         for step in range(1, config.steps + 1):
             run.step(step)
-        return [record["loss"] for record in run.history.records]
+        return [(record["loss"], record["peak_activation_bytes"])
+                for record in run.history.records]
 
     with backend.limit_cpu_threads(1):
         (losses,) = dist.simulate(1, body)
@@ -157,9 +159,16 @@ def three_steps(**overrides):
 
 @pytest.mark.slow
 def test_three_steps_of_each_recipe_stay_finite_and_near_bf16():
-    bf16_losses = three_steps(precision="bf16")
+    """And the activations they keep are delayed scaling's plus the scales of their groups,
+    saved_scale_bytes of each Linear (c_attn 128 -> 384, c_proj 128 -> 128, c_fc 128 -> 512,
+    c_proj 512 -> 128, 128 tokens), exactly."""
+    bf16_losses = [loss for loss, _ in three_steps(precision="bf16")]
+    delayed_peak = max(peak for _, peak in three_steps(precision="fp8"))
+    linears = ((128, 384), (128, 128), (128, 512), (512, 128))
     for name in EXPECTED:
-        losses = three_steps(precision="fp8", fp8_recipe=name)
+        losses, peaks = zip(*three_steps(precision="fp8", fp8_recipe=name))
         assert np.all(np.isfinite(losses)), (name, losses)
         # measured: within 0.05% of bf16's 3.8481 at step 3 (3.8489 to 3.8495)
         assert abs(losses[-1] - bf16_losses[-1]) < 0.005 * bf16_losses[-1], (name, losses)
+        scales = sum(saved_scale_bytes(RECIPES[name], i, o, 128) for i, o in linears)
+        assert max(peaks) == delayed_peak + scales, (name, max(peaks), delayed_peak, scales)

@@ -1,5 +1,8 @@
 """fp8 scaling recipes and the per-tensor state they keep: which scale each quantization uses.
 
+These are the one-scale-per-tensor members of recipes.py's interface (each says its three GEMMs
+through `gemms`); the recipes with a scale per group live there.
+
 A tensor's scale s should put its largest magnitude (its amax) near the format's maximum: too small
 an s and small values underflow to zero, too large and big ones saturate. Three recipes:
 

@@ -155,6 +155,23 @@ def scaled_gemm(a: BlockQuantized, bt: BlockQuantized, accumulate: Accumulate) -
                             b_scales.T, block, accumulate)
 
 
+# The bytes of one group's scale under each rule: float32 (current), E8M0 (mx), E4M3 (nvfp4).
+SCALE_BYTES = {"current": 4, "mx_floor": 1, "mx_round_up": 1, "nvfp4": 1}
+
+
+def saved_scale_bytes(recipe: BlockScaling, features_in: int, features_out: int,
+                      tokens: int) -> int:
+    """The scales a BlockScaledLinear keeps for backward beside its fp8 values (1 byte each, as
+    Fp8Linear's x and W): W^T's (in, out) for grad_input and x^T's (in, tokens) for grad_weight,
+    one per group. What a block-scaled recipe adds to the activations of a per-tensor one."""
+    total = 0
+    for operand, shape in ((recipe.gemms.grad_input.b, (features_in, features_out)),
+                           (recipe.gemms.grad_weight.b, (features_in, tokens))):
+        rows, cols = blocks.resolve_group_shape(shape, operand.group)
+        total += shape[0] // rows * (shape[1] // cols) * SCALE_BYTES[operand.rule]
+    return total
+
+
 # What a saved BlockQuantized needs besides its two arrays: (group_shape, fmt, rule), or None.
 Layout = tuple[tuple[int, int], blocks.ElementFormat, str] | None
 
