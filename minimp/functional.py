@@ -14,6 +14,7 @@ from minimp.tensor import Tensor, TensorLike, as_tensor
 
 if TYPE_CHECKING:  # for the annotation only: precision.fp8_scaling is a layer above the ops
     from minimp.precision.fp8_scaling import Fp8Meta
+    from minimp.precision.recipes import BlockScaledMeta
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
@@ -35,13 +36,16 @@ def cross_entropy(logits: Tensor, targets: TensorLike) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-           fp8_meta: "Fp8Meta | None" = None) -> Tensor:
+           fp8_meta: "Fp8Meta | BlockScaledMeta | None" = None) -> Tensor:
     """x @ weight^T + bias with float32 accumulation (weight is (out_features, in_features)).
-    With an `fp8_meta` (precision.Fp8Meta), x and weight enter the product in fp8
-    (ops.Fp8Linear)."""
+    With an `fp8_meta`, x and weight enter the product in fp8: a scale per tensor
+    (precision.Fp8Meta, ops.Fp8Linear) or per group (precision.recipes.BlockScaledMeta,
+    ops.BlockScaledLinear)."""
     if fp8_meta is not None:
         if bias is None:  # a constant zero bias: the fused op always adds one
             bias = Tensor(backend.current_device().xp.zeros(weight.shape[0], weight.dtype))
+        if not fp8_meta.per_tensor:  # a block-scaled recipe (precision/recipes.py)
+            return ops.BlockScaledLinear.apply(x, weight, bias, meta=fp8_meta)
         return ops.Fp8Linear.apply(x, weight, bias, meta=fp8_meta)
     if bias is not None:
         return ops.Linear.apply(x, weight, bias)

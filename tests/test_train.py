@@ -290,7 +290,8 @@ def test_help_shows_each_flag_s_choices_and_no_empty_default():
 
     text = build_parser().format_help()
     assert "(default: )" not in text and "{," not in text
-    assert "[--device {cpu,gpu}]" in text and "[--fp8-recipe {delayed,current,none}]" in text
+    choices = "{delayed,current,none,rowwise,blockwise,mxfp8,mxfp8-round-up}"
+    assert "[--device {cpu,gpu}]" in text and f"[--fp8-recipe {choices}]" in text
     assert text.count("(default:") > 40  # the other flags keep theirs
 
 

@@ -175,7 +175,7 @@ def test_a_bad_fp8_flag_on_the_command_line_is_one_line_and_exit_2():
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
         "minimp.train: error: argument --fp8-recipe: invalid choice: 'x' (choose from 'delayed', "
-        "'current', 'none') (see --help)"
+        "'current', 'none', 'rowwise', 'blockwise', 'mxfp8', 'mxfp8-round-up') (see --help)"
     ]
 
 

@@ -20,17 +20,20 @@ from minimp.nn.layers import Linear
 from minimp.nn.module import Module
 from minimp.precision.fp8_scaling import Fp8Meta, Fp8Quantizer, Fp8Recipe
 from minimp.precision.fp8_scaling import load_quantizers_state_dict, quantizers_state_dict
+from minimp.precision.recipes import BlockScaledMeta, BlockScaling
 
 
-def enable_fp8(model: Module, recipe: Fp8Recipe) -> Module:
-    """Give every Linear of the model its own Fp8Meta of this recipe; returns the model."""
+def enable_fp8(model: Module, recipe: Fp8Recipe | BlockScaling) -> Module:
+    """Give every Linear of the model its own Fp8Meta of this recipe (a BlockScaledMeta for a
+    block-scaled recipe, which keeps no state); returns the model."""
     for _, module in model.named_modules():
         if isinstance(module, Linear):
-            module.fp8_meta = Fp8Meta(recipe)
+            module.fp8_meta = (BlockScaledMeta(recipe) if isinstance(recipe, BlockScaling)
+                               else Fp8Meta(recipe))
     return model
 
 
-def fp8_metas(model: Module) -> list[tuple[str, Fp8Meta]]:
+def fp8_metas(model: Module) -> list[tuple[str, Fp8Meta | BlockScaledMeta]]:
     """(module name, Fp8Meta) of every fp8 Linear, in named_modules() order."""
     return [(name, module.fp8_meta) for name, module in model.named_modules()
             if isinstance(module, Linear) and module.fp8_meta is not None]

@@ -18,6 +18,7 @@ from minimp import backend, functional
 from minimp.backend import Array
 from minimp.nn.module import Module, Parameter
 from minimp.precision.fp8_scaling import Fp8Meta
+from minimp.precision.recipes import BlockScaledMeta
 from minimp.tensor import Tensor, TensorLike
 
 
@@ -42,7 +43,8 @@ class Linear(Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = Parameter(_uniform(rng, bound, (out_features, in_features)))
         self.bias = Parameter(_uniform(rng, bound, (out_features,))) if bias else None
-        self.fp8_meta: Fp8Meta | None = None  # after nn.enable_fp8: the product then reads fp8
+        # after nn.enable_fp8: the product then reads fp8
+        self.fp8_meta: Fp8Meta | BlockScaledMeta | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         return functional.linear(x, self.weight, self.bias, self.fp8_meta)

@@ -20,6 +20,12 @@ Every quantization goes through the Linear's `Fp8Meta` (precision/fp8_scaling.py
 scale of each of the three tensors and records their amaxes for the next step's scales. Forward
 keeps the fp8 x and W for backward (1 byte a value, as TE does), and the bias gradient is summed
 from the 16-bit output gradient, before its quantization (as TE's fused cast does).
+
+BlockScaledLinear is the Linear under a block-scaled recipe (rowwise, blockwise, mxfp8;
+precision/recipes.py): each GEMM reads its two operands quantized along its own K, a scale per
+group chosen afresh. Forward also quantizes what backward will read along other axes, W along out
+features (grad_input's K) and x along tokens (grad_weight's K), and keeps those (1 byte a value
+and the scales) rather than x itself, as TE keeps its columnwise copies.
 """
 
 from typing import TYPE_CHECKING
@@ -29,11 +35,12 @@ import numpy as np
 from minimp import backend
 from minimp.backend import Array, array_module
 from minimp.function import Context, Function, unbroadcast
-from minimp.precision import casting, fp8
+from minimp.precision import casting, fp8, recipes
 from minimp.precision.casting import round_to, widen
 
 if TYPE_CHECKING:  # for the annotation only: precision.fp8_scaling is a layer above the ops
     from minimp.precision.fp8_scaling import Fp8Meta
+    from minimp.precision.recipes import BlockScaledMeta
 
 
 def gemm_operand(array: Array) -> Array:
@@ -174,6 +181,54 @@ class Fp8Linear(Function):
         if ctx.needs_input_grad[1]:
             grad_weight = fp8_gemm(grad_fp8.T, x_fp8, grad_inverse, x_inverse)  # (out, in)
             grad_weight = round_to(grad_weight, weight_dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = round_to(widen(grad).sum(axis=0), bias_dtype)  # float32 sum
+        return grad_x, grad_weight, grad_bias
+
+
+class BlockScaledLinear(Function):
+    """y = x @ W^T + b, each of the three GEMMs reading its operands quantized along its own K.
+
+    dL/dx = dL/dy @ W,  dL/dW = dL/dy^T @ x,  dL/db = sum of dL/dy over the batch; the operands'
+    groups, scales, formats and accumulation are the recipe's (precision/recipes.py).
+    """
+
+    @staticmethod
+    def forward(ctx: Context, x: Array, weight: Array, bias: Array,
+                meta: "BlockScaledMeta") -> Array:
+        check_linear_inputs(x, weight)
+        gemms = meta.recipe.gemms
+        rows = x.reshape(-1, x.shape[-1])  # (N, in) with N = all leading axes together
+        product = recipes.scaled_gemm(recipes.quantize(rows, gemms.forward.a),
+                                      recipes.quantize(weight, gemms.forward.b),
+                                      gemms.forward.accumulate)  # (N, out)
+        # What backward reads, quantized now along its GEMM's K (an evaluation needs neither):
+        # W^T (in, out) for grad_input, x^T (in, N) for grad_weight; saved as their arrays.
+        weight_t = rows_t = None
+        if ctx.needs_input_grad[0]:
+            weight_t = recipes.quantize(weight.T, gemms.grad_input.b)
+        if ctx.needs_input_grad[1]:
+            rows_t = recipes.quantize(rows.T, gemms.grad_weight.b)
+        ctx.save_for_backward(*recipes.arrays_of(weight_t), *recipes.arrays_of(rows_t))
+        ctx.layouts = recipes.layout_of(weight_t), recipes.layout_of(rows_t)
+        ctx.gemms, ctx.x_shape, ctx.dtypes = gemms, x.shape, (x.dtype, weight.dtype, bias.dtype)
+        return round_to(product + widen(bias), x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Context, grad_output: Array) -> tuple[Array | None, ...]:
+        gemms, saved = ctx.gemms, list(ctx.saved_arrays)
+        weight_t, rows_t = (recipes.rebuilt(layout, saved) for layout in ctx.layouts)
+        x_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        grad = grad_output.reshape(-1, grad_output.shape[-1])  # (N, out)
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_fp8 = recipes.quantize(grad, gemms.grad_input.a)  # along out
+            grad_x = recipes.scaled_gemm(grad_fp8, weight_t, gemms.grad_input.accumulate)
+            grad_x = round_to(grad_x, x_dtype).reshape(ctx.x_shape)  # (N, in)
+        if ctx.needs_input_grad[1]:
+            grad_t = recipes.quantize(grad.T, gemms.grad_weight.a)  # (out, N), along tokens
+            grad_weight = recipes.scaled_gemm(grad_t, rows_t, gemms.grad_weight.accumulate)
+            grad_weight = round_to(grad_weight, weight_dtype)  # (out, in)
         if ctx.needs_input_grad[2]:
             grad_bias = round_to(widen(grad).sum(axis=0), bias_dtype)  # float32 sum
         return grad_x, grad_weight, grad_bias

@@ -110,7 +110,9 @@ def blockwise_matmul(a_values: np.ndarray, a_scales: np.ndarray, b_values: np.nd
     """DeepSeek-V3's fine-grained GEMM: each K block's partial product times its scales, summed.
 
     a_values (M, K) has a scale per 1 x block tile, a_scales (M, K/block); b_values (K, N) one per
-    block x block block, b_scales (K/block, ceil(N/block)). A scale multiplies the values back to
+    block x block block, b_scales (K/block, ceil(N/block)), or one per block x 1 column, b_scales
+    (K/block, N) (DeepGEMM's "1D-1D" weight-gradient GEMM, where both operands are activations
+    or gradients scaled along K). A scale multiplies the values back to
     what they stand for (PyTorch's `_scaled_mm` and DeepGEMM's convention; Transformer Engine's
     scale_inv). The values are float32 arrays (normally holding fp8 values; any float32 works).
     Each K block's partial sum P_q (M, N) is taken in plain fp32 (accumulate="fp32") or in the
@@ -124,13 +126,17 @@ def blockwise_matmul(a_values: np.ndarray, a_scales: np.ndarray, b_values: np.nd
     _check_shapes(a_values, b_values, block)
     (m, k), n = a_values.shape, b_values.shape[1]
     blocks = k // block
-    if a_scales.shape != (m, blocks) or b_scales.shape != (blocks, -(-n // block)):
+    b_shapes = ((blocks, -(-n // block)), (blocks, n))  # per block x block block, or per column
+    if a_scales.shape != (m, blocks) or b_scales.shape not in b_shapes:
         raise ValueError(f"with block {block}, a {a_values.shape} needs scales ({m}, {blocks}) "
-                         f"and b {b_values.shape} scales ({blocks}, {-(-n // block)}); got "
-                         f"{a_scales.shape} and {b_scales.shape}")
+                         f"and b {b_values.shape} scales ({blocks}, {-(-n // block)}) or "
+                         f"({blocks}, {n}); got {a_scales.shape} and {b_scales.shape}")
     bits = TENSOR_CORE_BITS if accumulate == "limited" else None
     partials = _interval_sums(a_values, b_values, block, bits)  # (Q, M, N)
-    b_columns = np.repeat(b_scales, block, axis=1)[:, :n]  # (Q, N): each column's block scale
+    if b_scales.shape == (blocks, n):  # already one per column (the same thing when n is 1)
+        b_columns = b_scales
+    else:
+        b_columns = np.repeat(b_scales, block, axis=1)[:, :n]  # (Q, N): each column's block scale
     scales = a_scales.T[:, :, None] * b_columns[:, None, :]  # (Q, M, N), fl32(sa sb)
     # fp32 on purpose: DeepSeek-V3 scales and adds the promoted partial sums in fp32
     return (partials * scales).sum(axis=0, dtype=FLOAT32)

@@ -1,5 +1,8 @@
 """fp8 scaling recipes and the per-tensor state they keep: which scale each quantization uses.
 
+These are the one-scale-per-tensor members of recipes.py's interface (each says its three GEMMs
+through `gemms`); the recipes with a scale per group live there.
+
 A tensor's scale s should put its largest magnitude (its amax) near the format's maximum: too small
 an s and small values underflow to zero, too large and big ones saturate. Three recipes:
 
@@ -29,6 +32,7 @@ import numpy as np
 from minimp.precision import fp8
 from minimp.precision.casting import FLOAT32
 from minimp.precision.fp8 import E4M3, E5M2, Fp8Format
+from minimp.precision.recipes import LinearGemms, per_tensor_gemms
 
 FLOAT32_MAX = np.finfo(np.float32).max
 
@@ -67,6 +71,11 @@ class DelayedScaling:
     name = "delayed"
     has_state = True  # the history and the scale are saved in checkpoints and agreed across ranks
 
+    @property
+    def gemms(self) -> LinearGemms:
+        """One scale per tensor, from the amax history (recipes.py's interface)."""
+        return per_tensor_gemms(self.name)
+
     def scale_for(self, stored: float, tensor_amax: float, fmt: Fp8Format) -> np.float32:
         """The scale of this quantization: the stored one (computed after the last step)."""
         return np.float32(stored)
@@ -79,6 +88,11 @@ class Float8CurrentScaling:
     name = "current"
     amax_history_len = 1  # the last step's amax, kept for the record only
     has_state = False
+
+    @property
+    def gemms(self) -> LinearGemms:
+        """One scale per tensor, from its own amax (recipes.py's interface)."""
+        return per_tensor_gemms(self.name)
 
     def scale_for(self, stored: float, tensor_amax: float, fmt: Fp8Format) -> np.float32:
         """From the tensor's amax; 1 for an all-zero or non-finite tensor."""
@@ -93,6 +107,11 @@ class NoScaling:
     name = "none"
     amax_history_len = 1
     has_state = False
+
+    @property
+    def gemms(self) -> LinearGemms:
+        """One scale per tensor, 1 (recipes.py's interface)."""
+        return per_tensor_gemms(self.name)
 
     def scale_for(self, stored: float, tensor_amax: float, fmt: Fp8Format) -> np.float32:
         """Always 1."""
@@ -180,6 +199,7 @@ class Fp8Meta:
     (DelayedScaling, Float8CurrentScaling or NoScaling)."""
 
     TENSORS = ("input", "weight", "grad_output")
+    per_tensor = True  # ops.Fp8Linear multiplies, with these quantizers
 
     def __init__(self, recipe: Fp8Recipe):
         self.recipe = recipe

@@ -65,6 +65,7 @@ def validate(config: "TrainConfig", world_size: int) -> None:
     _check_batch(config, config.data_parallel_size(world_size))
     _check_zero(config, config.data_parallel_size(world_size))
     _check_wire(config)
+    _check_fp8_groups(config, config.data_parallel_size(world_size))
     if config.save_every and not config.save:
         raise ConfigError("--save-every needs --save (the path to save to)")
     _check_distinct_files(config)
@@ -90,7 +91,7 @@ def _check_ranges(config: "TrainConfig") -> None:
         raise ConfigError(f"--min-lr {config.min_lr} is above --lr {config.lr}")
 
 
-FP8_RECIPES = ("delayed", "current", "none")
+FP8_RECIPES = ("delayed", "current", "none", "rowwise", "blockwise", "mxfp8", "mxfp8-round-up")
 FP8_FLAGS = ("fp8_recipe", "fp8_amax_history", "fp8_margin")
 
 
@@ -159,6 +160,41 @@ def _check_master_weights(config: "TrainConfig") -> None:
     if config.stochastic_rounding and device == "gpu":
         raise ConfigError("--stochastic-rounding is emulated on the CPU (NumPy bit patterns, "
                           "minimp/precision/stochastic.py); use --device cpu")
+
+
+# The block-scaled recipes (precision/recipes.py) and how many values along K share a scale
+# (rowwise: all of K, any size).
+FP8_BLOCK_SCALED = {"rowwise": None, "blockwise": 128, "mxfp8": 32, "mxfp8-round-up": 32}
+
+
+def _check_fp8_groups(config: "TrainConfig", dp: int) -> None:
+    """A block-scaled recipe: the GPT's Linears under --dp and --pp (a shard's or an expert's
+    groups would not be one process's), each GEMM's K a multiple of its K block. A group is
+    never padded (blocks.py), so a size it does not tile is refused here, before any work."""
+    if config.precision != "fp8" or config.fp8_recipe not in FP8_BLOCK_SCALED:
+        return
+    recipe = f"--fp8-recipe {config.fp8_recipe}"
+    for name, used in (("--tp", config.tp > 1), ("--cp", config.cp > 1),
+                       ("--experts", config.experts > 0)):
+        if used:
+            raise ConfigError(f"{recipe} with {name} is not built (its groups would cut across "
+                              f"shards or expert batches): use --fp8-recipe current or delayed")
+    block = FP8_BLOCK_SCALED[config.fp8_recipe]
+    if block is None:
+        return
+    if config.model != "gpt":
+        raise ConfigError(f"{recipe} scales {block} values along K together, and the MLP's "
+                          f"input and class counts are not multiples of {block}: use --model "
+                          f"gpt or --fp8-recipe rowwise")
+    if config.hidden % block:  # then K = hidden, 3 hidden, 4 hidden all are multiples
+        raise ConfigError(f"{recipe} needs --hidden a multiple of {block} (every Linear's K), "
+                          f"got {config.hidden}")
+    rows = config.batch_size // dp // config.micro_batches
+    if rows * config.context % block:  # the weight gradient sums over a micro-batch's tokens
+        raise ConfigError(f"{recipe} needs a micro-batch's tokens, {rows} rows x --context "
+                          f"{config.context} = {rows * config.context}, to be a multiple of "
+                          f"{block} (the weight-gradient GEMM's K): change --batch-size, "
+                          f"--micro-batches or --context")
 
 
 # Flags that act only beside another (fields, the flag they need, whether the config has it).

@@ -67,7 +67,11 @@ class TrainConfig:
         choices=("fp32", "fp16", "bf16", "fp8"))
     fp8_recipe: str = _flag(None, "fp8 scaling: delayed (from the largest amax of the last "
                             "--fp8-amax-history steps), current (from each tensor's own amax) or "
-                            "none (scale 1) (default: delayed with --precision fp8)",
+                            "none (scale 1), one scale per tensor; or a scale per group along "
+                            "each GEMM's K: rowwise (per row), blockwise (DeepSeek-V3's 1x128 "
+                            "and 128x128, E4M3 everywhere, 14-bit sums promoted every 128), "
+                            "mxfp8 (E8M0 per 32, OCP MX floor rule), mxfp8-round-up (NVIDIA's "
+                            "rule) (default: delayed with --precision fp8)",
                             choices=FP8_RECIPES)
     fp8_amax_history: int = _flag(
         None, "steps of amax history delayed scaling keeps (default: 16 with --fp8-recipe delayed)")

@@ -25,13 +25,16 @@ from minimp.precision.fp8_scaling import (DelayedScaling, Float8CurrentScaling, 
                                           Fp8Quantizer, Fp8Recipe, NoScaling)
 from minimp.precision.fp8_scaling import (load_quantizers_state_dict, quantizers_state_dict,
                                           update_scales)
+from minimp.precision.recipes import RECIPES, BlockScaling
 from minimp.train.config import TrainConfig
 
 PREFIX = "fp8/"
 
 
-def recipe(config: TrainConfig) -> Fp8Recipe:
+def recipe(config: TrainConfig) -> Fp8Recipe | BlockScaling:
     """The scaling recipe --fp8-recipe names (with --fp8-amax-history and --fp8-margin)."""
+    if config.fp8_recipe in RECIPES:  # a scale per group (precision/recipes.py)
+        return RECIPES[config.fp8_recipe]
     if config.fp8_recipe == "delayed":
         return DelayedScaling(margin=config.fp8_margin, amax_history_len=config.fp8_amax_history)
     return Float8CurrentScaling() if config.fp8_recipe == "current" else NoScaling()
@@ -69,8 +72,10 @@ class Fp8Run:
         start_output_gradient_scales(self.quantizers, topology.dp * topology.cp)
         # A few tensors to watch in the metrics: the first and the last dense Linear's three (an
         # expert's current scale is said by the ranks holding it, which rank 0 may not be).
-        linears = [name for name, _ in nn.fp8_metas(model) if expert_index(name) is None]
-        ends = (linears[0], linears[-1])
+        # A block-scaled recipe has no per-tensor scale to watch (the same on every rank).
+        linears = [name for name, meta in nn.fp8_metas(model)
+                   if expert_index(name) is None and meta.per_tensor]
+        ends = (linears[0], linears[-1]) if linears else ()
         self.watched = [f"{linear}.{tensor}" for linear in ends for tensor in Fp8Meta.TENSORS]
 
     def end_step(self, world: Communicator, timed: Callable) -> dict[str, dict]:
@@ -79,7 +84,8 @@ class Fp8Run:
         replicas, context shards and tensor-parallel shards. Returns {tensor: {"scale",
         "underflow", "saturated"}} for the metrics row. `timed(function, name)`: wraps the two
         collectives (the trainer times communication)."""
-        statistics = self._watched_statistics(timed(world.allreduce_scalars, "fp8_statistics"))
+        statistics = (self._watched_statistics(timed(world.allreduce_scalars, "fp8_statistics"))
+                      if self.watched else {})
         quantizers = [quantizer for _, quantizer in self.quantizers]
         update_scales(quantizers, timed(self.reduce_amax, "fp8_amax"))
         return statistics
