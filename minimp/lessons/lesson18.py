@@ -5,8 +5,8 @@ limited accumulation; and the checkers of its exercises: the MX exponent, 1 x 12
 stochastic rounding's two outcomes. Reference solutions: lessons/solutions/lesson18.py.
 
 The figures are computed here with minimp/precision/blocks.py, stochastic.py and accumulate.py:
-benchmarks/outlier_bench.py measures the same thing on a larger GEMM, but benchmarks/ is not part
-of the installed package, and a lesson must run from any working directory."""
+benchmarks/outlier_bench.py sends the same kind of outlier through a 768 x 512 GEMM, but benchmarks/
+is not part of the installed package, and a lesson must run from any working directory."""
 
 from typing import Any, Callable, NamedTuple
 
