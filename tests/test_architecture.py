@@ -14,7 +14,9 @@ LAYERS = [
     (
         "arrays",
         ("minimp.backend", "minimp.memory_pool", "minimp.npz", "minimp.precision.casting")
-        + ("minimp.precision.halfcast", "minimp.precision.halfcast_numba", "minimp.precision.fp8"),
+        + ("minimp.precision.halfcast", "minimp.precision.halfcast_numba", "minimp.precision.fp8")
+        # the block-scaled formats, their GEMM and the recipes built of them: arrays in, arrays out
+        + ("minimp.precision.blocks", "minimp.precision.accumulate", "minimp.precision.recipes"),
     ),
     (
         "autograd",
