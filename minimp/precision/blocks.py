@@ -53,6 +53,9 @@ GroupShape = tuple[int | None, int | None]
 T = TypeVar("T")
 
 
+Format = TypeVar("Format", bound="ElementFormat")  # of() builds the class it is called on
+
+
 @dataclass(frozen=True)
 class ElementFormat:
     """A format the values of a group take, its limits read from `ml_dtypes.finfo`.
@@ -73,7 +76,7 @@ class ElementFormat:
     has_nan: bool
 
     @classmethod
-    def of(cls, name: str, dtype: type) -> "ElementFormat":
+    def of(cls: type[Format], name: str, dtype: type) -> Format:
         """The format of an ml_dtypes type; has_nan is whether ml_dtypes casts NaN to a NaN."""
         info = ml_dtypes.finfo(dtype)
         nan = np.array(np.nan, FLOAT32).astype(dtype).astype(FLOAT32)

@@ -22,46 +22,36 @@ ml_dtypes gives NaN (E4M3) or inf (E5M2). One too-large value then costs its own
 whole tensor. NaN stays NaN. The cast runs on NumPy arrays: the emulation is for the CPU.
 """
 
-from dataclasses import dataclass
-
 import ml_dtypes
 import numpy as np
 
+from minimp.precision.blocks import ElementFormat
 from minimp.precision.casting import FLOAT32, widen
 
 
-@dataclass(frozen=True)
-class Fp8Format:
-    """One fp8 format: its name, its NumPy dtype (ml_dtypes') and limits read from ml_dtypes.
+class Fp8Format(ElementFormat):
+    """One fp8 format: blocks.py's element format (name, ml_dtypes' dtype, max, emax,
+    mantissa_bits, min_exponent, read from ml_dtypes.finfo), with the limits the fp8 cast uses.
 
     max: the largest finite value, 448 (E4M3) or 57344 (E5M2); smallest_normal: 2^-6 (E4M3) or
     2^-14 (E5M2); smallest_subnormal: 2^-9 (E4M3) or 2^-16 (E5M2), below half of which a value
-    rounds to zero; mantissa_bits: the fraction bits stored, 3 (E4M3) or 2 (E5M2).
+    rounds to zero; mantissa_bits: the fraction bits stored, 3 (E4M3) or 2 (E5M2); has_nan: True
+    for both (E4M3's one NaN code, E5M2's NaNs beside its infinities).
     """
 
-    name: str
-    dtype: np.dtype
-    max: float
-    smallest_normal: float
-    smallest_subnormal: float
-    mantissa_bits: int
+    @property
+    def smallest_normal(self) -> float:
+        return 2.0**self.min_exponent
 
-    @classmethod
-    def of(cls, name: str, dtype: type) -> "Fp8Format":
-        """The format of an ml_dtypes fp8 type, its limits read from `ml_dtypes.finfo`."""
-        info = ml_dtypes.finfo(dtype)
-        return cls(name, np.dtype(dtype), float(info.max), float(info.smallest_normal),
-                   float(info.smallest_subnormal), int(info.nmant))
+    @property
+    def smallest_subnormal(self) -> float:
+        return 2.0 ** (self.min_exponent - self.mantissa_bits)
 
     @property
     def saturation_threshold(self) -> float:
         """max plus half the spacing there: 464 (E4M3), 61440 (E5M2). Beyond it, rounding to
         nearest could not bring a value back to max; only the saturating cast's clip does."""
-        exponent = int(np.frexp(self.max)[1]) - 1  # 448 = 1.75 * 2^8
-        return self.max + 2.0 ** (exponent - self.mantissa_bits) / 2
-
-    def __repr__(self) -> str:
-        return self.name
+        return self.max + 2.0 ** (self.emax - self.mantissa_bits) / 2  # 448 = 1.75 * 2^8
 
 
 E4M3 = Fp8Format.of("E4M3", ml_dtypes.float8_e4m3fn)
