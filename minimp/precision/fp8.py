@@ -41,10 +41,13 @@ class Fp8Format(ElementFormat):
 
     @property
     def smallest_normal(self) -> float:
+        """2^min_exponent: 2^-6 (E4M3), 2^-14 (E5M2)."""
         return 2.0**self.min_exponent
 
     @property
     def smallest_subnormal(self) -> float:
+        """2^(min_exponent - mantissa_bits), the spacing below the normals: 2^-9 (E4M3), 2^-16
+        (E5M2)."""
         return 2.0 ** (self.min_exponent - self.mantissa_bits)
 
     @property
