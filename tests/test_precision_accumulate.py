@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minimp.precision.accumulate import blockwise_matmul, limited_accumulation
-from minimp.precision.accumulate import round_to_significant_bits
+from minimp.precision import accumulate_numba
+from minimp.precision.accumulate import _limited_numpy, round_to_significant_bits
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 UNIT_FP32 = 2.0**-24  # float32's unit roundoff: a rounding to nearest moves a value by <= this
@@ -93,6 +94,21 @@ def test_the_accumulator_is_its_recurrence_to_the_bit(interval, bits, rng):
     b = rng.normal(size=(256, 5)).astype(np.float32)
     expected = recurrence(a, b, interval, bits)
     assert_same_values(limited_accumulation(a, b, interval, bits), expected)
+
+
+@pytest.mark.skipif(not accumulate_numba.available(), reason="numba not installed (minimp[fast])")
+def test_the_compiled_accumulator_is_the_numpy_loop_to_the_bit(rng):
+    """Values spread over 80 binades, a NaN, infinities of both signs and sums that round past
+    float32's max: the compiled loop's bit patterns are the NumPy loop's, for two widths."""
+    a = (rng.normal(size=(6, 64)) * 2.0 ** rng.integers(-40, 40, size=(6, 64))).astype(np.float32)
+    b = rng.normal(size=(64, 37)).astype(np.float32)
+    a[0, 3], a[1, 5], a[2, 7], a[3, :] = np.nan, np.inf, -np.inf, FLOAT32_MAX / 2
+    for bits in (14, 3):
+        compiled = accumulate_numba.interval_sum(a, b, bits)
+        with np.errstate(over="ignore", invalid="ignore"):  # the overflows are the point
+            numpy_loop = _limited_numpy(a, b, bits)
+        assert np.array_equal(compiled.view(np.uint32), numpy_loop.view(np.uint32))
+    assert np.isinf(compiled[3]).any() and np.isnan(compiled[0]).all()
 
 
 def bound(a: np.ndarray, b: np.ndarray, fp32_roundings: int, bits: int, bit_roundings: int
