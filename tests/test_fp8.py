@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from minimp.precision import fp8
+from minimp.precision import codes, fp8
 from minimp.precision.fp8 import E4M3, E5M2
 
 # The formats as the OCP 8-bit floating point specification (v1.0) defines them, written here
@@ -193,10 +193,12 @@ def test_the_decoding_table_is_ml_dtypes_own_decoding():
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=repr)
 def test_the_decoding_table_holds_each_codes_float32_value(fmt):
-    # fp8._DECODE is built once, at import, which the tests above only read: a mutation tool that
-    # swaps functions after import never reaches the builder unless a test calls it, as here
-    table = fp8._decoding_table(fmt)
+    # codes._table is built once per format and cached, which the tests above only read: a
+    # mutation tool that swaps functions after import never reaches the builder unless a test
+    # calls it uncached, as here
+    table = codes._table.__wrapped__(np.dtype(fmt.dtype))
     assert table.dtype == np.float32 and table.shape == (256,)
     expected = np.array([decode_from_definition(code, fmt.name) for code in range(256)])
     assert_same_values(table.astype(np.float64), expected, f"{fmt} decoding table")
-    assert np.array_equal(fp8._DECODE[fmt.dtype].view(np.uint32), table.view(np.uint32))
+    cached = codes._table(np.dtype(fmt.dtype))
+    assert np.array_equal(cached.view(np.uint32), table.view(np.uint32))

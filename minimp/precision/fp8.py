@@ -15,16 +15,18 @@ Eight bits cover too little range to hold a tensor as it is (activations near 1,
 value it stands for is q / s. Choosing s so that the tensor's largest magnitude lands near the
 format's maximum is the job of a scaling recipe (precision/fp8_scaling.py).
 
-The formats come from ml_dtypes (their limits from `ml_dtypes.finfo`, the rounding from its cast),
-not from a hand-written table. One thing differs from ml_dtypes' cast: a scaled value beyond the
-format's maximum saturates to +-max, as Transformer Engine's casts do (CUDA's __NV_SATFINITE), where
-ml_dtypes gives NaN (E4M3) or inf (E5M2). One too-large value then costs its own precision, not the
-whole tensor. NaN stays NaN. The cast runs on NumPy arrays: the emulation is for the CPU.
+The formats come from ml_dtypes (their limits from `ml_dtypes.finfo`, the rounding from its cast,
+which precision/codes.py computes bit for bit, compiled), not from a hand-written table. One thing
+differs from ml_dtypes' cast: a scaled value beyond the format's maximum saturates to +-max, as
+Transformer Engine's casts do (CUDA's __NV_SATFINITE), where ml_dtypes gives NaN (E4M3) or inf
+(E5M2). One too-large value then costs its own precision, not the whole tensor. NaN stays NaN.
+The cast runs on NumPy arrays: the emulation is for the CPU.
 """
 
 import ml_dtypes
 import numpy as np
 
+from minimp.precision import codes
 from minimp.precision.blocks import ElementFormat
 from minimp.precision.casting import FLOAT32, widen
 
@@ -62,16 +64,6 @@ E5M2 = Fp8Format.of("E5M2", ml_dtypes.float8_e5m2)
 FORMATS = {"E4M3": E4M3, "E5M2": E5M2}
 
 
-def _decoding_table(fmt: Fp8Format) -> np.ndarray:
-    """The float32 value of each of the 256 codes, as ml_dtypes decodes them."""
-    return np.arange(256, dtype=np.uint8).view(fmt.dtype).astype(np.float32)
-
-
-# ml_dtypes converts fp8 one element at a time (~20 ns each here); a lookup into the 256 values it
-# decodes once is exact and ~1 ns.
-_DECODE = {fmt.dtype: _decoding_table(fmt) for fmt in FORMATS.values()}
-
-
 def amax(array: np.ndarray) -> float:
     """max |x| of the array, in float32 (NaN when it holds a NaN, as Transformer Engine's)."""
     if array.size == 0:
@@ -89,9 +81,10 @@ def scale_values(array: np.ndarray, scale: float) -> np.ndarray:
 def cast_saturating(scaled: np.ndarray, fmt: Fp8Format) -> np.ndarray:
     """float32 values rounded to nearest (ties to even) in fmt, saturating at +-max; NaN stays NaN.
 
-    The clip first: ml_dtypes' own cast would turn values beyond max into NaN or inf."""
+    The clip first: ml_dtypes' own cast would turn values beyond max into NaN or inf; then
+    codes.encode, ml_dtypes' cast bit for bit, compiled."""
     with np.errstate(invalid="ignore"):  # NaN is cast as NaN, as it should be
-        return np.clip(scaled, -fmt.max, fmt.max).astype(fmt.dtype)
+        return codes.encode(np.clip(scaled, -fmt.max, fmt.max), fmt)
 
 
 def quantize(array: np.ndarray, scale: float, fmt: Fp8Format) -> np.ndarray:
@@ -101,7 +94,7 @@ def quantize(array: np.ndarray, scale: float, fmt: Fp8Format) -> np.ndarray:
 
 def to_float32(fp8_array: np.ndarray) -> np.ndarray:
     """The fp8 values as float32 (exact: every fp8 value is a float32 value), scale not applied."""
-    return _DECODE[fp8_array.dtype][fp8_array.view(np.uint8)]
+    return codes.decode(fp8_array)
 
 
 def inverse(scale: float) -> np.float32:
