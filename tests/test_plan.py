@@ -514,7 +514,8 @@ def test_the_planner_predicts_the_trainers_context_bytes_and_memory_to_the_byte(
         assert kept == record["peak_activation_bytes"]
 
 
-@pytest.mark.parametrize("wire, zero", [("bf16", 0), ("fp8", 0), ("fp8", 1)])
+@pytest.mark.parametrize("wire, zero", [pytest.param("bf16", 0, marks=pytest.mark.slow),
+                                        ("fp8", 0), pytest.param("fp8", 1, marks=pytest.mark.slow)])
 def test_the_planner_predicts_the_trainers_gradient_bytes_on_each_wire(wire, zero):
     """One step of the small GPT at --dp 2 --grad-comm-dtype bf16 or fp8: the data-parallel bytes
     the metrics count, on every rank, are the planner's (the fp8 wire's scales included: 4 bytes
@@ -524,8 +525,8 @@ def test_the_planner_predicts_the_trainers_gradient_bytes_on_each_wire(wire, zer
     from minimp.train.loop import train
 
     config = TrainConfig(dataset="shakespeare", layers=2, hidden=32, heads=4, context=16,
-                         batch_size=8, steps=1, eval_every=0, log_every=1000, precision="bf16",
-                         dp=2, zero=zero, overlap=False, grad_comm_dtype=wire)
+                         batch_size=8, steps=1, eval_every=0, eval_batches=1, log_every=1000,
+                         precision="bf16", dp=2, zero=zero, overlap=False, grad_comm_dtype=wire)
     config.validate(2)
     with backend.limit_cpu_threads(1):
         results = dist.simulate(2, lambda comm: train(config, lambda line: None, comm))
