@@ -24,7 +24,7 @@ from minimp.plan import memory as mem
 from minimp.plan import steptime
 from minimp.parallel.pipeline.schedules import CHOICES
 from minimp.plan.inputs import Cluster, Job, Layout, ModelShape, PlanError, check_inputs
-from minimp.plan.inputs import PRICED_SCHEDULES, shape_for_parameters
+from minimp.plan.inputs import PRICED_SCHEDULES, shape_for_parameters, wire_fields
 from minimp.plan.links import AlphaBeta, Measured
 from minimp.plan.narayanan import TABLE_1, compare, comparison_table, format_comparison
 from minimp.plan.presets import MEGATRON, MODELS, SHAKESPEARE, selene
@@ -512,6 +512,33 @@ def test_the_planner_predicts_the_trainers_context_bytes_and_memory_to_the_byte(
         assert time.data_parallel == record["bytes_by_group"]["data_parallel"]  # over dp x cp
         kept = mem.activation_bytes(TRAINED, layout, job, stage=0) - buffers
         assert kept == record["peak_activation_bytes"]
+
+
+@pytest.mark.parametrize("wire, zero", [pytest.param("bf16", 0, marks=pytest.mark.slow),
+                                        ("fp8", 0), pytest.param("fp8", 1, marks=pytest.mark.slow)])
+def test_the_planner_predicts_the_trainers_gradient_bytes_on_each_wire(wire, zero):
+    """One step of the small GPT at --dp 2 --grad-comm-dtype bf16 or fp8: the data-parallel bytes
+    the metrics count, on every rank, are the planner's (the fp8 wire's scales included: 4 bytes
+    a message), and so are the model states held (the fp8 wire's float32 buckets)."""
+    from minimp import backend
+    from minimp import distributed as dist
+    from minimp.train.loop import train
+
+    config = TrainConfig(dataset="shakespeare", layers=2, hidden=32, heads=4, context=16,
+                         batch_size=8, steps=1, eval_every=0, eval_batches=1, log_every=1000,
+                         precision="bf16", dp=2, zero=zero, overlap=False, grad_comm_dtype=wire)
+    config.validate(2)
+    with backend.limit_cpu_threads(1):
+        results = dist.simulate(2, lambda comm: train(config, lambda line: None, comm))
+    layout = Layout(2, 1, 1, zero, 4, 1)
+    job = Job(8, (4,), precision="bf16", **wire_fields(wire))
+    time = step_time(TRAINED, bytes_cluster(2), job, layout)
+    held = mem.model_state_bytes(TRAINED, layout, job, stage=0)
+    del held["gradients16"]
+    for result in results:
+        record = result["history"][0]
+        assert time.data_parallel + time.zero_in_step == record["bytes_by_group"]["data_parallel"]
+    assert results[0]["model_state_by_kind"][0] == held  # rank 0's: the planner's largest chunks
 
 
 @pytest.mark.parametrize("mode, formula", [("ring", ring_bytes), ("ulysses", ulysses_bytes)])

@@ -10,7 +10,7 @@ from minimp import distributed as dist
 from minimp.checkpoints.errors import ConfigError
 from minimp.distributed.ring import chunk_bounds
 from minimp.distributed.ring_fp8 import fp8_reduce_scatter_into, fp8_ring_allreduce_into
-from minimp.distributed.ring_fp8 import quantized_reduce_scatter_once
+from minimp.distributed.ring_fp8 import Fp8RingInFlight, quantized_reduce_scatter_once
 from minimp.parallel.zero.formulas import bytes_sent_formula, memory_formula
 from minimp.precision.blocks import E4M3, dequantize, quantize
 from minimp.precision.wire import Fp8Wire, buffer_bytes, grad_wire
@@ -126,6 +126,28 @@ def test_bytes_sent_equal_the_formula_with_a_scale_per_message(p, n):
         assert sent == formula["reduce_scatter"]
 
 
+@pytest.mark.parametrize("p, n", [(2, 7), (3, 10), (5, 3)])  # (5, 3): empty chunks
+@pytest.mark.parametrize("half", ["all_reduce", "reduce_scatter"])
+def test_the_ring_in_flight_gives_the_blocking_ring_s_bits_and_bytes(p, n, half):
+    """Advanced by progress() alone (as backward's hooks do), every message sent only when the
+    receiver asks (eager_limit 0): the blocking fp8 ring's result and bytes, rank by rank."""
+    xs = inputs(p, n, seed=3)
+    blocking = ring(p, xs, half)
+
+    def body(comm):
+        x, before = xs[comm.rank], comm.bytes_sent
+        out = np.empty_like(x)
+        flight = Fp8RingInFlight(comm, x, out, WIRE, all_gather=half == "all_reduce")
+        while not flight.progress():
+            pass
+        start, stop = chunk_bounds(n, p)[comm.rank]
+        return (out if half == "all_reduce" else out[start:stop]), comm.bytes_sent - before
+
+    for (got, sent), (expected, expected_sent) in zip(dist.simulate(p, body, eager_limit=0),
+                                                      blocking):
+        assert same_bits(got, expected) and sent == expected_sent
+
+
 SMALL = dict(hidden=32, layers=2, batch_size=36, log_every=1000, overlap=False, steps=2,
              grad_comm_dtype="fp8")
 
@@ -154,8 +176,37 @@ def test_training_sends_the_formula_s_bytes_and_replicas_stay_identical(flags):
         assert result["model_state_by_kind"][rank] == held
 
 
+@pytest.mark.parametrize("flags", [dict(zero=0), dict(zero=2, micro_batches=2)])
+def test_overlap_on_the_fp8_wire_gives_no_overlap_s_bits_and_the_formula_s_bytes(flags):
+    """--overlap (the rings in flight during backward) against --no-overlap, 3 replicas: the
+    same weights, losses and bytes bit for bit (the same buckets, the same messages, the same
+    float32 additions in the same order). --bucket-mb 1e-6 makes every parameter a bucket of
+    its own, each with its scales: bytes == bytes_sent_formula over those buckets."""
+    config = dict(SMALL, bucket_mb=1e-6, **flags)
+    runs = {}
+    for overlap in (True, False):
+        run = TrainConfig(**{**config, "overlap": overlap})
+        run.validate(3)
+        runs[overlap] = dist.simulate(3, lambda comm: train(run, log=lambda line: None,
+                                                            comm=comm), eager_limit=0)
+    for rank, (with_, without) in enumerate(zip(runs[True], runs[False])):
+        for name, array in with_["master_weights"].items():
+            assert array.tobytes() == without["master_weights"][name].tobytes(), name
+        assert [r["loss"] for r in with_["history"]] == [r["loss"] for r in without["history"]]
+        sent = [r["bytes_by_collective"] for r in with_["history"]]
+        assert sent == [r["bytes_by_collective"] for r in without["history"]]
+    if flags["zero"] == 0:
+        buckets = [array.size for array in runs[True][0]["master_weights"].values()]
+        assert len(buckets) > 1
+        for rank, result in enumerate(runs[True]):
+            formula = bytes_sent_formula(0, sizes=buckets, rank=rank, world_size=3,
+                                         micro_batches=1, compute_bytes=2, wire_bytes=1,
+                                         scale_bytes=4)
+            for record in result["history"]:
+                assert {k: v for k, v in record["bytes_by_collective"].items() if v} == formula
+
+
 @pytest.mark.parametrize("flags, words", [
-    (dict(grad_comm_dtype="fp8", overlap=True), "--no-overlap"),
     (dict(param_gather_dtype="fp8", zero=2), "needs --zero 3"),
     (dict(grad_comm_dtype="fp8", overlap=False, device="gpu"), "--device cpu"),
 ])

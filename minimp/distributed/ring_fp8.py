@@ -17,6 +17,11 @@ a chunk of n elements travels as n + 4 bytes (its values, one byte each, and its
                   once and sends it straight to it (an all-to-all); the owner adds the p decoded
                   shares in rank order in float32. One quantization per share, the same bytes.
 
+`Fp8RingInFlight` is the same reduce-scatter and all-gather as a state machine of non-blocking
+messages (ring_nonblocking.py's RingAllreduce, for the buckets reduced during backward,
+minimp/parallel/data/overlap.py): the same encodes, messages and float32 additions in the same
+order, so the same bits and bytes as the blocking functions.
+
 Bytes rank r sends per collective, with c_j the elements of chunk j: reduce-scatter
 sum_{j != r} (c_j + 4); all-gather sum_{j != r + 1} (c_j + 4); the one-shot reduce-scatter
 sum_{j != r} (c_j + 4) too. x and out are float32; only "sum" reduces.
@@ -26,7 +31,7 @@ import numpy as np
 
 from minimp.distributed.alltoall import all_to_all
 from minimp.distributed.buffers import agree_on_layout
-from minimp.distributed.protocol import Communicator, Tag
+from minimp.distributed.protocol import Communicator, Request, Tag
 from minimp.distributed.ring import Bounds, chunk_bounds, ring_step
 from minimp.precision.wire import Fp8Wire
 
@@ -119,3 +124,100 @@ def quantized_reduce_scatter_once(comm: Communicator, x: np.ndarray,
     for source, message in enumerate(received):
         total += x[start:stop] if source == comm.rank else wire.decode(message)
     return total
+
+
+class Fp8RingInFlight:
+    """One fp8 ring all-reduce (or, with all_gather=False, its reduce-scatter half) of the flat
+    float32 x into out, posted step by step as RingAllreduce (ring_nonblocking.py) posts its own:
+    in flight from construction until `progress()` returns True or `wait()` returns, x and out
+    untouched meanwhile. Each step encodes the outgoing chunk into a uint8 message, receives the
+    incoming one into another, and on completion decodes it: fp8_reduce_scatter_into's and
+    fp8_all_gather_inplace's steps, in their order."""
+
+    def __init__(self, comm: Communicator, x: np.ndarray, out: np.ndarray, wire: Fp8Wire,
+                 tags: tuple[int, int] = (Tag.RING_REDUCE_SCATTER, Tag.RING_ALL_GATHER), *,
+                 bounds: Bounds | None = None, all_gather: bool = True):
+        if out.shape != x.shape or x.dtype != np.float32 or out.dtype != np.float32:
+            raise ValueError(f"Fp8RingInFlight: x and out must be float32 arrays of one size, "
+                             f"got {x.dtype} {x.shape} and {out.dtype} {out.shape}")
+        self.comm, self.x, self.out, self.wire, self.tags = comm, x, out, wire, tags
+        self.bounds = chunk_bounds(x.size, comm.size) if bounds is None else bounds
+        self.steps = (2 if all_gather else 1) * (comm.size - 1)
+        self.step = 0
+        self.outgoing, self.incoming = message_buffers(wire, self.bounds)
+        self.message = self.outgoing[:0]  # the all-gather's message to forward
+        self.requests: list[Request] = []
+        if comm.size == 1:
+            out[...] = x
+        else:
+            self._post()
+
+    @property
+    def done(self) -> bool:
+        """Whether out holds the result."""
+        return self.step == self.steps
+
+    def buffers(self) -> list[np.ndarray]:
+        """What it holds while in flight: x, out and its two message buffers."""
+        return [self.x, self.out, self.outgoing, self.incoming]
+
+    def progress(self) -> bool:
+        """Advance as far as possible without waiting; returns `done`."""
+        while not self.done:
+            if not all([request.test() for request in self.requests]):  # test each: progresses
+                break
+            self._finish_step()
+        return self.done
+
+    def wait(self) -> None:
+        """Block until out holds the result."""
+        while not self.done:
+            for request in self.requests:
+                request.wait()
+            self._finish_step()
+
+    def _scattering(self) -> bool:
+        return self.step < self.comm.size - 1
+
+    def _incoming(self) -> tuple[int, int]:
+        """The bounds of the chunk the current step receives (ring.py's ring_step)."""
+        p = self.comm.size
+        behind = self.step + 1 if self._scattering() else self.step - (p - 1)
+        return ring_step(self.comm, self.bounds, behind)[1]
+
+    def _post(self) -> None:
+        p, r, wire = self.comm.size, self.comm.rank, self.wire
+        if self._scattering():  # encode this step's partial sum (our own share at step 0)
+            (start, stop), _ = ring_step(self.comm, self.bounds, self.step + 1)
+            self.message = self.outgoing[: wire.message_bytes(stop - start)]
+            wire.encode((self.x if self.step == 0 else self.out)[start:stop], self.message)
+            tag = self.tags[0]
+        else:
+            if self.step == p - 1:  # the owner quantizes its sum once and keeps the decoded copy
+                start, stop = self.bounds[r]
+                self.message = self.outgoing[: wire.message_bytes(stop - start)]
+                wire.encode(self.out[start:stop], self.message)
+                self.out[start:stop] = wire.decode(self.message)
+            tag = self.tags[1]
+        start, stop = self._incoming()
+        receive = self.incoming[: wire.message_bytes(stop - start)]
+        left, right = (r - 1) % p, (r + 1) % p
+        self.requests = [self.comm.irecv(receive, left, tag=tag),
+                         self.comm.isend(self.message, right, tag=tag)]
+
+    def _finish_step(self) -> None:
+        """Both messages of the step are complete: decode (and add, in the reduce-scatter), then
+        post the next step."""
+        start, stop = self._incoming()
+        receive = self.incoming[: self.wire.message_bytes(stop - start)]
+        if self._scattering():
+            # float32 on purpose: the dequantized partial sum plus this rank's share, rounded once
+            self.out[start:stop] = self.wire.decode(receive) + self.x[start:stop]
+        else:
+            self.out[start:stop] = self.wire.decode(receive)
+            # the received message is forwarded next step, as is: swap the buffers' roles
+            self.message, self.outgoing, self.incoming = receive, self.incoming, self.outgoing
+        self.step += 1
+        self.requests = []
+        if not self.done:
+            self._post()

@@ -58,6 +58,10 @@ class RingAllreduce:
         """Whether out holds the result."""
         return self.step == self.steps
 
+    def buffers(self) -> list[Array]:
+        """What it holds while in flight: x and out."""
+        return [self.x, self.out]
+
     def progress(self) -> bool:
         """Advance as far as possible without waiting; returns `done`."""
         while not self.done:

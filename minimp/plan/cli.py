@@ -53,7 +53,7 @@ from minimp.backend import available_memory
 from minimp.measure.costmodel import Network
 from minimp.plan.inputs import CP_MODES, MAX_PARAMETERS, MAX_SIMULATED_MICRO_BATCHES
 from minimp.plan.inputs import OPTIMIZER_SLOTS, PRECISION_BYTES, PRICED_SCHEDULES, Cluster, Job
-from minimp.plan.inputs import ModelShape
+from minimp.plan.inputs import GRAD_COMM_DTYPES, ModelShape, wire_fields
 from minimp.plan.inputs import PlanError, check_inputs, shape_for_parameters
 from minimp.plan.links import AlphaBeta
 from minimp.plan.narayanan import comparison_table
@@ -112,7 +112,7 @@ def parser() -> argparse.ArgumentParser:
     job.add_argument("--micro-batch-size", default="1", help="rows per micro-batch (list: 1,2,4)")
     job.add_argument("--precision", default="bf16", choices=PRECISION_BYTES)
     job.add_argument("--optimizer", default="adam", choices=OPTIMIZER_SLOTS)
-    job.add_argument("--grad-comm-dtype", default="fp32", choices=("fp32", "fp16"))
+    job.add_argument("--grad-comm-dtype", default="fp32", choices=GRAD_COMM_DTYPES)
     job.add_argument("--schedule", default="1f1b", choices=PRICED_SCHEDULES)
     job.add_argument("--vocabulary-parallel", default="on", choices=("on", "off"),
                      help="on: the token embedding and head cut over tp (Megatron-LM); off: "
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         job = Job(
             args.global_batch, _integers(args.micro_batch_size, "--micro-batch-size"),
             precision=args.precision, optimizer=args.optimizer,
-            grad_comm_bytes=PRECISION_BYTES[args.grad_comm_dtype], schedule=args.schedule,
+            **wire_fields(args.grad_comm_dtype), schedule=args.schedule,
             vocabulary_parallel=args.vocabulary_parallel == "on")
         zero_stages = _integers(args.zero, "--zero")
         cp_modes = CP_MODES if args.cp_mode == "any" else (args.cp_mode,)

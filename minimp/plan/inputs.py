@@ -34,8 +34,10 @@ import math
 from dataclasses import dataclass
 
 from minimp.plan.links import Links
+from minimp.precision.wire import Fp8Wire, grad_wire
 
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes of an activation and a compute copy
+GRAD_COMM_DTYPES = ("fp32", "fp16", "bf16", "fp8")  # the trainer's --grad-comm-dtype (wire_fields)
 OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "sgd": 1}  # float32 slots per parameter (SGD: momentum)
 # The schedules of minimp's registry (parallel/pipeline/schedules, by their --schedule names) that
 # the planner prices: a step of (M + P - 1) slots (steptime.py), micro-batches in flight as
@@ -118,6 +120,9 @@ class Job:
     precision: str = "bf16"
     optimizer: str = "adam"
     grad_comm_bytes: int = 4  # gradients on the wire (minimp's --grad-comm-dtype fp32)
+    # what each ring message of the gradients carries besides its elements: the fp8 wire's
+    # float32 scale (minimp/precision/wire.py); 0 for a 16- or 32-bit wire
+    grad_scale_bytes: int = 0
     schedule: str = "1f1b"
     # Megatron-LM cuts the token embedding and the head over the vocabulary across the
     # tensor-parallel ranks; minimp keeps both whole on every rank (parallel/tensor/models.py)
@@ -130,6 +135,24 @@ class Job:
     @property
     def slots(self) -> int:
         return OPTIMIZER_SLOTS[self.optimizer]
+
+    @property
+    def grad_buffer_bytes(self) -> int:
+        """Bytes an element of the gradients' send and receive buffers: the wire's, but for the
+        fp8 wire, which packs them in float32 (wire.py's buffer_bytes) and quantizes a message
+        at a time."""
+        return 4 if self.grad_scale_bytes else self.grad_comm_bytes
+
+
+def wire_fields(grad_comm_dtype: str) -> dict[str, int]:
+    """Job's grad_comm_bytes and grad_scale_bytes for a --grad-comm-dtype (fp32, fp16, bf16 or
+    fp8), from the codec the trainer sends with: an fp8 message of n elements is wire.py's
+    message_bytes(n) = n + 4 bytes."""
+    wire = grad_wire(grad_comm_dtype)
+    if isinstance(wire, Fp8Wire):
+        return {"grad_comm_bytes": wire.message_bytes(1) - wire.message_bytes(0),
+                "grad_scale_bytes": wire.message_bytes(0)}
+    return {"grad_comm_bytes": wire.itemsize, "grad_scale_bytes": 0}
 
 
 MAX_GLOBAL_BATCH = 2**20  # sequences a step; every layout's micro-batch count is searched

@@ -140,7 +140,7 @@ def model_state_bytes(model: ModelShape, layout: Layout, job: Job, stage: int) -
     16-bit gradients at the peak inside a step (module docstring)."""
     units, experts = stage_units(model, layout, stage, job), expert_units(model, layout)
     held = memory_formula(layout.zero, unit_sizes=units, rank=0, world_size=layout.dp * layout.cp,
-                          compute_bytes=job.compute_bytes, wire_bytes=job.grad_comm_bytes,
+                          compute_bytes=job.compute_bytes, wire_bytes=job.grad_buffer_bytes,
                           slots=job.slots, expert_unit_sizes=experts,
                           expert_world_size=layout.dp // layout.ep * layout.cp)
     held["gradients16"] = peak_formula(layout.zero, unit_sizes=units + experts,

@@ -50,9 +50,13 @@ former either way.
 
 After the pipeline, each stage's gradients over its dp x cp group (the trainer's dp_cp_group),
 on the intra-node network when the group fits in a node (dp x cp x tp <= GPUs per node), else
-inter-node: ZeRO 0 a ring all-reduce of
-w-byte gradients; ZeRO 1 a reduce-scatter and an all-gather of the d-byte compute copies; ZeRO 2
-the all-gather; ZeRO 3 nothing (parallel/zero/formulas.py has the bytes). The tied token embedding
+inter-node: ZeRO 0 a ring all-reduce of w-byte gradients, as one bucket; ZeRO 1 a reduce-scatter
+and an all-gather of the d-byte compute copies; ZeRO 2 the all-gather; ZeRO 3 nothing
+(parallel/zero/formulas.py has the bytes). On the fp8 wire (--grad-comm-dtype fp8) w is 1 and
+every message carries its chunk's float32 scale too, ranks - 1 of them a ring collective: ZeRO
+0's are the trainer's bytes to the byte where its gradients fit one bucket (--bucket-mb), and 8
+(ranks - 1) bytes short for each bucket more; ZeRO 1-3's collectives are per unit, as the
+trainer's. The tied token embedding
 is all-reduced between the first and last stage (float32), and four scalar all-reduces span the
 job (the overflow flag before and after the reduce, the gradient norm, the loss: what minimp's
 metrics count per step on 4 ranks). Not counted: the optimizer's update, the vocabulary-
@@ -234,9 +238,11 @@ def stage_costs(model: ModelShape, cluster: Cluster, job: Job, layout: Layout, s
 
     dp_links = _links(cluster, tp * cp * dp)
     zero_forward = zero_backward = 0.0
-    for parameters, ranks in gradient_groups(model, layout, job, stage):
+    for units, ranks in gradient_groups(model, layout, job, stage):
+        parameters = sum(units)
         if layout.zero >= 2:  # minimp reduce-scatters every micro-batch's gradients (formulas.py)
-            zero_backward += dp_links.reduce_scatter(parameters * job.grad_comm_bytes, ranks)
+            scatter = wire_bytes(parameters, ranks, job, collectives=len(units))
+            zero_backward += dp_links.reduce_scatter(scatter, ranks)
         if layout.zero == 3:  # and gathers each layer before its forward and before its backward
             gather = dp_links.all_gather(parameters * job.compute_bytes, ranks)
             zero_forward, zero_backward = zero_forward + gather, zero_backward + gather
@@ -246,13 +252,22 @@ def stage_costs(model: ModelShape, cluster: Cluster, job: Job, layout: Layout, s
 
 
 def gradient_groups(model: ModelShape, layout: Layout, job: Job, stage: int):
-    """(parameters, ranks) of each group the stage's gradients are reduced over: the dense ones
-    over dp x cp, and with ep > 1 the experts over (dp/ep) x cp (module docstring)."""
-    groups = [(sum(stage_units(model, layout, stage, job)), layout.dp * layout.cp)]
-    experts = sum(expert_units(model, layout))
+    """(units, ranks) of each group the stage's gradients are reduced over: the dense ones over
+    dp x cp, and with ep > 1 the experts over (dp/ep) x cp (module docstring)."""
+    groups = [(stage_units(model, layout, stage, job), layout.dp * layout.cp)]
+    experts = expert_units(model, layout)
     if experts:
         groups.append((experts, layout.dp // layout.ep * layout.cp))
     return groups
+
+
+def wire_bytes(elements: int, ranks: int, job: Job, collectives: int = 1) -> int:
+    """The bytes of the messages that carry `elements` gradients, `collectives` units (or
+    buckets) of them each cut into `ranks` chunks: every chunk's elements at grad_comm_bytes and,
+    on the fp8 wire, its scale. A ring collective sends (ranks - 1)/ranks of them (a
+    reduce-scatter; an all-reduce twice), so a link priced on these bytes pays ranks - 1 scales a
+    collective, as formulas.py's bytes_sent_formula counts them (module docstring)."""
+    return elements * job.grad_comm_bytes + collectives * ranks * job.grad_scale_bytes
 
 
 def gradient_sync_seconds(model: ModelShape, cluster: Cluster, job: Job, layout: Layout) -> float:
@@ -262,13 +277,14 @@ def gradient_sync_seconds(model: ModelShape, cluster: Cluster, job: Job, layout:
     slowest = 0.0
     for stage in sorted({0, layout.pp - 1}):
         seconds = 0.0
-        for parameters, ranks in gradient_groups(model, layout, job, stage):
-            wire, copies = parameters * job.grad_comm_bytes, parameters * job.compute_bytes
-            if layout.zero == 0:
-                seconds += dp_links.all_reduce(wire, ranks)
+        for units, ranks in gradient_groups(model, layout, job, stage):
+            copies = sum(units) * job.compute_bytes
+            if layout.zero == 0:  # one bucket (module docstring)
+                seconds += dp_links.all_reduce(wire_bytes(sum(units), ranks, job), ranks)
             elif layout.zero == 1:
-                scatter = dp_links.reduce_scatter(wire, ranks)
-                seconds += scatter + dp_links.all_gather(copies, ranks)
+                scatter = wire_bytes(sum(units), ranks, job, collectives=len(units))
+                seconds += dp_links.reduce_scatter(scatter, ranks) + dp_links.all_gather(copies,
+                                                                                         ranks)
             elif layout.zero == 2:  # reduce-scattered during backward already
                 seconds += dp_links.all_gather(copies, ranks)
             # stage 3: the update is on shards, nothing to gather

@@ -322,10 +322,6 @@ def _check_wire(config: "TrainConfig") -> None:
     if config.param_gather_dtype == "fp8" and config.zero != 3:
         raise ConfigError(f"--param-gather-dtype fp8 needs --zero 3 (only stage 3 gathers the "
                           f"parameters; --zero {config.zero} all-gathers updated compute copies)")
-    if config.grad_comm_dtype == "fp8" and config.overlap:
-        raise ConfigError("--grad-comm-dtype fp8 with overlap: not built (the rings in flight "
-                          "during backward, parallel/data/overlap.py, carry 16- and 32-bit "
-                          "buckets, not fp8 messages); add --no-overlap")
     device = config.device or os.environ.get(DEVICE_ENVIRONMENT_VARIABLE, "").strip().lower()
     if fp8 and device == "gpu":
         raise ConfigError(f"{flag(fp8[0])} fp8 quantizes NumPy arrays (ml_dtypes casts); use "

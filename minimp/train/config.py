@@ -182,7 +182,7 @@ class TrainConfig:
         "timed apart as straggler_seconds (overlap cannot hide a slower replica)")
     grad_comm_dtype: str = _flag(
         "fp32", "dtype of gradients on the wire; fp8: E4M3 values and a float32 scale per chunk, "
-        "requantized at every hop of the ring (precision/wire.py; needs --no-overlap)",
+        "requantized at every hop of the ring (precision/wire.py)",
         choices=("fp32", "fp16", "bf16", "fp8"))
     param_gather_dtype: str = _flag(
         "compute", "dtype of ZeRO-3's parameter all-gathers: the compute dtype, or fp8 (E4M3 and "

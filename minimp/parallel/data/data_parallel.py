@@ -114,7 +114,7 @@ class DataParallel(ReplicaSync):
         are averaged. bucket_mb: the most MiB of gradients (counted in comm_dtype) one all-reduce
         carries. comm_dtype: the dtype gradients travel in (float32, or a 16-bit wire), or an
         Fp8Wire (precision/wire.py): the buckets are packed in float32 and each chunk travels as
-        fp8 with its own scale (distributed/ring_fp8.py; not with overlap). average:
+        fp8 with its own scale (distributed/ring_fp8.py, with overlap too). average:
         "before" multiplies each gradient by 1/replicas before the sum (in float32, then rounded
         onto the wire), "after" multiplies the sum as it comes off the wire. decision_comm: who
         shares the skip decision (with pipeline stages, every rank of the job; by default the
@@ -134,9 +134,6 @@ class DataParallel(ReplicaSync):
         if isinstance(comm_dtype, Fp8Wire):
             self.wire, comm_dtype = comm_dtype, np.float32
         self.comm_dtype = np.dtype(comm_dtype)
-        if self.wire is not None and overlap and comm.size > 1:
-            raise ValueError("DataParallel: the fp8 wire has no overlapped ring; pass "
-                             "overlap=False (--no-overlap)")
         expert_indices = experts.indices if experts is not None else frozenset()
         everything = range(len(optimizer.params))
         self.dense = [index for index in everything if index not in expert_indices]
@@ -326,7 +323,7 @@ class OverlappedBuckets(RingsInFlight):
     def __init__(self, sync: DataParallel, micro_batches: int):
         """sync: the DataParallel whose buckets (its plan, its buffers, its _pack and _unpack)
         move during backward; its bytes go into sync.sent, as "all_reduce"."""
-        super().__init__(sync.comm, sync.sent, "all_reduce")
+        super().__init__(sync.comm, sync.sent, "all_reduce", sync.wire)
         self.sync, self.optimizer, self.buckets = sync, sync.optimizer, sync.buckets
         self.micro_batches = micro_batches
         self.bucket_of = {i: b for b, (indices, _) in enumerate(self.buckets) for i in indices}

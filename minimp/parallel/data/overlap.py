@@ -33,6 +33,10 @@ Each ring has a send and a receive buffer of its own, allocated when it starts a
 is done (rings in flight at once cannot share ZeRO's one pair). The chunks, the messages and the
 additions are those of `ring_reduce_scatter_into`, the packing and the use of the result are
 ZeroDataParallel's own, so the result is the same to the bit.
+
+On the fp8 wire (--grad-comm-dtype fp8) both overlaps' rings are distributed/ring_fp8.py's
+`Fp8RingInFlight`: the blocking fp8 ring's encodes, messages and float32 additions in its order,
+so again the bits and the bytes of --no-overlap.
 """
 
 import time
@@ -41,8 +45,10 @@ from typing import Callable, Iterator, Sequence
 
 from minimp.backend import Array
 from minimp.distributed.protocol import Communicator, Tag
+from minimp.distributed.ring_fp8 import Fp8RingInFlight
 from minimp.distributed.ring_nonblocking import RingAllreduce
 from minimp.measure.accounts import BytesSent
+from minimp.precision.wire import Fp8Wire
 from minimp.tensor import RemovableHandle, Tensor
 
 
@@ -66,14 +72,17 @@ def refuse_incomplete(index: int, count: int, micro_batches: int, sync: str) -> 
 
 class RingsInFlight:
     """Rings started during backward, by key (a bucket, a unit), and what to do with each result;
-    the bytes they send go into `sent` under one collective's name."""
+    the bytes they send go into `sent` under one collective's name. With an Fp8Wire the rings are
+    ring_fp8.py's Fp8RingInFlight (float32 buffers, each chunk sent as fp8 with its scale)."""
 
-    def __init__(self, comm: Communicator, sent: BytesSent, collective: str):
-        self.comm, self.sent, self.collective = comm, sent, collective
+    def __init__(self, comm: Communicator, sent: BytesSent, collective: str,
+                 wire: Fp8Wire | None = None):
+        self.comm, self.sent, self.collective, self.wire = comm, sent, collective, wire
         # seconds spent communicating inside backward (packing, starting, testing, adding)
         self.seconds = 0.0
         # key -> (its ring, what to do with the received array once the ring is done)
-        self.in_flight: dict[int, tuple[RingAllreduce, Callable[[Array], None]]] = {}
+        self.in_flight: dict[int, tuple[RingAllreduce | Fp8RingInFlight,
+                                        Callable[[Array], None]]] = {}
 
     @contextmanager
     def communicating(self) -> Iterator[None]:
@@ -91,7 +100,13 @@ class RingsInFlight:
             raise RuntimeError(f"overlap: {key} started again while its ring is in flight")
         tags = (Tag.GRADIENT_BUCKETS + 2 * key, Tag.GRADIENT_BUCKETS + 2 * key + 1)
         whole = bounds is None  # an all-reduce; else the reduce-scatter half
-        ring = RingAllreduce(self.comm, send, receive, tags=tags, bounds=bounds, all_gather=whole)
+        ring: RingAllreduce | Fp8RingInFlight
+        if self.wire is not None:
+            ring = Fp8RingInFlight(self.comm, send, receive, self.wire, tags=tags, bounds=bounds,
+                                   all_gather=whole)
+        else:
+            ring = RingAllreduce(self.comm, send, receive, tags=tags, bounds=bounds,
+                                 all_gather=whole)
         self.in_flight[key] = (ring, then)
 
     def _advance(self) -> None:
@@ -109,5 +124,6 @@ class RingsInFlight:
             then(ring.out)
 
     def buffers(self) -> list[Array]:
-        """The send and receive buffers of the rings in flight (for the memory account)."""
-        return [array for ring, _ in self.in_flight.values() for array in (ring.x, ring.out)]
+        """The buffers of the rings in flight (for the memory account): send and receive, and on
+        the fp8 wire the two message buffers."""
+        return [array for ring, _ in self.in_flight.values() for array in ring.buffers()]

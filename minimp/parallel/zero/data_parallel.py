@@ -79,8 +79,8 @@ class ZeroDataParallel(ReplicaSync):
                  micro_batches: int = 1):
         """As DataParallel's: comm the replicas of this stage, optimizer this replica's
         ShardedOptimizer, comm_dtype the gradients' wire dtype (an Fp8Wire: packed in float32,
-        each chunk sent as fp8 with its scale, minimp/distributed/ring_fp8.py; not with
-        overlap), average "before" or "after" the sum
+        each chunk sent as fp8 with its scale, minimp/distributed/ring_fp8.py, with
+        overlap too), average "before" or "after" the sum
         (the division by the replicas), decision_comm every rank that shares the skip decision and
         the gradient norm (by default the replicas), tied the parameters this stage shares with
         another, tensor_parallel the partial gradients and whole copies of --tp; sent counts the
@@ -95,9 +95,6 @@ class ZeroDataParallel(ReplicaSync):
         self.wire = comm_dtype if isinstance(comm_dtype, Fp8Wire) else None
         if self.wire is not None:
             comm_dtype = np.float32  # the units are packed in float32, quantized chunk by chunk
-            if overlap and comm.size > 1:
-                raise ValueError("ZeroDataParallel: the fp8 wire has no overlapped ring; pass "
-                                 "overlap=False (--no-overlap)")
         largest = self.layout.largest_unit()  # 0 when no unit travels (one replica)
         # One send and one receive buffer, as large as the largest unit, reused by every unit
         # (without overlap).
@@ -107,7 +104,8 @@ class ZeroDataParallel(ReplicaSync):
         self.arrived: list[set[int]] = [set() for _ in self.layout.units]
         self.overlap: OverlappedUnits | None = None
         if overlap and comm.size > 1:  # one replica has nothing to send
-            self.overlap = OverlappedUnits(comm, self.sent, len(self.params), micro_batches)
+            self.overlap = OverlappedUnits(comm, self.sent, len(self.params), micro_batches,
+                                           self.wire)
         self.started: set[int] = set()  # stage 1 with overlap: units whose ring started this step
         # Stages 2-3 reduce-scatter a unit once its gradients are complete; stage 1 only overlaps.
         if self.stage.shards_gradients or self.overlap is not None:
@@ -297,9 +295,11 @@ class ZeroDataParallel(ReplicaSync):
 class OverlappedUnits(RingsInFlight):
     """The rings in flight of one ZeroDataParallel, counted as "reduce_scatter"."""
 
-    def __init__(self, comm: Communicator, sent: BytesSent, parameters: int, micro_batches: int):
-        """parameters, micro_batches: for stage 1, which starts on the step's last backward."""
-        super().__init__(comm, sent, "reduce_scatter")
+    def __init__(self, comm: Communicator, sent: BytesSent, parameters: int, micro_batches: int,
+                 wire: Fp8Wire | None = None):
+        """parameters, micro_batches: for stage 1, which starts on the step's last backward;
+        wire: the fp8 wire's codec, if the gradients travel on it."""
+        super().__init__(comm, sent, "reduce_scatter", wire)
         self.micro_batches = micro_batches
         self.arrivals = [0] * parameters  # stage 1: backwards that reached each, this step
 
