@@ -31,8 +31,9 @@ import numpy as np
 
 from minimp.distributed.alltoall import all_to_all
 from minimp.distributed.buffers import agree_on_layout
-from minimp.distributed.protocol import Communicator, Request, Tag
+from minimp.distributed.protocol import Communicator, Tag
 from minimp.distributed.ring import Bounds, chunk_bounds, ring_step
+from minimp.distributed.ring_nonblocking import RingSteps
 from minimp.precision.wire import Fp8Wire
 
 
@@ -126,7 +127,7 @@ def quantized_reduce_scatter_once(comm: Communicator, x: np.ndarray,
     return total
 
 
-class Fp8RingInFlight:
+class Fp8RingInFlight(RingSteps):
     """One fp8 ring all-reduce (or, with all_gather=False, its reduce-scatter half) of the flat
     float32 x into out, posted step by step as RingAllreduce (ring_nonblocking.py) posts its own:
     in flight from construction until `progress()` returns True or `wait()` returns, x and out
@@ -140,41 +141,15 @@ class Fp8RingInFlight:
         if out.shape != x.shape or x.dtype != np.float32 or out.dtype != np.float32:
             raise ValueError(f"Fp8RingInFlight: x and out must be float32 arrays of one size, "
                              f"got {x.dtype} {x.shape} and {out.dtype} {out.shape}")
-        self.comm, self.x, self.out, self.wire, self.tags = comm, x, out, wire, tags
-        self.bounds = chunk_bounds(x.size, comm.size) if bounds is None else bounds
-        self.steps = (2 if all_gather else 1) * (comm.size - 1)
-        self.step = 0
+        self.wire = wire
+        self._begin(comm, x, out, tags, bounds, all_gather)
         self.outgoing, self.incoming = message_buffers(wire, self.bounds)
         self.message = self.outgoing[:0]  # the all-gather's message to forward
-        self.requests: list[Request] = []
-        if comm.size == 1:
-            out[...] = x
-        else:
-            self._post()
-
-    @property
-    def done(self) -> bool:
-        """Whether out holds the result."""
-        return self.step == self.steps
+        self._start()
 
     def buffers(self) -> list[np.ndarray]:
         """What it holds while in flight: x, out and its two message buffers."""
         return [self.x, self.out, self.outgoing, self.incoming]
-
-    def progress(self) -> bool:
-        """Advance as far as possible without waiting; returns `done`."""
-        while not self.done:
-            if not all([request.test() for request in self.requests]):  # test each: progresses
-                break
-            self._finish_step()
-        return self.done
-
-    def wait(self) -> None:
-        """Block until out holds the result."""
-        while not self.done:
-            for request in self.requests:
-                request.wait()
-            self._finish_step()
 
     def _scattering(self) -> bool:
         return self.step < self.comm.size - 1

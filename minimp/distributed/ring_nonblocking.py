@@ -21,7 +21,56 @@ from minimp.distributed.protocol import Communicator, Request, Tag, check_op
 from minimp.distributed.ring import Bounds, chunk_bounds, ring_step
 
 
-class RingAllreduce:
+class RingSteps:
+    """What every ring posted step by step shares: its 2(p - 1) steps (p - 1 with all_gather
+    False), `done`, `progress()` and `wait()`. A subclass posts a step's two messages in `_post`
+    and, once both are complete, uses what arrived and posts the next in `_finish_step`."""
+
+    def _begin(self, comm: Communicator, x: Array, out: Array, tags: tuple[int, int],
+               bounds: Bounds | None, all_gather: bool) -> None:
+        self.comm, self.x, self.out, self.tags = comm, x, out, tags
+        self.bounds = chunk_bounds(x.size, comm.size) if bounds is None else bounds
+        # p - 1 steps of the reduce-scatter, then (unless stopped there) p - 1 of the gather.
+        self.steps = (2 if all_gather else 1) * (comm.size - 1)
+        self.step = 0
+        self.requests: list[Request] = []
+
+    def _start(self) -> None:
+        """Post the first step (one rank: the result is x)."""
+        if self.comm.size == 1:
+            self.out[...] = self.x
+        else:
+            self._post()
+
+    @property
+    def done(self) -> bool:
+        """Whether out holds the result."""
+        return self.step == self.steps
+
+    def progress(self) -> bool:
+        """Advance as far as possible without waiting; returns `done`."""
+        while not self.done:
+            complete = [request.test() for request in self.requests]  # test each: each progresses
+            if not all(complete):
+                break
+            self._finish_step()
+        return self.done
+
+    def wait(self) -> None:
+        """Block until out holds the result."""
+        while not self.done:
+            for request in self.requests:
+                request.wait()
+            self._finish_step()
+
+    def _post(self) -> None:
+        raise NotImplementedError
+
+    def _finish_step(self) -> None:
+        raise NotImplementedError
+
+
+class RingAllreduce(RingSteps):
     """One ring all-reduce of the flat, contiguous array x into out (same dtype and size, not
     overlapping x), in flight from construction until `progress()` returns True or `wait()` returns.
     Neither array may be touched meanwhile (MPI may still read x and write out).
@@ -42,41 +91,13 @@ class RingAllreduce:
         check_op(op)
         if out.size != x.size or out.dtype != x.dtype:
             raise ValueError(f"out must be a {x.dtype} array of {x.size} elements")
-        self.comm, self.x, self.out, self.op, self.tags = comm, x, out, op, tags
-        self.bounds = chunk_bounds(x.size, comm.size) if bounds is None else bounds
-        # p - 1 steps of the reduce-scatter, then (unless stopped there) p - 1 of the gather.
-        self.steps = (2 if all_gather else 1) * (comm.size - 1)
-        self.step = 0
-        self.requests: list[Request] = []
-        if comm.size == 1:
-            out[...] = x
-        else:
-            self._post()
-
-    @property
-    def done(self) -> bool:
-        """Whether out holds the result."""
-        return self.step == self.steps
+        self.op = op
+        self._begin(comm, x, out, tags, bounds, all_gather)
+        self._start()
 
     def buffers(self) -> list[Array]:
         """What it holds while in flight: x and out."""
         return [self.x, self.out]
-
-    def progress(self) -> bool:
-        """Advance as far as possible without waiting; returns `done`."""
-        while not self.done:
-            complete = [request.test() for request in self.requests]  # test each: each progresses
-            if not all(complete):
-                break
-            self._finish_step()
-        return self.done
-
-    def wait(self) -> None:
-        """Block until out holds the result."""
-        while not self.done:
-            for request in self.requests:
-                request.wait()
-            self._finish_step()
 
     def _chunks(self) -> tuple[Array, Array, tuple[int, int], int]:
         """(outgoing, incoming, incoming's bounds, tag) of the current step, as ring.py has them:
