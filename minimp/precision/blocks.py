@@ -46,6 +46,8 @@ from typing import TypeVar
 import ml_dtypes
 import numpy as np
 
+from minimp.precision import codes
+
 FLOAT32 = np.dtype(np.float32)
 FLOAT32_MAX = np.float32(np.finfo(np.float32).max)
 
@@ -161,7 +163,7 @@ def cast_to_element(scaled: np.ndarray, fmt: ElementFormat) -> np.ndarray:
     The clip first: ml_dtypes' cast gives NaN (E4M3) or inf (E5M2) past max; within +-max the
     result is ml_dtypes' own cast, bit for bit."""
     with np.errstate(invalid="ignore"):  # NaN is clipped as NaN, as it should be
-        return np.clip(scaled, -fmt.max, fmt.max).astype(fmt.dtype)
+        return codes.encode(np.clip(scaled, -fmt.max, fmt.max), fmt)
 
 
 def floor_log2(amax: np.ndarray) -> np.ndarray:
@@ -234,7 +236,7 @@ def _nvfp4(xg: np.ndarray, amax: np.ndarray, fmt: ElementFormat):
     s_dec = np.float32(1.0) / s_enc
     block_scale = cast_to_element(amax * (s_enc * (np.float32(1.0) / np.float32(fmt.max))), E4M3)
     with np.errstate(divide="ignore", over="ignore"):
-        encode = np.minimum(np.float32(1.0) / (block_scale.astype(FLOAT32) * s_dec), FLOAT32_MAX)
+        encode = np.minimum(np.float32(1.0) / (codes.to_float32(block_scale) * s_dec), FLOAT32_MAX)
         return xg * per_group(encode), block_scale, s_dec
 
 
@@ -280,9 +282,9 @@ def dequantize(q: BlockQuantized) -> np.ndarray:
     product is rounded once. One exception: under mx_round_up a group whose amax is in float32's
     top binade [2^127, 2^128) may hold a value that rounded up to 2^128, which float32 lacks: inf
     (1.875 * 2^127 in E5M2 is 2^15 * 2^113, a tie rounded to even)."""
-    values = grouped(q.data.astype(FLOAT32), q.group_shape)  # exact: all are float32 values
+    values = grouped(codes.to_float32(q.data), q.group_shape)  # exact: all are float32 values
     with np.errstate(over="ignore"):
-        decoded = values * per_group(q.scale_inv.astype(FLOAT32))
+        decoded = values * per_group(codes.to_float32(q.scale_inv))
     if q.rule == "nvfp4":
         decoded = decoded * q.tensor_scale_inv
     return decoded.reshape(q.data.shape)

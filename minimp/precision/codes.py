@@ -59,6 +59,14 @@ def decode(codes: np.ndarray) -> np.ndarray:
     return out
 
 
+def to_float32(array: np.ndarray) -> np.ndarray:
+    """Any array's values in float32: decoded when its dtype is a one-byte small float (values and
+    E8M0 or E4M3 scales), else NumPy's conversion."""
+    if array.dtype.itemsize == 1 and array.dtype.kind == "V":  # ml_dtypes' small floats
+        return decode(array)
+    return array.astype(FLOAT32)
+
+
 @cache
 def _table(dtype: np.dtype) -> np.ndarray:
     """Every code's float32 value, indexed by the code's byte."""

@@ -43,7 +43,7 @@ from typing import Protocol
 
 import numpy as np
 
-from minimp.precision import blocks
+from minimp.precision import blocks, codes
 from minimp.precision.accumulate import Accumulate, blockwise_matmul
 from minimp.precision.blocks import BlockQuantized, GroupShape
 
@@ -149,9 +149,9 @@ def scaled_gemm(a: BlockQuantized, bt: BlockQuantized, accumulate: Accumulate) -
     if a.rule == "nvfp4" or bt.rule == "nvfp4":
         raise ValueError("scaled_gemm: NVFP4's per-tensor scale is not applied here yet")
     block = k_block(a, bt)
-    a_scales = np.repeat(a.scale_inv.astype(FLOAT32), a.group_shape[0], axis=0)  # (M, K/block)
-    b_scales = np.repeat(bt.scale_inv.astype(FLOAT32), bt.group_shape[0], axis=0)  # (N, K/block)
-    return blockwise_matmul(a.data.astype(FLOAT32), a_scales, bt.data.astype(FLOAT32).T,
+    a_scales = np.repeat(codes.to_float32(a.scale_inv), a.group_shape[0], axis=0)  # (M, K/block)
+    b_scales = np.repeat(codes.to_float32(bt.scale_inv), bt.group_shape[0], axis=0)  # (N, K/block)
+    return blockwise_matmul(codes.to_float32(a.data), a_scales, codes.to_float32(bt.data).T,
                             b_scales.T, block, accumulate)
 
 
