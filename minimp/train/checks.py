@@ -19,6 +19,7 @@ from minimp.parallel.context.ulysses import check_ulysses
 from minimp.parallel.pipeline.schedules import schedule_problem
 from minimp.parallel.pipeline.stage import FIRST_TAG
 from minimp.parallel.zero.stages import zero_stage
+from minimp.train.checks_nvfp4 import check_nvfp4, check_nvfp4_sizes
 from minimp.train.sizes import weighted_layers, zero_unit_sizes
 
 if TYPE_CHECKING:  # config.py imports this module to validate itself
@@ -55,6 +56,7 @@ def flag(name: str) -> str:
 def validate(config: "TrainConfig", world_size: int) -> None:
     """Raise ConfigError naming the flag and the fix for the first value that cannot work."""
     _check_ranges(config)
+    check_nvfp4(config)  # --precision nvfp4's own file: checks_nvfp4.py
     _check_fp8(config)
     _check_master_weights(config)
     _check_companions(config)
@@ -66,6 +68,7 @@ def validate(config: "TrainConfig", world_size: int) -> None:
     _check_zero(config, config.data_parallel_size(world_size))
     _check_wire(config)
     _check_fp8_groups(config, config.data_parallel_size(world_size))
+    check_nvfp4_sizes(config, config.data_parallel_size(world_size))
     if config.save_every and not config.save:
         raise ConfigError("--save-every needs --save (the path to save to)")
     _check_distinct_files(config)
