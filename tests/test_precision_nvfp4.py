@@ -42,7 +42,7 @@ def test_stochastic_e2m1_averages_to_the_input_exactly_and_saturates_at_6(rng):
     2^-16 (here: random multiples of 2^-15 in [-6, 6]: the spacing is 0.5, 1 or 2), and each
     rounding is one of the two neighbours, up for m = 2^16 x position of the 2^16 values. Past
     +-6 the value saturates: always +-6 (a mutant rounding past max, or up on r <= m, fails)."""
-    x = np.concatenate([np.round(rng.uniform(-6, 6, 100) * 2**15) / 2**15, E2M1_VALUES,
+    x = np.concatenate([np.round(rng.uniform(-6, 6, 60) * 2**15) / 2**15, E2M1_VALUES,
                         -E2M1_VALUES, [6.5, 7.0, 1e6, -9.0]]).astype(F32)
     rounded = blocks.cast_to_element_stochastic(x[:, None], E2M1, EVERY_RANDOM_BITS[None, :])
     rounded = rounded.astype(np.float64)
@@ -97,6 +97,39 @@ def test_scaled_gemm_applies_both_tensor_scales_once(rng):
     reference = da @ db.T
     bound = (64 // 16 + 16 + 4) * 2.0**-24 * (np.abs(da) @ np.abs(db).T)
     assert np.all(np.abs(scaled_gemm(qa, qb, "fp32") - reference) <= bound)
+
+
+def test_a_linear_under_nvfp4_equals_the_reference_written_from_its_parts(rng):
+    """Forward, dL/dx and dL/dW bit for bit against blocks.quantize and scaled_gemm called here:
+    x (1 x 16) and W (16 x 16) to nearest; dy stochastic with the meta's bits of (seed, step,
+    layer, call 0, the GEMM); dW from (R dy)^T (R x), R the meta's Hadamard matrix."""
+    tokens, features_in, features_out = 64, 32, 48
+    x = bf16(rng.standard_normal((tokens, features_in)) * np.exp(rng.standard_normal(features_in)))
+    weight = bf16(rng.standard_normal((features_out, features_in)) * 0.05)
+    bias = bf16(rng.standard_normal(features_out))
+    grad = bf16(rng.standard_normal((tokens, features_out)) * 1e-3)
+    inputs = [Tensor(a, requires_grad=True) for a in (x, weight, bias)]
+    meta = BlockScaledMeta(NVFP4, seed=5, layer=2)
+    meta.begin_step(3)
+    output = F.linear(*inputs, fp8_meta=meta)
+    output.backward(grad)
+    same = BlockScaledMeta(NVFP4, seed=5, layer=2)
+    same.begin_step(3)
+    x32, w32, g32 = (a.astype(F32) for a in (x, weight, grad))
+
+    def nvfp4(array, group, gemm=None):
+        bits = None if gemm is None else same.random_bits(array.shape, 0, gemm)
+        return blocks.quantize(array, "E2M1", group, "nvfp4", bits)
+
+    matrix = same.hadamard_matrix()
+    forward = scaled_gemm(nvfp4(x32, "1x16"), nvfp4(w32, "16x16"), "fp32")
+    grad_x = scaled_gemm(nvfp4(g32, "1x16", "grad_input"), nvfp4(w32.T, "16x16"), "fp32")
+    grad_w = scaled_gemm(nvfp4(hadamard_transform(g32, matrix).T, "1x16", "grad_weight"),
+                         nvfp4(hadamard_transform(x32, matrix).T, "1x16"), "fp32")
+    assert output.data.tobytes() == bf16(forward + bias.astype(F32)).tobytes()
+    assert inputs[0].grad.tobytes() == bf16(grad_x).tobytes()
+    assert inputs[1].grad.tobytes() == bf16(grad_w).tobytes()
+    assert meta.calls == 1  # one backward drew call 0's bits
 
 
 # ----- the Hadamard transform of the weight gradient --------------------------------------------
@@ -267,14 +300,26 @@ def test_three_nvfp4_steps_train_within_the_activation_estimate():
 
 def test_dp_2_replicas_agree_and_match_one_process():
     """--dp 2 (replicas checked bit-identical every step: they draw the same random bits)
-    against one process: each replica quantizes its own 64 tokens, so the runs differ by NVFP4's
-    rounding, within 1% of the loss over 3 steps (measured: at most 0.03%)."""
+    against one process: each replica quantizes its own 64 tokens (its own tensor scales, its
+    own Hadamard blocks' sums), so the runs differ by NVFP4's rounding, within 1% of the loss
+    over 3 steps (measured: at most 0.010%, step 2)."""
     ((_, one),) = run_steps(1)
     ranks = run_steps(2, dp=2, check_replicas=1)
     for (masters, rows), (masters_0, _) in zip(ranks, ranks[:1] * 2):
         assert all(a.tobytes() == b.tobytes() for a, b in zip(masters, masters_0))
     for row, row_1 in zip(ranks[0][1], one):
         assert abs(row["loss"] - row_1["loss"]) < 0.01 * row_1["loss"], (row, row_1)
+
+
+def test_pp_2_matches_one_process_with_the_same_micro_batches():
+    """--pp 2 (block 1 NVFP4 on stage 0, block 2 bf16 on stage 1) against one process with the
+    same 2 micro-batches: each Linear sees the same tokens and draws the same bits (its backward
+    calls count the micro-batches in the same order), so only the sums' order differs: within
+    0.01% (measured: steps 1 and 2 equal, step 3 3e-6 apart)."""
+    ((_, one),) = run_steps(1, micro_batches=2)
+    for _, rows in run_steps(2, pp=2, micro_batches=2):
+        for row, row_1 in zip(rows, one):
+            assert abs(row["loss"] - row_1["loss"]) < 1e-4 * row_1["loss"], (row, row_1)
 
 
 def test_resuming_an_nvfp4_run_is_bit_identical(tmp_path):
@@ -287,3 +332,23 @@ def test_resuming_an_nvfp4_run_is_bit_identical(tmp_path):
         assert not any(name.startswith("fp8/") for name in checkpoint.files)
     assert [row["loss"] for row in rows] == [row["loss"] for row in rows_0[2:]]
     assert all(a.tobytes() == b.tobytes() for a, b in zip(resumed, straight))
+
+
+@pytest.mark.slow
+def test_200_steps_of_the_shakespeare_gpt_land_within_2_percent_of_bf16():
+    """4 blocks of width 64 (blocks 1-3 NVFP4, block 4 bf16), 16 x 32 = 512 tokens a step, 200
+    steps, seed 0: the validation loss against bf16's. Measured: bf16 2.4878, nvfp4 2.4830
+    (0.2% apart); bf16's own seed 1 gives 2.4594, 1.1% from seed 0, so the bar is 2% (about
+    twice bf16's seed spread; the issue asks 3% at 2,000 steps). About 3 minutes."""
+    from minimp.train.loop import train
+
+    losses = {}
+    for precision in ("bf16", "nvfp4"):
+        config = TrainConfig(dataset="shakespeare", layers=4, hidden=64, heads=4, context=32,
+                             batch_size=16, lr=3e-3, steps=200, warmup=20, eval_every=200,
+                             eval_batches=8, log_every=1000, precision=precision, threads=1)
+        config.validate()
+        losses[precision] = train(config, log=lambda line: None)["history"][-1]["val_loss"]
+    print(f"validation loss after 200 steps: bf16 {losses['bf16']:.4f}, "
+          f"nvfp4 {losses['nvfp4']:.4f}")
+    assert abs(losses["nvfp4"] - losses["bf16"]) < 0.02 * losses["bf16"], losses
