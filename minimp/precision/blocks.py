@@ -173,9 +173,9 @@ def cast_to_element_stochastic(scaled: np.ndarray, fmt: ElementFormat,
     position, m = floor(2^16 (|x| - lo) / ulp), it rounds to lo + ulp when the random value r
     (uint32 below 2^16, stochastic.draw_random_bits) is below m: for m of the 2^16 values of r.
     Averaged over all of them the result is lo + ulp m / 2^16, which is |x| exactly when its
-    position (|x| - lo) / ulp is a multiple of 2^-16 (every fmt value, and every float32 within
-    2^16 steps of fmt's spacing), below it by less than ulp / 2^16 otherwise (the bits past the
-    16th are truncated, as stochastic.py's bfloat16 rounding truncates). Past +-max the value is
+    position (|x| - lo) / ulp is a multiple of 2^-16 (fmt's own values among them), and below it
+    by less than ulp / 2^16 otherwise (the bits past the 16th are truncated, as stochastic.py's
+    bfloat16 rounding truncates). Past +-max the value is
     max and never rounds up; NaN stays NaN where fmt has a NaN code (as cast_to_element).
 
     Every step is exact in float32: ulp is a power of two, |x| / ulp an integer plus a fraction

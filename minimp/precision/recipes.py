@@ -278,7 +278,7 @@ class BlockScaledMeta:
     same bits and a resumed run draws what the uninterrupted run drew: nothing to checkpoint. The
     trainer says the step (begin_step); `call` counts this step's backwards of the Linear (its
     micro-batches). The Hadamard signs come from the seed alone: one sign vector for every layer
-    and step, as the NVFP4 paper found a fixed random sign vector enough."""
+    and step (a choice; a new vector each step would put the step in its seed, as the bits do)."""
 
     per_tensor = False  # ops.BlockScaledLinear multiplies, not ops.Fp8Linear
 
