@@ -1,7 +1,8 @@
 """The checks of --precision nvfp4: what NVFP4 is built for, one line each, before any work.
 
-checks.py runs them beside the other flags' checks; each raises ConfigError naming the flag and
-the fix.
+checks.py runs them first, then the checks NVFP4 shares with the block-scaled fp8 recipes
+(checks.py's _check_fp8_groups: --tp, --cp and --experts not built, --hidden and a micro-batch's
+tokens multiples of NVFP4_BLOCK); each raises ConfigError naming the flag and the fix.
 """
 
 import os
@@ -19,20 +20,14 @@ NVFP4_BLOCK = 16
 
 
 def check_nvfp4(config: "TrainConfig") -> None:
-    """--precision nvfp4: the GPT on the CPU, on the layouts the block recipes are built for, no
-    --fp8-recipe (NVFP4 is its own recipe), and a block to keep in bf16 with one to quantize."""
+    """--precision nvfp4: the GPT on the CPU, no --fp8-recipe (NVFP4 is its own recipe), and a
+    block to keep in bf16 with one to quantize."""
     if config.precision != "nvfp4":
         return
     if config.fp8_recipe is not None:
         raise ConfigError(f"--fp8-recipe {config.fp8_recipe} with --precision nvfp4: NVFP4 is its "
                           f"own recipe (E2M1 values, E4M3 scales); leave --fp8-recipe out, or use "
                           f"--precision fp8")
-    for name, used in (("--tp", config.tp > 1), ("--cp", config.cp > 1),
-                       ("--experts", config.experts > 0)):
-        if used:
-            raise ConfigError(f"--precision nvfp4 with {name} is not built (its groups would cut "
-                              f"across shards or expert batches): use --precision fp8 "
-                              f"--fp8-recipe current, or leave {name} out")
     device = config.device or os.environ.get(DEVICE_ENVIRONMENT_VARIABLE, "").strip().lower()
     if device == "gpu":
         raise ConfigError("--precision nvfp4 is emulated on the CPU (ml_dtypes casts NumPy "
@@ -44,19 +39,3 @@ def check_nvfp4(config: "TrainConfig") -> None:
     if config.layers < 2:
         raise ConfigError(f"--precision nvfp4 keeps the last block's Linears in bf16, so --layers "
                           f"{config.layers} would quantize none: use --layers 2 or more")
-
-
-def check_nvfp4_sizes(config: "TrainConfig", dp: int) -> None:
-    """Every NVFP4 GEMM's K a multiple of 16: --hidden (so 3 and 4 x --hidden too) and the tokens
-    of a micro-batch (the weight gradient's K, and the Hadamard transform's blocks)."""
-    if config.precision != "nvfp4":
-        return
-    if config.hidden % NVFP4_BLOCK:
-        raise ConfigError(f"--precision nvfp4 needs --hidden a multiple of {NVFP4_BLOCK} (every "
-                          f"Linear's K, and the MLP's 4 x --hidden), got {config.hidden}")
-    rows = config.batch_size // dp // config.micro_batches
-    if rows * config.context % NVFP4_BLOCK:
-        raise ConfigError(f"--precision nvfp4 needs a micro-batch's tokens, {rows} rows x "
-                          f"--context {config.context} = {rows * config.context}, to be a "
-                          f"multiple of {NVFP4_BLOCK} (the weight-gradient GEMM's K): change "
-                          f"--batch-size, --micro-batches or --context")
