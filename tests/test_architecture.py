@@ -16,7 +16,11 @@ LAYERS = [
         ("minimp.backend", "minimp.memory_pool", "minimp.npz", "minimp.precision.casting")
         + ("minimp.precision.halfcast", "minimp.precision.halfcast_numba", "minimp.precision.fp8")
         # the block-scaled formats, their GEMM and the recipes built of them: arrays in, arrays out
-        + ("minimp.precision.blocks", "minimp.precision.accumulate", "minimp.precision.recipes"),
+        + ("minimp.precision.blocks", "minimp.precision.accumulate", "minimp.precision.recipes")
+        # and NVFP4's pieces the recipes use: stochastic rounding, the Hadamard transform
+        + ("minimp.precision.stochastic", "minimp.precision.hadamard")
+        # and the compiled loops under them: the formats' codes, the limited accumulator
+        + ("minimp.precision.codes", "minimp.precision.accumulate_numba"),
     ),
     (
         "autograd",

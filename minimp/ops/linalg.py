@@ -26,6 +26,11 @@ precision/recipes.py): each GEMM reads its two operands quantized along its own 
 group chosen afresh. Forward also quantizes what backward will read along other axes, W along out
 features (grad_input's K) and x along tokens (grad_weight's K), and keeps those (1 byte a value
 and the scales) rather than x itself, as TE keeps its columnwise copies.
+
+Under NVFP4 (--precision nvfp4, recipes.NVFP4) it also rounds dy stochastically in both backward
+GEMMs with its meta's random bits, multiplies dy and x by the meta's random Hadamard matrix along
+the tokens before the weight-gradient GEMM quantizes them, and quantizes W once (its 16 x 16
+blocks serve W^T transposed: recipes.transposed).
 """
 
 from typing import TYPE_CHECKING
@@ -36,6 +41,7 @@ from minimp import backend
 from minimp.backend import Array, array_module
 from minimp.function import Context, Function, unbroadcast
 from minimp.precision import casting, fp8, recipes
+from minimp.precision.hadamard import hadamard_transform
 from minimp.precision.casting import round_to, widen
 
 if TYPE_CHECKING:  # for the annotation only: precision.fp8_scaling is a layer above the ops
@@ -199,19 +205,23 @@ class BlockScaledLinear(Function):
         check_linear_inputs(x, weight)
         gemms = meta.recipe.gemms
         rows = x.reshape(-1, x.shape[-1])  # (N, in) with N = all leading axes together
-        product = recipes.scaled_gemm(recipes.quantize(rows, gemms.forward.a),
-                                      recipes.quantize(weight, gemms.forward.b),
+        weight_q = recipes.quantize(weight, gemms.forward.b)
+        product = recipes.scaled_gemm(recipes.quantize(rows, gemms.forward.a), weight_q,
                                       gemms.forward.accumulate)  # (N, out)
         # What backward reads, quantized now along its GEMM's K (an evaluation needs neither):
         # W^T (in, out) for grad_input, x^T (in, N) for grad_weight; saved as their arrays.
         weight_t = rows_t = None
         if ctx.needs_input_grad[0]:
-            weight_t = recipes.quantize(weight.T, gemms.grad_input.b)
+            weight_t = (recipes.transposed(weight_q) if recipes.weight_shared(gemms)
+                        else recipes.quantize(weight.T, gemms.grad_input.b))
         if ctx.needs_input_grad[1]:
+            if gemms.grad_weight.hadamard:  # float32 sums of 16 tokens, then quantized
+                rows = hadamard_transform(widen(rows), meta.hadamard_matrix())
             rows_t = recipes.quantize(rows.T, gemms.grad_weight.b)
         ctx.save_for_backward(*recipes.arrays_of(weight_t), *recipes.arrays_of(rows_t))
         ctx.layouts = recipes.layout_of(weight_t), recipes.layout_of(rows_t)
         ctx.gemms, ctx.x_shape, ctx.dtypes = gemms, x.shape, (x.dtype, weight.dtype, bias.dtype)
+        ctx.meta = meta
         return round_to(product + widen(bias), x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -221,12 +231,24 @@ class BlockScaledLinear(Function):
         x_dtype, weight_dtype, bias_dtype = ctx.dtypes
         grad = grad_output.reshape(-1, grad_output.shape[-1])  # (N, out)
         grad_x = grad_weight = grad_bias = None
+        stochastic = gemms.grad_input.a.stochastic or gemms.grad_weight.a.stochastic
+        call = ctx.meta.next_backward() if stochastic else 0
+
+        def bits(gemm: str, shape: tuple[int, ...]) -> np.ndarray | None:
+            """dy's random bits in this GEMM, for an operand that rounds stochastically."""
+            return ctx.meta.random_bits(shape, call, gemm) if getattr(
+                gemms, gemm).a.stochastic else None
+
         if ctx.needs_input_grad[0]:
-            grad_fp8 = recipes.quantize(grad, gemms.grad_input.a)  # along out
+            grad_fp8 = recipes.quantize(grad, gemms.grad_input.a, bits("grad_input", grad.shape))
             grad_x = recipes.scaled_gemm(grad_fp8, weight_t, gemms.grad_input.accumulate)
             grad_x = round_to(grad_x, x_dtype).reshape(ctx.x_shape)  # (N, in)
         if ctx.needs_input_grad[1]:
-            grad_t = recipes.quantize(grad.T, gemms.grad_weight.a)  # (out, N), along tokens
+            grad_k = grad  # (N, out): the tokens are the GEMM's K
+            if gemms.grad_weight.hadamard:  # the matrix forward applied to x's tokens
+                grad_k = hadamard_transform(widen(grad), ctx.meta.hadamard_matrix())
+            grad_t = recipes.quantize(grad_k.T, gemms.grad_weight.a,
+                                      bits("grad_weight", grad_k.T.shape))  # along tokens
             grad_weight = recipes.scaled_gemm(grad_t, rows_t, gemms.grad_weight.accumulate)
             grad_weight = round_to(grad_weight, weight_dtype)  # (out, in)
         if ctx.needs_input_grad[2]:

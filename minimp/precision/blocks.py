@@ -47,6 +47,7 @@ import ml_dtypes
 import numpy as np
 
 from minimp.precision import codes
+from minimp.precision.stochastic import RANDOM_BITS, checked_random_bits
 
 FLOAT32 = np.dtype(np.float32)
 FLOAT32_MAX = np.float32(np.finfo(np.float32).max)
@@ -166,6 +167,35 @@ def cast_to_element(scaled: np.ndarray, fmt: ElementFormat) -> np.ndarray:
         return codes.encode(np.clip(scaled, -fmt.max, fmt.max), fmt)
 
 
+def cast_to_element_stochastic(scaled: np.ndarray, fmt: ElementFormat,
+                               random_bits: np.ndarray) -> np.ndarray:
+    """float32 values rounded stochastically in fmt, saturating at +-max: |x| (clipped to max)
+    lies between two neighbours of fmt, lo <= |x| < lo + ulp; with m the first 16 bits of its
+    position, m = floor(2^16 (|x| - lo) / ulp), it rounds to lo + ulp when the random value r
+    (uint32 below 2^16, stochastic.draw_random_bits) is below m: for m of the 2^16 values of r.
+    Averaged over all of them the result is lo + ulp m / 2^16, which is |x| exactly when its
+    position (|x| - lo) / ulp is a multiple of 2^-16 (fmt's own values among them), and below it
+    by less than ulp / 2^16 otherwise (the bits past the 16th are truncated, as stochastic.py's
+    bfloat16 rounding truncates). Past +-max the value is
+    max and never rounds up; NaN stays NaN where fmt has a NaN code (as cast_to_element).
+
+    Every step is exact in float32: ulp is a power of two, |x| / ulp an integer plus a fraction
+    of at most 24 significant bits, and the result a fmt value."""
+    random_bits = checked_random_bits(random_bits)
+    with np.errstate(invalid="ignore"):  # NaN is clipped as NaN
+        clipped = np.clip(np.asarray(scaled, FLOAT32), -fmt.max, fmt.max)
+    magnitude = np.abs(clipped)
+    exponent = np.maximum(floor_log2(magnitude), fmt.min_exponent)  # subnormals: fixed spacing
+    ulp = np.ldexp(np.float32(1.0), exponent - fmt.mantissa_bits).astype(FLOAT32)
+    units = magnitude / ulp  # exact: a power of two
+    lower = np.floor(units)
+    position = np.floor((units - lower) * np.float32(1 << RANDOM_BITS))  # m, 0 .. 2^16 - 1
+    rounded = (lower + (random_bits < position)) * ulp
+    with np.errstate(invalid="ignore"):
+        return codes.encode(np.where(np.isnan(clipped), clipped, np.copysign(rounded, clipped)),
+                            fmt)
+
+
 def floor_log2(amax: np.ndarray) -> np.ndarray:
     """floor(log2 a) for positive finite float32 a, exact, from a's bits: np.frexp gives
     a = m * 2^e with m in [0.5, 1), subnormals included, so floor(log2 a) = e - 1."""
@@ -258,9 +288,11 @@ def _nan_where(scale_inv: np.ndarray, groups: np.ndarray) -> np.ndarray:
 
 
 def quantize(x: np.ndarray, fmt: ElementFormat | str, group_shape: GroupShape | str,
-             rule: str) -> BlockQuantized:
+             rule: str, random_bits: np.ndarray | None = None) -> BlockQuantized:
     """x (R, C), rounded to float32 first, as fmt values with a scale per group chosen by rule
-    (one of RULES); see the module's docstring for the rules and the edge cases."""
+    (one of RULES); see the module's docstring for the rules and the edge cases. The scaled
+    values round to nearest, or stochastically with random_bits (uint32 below 2^16, shape (R, C)
+    or broadcast to it: cast_to_element_stochastic); the scales always round to nearest."""
     fmt = _named(ELEMENT_FORMATS, fmt, "element format") if isinstance(fmt, str) else fmt
     scale_rule = _named(_RULE_FUNCTIONS, rule, "scale rule")
     x = np.asarray(x).astype(FLOAT32, copy=False)
@@ -270,7 +302,9 @@ def quantize(x: np.ndarray, fmt: ElementFormat | str, group_shape: GroupShape | 
     non_finite = ~np.isfinite(amax)  # a NaN or an inf in the group: the whole group is NaN
     finite = np.where(per_group(non_finite), np.float32(0.0), grouped(x, group))
     scaled, scale_inv, tensor_scale_inv = scale_rule(finite, np.where(non_finite, 0, amax), fmt)
-    data = cast_to_element(scaled.reshape(x.shape), fmt)
+    scaled = scaled.reshape(x.shape)
+    data = (cast_to_element(scaled, fmt) if random_bits is None
+            else cast_to_element_stochastic(scaled, fmt, random_bits))
     return BlockQuantized(data, _nan_where(scale_inv, non_finite), np.float32(tensor_scale_inv),
                           group, fmt, rule)
 

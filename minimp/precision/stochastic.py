@@ -43,6 +43,14 @@ def draw_random_bits(generator: np.random.Generator, shape: tuple[int, ...]) -> 
     return generator.integers(0, 1 << RANDOM_BITS, size=shape, dtype=np.uint32)
 
 
+def checked_random_bits(random_bits: np.ndarray) -> np.ndarray:
+    """random_bits as an array, or a ValueError unless they are uint32 values below 2^16."""
+    random_bits = np.asarray(random_bits)
+    if random_bits.dtype != np.uint32 or np.any(random_bits >> np.uint32(RANDOM_BITS)):
+        raise ValueError("random_bits must be uint32 values below 2^16 (draw_random_bits)")
+    return random_bits
+
+
 def _upper_halves(pattern: np.ndarray, x: np.ndarray) -> np.ndarray:
     """The upper 16 bits of float32 bit patterns, as bfloat16; where x is NaN, the quiet NaN
     0x7FC0 with x's sign, as ml_dtypes' cast gives (a NaN whose payload sits in the low half
@@ -62,9 +70,7 @@ def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
 def round_to_bfloat16_stochastic(x: np.ndarray, random_bits: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16, rounded away from zero with probability low / 2^16: the upper half of
     bits(x) + r, for random_bits r (uint32 below 2^16, one per element or broadcast)."""
-    x, random_bits = np.asarray(x, dtype=FLOAT32), np.asarray(random_bits)
-    if random_bits.dtype != np.uint32 or np.any(random_bits >> np.uint32(RANDOM_BITS)):
-        raise ValueError("random_bits must be uint32 values below 2^16 (draw_random_bits)")
+    x, random_bits = np.asarray(x, dtype=FLOAT32), checked_random_bits(random_bits)
     return _upper_halves(x.view(np.uint32) + random_bits, x)  # a NaN's carry is replaced
 
 

@@ -9,7 +9,7 @@ from minimp.parallel.topology import Topology
 from minimp.precision import DynamicLossScaler, LossScaler, NoLossScaler, StaticLossScaler
 from minimp.precision.stochastic import StochasticWeights, to_nearest
 from minimp.train.config import TrainConfig
-from minimp.train.fp8 import recipe
+from minimp.train.fp8 import enable_nvfp4, recipe
 from minimp.train.tasks import Task
 
 
@@ -57,6 +57,8 @@ def build_stage(config: TrainConfig, task: Task, topology: Topology,
 
     def prepare(each: nn.Sequential) -> None:
         each.to(dtype)
+        if config.precision == "nvfp4":  # the Linears outside the last blocks (train/fp8.py)
+            enable_nvfp4(each, config)
         if config.precision == "fp8":
             nn.enable_fp8(each, recipe(config))
             for moe in (module for module in each.modules() if isinstance(module, MoE)):

@@ -19,6 +19,7 @@ from minimp.parallel.context.ulysses import check_ulysses
 from minimp.parallel.pipeline.schedules import schedule_problem
 from minimp.parallel.pipeline.stage import FIRST_TAG
 from minimp.parallel.zero.stages import zero_stage
+from minimp.train.checks_nvfp4 import NVFP4_BLOCK, check_nvfp4
 from minimp.train.sizes import weighted_layers, zero_unit_sizes
 
 if TYPE_CHECKING:  # config.py imports this module to validate itself
@@ -55,6 +56,7 @@ def flag(name: str) -> str:
 def validate(config: "TrainConfig", world_size: int) -> None:
     """Raise ConfigError naming the flag and the fix for the first value that cannot work."""
     _check_ranges(config)
+    check_nvfp4(config)  # --precision nvfp4's own file: checks_nvfp4.py
     _check_fp8(config)
     _check_master_weights(config)
     _check_companions(config)
@@ -168,18 +170,23 @@ FP8_BLOCK_SCALED = {"rowwise": None, "blockwise": 128, "mxfp8": 32, "mxfp8-round
 
 
 def _check_fp8_groups(config: "TrainConfig", dp: int) -> None:
-    """A block-scaled recipe: the GPT's Linears under --dp and --pp (a shard's or an expert's
-    groups would not be one process's), each GEMM's K a multiple of its K block. A group is
-    never padded (blocks.py), so a size it does not tile is refused here, before any work."""
-    if config.precision != "fp8" or config.fp8_recipe not in FP8_BLOCK_SCALED:
+    """A block-scaled recipe or --precision nvfp4: the GPT's Linears under --dp and --pp (a
+    shard's or an expert's groups would not be one process's), each GEMM's K a multiple of its
+    K block. A group is never padded (blocks.py), so a size it does not tile is refused here,
+    before any work."""
+    if config.precision == "nvfp4":  # (its other checks: checks_nvfp4.py)
+        recipe, block = "--precision nvfp4", NVFP4_BLOCK
+        fix = "--precision fp8 --fp8-recipe current"
+    elif config.precision == "fp8" and config.fp8_recipe in FP8_BLOCK_SCALED:
+        recipe, fix = f"--fp8-recipe {config.fp8_recipe}", "--fp8-recipe current or delayed"
+        block = FP8_BLOCK_SCALED[config.fp8_recipe]
+    else:
         return
-    recipe = f"--fp8-recipe {config.fp8_recipe}"
     for name, used in (("--tp", config.tp > 1), ("--cp", config.cp > 1),
                        ("--experts", config.experts > 0)):
         if used:
             raise ConfigError(f"{recipe} with {name} is not built (its groups would cut across "
-                              f"shards or expert batches): use --fp8-recipe current or delayed")
-    block = FP8_BLOCK_SCALED[config.fp8_recipe]
+                              f"shards or expert batches): use {fix}")
     if block is None:
         return
     if config.model != "gpt":

@@ -63,8 +63,10 @@ class TrainConfig:
     precision: str = _flag(
         "fp16", "activation dtype; masters are fp32 (but see --master-weights). fp8: bf16 "
         "activations, and every Linear multiplies fp8 inputs (E4M3 forward, E5M2 backward, a "
-        "scale per tensor)",
-        choices=("fp32", "fp16", "bf16", "fp8"))
+        "scale per tensor). nvfp4: bf16 activations, and the GPT's Linears but the last block's "
+        "multiply NVFP4 inputs (E2M1 values, E4M3 scales per 16, a float32 scale per tensor; "
+        "stochastic rounding of gradients; a Hadamard transform in the weight gradient)",
+        choices=("fp32", "fp16", "bf16", "fp8", "nvfp4"))
     fp8_recipe: str = _flag(None, "fp8 scaling: delayed (from the largest amax of the last "
                             "--fp8-amax-history steps), current (from each tensor's own amax) or "
                             "none (scale 1), one scale per tensor; or a scale per group along "
@@ -224,9 +226,10 @@ class TrainConfig:
         return self.dp or max(1, world_size // max(self.pp * self.tp * self.cp, 1))
 
     def activation_dtype(self) -> np.dtype:
-        """The dtype activations are stored in: --precision's, and bf16 for fp8 runs (fp8 is
-        only what the Linears multiply)."""
-        return BFLOAT16 if self.precision == "fp8" else ACTIVATION_DTYPES[self.precision]
+        """The dtype activations are stored in: --precision's, and bf16 for fp8 and nvfp4 runs
+        (fp8 and NVFP4 are only what the Linears multiply)."""
+        low = ("fp8", "nvfp4")  # (nvfp4: checks.py's _check_nvfp4)
+        return BFLOAT16 if self.precision in low else ACTIVATION_DTYPES[self.precision]
 
     def validate(self, world_size: int = 1) -> None:
         """Raise ConfigError naming the flag and the fix for the first value that cannot work

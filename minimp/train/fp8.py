@@ -9,8 +9,13 @@ delayed scaling computes the one-process scales on every rank and the replicas s
 bit-identical, fp8 state included (--check-replicas compares it too). Checkpoints keep the state
 of delayed scaling as "fp8/<quantizer>/amax_history" and ".../scale" (float32), gathered from the
 stages like the masters, so a resume continues bit for bit in any layout.
+
+--precision nvfp4 runs through the same class with recipes.NVFP4, stateless: its random bits are
+drawn from (--seed, the step, the layer), so it checkpoints nothing and begin_step tells each
+Linear the step. `enable_nvfp4` says which Linears multiply in NVFP4 and which stay in bf16.
 """
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -25,14 +30,50 @@ from minimp.precision.fp8_scaling import (DelayedScaling, Float8CurrentScaling, 
                                           Fp8Quantizer, Fp8Recipe, NoScaling)
 from minimp.precision.fp8_scaling import (load_quantizers_state_dict, quantizers_state_dict,
                                           update_scales)
-from minimp.precision.recipes import RECIPES, BlockScaling
+from minimp.precision.recipes import NVFP4, RECIPES, BlockScaledMeta, BlockScaling
 from minimp.train.config import TrainConfig
 
 PREFIX = "fp8/"
+# The share of a GPT's blocks, the last ones, whose Linears stay in bf16 under --precision nvfp4:
+# the NVFP4 paper keeps about the last 15% of its blocks in higher precision (their gradients
+# are the least forgiving), as the embeddings, the head, attention's BMMs and the norms.
+NVFP4_BF16_SHARE = 0.15
+
+
+def quantizes_linears(config: TrainConfig) -> bool:
+    """Whether the run gives Linears low-precision state: --precision fp8 or nvfp4."""
+    return config.precision in ("fp8", "nvfp4")
+
+
+def bf16_blocks(layers: int) -> int:
+    """How many of the last blocks keep bf16 Linears under nvfp4: ceil(15% of --layers), so at
+    least one (nanoGPT's 4 blocks: the 4th, 25%, the nearest whole block above 15%)."""
+    return math.ceil(NVFP4_BF16_SHARE * layers)
+
+
+def enable_nvfp4(model: nn.Module, config: TrainConfig) -> list[str]:
+    """Give the GPT's Linears outside the last bf16_blocks blocks a BlockScaledMeta of NVFP4, each
+    with --seed and its own index among the model's Linears (its random bits' stream); returns
+    their names. The Linears of the last blocks keep no meta (bf16, nn.Linear's own GEMMs); the
+    embedding, the tied head, attention's two BMMs, softmax and the LayerNorms are no Linears and
+    stay bf16 as under --precision fp8. A GPT's top-level modules are the embeddings (0), the
+    blocks (1 .. --layers) and the head."""
+    last_nvfp4 = config.layers - bf16_blocks(config.layers)
+    linears = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear)]
+    enabled = []
+    for index, (name, module) in enumerate(linears):
+        if int(name.split(".")[0]) <= last_nvfp4:
+            module.fp8_meta = BlockScaledMeta(NVFP4, seed=config.seed, layer=index)
+            enabled.append(name)
+    return enabled
 
 
 def recipe(config: TrainConfig) -> Fp8Recipe | BlockScaling:
-    """The scaling recipe --fp8-recipe names (with --fp8-amax-history and --fp8-margin)."""
+    """The scaling recipe --fp8-recipe names (with --fp8-amax-history and --fp8-margin), or
+    NVFP4 with --precision nvfp4."""
+    if config.precision == "nvfp4":
+        return NVFP4
     if config.fp8_recipe in RECIPES:  # a scale per group (precision/recipes.py)
         return RECIPES[config.fp8_recipe]
     if config.fp8_recipe == "delayed":
@@ -63,6 +104,7 @@ class Fp8Run:
         layers, a range per chunk; whole: the whole model rank 0 evaluates, when `model` is a
         tensor-parallel shard of it (by default `model` itself)."""
         self.model, self.topology = model if whole is None else whole, topology
+        self.trained = model
         self.quantizers = [
             (name, quantizer) for name, quantizer in nn.fp8_quantizers(model)
             if any(start <= int(name.split(".")[0]) < stop for start, stop in ranges)]
@@ -77,6 +119,12 @@ class Fp8Run:
                    if expert_index(name) is None and meta.per_tensor]
         ends = (linears[0], linears[-1]) if linears else ()
         self.watched = [f"{linear}.{tensor}" for linear in ends for tensor in Fp8Meta.TENSORS]
+
+    def begin_step(self, step: int) -> None:
+        """Tell every block-scaled Linear the step (NVFP4 draws its random bits from it)."""
+        for _, meta in nn.fp8_metas(self.trained):
+            if isinstance(meta, BlockScaledMeta):
+                meta.begin_step(step)
 
     def end_step(self, world: Communicator, timed: Callable) -> dict[str, dict]:
         """After the optimizer step, on every rank: the statistics of the watched tensors (one SUM

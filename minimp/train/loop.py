@@ -28,7 +28,7 @@ from minimp.tensor import Tensor
 from minimp.train import progress, saving
 from minimp.train.build import build_scaler, build_stage
 from minimp.train.config import TrainConfig
-from minimp.train.fp8 import Fp8Run
+from minimp.train.fp8 import Fp8Run, quantizes_linears
 from minimp.train.guards import Guards
 from minimp.train.meter import Meter
 from minimp.train.tasks import TASKS, resume_flags
@@ -98,7 +98,7 @@ class Run:
         self.share = build_stage(config, self.task, self.topology, self.dtype)
         self.model, self.names, self.runner = self.share.model, self.share.names, self.share.runner
         self.fp8 = (Fp8Run(self.share.trained, self.share.ranges, self.topology, self.model)
-                    if config.precision == "fp8" else None)
+                    if quantizes_linears(config) else None)
         self.scaler = build_scaler(config)
         schedule = build_schedule(config.schedule, config.pp, config.micro_batches,
                                   config.virtual_stages)
@@ -127,6 +127,8 @@ class Run:
         self.meter.start(step)
         inputs, targets, rows = self._micro_batches(step)
         self.optimizer.lr = self.learning_rate(step)
+        if self.fp8 is not None:  # NVFP4's random bits are drawn from the step
+            self.fp8.begin_step(step)
         self._tell_aux_losses()
         with self.guards.overflow_injected(step, self.optimizer.params[0]):
             loss_sum = self.runner.run(
