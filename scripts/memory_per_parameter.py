@@ -1,7 +1,6 @@
 """Print the bytes per parameter the trainer holds between steps, by kind, for each recipe.
 
-    python scripts/memory_per_parameter.py                  # the shakespeare GPT, ~2 min
-    python scripts/memory_per_parameter.py --blockwise      # and blockwise (a step of minutes)
+    python scripts/memory_per_parameter.py       # the shakespeare GPT, about a minute
 
 One step of the shakespeare GPT (its default config, one process, one evaluation batch) per
 recipe; the bytes are `model_state_by_kind` of the run's metrics divided by the parameter count
@@ -19,20 +18,17 @@ RECIPES = {
     "fp8 rowwise": dict(precision="fp8", fp8_recipe="rowwise"),
     "fp8 blockwise": dict(precision="fp8", fp8_recipe="blockwise"),
     "mxfp8": dict(precision="fp8", fp8_recipe="mxfp8"),
+    "nvfp4": dict(precision="nvfp4"),
     "bf16, no masters": dict(precision="bf16", master_weights="none"),
 }
 KINDS = ("parameters", "accumulators", "masters", "optimizer_state", "buffers")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blockwise", action="store_true", help="run blockwise too (slow)")
-    args = parser.parse_args()
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     print("| recipe | count | " + " | ".join(KINDS) + " | total |")
     print("|---|---|" + "---|" * (len(KINDS) + 1))
     for name, flags in RECIPES.items():
-        if name == "fp8 blockwise" and not args.blockwise:
-            continue
         config = TrainConfig(dataset="shakespeare", steps=1, eval_batches=1, log_every=1000,
                              **flags)  # type: ignore[arg-type]
         config.validate(1)

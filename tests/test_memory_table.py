@@ -1,7 +1,7 @@
 """docs/low-precision.md's memory table: bytes per parameter the trainer holds between steps
 (model_state_by_kind) for each precision recipe, on a tiny GPT, == ZeRO stage 0's memory_formula
-on one rank (minus the masters with --master-weights none). The fp8 recipes hold what bf16 holds:
-their quantized copies are made per GEMM and dropped, never kept between steps."""
+on one rank (minus the masters with --master-weights none). The fp8 and NVFP4 recipes hold what
+bf16 holds: their quantized copies are made per GEMM and dropped, never kept between steps."""
 
 import pytest
 
@@ -20,20 +20,20 @@ ROWS = [
     pytest.param(dict(precision="bf16"), id="bf16"),
     pytest.param(dict(precision="fp8", fp8_recipe="delayed"), id="fp8-delayed", marks=SLOW),
     pytest.param(dict(precision="fp8", fp8_recipe="rowwise"), id="rowwise", marks=SLOW),
-    # blockwise needs every Linear's K a multiple of 128; its emulated 14-bit accumulation makes
-    # the step minutes long
+    # blockwise needs every Linear's K a multiple of 128
     pytest.param(dict(precision="fp8", fp8_recipe="blockwise", hidden=128), id="blockwise",
                  marks=SLOW),
     pytest.param(dict(precision="fp8", fp8_recipe="mxfp8"), id="mxfp8"),
+    # NVFP4 keeps its last block's Linears in bf16: two blocks, so that one is NVFP4
+    pytest.param(dict(precision="nvfp4", layers=2), id="nvfp4", marks=SLOW),
     pytest.param(dict(precision="bf16", master_weights="none"), id="no-masters"),
-    # NVFP4 (--precision nvfp4, another helper's): its row goes here
 ]
 
 
 def formula(config: TrainConfig) -> dict[str, int]:
-    """What one rank of stage 0 holds: bf16 weights (every recipe's compute copies: fp8 and MX
-    recipes quantize per GEMM), float32 gradient sums, float32 masters (none without them), Adam's
-    two float32 slots; one rank sends nothing, so no buffers."""
+    """What one rank of stage 0 holds: bf16 weights (every recipe's compute copies: the fp8, MX
+    and NVFP4 recipes quantize per GEMM), float32 gradient sums, float32 masters (none without
+    them), Adam's two float32 slots; one rank sends nothing, so no buffers."""
     held = memory_formula(0, unit_sizes=zero_unit_sizes(config)[0], rank=0, world_size=1,
                           compute_bytes=2, wire_bytes=4, slots=2)
     if config.master_weights == "none":

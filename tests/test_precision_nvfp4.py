@@ -335,24 +335,3 @@ def test_resuming_an_nvfp4_run_is_bit_identical(tmp_path):
         assert not any(name.startswith("fp8/") for name in checkpoint.files)
     assert [row["loss"] for row in rows] == [row["loss"] for row in rows_0[2:]]
     assert all(a.tobytes() == b.tobytes() for a, b in zip(resumed, straight))
-
-
-@pytest.mark.slow
-def test_200_steps_of_the_shakespeare_gpt_land_within_2_percent_of_bf16():
-    """4 blocks of width 64 (blocks 1-3 NVFP4, block 4 bf16), 16 x 32 = 512 tokens a step, 200
-    steps, seed 0: the validation loss against bf16's. Measured here: bf16 2.4887, nvfp4 2.4867
-    (0.08% apart; outside pytest, whose conftest picks OpenBLAS's Haswell kernels, 2.4878 and
-    2.4830); bf16's seed 1 gives 2.4594, 1.1% from seed 0, so the bar is 2% (about twice bf16's
-    seed spread; the issue asks 3% at 2,000 steps). About 3 minutes."""
-    from minimp.train.loop import train
-
-    losses = {}
-    for precision in ("bf16", "nvfp4"):
-        config = TrainConfig(dataset="shakespeare", layers=4, hidden=64, heads=4, context=32,
-                             batch_size=16, lr=3e-3, steps=200, warmup=20, eval_every=200,
-                             eval_batches=8, log_every=1000, precision=precision, threads=1)
-        config.validate()
-        losses[precision] = train(config, log=lambda line: None)["history"][-1]["val_loss"]
-    print(f"validation loss after 200 steps: bf16 {losses['bf16']:.4f}, "
-          f"nvfp4 {losses['nvfp4']:.4f}")
-    assert abs(losses["nvfp4"] - losses["bf16"]) < 0.02 * losses["bf16"], losses
