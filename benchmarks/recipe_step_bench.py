@@ -18,16 +18,9 @@ import time
 from minimp import backend
 from minimp import distributed as dist
 from minimp.train import TrainConfig
+from minimp.train.fp8 import RECIPE_FLAGS
 from minimp.train.loop import Run
 
-RECIPES = {
-    "bf16": dict(precision="bf16"),
-    "fp8 delayed": dict(precision="fp8", fp8_recipe="delayed"),
-    "fp8 rowwise": dict(precision="fp8", fp8_recipe="rowwise"),
-    "fp8 blockwise": dict(precision="fp8", fp8_recipe="blockwise"),
-    "mxfp8": dict(precision="fp8", fp8_recipe="mxfp8"),
-    "nvfp4": dict(precision="nvfp4"),
-}
 WARMUP = 2
 
 
@@ -60,7 +53,7 @@ def main() -> None:
     print(f"nanoGPT CPU GPT, one thread, median of steps {WARMUP + 1}-{args.steps}")
     print(f"{'recipe':<14} {'s/step':>8} {'tokens/s':>9} {'/ bf16':>7}")
     baseline = None
-    for name, flags in RECIPES.items():
+    for name, flags in RECIPE_FLAGS.items():
         seconds = step_seconds(flags, args.steps)
         baseline = baseline or seconds
         print(f"{name:<14} {seconds:8.3f} {tokens / seconds:9,.0f} {seconds / baseline:7.2f}",

@@ -11,16 +11,9 @@ import argparse
 
 from minimp import distributed as dist
 from minimp.train import TrainConfig, train
+from minimp.train.fp8 import RECIPE_FLAGS
 
-RECIPES = {
-    "bf16": dict(precision="bf16"),
-    "fp8 delayed": dict(precision="fp8", fp8_recipe="delayed"),
-    "fp8 rowwise": dict(precision="fp8", fp8_recipe="rowwise"),
-    "fp8 blockwise": dict(precision="fp8", fp8_recipe="blockwise"),
-    "mxfp8": dict(precision="fp8", fp8_recipe="mxfp8"),
-    "nvfp4": dict(precision="nvfp4"),
-    "bf16, no masters": dict(precision="bf16", master_weights="none"),
-}
+RECIPES = {**RECIPE_FLAGS, "bf16, no masters": dict(precision="bf16", master_weights="none")}
 KINDS = ("parameters", "accumulators", "masters", "optimizer_state", "buffers")
 
 

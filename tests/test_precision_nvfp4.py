@@ -8,10 +8,9 @@ import dataclasses
 
 import numpy as np
 import pytest
-import test_train_gpt
+import test_train_fp8
 
-from minimp import Tensor, backend, nn
-from minimp import distributed as dist
+from minimp import Tensor, nn
 from minimp import functional as F
 from minimp.checkpoints.errors import ConfigError
 from minimp.precision import BFLOAT16, blocks
@@ -21,7 +20,6 @@ from minimp.precision.recipes import (NVFP4, BlockScaledMeta, BlockScaling, save
                                       saved_value_bytes, scaled_gemm, transposed)
 from minimp.train import TrainConfig
 from minimp.train.fp8 import enable_nvfp4
-from minimp.train.loop import Run
 from minimp.train.sizes import gpt_activation_bytes
 from minimp.train.tasks import TASKS
 
@@ -272,22 +270,15 @@ def test_bad_nvfp4_settings_are_refused_in_one_line(overrides, world_size, messa
 
 # ----- short runs ---------------------------------------------------------------------------------
 
-TINY = {**test_train_gpt.TINY, "precision": "nvfp4", "steps": 3}  # 2 blocks of width 32
+NVFP4_RUN = {"precision": "nvfp4", "steps": 3}
+TINY = {**test_train_fp8.TINY, **NVFP4_RUN}  # 2 blocks of width 32
 
 
 def run_steps(world_size, **overrides):
-    """Every rank's (masters, metrics rows) after the run's steps, on the simulated world."""
-    config = TrainConfig(**{**TINY, **overrides})
-    config.validate(world_size)
-
-    def body(comm):
-        run = Run(config, comm, log=lambda line: None)
-        for step in range(run.start_step + 1, config.steps + 1):
-            run.step(step)
-        return [master.copy() for master in run.optimizer.master_weights], run.history.records
-
-    with backend.limit_cpu_threads(1):
-        return dist.simulate(world_size, body, eager_limit=0)
+    """Every rank's (masters, metrics rows) after the run's steps, on the simulated world
+    (test_train_fp8's runner; NVFP4 keeps no fp8 state)."""
+    runs = test_train_fp8.run_steps(world_size, **{**NVFP4_RUN, **overrides})
+    return [(masters, rows) for masters, _, rows in runs]
 
 
 def test_three_nvfp4_steps_train_within_the_activation_estimate():

@@ -19,7 +19,7 @@ from minimp.parallel.context.ulysses import check_ulysses
 from minimp.parallel.pipeline.schedules import schedule_problem
 from minimp.parallel.pipeline.stage import FIRST_TAG
 from minimp.parallel.zero.stages import zero_stage
-from minimp.train.checks_nvfp4 import NVFP4_BLOCK, check_nvfp4
+from minimp.train.checks_nvfp4 import NVFP4_BLOCK, check_emulated_on_cpu, check_nvfp4
 from minimp.train.sizes import weighted_layers, zero_unit_sizes
 
 if TYPE_CHECKING:  # config.py imports this module to validate itself
@@ -108,10 +108,7 @@ def _check_fp8(config: "TrainConfig") -> None:
     if config.fp8_recipe not in FP8_RECIPES:
         raise ConfigError(
             f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {config.fp8_recipe!r}")
-    device = config.device or os.environ.get(DEVICE_ENVIRONMENT_VARIABLE, "").strip().lower()
-    if device == "gpu":
-        raise ConfigError("--precision fp8 is emulated on the CPU (ml_dtypes casts NumPy arrays); "
-                          "use --device cpu")
+    check_emulated_on_cpu(config)
     if config.fp8_recipe != "delayed":
         for name in ("fp8_amax_history", "fp8_margin"):  # delayed scaling's numbers
             if getattr(config, name) is not None:

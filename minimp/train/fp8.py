@@ -34,6 +34,16 @@ from minimp.precision.recipes import NVFP4, RECIPES, BlockScaledMeta, BlockScali
 from minimp.train.config import TrainConfig
 
 PREFIX = "fp8/"
+# Each low-precision recipe by the training flags that choose it, bf16 first: what the docs'
+# tables compare (scripts/memory_per_parameter.py, benchmarks/recipe_step_bench.py).
+RECIPE_FLAGS: dict[str, dict[str, str]] = {
+    "bf16": dict(precision="bf16"),
+    "fp8 delayed": dict(precision="fp8", fp8_recipe="delayed"),
+    "fp8 rowwise": dict(precision="fp8", fp8_recipe="rowwise"),
+    "fp8 blockwise": dict(precision="fp8", fp8_recipe="blockwise"),
+    "mxfp8": dict(precision="fp8", fp8_recipe="mxfp8"),
+    "nvfp4": dict(precision="nvfp4"),
+}
 # The share of a GPT's blocks, the last ones, whose Linears stay in bf16 under --precision nvfp4:
 # the NVFP4 paper keeps a small share of its linear layers in BF16 (about 16% in its 12B model),
 # the final blocks among them, the most sensitive to FP4; here the final blocks alone. The
