@@ -63,8 +63,9 @@ class TrainConfig:
     precision: str = _flag(
         "fp16", "activation dtype; masters are fp32 (but see --master-weights). fp8: bf16 "
         "activations, and every Linear multiplies fp8 inputs (E4M3 forward, E5M2 backward, a "
-        "scale per tensor). nvfp4: bf16 activations, and the GPT's Linears but the last block's "
-        "multiply NVFP4 inputs (E2M1 values, E4M3 scales per 16, a float32 scale per tensor; "
+        "scale per tensor). nvfp4: bf16 activations, and the GPT's Linears but those of its last "
+        "blocks (15 percent, rounded up: nanoGPT's last one) multiply NVFP4 inputs (E2M1 "
+        "values, E4M3 scales per 16, a float32 scale per tensor; "
         "stochastic rounding of gradients; a Hadamard transform in the weight gradient)",
         choices=("fp32", "fp16", "bf16", "fp8", "nvfp4"))
     fp8_recipe: str = _flag(None, "fp8 scaling: delayed (from the largest amax of the last "
