@@ -28,7 +28,10 @@ def read_run(path: Path) -> dict:
     match = NAME.search(path.name)
     if match is None:
         raise ValueError(f"{path}: name it <recipe>_s<seed>.jsonl")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not a --metrics file (line {error.lineno}: {error.msg})")
     final = [row for row in rows if "val_loss" in row and "model_state_by_kind" in row]
     steps = [row["compute_seconds"] for row in rows if "compute_seconds" in row]
     if not final or not steps:
