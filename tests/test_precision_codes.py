@@ -40,3 +40,10 @@ def test_decode_reads_each_codes_value(fmt):
     assert np.array_equal(codes.decode(values).view(np.uint32), theirs.view(np.uint32))
     strided = values[::-2]  # a strided view decodes too
     assert np.array_equal(codes.decode(strided).view(np.uint32), theirs[::-2].view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt", blocks.ELEMENT_FORMATS.values(), ids=repr)
+def test_a_0_d_array_keeps_its_shape_both_ways(fmt):
+    value = np.array(1.25, np.float32)  # astype keeps a 0-d array 0-d; so must the codes
+    assert codes.encode(value, fmt).shape == value.astype(fmt.dtype).shape == ()
+    assert codes.decode(value.astype(fmt.dtype)).shape == ()

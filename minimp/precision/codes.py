@@ -35,7 +35,7 @@ FLOAT32 = np.dtype(np.float32)
 def encode(x: np.ndarray, fmt: "ElementFormat") -> np.ndarray:
     """float32 x (|x| <= fmt.max, or not finite) as fmt's dtype, rounded to nearest, ties to even:
     ml_dtypes' `x.astype(fmt.dtype)`, bit for bit."""
-    x = np.ascontiguousarray(x, FLOAT32)
+    x = np.ascontiguousarray(x, FLOAT32).reshape(np.shape(x))  # a 0-d array stays 0-d
     if not available():
         return x.astype(fmt.dtype)
     out = np.empty(x.shape, np.uint8)
@@ -51,7 +51,8 @@ def encode(x: np.ndarray, fmt: "ElementFormat") -> np.ndarray:
 def decode(codes: np.ndarray) -> np.ndarray:
     """The float32 values of an ml_dtypes small-float array (exact: each is a float32 value), read
     from the table of every code's value (compiled: NumPy's indexing takes 10 ns an element)."""
-    table, codes = _table(codes.dtype), np.ascontiguousarray(codes).view(np.uint8)
+    table = _table(codes.dtype)
+    codes = np.ascontiguousarray(codes).reshape(np.shape(codes)).view(np.uint8)  # 0-d stays 0-d
     if not available():
         return table[codes]
     out = np.empty(codes.shape, FLOAT32)
