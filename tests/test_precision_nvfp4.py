@@ -119,7 +119,7 @@ def test_a_linear_under_nvfp4_equals_the_reference_written_from_its_parts(rng):
         bits = None if gemm is None else same.random_bits(array.shape, 0, gemm)
         return blocks.quantize(array, "E2M1", group, "nvfp4", bits)
 
-    matrix = same.hadamard_matrix()
+    matrix = same.hadamard
     forward = scaled_gemm(nvfp4(x32, "1x16"), nvfp4(w32, "16x16"), "fp32")
     grad_x = scaled_gemm(nvfp4(g32, "1x16", "grad_input"), nvfp4(w32.T, "16x16"), "fp32")
     grad_w = scaled_gemm(nvfp4(hadamard_transform(g32, matrix).T, "1x16", "grad_weight"),
@@ -140,7 +140,7 @@ def test_the_hadamard_transform_alone_keeps_dw_within_fp32_rounding(rng):
     tokens, features_in, features_out = 64, 24, 40
     x = rng.standard_normal((tokens, features_in)).astype(F32)
     dy = rng.standard_normal((tokens, features_out)).astype(F32)
-    matrix = BlockScaledMeta(NVFP4, seed=3).hadamard_matrix()
+    matrix = BlockScaledMeta(NVFP4, seed=3).hadamard
     transformed = hadamard_transform(dy, matrix).T @ hadamard_transform(x, matrix)
     exact = dy.astype(np.float64).T @ x.astype(np.float64)
     magnitudes = np.abs(matrix).astype(np.float64)  # |R|: every entry 1/4

@@ -216,7 +216,7 @@ class BlockScaledLinear(Function):
                         else recipes.quantize(weight.T, gemms.grad_input.b))
         if ctx.needs_input_grad[1]:
             if gemms.grad_weight.hadamard:  # float32 sums of 16 tokens, then quantized
-                rows = hadamard_transform(widen(rows), meta.hadamard_matrix())
+                rows = hadamard_transform(widen(rows), meta.hadamard)
             rows_t = recipes.quantize(rows.T, gemms.grad_weight.b)
         ctx.save_for_backward(*recipes.arrays_of(weight_t), *recipes.arrays_of(rows_t))
         ctx.layouts = recipes.layout_of(weight_t), recipes.layout_of(rows_t)
@@ -246,7 +246,7 @@ class BlockScaledLinear(Function):
         if ctx.needs_input_grad[1]:
             grad_k = grad  # (N, out): the tokens are the GEMM's K
             if gemms.grad_weight.hadamard:  # the matrix forward applied to x's tokens
-                grad_k = hadamard_transform(widen(grad), ctx.meta.hadamard_matrix())
+                grad_k = hadamard_transform(widen(grad), ctx.meta.hadamard)
             grad_t = recipes.quantize(grad_k.T, gemms.grad_weight.a,
                                       bits("grad_weight", grad_k.T.shape))  # along tokens
             grad_weight = recipes.scaled_gemm(grad_t, rows_t, gemms.grad_weight.accumulate)

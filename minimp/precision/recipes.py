@@ -51,6 +51,7 @@ and grad_input read the same quantized weight, and BlockScaledLinear quantizes i
 """
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -300,8 +301,10 @@ class BlockScaledMeta:
         key = [self.seed, GRADIENT_BITS_TAG, self.step, self.layer, call, GEMMS.index(gemm)]
         return draw_random_bits(np.random.default_rng(key), shape)
 
-    def hadamard_matrix(self) -> np.ndarray:
-        """The 16 x 16 random Hadamard matrix of the weight-gradient GEMM (hadamard.py)."""
+    @cached_property
+    def hadamard(self) -> np.ndarray:
+        """The 16 x 16 random Hadamard matrix of the weight-gradient GEMM (hadamard.py), drawn
+        once: it depends on the seed alone."""
         return random_hadamard_matrix(np.random.default_rng([self.seed, HADAMARD_TAG]))
 
     def quantizers(self) -> list:
