@@ -176,8 +176,8 @@ def cast_to_element_stochastic(scaled: np.ndarray, fmt: ElementFormat,
     Averaged over all of them the result is lo + ulp m / 2^16, which is |x| exactly when its
     position (|x| - lo) / ulp is a multiple of 2^-16 (fmt's own values among them), and below it
     by less than ulp / 2^16 otherwise (the bits past the 16th are truncated, as stochastic.py's
-    bfloat16 rounding truncates). Past +-max the value is
-    max and never rounds up; NaN stays NaN where fmt has a NaN code (as cast_to_element).
+    bfloat16 rounding truncates). Past +-max the value is max and never rounds up; NaN stays NaN
+    where fmt has a NaN code (as cast_to_element).
 
     Every step is exact in float32: ulp is a power of two, |x| / ulp an integer plus a fraction
     of at most 24 significant bits, and the result a fmt value."""
